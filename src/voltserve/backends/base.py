@@ -1,0 +1,132 @@
+"""The Backend interface the model code is written against, and the per-step inputs it consumes.
+
+Layouts (shared by every backend):
+- KV cache of one layer: `[2, num_blocks, block_size, num_kv_heads, head_dim]` (index 0 = K, 1 = V).
+- slot = block_id * block_size + offset_in_block; slot -1 = do not write (padding).
+- Tokens of a step are flat: sequence i owns rows query_start_loc[i]:query_start_loc[i+1]; its new tokens are
+  the last `query_len` positions of its `seq_len` context (chunked prefill and decode look the same).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """Where each sequence's queries and keys live for one step.
+
+    Attributes:
+        query_start_loc: [num_seqs + 1] int32; row offsets of each sequence's new tokens.
+        seq_lens: [num_seqs] int32; context length of each sequence after this step (cached + new tokens).
+        block_tables: [num_seqs, max_blocks_per_seq] int32; KV block ids, -1 padded.
+        slot_mapping: [num_tokens] int64; KV slot each new token's K/V is written to.
+        max_query_len: max of the query lengths (1 for a decode-only step).
+        max_seq_len: max of seq_lens.
+        query_lens_cpu / seq_lens_cpu: the same lengths as Python lists (host-side loops, no device sync).
+    """
+
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    block_tables: torch.Tensor
+    slot_mapping: torch.Tensor
+    max_query_len: int
+    max_seq_len: int
+    query_lens_cpu: list[int]
+    seq_lens_cpu: list[int]
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_cpu)
+
+    @property
+    def is_decode_only(self) -> bool:
+        return self.max_query_len == 1
+
+
+@dataclass
+class StepInputs:
+    """Flat inputs of one forward step.
+
+    Attributes:
+        input_ids: [num_tokens] int64; token ids of every sequence's new tokens, concatenated.
+        positions: [num_tokens] int64; absolute position of each token in its sequence.
+        attn: AttentionMetadata for the step.
+        logits_indices: [num_logits] int64; rows of the final hidden state whose logits are needed
+            (the last new token of each sequence that samples this step).
+    """
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    attn: AttentionMetadata
+    logits_indices: torch.Tensor
+
+
+class Backend(Protocol):
+    """Ops the model calls. Each backend keeps its own weight representation (`prepare_*`).
+
+    All activations are `[num_tokens, ...]` tensors in the backend's `dtype` on its `device`.
+    """
+
+    device: torch.device
+    dtype: torch.dtype
+
+    def prepare_linear(self, weight: torch.Tensor, quant: Any | None = None) -> Any:
+        """Turn a checkpoint weight into this backend's linear operand.
+
+        Args:
+            weight: [out_features, in_features] fp32, CPU (dequantized reference values).
+            quant: the raw quantized tensor (loaders.gguf.QuantizedTensor) when the checkpoint had one,
+                so a backend can run on the packed blocks instead of `weight`.
+        """
+
+    def prepare_embedding(self, weight: torch.Tensor, quant: Any | None = None) -> Any:
+        """Token embedding table: weight [vocab_size, hidden_size] fp32, CPU."""
+
+    def embedding(self, token_ids: torch.Tensor, table: Any) -> torch.Tensor:
+        """token_ids [num_tokens] int64 -> [num_tokens, hidden_size]."""
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
+                 residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """RMSNorm fused with the residual add.
+
+        Returns (rms_norm(x + residual) * weight, x + residual); with residual None, (rms_norm(x) * weight, x).
+        """
+
+    def rotary(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
+               cos_sin: torch.Tensor, style: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotary position embedding (RoFormer, Su et al. 2021).
+
+        Args:
+            q: [num_tokens, num_heads, head_dim]; k: [num_tokens, num_kv_heads, head_dim].
+            positions: [num_tokens] int64.
+            cos_sin: [max_positions, head_dim] fp32; first half cos, second half sin of each frequency.
+            style: "neox" rotates (x[:d/2], x[d/2:]); "interleaved" rotates pairs (x[2i], x[2i+1]).
+        """
+
+    def linear(self, x: torch.Tensor, weight: Any) -> torch.Tensor:
+        """x [num_tokens, in_features] @ weight^T -> [num_tokens, out_features]."""
+
+    def write_kv(self, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """Scatter k, v [num_tokens, num_kv_heads, head_dim] into kv_layer at slot_mapping (-1 skipped)."""
+
+    def attention(self, q: torch.Tensor, kv_layer: torch.Tensor, attn: AttentionMetadata,
+                  scale: float) -> torch.Tensor:
+        """Causal attention of the new tokens over each sequence's paged context (GQA).
+
+        Args:
+            q: [num_tokens, num_heads, head_dim].
+            kv_layer: [2, num_blocks, block_size, num_kv_heads, head_dim], already holding this step's K/V.
+        Returns:
+            [num_tokens, num_heads, head_dim].
+        """
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """x [num_tokens, 2 * inner] -> silu(x[:, :inner]) * x[:, inner:]."""
+
+    def allocate_kv_cache(self, num_layers: int, num_blocks: int, block_size: int,
+                          num_kv_heads: int, head_dim: int) -> torch.Tensor:
+        """[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim] zeros in the KV dtype."""

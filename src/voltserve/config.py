@@ -1,0 +1,145 @@
+"""Engine and model configuration: validated dataclasses.
+
+Precedence for every engine setting: CLI flag > environment variable `VOLTSERVE_<NAME>` > default.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+
+from voltserve.errors import ConfigError
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Hyper-parameters of a Llama-family decoder.
+
+    Attributes:
+        architecture: family name from the checkpoint ("llama").
+        vocab_size: rows of the token embedding.
+        hidden_size: model width.
+        intermediate_size: MLP inner width.
+        num_layers: decoder layers.
+        num_heads: query heads.
+        num_kv_heads: key/value heads (GQA when < num_heads).
+        head_dim: per-head width.
+        rms_norm_eps: epsilon of every RMSNorm.
+        rope_theta: rotary base.
+        max_position_embeddings: the model's trained context length (tokens).
+        tie_word_embeddings: lm_head shares the token embedding.
+        rope_style: "neox" (rotate halves, HF layout) or "interleaved" (rotate pairs, GGUF layout).
+        bos_token_id / eos_token_ids: special ids; eos_token_ids stop generation.
+    """
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    rope_style: str = "neox"
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise ConfigError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
+        if self.rope_style not in ("neox", "interleaved"):
+            raise ConfigError(f"unknown rope_style {self.rope_style!r}")
+
+
+def _env(name: str, default, cast=str):
+    raw = os.environ.get(f"VOLTSERVE_{name.upper()}")
+    if raw is None or raw == "":
+        return default
+    try:
+        if cast is bool:
+            return raw.strip().lower() in ("1", "true", "yes", "on")
+        return cast(raw)
+    except ValueError as exc:
+        raise ConfigError(f"VOLTSERVE_{name.upper()}={raw!r} is not a valid {cast.__name__}") from exc
+
+
+@dataclass
+class EngineConfig:
+    """Everything the engine needs to start, beside the model weights.
+
+    Attributes:
+        model: model spec: the alias `smollm2-135m-instruct`, a `.gguf` path or a Hugging Face directory.
+        served_model_name: the name clients send as `model` (defaults to `model`).
+        device: "cpu" or "cuda" ("auto" picks cuda when a GPU is present).
+        dtype: compute dtype on the CPU backend: "float32" (reference) or "bfloat16".
+        max_model_len: context window in tokens (prompt + output); 0 = the model's own.
+        max_num_seqs: most sequences in one step.
+        max_num_batched_tokens: token budget of one step (prefill chunks + decodes).
+        block_size: tokens per KV block.
+        num_kv_blocks: KV pool size in blocks; 0 = size from `kv_cache_memory_gb`.
+        kv_cache_memory_gb: memory for the KV pool when `num_kv_blocks` is 0 (GiB).
+        enable_prefix_caching: reuse full KV blocks across requests by content hash.
+        api_key: when set, every route but /health needs it.
+        sse_keep_alive_interval: seconds of idle stream before a `: keep-alive` comment; 0 = off.
+        host / port: where `voltserve serve` listens.
+        num_threads: torch intra-op threads on the CPU backend; 0 = torch's default.
+        weight_format: "auto" (int4 kernels for Q4 GGUF weights on the CPU when available), "float".
+    """
+
+    model: str = DEFAULT_MODEL
+    served_model_name: str = ""
+    device: str = "auto"
+    dtype: str = "float32"
+    max_model_len: int = 0
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    block_size: int = 16
+    num_kv_blocks: int = 0
+    kv_cache_memory_gb: float = 1.0
+    enable_prefix_caching: bool = True
+    api_key: str = ""
+    sse_keep_alive_interval: float = 0.0
+    host: str = "127.0.0.1"
+    port: int = 8000
+    num_threads: int = 0
+    weight_format: str = "auto"
+
+    def validate(self) -> "EngineConfig":
+        """Check ranges; raises ConfigError naming the setting. Returns self."""
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ConfigError(f"device must be auto, cpu or cuda, not {self.device!r}")
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ConfigError(f"dtype must be float32, bfloat16 or float16, not {self.dtype!r}")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1")
+        if self.max_model_len < 0 or self.num_kv_blocks < 0:
+            raise ConfigError("max_model_len and num_kv_blocks must be >= 0")
+        if self.sse_keep_alive_interval < 0:
+            raise ConfigError("sse_keep_alive_interval must be >= 0")
+        if self.weight_format not in ("auto", "float"):
+            raise ConfigError(f"weight_format must be auto or float, not {self.weight_format!r}")
+        if not self.served_model_name:
+            self.served_model_name = self.model
+        return self
+
+    @classmethod
+    def from_env(cls, **overrides) -> "EngineConfig":
+        """Build from `VOLTSERVE_<NAME>` environment variables; `overrides` (CLI flags) win.
+
+        Raises:
+            ConfigError: a variable does not parse as its field's type.
+        """
+        values = {}
+        for f in dataclasses.fields(cls):
+            cast = {int: int, float: float, bool: bool}.get(type(f.default), str)
+            values[f.name] = _env(f.name, f.default, cast)
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**values).validate()

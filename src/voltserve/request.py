@@ -1,0 +1,140 @@
+"""Request-side types: SamplingParams (what the client asked for) and RequestOutput (what it gets back)."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from voltserve.errors import InvalidRequestError
+
+MAX_LOGPROBS = 20
+
+
+class FinishReason(str, enum.Enum):
+    """Why a sequence stopped. Values are the OpenAI `finish_reason` strings."""
+
+    STOP = "stop"  # EOS, a stop token id or a stop string
+    LENGTH = "length"  # max_tokens or the context window
+    ABORT = "abort"  # aborted by the client or the server
+
+
+@dataclass
+class SamplingParams:
+    """How to pick the next token and when to stop (OpenAI / vLLM semantics).
+
+    Attributes:
+        temperature: 0 means greedy; otherwise logits are divided by it.
+        top_p: keep the smallest set of tokens whose probability mass reaches top_p, in (0, 1].
+        top_k: keep the k most likely tokens; 0 or -1 = all.
+        min_p: drop tokens whose probability is below min_p times the top token's, in [0, 1].
+        seed: per-request generator seed; None draws from the engine's generator.
+        max_tokens: most output tokens; None = up to the context window.
+        min_tokens: EOS and stop ids are masked until this many tokens are out.
+        stop: stop strings; the matched text is not returned.
+        stop_token_ids: extra token ids that end the sequence (the token is not returned as text).
+        ignore_eos: keep going past EOS.
+        presence_penalty / frequency_penalty: OpenAI penalties on output tokens, in [-2, 2].
+        repetition_penalty: CTRL-style penalty on prompt and output tokens, > 0 (1 = off).
+        n: sequences to generate for the prompt.
+        logprobs: None = no logprobs; k >= 0 = the sampled token's logprob plus the top-k alternatives.
+        include_stop_str_in_output: keep the matched stop string in the text.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    n: int = 1
+    logprobs: int | None = None
+    include_stop_str_in_output: bool = False
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+    def validate(self) -> "SamplingParams":
+        """Range checks. Raises InvalidRequestError with `param` set to the field name. Returns self."""
+        checks = [
+            (self.temperature >= 0, "temperature", "temperature must be >= 0"),
+            (0 < self.top_p <= 1, "top_p", "top_p must be in (0, 1]"),
+            (self.top_k >= -1, "top_k", "top_k must be -1, 0 or positive"),
+            (0 <= self.min_p <= 1, "min_p", "min_p must be in [0, 1]"),
+            (self.max_tokens is None or self.max_tokens >= 1, "max_tokens", "max_tokens must be >= 1"),
+            (self.min_tokens >= 0, "min_tokens", "min_tokens must be >= 0"),
+            (self.n >= 1, "n", "n must be >= 1"),
+            (self.n <= 128, "n", "n must be <= 128"),
+            (-2 <= self.presence_penalty <= 2, "presence_penalty", "presence_penalty must be in [-2, 2]"),
+            (-2 <= self.frequency_penalty <= 2, "frequency_penalty", "frequency_penalty must be in [-2, 2]"),
+            (self.repetition_penalty > 0, "repetition_penalty", "repetition_penalty must be > 0"),
+            (self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS, "logprobs",
+             f"logprobs must be between 0 and {MAX_LOGPROBS}"),
+            (all(isinstance(s, str) and s for s in self.stop), "stop", "stop strings must be non-empty strings"),
+            (len(self.stop) <= 16, "stop", "at most 16 stop strings"),
+        ]
+        for ok, param, message in checks:
+            if not ok:
+                raise InvalidRequestError(message, param=param)
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise InvalidRequestError("min_tokens must be <= max_tokens", param="min_tokens")
+        return self
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """Logprob of one output token and, when asked, of the top alternatives at its position.
+
+    Attributes:
+        token_id: the sampled token.
+        logprob: its log-probability under the model's distribution (before temperature/top-p filtering).
+        top: [(token_id, logprob)] sorted by descending logprob; `logprobs` entries long.
+    """
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass
+class RequestOutput:
+    """One delta of one sequence of a request, as streamed by `AsyncEngine.generate()`.
+
+    Attributes:
+        request_id: the request this delta belongs to.
+        index: which of the request's `n` sequences (the OpenAI choice index).
+        token_ids: token ids new in this delta.
+        text: text new in this delta (whole UTF-8 characters only; stop strings removed).
+        logprobs: one TokenLogprob per new token when the request asked for logprobs, else None.
+        finish_reason: set on the sequence's last delta.
+        stop_reason: the stop string or stop token id that ended it, when one did.
+        num_prompt_tokens: prompt length in tokens.
+        num_cached_tokens: prompt tokens served from the prefix cache.
+        num_output_tokens: output tokens so far (cumulative).
+    """
+
+    request_id: str
+    index: int
+    token_ids: list[int]
+    text: str
+    logprobs: list[TokenLogprob] | None = None
+    finish_reason: FinishReason | None = None
+    stop_reason: str | int | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_output_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

@@ -1,0 +1,221 @@
+"""Single-file GGUF -> `LoadedModel` (config from metadata, fp32 weights, packed Q4/Q8 blocks, tokenizer).
+
+Source: GGUF spec (ggml docs/gguf.md); tensor names from llama.cpp's convert_hf_to_gguf.py. Parsing and the
+reference dequantization come from the `gguf` package (vectorised numpy).
+"""
+
+from __future__ import annotations
+
+import logging
+import pathlib
+import time
+
+import numpy as np
+import torch
+
+from loaders.gguf_tokenizer import build_tokenizer
+from loaders.model import LoadedModel, QuantizedTensor
+from voltserve.config import ModelConfig
+from voltserve.errors import LoaderError, UnsupportedModelError
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED_ARCHITECTURES = ("llama",)
+# Types we can turn into fp32 (gguf.quants.dequantize); the first three also stay packed for the backends.
+PACKED_TYPES = ("Q4_0", "Q4_1", "Q8_0")
+FLOAT_TYPES = ("F32", "F16", "BF16")
+DEQUANT_TYPES = (*PACKED_TYPES, *FLOAT_TYPES, "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_NAMES = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+
+
+def hf_name(gguf_name: str) -> str | None:
+    """GGUF tensor name -> HF name (`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`).
+
+    Returns None for tensors the engine does not use (e.g. `rope_freqs.weight`).
+    """
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    parts = gguf_name.split(".")
+    if len(parts) == 4 and parts[0] == "blk" and parts[2] in _LAYER_NAMES:
+        return f"model.layers.{int(parts[1])}.{_LAYER_NAMES[parts[2]]}.{parts[3]}"
+    return None
+
+
+def unpermute_rows(num_rows: int, num_heads: int) -> np.ndarray:
+    """Row order that undoes llama.cpp's Q/K permutation (interleaved rotary -> HF neox halves).
+
+    llama.cpp's converter maps HF rows of each head [h, 2, d/2] to [h, d/2, 2]; new_rows = old_rows[perm]
+    restores the HF order. Same as transformers' `reverse_permute_weights` (modeling_gguf_pytorch_utils.py).
+
+    Args:
+        num_rows: num_heads * head_dim.
+        num_heads: heads of this projection (query heads for Q, KV heads for K).
+
+    Returns:
+        [num_rows] int64 permutation.
+    """
+    half = num_rows // num_heads // 2
+    return np.arange(num_rows).reshape(num_heads, half, 2).swapaxes(1, 2).reshape(-1)
+
+
+def read_metadata(reader) -> dict[str, object]:
+    """All key/value fields of a GGUFReader as Python values (strings, numbers, lists)."""
+    meta = {}
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF."):
+            continue
+        meta[key] = field.contents()
+    return meta
+
+
+def config_from_metadata(meta: dict[str, object], vocab_size: int, has_output: bool) -> ModelConfig:
+    """`llama.*` GGUF metadata -> ModelConfig (neox rope: Q/K rows are un-permuted on load).
+
+    Args:
+        meta: GGUF key -> value.
+        vocab_size: rows of token_embd.
+        has_output: the file has its own `output.weight` (else embeddings are tied).
+
+    Raises:
+        UnsupportedModelError: an architecture other than llama.
+        LoaderError: a required key is missing.
+    """
+    arch = meta.get("general.architecture")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise UnsupportedModelError(f"unsupported GGUF architecture {arch!r} (supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
+
+    def need(key: str):
+        full = f"{arch}.{key}"
+        if full not in meta:
+            raise LoaderError(f"GGUF metadata lacks {full}")
+        return meta[full]
+
+    hidden = int(need("embedding_length"))
+    num_heads = int(need("attention.head_count"))
+    num_kv_heads = int(meta.get(f"{arch}.attention.head_count_kv", num_heads))
+    head_dim = int(meta.get(f"{arch}.attention.key_length", meta.get(f"{arch}.rope.dimension_count", hidden // num_heads)))
+    eos = [int(meta[k]) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id") if k in meta]
+    bos = meta.get("tokenizer.ggml.bos_token_id")
+    return ModelConfig(
+        architecture=str(arch),
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        intermediate_size=int(need("feed_forward_length")),
+        num_layers=int(need("block_count")),
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        rms_norm_eps=float(meta.get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_theta=float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
+        max_position_embeddings=int(meta.get(f"{arch}.context_length", 2048)),
+        tie_word_embeddings=not has_output,
+        rope_style="neox",
+        bos_token_id=None if bos is None else int(bos),
+        eos_token_ids=tuple(dict.fromkeys(eos)),
+    )
+
+
+def _dequantize(tensor, qtype: str) -> np.ndarray:
+    """One GGUF tensor -> fp32 numpy array in row-major [rows, cols] (GGUF lists dims innermost first)."""
+    from gguf.quants import dequantize
+
+    shape = tuple(int(x) for x in reversed(tensor.shape))
+    if qtype == "F32":
+        arr = np.array(tensor.data, dtype=np.float32)
+    elif qtype == "F16":
+        arr = np.asarray(tensor.data).astype(np.float32)
+    else:
+        arr = dequantize(np.asarray(tensor.data), tensor.tensor_type).astype(np.float32, copy=False)
+    return arr.reshape(shape)
+
+
+def load_gguf(path: str | pathlib.Path) -> LoadedModel:
+    """Read a GGUF file into a LoadedModel.
+
+    Args:
+        path: the .gguf file.
+
+    Returns:
+        LoadedModel with fp32 [out, in] tensors under HF names, Q/K rows in HF (neox) order, `quantized`
+        holding the raw blocks of every Q4_0/Q4_1/Q8_0 2-D tensor, the GGUF tokenizer and chat template.
+
+    Raises:
+        LoaderError: the file cannot be read or lacks required tensors/keys.
+        UnsupportedModelError: architecture, tokenizer or a tensor type is not supported (names the tensor).
+    """
+    import gguf
+
+    t0 = time.perf_counter()
+    try:
+        reader = gguf.GGUFReader(str(path), "r")
+    except (OSError, ValueError) as exc:
+        raise LoaderError(f"cannot read GGUF {path}: {exc}") from exc
+    meta = read_metadata(reader)
+    by_name = {t.name: t for t in reader.tensors}
+    if "token_embd.weight" not in by_name:
+        raise LoaderError(f"{path} has no token_embd.weight")
+    vocab_size = int(by_name["token_embd.weight"].shape[-1])
+    config = config_from_metadata(meta, vocab_size, has_output="output.weight" in by_name)
+    tokenizer = build_tokenizer(meta)
+
+    tensors: dict[str, torch.Tensor] = {}
+    quantized: dict[str, QuantizedTensor] = {}
+    perms = {
+        "self_attn.q_proj": unpermute_rows(config.num_heads * config.head_dim, config.num_heads),
+        "self_attn.k_proj": unpermute_rows(config.num_kv_heads * config.head_dim, config.num_kv_heads),
+    }
+    for t in reader.tensors:
+        name = hf_name(t.name)
+        if name is None:
+            continue
+        qtype = t.tensor_type.name
+        if qtype not in DEQUANT_TYPES:
+            raise UnsupportedModelError(
+                f"tensor {t.name} has unsupported type {qtype} (supported: {', '.join(DEQUANT_TYPES)})"
+            )
+        arr = _dequantize(t, qtype)
+        perm = next((p for key, p in perms.items() if key in name), None)
+        if perm is not None:
+            arr = arr[perm]
+        tensors[name] = torch.from_numpy(np.ascontiguousarray(arr))
+        if qtype in PACKED_TYPES and arr.ndim == 2:
+            raw = np.asarray(t.data, dtype=np.uint8).reshape(arr.shape[0], -1)
+            raw = raw[perm] if perm is not None else np.array(raw, copy=True)
+            quantized[name] = QuantizedTensor(qtype=qtype, shape=tuple(arr.shape), data=raw)
+    _check_complete(tensors, config, path)
+    logger.info("loaded %s in %.1f s: %s", path, time.perf_counter() - t0, config)
+    return LoadedModel(
+        config=config,
+        tensors=tensors,
+        tokenizer=tokenizer,
+        chat_template=meta.get("tokenizer.chat_template"),
+        source=str(path),
+        quantized=quantized,
+    )
+
+
+def _check_complete(tensors: dict[str, torch.Tensor], config: ModelConfig, path) -> None:
+    needed = ["model.embed_tokens.weight", "model.norm.weight"]
+    if not config.tie_word_embeddings:
+        needed.append("lm_head.weight")
+    for i in range(config.num_layers):
+        needed += [f"model.layers.{i}.{v}.weight" for v in _LAYER_NAMES.values()]
+    missing = [n for n in needed if n not in tensors]
+    if missing:
+        raise LoaderError(f"{path} lacks tensors: {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")

@@ -1,0 +1,127 @@
+"""`Tokenizer`: the engine's view of a `tokenizers.Tokenizer` plus the model's special tokens.
+
+Loaders build the wrapped `tokenizers.Tokenizer` (from GGUF metadata or tokenizer.json); this class only adds
+the small API the engine and the HTTP layer need (encode with/without special-token parsing, decode,
+per-token bytes for logprobs).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterable
+
+import tokenizers
+
+
+@functools.cache
+def _byte_decoder() -> dict[str, int]:
+    """Inverse of GPT-2's bytes_to_unicode table (printable stand-in char -> byte).
+
+    Source: openai/gpt-2 encoder.py `bytes_to_unicode`.
+    """
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(
+        range(ord("®"), ord("ÿ") + 1)
+    )
+    chars = printable[:]
+    extra = 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + extra)
+            extra += 1
+    return {chr(c): b for b, c in zip(printable, chars)}
+
+
+class Tokenizer:
+    """Byte-level BPE (or any `tokenizers` model) with the model's special tokens.
+
+    Args:
+        backend: the built `tokenizers.Tokenizer`; special tokens must be registered as special AddedTokens.
+        bos_token_id: id prepended by `encode(..., add_special_tokens=True)` when `add_bos` is set; None if none.
+        eos_token_ids: ids that end generation (first one is `eos_token`).
+        add_bos: whether `add_special_tokens=True` prepends BOS (the model's own choice).
+        byte_level: tokens use GPT-2's byte-to-unicode alphabet (affects `token_bytes`).
+        vocab_size: rows of the embedding (>= the number of tokens the tokenizer knows).
+
+    Raises:
+        ValueError: an eos/bos id is outside the vocabulary.
+    """
+
+    def __init__(
+        self,
+        backend: tokenizers.Tokenizer,
+        bos_token_id: int | None,
+        eos_token_ids: Iterable[int],
+        add_bos: bool = False,
+        byte_level: bool = True,
+        vocab_size: int | None = None,
+    ):
+        self._tok = backend
+        # A second copy with special-token parsing off: a per-call toggle on one shared object would race
+        # between threads (encode runs in `asyncio.to_thread`).
+        self._tok_plain = tokenizers.Tokenizer.from_str(backend.to_str())
+        self._tok_plain.encode_special_tokens = True
+        self.vocab_size: int = vocab_size if vocab_size is not None else backend.get_vocab_size(with_added_tokens=True)
+        self.bos_token_id: int | None = bos_token_id
+        self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys(int(i) for i in eos_token_ids))
+        self.add_bos = add_bos
+        self.byte_level = byte_level
+        for i in (*self.eos_token_ids, *(() if bos_token_id is None else (bos_token_id,))):
+            if not 0 <= i < self.vocab_size:
+                raise ValueError(f"special token id {i} is outside the vocabulary of {self.vocab_size}")
+        added = backend.get_added_tokens_decoder()
+        self._added_ids = frozenset(added)
+        self.special_ids: frozenset[int] = frozenset(i for i, t in added.items() if t.special)
+        self.bos_token: str = "" if bos_token_id is None else self.id_to_token(bos_token_id)
+        self.eos_token: str = self.id_to_token(self.eos_token_ids[0]) if self.eos_token_ids else ""
+
+    @property
+    def backend(self) -> tokenizers.Tokenizer:
+        """The wrapped `tokenizers.Tokenizer` (e.g. to save it as tokenizer.json)."""
+        return self._tok
+
+    def encode(self, text: str, add_special_tokens: bool = False, parse_special: bool = True) -> list[int]:
+        """Text -> token ids.
+
+        Args:
+            text: any string.
+            add_special_tokens: prepend BOS when the model asks for it (`add_bos`).
+            parse_special: treat the literal text of special tokens (e.g. `<|im_end|>`) as those tokens;
+                False tokenizes it as plain text (for untrusted user content).
+
+        Returns:
+            [num_tokens] ids.
+        """
+        tok = self._tok if parse_special else self._tok_plain
+        ids = tok.encode(text, add_special_tokens=False).ids
+        if add_special_tokens and self.add_bos and self.bos_token_id is not None:
+            ids = [self.bos_token_id, *ids]
+        return ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        """Token ids -> text; incomplete UTF-8 sequences become U+FFFD.
+
+        Args:
+            ids: token ids.
+            skip_special_tokens: drop special (control) tokens from the text.
+        """
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def id_to_token(self, i: int) -> str:
+        """The raw token string (byte-level alphabet for BPE tokens); '' for an id the tokenizer lacks."""
+        tok = self._tok.id_to_token(int(i))
+        return "" if tok is None else tok
+
+    def token_bytes(self, i: int) -> bytes:
+        """The bytes a token stands for (a BPE token may be part of a UTF-8 character). Used for logprob `bytes`."""
+        tok = self.id_to_token(i)
+        if not self.byte_level or int(i) in self._added_ids:
+            return tok.encode("utf-8")
+        table = _byte_decoder()
+        try:
+            return bytes(table[c] for c in tok)
+        except KeyError:
+            return tok.encode("utf-8")
+
+    def __len__(self) -> int:
+        return self.vocab_size

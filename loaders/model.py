@@ -4,28 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
 from voltserve.config import ModelConfig
+from voltserve.quant import QuantizedTensor
 
-
-@dataclass(frozen=True)
-class QuantizedTensor:
-    """A GGUF block-quantized 2-D weight, kept packed so backends can run on the blocks.
-
-    Attributes:
-        qtype: GGUF type name: "Q4_0", "Q4_1" or "Q8_0".
-        shape: (rows, cols) logical shape; rows = out_features, blocks of 32 run along cols.
-        data: [rows, cols // 32 * block_bytes] uint8, the raw GGUF blocks of each row, rows already in the
-            same order as the dequantized weight (e.g. after undoing llama.cpp's Q/K row permutation).
-    Source: ggml block layouts (ggml-common.h): Q4_0 = fp16 d + 16 bytes of nibbles; Q4_1 = fp16 d, fp16 m +
-        16 bytes; Q8_0 = fp16 d + 32 int8. Nibble j of byte i: low nibble = element i, high = element i + 16.
-    """
-
-    qtype: str
-    shape: tuple[int, int]
-    data: np.ndarray
+__all__ = ["LoadedModel", "QuantizedTensor"]
 
 
 @dataclass

@@ -1,0 +1,105 @@
+"""Paged KV block pool with prefix caching.
+
+Blocks are plain ints indexing the KV tensor's block axis. A full block can be registered under a hash of its
+tokens chained with its parent block's hash, so a later request with the same prefix reuses it (the idea of vLLM's
+automatic prefix caching, Kwon et al. 2023, "Efficient Memory Management for LLM Serving with PagedAttention").
+Free blocks that still hold a registered prefix stay findable until they are evicted, least recently freed first.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+
+from voltserve.errors import ConfigError
+
+
+def hash_block(parent_hash: int | None, token_ids: Sequence[int]) -> int:
+    """Hash of one full block: its tokens chained with the hash of the block before it (None for the first)."""
+    return hash((parent_hash, tuple(token_ids)))
+
+
+class NoFreeBlocksError(RuntimeError):
+    """Internal: the pool ran dry (the scheduler preempts before this can reach a request)."""
+
+
+class BlockPool:
+    """Reference-counted KV blocks, a free list in LRU order and a prefix-hash index.
+
+    Args:
+        num_blocks: blocks in the KV tensor.
+        block_size: tokens per block.
+        enable_prefix_caching: keep freed full blocks findable by hash until evicted.
+    Raises:
+        ConfigError: num_blocks or block_size < 1.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        if num_blocks < 1 or block_size < 1:
+            raise ConfigError(f"need at least one KV block of at least one token, got {num_blocks} x {block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self._ref_counts = [0] * num_blocks
+        self._block_hash: list[int | None] = [None] * num_blocks
+        self._cached: dict[int, int] = {}  # block hash -> block id
+        # ref-count-0 blocks; first = least recently freed = evicted first
+        self._free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
+
+    @property
+    def num_free(self) -> int:
+        """Blocks with no reference (cached or not): what allocation can use."""
+        return len(self._free)
+
+    @property
+    def num_cached(self) -> int:
+        return len(self._cached)
+
+    def allocate(self) -> int:
+        """Take the least recently freed block, evicting its cached prefix. Raises NoFreeBlocksError."""
+        if not self._free:
+            raise NoFreeBlocksError("KV block pool is empty")
+        block, _ = self._free.popitem(last=False)
+        old_hash = self._block_hash[block]
+        if old_hash is not None:
+            del self._cached[old_hash]
+            self._block_hash[block] = None
+        self._ref_counts[block] = 1
+        return block
+
+    def lookup(self, block_hash: int) -> int | None:
+        """Take a reference on the cached block holding `block_hash`, or return None."""
+        if not self.enable_prefix_caching:
+            return None
+        block = self._cached.get(block_hash)
+        if block is None:
+            return None
+        if self._ref_counts[block] == 0:
+            del self._free[block]
+        self._ref_counts[block] += 1
+        return block
+
+    def register(self, block: int, block_hash: int) -> None:
+        """Publish a full block under its hash (no-op when caching is off or the hash is already published)."""
+        if not self.enable_prefix_caching or block_hash in self._cached or self._block_hash[block] is not None:
+            return
+        self._cached[block_hash] = block
+        self._block_hash[block] = block_hash
+
+    def free(self, blocks: Sequence[int]) -> None:
+        """Drop one reference on each block; blocks reaching zero join the free list's most recent end.
+
+        Blocks are released last-first so a sequence's tail blocks are evicted before its shared head.
+        """
+        for block in reversed(blocks):
+            count = self._ref_counts[block] - 1
+            assert count >= 0, f"double free of KV block {block}"
+            self._ref_counts[block] = count
+            if count == 0:
+                self._free[block] = None
+
+    def check_invariants(self) -> None:
+        """Assert the pool is consistent (used by leak tests)."""
+        assert all(c >= 0 for c in self._ref_counts)
+        assert set(self._free) == {b for b, c in enumerate(self._ref_counts) if c == 0}
+        assert all(self._block_hash[b] == h for h, b in self._cached.items())

@@ -1,0 +1,1 @@
+"""Decoder definitions, one per family, written against the Backend interface."""

@@ -1,0 +1,105 @@
+"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral dense) written against the Backend interface.
+
+Reads top to bottom like the paper's block: RMSNorm -> fused QKV -> rotary -> paged attention -> o_proj, then
+RMSNorm -> fused gate/up -> SiLU * up -> down; residual adds fused into the norms (Touvron et al. 2023).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from voltserve.backends.base import Backend, StepInputs
+from voltserve.backends.cpu import rope_cos_sin
+from voltserve.config import ModelConfig
+from voltserve.quant import concat_rows
+
+
+@dataclass
+class LlamaLayer:
+    input_norm: torch.Tensor  # [hidden_size]
+    qkv: Any  # backend linear, out = (num_heads + 2 * num_kv_heads) * head_dim
+    o_proj: Any  # backend linear, out = hidden_size
+    post_norm: torch.Tensor  # [hidden_size]
+    gate_up: Any  # backend linear, out = 2 * intermediate_size
+    down: Any  # backend linear, out = hidden_size
+
+
+def _fuse(tensors: dict, quantized: dict, names: list[str], backend: Backend):
+    """Concatenate linears along out_features and hand them to the backend (quantized blocks too, if all are)."""
+    weight = torch.cat([tensors[n] for n in names], dim=0)
+    quant = None
+    if quantized and all(n in quantized for n in names):
+        quant = concat_rows([quantized[n] for n in names])
+    return backend.prepare_linear(weight, quant)
+
+
+class LlamaModel:
+    """A Llama decoder whose ops run on `backend`.
+
+    Args:
+        config: model hyper-parameters.
+        tensors: HF-named fp32 CPU weights (see loaders.model.LoadedModel).
+        backend: the ops implementation.
+        quantized: HF-named raw GGUF blocks, optional.
+        max_positions: rotary table length (positions the engine may use).
+    """
+
+    def __init__(self, config: ModelConfig, tensors: dict[str, torch.Tensor], backend: Backend,
+                 quantized: dict | None = None, max_positions: int | None = None):
+        self.config = config
+        self.backend = backend
+        quantized = quantized or {}
+        dev, dt = backend.device, backend.dtype
+        norm = lambda name: tensors[name].to(device=dev, dtype=dt)  # noqa: E731
+        self.embed = backend.prepare_embedding(tensors["model.embed_tokens.weight"],
+                                               quantized.get("model.embed_tokens.weight"))
+        head = "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
+        self.lm_head = backend.prepare_linear(tensors[head], quantized.get(head))
+        self.final_norm = norm("model.norm.weight")
+        self.layers = []
+        for i in range(config.num_layers):
+            p = f"model.layers.{i}."
+            self.layers.append(LlamaLayer(
+                input_norm=norm(p + "input_layernorm.weight"),
+                qkv=_fuse(tensors, quantized, [p + f"self_attn.{n}_proj.weight" for n in "qkv"], backend),
+                o_proj=_fuse(tensors, quantized, [p + "self_attn.o_proj.weight"], backend),
+                post_norm=norm(p + "post_attention_layernorm.weight"),
+                gate_up=_fuse(tensors, quantized, [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"], backend),
+                down=_fuse(tensors, quantized, [p + "mlp.down_proj.weight"], backend),
+            ))
+        positions = max_positions or config.max_position_embeddings
+        self.cos_sin = rope_cos_sin(config.head_dim, positions, config.rope_theta).to(dev)
+        self.scale = config.head_dim ** -0.5
+
+    def forward(self, step: StepInputs, kv_cache: torch.Tensor) -> torch.Tensor:
+        """Run one step.
+
+        Args:
+            step: flat inputs of the step.
+            kv_cache: [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim].
+        Returns:
+            logits [len(step.logits_indices), vocab_size] fp32.
+        """
+        cfg, be = self.config, self.backend
+        num_tokens = step.input_ids.shape[0]
+        q_size = cfg.num_heads * cfg.head_dim
+        kv_size = cfg.num_kv_heads * cfg.head_dim
+        h = be.embedding(step.input_ids, self.embed)
+        residual = None
+        for i, layer in enumerate(self.layers):
+            x, residual = be.rms_norm(h, layer.input_norm, cfg.rms_norm_eps, residual)
+            qkv = be.linear(x, layer.qkv)
+            q = qkv[:, :q_size].reshape(num_tokens, cfg.num_heads, cfg.head_dim)
+            k = qkv[:, q_size:q_size + kv_size].reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
+            v = qkv[:, q_size + kv_size:].reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
+            q, k = be.rotary(q, k, step.positions, self.cos_sin, cfg.rope_style)
+            be.write_kv(k, v, kv_cache[i], step.attn.slot_mapping)
+            o = be.attention(q, kv_cache[i], step.attn, self.scale)
+            h = be.linear(o.reshape(num_tokens, q_size), layer.o_proj)
+            x, residual = be.rms_norm(h, layer.post_norm, cfg.rms_norm_eps, residual)
+            h = be.linear(be.silu_and_mul(be.linear(x, layer.gate_up)), layer.down)
+        h, _ = be.rms_norm(h, self.final_norm, cfg.rms_norm_eps, residual)
+        return be.linear(h[step.logits_indices], self.lm_head).float()

@@ -1,0 +1,224 @@
+"""Pure scheduling policy: continuous batching, chunked prefill, prefix-cache admission, preemption.
+
+`Scheduler.schedule()` picks the work of one step under a token budget; `Scheduler.update()` applies the step's
+sampled tokens and finishes sequences. No I/O, no threads: the SchedulerActor drives it.
+
+Policy (the shape of vLLM v1's scheduler): running sequences first (a decode token or their next prefill chunk),
+in arrival order; then waiting sequences FIFO while the budget, `max_num_seqs` and free KV blocks allow. When a
+running sequence needs a block and none is free, the most recently admitted running sequence is preempted by
+recompute: its blocks are freed (full ones stay findable in the prefix cache) and it goes back to the front of
+the queue.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from voltserve.kv_cache import BlockPool, hash_block
+from voltserve.request import FinishReason
+from voltserve.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledSeq:
+    """One sequence's share of a step.
+
+    Attributes:
+        seq: the sequence.
+        start: position of its first token in this step (= tokens already in the KV cache).
+        num_new: tokens it computes this step (1 for decode).
+        sample: whether this step reaches its last known token, so a new token is sampled.
+    """
+
+    seq: Sequence
+    start: int
+    num_new: int
+    sample: bool
+
+
+@dataclass
+class StepPlan:
+    """The work of one step, in the order the worker lays the tokens out."""
+
+    entries: list[ScheduledSeq]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(e.num_new for e in self.entries)
+
+
+class Scheduler:
+    """Continuous-batching scheduler over a BlockPool.
+
+    Args:
+        pool: the KV block pool (owned by this scheduler).
+        max_num_seqs: most running sequences.
+        max_num_batched_tokens: token budget of one step.
+        max_model_len: context window; a sequence reaching it finishes with "length".
+        eos_token_ids: ids that end a sequence unless `ignore_eos`.
+    """
+
+    def __init__(self, pool: BlockPool, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
+                 eos_token_ids: tuple[int, ...]):
+        self.pool = pool
+        self.block_size = pool.block_size
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    # -- queue management ---------------------------------------------------------------------------------
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def finish(self, seq: Sequence, reason: FinishReason, stop_reason: int | str | None = None) -> None:
+        """End a sequence now (abort, stop string): frees its blocks. Idempotent."""
+        if seq.is_finished:
+            return
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        else:
+            self.waiting.remove(seq)
+        self._release(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        seq.stop_reason = stop_reason
+
+    # -- one step -----------------------------------------------------------------------------------------
+
+    def schedule(self) -> StepPlan:
+        """Choose this step's work. Returns an empty plan when nothing can run."""
+        budget = self.max_num_batched_tokens
+        entries: list[ScheduledSeq] = []
+        preempted = False
+        i = 0
+        # 1) running sequences: one decode token or their next prefill chunk each
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            while not self._grow(seq, seq.num_computed_tokens + num_new):
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted = True
+                if victim is seq:
+                    break
+            if seq.status is not SequenceStatus.RUNNING:
+                break
+            entries.append(self._entry(seq, num_new))
+            budget -= num_new
+            i += 1
+        # 2) waiting sequences, FIFO; none after a preemption (the pool is short)
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
+            seq = self.waiting[0]
+            if not seq.block_ids:
+                self._match_prefix(seq)
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if not self._grow(seq, seq.num_computed_tokens + num_new):
+                self._release(seq)
+                break
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            entries.append(self._entry(seq, num_new))
+            budget -= num_new
+        return StepPlan(entries)
+
+    def update(self, plan: StepPlan, sampled: dict[int, int]) -> list[Sequence]:
+        """Apply a finished step.
+
+        Args:
+            plan: the plan that ran.
+            sampled: seq_id -> sampled token id, for every entry with `sample` set.
+        Returns:
+            The sequences that got a new token, in plan order (finished ones have `finish_reason` set).
+        """
+        touched = []
+        for entry in plan.entries:
+            seq = entry.seq
+            if seq.is_finished:  # aborted while the step ran
+                continue
+            seq.num_computed_tokens += entry.num_new
+            self._register_full_blocks(seq)
+            if not entry.sample:
+                continue
+            token = sampled[seq.seq_id]
+            seq.output_ids.append(token)
+            touched.append(seq)
+            reason, stop_reason = self._check_stop(seq, token)
+            if reason is not None:
+                self.finish(seq, reason, stop_reason)
+        return touched
+
+    # -- helpers ------------------------------------------------------------------------------------------
+
+    def _entry(self, seq: Sequence, num_new: int) -> ScheduledSeq:
+        start = seq.num_computed_tokens
+        return ScheduledSeq(seq, start, num_new, sample=start + num_new == seq.num_tokens)
+
+    def _check_stop(self, seq: Sequence, token: int) -> tuple[FinishReason | None, int | None]:
+        params = seq.params
+        num_out = len(seq.output_ids)
+        if num_out > params.min_tokens:  # the sampler masks EOS/stop ids before min_tokens
+            if token in self.eos_token_ids and not params.ignore_eos:
+                return FinishReason.STOP, None
+            if token in params.stop_token_ids:
+                return FinishReason.STOP, token
+        if num_out >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
+            return FinishReason.LENGTH, None
+        return None, None
+
+    def _grow(self, seq: Sequence, num_tokens: int) -> bool:
+        """Make seq's blocks hold num_tokens tokens; False (allocating nothing) if the pool is short."""
+        need = -(-num_tokens // self.block_size) - len(seq.block_ids)
+        if need > self.pool.num_free:
+            return False
+        for _ in range(need):
+            seq.block_ids.append(self.pool.allocate())
+        return True
+
+    def _match_prefix(self, seq: Sequence) -> None:
+        """Take cached blocks for seq's leading full blocks; at least one token is left to compute."""
+        tokens = seq.token_ids()
+        parent = None
+        for b in range((len(tokens) - 1) // self.block_size):
+            h = hash_block(parent, tokens[b * self.block_size:(b + 1) * self.block_size])
+            block = self.pool.lookup(h)
+            if block is None:
+                break
+            seq.block_ids.append(block)
+            seq.block_hashes.append(h)
+            parent = h
+        seq.num_computed_tokens = len(seq.block_ids) * self.block_size
+        if not seq.output_ids:  # usage counts cached prompt tokens of the first admission
+            seq.num_cached_tokens = seq.num_computed_tokens
+
+    def _register_full_blocks(self, seq: Sequence) -> None:
+        num_full = seq.num_computed_tokens // self.block_size
+        while len(seq.block_hashes) < num_full:
+            b = len(seq.block_hashes)
+            parent = seq.block_hashes[-1] if seq.block_hashes else None
+            tokens = [seq.token_at(p) for p in range(b * self.block_size, (b + 1) * self.block_size)]
+            h = hash_block(parent, tokens)
+            self.pool.register(seq.block_ids[b], h)
+            seq.block_hashes.append(h)
+
+    def _release(self, seq: Sequence) -> None:
+        self.pool.free(seq.block_ids)
+        seq.block_ids = []
+        seq.block_hashes = []
+        seq.num_computed_tokens = 0
+
+    def _preempt(self, seq: Sequence) -> None:
+        self._release(seq)
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1

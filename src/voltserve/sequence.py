@@ -1,0 +1,65 @@
+"""Per-sequence state the scheduler tracks: tokens, KV blocks, progress, finish."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from voltserve.request import FinishReason, SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One generated sequence (a request with n > 1 owns n of them).
+
+    Attributes:
+        seq_id: engine-unique id.
+        request_id / index: the owning request and this sequence's choice index.
+        prompt_ids: prompt token ids.
+        output_ids: generated token ids so far.
+        params: the request's sampling parameters.
+        generator: torch.Generator seeded from params.seed (+ index), or None to use the engine's.
+        block_ids: KV blocks holding this sequence's tokens, in order.
+        block_hashes: prefix-cache hashes of the sequence's full blocks computed so far.
+        num_computed_tokens: tokens whose K/V are in the cache.
+        num_cached_tokens: prompt tokens that came from the prefix cache at (last) admission.
+    """
+
+    seq_id: int
+    request_id: str
+    index: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    max_tokens: int
+    generator: torch.Generator | None = None
+    output_ids: list[int] = field(default_factory=list)
+    block_ids: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0
+    status: SequenceStatus = SequenceStatus.WAITING
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    def token_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    def token_at(self, position: int) -> int:
+        n = len(self.prompt_ids)
+        return self.prompt_ids[position] if position < n else self.output_ids[position - n]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED

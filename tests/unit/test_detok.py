@@ -1,0 +1,90 @@
+"""IncrementalDetokenizer on the real SmolLM2 tokenizer: UTF-8 hold-back and stop strings."""
+
+from __future__ import annotations
+
+import pytest
+
+from voltserve.detok import IncrementalDetokenizer
+
+SPLIT_TEXTS = ["Smile 😀 and 你好世界, naïve café 🎉🎉!", "日本語のテキスト 🇫🇷 ok", "emoji at the end 🦀🥨"]
+
+
+def _stream(tok, ids, **kwargs):
+    detok = IncrementalDetokenizer(tok, **kwargs)
+    deltas, stop = [], None
+    for i in ids:
+        delta, stop = detok.push([i])
+        deltas.append(delta)
+        if stop is not None:
+            break
+    return detok, deltas, stop
+
+
+@pytest.mark.parametrize("text", SPLIT_TEXTS)
+def test_split_characters_never_emit_replacement(smollm2_tokenizer, text):
+    tok = smollm2_tokenizer
+    ids = tok.encode(text)
+    # The case is only meaningful if some token ends inside a UTF-8 character.
+    assert any(b"\xef\xbf\xbd" in tok.decode([i]).encode() for i in ids)
+    detok, deltas, stop = _stream(tok, ids)
+    assert stop is None
+    assert all("\ufffd" not in d for d in deltas)
+    assert "" in deltas  # something was held back mid-character
+    assert "".join(deltas) + detok.flush() == tok.decode(ids) == text
+
+
+def test_batched_push_equals_decode(smollm2_tokenizer):
+    tok = smollm2_tokenizer
+    ids = tok.encode(SPLIT_TEXTS[0])
+    detok = IncrementalDetokenizer(tok)
+    out = "".join(detok.push(ids[i:i + 3])[0] for i in range(0, len(ids), 3))
+    assert out + detok.flush() == SPLIT_TEXTS[0]
+
+
+def test_special_tokens_skipped_or_kept(smollm2_tokenizer):
+    tok = smollm2_tokenizer
+    ids = tok.encode("Hi<|im_end|>")
+    assert ids[-1] == 2
+    detok, deltas, _ = _stream(tok, ids)
+    assert "".join(deltas) + detok.flush() == "Hi"
+    detok, deltas, _ = _stream(tok, ids, skip_special_tokens=False)
+    assert "".join(deltas) + detok.flush() == "Hi<|im_end|>"
+
+
+def test_stop_string_across_tokens(smollm2_tokenizer):
+    tok = smollm2_tokenizer
+    text = "The answer is STOPWORD and more text after it"
+    ids = tok.encode(text)
+    detok, deltas, stop = _stream(tok, ids, stop=["STOPWORD"])
+    assert stop == "STOPWORD" and detok.stop_reason == "STOPWORD"
+    assert "".join(deltas) == "The answer is "
+    assert all("S" not in d for d in deltas)  # no delta carries any part of the stop string
+    assert detok.flush() == ""
+    assert detok.push(tok.encode(" more")) == ("", None)
+
+
+def test_stop_string_included_when_asked(smollm2_tokenizer):
+    tok = smollm2_tokenizer
+    ids = tok.encode("one two three four")
+    detok, deltas, stop = _stream(tok, ids, stop=["three", "two three"], include_stop_str_in_output=True)
+    assert stop == "two three"  # earliest match wins
+    assert "".join(deltas) == "one two three"
+
+
+def test_incomplete_stop_prefix_is_released(smollm2_tokenizer):
+    tok = smollm2_tokenizer
+    ids = tok.encode("a STOP b STO")
+    detok, deltas, stop = _stream(tok, ids, stop=["STOPX"])
+    assert stop is None
+    assert "".join(deltas) == "a STOP b "  # "STOP" released once " b" shows it did not complete
+    assert detok.flush() == "STO"
+
+
+def test_flush_returns_incomplete_utf8_tail(smollm2_tokenizer):
+    tok = smollm2_tokenizer
+    ids = tok.encode("x 😀")
+    detok = IncrementalDetokenizer(tok)
+    assert detok.push(ids[:1]) == ("x", None)
+    assert detok.push(ids[1:-1]) == ("", None)  # the emoji's last byte is missing
+    assert detok.flush() == tok.decode(ids[:-1])[len("x"):] == " \ufffd"
+    assert detok.flush() == ""

@@ -1,0 +1,10 @@
+"""voltserve's HTTP API: `hypercorn api:app` serves the app built from `VOLTSERVE_*` environment variables.
+
+Importing this package is cheap: the engine and the model load when serving starts.
+"""
+
+from api.app import create_app
+
+app = create_app()
+
+__all__ = ["app", "create_app"]

@@ -1,0 +1,92 @@
+"""The Quart application factory: routes, error handlers, API-key check, engine start/stop.
+
+`hypercorn api:app` serves `create_app()` with the config from `VOLTSERVE_*` environment variables; the engine
+(and so the model) loads in `before_serving`, never at import.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from quart import Quart, request
+from werkzeug.exceptions import HTTPException
+
+from api.auth import check_api_key
+from api.errors import error_response, unknown_url_response
+from api.state import EXTENSION_KEY, ServerState, random_id, unix_time_s
+from voltserve.config import EngineConfig
+from voltserve.errors import VoltError
+
+logger = logging.getLogger(__name__)
+MAX_BODY_BYTES = 32 * 1024 * 1024
+
+
+def _blueprints():
+    from api.health import bp as health
+    from api.openai.chat import bp as chat
+    from api.openai.completions import bp as completions
+    from api.openai.models import bp as models
+
+    return [health, chat, completions, models]
+
+
+def create_app(engine: Any = None, config: EngineConfig | None = None, *,
+               new_id: Callable[[str], str] = random_id, clock: Callable[[], int] = unix_time_s) -> Quart:
+    """Build the app.
+
+    Args:
+        engine: an `actors.engine.AsyncEngine` or a double with its interface; None = build one from `config`
+            when serving starts. Either way the app starts it before serving and stops it after.
+        config: engine settings; None = `engine.config` if given, else `EngineConfig.from_env()`.
+        new_id: prefix -> response id (tests inject a fixed one for byte-exact comparisons).
+        clock: -> unix seconds for `created`.
+
+    Raises:
+        ConfigError: an environment variable does not parse.
+    """
+    if config is None:
+        config = engine.config if engine is not None else EngineConfig.from_env()
+    app = Quart("voltserve")
+    app.config["MAX_CONTENT_LENGTH"] = MAX_BODY_BYTES
+    app.config["RESPONSE_TIMEOUT"] = None  # streams may outlive Quart's 60 s default
+    state = ServerState(engine=engine, config=config, new_id=new_id, clock=clock)
+    app.extensions[EXTENSION_KEY] = state
+    for bp in _blueprints():
+        app.register_blueprint(bp)
+
+    @app.before_serving
+    async def start_engine() -> None:
+        if state.engine is None:
+            from actors.engine import AsyncEngine  # heavy (torch): only when serving starts
+
+            state.engine = AsyncEngine(config)
+        logger.info("starting engine: %s", config)
+        await state.engine.start()
+        logger.info("serving %r (max_model_len=%d)", config.served_model_name, state.engine.max_model_len)
+
+    @app.after_serving
+    async def stop_engine() -> None:
+        if state.engine is not None:
+            await state.engine.stop()
+
+    @app.before_request
+    async def authenticate() -> None:
+        check_api_key(config.api_key, request.path, request.headers)
+
+    @app.errorhandler(HTTPException)
+    async def http_error(exc: HTTPException):
+        if exc.code == 404:
+            return unknown_url_response(request.method, request.path)
+        return error_response(exc)
+
+    @app.errorhandler(VoltError)
+    async def volt_error(exc: VoltError):
+        return error_response(exc)
+
+    @app.errorhandler(Exception)
+    async def unexpected_error(exc: Exception):
+        return error_response(exc)
+
+    return app

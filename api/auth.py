@@ -1,0 +1,28 @@
+"""API-key check: `Authorization: Bearer <key>` or `x-api-key: <key>` on every route but /health."""
+
+from __future__ import annotations
+
+import hmac
+
+from voltserve.errors import AuthenticationError
+
+OPEN_PATHS = frozenset({"/health"})
+
+
+def check_api_key(expected: str, path: str, headers) -> None:
+    """Raises AuthenticationError unless no key is configured, the path is open, or a header carries the key.
+
+    Args:
+        expected: the configured key ("" = auth off).
+        path: the request path.
+        headers: the request headers (case-insensitive mapping).
+    """
+    if not expected or path in OPEN_PATHS:
+        return
+    given = headers.get("x-api-key")
+    scheme, _, token = (headers.get("authorization") or "").partition(" ")
+    if given is None and scheme.lower() == "bearer":
+        given = token.strip()
+    # compare_digest: the time taken must not reveal how much of the key matched.
+    if given is None or not hmac.compare_digest(given.encode(), expected.encode()):
+        raise AuthenticationError("Incorrect or missing API key: send 'Authorization: Bearer <key>' or 'x-api-key'.")

@@ -1,0 +1,117 @@
+"""The single table that maps error classes to HTTP: status, OpenAI error type/code, Anthropic error type.
+
+Core code raises `voltserve.errors` exceptions and knows nothing about HTTP; this module is the only place
+where they become status codes and JSON bodies. OpenAI shape (https://platform.openai.com/docs/guides/error-codes):
+`{"error": {"message", "type", "param", "code"}}`; Anthropic shape
+(https://docs.anthropic.com/en/api/errors): `{"type": "error", "error": {"type", "message"}}`.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import orjson
+from quart import Response
+from werkzeug.exceptions import HTTPException
+
+from voltserve import errors as E
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ErrorKind:
+    """How one error class looks on the wire.
+
+    Attributes:
+        status: HTTP status code.
+        openai_type: OpenAI `error.type`.
+        anthropic_type: Anthropic `error.type`.
+        code: OpenAI `error.code` (None = null).
+    """
+
+    status: int
+    openai_type: str
+    anthropic_type: str
+    code: str | None = None
+
+
+# Most specific classes first: lookup walks the exception's MRO.
+ERROR_TABLE: dict[type[BaseException], ErrorKind] = {
+    E.ContextLengthError: ErrorKind(400, "invalid_request_error", "invalid_request_error", "context_length_exceeded"),
+    E.InvalidRequestError: ErrorKind(400, "invalid_request_error", "invalid_request_error"),
+    E.AuthenticationError: ErrorKind(401, "invalid_request_error", "authentication_error", "invalid_api_key"),
+    E.ModelNotFoundError: ErrorKind(404, "invalid_request_error", "not_found_error", "model_not_found"),
+    E.QueueFullError: ErrorKind(503, "server_error", "overloaded_error", "queue_full"),
+    E.RequestAbortedError: ErrorKind(503, "server_error", "api_error", "request_aborted"),
+    E.EngineDeadError: ErrorKind(503, "server_error", "api_error", "engine_dead"),
+}
+INTERNAL = ErrorKind(500, "server_error", "api_error")
+# Werkzeug HTTP errors raised by Quart's routing and body parsing (404, 405, 413, ...).
+HTTP_KINDS: dict[int, ErrorKind] = {
+    404: ErrorKind(404, "invalid_request_error", "not_found_error", "unknown_url"),
+    405: ErrorKind(405, "invalid_request_error", "invalid_request_error", "method_not_allowed"),
+    413: ErrorKind(413, "invalid_request_error", "request_too_large", "request_too_large"),
+}
+
+
+def kind_of(exc: BaseException) -> ErrorKind:
+    """The table row for `exc` (its most specific listed base class), or the 500 row."""
+    for cls in type(exc).__mro__:
+        if cls in ERROR_TABLE:
+            return ERROR_TABLE[cls]
+    return INTERNAL
+
+
+def openai_payload(message: str, kind: ErrorKind, param: str | None = None) -> dict:
+    """OpenAI error object: `{"error": {"message", "type", "param", "code"}}`."""
+    return {"error": {"message": message, "type": kind.openai_type, "param": param, "code": kind.code}}
+
+
+def openai_body(message: str, kind: ErrorKind, param: str | None = None) -> bytes:
+    """`openai_payload` as JSON bytes."""
+    return orjson.dumps(openai_payload(message, kind, param))
+
+
+def describe(exc: BaseException) -> tuple[ErrorKind, str, str | None]:
+    """(table row, client-safe message, param) of an exception; unexpected ones say only "internal server error"."""
+    kind = kind_of(exc)
+    if kind is INTERNAL:
+        return kind, "internal server error", None
+    message = getattr(exc, "message", None) or str(exc) or type(exc).__name__
+    return kind, message, getattr(exc, "param", None)
+
+
+def anthropic_body(message: str, kind: ErrorKind) -> bytes:
+    """Anthropic error JSON: `{"type": "error", "error": {"type", "message"}}` as bytes."""
+    return orjson.dumps({"type": "error", "error": {"type": kind.anthropic_type, "message": message}})
+
+
+def _response(body: bytes, kind: ErrorKind) -> Response:
+    response = Response(body, status=kind.status, content_type="application/json")
+    if kind.status == 503:
+        response.headers["Retry-After"] = "1"
+    return response
+
+
+def error_response(exc: BaseException) -> Response:
+    """OpenAI-shaped JSON response for any exception; unexpected ones log a traceback and say nothing more.
+
+    Args:
+        exc: a VoltError, a werkzeug HTTPException or anything else (-> 500).
+    """
+    if isinstance(exc, HTTPException):
+        kind = HTTP_KINDS.get(exc.code or 500, ErrorKind(exc.code or 500, "invalid_request_error", "api_error"))
+        return _response(openai_body(exc.description or exc.name, kind), kind)
+    kind, message, param = describe(exc)
+    if kind is INTERNAL:
+        # The traceback goes to the log only: clients must not see internals.
+        logger.error("unexpected error while serving a request", exc_info=exc)
+    return _response(openai_body(message, kind, param), kind)
+
+
+def unknown_url_response(method: str, path: str) -> Response:
+    """404 for a route that does not exist, worded like OpenAI's ("Invalid URL (POST /v1/x)")."""
+    kind = HTTP_KINDS[404]
+    return _response(openai_body(f"Invalid URL ({method} {path})", kind), kind)

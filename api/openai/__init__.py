@@ -1,0 +1,1 @@
+"""OpenAI-compatible endpoints: protocol types and one module per route."""

@@ -1,0 +1,116 @@
+"""POST /v1/chat/completions (https://platform.openai.com/docs/api-reference/chat/create)."""
+
+from __future__ import annotations
+
+import logging
+
+from quart import Blueprint, request
+
+from api import sse
+from api.openai.chat_prompt import chat_prompt_ids
+from api.openai.common import (
+    UsageCounter, add_request, collect, json_response, sampling_params, sse_response, token_text,
+)
+from api.openai.protocol import (
+    AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
+    ChatCompletionResponse, ChatLogprobs, ChatTokenLogprob, DeltaMessage, TopLogprob, parse_request,
+)
+from api.errors import describe, openai_payload
+from api.state import get_state
+from voltserve.errors import InvalidRequestError, VoltError
+from voltserve.request import MAX_LOGPROBS, SamplingParams, TokenLogprob
+
+logger = logging.getLogger(__name__)
+bp = Blueprint("openai_chat", __name__)
+
+
+def _params(req: ChatCompletionRequest) -> SamplingParams:
+    top = req.top_logprobs
+    if top is not None and not 0 <= top <= MAX_LOGPROBS:
+        raise InvalidRequestError(f"top_logprobs must be between 0 and {MAX_LOGPROBS}", param="top_logprobs")
+    if top and not req.logprobs:
+        raise InvalidRequestError("top_logprobs needs logprobs set to true", param="top_logprobs")
+    if req.response_format and req.response_format.get("type", "text") != "text":
+        raise InvalidRequestError("response_format other than 'text' is not supported yet", param="response_format")
+    if req.max_completion_tokens is not None:
+        max_tokens, name = req.max_completion_tokens, "max_completion_tokens"
+    else:
+        max_tokens, name = req.max_tokens, "max_tokens"
+    return sampling_params(req, max_tokens=max_tokens, max_tokens_param=name,
+                           logprobs=(top or 0) if req.logprobs else None)
+
+
+def _logprobs(tokenizer, logprobs: list[TokenLogprob]) -> ChatLogprobs:
+    def entry(token_id: int, logprob: float) -> TopLogprob:
+        return TopLogprob(token=token_text(tokenizer, token_id), logprob=logprob,
+                          bytes=list(tokenizer.token_bytes(token_id)))
+
+    content = []
+    for lp in logprobs:
+        first = entry(lp.token_id, lp.logprob)
+        content.append(ChatTokenLogprob(**first.model_dump(), top_logprobs=[entry(t, v) for t, v in lp.top]))
+    return ChatLogprobs(content=content)
+
+
+@bp.post("/v1/chat/completions")
+async def chat_completions():
+    """Create a chat completion; `stream: true` answers with server-sent events."""
+    state = get_state()
+    req = parse_request(ChatCompletionRequest, await request.get_data())
+    state.check_model(req.model)
+    params = _params(req)
+    engine = state.ready_engine()
+    prompt_ids = await chat_prompt_ids(engine, req)
+    # Validation (context length, params) raises here, before any byte of a stream is sent.
+    max_tokens_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+    stream = add_request(engine, prompt_ids, params, prompt_param="messages", max_tokens_param=max_tokens_param)
+    response_id, created = state.new_id("chatcmpl-"), state.clock()
+    if req.stream:
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        events = _stream_events(engine, stream, req, params, response_id, created, include_usage)
+        return sse_response(events, state.config.sse_keep_alive_interval)
+    results, counter = await collect(stream)
+    choices = [
+        ChatChoice(index=i, message=AssistantMessage(content=seq.text), finish_reason=seq.finish_reason,
+                   logprobs=_logprobs(engine.tokenizer, seq.logprobs) if params.logprobs is not None else None)
+        for i, seq in sorted(results.items())
+    ]
+    return json_response(ChatCompletionResponse(id=response_id, created=created, model=req.model,
+                                                choices=choices, usage=counter.usage()))
+
+
+async def _stream_events(engine, stream, req, params, response_id, created, include_usage):
+    """Chunks: a role delta per choice, content deltas, a finish chunk per choice, usage, [DONE]."""
+
+    def chunk(choices, usage=None) -> bytes:
+        event = ChatCompletionChunk(id=response_id, created=created, model=req.model, choices=choices, usage=usage)
+        return sse.frame(event, exclude=None if include_usage else {"usage"})
+
+    counter = UsageCounter()
+    held_logprobs: dict[int, list[TokenLogprob]] = {}
+    finished = False
+    try:
+        for i in range(params.n):
+            yield chunk([ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))])
+        async for out in stream:
+            counter.add(out)
+            held = held_logprobs.setdefault(out.index, [])
+            held.extend(out.logprobs or [])
+            if not out.text and out.finish_reason is None:
+                continue  # e.g. bytes of a split character: their logprobs go out with the next text
+            logprobs = _logprobs(engine.tokenizer, held) if params.logprobs is not None else None
+            held_logprobs[out.index] = []
+            finish = out.finish_reason.value if out.finish_reason is not None else None
+            delta = DeltaMessage(content=out.text) if out.text else DeltaMessage()
+            yield chunk([ChatChunkChoice(index=out.index, delta=delta, logprobs=logprobs, finish_reason=finish)])
+        finished = True
+        if include_usage:
+            yield chunk([], counter.usage())
+    except VoltError as exc:  # the engine died mid-stream: the status is sent, so report it in-band
+        finished = True
+        kind, message, param = describe(exc)
+        yield sse.frame(openai_payload(message, kind, param))
+    finally:
+        if not finished:  # client disconnected: free the request's KV blocks
+            stream.abort()
+    yield sse.DONE

@@ -1,0 +1,143 @@
+"""Pieces both OpenAI endpoints share: SamplingParams from a request, usage, token text, JSON/SSE responses."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import orjson
+from pydantic import BaseModel
+from quart import Response
+
+from api import sse
+from api.openai.protocol import PromptTokensDetails, SamplingFields, Usage
+from voltserve.errors import ContextLengthError, InvalidRequestError
+from voltserve.request import RequestOutput, SamplingParams, TokenLogprob
+
+
+def sampling_params(req: SamplingFields, *, max_tokens: int | None, max_tokens_param: str,
+                    logprobs: int | None) -> SamplingParams:
+    """OpenAI/vLLM request fields -> validated SamplingParams (None fields take SamplingParams' defaults).
+
+    Args:
+        req: the parsed request.
+        max_tokens: output token limit (None = the rest of the context window).
+        max_tokens_param: the field name to blame when max_tokens is out of range.
+        logprobs: None = no logprobs; k = sampled token plus the top k alternatives.
+
+    Raises:
+        InvalidRequestError: a value out of range, with `param` naming the request field.
+    """
+    if max_tokens is not None and max_tokens < 1:
+        raise InvalidRequestError(f"{max_tokens_param} must be >= 1", param=max_tokens_param)
+    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    defaults = SamplingParams()
+    given = {
+        "temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k, "min_p": req.min_p,
+        "n": req.n, "presence_penalty": req.presence_penalty, "frequency_penalty": req.frequency_penalty,
+        "repetition_penalty": req.repetition_penalty,
+    }
+    values = {k: (getattr(defaults, k) if v is None else v) for k, v in given.items()}
+    return SamplingParams(
+        **values, seed=req.seed, max_tokens=max_tokens, min_tokens=req.min_tokens, stop=stop,
+        stop_token_ids=list(req.stop_token_ids or []), ignore_eos=req.ignore_eos, logprobs=logprobs,
+        include_stop_str_in_output=req.include_stop_str_in_output,
+    ).validate()
+
+
+def add_request(engine, prompt_ids: list[int], params: SamplingParams, *, prompt_param: str,
+                max_tokens_param: str):
+    """`engine.add_request`, with a context-length error blamed on the request field at fault.
+
+    Returns:
+        The engine's RequestStream.
+
+    Raises:
+        ContextLengthError: param = `prompt_param` when the prompt alone fills the window, else `max_tokens_param`.
+        InvalidRequestError, EngineDeadError: from the engine.
+    """
+    try:
+        return engine.add_request(prompt_ids, params)
+    except ContextLengthError as exc:
+        exc.param = prompt_param if len(prompt_ids) >= engine.max_model_len else max_tokens_param
+        raise
+
+
+def token_text(tokenizer, token_id: int) -> str:
+    """The text of one token as logprobs show it (bytes of a split UTF-8 character become U+FFFD)."""
+    return tokenizer.token_bytes(token_id).decode("utf-8", errors="replace")
+
+
+@dataclass
+class SequenceResult:
+    """Everything one choice produced, accumulated over its deltas.
+
+    Attributes:
+        text: joined text deltas.
+        token_ids: [num_output_tokens] output token ids.
+        logprobs: one TokenLogprob per output token (when requested).
+        finish_reason: "stop" / "length" / "abort", None while running.
+    """
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+
+
+class UsageCounter:
+    """Token counts of one request across its `n` sequences, from the RequestOutput counters."""
+
+    def __init__(self) -> None:
+        self.prompt_tokens = 0
+        self.cached_tokens = 0
+        self.output_tokens: dict[int, int] = {}
+
+    def add(self, out: RequestOutput) -> None:
+        self.prompt_tokens = out.num_prompt_tokens
+        self.cached_tokens = max(self.cached_tokens, out.num_cached_tokens)
+        self.output_tokens[out.index] = out.num_output_tokens
+
+    def usage(self) -> Usage:
+        completion = sum(self.output_tokens.values())
+        return Usage(prompt_tokens=self.prompt_tokens, completion_tokens=completion,
+                     total_tokens=self.prompt_tokens + completion,
+                     prompt_tokens_details=PromptTokensDetails(cached_tokens=self.cached_tokens))
+
+
+async def collect(stream) -> tuple[dict[int, SequenceResult], UsageCounter]:
+    """Drain a RequestStream into one SequenceResult per choice index; aborts the request if cancelled.
+
+    Raises:
+        EngineDeadError: the engine died mid-request.
+    """
+    results: dict[int, SequenceResult] = {}
+    counter = UsageCounter()
+    finished = False
+    try:
+        async for out in stream:
+            seq = results.setdefault(out.index, SequenceResult())
+            seq.text += out.text
+            seq.token_ids.extend(out.token_ids)
+            seq.logprobs.extend(out.logprobs or [])
+            if out.finish_reason is not None:
+                seq.finish_reason = out.finish_reason.value
+            counter.add(out)
+        finished = True
+    finally:
+        if not finished:  # client gone (handler cancelled) or engine error: free the request's KV blocks
+            stream.abort()
+    return results, counter
+
+
+def json_response(model: BaseModel, status: int = 200) -> Response:
+    """A JSON response from a pydantic model, serialised with orjson."""
+    return Response(orjson.dumps(model.model_dump(mode="json")), status=status, content_type="application/json")
+
+
+def sse_response(events: AsyncIterator[bytes], keep_alive_s: float) -> Response:
+    """A `text/event-stream` response without Quart's 60 s response timeout (it would cut long streams)."""
+    response = Response(sse.with_keep_alive(events, keep_alive_s), content_type="text/event-stream")
+    response.headers["Cache-Control"] = "no-cache"
+    response.timeout = None
+    return response

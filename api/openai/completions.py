@@ -1,0 +1,146 @@
+"""POST /v1/completions (https://platform.openai.com/docs/api-reference/completions/create).
+
+`logprobs` rule: an integer k in 0..20 (OpenAI allows 5; vLLM-style servers allow more). Each output position
+then lists the sampled token's logprob and, in `top_logprobs`, the k most likely tokens plus the sampled one
+(k + 1 entries when the sampled token is not among the top k). `text_offset` is the character offset of each
+token in the choice's text, counting token texts as the logprobs show them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from quart import Blueprint, request
+
+from api import sse
+from api.errors import describe, openai_payload
+from api.openai.common import (
+    UsageCounter, add_request, collect, json_response, sampling_params, sse_response, token_text,
+)
+from api.openai.protocol import (
+    CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse, parse_request,
+)
+from api.state import get_state
+from voltserve.errors import InvalidRequestError, VoltError
+from voltserve.request import MAX_LOGPROBS, SamplingParams, TokenLogprob
+
+bp = Blueprint("openai_completions", __name__)
+DEFAULT_MAX_TOKENS = 16  # OpenAI's default for this endpoint
+
+
+def _params(req: CompletionRequest) -> SamplingParams:
+    if req.logprobs is not None and not 0 <= req.logprobs <= MAX_LOGPROBS:
+        raise InvalidRequestError(f"logprobs must be between 0 and {MAX_LOGPROBS}", param="logprobs")
+    if req.echo:
+        raise InvalidRequestError("echo is not supported", param="echo")
+    if req.suffix:
+        raise InvalidRequestError("suffix is not supported", param="suffix")
+    if req.best_of is not None and req.best_of != (req.n or 1):
+        raise InvalidRequestError("best_of must equal n (or be left out)", param="best_of")
+    max_tokens = DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens
+    return sampling_params(req, max_tokens=max_tokens, max_tokens_param="max_tokens", logprobs=req.logprobs)
+
+
+def _prompt_ids(tokenizer, prompt) -> list[int]:
+    """A string, a token-id list, or a one-element list of either -> token ids.
+
+    Raises:
+        InvalidRequestError: an empty prompt, several prompts, or ids outside the vocabulary.
+    """
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        if len(prompt) != 1:
+            raise InvalidRequestError("only one prompt per request is supported", param="prompt")
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        if not prompt:
+            raise InvalidRequestError("prompt must not be empty", param="prompt")
+        return tokenizer.encode(prompt, add_special_tokens=True, parse_special=True)
+    if not prompt:
+        raise InvalidRequestError("prompt must not be empty", param="prompt")
+    vocab_size = getattr(tokenizer, "vocab_size", None)
+    if any(t < 0 or (vocab_size is not None and t >= vocab_size) for t in prompt):
+        raise InvalidRequestError("prompt token ids must be in [0, vocab_size)", param="prompt")
+    return list(prompt)
+
+
+class _LogprobsBuilder:
+    """Builds CompletionLogprobs incrementally, keeping `text_offset` running across stream chunks."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.offset: dict[int, int] = {}
+
+    def build(self, index: int, logprobs: list[TokenLogprob]) -> CompletionLogprobs:
+        out = CompletionLogprobs()
+        offset = self.offset.get(index, 0)
+        for lp in logprobs:
+            text = token_text(self.tokenizer, lp.token_id)
+            top = {token_text(self.tokenizer, t): v for t, v in lp.top}
+            top.setdefault(text, lp.logprob)
+            out.tokens.append(text)
+            out.token_logprobs.append(lp.logprob)
+            out.top_logprobs.append(top)
+            out.text_offset.append(offset)
+            offset += len(text)
+        self.offset[index] = offset
+        return out
+
+
+@bp.post("/v1/completions")
+async def completions():
+    """Create a text completion; `stream: true` answers with server-sent events."""
+    state = get_state()
+    req = parse_request(CompletionRequest, await request.get_data())
+    state.check_model(req.model)
+    params = _params(req)
+    engine = state.ready_engine()
+    prompt_ids = await asyncio.to_thread(_prompt_ids, engine.tokenizer, req.prompt)
+    stream = add_request(engine, prompt_ids, params, prompt_param="prompt", max_tokens_param="max_tokens")
+    response_id, created = state.new_id("cmpl-"), state.clock()
+    builder = _LogprobsBuilder(engine.tokenizer)
+    if req.stream:
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        events = _stream_events(stream, req, params, builder, response_id, created, include_usage)
+        return sse_response(events, state.config.sse_keep_alive_interval)
+    results, counter = await collect(stream)
+    choices = [
+        CompletionChoice(index=i, text=seq.text, finish_reason=seq.finish_reason,
+                         logprobs=builder.build(i, seq.logprobs) if params.logprobs is not None else None)
+        for i, seq in sorted(results.items())
+    ]
+    return json_response(CompletionResponse(id=response_id, created=created, model=req.model, choices=choices,
+                                            usage=counter.usage()))
+
+
+async def _stream_events(stream, req, params, builder, response_id, created, include_usage):
+    """Chunks: text deltas (the last per choice with finish_reason), usage when asked, [DONE]."""
+
+    def chunk(choices, usage=None) -> bytes:
+        event = CompletionResponse(id=response_id, created=created, model=req.model, choices=choices, usage=usage)
+        return sse.frame(event, exclude=None if include_usage else {"usage"})
+
+    counter = UsageCounter()
+    held: dict[int, list[TokenLogprob]] = {}
+    finished = False
+    try:
+        async for out in stream:
+            counter.add(out)
+            pending = held.setdefault(out.index, [])
+            pending.extend(out.logprobs or [])
+            if not out.text and out.finish_reason is None:
+                continue
+            logprobs = builder.build(out.index, pending) if params.logprobs is not None else None
+            held[out.index] = []
+            finish = out.finish_reason.value if out.finish_reason is not None else None
+            yield chunk([CompletionChoice(index=out.index, text=out.text, logprobs=logprobs, finish_reason=finish)])
+        finished = True
+        if include_usage:
+            yield chunk([], counter.usage())
+    except VoltError as exc:
+        finished = True
+        kind, message, param = describe(exc)
+        yield sse.frame(openai_payload(message, kind, param))
+    finally:
+        if not finished:
+            stream.abort()
+    yield sse.DONE

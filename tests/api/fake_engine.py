@@ -1,0 +1,166 @@
+"""ScriptedEngine: a test double of `actors.engine.AsyncEngine` that emits fixed texts.
+
+It has the engine's interface (add_request validation, RequestStream deltas with counts and logprobs, abort,
+is_healthy) and a byte-level tokenizer, so multi-byte characters span several tokens as with real BPE models.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import codecs
+import uuid
+
+from voltserve.config import EngineConfig
+from voltserve.errors import ContextLengthError, EngineDeadError, InvalidRequestError
+from voltserve.request import FinishReason, RequestOutput, SamplingParams, TokenLogprob
+
+SPECIALS = ["<|im_start|>", "<|im_end|>", "<|endoftext|>"]
+EOS_ID = 2
+
+
+class ByteTokenizer:
+    """Ids 0-2 are the specials above; id 3 + b is byte b."""
+
+    vocab_size = 3 + 256
+
+    def encode(self, text: str, add_special_tokens: bool = False, parse_special: bool = True) -> list[int]:
+        ids: list[int] = []
+        i = 0
+        while i < len(text):
+            special = next((s for s in SPECIALS if parse_special and text.startswith(s, i)), None)
+            if special is not None:
+                ids.append(SPECIALS.index(special))
+                i += len(special)
+            else:
+                ids.extend(3 + b for b in text[i].encode())
+                i += 1
+        return ids
+
+    def token_bytes(self, token_id: int) -> bytes:
+        return SPECIALS[token_id].encode() if token_id < 3 else bytes([token_id - 3])
+
+    def id_to_token(self, token_id: int) -> str:
+        return self.token_bytes(token_id).decode("latin-1")
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        data = b"".join(self.token_bytes(i) for i in ids if not (skip_special_tokens and i < 3))
+        return data.decode("utf-8", errors="replace")
+
+
+class ChatMLTemplate:
+    """ChatML, as SmolLM2's template renders it (without its default system prompt)."""
+
+    def render(self, messages, add_generation_prompt=True, tools=None, **kwargs) -> str:
+        text = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
+        return text + ("<|im_start|>assistant\n" if add_generation_prompt else "")
+
+
+class ScriptedStream:
+    """Async iterator of RequestOutput deltas: one token per delta, sequences interleaved."""
+
+    def __init__(self, engine: "ScriptedEngine", request_id: str, prompt_len: int, params: SamplingParams):
+        self.engine, self.request_id, self.prompt_len, self.params = engine, request_id, prompt_len, params
+
+    def abort(self) -> None:
+        self.engine.abort(self.request_id)
+
+    def __aiter__(self):
+        return self._run()
+
+    def _logprob(self, token_id: int, position: int) -> TokenLogprob | None:
+        if self.params.logprobs is None:
+            return None
+        top = tuple((token_id + k, -0.25 * (position % 4) - k) for k in range(self.params.logprobs))
+        return TokenLogprob(token_id, -0.25 * (position % 4), top)
+
+    async def _run(self):
+        e, p = self.engine, self.params
+        ids = {i: e.tokenizer.encode(e.scripts[i % len(e.scripts)], parse_special=False) + [EOS_ID]
+               for i in range(p.n)}
+        decoders = {i: codecs.getincrementaldecoder("utf-8")() for i in range(p.n)}
+        texts = {i: "" for i in range(p.n)}
+        done: set[int] = set()
+        budget = p.max_tokens if p.max_tokens is not None else e.max_model_len - self.prompt_len
+        await asyncio.sleep(e.first_delay_s)
+        for pos in range(budget):
+            for i in range(p.n):
+                if i in done:
+                    continue
+                if self.request_id in e.aborted or not e.is_healthy:
+                    if not e.is_healthy:
+                        raise EngineDeadError("scripted engine died")
+                    return
+                tid = ids[i][pos]
+                text = "" if tid == EOS_ID else decoders[i].decode(e.tokenizer.token_bytes(tid))
+                finish = FinishReason.STOP if tid == EOS_ID else None
+                full = texts[i] + text
+                hit = next((s for s in p.stop if s in full), None)
+                if hit is not None:
+                    text, finish = full[:full.index(hit)][len(texts[i]):], FinishReason.STOP
+                elif finish is None and pos + 1 == budget:
+                    finish = FinishReason.LENGTH
+                texts[i] += text
+                lp = self._logprob(tid, pos)
+                yield RequestOutput(self.request_id, i, [tid], text, [lp] if lp else None, finish,
+                                    num_prompt_tokens=self.prompt_len, num_cached_tokens=e.cached_tokens,
+                                    num_output_tokens=pos + 1)
+                if finish is not None:
+                    done.add(i)
+            if len(done) == p.n:
+                return
+            await asyncio.sleep(e.delay_s)
+
+
+class ScriptedEngine:
+    """AsyncEngine double.
+
+    Args:
+        scripts: text of sequence i is scripts[i % len(scripts)] followed by EOS.
+        delay_s: pause between decode steps; first_delay_s: pause before the first (queue + prefill).
+        max_model_len: context window (tokens).
+        cached_tokens: reported `num_cached_tokens`.
+        config: EngineConfig (default: model "test-model").
+    """
+
+    def __init__(self, scripts=("Hello, world!",), delay_s=0.0, first_delay_s=0.0, max_model_len=256,
+                 cached_tokens=0, config: EngineConfig | None = None):
+        self.scripts = list(scripts)
+        self.delay_s, self.first_delay_s = delay_s, first_delay_s
+        self.max_model_len, self.cached_tokens = max_model_len, cached_tokens
+        self.config = config or EngineConfig(model="test-model").validate()
+        self.tokenizer = ByteTokenizer()
+        self.chat_template = ChatMLTemplate()
+        self.requests: list[tuple[list[int], SamplingParams]] = []
+        self.aborted: list[str] = []
+        self.healthy = True
+        self.started = False
+
+    @property
+    def is_healthy(self) -> bool:
+        return self.healthy
+
+    async def start(self) -> None:
+        self.started = True
+
+    async def stop(self) -> None:
+        self.healthy = False
+
+    def add_request(self, prompt_token_ids, params, request_id=None) -> ScriptedStream:
+        if not self.healthy:
+            raise EngineDeadError("scripted engine is dead")
+        if not prompt_token_ids:
+            raise InvalidRequestError("prompt must not be empty", param="prompt")
+        params.validate()
+        n = len(prompt_token_ids)
+        if n + (params.max_tokens or 1) > self.max_model_len:
+            raise ContextLengthError(
+                f"this model's maximum context length is {self.max_model_len} tokens; the request has {n} prompt "
+                f"tokens and asks for {params.max_tokens or 1} output tokens")
+        self.requests.append((list(prompt_token_ids), params))
+        return ScriptedStream(self, request_id or uuid.uuid4().hex, n, params)
+
+    def abort(self, request_id: str) -> None:
+        self.aborted.append(request_id)
+
+    def kv_stats(self) -> dict:
+        return {"num_blocks": 16, "num_free_blocks": 16, "num_running": 0, "num_waiting": 0}

@@ -130,7 +130,7 @@ class ScriptedEngine:
         self.config = config or EngineConfig(model="test-model").validate()
         self.tokenizer = ByteTokenizer()
         self.chat_template = ChatMLTemplate()
-        self.requests: list[tuple[list[int], SamplingParams]] = []
+        self.requests: list[tuple[list[int], SamplingParams, str]] = []  # (prompt ids, params, request id)
         self.aborted: list[str] = []
         self.healthy = True
         self.started = False
@@ -156,8 +156,9 @@ class ScriptedEngine:
             raise ContextLengthError(
                 f"this model's maximum context length is {self.max_model_len} tokens; the request has {n} prompt "
                 f"tokens and asks for {params.max_tokens or 1} output tokens")
-        self.requests.append((list(prompt_token_ids), params))
-        return ScriptedStream(self, request_id or uuid.uuid4().hex, n, params)
+        request_id = request_id or uuid.uuid4().hex
+        self.requests.append((list(prompt_token_ids), params, request_id))
+        return ScriptedStream(self, request_id, n, params)
 
     def abort(self, request_id: str) -> None:
         self.aborted.append(request_id)

@@ -1,0 +1,42 @@
+"""Fixtures for the API tests: an app around a ScriptedEngine, with fixed ids and clock for exact bytes."""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from fake_engine import ScriptedEngine  # noqa: E402
+
+from api import create_app  # noqa: E402
+from voltserve.config import EngineConfig  # noqa: E402
+
+MODEL = "test-model"
+
+
+def fixed_id(prefix: str) -> str:
+    return prefix + "0"
+
+
+@pytest.fixture
+def serve():
+    """`async with serve(engine, **config) as (client, engine)`: a running app with a Quart test client."""
+
+    @contextlib.asynccontextmanager
+    async def _serve(engine: ScriptedEngine | None = None, **config):
+        engine = engine or ScriptedEngine()
+        engine.config = EngineConfig(model=MODEL, **config).validate()
+        app = create_app(engine, new_id=fixed_id, clock=lambda: 1700000000)
+        async with app.test_app() as test_app:
+            yield test_app.test_client(), engine
+
+    return _serve
+
+
+def chat_body(**extra) -> dict:
+    """A valid chat request, with `extra` fields merged in."""
+    return {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], **extra}

@@ -1,0 +1,116 @@
+"""One table of bad requests: exact status, error.type, error.param (and code), then a good request still works."""
+
+from __future__ import annotations
+
+import orjson
+import pytest
+from conftest import MODEL, chat_body
+from fake_engine import ScriptedEngine
+
+CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
+INVALID = "invalid_request_error"
+
+
+def completion_body(**extra) -> dict:
+    return {"model": MODEL, "prompt": "Hi", **extra}
+
+
+def without(key: str) -> dict:
+    body = chat_body()
+    del body[key]
+    return body
+
+
+# (id, method, path, body (dict -> JSON, bytes -> raw), status, type, param, code)
+CASES = [
+    ("malformed_json", "POST", CHAT, b'{"model": "test-model", "messages": [', 400, INVALID, None, None),
+    ("body_not_object", "POST", CHAT, b"[1, 2]", 400, INVALID, None, None),
+    ("empty_body", "POST", CHAT, b"", 400, INVALID, None, None),
+    ("missing_messages", "POST", CHAT, without("messages"), 400, INVALID, "messages", None),
+    ("empty_messages", "POST", CHAT, chat_body(messages=[]), 400, INVALID, "messages", None),
+    ("messages_not_list", "POST", CHAT, chat_body(messages="Hi"), 400, INVALID, "messages", None),
+    ("unknown_role", "POST", CHAT, chat_body(messages=[{"role": "robot", "content": "x"}]), 400, INVALID,
+     "messages.0.role", None),
+    ("content_wrong_type", "POST", CHAT, chat_body(messages=[{"role": "user", "content": 5}]), 400, INVALID,
+     "messages.0.content", None),
+    ("user_without_content", "POST", CHAT, chat_body(messages=[{"role": "user"}]), 400, INVALID,
+     "messages.0.content", None),
+    ("S7_image_part", "POST", CHAT, chat_body(messages=[{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]), 400, INVALID,
+     "messages.0.content.0.type", None),
+    ("S7_mm_kwargs", "POST", CHAT, chat_body(mm_processor_kwargs={"fps": 1}), 400, INVALID,
+     "mm_processor_kwargs", None),
+    ("missing_model", "POST", CHAT, without("model"), 400, INVALID, "model", None),
+    ("unknown_model", "POST", CHAT, chat_body(model="gpt-9"), 404, INVALID, "model", "model_not_found"),
+    ("max_tokens_zero", "POST", CHAT, chat_body(max_tokens=0), 400, INVALID, "max_tokens", None),
+    ("max_tokens_negative", "POST", COMPLETIONS, completion_body(max_tokens=-1), 400, INVALID, "max_tokens", None),
+    ("max_completion_tokens_zero", "POST", CHAT, chat_body(max_completion_tokens=0), 400, INVALID,
+     "max_completion_tokens", None),
+    ("max_tokens_above_context", "POST", CHAT, chat_body(max_tokens=1000), 400, INVALID, "max_tokens",
+     "context_length_exceeded"),
+    ("prompt_above_context", "POST", COMPLETIONS, completion_body(prompt=[5] * 300), 400, INVALID, "prompt",
+     "context_length_exceeded"),
+    ("chat_prompt_above_context", "POST", CHAT, chat_body(messages=[{"role": "user", "content": "x" * 300}]),
+     400, INVALID, "messages", "context_length_exceeded"),
+    ("temperature_negative", "POST", CHAT, chat_body(temperature=-0.5), 400, INVALID, "temperature", None),
+    ("temperature_string", "POST", CHAT, chat_body(temperature="hot"), 400, INVALID, "temperature", None),
+    ("top_p_zero", "POST", CHAT, chat_body(top_p=0), 400, INVALID, "top_p", None),
+    ("top_p_above_one", "POST", COMPLETIONS, completion_body(top_p=1.5), 400, INVALID, "top_p", None),
+    ("n_zero", "POST", CHAT, chat_body(n=0), 400, INVALID, "n", None),
+    ("n_float", "POST", CHAT, chat_body(n=1.5), 400, INVALID, "n", None),
+    ("top_logprobs_21", "POST", CHAT, chat_body(logprobs=True, top_logprobs=21), 400, INVALID, "top_logprobs",
+     None),
+    ("top_logprobs_without_logprobs", "POST", CHAT, chat_body(top_logprobs=2), 400, INVALID, "top_logprobs",
+     None),
+    ("completion_logprobs_21", "POST", COMPLETIONS, completion_body(logprobs=21), 400, INVALID, "logprobs", None),
+    ("presence_penalty_range", "POST", CHAT, chat_body(presence_penalty=3), 400, INVALID, "presence_penalty",
+     None),
+    ("min_tokens_above_max", "POST", CHAT, chat_body(min_tokens=5, max_tokens=2), 400, INVALID, "min_tokens",
+     None),
+    ("stop_wrong_type", "POST", CHAT, chat_body(stop=5), 400, INVALID, "stop", None),
+    ("stream_wrong_type", "POST", CHAT, chat_body(stream="yes"), 400, INVALID, "stream", None),
+    ("include_usage_wrong_type", "POST", CHAT, chat_body(stream=True, stream_options={"include_usage": 1}), 400,
+     INVALID, "stream_options.include_usage", None),
+    ("empty_prompt", "POST", COMPLETIONS, completion_body(prompt=""), 400, INVALID, "prompt", None),
+    ("prompt_id_outside_vocab", "POST", COMPLETIONS, completion_body(prompt=[1, 10**6]), 400, INVALID, "prompt",
+     None),
+    ("unknown_route", "POST", "/v1/nope", chat_body(), 404, INVALID, None, "unknown_url"),
+    ("wrong_method", "GET", CHAT, None, 405, INVALID, None, "method_not_allowed"),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+async def test_bad_input(serve, case):
+    _, method, path, body, status, error_type, param, code = case
+    async with serve(ScriptedEngine(scripts=["ok"])) as (client, _):
+        kwargs = {"data": body} if isinstance(body, bytes) else {"json": body} if body is not None else {}
+        response = await client.open(path, method=method, headers={"content-type": "application/json"}, **kwargs)
+        error = orjson.loads(await response.get_data())["error"]
+        assert (response.status_code, error["type"], error["param"], error["code"]) == (status, error_type, param,
+                                                                                          code)
+        assert isinstance(error["message"], str) and error["message"]
+        good = await client.post(CHAT, json=chat_body())
+        assert good.status_code == 200
+        assert orjson.loads(await good.get_data())["choices"][0]["message"]["content"] == "ok"
+
+
+async def test_context_error_names_both_lengths(serve):
+    async with serve(ScriptedEngine()) as (client, _):
+        response = await client.post(COMPLETIONS, json=completion_body(prompt=[5] * 300))
+    message = orjson.loads(await response.get_data())["error"]["message"]
+    assert "256" in message and "300" in message
+
+
+async def test_unexpected_error_is_500_without_details(serve):
+    engine = ScriptedEngine()
+
+    def explode(*args, **kwargs):
+        raise RuntimeError("secret internals /etc/passwd")
+
+    engine.add_request = explode
+    async with serve(engine) as (client, _):
+        response = await client.post(CHAT, json=chat_body())
+        assert response.status_code == 500
+        assert orjson.loads(await response.get_data()) == {"error": {
+            "message": "internal server error", "type": "server_error", "param": None, "code": None}}
+        assert (await client.get("/health")).status_code == 200

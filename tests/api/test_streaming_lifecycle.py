@@ -1,0 +1,102 @@
+"""Keep-alive comments (case S1), client disconnects aborting the engine request, engine death mid-stream."""
+
+from __future__ import annotations
+
+import asyncio
+
+import orjson
+from conftest import MODEL, chat_body
+from fake_engine import ScriptedEngine
+
+from api import sse
+
+
+async def _stream(serve, engine, path, body, **config) -> bytes:
+    async with serve(engine, **config) as (client, _):
+        response = await client.post(path, json=body)
+        assert response.status_code == 200
+        return await response.get_data()
+
+
+async def test_S1_keep_alive_when_engine_stalls(serve):
+    body = chat_body(stream=True)
+    slow = await _stream(serve, ScriptedEngine(scripts=["ab"], first_delay_s=0.5), "/v1/chat/completions", body,
+                         sse_keep_alive_interval=0.2)
+    plain = await _stream(serve, ScriptedEngine(scripts=["ab"]), "/v1/chat/completions", body)
+    assert slow.count(sse.KEEP_ALIVE) >= 1
+    # Comments come only between events, and removing them gives the plain stream back.
+    assert slow.replace(sse.KEEP_ALIVE, b"") == plain
+
+
+async def test_S1_keep_alive_completions(serve):
+    body = {"model": MODEL, "prompt": "x", "stream": True}
+    slow = await _stream(serve, ScriptedEngine(scripts=["ab"], first_delay_s=0.5), "/v1/completions", body,
+                         sse_keep_alive_interval=0.2)
+    assert slow.count(sse.KEEP_ALIVE) >= 1
+
+
+async def test_S1_no_keep_alive_by_default(serve):
+    body = chat_body(stream=True)
+    stalled = await _stream(serve, ScriptedEngine(scripts=["ab"], first_delay_s=0.5), "/v1/chat/completions", body)
+    assert sse.KEEP_ALIVE not in stalled
+    assert all(event.startswith(b"data: ") for event in stalled.split(b"\n\n")[:-1])
+
+
+async def test_keep_alive_does_not_close_source():
+    """The pitfall DESIGN.md section 9 names: a timeout must not close the wrapped generator."""
+    async def source():
+        yield b"a"
+        await asyncio.sleep(0.35)
+        yield b"b"
+
+    chunks = [c async for c in sse.with_keep_alive(source(), 0.1)]
+    assert chunks[0] == b"a" and chunks[-1] == b"b"
+    assert set(chunks[1:-1]) == {sse.KEEP_ALIVE} and len(chunks) >= 3
+
+
+async def test_client_disconnect_aborts_request(serve):
+    engine = ScriptedEngine(scripts=["x" * 200], delay_s=0.02)
+    async with serve(engine) as (client, _):
+        async with client.request("/v1/chat/completions", method="POST",
+                                  headers={"content-type": "application/json"}) as connection:
+            await connection.send(orjson.dumps(chat_body(stream=True)))
+            await connection.send_complete()
+            first = await connection.receive()
+            assert first.startswith(b"data: ")
+            await connection.receive()
+            await connection.disconnect()
+        (_, _, request_id), = engine.requests
+        for _ in range(50):  # the cancelled generator's finally runs on the next loop turns
+            if engine.aborted:
+                break
+            await asyncio.sleep(0.01)
+        assert engine.aborted == [request_id]
+        # and the server keeps serving
+        response = await client.post("/v1/chat/completions", json=chat_body(max_tokens=2))
+        assert response.status_code == 200
+
+
+async def test_finished_stream_is_not_aborted(serve):
+    engine = ScriptedEngine(scripts=["ab"])
+    await _stream(serve, engine, "/v1/chat/completions", chat_body(stream=True))
+    assert engine.aborted == []
+
+
+async def test_engine_death_mid_stream_reports_error_event(serve):
+    engine = ScriptedEngine(scripts=["abcdef"], delay_s=0.05)
+    async with serve(engine) as (client, _):
+        async def kill():
+            await asyncio.sleep(0.08)
+            engine.healthy = False
+
+        killer = asyncio.create_task(kill())
+        response = await client.post("/v1/chat/completions", json=chat_body(stream=True))
+        body = await response.get_data()
+        await killer
+        health = await client.get("/health")
+    events = body.split(b"\n\n")
+    assert events[-3] == (b'data: {"error":{"message":"scripted engine died","type":"server_error","param":null,'
+                          b'"code":"engine_dead"}}')
+    assert body.endswith(b"data: [DONE]\n\n")
+    assert health.status_code == 503
+    assert orjson.loads(await health.get_data())["error"]["code"] == "engine_dead"

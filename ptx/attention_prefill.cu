@@ -1,0 +1,159 @@
+// attention_prefill.cu: causal attention of a step's new tokens over each sequence's paged KV context, GQA.
+// Covers prefill, chunked prefill, prefix-cache hits and mixed steps: query row j of sequence s sits at position
+// seq_len - query_len + j and sees keys 0..that position (all read from the paged cache).
+// Flash-attention-style online softmax (Dao et al. 2022), SIMT.
+//
+// Grid: (ceil(max_query_len / BQ), num_heads, num_seqs); block 128 threads = 4 warps x ROWS query rows (BQ = 16).
+// Shared memory (dynamic): K tile [BK][HEAD_DIM + 2] fp16 (padded: conflict-free column reads), V tile
+// [BK][HEAD_DIM] fp16, Q [BQ][HEAD_DIM] fp32 = 2*BK*(2*HEAD_DIM+2) + 4*BQ*HEAD_DIM bytes.
+// Per key tile: lane j scores key j for the warp's ROWS rows, then every lane accumulates its pairs of output dims.
+// SM70 path: the only path (fp16 storage, fp32 math). A tensor-core (mma.m8n8k4 / WMMA) path is a later tuning step.
+// Reference: voltserve.backends.cpu.CpuBackend.attention.
+#include "common.cuh"
+
+#ifndef HEAD_DIM
+#define HEAD_DIM 64
+#endif
+#define NUM_THREADS 128
+#define NUM_WARPS 4
+#define ROWS 4
+#define BQ (NUM_WARPS * ROWS)
+#define BK 32
+#define KS (HEAD_DIM + 2)                    // padded K row, in halves
+#define PAIRS (HEAD_DIM / 2)
+#define PPL ((PAIRS + 31) / 32)              // output dim pairs per lane
+static_assert(HEAD_DIM % 8 == 0 && HEAD_DIM <= 256, "HEAD_DIM must be a multiple of 8, at most 256");
+
+struct PrefillParams {
+    const half_t* q;             // [num_tokens, num_heads, HEAD_DIM] fp16, strides below
+    const half_t* kv;            // [2, num_blocks, block_size, num_kv_heads, HEAD_DIM] fp16
+    const int* block_tables;     // [num_seqs, max_blocks] int32
+    const int* seq_lens;         // [num_seqs] int32, context length after this step
+    const int* query_start_loc;  // [num_seqs + 1] int32
+    half_t* out;                 // [num_tokens, num_heads, HEAD_DIM] fp16, contiguous
+    i64 q_token_stride;          // elements
+    i64 q_head_stride;
+    i64 kv_plane;                // elements of one of the K / V planes
+    int num_seqs;
+    int num_heads;
+    int num_kv_heads;
+    int block_size;
+    int max_blocks;
+    float scale;
+};
+VOLT_CHECK_PARAMS(PrefillParams, VOLT_PREFILL_PARAMS_BYTES);
+
+extern "C" __global__ void __launch_bounds__(NUM_THREADS) attn_prefill(const PrefillParams p) {
+    extern __shared__ float smem[];
+    float* q_s = smem;                                                   // [BQ][HEAD_DIM]
+    half_t* k_s = reinterpret_cast<half_t*>(q_s + BQ * HEAD_DIM);        // [BK][KS]
+    half_t* v_s = k_s + BK * KS;                                         // [BK][HEAD_DIM]
+    const int h = blockIdx.y, seq = blockIdx.z;
+    const int kvh = h / (p.num_heads / p.num_kv_heads);
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int q_begin = p.query_start_loc[seq];
+    const int q_len = p.query_start_loc[seq + 1] - q_begin;
+    const int q0 = blockIdx.x * BQ;
+    if (q0 >= q_len) return;
+    const int seq_len = p.seq_lens[seq];
+    const int ctx = seq_len - q_len;                                     // cached tokens before this step
+    const int num_keys = min(seq_len, ctx + min(q0 + BQ, q_len));        // causal bound for the whole block
+
+    for (int i = tid; i < BQ * HEAD_DIM; i += NUM_THREADS) {
+        const int r = i / HEAD_DIM, d = i % HEAD_DIM;
+        const i64 row = q_begin + q0 + r;
+        q_s[i] = q0 + r < q_len ? h2f(p.q[row * p.q_token_stride + h * p.q_head_stride + d]) * p.scale : 0.f;
+    }
+
+    float m[ROWS], l[ROWS], acc[ROWS][PPL][2];
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) {
+        m[r] = VOLT_NEG_INF;
+        l[r] = 0.f;
+#pragma unroll
+        for (int i = 0; i < PPL; ++i) acc[r][i][0] = acc[r][i][1] = 0.f;
+    }
+
+    for (int k0 = 0; k0 < num_keys; k0 += BK) {
+        __syncthreads();  // previous tile fully consumed (and q_s written, on the first pass)
+        // load the K and V tile, 8 halves per thread and step; keys past the end are zero (no NaN garbage)
+        for (int i = tid; i < BK * (HEAD_DIM / 8); i += NUM_THREADS) {
+            const int j = i / (HEAD_DIM / 8), c = (i % (HEAD_DIM / 8)) * 8;
+            uint4 kvec = make_uint4(0, 0, 0, 0), vvec = make_uint4(0, 0, 0, 0);
+            const int t = k0 + j;
+            if (t < num_keys) {
+                const int block = p.block_tables[(i64)seq * p.max_blocks + t / p.block_size];
+                const half_t* src = p.kv + (((i64)block * p.block_size + t % p.block_size) * p.num_kv_heads + kvh)
+                                               * HEAD_DIM + c;
+                kvec = *reinterpret_cast<const uint4*>(src);
+                vvec = *reinterpret_cast<const uint4*>(src + p.kv_plane);
+            }
+            u32* kd = reinterpret_cast<u32*>(k_s + j * KS + c);          // 4-byte aligned only (padding)
+            kd[0] = kvec.x; kd[1] = kvec.y; kd[2] = kvec.z; kd[3] = kvec.w;
+            *reinterpret_cast<uint4*>(v_s + j * HEAD_DIM + c) = vvec;
+        }
+        __syncthreads();
+
+        // scores of key k0 + lane for this warp's rows
+        float s[ROWS];
+#pragma unroll
+        for (int r = 0; r < ROWS; ++r) s[r] = 0.f;
+        const u32* krow = reinterpret_cast<const u32*>(k_s + lane * KS);
+#pragma unroll 4
+        for (int d2 = 0; d2 < PAIRS; ++d2) {
+            float k_lo, k_hi;
+            unpack2(krow[d2], k_lo, k_hi);
+#pragma unroll
+            for (int r = 0; r < ROWS; ++r) {
+                const float* qr = q_s + (warp * ROWS + r) * HEAD_DIM + 2 * d2;
+                s[r] += qr[0] * k_lo + qr[1] * k_hi;
+            }
+        }
+        const int key = k0 + lane;
+#pragma unroll
+        for (int r = 0; r < ROWS; ++r) {
+            const int qi = q0 + warp * ROWS + r;
+            const bool valid = qi < q_len && key < seq_len && key <= ctx + qi;
+            const float sv = valid ? s[r] : VOLT_NEG_INF;
+            const float m_new = fmaxf(m[r], warp_max(sv));
+            // m_new == -inf: nothing seen yet for this row; keep the state at zero and avoid inf - inf
+            const float e = valid ? __expf(sv - m_new) : 0.f;
+            const float corr = m_new == VOLT_NEG_INF ? 1.f : __expf(m[r] - m_new);
+            l[r] = l[r] * corr + warp_sum(e);
+            m[r] = m_new;
+            s[r] = e;
+#pragma unroll
+            for (int i = 0; i < PPL; ++i) { acc[r][i][0] *= corr; acc[r][i][1] *= corr; }
+        }
+        // P @ V: lane owns dim pairs lane, lane + 32, ...; probabilities broadcast from the lane owning the key
+        for (int j = 0; j < BK; ++j) {
+            float pj[ROWS];
+#pragma unroll
+            for (int r = 0; r < ROWS; ++r) pj[r] = __shfl_sync(0xffffffffu, s[r], j);
+            const u32* vrow = reinterpret_cast<const u32*>(v_s + j * HEAD_DIM);
+#pragma unroll
+            for (int i = 0; i < PPL; ++i) {
+                const int pr = lane + 32 * i;
+                if (pr < PAIRS) {
+                    float v0, v1;
+                    unpack2(vrow[pr], v0, v1);
+#pragma unroll
+                    for (int r = 0; r < ROWS; ++r) { acc[r][i][0] += pj[r] * v0; acc[r][i][1] += pj[r] * v1; }
+                }
+            }
+        }
+    }
+
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) {
+        const int qi = q0 + warp * ROWS + r;
+        if (qi >= q_len) continue;
+        const float inv = 1.f / l[r];
+        u32* dst = reinterpret_cast<u32*>(p.out + ((i64)(q_begin + qi) * p.num_heads + h) * HEAD_DIM);
+#pragma unroll
+        for (int i = 0; i < PPL; ++i) {
+            const int pr = lane + 32 * i;
+            if (pr < PAIRS) dst[pr] = pack2(acc[r][i][0] * inv, acc[r][i][1] * inv);
+        }
+    }
+}

@@ -1,0 +1,95 @@
+// common.cuh: helpers shared by every voltserve kernel (fp16 <-> fp32, vector loads, warp/block reductions).
+//
+// Kernels are header-free on purpose: fp16 is stored as raw 16-bit words (`half_t`) and converted with PTX
+// `cvt` instructions (SM53+), so NVRTC needs no CUDA include directory and a CUDA 12 / CUDA 13 header mix-up
+// cannot happen. All arithmetic is fp32 (the SM70 rule: fp16 storage, fp32 accumulate).
+#pragma once
+
+typedef unsigned short half_t;            // IEEE fp16 bits
+typedef unsigned char u8;
+typedef unsigned int u32;
+typedef long long i64;
+
+#define VOLT_DEVICE __device__ __forceinline__
+#define VOLT_NEG_INF (-__int_as_float(0x7f800000))
+
+VOLT_DEVICE float h2f(half_t h) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+}
+
+VOLT_DEVICE half_t f2h(float f) {
+    half_t h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return h;
+}
+
+// Round-trip through fp16 (what a torch fp16 op does between two steps).
+VOLT_DEVICE float round_h(float f) { return h2f(f2h(f)); }
+
+// Two packed fp16 values of one 32-bit word.
+VOLT_DEVICE void unpack2(u32 w, float& lo, float& hi) {
+    lo = h2f((half_t)(w & 0xffffu));
+    hi = h2f((half_t)(w >> 16));
+}
+
+VOLT_DEVICE u32 pack2(float lo, float hi) { return (u32)f2h(lo) | ((u32)f2h(hi) << 16); }
+
+// 8 fp16 values (one 16-byte vector) -> fp32. p must be 16-byte aligned.
+VOLT_DEVICE void load8(const half_t* p, float* out) {
+    uint4 v = *reinterpret_cast<const uint4*>(p);
+    unpack2(v.x, out[0], out[1]);
+    unpack2(v.y, out[2], out[3]);
+    unpack2(v.z, out[4], out[5]);
+    unpack2(v.w, out[6], out[7]);
+}
+
+VOLT_DEVICE void store8(half_t* p, const float* in) {
+    uint4 v;
+    v.x = pack2(in[0], in[1]);
+    v.y = pack2(in[2], in[3]);
+    v.z = pack2(in[4], in[5]);
+    v.w = pack2(in[6], in[7]);
+    *reinterpret_cast<uint4*>(p) = v;
+}
+
+VOLT_DEVICE float warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+VOLT_DEVICE float warp_max(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+// Block-wide sum for blockDim.x a multiple of 32 (<= 1024); every thread gets the result.
+// `scratch` holds >= 32 floats of shared memory; the call syncs twice so scratch can be reused after.
+VOLT_DEVICE float block_sum(float v, float* scratch) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, num_warps = blockDim.x >> 5;
+    v = warp_sum(v);
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    v = lane < num_warps ? scratch[lane] : 0.f;
+    v = warp_sum(v);
+    __syncthreads();
+    return v;
+}
+
+VOLT_DEVICE float block_max(float v, float* scratch) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, num_warps = blockDim.x >> 5;
+    v = warp_max(v);
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    v = lane < num_warps ? scratch[lane] : VOLT_NEG_INF;
+    v = warp_max(v);
+    __syncthreads();
+    return v;
+}
+
+// Params structs are checked against their Python ctypes mirror: the launcher passes
+// -DVOLT_<NAME>_BYTES=<ctypes.sizeof(mirror)>, so a drifting layout fails to compile (even on CI).
+#define VOLT_CHECK_PARAMS(T, BYTES) static_assert(sizeof(T) == (BYTES), #T " drifted from its Python mirror")

@@ -1,0 +1,61 @@
+// quant.cuh: GGUF block formats dequantized in registers (ggml-common.h layouts, 32 weights per block).
+//   Q4_0: fp16 d, 16 bytes of nibbles; w = d * (q - 8)      (18 bytes)
+//   Q4_1: fp16 d, fp16 m, 16 bytes of nibbles; w = d * q + m (20 bytes)
+//   Q8_0: fp16 d, 32 int8; w = d * q                         (34 bytes)
+// Nibble layout: byte i holds element i (low nibble) and element i + 16 (high nibble).
+// WTYPE selects the format at compile time: 0 = fp16 rows, 1 = Q4_0, 2 = Q4_1, 3 = Q8_0.
+#pragma once
+#include "common.cuh"
+
+#define WTYPE_F16 0
+#define WTYPE_Q4_0 1
+#define WTYPE_Q4_1 2
+#define WTYPE_Q8_0 3
+
+#ifndef WTYPE
+#define WTYPE WTYPE_Q4_0
+#endif
+
+#if WTYPE == WTYPE_Q4_0
+#define BLOCK_BYTES 18
+#elif WTYPE == WTYPE_Q4_1
+#define BLOCK_BYTES 20
+#elif WTYPE == WTYPE_Q8_0
+#define BLOCK_BYTES 34
+#else
+#define BLOCK_BYTES 64   // fp16: 32 weights
+#endif
+
+// Dequantize elements [j0, j0 + 8) of one 32-weight block (j0 in {0, 8, 16, 24}) into w[8].
+VOLT_DEVICE void dequant8(const u8* blk, int j0, float* w) {
+#if WTYPE == WTYPE_F16
+    load8(reinterpret_cast<const half_t*>(blk) + j0, w);
+#elif WTYPE == WTYPE_Q8_0
+    const float d = h2f(*reinterpret_cast<const half_t*>(blk));
+    const unsigned short* q2 = reinterpret_cast<const unsigned short*>(blk + 2 + j0);  // 2-byte aligned
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const unsigned short v = q2[i];
+        w[2 * i] = d * (float)(signed char)(v & 0xff);
+        w[2 * i + 1] = d * (float)(signed char)(v >> 8);
+    }
+#else
+    const float d = h2f(*reinterpret_cast<const half_t*>(blk));
+#if WTYPE == WTYPE_Q4_1
+    const float mn = h2f(*reinterpret_cast<const half_t*>(blk + 2));
+    const u8* qs = blk + 4;
+#else
+    const float mn = -8.f * d;
+    const u8* qs = blk + 2;
+#endif
+    const bool high = j0 >= 16;
+    const unsigned short* q2 = reinterpret_cast<const unsigned short*>(qs + (j0 & 15));
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const unsigned short v = q2[i];
+        const int b0 = v & 0xff, b1 = v >> 8;
+        w[2 * i] = d * (float)(high ? b0 >> 4 : b0 & 15) + mn;
+        w[2 * i + 1] = d * (float)(high ? b1 >> 4 : b1 & 15) + mn;
+    }
+#endif
+}

@@ -1,0 +1,97 @@
+"""Kernel registry: which source, params mirror and `-D` specialisations each op compiles with.
+
+One place decides the defines, so the launchers (ops.py) and the AOT check (tools/build_ptx.py) compile exactly
+the same modules. No cuda-python or torch import here.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+from voltserve.backends.cuda import params as P
+
+WTYPES = {"F16": 0, "Q4_0": 1, "Q4_1": 2, "Q8_0": 3}
+# bytes of one 32-weight GGUF block (ggml-common.h)
+QUANT_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
+GEMV_MAX_ROWS = 8          # x rows per GEMV launch; above GEMM_MIN_ROWS the tiled GEMM runs instead
+GEMM_MIN_ROWS = 17
+GEMV_ROW_BUCKETS = (1, 2, 4, 8)
+
+
+@dataclass(frozen=True)
+class KernelSource:
+    """A `ptx/` source file, its kernels and its params mirror.
+
+    Attributes:
+        file: name in `ptx/`.
+        kernels: `extern "C"` kernel names in the file.
+        params: ctypes mirror of the file's params struct.
+        size_define: the `-D` name the struct's static_assert checks.
+    """
+
+    file: str
+    kernels: tuple[str, ...]
+    params: type[ctypes.Structure]
+    size_define: str
+
+
+SOURCES = {
+    "embedding": KernelSource("embedding.cu", ("embedding_f16", "embedding_q8_0"), P.EmbeddingParams,
+                              "VOLT_EMBEDDING_PARAMS_BYTES"),
+    "rmsnorm": KernelSource("rmsnorm.cu", ("rms_norm",), P.RmsNormParams, "VOLT_RMSNORM_PARAMS_BYTES"),
+    "rotary": KernelSource("rotary.cu", ("rotary",), P.RotaryParams, "VOLT_ROTARY_PARAMS_BYTES"),
+    "kv_write": KernelSource("kv_write.cu", ("kv_write",), P.KvWriteParams, "VOLT_KV_WRITE_PARAMS_BYTES"),
+    "silu_mul": KernelSource("silu_mul.cu", ("silu_mul",), P.SiluMulParams, "VOLT_SILU_MUL_PARAMS_BYTES"),
+    "attention_decode": KernelSource("attention_decode.cu", ("attn_decode", "attn_decode_reduce"),
+                                     P.DecodeParams, "VOLT_DECODE_PARAMS_BYTES"),
+    "attention_prefill": KernelSource("attention_prefill.cu", ("attn_prefill",), P.PrefillParams,
+                                      "VOLT_PREFILL_PARAMS_BYTES"),
+    "gemv": KernelSource("gemv.cu", ("gemv",), P.GemvParams, "VOLT_GEMV_PARAMS_BYTES"),
+    "gemm_tiled": KernelSource("gemm_tiled.cu", ("gemm_tiled",), P.GemmParams, "VOLT_GEMM_PARAMS_BYTES"),
+    "sampling": KernelSource("sampling.cu", ("argmax_logprob",), P.ArgmaxParams, "VOLT_ARGMAX_PARAMS_BYTES"),
+}
+
+
+def defines(op: str, **spec: int) -> dict[str, int]:
+    """The `-D` set of one specialisation of `op`: the params size check plus `spec` (HEAD_DIM=64, ...)."""
+    src = SOURCES[op]
+    return {src.size_define: ctypes.sizeof(src.params), **spec}
+
+
+def decode_partition(head_dim: int, group: int) -> int:
+    """Keys per split of the decode kernel; smaller for wide GQA groups so shared memory stays small."""
+    return 512 if group * head_dim <= 512 else 256
+
+
+def decode_smem_bytes(head_dim: int, group: int) -> int:
+    """Dynamic shared memory of attn_decode (mirrors the layout in attention_decode.cu)."""
+    part = decode_partition(head_dim, group)
+    num_groups = 128 // (head_dim // 2)
+    return 4 * (group * head_dim + group * part + num_groups * group * head_dim + 2 * group)
+
+
+def prefill_smem_bytes(head_dim: int) -> int:
+    """Dynamic shared memory of attn_prefill (BQ = 16 query rows, BK = 32 keys)."""
+    return 4 * 16 * head_dim + 2 * 32 * (head_dim + 2) + 2 * 32 * head_dim
+
+
+def decode_spec(head_dim: int, group: int) -> dict[str, int]:
+    return {"HEAD_DIM": head_dim, "GROUP": group, "PARTITION": decode_partition(head_dim, group)}
+
+
+# Specialisations the engine compiles for the model families it serves (head_dim 64 / 128, GQA groups 1-8).
+ENGINE_HEAD_DIMS = (64, 128)
+ENGINE_GROUPS = (1, 2, 3, 4, 5, 6, 7, 8)
+
+
+def engine_specializations() -> list[tuple[str, dict[str, int]]]:
+    """Every (op, spec) the engine may compile; tools/build_ptx.py compiles all of them."""
+    specs: list[tuple[str, dict[str, int]]] = [(op, {}) for op in ("embedding", "rmsnorm", "rotary", "kv_write",
+                                                                  "silu_mul")]
+    specs += [("attention_decode", decode_spec(d, g)) for d in ENGINE_HEAD_DIMS for g in ENGINE_GROUPS]
+    specs += [("attention_prefill", {"HEAD_DIM": d}) for d in ENGINE_HEAD_DIMS]
+    specs += [("gemv", {"WTYPE": w, "MROWS": m}) for w in WTYPES.values() for m in GEMV_ROW_BUCKETS]
+    specs += [("gemm_tiled", {"WTYPE": w}) for w in WTYPES.values()]
+    specs += [("sampling", {"LOGITS_F16": f}) for f in (0, 1)]
+    return specs

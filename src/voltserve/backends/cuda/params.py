@@ -1,0 +1,63 @@
+"""ctypes mirrors of the kernels' params structs (ptx/*.cu), field for field.
+
+Each launcher passes `-D<NAME>=ctypes.sizeof(mirror)`; the kernel's `static_assert` then fails to compile if the
+two layouts drift apart (STYLE.md 8.3). Field order and types follow the C structs exactly.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+P = ctypes.c_void_p
+I64 = ctypes.c_int64
+I32 = ctypes.c_int32
+F32 = ctypes.c_float
+
+
+def _struct(name: str, fields: list[tuple[str, type]]) -> type[ctypes.Structure]:
+    return type(name, (ctypes.Structure,), {"_fields_": fields})
+
+
+EmbeddingParams = _struct("EmbeddingParams", [
+    ("token_ids", P), ("table", P), ("out", P), ("num_tokens", I32), ("hidden", I32), ("vocab", I32),
+    ("row_bytes", I32)])
+
+RmsNormParams = _struct("RmsNormParams", [
+    ("x", P), ("residual", P), ("weight", P), ("out", P), ("residual_out", P), ("x_stride", I64),
+    ("residual_stride", I64), ("num_tokens", I32), ("hidden", I32), ("eps", F32), ("pad_", I32)])
+
+RotaryParams = _struct("RotaryParams", [
+    ("q", P), ("k", P), ("q_out", P), ("k_out", P), ("positions", P), ("cos_sin", P),
+    ("q_token_stride", I64), ("q_head_stride", I64), ("k_token_stride", I64), ("k_head_stride", I64),
+    ("num_tokens", I32), ("num_heads", I32), ("num_kv_heads", I32), ("head_dim", I32), ("interleaved", I32),
+    ("max_positions", I32)])
+
+KvWriteParams = _struct("KvWriteParams", [
+    ("k", P), ("v", P), ("kv", P), ("slot_mapping", P), ("k_token_stride", I64), ("k_head_stride", I64),
+    ("v_token_stride", I64), ("v_head_stride", I64), ("kv_plane", I64), ("num_tokens", I32),
+    ("num_kv_heads", I32), ("head_dim", I32), ("pad_", I32)])
+
+SiluMulParams = _struct("SiluMulParams", [
+    ("x", P), ("out", P), ("x_stride", I64), ("num_tokens", I32), ("inner", I32)])
+
+DecodeParams = _struct("DecodeParams", [
+    ("q", P), ("kv", P), ("block_tables", P), ("seq_lens", P), ("query_start_loc", P), ("out", P),
+    ("part_acc", P), ("part_ml", P), ("q_token_stride", I64), ("q_head_stride", I64), ("kv_plane", I64),
+    ("num_seqs", I32), ("num_heads", I32), ("num_kv_heads", I32), ("block_size", I32), ("max_blocks", I32),
+    ("num_splits", I32), ("scale", F32), ("pad_", I32)])
+
+PrefillParams = _struct("PrefillParams", [
+    ("q", P), ("kv", P), ("block_tables", P), ("seq_lens", P), ("query_start_loc", P), ("out", P),
+    ("q_token_stride", I64), ("q_head_stride", I64), ("kv_plane", I64), ("num_seqs", I32), ("num_heads", I32),
+    ("num_kv_heads", I32), ("block_size", I32), ("max_blocks", I32), ("scale", F32)])
+
+GemvParams = _struct("GemvParams", [
+    ("x", P), ("w", P), ("y", P), ("x_stride", I64), ("y_stride", I64), ("w_row_bytes", I64), ("m", I32),
+    ("n", I32), ("k", I32), ("vec_ok", I32)])
+
+GemmParams = _struct("GemmParams", [
+    ("x", P), ("w", P), ("y", P), ("x_stride", I64), ("y_stride", I64), ("w_row_bytes", I64), ("m", I32),
+    ("n", I32), ("k", I32), ("pad_", I32)])
+
+ArgmaxParams = _struct("ArgmaxParams", [
+    ("logits", P), ("out_ids", P), ("out_logprobs", P), ("row_stride", I64), ("num_rows", I32), ("vocab", I32)])

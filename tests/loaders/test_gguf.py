@@ -1,0 +1,148 @@
+"""GGUF loader: a tiny GGUF written here, then the real SmolLM2 file against transformers' own loader."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as QT
+from gguf import GGUFWriter
+from gguf.quants import dequantize, quantize
+
+from loaders.gguf import hf_name, load_gguf
+from voltserve.errors import UnsupportedModelError
+from voltserve.tokenizer import _byte_decoder
+
+HIDDEN, HEADS, KV_HEADS, HEAD_DIM, FFN, LAYERS = 64, 4, 2, 16, 96, 2
+SPECIALS = ["<s>", "</s>", "<|eot|>"]
+BYTE_TOKENS = sorted(_byte_decoder(), key=_byte_decoder().get)
+TOKENS = SPECIALS + BYTE_TOKENS + ["he", "hel"]
+
+
+def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """What llama.cpp's converter does to HF Q/K rows (convert_hf_to_gguf.py LlamaModel.permute)."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_tiny_gguf(path, arch="llama", weights=None, types=None, tokenizer_model="gpt2"):
+    """A 2-layer llama GGUF. `weights`: HF name -> [out, in] fp32 (HF layout); `types`: HF name -> qtype."""
+    rng = np.random.default_rng(0)
+    w = weights if weights is not None else {}
+    writer = GGUFWriter(str(path), arch)
+    writer.add_block_count(LAYERS)
+    writer.add_context_length(256)
+    writer.add_embedding_length(HIDDEN)
+    writer.add_feed_forward_length(FFN)
+    writer.add_head_count(HEADS)
+    writer.add_head_count_kv(KV_HEADS)
+    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_rope_freq_base(50000.0)
+    writer.add_tokenizer_model(tokenizer_model)
+    writer.add_tokenizer_pre("smollm")
+    writer.add_token_list(TOKENS)
+    writer.add_token_types([3, 3, 3] + [1] * (len(TOKENS) - 3))
+    writer.add_token_merges(["h e", "he l"])
+    writer.add_bos_token_id(0)
+    writer.add_eos_token_id(1)
+    writer.add_eot_token_id(2)
+    shapes = {"token_embd.weight": (len(TOKENS), HIDDEN), "output_norm.weight": (HIDDEN,)}
+    per_layer = {"attn_q": (HEADS * HEAD_DIM, HIDDEN), "attn_k": (KV_HEADS * HEAD_DIM, HIDDEN),
+                 "attn_v": (KV_HEADS * HEAD_DIM, HIDDEN), "attn_output": (HIDDEN, HEADS * HEAD_DIM),
+                 "ffn_gate": (FFN, HIDDEN), "ffn_up": (FFN, HIDDEN), "ffn_down": (HIDDEN, FFN),
+                 "attn_norm": (HIDDEN,), "ffn_norm": (HIDDEN,)}
+    for i in range(LAYERS):
+        shapes.update({f"blk.{i}.{k}.weight": v for k, v in per_layer.items()})
+    for gname, shape in shapes.items():
+        name = hf_name(gname)
+        arr = w.setdefault(name, rng.standard_normal(shape).astype(np.float32))
+        if "attn_q" in gname or "attn_k" in gname:
+            arr = llama_cpp_permute(arr, HEADS if "attn_q" in gname else KV_HEADS)
+        qtype = (types or {}).get(name, QT.F32)
+        if qtype == QT.F32:
+            writer.add_tensor(gname, arr)
+        elif qtype == QT.F16:
+            writer.add_tensor(gname, arr.astype(np.float16))
+        elif qtype == QT.I32:
+            writer.add_tensor(gname, arr.astype(np.int32))
+        else:
+            writer.add_tensor(gname, quantize(arr, qtype), raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return w
+
+
+def test_tiny_gguf_loads(tmp_path):
+    q0, k0 = "model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.k_proj.weight"
+    gate1, up1 = "model.layers.1.mlp.gate_proj.weight", "model.layers.1.mlp.up_proj.weight"
+    types = {q0: QT.Q8_0, k0: QT.Q4_0, gate1: QT.Q4_1, up1: QT.F16}
+    w = write_tiny_gguf(tmp_path / "tiny.gguf", types=types)
+    m = load_gguf(tmp_path / "tiny.gguf")
+    c = m.config
+    assert (c.architecture, c.num_layers, c.hidden_size, c.intermediate_size) == ("llama", 2, 64, 96)
+    assert (c.num_heads, c.num_kv_heads, c.head_dim, c.vocab_size) == (4, 2, 16, len(TOKENS))
+    assert (c.rope_theta, c.max_position_embeddings, c.rope_style) == (50000.0, 256, "neox")
+    assert c.rms_norm_eps == pytest.approx(1e-6)
+    assert c.tie_word_embeddings and "lm_head.weight" not in m.tensors
+    assert (c.bos_token_id, c.eos_token_ids) == (0, (1, 2))
+    assert len(m.tensors) == 2 + LAYERS * 9
+    for name, ref in w.items():
+        expected = ref
+        if name in types and types[name] != QT.F16:
+            expected = dequantize(quantize(ref, types[name]), types[name])  # rows quantize independently
+        elif name in types:
+            expected = ref.astype(np.float16).astype(np.float32)
+        assert m.tensors[name].dtype == torch.float32
+        assert torch.equal(m.tensors[name], torch.from_numpy(expected)), name
+    assert set(m.quantized) == {q0, k0, gate1}
+    assert m.quantized[k0].qtype == "Q4_0" and m.quantized[k0].shape == (KV_HEADS * HEAD_DIM, HIDDEN)
+    assert np.array_equal(m.quantized[q0].data, quantize(w[q0], QT.Q8_0))  # rows back in HF order
+    assert m.quantized[gate1].data.shape == (FFN, HIDDEN // 32 * 20)
+    tok = m.tokenizer
+    assert tok.encode("hello</s>") == [TOKENS.index("hel"), TOKENS.index("l"), TOKENS.index("o"), 1]
+    assert (tok.eos_token_ids, tok.special_ids, tok.vocab_size) == ((1, 2), frozenset({0, 1, 2}), len(TOKENS))
+
+
+def test_unsupported_architecture(tmp_path):
+    write_tiny_gguf(tmp_path / "x.gguf", arch="falcon")
+    with pytest.raises(UnsupportedModelError, match="architecture 'falcon'"):
+        load_gguf(tmp_path / "x.gguf")
+
+
+def test_unsupported_tensor_type(tmp_path):
+    write_tiny_gguf(tmp_path / "x.gguf", types={"model.layers.1.mlp.up_proj.weight": QT.I32})
+    with pytest.raises(UnsupportedModelError, match=r"blk\.1\.ffn_up\.weight has unsupported type I32"):
+        load_gguf(tmp_path / "x.gguf")
+
+
+def test_unsupported_tokenizer_model(tmp_path):
+    write_tiny_gguf(tmp_path / "x.gguf", tokenizer_model="llama")
+    with pytest.raises(UnsupportedModelError, match="tokenizer.ggml.model='llama'"):
+        load_gguf(tmp_path / "x.gguf")
+
+
+def test_smollm2_config(smollm2):
+    c = smollm2.config
+    assert (c.architecture, c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads) == ("llama", 30, 576, 9, 3)
+    assert (c.head_dim, c.intermediate_size, c.vocab_size, c.rope_theta) == (64, 1536, 49152, 100000.0)
+    assert c.tie_word_embeddings and c.rope_style == "neox" and c.max_position_embeddings == 8192
+    assert (c.bos_token_id, c.eos_token_ids) == (1, (2,))
+    assert smollm2.tokenizer.eos_token == "<|im_end|>"
+    assert smollm2.chat_template.startswith("{% for message in messages %}")
+    assert len(smollm2.tensors) == 2 + 30 * 9
+    q = smollm2.quantized
+    assert q["model.embed_tokens.weight"].qtype == "Q8_0" and q["model.layers.0.mlp.down_proj.weight"].qtype == "Q4_1"
+    assert q["model.layers.0.self_attn.q_proj.weight"].data.shape == (576, 576 // 32 * 20)
+
+
+@pytest.mark.slow
+def test_smollm2_matches_transformers(smollm2, hf_smollm2):
+    ref = hf_smollm2.state_dict()
+    for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.k_proj.weight",
+                 "model.embed_tokens.weight", "model.layers.29.mlp.down_proj.weight", "model.norm.weight"):
+        assert torch.equal(smollm2.tensors[name], ref[name]), name
+    # The packed blocks dequantize to the same (un-permuted) weight.
+    packed = smollm2.quantized["model.layers.0.self_attn.k_proj.weight"]
+    deq = dequantize(packed.data, QT[packed.qtype])
+    assert torch.equal(torch.from_numpy(deq), ref["model.layers.0.self_attn.k_proj.weight"])

@@ -1,0 +1,64 @@
+"""The GGUF-built SmolLM2 tokenizer: parity with transformers (no digits), llama.cpp goldens (digits)."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+import pytest
+
+DATA_DIR = pathlib.Path(__file__).parents[1] / "data"
+
+# No digits: transformers' GGUF conversion ignores the `smollm` digit split, so it is a reference only here.
+NO_DIGIT_TEXTS = [
+    "Hello, world! How are you today?",
+    "Ünïcödé façade — naïve café, Straße, Ørsted",
+    "日本語のテキストと中文字符，还有한국어 문장.",
+    "Emoji: 😀🎉🇫🇷👩‍👩‍👧 and ❤️‍🔥",
+    "def f(x):\n    return {'a': x, \"b\": [x, x]}  # comment\n\n\tindent",
+    "   leading spaces and trailing   ",
+    "Привет, мир! Ελληνικά κείμενα. שלום עולם. مرحبا",
+    "<div class=\"x\">&amp; tags</div>\r\n",
+]
+
+
+@pytest.mark.parametrize("text", NO_DIGIT_TEXTS)
+def test_matches_transformers_without_digits(smollm2_tokenizer, hf_smollm2_tokenizer, text):
+    expected = hf_smollm2_tokenizer.encode(text, add_special_tokens=False)
+    ids = smollm2_tokenizer.encode(text)
+    assert ids == expected
+    assert smollm2_tokenizer.decode(ids) == text
+
+
+def test_digits_match_llama_cpp(smollm2_tokenizer):
+    golden = json.loads((DATA_DIR / "smollm2-tokenize-golden.json").read_text())
+    assert len(golden["cases"]) >= 20
+    for case in golden["cases"]:
+        ids = smollm2_tokenizer.encode(case["text"], parse_special=False)
+        assert ids == case["ids"], case["text"]
+        assert smollm2_tokenizer.decode(ids) == case["text"]
+
+
+def test_special_tokens(smollm2_tokenizer):
+    tok = smollm2_tokenizer
+    text = "<|im_start|>user\nhi<|im_end|>"
+    ids = tok.encode(text)
+    assert ids[0] == 1 and ids[-1] == 2
+    plain = tok.encode(text, parse_special=False)
+    assert 1 not in plain and 2 not in plain and len(plain) > len(ids)
+    assert tok.decode(plain) == text  # literal text, not special tokens: survives skip_special_tokens
+    assert tok.decode(ids) == "user\nhi"
+    assert tok.decode(ids, skip_special_tokens=False) == text
+    assert tok.encode(text, add_special_tokens=True) == ids  # SmolLM2's GGUF says add_bos_token = False
+
+
+def test_attributes_and_token_bytes(smollm2_tokenizer):
+    tok = smollm2_tokenizer
+    assert (tok.vocab_size, tok.bos_token_id, tok.eos_token_ids) == (49152, 1, (2,))
+    assert (tok.bos_token, tok.eos_token) == ("<|im_start|>", "<|im_end|>")
+    assert tok.special_ids == frozenset(range(17))
+    ids = tok.encode(" 😀")
+    assert [tok.id_to_token(i) for i in ids] == ["ĠðŁĺ", "Ģ"]
+    assert b"".join(tok.token_bytes(i) for i in ids) == " 😀".encode()
+    assert tok.token_bytes(ids[1]) == b"\x80"
+    assert tok.token_bytes(2) == b"<|im_end|>"

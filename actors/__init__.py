@@ -1,0 +1,1 @@
+"""asyncio actors around the engine core: scheduler, workers, and the AsyncEngine facade."""

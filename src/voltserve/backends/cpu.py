@@ -77,19 +77,15 @@ class CpuBackend:
         flat[1, slot_mapping] = v.to(kv_layer.dtype)
 
     def attention(self, q, kv_layer, attn: AttentionMetadata, scale):
-        num_heads = q.shape[1]
+        if attn.is_decode_only:
+            return self._decode_attention(q, kv_layer, attn, scale)
         block_size = kv_layer.shape[2]
         out = torch.empty_like(q)
         start = 0
         for i, (q_len, seq_len) in enumerate(zip(attn.query_lens_cpu, attn.seq_lens_cpu)):
-            num_blocks = -(-seq_len // block_size)
-            blocks = attn.block_tables[i, :num_blocks].long()
-            k = kv_layer[0, blocks].reshape(-1, *kv_layer.shape[3:])[:seq_len]
-            v = kv_layer[1, blocks].reshape(-1, *kv_layer.shape[3:])[:seq_len]
-            group = num_heads // k.shape[1]
-            if group > 1:
-                k = k.repeat_interleave(group, dim=1)
-                v = v.repeat_interleave(group, dim=1)
+            blocks = attn.block_tables[i, :-(-seq_len // block_size)].long()
+            k = kv_layer[0, blocks].flatten(0, 1)[:seq_len]  # [seq_len, kv_heads, d]
+            v = kv_layer[1, blocks].flatten(0, 1)[:seq_len]
             qs = q[start:start + q_len].transpose(0, 1)  # [heads, q_len, d]
             # new token j sits at position seq_len - q_len + j and sees keys 0..that position
             mask = None
@@ -97,10 +93,25 @@ class CpuBackend:
                 rows = torch.arange(seq_len - q_len, seq_len)[:, None]
                 mask = torch.arange(seq_len)[None, :] <= rows
             o = F.scaled_dot_product_attention(qs.to(k.dtype), k.transpose(0, 1), v.transpose(0, 1),
-                                               attn_mask=mask, scale=scale)
+                                               attn_mask=mask, scale=scale, enable_gqa=True)
             out[start:start + q_len] = o.transpose(0, 1).to(q.dtype)
             start += q_len
         return out
+
+    def _decode_attention(self, q, kv_layer, attn: AttentionMetadata, scale):
+        """All sequences at once (one query each): gather their blocks, mask past seq_len, grouped heads."""
+        num_seqs, num_heads, head_dim = q.shape
+        num_kv_heads = kv_layer.shape[3]
+        max_blocks = -(-attn.max_seq_len // kv_layer.shape[2])
+        tables = attn.block_tables[:, :max_blocks].long().clamp_min(0)
+        k = kv_layer[0, tables].flatten(1, 2).transpose(1, 2)  # [seqs, kv_heads, ctx, d]
+        v = kv_layer[1, tables].flatten(1, 2).transpose(1, 2)
+        qg = q.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim).to(k.dtype)
+        scores = torch.matmul(qg, k.transpose(-1, -2)).float() * scale  # [seqs, kv_heads, group, ctx]
+        ctx = torch.arange(k.shape[2])
+        scores.masked_fill_((ctx[None, :] >= attn.seq_lens.cpu()[:, None].long())[:, None, None, :], float("-inf"))
+        o = torch.matmul(torch.softmax(scores, -1).to(v.dtype), v)  # [seqs, kv_heads, group, d]
+        return o.reshape(num_seqs, num_heads, head_dim).to(q.dtype)
 
     def silu_and_mul(self, x):
         inner = x.shape[-1] // 2

@@ -1,0 +1,178 @@
+"""AsyncEngine: the engine facade for asyncio code (the HTTP API, or your own program).
+
+Composition root: loads the model (loaders), builds the backend, model, KV pool and scheduler (voltserve), and
+starts the scheduler and worker actors.
+
+Example:
+    engine = AsyncEngine(EngineConfig(model="smollm2-135m-instruct").validate())
+    await engine.start()
+    async for out in engine.generate(engine.tokenizer.encode("Hello"), SamplingParams(max_tokens=8)):
+        print(out.text, end="")
+    await engine.stop()
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import uuid
+from collections.abc import AsyncIterator
+
+import torch
+
+from actors.scheduler import AbortRequestMsg, AddRequestMsg, SchedulerActor
+from actors.stream import RequestStream
+from actors.worker import WorkerActor
+from voltserve.config import EngineConfig
+from voltserve.errors import ContextLengthError, EngineDeadError, InvalidRequestError
+from voltserve.kv_cache import BlockPool
+from voltserve.request import RequestOutput, SamplingParams
+from voltserve.scheduler import Scheduler
+from voltserve.sequence import Sequence
+
+logger = logging.getLogger(__name__)
+
+
+class AsyncEngine:
+    """Continuous-batching engine driven by asyncio actors.
+
+    Args:
+        config: validated engine settings.
+        loaded: an already loaded model (loaders.LoadedModel); None loads `config.model` in start().
+    """
+
+    def __init__(self, config: EngineConfig, loaded=None):
+        self.config = config.validate()
+        self._loaded = loaded
+        self._seq_ids = itertools.count()
+        self._scheduler_actor: SchedulerActor | None = None
+        self._worker: WorkerActor | None = None
+        self._dead: BaseException | None = None
+        self._stopped = False
+        self.model_config = None
+        self.tokenizer = None
+        self.chat_template = None
+        self.max_model_len = 0
+        self.pool: BlockPool | None = None
+
+    # -- lifecycle ----------------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Load the model (in a thread), build the runner and start the actors."""
+        from actors.build import build_runner  # composition: loaders + backends
+
+        built = await asyncio.to_thread(build_runner, self.config, self._loaded)
+        self._loaded = None  # the runner holds what it needs; free the fp32 copies
+        self.model_config = built.model_config
+        self.tokenizer = built.tokenizer
+        self.chat_template = built.chat_template
+        self.max_model_len = built.max_model_len
+        self.pool = BlockPool(built.num_blocks, self.config.block_size, self.config.enable_prefix_caching)
+        scheduler = Scheduler(self.pool, self.config.max_num_seqs, self.config.max_num_batched_tokens,
+                              self.max_model_len, built.eos_token_ids)
+        self._worker = WorkerActor(built.runner, thread_init=built.thread_init, on_crash=self._on_crash)
+        self._scheduler_actor = SchedulerActor(scheduler, self._worker, self.tokenizer, on_crash=self._on_crash)
+        self._worker.start()
+        self._scheduler_actor.start()
+        logger.info("engine ready: model %s, device %s, max_model_len %d, KV pool %d blocks x %d tokens",
+                    self.config.model, built.device, self.max_model_len, built.num_blocks, self.config.block_size)
+
+    async def stop(self) -> None:
+        """Abort open requests and stop the actors."""
+        self._stopped = True
+        if self._scheduler_actor is not None:
+            await self._scheduler_actor.stop()
+            self._scheduler_actor.fail_all(EngineDeadError("engine stopped"))
+        if self._worker is not None:
+            await self._worker.stop()
+
+    @property
+    def is_healthy(self) -> bool:
+        return (self._dead is None and not self._stopped and self._scheduler_actor is not None
+                and self._scheduler_actor.alive and self._worker.alive)
+
+    def _on_crash(self, exc: BaseException) -> None:
+        if self._dead is not None:
+            return
+        self._dead = exc
+        logger.error("engine is dead: %r", exc)
+        if self._scheduler_actor is not None:
+            self._scheduler_actor.fail_all(EngineDeadError(f"engine died: {exc!r}"))
+
+    # -- requests -----------------------------------------------------------------------------------------
+
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
+                    request_id: str | None = None) -> RequestStream:
+        """Queue a request; validation errors are raised here, before anything is queued.
+
+        Args:
+            prompt_token_ids: the prompt, already tokenized.
+            params: sampling parameters (validated here); max_tokens None = the rest of the context.
+            request_id: caller-chosen id; a random one by default.
+        Returns:
+            A RequestStream of RequestOutput deltas.
+        Raises:
+            InvalidRequestError: empty prompt, out-of-vocabulary ids or bad parameters.
+            ContextLengthError: prompt plus max_tokens longer than max_model_len.
+            EngineDeadError: the engine is not running.
+        """
+        if not self.is_healthy:
+            raise EngineDeadError(f"engine is not running{': ' + repr(self._dead) if self._dead else ''}")
+        params.validate()
+        num_prompt = len(prompt_token_ids)
+        if num_prompt == 0:
+            raise InvalidRequestError("the prompt is empty", param="prompt")
+        vocab = self.model_config.vocab_size
+        if any(not 0 <= t < vocab for t in prompt_token_ids):
+            raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})", param="prompt")
+        if num_prompt >= self.max_model_len:
+            raise ContextLengthError(
+                f"This model's maximum context length is {self.max_model_len} tokens, but the prompt has "
+                f"{num_prompt} tokens (no room for any output).", param="messages")
+        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - num_prompt
+        if num_prompt + max_tokens > self.max_model_len:
+            raise ContextLengthError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
+                f"{num_prompt + max_tokens} tokens ({num_prompt} in the prompt, {max_tokens} for the completion). "
+                f"Reduce the prompt or max_tokens.", param="max_tokens")
+        request_id = request_id or uuid.uuid4().hex
+        seqs = []
+        for i in range(params.n):
+            gen = None
+            if params.seed is not None:
+                gen = torch.Generator().manual_seed((params.seed + i) & 0xFFFF_FFFF_FFFF_FFFF)
+            seqs.append(Sequence(seq_id=next(self._seq_ids), request_id=request_id, index=i,
+                                 prompt_ids=list(prompt_token_ids), params=params, max_tokens=max_tokens,
+                                 generator=gen))
+        stream = RequestStream(request_id, params.n, self.abort)
+        self._scheduler_actor.tell(AddRequestMsg(tuple(seqs), stream))
+        return stream
+
+    async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
+                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        """add_request() and iterate its outputs; closing or cancelling the iterator aborts the request."""
+        stream = self.add_request(prompt_token_ids, params, request_id)
+        try:
+            async for out in stream:
+                yield out
+        finally:
+            if not stream.finished:
+                self.abort(stream.request_id)
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request; its KV blocks return to the pool within one step. Unknown ids are ignored."""
+        actor = self._scheduler_actor
+        if actor is not None and actor.alive:
+            actor.tell(AbortRequestMsg(request_id))
+
+    def kv_stats(self) -> dict:
+        """Pool and queue sizes: num_blocks, num_free_blocks, num_cached_blocks, num_running, num_waiting."""
+        sched = self._scheduler_actor.scheduler if self._scheduler_actor else None
+        return {
+            "num_blocks": self.pool.num_blocks if self.pool else 0,
+            "num_free_blocks": self.pool.num_free if self.pool else 0,
+            "num_cached_blocks": self.pool.num_cached if self.pool else 0,
+            "num_running": len(sched.running) if sched else 0,
+            "num_waiting": len(sched.waiting) if sched else 0,
+        }

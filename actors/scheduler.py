@@ -1,0 +1,136 @@
+"""SchedulerActor: the engine's loop. Drain the inbox, schedule a step, run it on the worker, emit outputs.
+
+Detokenization and stop strings happen here, right after each step, so a stop string ends its sequence before
+the next step and no KV block outlives its request by more than one step.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from actors.base import Actor, _Stop
+from actors.stream import RequestStream
+from actors.worker import ExecuteMsg, WorkerActor
+from voltserve.detok import IncrementalDetokenizer
+from voltserve.request import FinishReason, RequestOutput
+from voltserve.scheduler import Scheduler
+from voltserve.sequence import Sequence
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class AddRequestMsg:
+    """A new request: its sequences (n of them) and the stream their outputs go to."""
+
+    seqs: tuple[Sequence, ...]
+    stream: RequestStream
+
+
+@dataclass(frozen=True)
+class AbortRequestMsg:
+    request_id: str
+
+
+class SchedulerActor(Actor):
+    """Args: scheduler: the pure policy; worker: the rank-0 worker; tokenizer: for detokenization."""
+
+    def __init__(self, scheduler: Scheduler, worker: WorkerActor, tokenizer, on_crash=None):
+        super().__init__("scheduler", on_crash)
+        self.scheduler = scheduler
+        self.worker = worker
+        self.tokenizer = tokenizer
+        self.streams: dict[str, RequestStream] = {}
+        self.seqs: dict[str, list[Sequence]] = {}
+        self.detoks: dict[int, IncrementalDetokenizer] = {}
+        self.num_steps = 0
+
+    async def run_loop(self) -> None:
+        while True:
+            # 1) drain the inbox; block on it only when idle
+            messages = self.pending()
+            if not messages and not self.scheduler.has_work():
+                messages = [await self.next_message()]
+            for msg, fut in messages:
+                if isinstance(msg, _Stop):
+                    self._abort_all()
+                    return
+                self._on_message(msg)
+                if fut is not None:
+                    fut.set_result(None)
+            if not self.scheduler.has_work():
+                continue
+            # 2) schedule
+            plan = self.scheduler.schedule()
+            if not plan.entries:
+                raise RuntimeError("scheduler made no progress: KV pool too small for the waiting request")
+            # 3) run the step on the worker (its own thread)
+            sampled, logprobs = await self.worker.ask(ExecuteMsg(plan))
+            self.num_steps += 1
+            # 4) apply it and stream the new tokens
+            for seq in self.scheduler.update(plan, sampled):
+                self._emit(seq, logprobs.get(seq.seq_id))
+
+    def _on_message(self, msg) -> None:
+        if isinstance(msg, AddRequestMsg):
+            rid = msg.stream.request_id
+            self.streams[rid] = msg.stream
+            self.seqs[rid] = list(msg.seqs)
+            for seq in msg.seqs:
+                p = seq.params
+                self.detoks[seq.seq_id] = IncrementalDetokenizer(
+                    self.tokenizer, stop=p.stop, include_stop_str_in_output=p.include_stop_str_in_output)
+                self.scheduler.add(seq)
+        elif isinstance(msg, AbortRequestMsg):
+            for seq in self.seqs.get(msg.request_id, []):
+                if not seq.is_finished:
+                    self.scheduler.finish(seq, FinishReason.ABORT)
+                    self._emit(seq, None, new_token=False)
+        else:
+            raise TypeError(f"scheduler: unknown message {msg!r}")
+
+    def _emit(self, seq: Sequence, logprob, new_token: bool = True) -> None:
+        """Detokenize seq's newest token, apply stop strings, and deliver the delta."""
+        detok = self.detoks.get(seq.seq_id)
+        if detok is None:
+            return
+        token = seq.output_ids[-1] if new_token else None
+        text = ""
+        if token is not None and not (seq.is_finished and seq.stop_reason == token):
+            text, matched = detok.push([token])
+            if matched is not None and not seq.is_finished:
+                self.scheduler.finish(seq, FinishReason.STOP, matched)
+        if seq.is_finished and seq.finish_reason is not FinishReason.ABORT and not isinstance(seq.stop_reason, str):
+            text += detok.flush()
+        self.streams[seq.request_id].put(RequestOutput(
+            request_id=seq.request_id,
+            index=seq.index,
+            token_ids=[token] if token is not None else [],
+            text=text,
+            logprobs=[logprob] if logprob is not None else None,
+            finish_reason=seq.finish_reason,
+            stop_reason=seq.stop_reason,
+            num_prompt_tokens=len(seq.prompt_ids),
+            num_cached_tokens=seq.num_cached_tokens,
+            num_output_tokens=len(seq.output_ids),
+        ))
+        if seq.is_finished:
+            self._forget(seq)
+
+    def _forget(self, seq: Sequence) -> None:
+        self.detoks.pop(seq.seq_id, None)
+        rid = seq.request_id
+        if all(s.is_finished for s in self.seqs.get(rid, [])):
+            self.seqs.pop(rid, None)
+            self.streams.pop(rid, None)
+
+    def _abort_all(self) -> None:
+        for rid in list(self.seqs):
+            self._on_message(AbortRequestMsg(rid))
+
+    def fail_all(self, exc: BaseException) -> None:
+        """Engine death: every open stream ends with an error."""
+        for stream in self.streams.values():
+            stream.fail(exc)
+        self.streams.clear()

@@ -1,0 +1,42 @@
+"""WorkerActor: owns one device's ModelRunner and runs its steps on a dedicated thread.
+
+The compute thread keeps the event loop free to stream tokens while a step runs; a single thread also keeps a
+CUDA context current for every call (DESIGN.md section 9: a new thread has none).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from actors.base import Actor
+from voltserve.runner import ModelRunner
+from voltserve.scheduler import StepPlan
+
+
+@dataclass(frozen=True)
+class ExecuteMsg:
+    """Run one step; the answer is (seq_id -> token, seq_id -> TokenLogprob)."""
+
+    plan: StepPlan
+
+
+class WorkerActor(Actor):
+    """Args: runner: the ModelRunner; thread_init: run once on the compute thread first (e.g. set the device)."""
+
+    def __init__(self, runner: ModelRunner, name: str = "worker-0", thread_init=None, on_crash=None):
+        super().__init__(name, on_crash)
+        self.runner = runner
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name,
+                                            initializer=thread_init)
+
+    async def handle(self, msg):
+        if isinstance(msg, ExecuteMsg):
+            loop = asyncio.get_running_loop()
+            return await loop.run_in_executor(self._executor, self.runner.execute, msg.plan)
+        raise TypeError(f"{self.name}: unknown message {msg!r}")
+
+    async def stop(self) -> None:
+        await super().stop()
+        self._executor.shutdown(wait=True)

@@ -1,0 +1,96 @@
+"""ModelRunner: turns a StepPlan into flat step inputs, runs the model and samples. Synchronous, one thread."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from voltserve.backends.base import AttentionMetadata, Backend, StepInputs
+from voltserve.request import TokenLogprob
+from voltserve.sampling import SampleRow, sample
+from voltserve.scheduler import StepPlan
+
+logger = logging.getLogger(__name__)
+
+
+class ModelRunner:
+    """Owns the model and the KV tensor of one device.
+
+    Args:
+        model: a model with `forward(StepInputs, kv_cache) -> logits` (e.g. LlamaModel).
+        backend: the backend the model runs on.
+        kv_cache: [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim] on the backend's device.
+        eos_token_ids: ids masked while a sequence is below its min_tokens.
+        seed: seed of the generator used by requests without their own seed.
+    """
+
+    def __init__(self, model, backend: Backend, kv_cache: torch.Tensor, eos_token_ids: tuple[int, ...],
+                 seed: int | None = None):
+        self.model = model
+        self.backend = backend
+        self.kv_cache = kv_cache
+        self.block_size = kv_cache.shape[3]
+        self.eos_token_ids = eos_token_ids
+        self.generator = torch.Generator()
+        if seed is None:
+            self.generator.seed()
+        else:
+            self.generator.manual_seed(seed)
+
+    def prepare(self, plan: StepPlan) -> StepInputs:
+        """Lay the plan's tokens out flat: ids, positions, slot mapping, block tables, logits rows."""
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        query_start = [0]
+        seq_lens: list[int] = []
+        query_lens: list[int] = []
+        logits_rows: list[int] = []
+        bs = self.block_size
+        for e in plan.entries:
+            seq = e.seq
+            for pos in range(e.start, e.start + e.num_new):
+                ids.append(seq.token_at(pos))
+                positions.append(pos)
+                slots.append(seq.block_ids[pos // bs] * bs + pos % bs)
+            query_start.append(query_start[-1] + e.num_new)
+            query_lens.append(e.num_new)
+            seq_lens.append(e.start + e.num_new)
+            if e.sample:
+                logits_rows.append(query_start[-1] - 1)
+        max_blocks = max(len(e.seq.block_ids) for e in plan.entries)
+        tables = torch.full((len(plan.entries), max_blocks), -1, dtype=torch.int32)
+        for i, e in enumerate(plan.entries):
+            tables[i, :len(e.seq.block_ids)] = torch.tensor(e.seq.block_ids, dtype=torch.int32)
+        dev = self.backend.device
+        attn = AttentionMetadata(
+            query_start_loc=torch.tensor(query_start, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            block_tables=tables.to(dev),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            max_query_len=max(query_lens),
+            max_seq_len=max(seq_lens),
+            query_lens_cpu=query_lens,
+            seq_lens_cpu=seq_lens,
+        )
+        return StepInputs(
+            input_ids=torch.tensor(ids, dtype=torch.int64, device=dev),
+            positions=torch.tensor(positions, dtype=torch.int64, device=dev),
+            attn=attn,
+            logits_indices=torch.tensor(logits_rows, dtype=torch.int64, device=dev),
+        )
+
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan) -> tuple[dict[int, int], dict[int, TokenLogprob]]:
+        """Run one step. Returns (seq_id -> sampled token, seq_id -> TokenLogprob for those that asked)."""
+        step = self.prepare(plan)
+        logits = self.model.forward(step, self.kv_cache)
+        sampling = [e.seq for e in plan.entries if e.sample]
+        if not sampling:
+            return {}, {}
+        rows = [SampleRow(s.params, s.generator, s.prompt_ids, s.output_ids, self.eos_token_ids) for s in sampling]
+        tokens, logprobs = sample(logits.cpu(), rows, self.generator)
+        sampled = {s.seq_id: t for s, t in zip(sampling, tokens)}
+        lps = {s.seq_id: lp for s, lp in zip(sampling, logprobs) if lp is not None}
+        return sampled, lps

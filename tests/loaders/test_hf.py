@@ -1,0 +1,76 @@
+"""Hugging Face directory loader on tiny random transformers checkpoints saved in tmp_path."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import transformers
+
+from loaders import load_model
+from loaders.hf import load_hf_dir
+from voltserve.errors import LoaderError, UnsupportedModelError
+
+TEMPLATE = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+
+
+def _save_tiny(tmp_path, smollm2_tokenizer, tie: bool, config_cls=transformers.LlamaConfig, **extra):
+    torch.manual_seed(0)
+    config = config_cls(
+        vocab_size=smollm2_tokenizer.vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-5,
+        tie_word_embeddings=tie, bos_token_id=1, eos_token_id=2, **extra,
+    )
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    model_dir = tmp_path / "tiny"
+    model.save_pretrained(model_dir)
+    smollm2_tokenizer.backend.save(str(model_dir / "tokenizer.json"))
+    (model_dir / "tokenizer_config.json").write_text(json.dumps(
+        {"chat_template": TEMPLATE, "eos_token": "<|im_end|>", "bos_token": {"content": "<|im_start|>"}}
+    ))
+    return model, model_dir
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_tiny_llama_dir(tmp_path, smollm2_tokenizer, tie):
+    model, model_dir = _save_tiny(tmp_path, smollm2_tokenizer, tie)
+    loaded = load_model(str(model_dir))
+    c = loaded.config
+    assert (c.architecture, c.num_layers, c.hidden_size, c.intermediate_size) == ("llama", 2, 32, 64)
+    assert (c.num_heads, c.num_kv_heads, c.head_dim, c.vocab_size) == (4, 2, 8, 49152)
+    assert (c.rms_norm_eps, c.max_position_embeddings, c.rope_style) == (1e-5, 512, "neox")
+    assert (c.tie_word_embeddings, c.bos_token_id, c.eos_token_ids) == (tie, 1, (2,))
+    expected = {k: v for k, v in model.state_dict().items() if not (tie and k == "lm_head.weight")}
+    assert set(loaded.tensors) == set(expected)
+    for name, value in expected.items():
+        assert torch.equal(loaded.tensors[name], value.float()), name
+    assert loaded.chat_template == TEMPLATE and loaded.quantized == {}
+    tok = loaded.tokenizer
+    assert tok.encode("Hello 123<|im_end|>") == smollm2_tokenizer.encode("Hello 123<|im_end|>")
+    assert (tok.eos_token, tok.bos_token, tok.special_ids) == ("<|im_end|>", "<|im_start|>", frozenset(range(17)))
+    assert tok.token_bytes(tok.encode(" 😀")[1]) == b"\x80"
+
+
+def test_qwen2_and_eos_from_tokenizer_config(tmp_path, smollm2_tokenizer):
+    _, model_dir = _save_tiny(tmp_path, smollm2_tokenizer, True, transformers.Qwen2Config)
+    cfg = json.loads((model_dir / "config.json").read_text())
+    cfg.pop("eos_token_id"), cfg.pop("bos_token_id")
+    (model_dir / "config.json").write_text(json.dumps(cfg))
+    (model_dir / "generation_config.json").unlink(missing_ok=True)
+    loaded = load_hf_dir(model_dir)
+    assert loaded.config.architecture == "qwen2"
+    assert (loaded.config.eos_token_ids, loaded.config.bos_token_id) == ((2,), 1)
+    assert "model.layers.0.self_attn.q_proj.bias" in loaded.tensors  # Qwen2 has QKV bias
+
+
+def test_unsupported_and_broken_dirs(tmp_path, smollm2_tokenizer):
+    _, model_dir = _save_tiny(tmp_path, smollm2_tokenizer, True)
+    cfg = json.loads((model_dir / "config.json").read_text())
+    (model_dir / "config.json").write_text(json.dumps({**cfg, "architectures": ["GPT2LMHeadModel"]}))
+    with pytest.raises(UnsupportedModelError, match="GPT2LMHeadModel"):
+        load_hf_dir(model_dir)
+    (model_dir / "config.json").write_text(json.dumps(cfg))
+    (model_dir / "tokenizer.json").unlink()
+    with pytest.raises(LoaderError, match="no tokenizer.json"):
+        load_hf_dir(model_dir)

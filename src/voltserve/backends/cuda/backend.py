@@ -1,0 +1,233 @@
+"""CudaBackend: the Backend interface (voltserve.backends.base) on an NVIDIA GPU with our NVRTC kernels.
+
+Layouts are those of backends/cpu.py; activations and the KV cache are fp16 on the GPU. Buffers come from torch's
+CUDA allocator (its caching allocator keeps graph capture and NCCL simple). Kernels launch on a stream handle read
+once (`refresh_stream()`; `torch.cuda.current_stream()` costs ~8 us per call, DESIGN section 9): call it again
+inside a graph-capture context or after switching streams.
+
+Decode paths (embedding, rms_norm, rotary, write_kv, linear with m <= 16, attention with query_len == 1,
+silu_and_mul, sample_greedy) do no host sync and allocate only through torch's caching allocator, so they are
+capturable in a CUDA graph provided their device inputs (ids, positions, metadata, norm weights, cos/sin table)
+already live on the GPU and `AttentionMetadata.max_seq_len` is the bucket's capacity rather than the step's value
+(it sizes the split-K grid).
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from voltserve.backends.base import AttentionMetadata
+from voltserve.backends.cuda import driver, kernels
+from voltserve.backends.cuda import params as P
+from voltserve.backends.cuda.linear import CudaEmbedding, CudaLinear, launch_linear
+from voltserve.backends.cuda.module import KernelLoader
+
+
+class CudaBackend:
+    """Backend ops on one CUDA device. See `voltserve.backends.base.Backend` for each op's contract.
+
+    Args:
+        device_index: CUDA device ordinal.
+    Raises:
+        CudaError: no usable device or cuda-python missing.
+    """
+
+    def __init__(self, device_index: int = 0):
+        self.device = torch.device("cuda", device_index)
+        self.dtype = torch.float16
+        torch.cuda.set_device(self.device)
+        torch.empty(1, device=self.device)  # makes the primary context current on this thread
+        self.loader = KernelLoader(device_index)
+        self._device_copies: dict[int, tuple[Any, torch.Tensor]] = {}
+        self.refresh_stream()
+
+    def refresh_stream(self) -> None:
+        """Re-read torch's current stream on this device; later launches go there."""
+        self.stream = torch.cuda.current_stream(self.device).cuda_stream
+
+    def _launch(self, op: str, kernel: str, spec: dict[str, int] | None, grid, block, smem: int, params) -> None:
+        fn = self.loader.function(op, kernel, spec, smem)
+        driver.launch(fn, tuple(grid), tuple(block), smem, self.stream, params, kernel)
+
+    def _on_device(self, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """`t` as a contiguous device tensor of `dtype`; host tensors are copied once and memoised per object."""
+        if t.device == self.device and t.dtype == dtype and t.is_contiguous():
+            return t
+        hit = self._device_copies.get(id(t))
+        if hit is not None and hit[0]() is t:
+            return hit[1]
+        dev = t.detach().to(self.device, dtype).contiguous()
+        self._device_copies[id(t)] = (weakref.ref(t), dev)
+        return dev
+
+    # -- weights -------------------------------------------------------------------------------------------
+
+    def prepare_linear(self, weight: torch.Tensor, quant: Any | None = None) -> CudaLinear:
+        return CudaLinear.upload(weight, quant, self.device)
+
+    def prepare_embedding(self, weight: torch.Tensor, quant: Any | None = None) -> CudaEmbedding:
+        return CudaEmbedding.upload(weight, quant, self.device)
+
+    def prepare_norm(self, weight: torch.Tensor) -> torch.Tensor:
+        """[hidden] norm weight as fp32 on the device (what rms_norm reads)."""
+        return weight.detach().to(self.device, torch.float32).contiguous()
+
+    # -- ops -----------------------------------------------------------------------------------------------
+
+    def embedding(self, token_ids: torch.Tensor, table: CudaEmbedding) -> torch.Tensor:
+        ids = self._on_device(token_ids, torch.int64)
+        n = ids.numel()
+        out = torch.empty(n, table.hidden, dtype=self.dtype, device=self.device)
+        if n == 0:
+            return out
+        p = P.EmbeddingParams(ids.data_ptr(), table.data.data_ptr(), out.data_ptr(), n, table.hidden, table.vocab,
+                              table.row_bytes)
+        kernel = "embedding_q8_0" if table.fmt == "Q8_0" else "embedding_f16"
+        self._launch("embedding", kernel, None, (n, math.ceil(table.hidden / 1024), 1), (128, 1, 1), 0, p)
+        return out
+
+    def rms_norm(self, x, weight, eps, residual=None):
+        _check_rows(x, "x")
+        num_tokens, hidden = x.shape
+        w = self._on_device(weight, torch.float32)
+        out = torch.empty(num_tokens, hidden, dtype=self.dtype, device=self.device)
+        res_out = x
+        if residual is not None:
+            _check_rows(residual, "residual")
+            if residual.shape != x.shape:
+                raise ValueError(f"residual {tuple(residual.shape)} != x {tuple(x.shape)}")
+            res_out = torch.empty_like(out)
+        if num_tokens == 0:
+            return out, res_out
+        p = P.RmsNormParams(x.data_ptr(), residual.data_ptr() if residual is not None else None, w.data_ptr(),
+                            out.data_ptr(), res_out.data_ptr(), x.stride(0),
+                            residual.stride(0) if residual is not None else 0, num_tokens, hidden, eps, 0)
+        self._launch("rmsnorm", "rms_norm", None, (num_tokens, 1, 1), (256, 1, 1), 0, p)
+        return out, res_out
+
+    def rotary(self, q, k, positions, cos_sin, style):
+        if style not in ("neox", "interleaved"):
+            raise ValueError(f"unknown rotary style {style!r}")
+        num_tokens, num_heads, head_dim = q.shape
+        num_kv_heads = k.shape[1]
+        if q.stride(2) != 1 or k.stride(2) != 1 or k.shape[0] != num_tokens or k.shape[2] != head_dim:
+            raise ValueError(f"q {tuple(q.shape)} / k {tuple(k.shape)}: need matching [tokens, heads, head_dim] "
+                             "with a contiguous last dim")
+        cs = self._on_device(cos_sin, torch.float32)
+        if cs.shape[1] != head_dim:
+            raise ValueError(f"cos_sin width {cs.shape[1]} != head_dim {head_dim} (partial rotary unsupported)")
+        pos = self._on_device(positions, torch.int64)
+        q_out = torch.empty(q.shape, dtype=self.dtype, device=self.device)
+        k_out = torch.empty(k.shape, dtype=self.dtype, device=self.device)
+        if num_tokens == 0:
+            return q_out, k_out
+        p = P.RotaryParams(q.data_ptr(), k.data_ptr(), q_out.data_ptr(), k_out.data_ptr(), pos.data_ptr(),
+                           cs.data_ptr(), q.stride(0), q.stride(1), k.stride(0), k.stride(1), num_tokens, num_heads,
+                           num_kv_heads, head_dim, int(style == "interleaved"), cs.shape[0])
+        self._launch("rotary", "rotary", None, (num_tokens, 1, 1), (128, 1, 1), 0, p)
+        return q_out, k_out
+
+    def linear(self, x, weight: CudaLinear):
+        _check_rows(x, "x")
+        if x.shape[1] != weight.in_features:
+            raise ValueError(f"x {tuple(x.shape)} does not match weight in_features {weight.in_features}")
+        if weight.fmt == "F16" and x.shape[0] >= kernels.GEMM_MIN_ROWS:
+            return F.linear(x, weight.data)  # prefill on fp16 weights: cuBLAS through torch
+        return launch_linear(self, x, weight)
+
+    def write_kv(self, k, v, kv_layer, slot_mapping):
+        num_tokens, num_kv_heads, head_dim = k.shape
+        if v.shape != k.shape or k.stride(2) != 1 or v.stride(2) != 1:
+            raise ValueError(f"k {tuple(k.shape)} / v {tuple(v.shape)}: need equal shapes, contiguous last dim")
+        if kv_layer.dtype != self.dtype or not kv_layer.is_contiguous() or kv_layer.shape[3:] != k.shape[1:]:
+            raise ValueError(f"kv_layer {tuple(kv_layer.shape)} {kv_layer.dtype} does not match k {tuple(k.shape)}")
+        if num_tokens == 0:
+            return
+        slots = self._on_device(slot_mapping, torch.int64)
+        p = P.KvWriteParams(k.data_ptr(), v.data_ptr(), kv_layer.data_ptr(), slots.data_ptr(), k.stride(0),
+                            k.stride(1), v.stride(0), v.stride(1), kv_layer[0].numel(), num_tokens, num_kv_heads,
+                            head_dim, 0)
+        self._launch("kv_write", "kv_write", None, (num_tokens, 1, 1), (128, 1, 1), 0, p)
+
+    def attention(self, q, kv_layer, attn: AttentionMetadata, scale):
+        num_tokens, num_heads, head_dim = q.shape
+        num_kv_heads, block_size = kv_layer.shape[3], kv_layer.shape[2]
+        if q.stride(2) != 1 or kv_layer.shape[4] != head_dim or num_heads % num_kv_heads or head_dim % 8:
+            raise ValueError(f"q {tuple(q.shape)} / kv_layer {tuple(kv_layer.shape)}: unsupported shapes")
+        out = torch.empty(num_tokens, num_heads, head_dim, dtype=self.dtype, device=self.device)
+        num_seqs = attn.num_seqs
+        if num_tokens == 0 or num_seqs == 0:
+            return out
+        qsl = self._on_device(attn.query_start_loc, torch.int32)
+        seq_lens = self._on_device(attn.seq_lens, torch.int32)
+        tables = self._on_device(attn.block_tables, torch.int32)
+        common = (q.data_ptr(), kv_layer.data_ptr(), tables.data_ptr(), seq_lens.data_ptr(), qsl.data_ptr(),
+                  out.data_ptr())
+        plane = kv_layer[0].numel()
+        if attn.is_decode_only:
+            group = num_heads // num_kv_heads
+            spec = kernels.decode_spec(head_dim, group)
+            num_splits = max(1, math.ceil(attn.max_seq_len / spec["PARTITION"]))
+            acc = torch.empty(num_seqs * num_heads * num_splits * head_dim if num_splits > 1 else 1,
+                              dtype=torch.float32, device=self.device)
+            ml = torch.empty(num_seqs * num_heads * num_splits * 2, dtype=torch.float32, device=self.device)
+            p = P.DecodeParams(*common, acc.data_ptr(), ml.data_ptr(), q.stride(0), q.stride(1), plane, num_seqs,
+                               num_heads, num_kv_heads, block_size, tables.shape[1], num_splits, scale, 0)
+            smem = kernels.decode_smem_bytes(head_dim, group)
+            self._launch("attention_decode", "attn_decode", spec, (num_kv_heads, num_seqs, num_splits),
+                         (128, 1, 1), smem, p)
+            if num_splits > 1:
+                self._launch("attention_decode", "attn_decode_reduce", spec, (num_heads, num_seqs, 1), (128, 1, 1),
+                             0, p)
+            return out
+        p = P.PrefillParams(*common, q.stride(0), q.stride(1), plane, num_seqs, num_heads, num_kv_heads, block_size,
+                            tables.shape[1], scale)
+        grid = (math.ceil(attn.max_query_len / 16), num_heads, num_seqs)
+        self._launch("attention_prefill", "attn_prefill", {"HEAD_DIM": head_dim}, grid, (128, 1, 1),
+                     kernels.prefill_smem_bytes(head_dim), p)
+        return out
+
+    def silu_and_mul(self, x):
+        _check_rows(x, "x")
+        num_tokens, inner = x.shape[0], x.shape[1] // 2
+        out = torch.empty(num_tokens, inner, dtype=self.dtype, device=self.device)
+        if num_tokens == 0 or inner == 0:
+            return out
+        p = P.SiluMulParams(x.data_ptr(), out.data_ptr(), x.stride(0), num_tokens, inner)
+        self._launch("silu_mul", "silu_mul", None, (math.ceil(inner / 256), num_tokens, 1), (256, 1, 1), 0, p)
+        return out
+
+    def sample_greedy(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Greedy sampling on the device.
+
+        Args:
+            logits: [num_rows, vocab] fp32 or fp16, CUDA, contiguous last dim.
+        Returns:
+            (token_ids [num_rows] int64, logprobs [num_rows] fp32): argmax (first index on ties) and its
+            log_softmax value.
+        """
+        if logits.dim() != 2 or logits.stride(1) != 1 or logits.dtype not in (torch.float32, torch.float16):
+            raise ValueError(f"logits {tuple(logits.shape)} {logits.dtype}: need 2-D fp32/fp16, contiguous rows")
+        rows, vocab = logits.shape
+        ids = torch.empty(rows, dtype=torch.int64, device=self.device)
+        logprobs = torch.empty(rows, dtype=torch.float32, device=self.device)
+        if rows:
+            p = P.ArgmaxParams(logits.data_ptr(), ids.data_ptr(), logprobs.data_ptr(), logits.stride(0), rows, vocab)
+            self._launch("sampling", "argmax_logprob", {"LOGITS_F16": int(logits.dtype == torch.float16)},
+                         (rows, 1, 1), (1024, 1, 1), 0, p)
+        return ids, logprobs
+
+    def allocate_kv_cache(self, num_layers, num_blocks, block_size, num_kv_heads, head_dim):
+        return torch.zeros(num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim, dtype=self.dtype,
+                           device=self.device)
+
+
+def _check_rows(x: torch.Tensor, name: str) -> None:
+    if x.dim() != 2 or x.dtype != torch.float16 or not x.is_cuda or x.stride(1) != 1:
+        raise ValueError(f"{name}: need a 2-D fp16 CUDA tensor with contiguous rows, got {tuple(x.shape)} "
+                         f"{x.dtype} {x.device} strides {x.stride()}")

@@ -1,0 +1,105 @@
+"""Linear and embedding operands on the GPU (fp16 or raw GGUF blocks) and the GEMV / tiled-GEMM launchers."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from voltserve.backends.cuda import kernels
+from voltserve.backends.cuda import params as P
+
+
+def _quant_upload(quant: Any, device: torch.device) -> tuple[str, torch.Tensor, int]:
+    data = np.ascontiguousarray(quant.data, dtype=np.uint8)
+    rows, cols = quant.shape
+    row_bytes = cols // 32 * kernels.QUANT_BLOCK_BYTES[quant.qtype]
+    if data.shape != (rows, row_bytes):
+        raise ValueError(f"{quant.qtype} data {data.shape} does not match shape {quant.shape}")
+    return quant.qtype, torch.from_numpy(data).to(device), row_bytes
+
+
+@dataclass
+class CudaLinear:
+    """A linear weight on the device.
+
+    Attributes:
+        fmt: "F16", "Q4_0", "Q4_1" or "Q8_0".
+        data: F16: [out_features, in_features] fp16; quant: [out_features, in_features / 32 * block_bytes] uint8,
+            the GGUF blocks of each row as stored in the file.
+        out_features, in_features: logical shape.
+        row_bytes: bytes of one weight row.
+    """
+
+    fmt: str
+    data: torch.Tensor
+    out_features: int
+    in_features: int
+    row_bytes: int
+
+    @classmethod
+    def upload(cls, weight: torch.Tensor, quant: Any | None, device: torch.device) -> "CudaLinear":
+        """fp16 copy of `weight`, or the raw blocks of `quant` when its type has a kernel (Q4_0/Q4_1/Q8_0)."""
+        out_features, in_features = weight.shape
+        if quant is not None and quant.qtype in kernels.QUANT_BLOCK_BYTES and in_features % 32 == 0:
+            fmt, data, row_bytes = _quant_upload(quant, device)
+            return cls(fmt, data, out_features, in_features, row_bytes)
+        data = weight.detach().to(device, torch.float16).contiguous()
+        return cls("F16", data, out_features, in_features, in_features * 2)
+
+
+@dataclass
+class CudaEmbedding:
+    """A token embedding table on the device: fp16 [vocab, hidden] or Q8_0 rows (dequantized per lookup)."""
+
+    fmt: str
+    data: torch.Tensor
+    vocab: int
+    hidden: int
+    row_bytes: int
+
+    @classmethod
+    def upload(cls, weight: torch.Tensor, quant: Any | None, device: torch.device) -> "CudaEmbedding":
+        vocab, hidden = weight.shape
+        if quant is not None and quant.qtype == "Q8_0" and hidden % 32 == 0:
+            fmt, data, row_bytes = _quant_upload(quant, device)
+            return cls(fmt, data, vocab, hidden, row_bytes)
+        data = weight.detach().to(device, torch.float16).contiguous()
+        return cls("F16", data, vocab, hidden, hidden * 2)
+
+
+def launch_linear(backend: Any, x: torch.Tensor, w: CudaLinear) -> torch.Tensor:
+    """y = x @ W^T with our kernels: GEMV for up to 16 rows (in launches of <= 8), the tiled GEMM above.
+
+    Args:
+        backend: the CudaBackend (loader, stream).
+        x: [m, in_features] fp16, CUDA, contiguous rows.
+        w: the weight.
+    Returns:
+        [m, out_features] fp16.
+    """
+    m, k = x.shape
+    n = w.out_features
+    if w.fmt != "F16" and (x.stride(0) % 8 or x.data_ptr() % 16):
+        x = x.contiguous()  # the quant paths read x as 16-byte vectors
+    y = torch.empty(m, n, dtype=torch.float16, device=x.device)
+    if m == 0 or n == 0:
+        return y
+    wtype = kernels.WTYPES[w.fmt]
+    if m >= kernels.GEMM_MIN_ROWS:
+        p = P.GemmParams(x.data_ptr(), w.data.data_ptr(), y.data_ptr(), x.stride(0), n, w.row_bytes, m, n, k, 0)
+        backend._launch("gemm_tiled", "gemm_tiled", {"WTYPE": wtype}, (math.ceil(n / 64), math.ceil(m / 64), 1),
+                        (256, 1, 1), 0, p)
+        return y
+    vec_ok = int(k % 8 == 0 and x.stride(0) % 8 == 0 and x.data_ptr() % 16 == 0)
+    for r0 in range(0, m, kernels.GEMV_MAX_ROWS):
+        rows = min(kernels.GEMV_MAX_ROWS, m - r0)
+        bucket = next(b for b in kernels.GEMV_ROW_BUCKETS if b >= rows)
+        p = P.GemvParams(x.data_ptr() + r0 * x.stride(0) * 2, w.data.data_ptr(), y.data_ptr() + r0 * n * 2,
+                         x.stride(0), n, w.row_bytes, rows, n, k, vec_ok)
+        backend._launch("gemv", "gemv", {"WTYPE": wtype, "MROWS": bucket}, (math.ceil(n / 4), 1, 1), (128, 1, 1),
+                        0, p)
+    return y

@@ -1,0 +1,49 @@
+"""Fixtures of the kernel tests: the CUDA backend under test and the CPU oracle.
+
+Every test here is `@pytest.mark.gpu` (skipped without a GPU by tests/conftest.py); the `cuda_backend` fixture
+also skips on its own, so these files stay safe if that hook changes.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+
+def _gpu_ok() -> bool:
+    try:
+        import torch
+
+        if not torch.cuda.is_available():
+            return False
+        from cuda.bindings import driver  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+@pytest.fixture(scope="session")
+def cuda_backend():
+    if not _gpu_ok():
+        pytest.skip("needs an NVIDIA GPU and cuda-python (cuda.bindings)")
+    from voltserve.backends.cuda.backend import CudaBackend
+
+    return CudaBackend(0)
+
+
+@pytest.fixture(scope="session")
+def cpu_backend():
+    import torch
+
+    from voltserve.backends.cpu import CpuBackend
+
+    return CpuBackend(torch.float32)
+
+
+@pytest.fixture(autouse=True)
+def _poison(request):
+    """Fill torch's cached device memory with NaN before each GPU test, so outputs a kernel never writes show."""
+    if "gpu" in request.keywords and _gpu_ok():
+        from kutils import poison_allocator
+
+        poison_allocator()
+    yield

@@ -1,0 +1,100 @@
+"""Paged attention (decode split-K and prefill) vs CpuBackend.attention (fp32 SDPA on the same fp16 values).
+
+Bound: max |got - ref| <= 4e-3 * max |ref| (fp16 output rounding; fp32 scores and softmax; __expf).
+Contexts from 1 to 5000+ tokens, batch 1 and 37, GQA groups 1 / 3 / 8, block tables shuffled.
+"""
+
+import math
+
+import pytest
+import torch
+from kutils import rel_err
+
+from voltserve.backends.base import AttentionMetadata
+
+pytestmark = pytest.mark.gpu
+TOL = 4e-3
+
+
+def _make_case(seq_lens, query_lens, num_kv_heads, head_dim, block_size, gen):
+    """Random paged KV (NaN in unused slots), block tables and metadata for the given contexts."""
+    blocks_per_seq = [math.ceil(s / block_size) for s in seq_lens]
+    num_blocks = sum(blocks_per_seq) + 3
+    perm = torch.randperm(num_blocks, generator=gen)
+    max_blocks = max(blocks_per_seq)
+    tables = torch.full((len(seq_lens), max_blocks + 2), -1, dtype=torch.int32)
+    kv = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=gen).half()
+    used = 0
+    for i, (s, nb) in enumerate(zip(seq_lens, blocks_per_seq)):
+        tables[i, :nb] = perm[used:used + nb].int()
+        last = int(perm[used + nb - 1])
+        kv[:, last, s - (nb - 1) * block_size:] = float("nan")  # slots past the context must never be read
+        used += nb
+    qsl = torch.tensor([0] + list(torch.tensor(query_lens).cumsum(0)), dtype=torch.int32)
+    attn = AttentionMetadata(query_start_loc=qsl, seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+                             block_tables=tables, slot_mapping=torch.zeros(0, dtype=torch.int64),
+                             max_query_len=max(query_lens), max_seq_len=max(seq_lens),
+                             query_lens_cpu=list(query_lens), seq_lens_cpu=list(seq_lens))
+    return kv, attn
+
+
+def _to_cuda(attn: AttentionMetadata, max_seq_len=None) -> AttentionMetadata:
+    return AttentionMetadata(attn.query_start_loc.cuda(), attn.seq_lens.cuda(), attn.block_tables.cuda(),
+                             attn.slot_mapping.cuda(), attn.max_query_len, max_seq_len or attn.max_seq_len,
+                             attn.query_lens_cpu, attn.seq_lens_cpu)
+
+
+def _run(cuda_backend, cpu_backend, seq_lens, query_lens, heads, block_size, seed, max_seq_len=None):
+    num_heads, num_kv_heads, head_dim = heads
+    gen = torch.Generator().manual_seed(seed)
+    kv, attn = _make_case(seq_lens, query_lens, num_kv_heads, head_dim, block_size, gen)
+    num_tokens = sum(query_lens)
+    qwide = torch.randn(num_tokens, num_heads * head_dim + 8, generator=gen).half()
+    q = qwide[:, :num_heads * head_dim].view(num_tokens, num_heads, head_dim)
+    scale = 1.0 / math.sqrt(head_dim)
+    ref = cpu_backend.attention(q.float(), kv.float(), attn, scale)
+    qd = qwide.cuda()[:, :num_heads * head_dim].view(num_tokens, num_heads, head_dim)
+    got = cuda_backend.attention(qd, kv.cuda(), _to_cuda(attn, max_seq_len), scale)
+    return rel_err(got, ref)
+
+
+HEADS = [(9, 3, 64), (8, 1, 128), (4, 4, 64)]
+
+
+@pytest.mark.parametrize("heads", HEADS)
+@pytest.mark.parametrize("num_seqs", [1, 37])
+def test_decode(cuda_backend, cpu_backend, heads, num_seqs):
+    gen = torch.Generator().manual_seed(num_seqs)
+    lens = torch.randint(1, 5200, (num_seqs,), generator=gen).tolist()
+    lens[0] = 5003 if num_seqs == 1 else 1
+    if num_seqs > 2:
+        lens[1], lens[2] = 5003, 512  # longest context, and exactly one partition
+    assert _run(cuda_backend, cpu_backend, lens, [1] * num_seqs, heads, 16, seed=num_seqs + heads[2]) <= TOL
+
+
+@pytest.mark.parametrize("heads", HEADS[:2])
+def test_decode_context_one(cuda_backend, cpu_backend, heads):
+    assert _run(cuda_backend, cpu_backend, [1], [1], heads, 16, seed=3) <= TOL
+
+
+def test_decode_grid_sized_for_capacity(cuda_backend, cpu_backend):
+    """A graph bucket sizes the split grid for the max context: empty partitions must contribute nothing."""
+    assert _run(cuda_backend, cpu_backend, [1, 700, 33], [1, 1, 1], (9, 3, 64), 16, seed=5,
+                max_seq_len=8192) <= TOL
+
+
+@pytest.mark.parametrize("heads", HEADS)
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_prefill_chunked_and_prefix_hits(cuda_backend, cpu_backend, heads, block_size):
+    # (context after the step, new tokens): full prefill, chunk after a 5000-token prefix, 1-token query, decode
+    # rows mixed in, odd lengths everywhere
+    seq_lens = [37, 5077, 301, 1, 900, 19]
+    query_lens = [37, 77, 1, 1, 300, 18]
+    assert _run(cuda_backend, cpu_backend, seq_lens, query_lens, heads, block_size, seed=11) <= TOL
+
+
+def test_prefill_batch_37(cuda_backend, cpu_backend):
+    gen = torch.Generator().manual_seed(37)
+    query_lens = torch.randint(1, 60, (37,), generator=gen).tolist()
+    seq_lens = [q + int(c) for q, c in zip(query_lens, torch.randint(0, 400, (37,), generator=gen))]
+    assert _run(cuda_backend, cpu_backend, seq_lens, query_lens, (9, 3, 64), 16, seed=37) <= TOL

@@ -1,0 +1,81 @@
+"""Kernels compile for compute_70 / sm_70 with CUDA 12.x NVRTC, on the CPU (no GPU needed); plus the NVRTC
+wrapper's cache and error behaviour. Skipped unless cuda-python 12.x and the NVRTC 12 library import.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+
+def _nvrtc_major() -> int | None:
+    try:
+        from voltserve.backends.cuda import nvrtc
+
+        return nvrtc.nvrtc_version()[0]
+    except Exception:
+        return None
+
+
+pytestmark = pytest.mark.skipif(_nvrtc_major() != 12, reason="needs cuda-python 12.x with the NVRTC 12 library")
+
+
+@pytest.fixture(autouse=True)
+def _cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("VOLTSERVE_CACHE_DIR", str(tmp_path))
+
+
+def _specs():
+    from voltserve.backends.cuda import kernels
+
+    return kernels.engine_specializations()
+
+
+@pytest.mark.parametrize("op,spec", _specs() if _nvrtc_major() == 12 else [])
+def test_compiles_for_sm70(op, spec):
+    from voltserve.backends.cuda import kernels, nvrtc
+
+    out = nvrtc.compile_source(kernels.SOURCES[op].file, 70, kernels.defines(op, **spec))
+    assert out.cubin and out.ptx.endswith(b"\0")
+    assert b".target sm_70" in out.ptx
+    for name in kernels.SOURCES[op].kernels:
+        assert f".entry {name}(".encode() in out.ptx
+
+
+def test_headers_match_nvrtc_major():
+    from voltserve.backends.cuda import nvrtc
+
+    dirs = nvrtc.include_dirs()
+    assert dirs, "no CUDA 12 include dir found: install nvidia-cuda-runtime-cu12"
+    assert nvrtc._cudart_major(nvrtc.Path(dirs[0])) == 12
+
+
+def test_cache_hit_and_key(tmp_path):
+    from voltserve.backends.cuda import kernels, nvrtc
+
+    first = nvrtc.compile_source("silu_mul.cu", 70, kernels.defines("silu_mul"))
+    files = sorted(p.name for p in (tmp_path / "kernels").iterdir())
+    assert any(f.endswith(".cubin") for f in files) and any(f.endswith(".ptx") for f in files)
+    again = nvrtc.compile_source("silu_mul.cu", 70, kernels.defines("silu_mul"))
+    assert again.ptx == first.ptx
+    nvrtc.compile_source("silu_mul.cu", 70, {**kernels.defines("silu_mul"), "EXTRA": 1})
+    assert len(list((tmp_path / "kernels").glob("*.ptx"))) == 2  # a new define is a new key
+
+
+def test_compile_error_carries_log(tmp_path, monkeypatch):
+    from voltserve.backends.cuda import nvrtc
+    from voltserve.errors import KernelCompileError
+
+    (tmp_path / "bad.cu").write_text('extern "C" __global__ void k() { undefined_thing(); }\n')
+    monkeypatch.setattr(nvrtc, "ptx_dir", lambda: tmp_path)
+    with pytest.raises(KernelCompileError) as info:
+        nvrtc.compile_source("bad.cu", 70)
+    assert info.value.kernel == "bad.cu" and "undefined_thing" in info.value.log
+
+
+def test_params_size_drift_fails_to_compile():
+    from voltserve.backends.cuda import kernels, nvrtc
+    from voltserve.errors import KernelCompileError
+
+    wrong = {**kernels.defines("rmsnorm"), "VOLT_RMSNORM_PARAMS_BYTES": 8}
+    with pytest.raises(KernelCompileError, match="drifted"):
+        nvrtc.compile_source("rmsnorm.cu", 70, wrong)

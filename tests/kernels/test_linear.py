@@ -1,0 +1,57 @@
+"""linear: GEMV (m <= 16) and tiled GEMM (m >= 17) on fp16 and GGUF Q4_0 / Q4_1 / Q8_0 weights vs
+CpuBackend.linear on the dequantized fp32 weights and the same fp16 activations.
+
+Bound: max |got - ref| <= 3e-3 * max |ref| (fp32 accumulation; one fp16 output rounding is 4.9e-4 relative).
+"""
+
+import pytest
+import torch
+from kutils import make_quant, rel_err
+
+from voltserve.backends.cuda.linear import launch_linear
+
+pytestmark = pytest.mark.gpu
+TOL = 3e-3
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("m", [1, 3, 8, 13, 37, 133])
+@pytest.mark.parametrize("nk", [(333, 576), (1537, 1536)])
+def test_linear_quant(cuda_backend, cpu_backend, qtype, m, nk):
+    n, k = nk
+    gen = torch.Generator().manual_seed(m * n + k)
+    quant, weight = make_quant(qtype, n, k, gen)
+    x = torch.randn(m, k, generator=gen).half()
+    w = cuda_backend.prepare_linear(weight, quant)
+    assert w.fmt == qtype and w.data.dtype == torch.uint8  # raw blocks on the device, never fp16
+    got = cuda_backend.linear(x.cuda(), w)
+    assert rel_err(got, cpu_backend.linear(x.float(), weight)) <= TOL
+
+
+@pytest.mark.parametrize("m", [1, 5, 8, 13, 37])
+@pytest.mark.parametrize("nk", [(333, 577), (1001, 1024)])
+def test_linear_f16(cuda_backend, cpu_backend, m, nk):
+    n, k = nk
+    gen = torch.Generator().manual_seed(m + n + k)
+    weight = (torch.randn(n, k, generator=gen) * 0.05).half().float()
+    x = torch.randn(m, k, generator=gen).half()
+    w = cuda_backend.prepare_linear(weight)
+    assert rel_err(cuda_backend.linear(x.cuda(), w), cpu_backend.linear(x.float(), weight)) <= TOL
+
+
+@pytest.mark.parametrize("m", [17, 70])
+def test_gemm_tiled_f16(cuda_backend, cpu_backend, m):
+    """The tiled kernel on fp16 weights (the backend sends those to cuBLAS; this covers the kernel itself)."""
+    gen = torch.Generator().manual_seed(m)
+    weight = (torch.randn(129, 301, generator=gen) * 0.05).half().float()
+    x = torch.randn(m, 301, generator=gen).half()
+    got = launch_linear(cuda_backend, x.cuda(), cuda_backend.prepare_linear(weight))
+    assert rel_err(got, cpu_backend.linear(x.float(), weight)) <= TOL
+
+
+def test_linear_strided_input(cuda_backend, cpu_backend):
+    gen = torch.Generator().manual_seed(1)
+    quant, weight = make_quant("Q4_1", 65, 96, gen)
+    wide = torch.randn(5, 101, generator=gen).half()
+    got = cuda_backend.linear(wide.cuda()[:, 3:99], cuda_backend.prepare_linear(weight, quant))
+    assert rel_err(got, cpu_backend.linear(wide[:, 3:99].float(), weight)) <= TOL

@@ -1,0 +1,139 @@
+"""Kernel benchmarks on the GPU: achieved GB/s (or TFLOP/s) per kernel vs the measured device-to-device copy
+bandwidth, median of repeats, plus bytes / FLOPs and the projected V100 time (900 GB/s, 125 TFLOP/s fp16 TC).
+
+Usage:
+    PYTHONPATH=src:. python tools/bench_kernels.py [--out bench.json] [--repeats 20]
+Shapes are Llama-3-8B-like (hidden 4096, 32 heads / 8 KV heads, head_dim 128, FFN 14336) unless named.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+
+import torch
+
+V100_BYTES_S = 900e9
+V100_FLOP_S = 125e12
+
+
+def _time(fn, repeats: int) -> float:
+    """Median seconds of fn() over `repeats` timed runs (CUDA events), after warm-up."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
+
+
+def copy_bandwidth(repeats: int) -> float:
+    """Device-to-device copy, bytes read + written per second (1 GiB buffers)."""
+    src = torch.empty(1 << 29, dtype=torch.float16, device="cuda")
+    dst = torch.empty_like(src)
+    t = _time(lambda: dst.copy_(src), repeats)
+    return 2 * src.numel() * 2 / t
+
+
+def _cases(be):
+    from voltserve.backends.base import AttentionMetadata
+    from voltserve.backends.cpu import rope_cos_sin
+
+    sys.path.insert(0, "tests/kernels")
+    from kutils import make_quant
+
+    dev, h = "cuda", torch.float16
+    gen = torch.Generator().manual_seed(0)
+    T, H, NH, KVH, D, FF = 4096, 4096, 32, 8, 128, 14336
+    x = torch.randn(T, H, device=dev, dtype=h)
+    res = torch.randn(T, H, device=dev, dtype=h)
+    w = torch.rand(H, device=dev)
+    yield "rmsnorm_residual", lambda: be.rms_norm(x, w, 1e-6, res), 5 * T * H * 2, 0
+    q = torch.randn(T, NH, D, device=dev, dtype=h)
+    k = torch.randn(T, KVH, D, device=dev, dtype=h)
+    cs = rope_cos_sin(D, 8192, 5e5).to(dev)
+    pos = torch.arange(T, device=dev)
+    yield "rotary", lambda: be.rotary(q, k, pos, cs, "neox"), 2 * (NH + KVH) * T * D * 2 + T * D * 4, 0
+    kv = torch.zeros(2, T // 16 + 1, 16, KVH, D, device=dev, dtype=h)
+    slots = torch.arange(T, device=dev)
+    yield "kv_write", lambda: be.write_kv(k, k, kv, slots), 4 * T * KVH * D * 2, 0
+    g = torch.randn(T, 2 * FF // 4, device=dev, dtype=h)
+    yield "silu_mul", lambda: be.silu_and_mul(g), 3 * T * FF // 4 * 2, 0
+    table = be.prepare_embedding(torch.randn(32000, H))
+    ids = torch.randint(0, 32000, (T,), device=dev)
+    yield "embedding_f16", lambda: be.embedding(ids, table), 2 * T * H * 2, 0
+    qt, wt = make_quant("Q8_0", 32000, H, gen)
+    qtable = be.prepare_embedding(wt, qt)
+    yield "embedding_q8_0", lambda: be.embedding(ids, qtable), T * H * (34 / 32 + 2), 0
+    for fmt in ("F16", "Q4_0", "Q4_1", "Q8_0"):
+        if fmt == "F16":
+            lin = be.prepare_linear(torch.randn(FF, H) * 0.02)
+        else:
+            quant, deq = make_quant(fmt, FF, H, gen)
+            lin = be.prepare_linear(deq, quant)
+        wbytes = lin.data.numel() * lin.data.element_size()
+        for m in (1, 8):
+            xm = torch.randn(m, H, device=dev, dtype=h)
+            yield f"gemv_{fmt}_m{m}", (lambda xm=xm, lin=lin: be.linear(xm, lin)), wbytes + m * (H + FF) * 2, 0
+        if fmt != "F16":
+            xm = torch.randn(512, H, device=dev, dtype=h)
+            yield f"gemm_tiled_{fmt}_m512", (lambda xm=xm, lin=lin: be.linear(xm, lin)), wbytes, 2 * 512 * FF * H
+
+    def attn_case(num_seqs, ctx, q_len):
+        blocks = math.ceil(ctx / 16)
+        kvc = torch.randn(2, num_seqs * blocks, 16, KVH, D, device=dev, dtype=h)
+        tables = torch.arange(num_seqs * blocks, device=dev, dtype=torch.int32).view(num_seqs, blocks)
+        qsl = torch.arange(num_seqs + 1, device=dev, dtype=torch.int32) * q_len
+        meta = AttentionMetadata(qsl, torch.full((num_seqs,), ctx, device=dev, dtype=torch.int32), tables,
+                                 torch.zeros(0, device=dev, dtype=torch.int64), q_len, ctx, [q_len] * num_seqs,
+                                 [ctx] * num_seqs)
+        qq = torch.randn(num_seqs * q_len, NH, D, device=dev, dtype=h)
+        return lambda: be.attention(qq, kvc, meta, D ** -0.5)
+
+    yield "attn_decode_b32_ctx4096", attn_case(32, 4096, 1), 32 * 4096 * 2 * KVH * D * 2, 4 * 32 * NH * 4096 * D
+    yield "attn_decode_b1_ctx32768", attn_case(1, 32768, 1), 32768 * 2 * KVH * D * 2, 4 * NH * 32768 * D
+    yield "attn_prefill_q2048", attn_case(1, 2048, 2048), 2048 * (2 * KVH + 2 * NH) * D * 2, 2 * NH * 2048 * 2048 * D
+    logits = torch.randn(256, 128256, device=dev)
+    yield "argmax_logprob_256x128256", lambda: be.sample_greedy(logits), logits.numel() * 4, 0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=None, help="write the JSON here too")
+    ap.add_argument("--repeats", type=int, default=20)
+    args = ap.parse_args()
+    from voltserve.backends.cuda.backend import CudaBackend
+
+    be = CudaBackend(0)
+    copy_bw = copy_bandwidth(args.repeats)
+    rows = []
+    for name, fn, num_bytes, flops in _cases(be):
+        t = _time(fn, args.repeats)
+        gbs = num_bytes / t / 1e9
+        row = {"kernel": name, "median_us": round(t * 1e6, 2), "bytes": int(num_bytes), "flops": int(flops),
+               "achieved_GBps": round(gbs, 1), "fraction_of_copy_bw": round(gbs * 1e9 / copy_bw, 3),
+               "achieved_TFLOPs": round(flops / t / 1e12, 2) if flops else None,
+               "projected_v100_us": round(max(num_bytes / V100_BYTES_S, flops / V100_FLOP_S) * 1e6, 2)}
+        rows.append(row)
+        print(json.dumps(row), file=sys.stderr)
+    result = {"device": torch.cuda.get_device_name(), "arch": be.loader.arch, "repeats": args.repeats,
+              "copy_bandwidth_GBps": round(copy_bw / 1e9, 1), "kernels": rows}
+    text = json.dumps(result, indent=1)
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,109 @@
+"""`voltserve` command line: `voltserve serve [MODEL] [--flags]` runs the HTTP server (hypercorn on `api:app`).
+
+Every flag is named like an `EngineConfig` field (`--max-model-len` <-> `max_model_len` <->
+`VOLTSERVE_MAX_MODEL_LEN`). Flags are passed on as `VOLTSERVE_*` environment variables, so the app reads the
+same settings whether it is started here or by `hypercorn api:app`: flag > environment > default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import logging
+import os
+import sys
+
+from voltserve import __version__
+from voltserve.config import EngineConfig
+from voltserve.errors import ConfigError
+
+logger = logging.getLogger("voltserve.cli")
+
+HELP = {
+    "model": "model: the alias smollm2-135m-instruct, a .gguf file or a Hugging Face directory",
+    "served_model_name": "name clients send as `model` (default: MODEL)",
+    "device": "auto, cpu or cuda",
+    "dtype": "compute dtype of the CPU backend: float32, bfloat16, float16",
+    "max_model_len": "context window in tokens; 0 = the model's own",
+    "max_num_seqs": "most sequences in one step",
+    "max_num_batched_tokens": "token budget of one step",
+    "block_size": "tokens per KV block",
+    "num_kv_blocks": "KV pool size in blocks; 0 = size it from --kv-cache-memory-gb",
+    "kv_cache_memory_gb": "memory for the KV pool (GiB) when --num-kv-blocks is 0",
+    "enable_prefix_caching": "reuse KV blocks of identical prompt prefixes",
+    "api_key": "require this key (Bearer or x-api-key) on every route but /health",
+    "sse_keep_alive_interval": "seconds of idle stream before a ': keep-alive' comment; 0 = off",
+    "host": "address to listen on",
+    "port": "TCP port to listen on",
+    "num_threads": "torch intra-op threads on the CPU; 0 = torch's default",
+    "weight_format": "auto (int4 kernels for Q4 weights when available) or float",
+}
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The `voltserve` argument parser; `serve` gets one flag per EngineConfig field (default None = unset)."""
+    parser = argparse.ArgumentParser(prog="voltserve", description="LLM inference server (OpenAI-compatible API)")
+    parser.add_argument("--version", action="version", version=f"voltserve {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True)
+    serve = commands.add_parser("serve", help="serve a model over HTTP",
+                                description="Serve a model over HTTP (hypercorn on api:app).")
+    serve.add_argument("model_positional", nargs="?", metavar="MODEL", help=HELP["model"])
+    for f in dataclasses.fields(EngineConfig):
+        kind = type(f.default)
+        extra = {"action": argparse.BooleanOptionalAction} if kind is bool else {"type": kind, "metavar": f.name.upper()}
+        serve.add_argument(_flag(f.name), dest=f.name, default=None, help=HELP.get(f.name, f.name), **extra)
+    serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    return parser
+
+
+def _export_env(args: argparse.Namespace) -> None:
+    """Set `VOLTSERVE_<FIELD>` for every flag given (the app reads its config from the environment)."""
+    if args.model_positional and args.model is None:
+        args.model = args.model_positional
+    for f in dataclasses.fields(EngineConfig):
+        value = getattr(args, f.name)
+        if value is not None:
+            os.environ[f"VOLTSERVE_{f.name.upper()}"] = ("1" if value else "0") if isinstance(value, bool) else str(value)
+
+
+def serve(args: argparse.Namespace) -> int:
+    """Run hypercorn on `api:app` until SIGINT/SIGTERM. Returns the exit status."""
+    from hypercorn.asyncio import serve as hypercorn_serve
+    from hypercorn.config import Config as HypercornConfig
+
+    _export_env(args)
+    try:
+        config = EngineConfig.from_env()  # fail fast, before the model loads
+    except ConfigError as exc:
+        logger.error("bad configuration: %s", exc)
+        return 2
+    import api  # builds the app from the environment set above
+
+    hconfig = HypercornConfig()
+    hconfig.bind = [f"[{config.host}]:{config.port}" if ":" in config.host else f"{config.host}:{config.port}"]
+    hconfig.accesslog = logging.getLogger("hypercorn.access")
+    hconfig.errorlog = logging.getLogger("hypercorn.error")
+    logger.info("voltserve %s: serving %s on http://%s", __version__, config.model, hconfig.bind[0])
+    asyncio.run(hypercorn_serve(api.app, hconfig))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the `voltserve` console script."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=getattr(args, "log_level", "info").upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.command == "serve":
+        return serve(args)
+    parser.error(f"unknown command {args.command}")
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,59 @@
+"""The CLI (flags -> VOLTSERVE_* environment) and tools/bench_serving.py against the app with a ScriptedEngine."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+from conftest import fixed_id
+from fake_engine import ScriptedEngine
+
+from api import create_app
+from voltserve import cli
+from voltserve.config import EngineConfig
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_cli_flags_become_environment(monkeypatch):
+    for name in ("MODEL", "MAX_MODEL_LEN", "API_KEY", "SSE_KEEP_ALIVE_INTERVAL", "ENABLE_PREFIX_CACHING"):
+        monkeypatch.delenv(f"VOLTSERVE_{name}", raising=False)
+    args = cli.build_parser().parse_args([
+        "serve", "some.gguf", "--max-model-len", "512", "--api-key", "k", "--sse-keep-alive-interval", "0.5",
+        "--no-enable-prefix-caching"])
+    cli._export_env(args)
+    config = EngineConfig.from_env()
+    assert (config.model, config.max_model_len, config.api_key) == ("some.gguf", 512, "k")
+    assert (config.sse_keep_alive_interval, config.enable_prefix_caching) == (0.5, False)
+
+
+def test_cli_version(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["--version"])
+    assert exit_info.value.code == 0 and capsys.readouterr().out.strip() == "voltserve 0.1.0"
+
+
+def test_cli_bad_config_exits_2(monkeypatch):
+    monkeypatch.delenv("VOLTSERVE_DEVICE", raising=False)
+    assert cli.main(["serve", "--device", "tpu"]) == 2
+
+
+async def test_bench_serving_report(monkeypatch):
+    spec = importlib.util.spec_from_file_location("bench_serving", ROOT / "tools" / "bench_serving.py")
+    bench = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "bench_serving", bench)  # dataclasses look their module up
+    spec.loader.exec_module(bench)
+    engine = ScriptedEngine(scripts=["abcdefgh"])
+    engine.config = EngineConfig(model="test-model").validate()
+    app = create_app(engine, new_id=fixed_id)
+    args = bench.parse_args(["--base-url", "http://bench", "--concurrency", "1,2", "--max-tokens", "4"])
+    report = await bench.bench(args, transport=httpx.ASGITransport(app=app))
+    assert report["model"] == "test-model"
+    assert [(r["concurrency"], r["num_requests"], r["num_errors"], r["output_tokens"]) for r in report["results"]] \
+        == [(1, 4, 0, 16), (2, 4, 0, 16)]
+    level = report["results"][0]
+    assert set(level["ttft_s"]) == {"p50", "p90", "p99", "mean"} and level["ttft_s"]["p50"] >= 0
+    assert level["tpot_s"]["p50"] is not None and level["output_tokens_per_s"] > 0

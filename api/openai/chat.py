@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import logging
-
 from quart import Blueprint, request
 
 from api import sse
+from api.errors import describe, openai_payload
 from api.openai.chat_prompt import chat_prompt_ids
 from api.openai.common import (
     UsageCounter, add_request, collect, json_response, sampling_params, sse_response, token_text,
@@ -15,12 +14,10 @@ from api.openai.protocol import (
     AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
     ChatCompletionResponse, ChatLogprobs, ChatTokenLogprob, DeltaMessage, TopLogprob, parse_request,
 )
-from api.errors import describe, openai_payload
 from api.state import get_state
 from voltserve.errors import InvalidRequestError, VoltError
 from voltserve.request import MAX_LOGPROBS, SamplingParams, TokenLogprob
 
-logger = logging.getLogger(__name__)
 bp = Blueprint("openai_chat", __name__)
 
 

@@ -119,9 +119,10 @@ class SchedulerActor(Actor):
             self._forget(seq)
 
     def _forget(self, seq: Sequence) -> None:
+        """Drop a sequence whose final delta went out; the request goes once all of its final deltas did."""
         self.detoks.pop(seq.seq_id, None)
         rid = seq.request_id
-        if all(s.is_finished for s in self.seqs.get(rid, [])):
+        if not any(s.seq_id in self.detoks for s in self.seqs.get(rid, [])):
             self.seqs.pop(rid, None)
             self.streams.pop(rid, None)
 

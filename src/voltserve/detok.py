@@ -81,12 +81,13 @@ class IncrementalDetokenizer:
 
     def flush(self) -> str:
         """Text still held back at the end of the sequence (a stop-string prefix that never completed, or an
-        incomplete UTF-8 tail, which decodes to U+FFFD). Returns "" after a stop-string match."""
+        incomplete UTF-8 tail is dropped). Returns "" after a stop-string match."""
         if self.finished:
             return ""
         prefix = self._window_text(self._prefix_offset, self._read_offset)
         tail = self._window_text(self._prefix_offset, len(self.token_ids))[len(prefix):]
-        out = self._pending + tail
+        # a sequence cut off inside a multi-byte character: drop the incomplete bytes, never send U+FFFD
+        out = self._pending + tail.rstrip("\ufffd")
         self._pending = ""
         self._prefix_offset = self._read_offset = len(self.token_ids)
         self.finished = True

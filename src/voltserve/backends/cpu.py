@@ -26,10 +26,11 @@ def rope_cos_sin(head_dim: int, max_positions: int, theta: float) -> torch.Tenso
 class CpuBackend:
     """Reference ops on torch CPU tensors. See `voltserve.backends.base.Backend` for each op's contract."""
 
-    def __init__(self, dtype: torch.dtype = torch.float32, use_int4: bool = False):
+    def __init__(self, dtype: torch.dtype = torch.float32, use_int4: bool = False, batch_invariant: bool = True):
         self.device = torch.device("cpu")
         self.dtype = dtype
         self.use_int4 = use_int4
+        self.batch_invariant = batch_invariant
 
     # -- weights -------------------------------------------------------------------------------------------
 
@@ -63,9 +64,11 @@ class CpuBackend:
         return _apply_rotary(q, cos, sin, style), _apply_rotary(k, cos, sin, style)
 
     def linear(self, x, weight):
-        if isinstance(weight, torch.Tensor):
+        if not isinstance(weight, torch.Tensor):
+            return weight(x)  # Int4Linear: its kernel is batch invariant already
+        if not self.batch_invariant:
             return F.linear(x, weight)
-        return weight(x)
+        return _fixed_shape_linear(x, weight)
 
     def write_kv(self, k, v, kv_layer, slot_mapping):
         num_blocks, block_size = kv_layer.shape[1], kv_layer.shape[2]
@@ -77,41 +80,30 @@ class CpuBackend:
         flat[1, slot_mapping] = v.to(kv_layer.dtype)
 
     def attention(self, q, kv_layer, attn: AttentionMetadata, scale):
+        """Every query token is one row of the same batched math (decode and prefill alike), so a token's output
+        does not depend on how its sequence was chunked or batched (see `_attend`)."""
+        num_tokens, num_heads, head_dim = q.shape
+        num_kv_heads = kv_layer.shape[3]
+        qg = q.view(num_tokens, num_kv_heads, num_heads // num_kv_heads, head_dim)
         if attn.is_decode_only:
-            return self._decode_attention(q, kv_layer, attn, scale)
-        block_size = kv_layer.shape[2]
+            max_blocks = -(-attn.max_seq_len // kv_layer.shape[2])
+            k, v = _gather_kv(kv_layer, attn.block_tables[:, :max_blocks])
+            return _attend(qg, k, v, attn.seq_lens.cpu().long(), scale).view_as(q)
         out = torch.empty_like(q)
         start = 0
         for i, (q_len, seq_len) in enumerate(zip(attn.query_lens_cpu, attn.seq_lens_cpu)):
-            blocks = attn.block_tables[i, :-(-seq_len // block_size)].long()
-            k = kv_layer[0, blocks].flatten(0, 1)[:seq_len]  # [seq_len, kv_heads, d]
-            v = kv_layer[1, blocks].flatten(0, 1)[:seq_len]
-            qs = q[start:start + q_len].transpose(0, 1)  # [heads, q_len, d]
-            # new token j sits at position seq_len - q_len + j and sees keys 0..that position
-            mask = None
-            if q_len > 1:
-                rows = torch.arange(seq_len - q_len, seq_len)[:, None]
-                mask = torch.arange(seq_len)[None, :] <= rows
-            o = F.scaled_dot_product_attention(qs.to(k.dtype), k.transpose(0, 1), v.transpose(0, 1),
-                                               attn_mask=mask, scale=scale, enable_gqa=True)
-            out[start:start + q_len] = o.transpose(0, 1).to(q.dtype)
+            k, v = _gather_kv(kv_layer, attn.block_tables[i:i + 1, :-(-seq_len // kv_layer.shape[2])])
+            # token j of the chunk sits at position seq_len - q_len + j and sees keys 0..that position
+            lens = torch.arange(seq_len - q_len + 1, seq_len + 1)
+            group = max(1, 2**22 // max(1, k[0].numel()))  # bound the expanded K/V copies to ~16 MiB
+            for g in range(0, q_len, group):
+                rows = slice(g, min(g + group, q_len))
+                n = rows.stop - rows.start
+                o = _attend(qg[start + rows.start:start + rows.stop], k.expand(n, -1, -1, -1),
+                            v.expand(n, -1, -1, -1), lens[rows], scale)
+                out[start + rows.start:start + rows.stop] = o.view(n, num_heads, head_dim)
             start += q_len
         return out
-
-    def _decode_attention(self, q, kv_layer, attn: AttentionMetadata, scale):
-        """All sequences at once (one query each): gather their blocks, mask past seq_len, grouped heads."""
-        num_seqs, num_heads, head_dim = q.shape
-        num_kv_heads = kv_layer.shape[3]
-        max_blocks = -(-attn.max_seq_len // kv_layer.shape[2])
-        tables = attn.block_tables[:, :max_blocks].long().clamp_min(0)
-        k = kv_layer[0, tables].flatten(1, 2).transpose(1, 2)  # [seqs, kv_heads, ctx, d]
-        v = kv_layer[1, tables].flatten(1, 2).transpose(1, 2)
-        qg = q.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim).to(k.dtype)
-        scores = torch.matmul(qg, k.transpose(-1, -2)).float() * scale  # [seqs, kv_heads, group, ctx]
-        ctx = torch.arange(k.shape[2])
-        scores.masked_fill_((ctx[None, :] >= attn.seq_lens.cpu()[:, None].long())[:, None, None, :], float("-inf"))
-        o = torch.matmul(torch.softmax(scores, -1).to(v.dtype), v)  # [seqs, kv_heads, group, d]
-        return o.reshape(num_seqs, num_heads, head_dim).to(q.dtype)
 
     def silu_and_mul(self, x):
         inner = x.shape[-1] // 2
@@ -119,6 +111,49 @@ class CpuBackend:
 
     def allocate_kv_cache(self, num_layers, num_blocks, block_size, num_kv_heads, head_dim):
         return torch.zeros(num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim, dtype=self.dtype)
+
+
+def _gather_kv(kv_layer: torch.Tensor, tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """tables [rows, blocks] int32 (-1 padded) -> K, V [rows, kv_heads, blocks * block_size, head_dim]."""
+    tables = tables.long().clamp_min(0)  # padded entries are masked by length later
+    k = kv_layer[0, tables].flatten(1, 2).transpose(1, 2)
+    v = kv_layer[1, tables].flatten(1, 2).transpose(1, 2)
+    return k, v
+
+
+def _attend(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """softmax(q k^T * scale) v for rows that each attend to their first `lens[row]` keys.
+
+    Args:
+        qg: [rows, kv_heads, group, head_dim] queries, grouped by the KV head they share (GQA).
+        k, v: [rows, kv_heads, ctx, head_dim].
+        lens: [rows] int64, valid keys per row (<= ctx).
+    Returns:
+        [rows, kv_heads, group, head_dim] in qg's dtype. Matmul shapes depend only on ctx, whose padding adds
+        exact zeros, so a row's result is the same whatever else is in the batch.
+    """
+    scores = torch.matmul(qg.to(k.dtype), k.transpose(-1, -2)).float() * scale
+    ctx = torch.arange(k.shape[2])
+    scores.masked_fill_((ctx[None, :] >= lens[:, None])[:, None, None, :], float("-inf"))
+    return torch.matmul(torch.softmax(scores, -1).to(v.dtype), v).to(qg.dtype)
+
+
+LINEAR_ROW_CHUNK = 4
+
+
+def _fixed_shape_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x @ weight^T computed LINEAR_ROW_CHUNK rows at a time (last chunk zero-padded).
+
+    BLAS picks its kernel and blocking by shape, so a row's result would otherwise depend on how many other rows
+    share the step; one fixed shape makes every row's logits the same whether it runs alone or batched (greedy
+    output of concurrent requests equals that of sequential ones).
+    """
+    num_rows = x.shape[0]
+    pad = -num_rows % LINEAR_ROW_CHUNK
+    if pad:
+        x = torch.cat([x, x.new_zeros(pad, x.shape[1])])
+    out = torch.cat([F.linear(chunk, weight) for chunk in x.split(LINEAR_ROW_CHUNK)])
+    return out[:num_rows]
 
 
 def _apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: str) -> torch.Tensor:

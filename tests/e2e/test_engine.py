@@ -1,0 +1,121 @@
+"""The AsyncEngine on the real default model: batching, prefix cache, preemption, reproducibility, aborts."""
+
+import asyncio
+
+import pytest
+
+from e2e.engine_helpers import chat_ids, complete, running_engine
+from voltserve.errors import EngineDeadError
+from voltserve.request import FinishReason, SamplingParams
+
+QUESTIONS = [f"Give me one fact about the number {i}." for i in range(8)]
+
+
+async def test_capital_of_france_mentions_paris(smollm2):
+    async with running_engine(smollm2) as engine:
+        text, _, last = await complete(engine, chat_ids(engine, "What is the capital of France?"),
+                                       temperature=0, max_tokens=32)
+    assert "Paris" in text and last.finish_reason is FinishReason.STOP
+
+
+async def test_8_concurrent_streams_match_sequential(smollm2):
+    async with running_engine(smollm2, enable_prefix_caching=False) as engine:
+        prompts = [chat_ids(engine, q) for q in QUESTIONS]
+        sequential = [(await complete(engine, p, temperature=0, max_tokens=24))[1] for p in prompts]
+        concurrent = await asyncio.gather(*(complete(engine, p, temperature=0, max_tokens=24) for p in prompts))
+        assert [c[1] for c in concurrent] == sequential
+        assert engine.kv_stats()["num_free_blocks"] == engine.kv_stats()["num_blocks"]
+
+
+async def test_K1_prefix_cache_reports_cached_tokens(smollm2):
+    """Case K1: a second request with the same long prefix reuses its KV blocks (usage.cached_tokens)."""
+    prefix = "You are a helpful assistant. " * 12
+    async with running_engine(smollm2) as engine:
+        first = chat_ids(engine, prefix + "Name a color.")
+        second = chat_ids(engine, prefix + "Name a fruit.")
+        _, tokens_a, last_a = await complete(engine, first, temperature=0, max_tokens=8)
+        _, tokens_b, last_b = await complete(engine, second, temperature=0, max_tokens=8)
+        assert last_a.num_cached_tokens == 0
+        shared = next(i for i, (a, b) in enumerate(zip(first, second)) if a != b)
+        assert last_b.num_cached_tokens == shared // 16 * 16 and last_b.num_cached_tokens >= 96
+        # the cache changes no result
+        _, again, last_c = await complete(engine, second, temperature=0, max_tokens=8)
+    async with running_engine(smollm2, enable_prefix_caching=False) as engine:
+        _, uncached, _ = await complete(engine, second, temperature=0, max_tokens=8)
+    assert tokens_b == again == uncached and last_c.num_cached_tokens >= last_b.num_cached_tokens
+
+
+async def test_K2_small_pool_preempts_and_matches(smollm2):
+    """Case K2: requests that do not fit the KV pool at once finish through preemption, same greedy text."""
+    async with running_engine(smollm2, enable_prefix_caching=False) as engine:
+        prompts = [chat_ids(engine, q) for q in QUESTIONS[:6]]
+        expected = [(await complete(engine, p, temperature=0, max_tokens=40, ignore_eos=True))[1] for p in prompts]
+    # each sequence needs ~5 blocks of 16 at its longest; 6 of them need ~30; give 14
+    async with running_engine(smollm2, num_kv_blocks=14, max_model_len=160, enable_prefix_caching=False) as engine:
+        got = await asyncio.gather(*(complete(engine, p, temperature=0, max_tokens=40, ignore_eos=True)
+                                     for p in prompts))
+        assert engine._scheduler_actor.scheduler.num_preemptions > 0
+        stats = engine.kv_stats()
+    assert [g[1] for g in got] == expected
+    assert stats["num_free_blocks"] == stats["num_blocks"] == 14
+
+
+async def test_R1_reproducible_greedy_and_seeded(smollm2):
+    async with running_engine(smollm2) as engine:
+        ids = chat_ids(engine, "Write a haiku about rain.")
+        g1 = await complete(engine, ids, temperature=0, max_tokens=20)
+        g2 = await complete(engine, ids, temperature=0, max_tokens=20)
+        s1 = await complete(engine, ids, temperature=1.0, top_p=0.95, seed=1234, max_tokens=20)
+        s2 = await complete(engine, ids, temperature=1.0, top_p=0.95, seed=1234, max_tokens=20)
+        s3 = await complete(engine, ids, temperature=1.0, top_p=0.95, seed=4321, max_tokens=20)
+    assert g1[1] == g2[1] and s1[1] == s2[1] and s1[1] != s3[1]
+
+
+async def test_n2_sequences_are_indexed_and_independent(smollm2):
+    async with running_engine(smollm2) as engine:
+        ids = chat_ids(engine, "Tell me a story.")
+        by_index = {0: [], 1: []}
+        finished = {}
+        async for out in engine.generate(ids, SamplingParams(temperature=1.0, seed=5, n=2, max_tokens=12)):
+            by_index[out.index] += out.token_ids
+            if out.finish_reason:
+                finished[out.index] = out.finish_reason
+        assert set(finished) == {0, 1}
+        assert len(by_index[0]) == 12 and len(by_index[1]) == 12 and by_index[0] != by_index[1]
+
+
+async def test_abort_returns_blocks_within_a_step(smollm2):
+    async with running_engine(smollm2) as engine:
+        stream = engine.add_request(chat_ids(engine, "Count to one thousand."),
+                                    SamplingParams(temperature=0, max_tokens=500, ignore_eos=True))
+        first = await stream.__anext__()
+        assert first.token_ids and engine.kv_stats()["num_free_blocks"] < engine.kv_stats()["num_blocks"]
+        stream.abort()
+        outs = [o async for o in stream]
+        assert outs[-1].finish_reason is FinishReason.ABORT
+        stats = engine.kv_stats()
+        assert stats["num_free_blocks"] == stats["num_blocks"] and stats["num_running"] == 0
+        engine._scheduler_actor.scheduler.pool.check_invariants()
+
+
+async def test_stop_string_ends_sequence(smollm2):
+    async with running_engine(smollm2) as engine:
+        ids = chat_ids(engine, "What is the capital of France?")
+        text, tokens, last = await complete(engine, ids, temperature=0, max_tokens=32, stop=["of Fr"])
+    assert text == "The capital "
+    assert last.finish_reason is FinishReason.STOP and last.stop_reason == "of Fr"
+
+
+async def test_dead_worker_fails_requests_and_health(smollm2):
+    async with running_engine(smollm2) as engine:
+        def boom(plan):
+            raise RuntimeError("simulated worker failure")
+
+        engine._worker.runner.execute = boom
+        stream = engine.add_request(chat_ids(engine, "Hi"), SamplingParams(max_tokens=4))
+        with pytest.raises(EngineDeadError):
+            async for _ in stream:
+                pass
+        assert not engine.is_healthy
+        with pytest.raises(EngineDeadError):
+            engine.add_request([1, 2, 3], SamplingParams(max_tokens=4))

@@ -1,0 +1,124 @@
+from helpers import make_scheduler, make_seq, run_step
+
+from voltserve.request import FinishReason
+
+
+def test_chunked_prefill_then_decode():
+    s = make_scheduler(max_num_batched_tokens=8, block_size=4)
+    seq = make_seq(range(1, 21), max_tokens=3)
+    s.add(seq)
+    plan, touched = run_step(s)
+    assert [(e.start, e.num_new, e.sample) for e in plan.entries] == [(0, 8, False)] and touched == []
+    plan, _ = run_step(s)
+    assert [(e.start, e.num_new, e.sample) for e in plan.entries] == [(8, 8, False)]
+    plan, touched = run_step(s)
+    assert [(e.start, e.num_new, e.sample) for e in plan.entries] == [(16, 4, True)] and touched == [seq]
+    plan, _ = run_step(s)
+    assert [(e.start, e.num_new) for e in plan.entries] == [(20, 1)]
+    run_step(s)
+    assert seq.finish_reason is FinishReason.LENGTH and seq.output_ids == [7, 7, 7]
+    assert s.pool.num_free == s.pool.num_blocks
+    s.pool.check_invariants()
+
+
+def test_decode_and_new_prefill_share_the_budget():
+    s = make_scheduler(max_num_batched_tokens=6, block_size=4)
+    a, b = make_seq([1, 2, 3]), make_seq(range(10, 20))
+    s.add(a)
+    run_step(s)
+    s.add(b)
+    plan, _ = run_step(s)
+    assert [(e.seq, e.num_new) for e in plan.entries] == [(a, 1), (b, 5)]
+
+
+def test_eos_stops_and_ignore_eos_continues():
+    s = make_scheduler(eos=(9,))
+    a, b = make_seq([1, 2], max_tokens=5), make_seq([1, 2], max_tokens=3, ignore_eos=True)
+    s.add(a)
+    s.add(b)
+    run_step(s, lambda seq: 9)
+    assert a.finish_reason is FinishReason.STOP and a.stop_reason is None
+    assert b.finish_reason is None
+    run_step(s, lambda seq: 9)
+    run_step(s, lambda seq: 9)
+    assert b.finish_reason is FinishReason.LENGTH and b.output_ids == [9, 9, 9]
+
+
+def test_stop_token_ids_report_the_token():
+    s = make_scheduler()
+    a = make_seq([1, 2], max_tokens=5, stop_token_ids=[42])
+    s.add(a)
+    run_step(s, lambda seq: 42)
+    assert (a.finish_reason, a.stop_reason) == (FinishReason.STOP, 42)
+
+
+def test_max_model_len_finishes_with_length():
+    s = make_scheduler(max_model_len=6)
+    a = make_seq([1, 2, 3, 4], max_tokens=100)
+    s.add(a)
+    for _ in range(2):
+        run_step(s)
+    assert a.finish_reason is FinishReason.LENGTH and a.num_tokens == 6
+
+
+def test_prefix_cache_hit_skips_computed_blocks():
+    s = make_scheduler(block_size=4)
+    prompt = list(range(1, 14))  # 3 full blocks + 1
+    a = make_seq(prompt, max_tokens=1)
+    s.add(a)
+    run_step(s)
+    assert a.is_finished
+    b = make_seq(prompt, max_tokens=1)
+    s.add(b)
+    plan, _ = run_step(s)
+    assert b.num_cached_tokens == 12
+    assert [(e.start, e.num_new) for e in plan.entries] == [(12, 1)]
+
+
+def test_prefix_cache_never_covers_the_whole_prompt():
+    s = make_scheduler(block_size=4)
+    a = make_seq(range(1, 9), max_tokens=1)
+    s.add(a)
+    run_step(s)
+    b = make_seq(range(1, 9), max_tokens=1)
+    s.add(b)
+    plan, _ = run_step(s)
+    assert b.num_cached_tokens == 4 and plan.entries[0].num_new == 4  # last token must be computed
+
+
+def test_preemption_by_recompute_when_pool_runs_dry():
+    s = make_scheduler(num_blocks=4, block_size=4, max_num_batched_tokens=64)
+    a, b = make_seq(range(1, 8), max_tokens=8), make_seq(range(20, 27), max_tokens=8)
+    s.add(a)
+    s.add(b)
+    run_step(s)  # both prefilled: 2 blocks each, pool empty
+    assert s.pool.num_free == 0
+    run_step(s)  # decode position 7: still fits in 2 blocks each
+    assert s.num_preemptions == 0
+    run_step(s)  # a needs a 3rd block for position 8 -> b (admitted last) is preempted
+    assert s.num_preemptions >= 1 and b in s.waiting and b.block_ids == [] and b.num_computed_tokens == 0
+    while s.has_work():
+        run_step(s)
+    assert a.output_ids == [7] * 8 and b.output_ids == [7] * 8
+    assert s.pool.num_free == 4
+    s.pool.check_invariants()
+
+
+def test_abort_frees_blocks():
+    s = make_scheduler()
+    a = make_seq(range(1, 30), max_tokens=50)
+    s.add(a)
+    run_step(s)
+    assert s.pool.num_free < s.pool.num_blocks
+    s.finish(a, FinishReason.ABORT)
+    assert s.pool.num_free == s.pool.num_blocks and not s.has_work()
+    s.finish(a, FinishReason.ABORT)  # idempotent
+
+
+def test_max_num_seqs_caps_running():
+    s = make_scheduler(max_num_seqs=2)
+    seqs = [make_seq([1, 2, 3]) for _ in range(3)]
+    for q in seqs:
+        s.add(q)
+    plan, _ = run_step(s)
+    assert len(plan.entries) == 2 and len(s.waiting) == 1

@@ -61,6 +61,22 @@ def kv_block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int
     return cfg.num_layers * 2 * block_size * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
 
 
+# activations and CUDA graph pools beside the weights and the KV pool (bytes); generous for small models
+_GPU_ACTIVATION_RESERVE = 2 * 2**30
+
+
+def _default_num_blocks(config: EngineConfig, device: str, block_bytes: int) -> int:
+    """KV blocks from `kv_cache_memory_gb` on the CPU; on a GPU from free memory and gpu_memory_utilization."""
+    if device != "cuda":
+        return int(config.kv_cache_memory_gb * 2**30 // block_bytes)
+    free, total = torch.cuda.mem_get_info()
+    budget = total * config.gpu_memory_utilization - (total - free) - _GPU_ACTIVATION_RESERVE
+    if budget < block_bytes:
+        raise ConfigError(f"no GPU memory left for the KV pool ({free / 2**30:.1f} GiB free of "
+                          f"{total / 2**30:.1f}); raise --gpu-memory-utilization or free the GPU")
+    return int(budget // block_bytes)
+
+
 def build_runner(config: EngineConfig, loaded=None) -> BuiltEngine:
     """Load (unless given) and assemble everything a WorkerActor and the SchedulerActor need.
 
@@ -77,21 +93,29 @@ def build_runner(config: EngineConfig, loaded=None) -> BuiltEngine:
     device = resolve_device(config.device)
     backend = make_backend(config, device)
     max_model_len = config.max_model_len or cfg.max_position_embeddings
+    model = LlamaModel(cfg, loaded.tensors, backend, loaded.quantized, max_positions=max_model_len)
     block_bytes = kv_block_bytes(cfg, config.block_size, backend.dtype)
-    num_blocks = config.num_kv_blocks or int(config.kv_cache_memory_gb * 2**30 // block_bytes)
+    num_blocks = config.num_kv_blocks or _default_num_blocks(config, device, block_bytes)
     if num_blocks * config.block_size < max_model_len:
         if config.max_model_len:
             raise ConfigError(f"the KV pool ({num_blocks} blocks of {config.block_size} tokens) cannot hold one "
                               f"sequence of max_model_len {max_model_len}; give it more memory or blocks")
         max_model_len = num_blocks * config.block_size
-    model = LlamaModel(cfg, loaded.tensors, backend, loaded.quantized, max_positions=max_model_len)
     kv_cache = backend.allocate_kv_cache(cfg.num_layers, num_blocks, config.block_size, cfg.num_kv_heads,
                                          cfg.head_dim)
-    logger.info("KV pool: %d blocks x %d tokens = %d tokens (%.1f MiB)", num_blocks, config.block_size,
-                num_blocks * config.block_size, num_blocks * block_bytes / 2**20)
+    logger.info("KV pool: %d blocks x %d tokens = %d tokens (%.1f MiB, %s)", num_blocks, config.block_size,
+                num_blocks * config.block_size, num_blocks * block_bytes / 2**20, device)
+    graphs = None
+    if device == "cuda" and not config.enforce_eager:
+        from voltserve.graphs import DecodeGraphs
+
+        graphs = DecodeGraphs(model, backend, kv_cache, config.max_num_seqs, max_model_len)
+        graphs.capture()
     tokenizer = loaded.tokenizer
     eos = tuple(cfg.eos_token_ids) or tuple(tokenizer.eos_token_ids)
     template = ChatTemplate(loaded.chat_template, bos_token=tokenizer.bos_token, eos_token=tokenizer.eos_token)
-    runner = ModelRunner(model, backend, kv_cache, eos)
-    thread_init = getattr(backend, "thread_init", None)
+    runner = ModelRunner(model, backend, kv_cache, eos, graphs=graphs)
+    thread_init = None
+    if device == "cuda":
+        thread_init = lambda: torch.cuda.set_device(backend.device)  # noqa: E731 (a new thread has no context)
     return BuiltEngine(runner, cfg, tokenizer, template, eos, max_model_len, num_blocks, device, thread_init)

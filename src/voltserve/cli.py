@@ -38,6 +38,8 @@ HELP = {
     "port": "TCP port to listen on",
     "num_threads": "torch intra-op threads on the CPU; 0 = torch's default",
     "weight_format": "auto (int4 kernels for Q4 weights when available) or float",
+    "gpu_memory_utilization": "fraction of GPU memory for weights, activations and the KV pool",
+    "enforce_eager": "run decode steps eagerly instead of replaying CUDA graphs",
 }
 
 

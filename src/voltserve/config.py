@@ -91,6 +91,8 @@ class EngineConfig:
         host / port: where `voltserve serve` listens.
         num_threads: torch intra-op threads on the CPU backend; 0 = torch's default.
         weight_format: "auto" (int4 kernels for Q4 GGUF weights on the CPU when available), "float".
+        gpu_memory_utilization: fraction of the GPU's memory the engine may use (weights, activations, KV pool).
+        enforce_eager: run decode steps eagerly instead of replaying CUDA graphs.
     """
 
     model: str = DEFAULT_MODEL
@@ -110,6 +112,8 @@ class EngineConfig:
     port: int = 8000
     num_threads: int = 0
     weight_format: str = "auto"
+    gpu_memory_utilization: float = 0.9
+    enforce_eager: bool = False
 
     def validate(self) -> "EngineConfig":
         """Check ranges; raises ConfigError naming the setting. Returns self."""
@@ -124,6 +128,8 @@ class EngineConfig:
             raise ConfigError("max_model_len and num_kv_blocks must be >= 0")
         if self.sse_keep_alive_interval < 0:
             raise ConfigError("sse_keep_alive_interval must be >= 0")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ConfigError("gpu_memory_utilization must be in (0, 1]")
         if self.weight_format not in ("auto", "float"):
             raise ConfigError(f"weight_format must be auto or float, not {self.weight_format!r}")
         if not self.served_model_name:

@@ -26,10 +26,11 @@ class ModelRunner:
     """
 
     def __init__(self, model, backend: Backend, kv_cache: torch.Tensor, eos_token_ids: tuple[int, ...],
-                 seed: int | None = None):
+                 seed: int | None = None, graphs=None):
         self.model = model
         self.backend = backend
         self.kv_cache = kv_cache
+        self.graphs = graphs  # voltserve.graphs.DecodeGraphs, or None to run every step eagerly
         self.block_size = kv_cache.shape[3]
         self.eos_token_ids = eos_token_ids
         self.generator = torch.Generator()
@@ -39,7 +40,7 @@ class ModelRunner:
             self.generator.manual_seed(seed)
 
     def prepare(self, plan: StepPlan) -> StepInputs:
-        """Lay the plan's tokens out flat: ids, positions, slot mapping, block tables, logits rows."""
+        """Lay the plan's tokens out flat (host tensors): ids, positions, slot mapping, block tables, logits rows."""
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -63,34 +64,58 @@ class ModelRunner:
         tables = torch.full((len(plan.entries), max_blocks), -1, dtype=torch.int32)
         for i, e in enumerate(plan.entries):
             tables[i, :len(e.seq.block_ids)] = torch.tensor(e.seq.block_ids, dtype=torch.int32)
-        dev = self.backend.device
         attn = AttentionMetadata(
-            query_start_loc=torch.tensor(query_start, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            block_tables=tables.to(dev),
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            query_start_loc=torch.tensor(query_start, dtype=torch.int32),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+            block_tables=tables,
+            slot_mapping=torch.tensor(slots, dtype=torch.int64),
             max_query_len=max(query_lens),
             max_seq_len=max(seq_lens),
             query_lens_cpu=query_lens,
             seq_lens_cpu=seq_lens,
         )
         return StepInputs(
-            input_ids=torch.tensor(ids, dtype=torch.int64, device=dev),
-            positions=torch.tensor(positions, dtype=torch.int64, device=dev),
+            input_ids=torch.tensor(ids, dtype=torch.int64),
+            positions=torch.tensor(positions, dtype=torch.int64),
             attn=attn,
-            logits_indices=torch.tensor(logits_rows, dtype=torch.int64, device=dev),
+            logits_indices=torch.tensor(logits_rows, dtype=torch.int64),
         )
+
+    def to_device(self, step: StepInputs) -> StepInputs:
+        """The same step with its tensors on the backend's device (host-side length lists kept)."""
+        dev = self.backend.device
+        if dev.type == "cpu":
+            return step
+        a = step.attn
+        attn = AttentionMetadata(a.query_start_loc.to(dev), a.seq_lens.to(dev), a.block_tables.to(dev),
+                                 a.slot_mapping.to(dev), a.max_query_len, a.max_seq_len, a.query_lens_cpu,
+                                 a.seq_lens_cpu)
+        return StepInputs(step.input_ids.to(dev), step.positions.to(dev), attn, step.logits_indices.to(dev))
+
+    def forward(self, step: StepInputs) -> torch.Tensor:
+        """Logits [num_logits, vocab] fp32 of a prepared step: a CUDA graph replay when one fits, else eager."""
+        if self.graphs is not None and self.graphs.can_run(step) and \
+                step.logits_indices.numel() == step.attn.num_seqs:
+            return self.graphs.run(step)
+        return self.model.forward(self.to_device(step), self.kv_cache)
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> tuple[dict[int, int], dict[int, TokenLogprob]]:
         """Run one step. Returns (seq_id -> sampled token, seq_id -> TokenLogprob for those that asked)."""
-        step = self.prepare(plan)
-        logits = self.model.forward(step, self.kv_cache)
+        logits = self.forward(self.prepare(plan))
         sampling = [e.seq for e in plan.entries if e.sample]
         if not sampling:
             return {}, {}
         rows = [SampleRow(s.params, s.generator, s.prompt_ids, s.output_ids, self.eos_token_ids) for s in sampling]
+        if logits.is_cuda and hasattr(self.backend, "sample_greedy") and all(_plain_greedy(r) for r in rows):
+            ids, _ = self.backend.sample_greedy(logits.contiguous())  # only the ids cross to the host
+            return {s.seq_id: t for s, t in zip(sampling, ids.tolist())}, {}
         tokens, logprobs = sample(logits.cpu(), rows, self.generator)
         sampled = {s.seq_id: t for s, t in zip(sampling, tokens)}
         lps = {s.seq_id: lp for s, lp in zip(sampling, logprobs) if lp is not None}
         return sampled, lps
+
+
+def _plain_greedy(row: SampleRow) -> bool:
+    p = row.params
+    return p.is_greedy and not p.has_penalties and p.logprobs is None and len(row.output_ids) >= p.min_tokens

@@ -3,17 +3,12 @@
 from __future__ import annotations
 
 import contextlib
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-
-from fake_engine import ScriptedEngine  # noqa: E402
-
-from api import create_app  # noqa: E402
-from voltserve.config import EngineConfig  # noqa: E402
+from api import create_app
+from tests.api.fake_engine import ScriptedEngine
+from voltserve.config import EngineConfig
 
 MODEL = "test-model"
 

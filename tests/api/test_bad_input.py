@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import orjson
 import pytest
-from conftest import MODEL, chat_body
-from fake_engine import ScriptedEngine
+from tests.api.conftest import MODEL, chat_body
+from tests.api.fake_engine import ScriptedEngine
 
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 INVALID = "invalid_request_error"

@@ -6,12 +6,12 @@ from pathlib import Path
 
 import orjson
 import pytest
-from conftest import MODEL, chat_body
-from fake_engine import ScriptedEngine
+from tests.api.conftest import MODEL, chat_body
+from tests.api.fake_engine import ScriptedEngine
 
 import api
 from api.openai.chat_prompt import encode_rendered
-from fake_engine import ByteTokenizer
+from tests.api.fake_engine import ByteTokenizer
 
 
 def test_api_package_is_this_projects():

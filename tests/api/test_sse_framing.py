@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import orjson
-from conftest import MODEL, chat_body
-from fake_engine import ScriptedEngine
+from tests.api.conftest import MODEL, chat_body
+from tests.api.fake_engine import ScriptedEngine
 
 HEAD = b'data: {"id":"chatcmpl-0","object":"chat.completion.chunk","created":1700000000,"model":"test-model",'
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import asyncio
 
 import orjson
-from conftest import MODEL, chat_body
-from fake_engine import ScriptedEngine
+from tests.api.conftest import MODEL, chat_body
+from tests.api.fake_engine import ScriptedEngine
 
 from api import sse
 

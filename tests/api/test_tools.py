@@ -8,8 +8,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import fixed_id
-from fake_engine import ScriptedEngine
+from tests.api.conftest import fixed_id
+from tests.api.fake_engine import ScriptedEngine
 
 from api import create_app
 from voltserve import cli

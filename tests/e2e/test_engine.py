@@ -4,7 +4,7 @@ import asyncio
 
 import pytest
 
-from e2e.engine_helpers import chat_ids, complete, running_engine
+from tests.e2e.engine_helpers import chat_ids, complete, running_engine
 from voltserve.errors import EngineDeadError
 from voltserve.request import FinishReason, SamplingParams
 

@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from conftest import DATA_DIR
+from tests.conftest import DATA_DIR
 from voltserve.backends.cpu import CpuBackend
 from voltserve.kv_cache import BlockPool
 from voltserve.models.llama import LlamaModel

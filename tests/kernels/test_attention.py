@@ -8,7 +8,7 @@ import math
 
 import pytest
 import torch
-from kutils import rel_err
+from tests.kernels.kutils import rel_err
 
 from voltserve.backends.base import AttentionMetadata
 

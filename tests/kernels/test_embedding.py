@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from kutils import make_quant, rel_err
+from tests.kernels.kutils import make_quant, rel_err
 
 pytestmark = pytest.mark.gpu
 

@@ -4,7 +4,7 @@ import math
 
 import pytest
 import torch
-from kutils import make_quant
+from tests.kernels.kutils import make_quant
 
 from voltserve.backends.base import AttentionMetadata
 

@@ -6,7 +6,7 @@ Bound: max |got - ref| <= 3e-3 * max |ref| (fp32 accumulation; one fp16 output r
 
 import pytest
 import torch
-from kutils import make_quant, rel_err
+from tests.kernels.kutils import make_quant, rel_err
 
 from voltserve.backends.cuda.linear import launch_linear
 

@@ -6,7 +6,7 @@ output plus fp32 reduction order).
 
 import pytest
 import torch
-from kutils import rel_err
+from tests.kernels.kutils import rel_err
 
 pytestmark = pytest.mark.gpu
 

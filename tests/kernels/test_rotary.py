@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from kutils import rel_err
+from tests.kernels.kutils import rel_err
 
 from voltserve.backends.cpu import rope_cos_sin
 

@@ -1,4 +1,4 @@
-from helpers import make_scheduler, make_seq, run_step
+from tests.helpers import make_scheduler, make_seq, run_step
 
 from voltserve.request import FinishReason
 

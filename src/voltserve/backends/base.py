@@ -86,6 +86,9 @@ class Backend(Protocol):
     def prepare_embedding(self, weight: torch.Tensor, quant: Any | None = None) -> Any:
         """Token embedding table: weight [vocab_size, hidden_size] fp32, CPU."""
 
+    def prepare_norm(self, weight: torch.Tensor) -> torch.Tensor:
+        """A norm weight [hidden_size] fp32, CPU, as the backend's rms_norm reads it."""
+
     def embedding(self, token_ids: torch.Tensor, table: Any) -> torch.Tensor:
         """token_ids [num_tokens] int64 -> [num_tokens, hidden_size]."""
 

@@ -45,6 +45,9 @@ class CpuBackend:
     def prepare_embedding(self, weight: torch.Tensor, quant: Any | None = None) -> Any:
         return weight.to(self.dtype).contiguous()
 
+    def prepare_norm(self, weight: torch.Tensor) -> torch.Tensor:
+        return weight.to(self.dtype).contiguous()
+
     # -- ops -----------------------------------------------------------------------------------------------
 
     def embedding(self, token_ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:

@@ -52,8 +52,7 @@ class LlamaModel:
         self.config = config
         self.backend = backend
         quantized = quantized or {}
-        dev, dt = backend.device, backend.dtype
-        norm = lambda name: tensors[name].to(device=dev, dtype=dt)  # noqa: E731
+        norm = lambda name: backend.prepare_norm(tensors[name])  # noqa: E731
         self.embed = backend.prepare_embedding(tensors["model.embed_tokens.weight"],
                                                quantized.get("model.embed_tokens.weight"))
         head = "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
@@ -71,7 +70,7 @@ class LlamaModel:
                 down=_fuse(tensors, quantized, [p + "mlp.down_proj.weight"], backend),
             ))
         positions = max_positions or config.max_position_embeddings
-        self.cos_sin = rope_cos_sin(config.head_dim, positions, config.rope_theta).to(dev)
+        self.cos_sin = rope_cos_sin(config.head_dim, positions, config.rope_theta).to(backend.device)
         self.scale = config.head_dim ** -0.5
 
     def forward(self, step: StepInputs, kv_cache: torch.Tensor) -> torch.Tensor:

@@ -6,13 +6,9 @@ import pytest
 import torch
 
 from tests.conftest import DATA_DIR
+from tests.e2e.model_helpers import all_logits, greedy
 from voltserve.backends.cpu import CpuBackend
-from voltserve.kv_cache import BlockPool
 from voltserve.models.llama import LlamaModel
-from voltserve.request import SamplingParams
-from voltserve.runner import ModelRunner
-from voltserve.scheduler import Scheduler, ScheduledSeq, StepPlan
-from voltserve.sequence import Sequence
 
 GOLDEN = json.loads((DATA_DIR / "smollm2-golden.json").read_text())
 PROMPTS = ["The quick brown fox", "def fibonacci(n):\n    ", "Les élèves de l'école"]
@@ -25,24 +21,11 @@ def fp32_model(smollm2):
     return LlamaModel(smollm2.config, smollm2.tensors, backend, smollm2.quantized, max_positions=512), backend
 
 
-def all_logits(model_backend, ids: list[int]) -> torch.Tensor:
-    """[len(ids), vocab] logits of one prefill through our paged forward."""
-    model, backend = model_backend
-    cfg = model.config
-    kv = backend.allocate_kv_cache(cfg.num_layers, 8, 16, cfg.num_kv_heads, cfg.head_dim)
-    seq = Sequence(0, "r", 0, ids, SamplingParams(), 1, block_ids=list(range(-(-len(ids) // 16))))
-    runner = ModelRunner(model, backend, kv, (2,), seed=0)
-    step = runner.prepare(StepPlan([ScheduledSeq(seq, 0, len(ids), True)]))
-    step.logits_indices = torch.arange(len(ids))
-    with torch.inference_mode():
-        return model.forward(step, kv)
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("prompt", PROMPTS)
 def test_logits_match_transformers(fp32_model, hf_smollm2, smollm2_tokenizer, prompt):
     ids = smollm2_tokenizer.encode(prompt)
-    ours = all_logits(fp32_model, ids)
+    ours = all_logits(*fp32_model, ids)
     with torch.inference_mode():
         ref = hf_smollm2(torch.tensor([ids])).logits[0].float()
     max_abs = (ours - ref).abs().max().item()
@@ -50,26 +33,12 @@ def test_logits_match_transformers(fp32_model, hf_smollm2, smollm2_tokenizer, pr
     assert torch.equal(ours.argmax(-1), ref.argmax(-1))
 
 
-def greedy(fp32_model, prompt_ids, num_tokens):
-    model, backend = fp32_model
-    cfg = model.config
-    kv = backend.allocate_kv_cache(cfg.num_layers, 32, 16, cfg.num_kv_heads, cfg.head_dim)
-    sched = Scheduler(BlockPool(32, 16), 4, 512, 512, (2,))
-    seq = Sequence(0, "r", 0, list(prompt_ids), SamplingParams(temperature=0, ignore_eos=True), num_tokens)
-    sched.add(seq)
-    runner = ModelRunner(model, backend, kv, (2,), seed=0)
-    while sched.has_work():
-        plan = sched.schedule()
-        sched.update(plan, runner.execute(plan)[0])
-    return seq.output_ids
-
-
 @pytest.mark.slow
 def test_32_greedy_tokens_match_transformers(fp32_model, hf_smollm2, smollm2_tokenizer):
     ids = smollm2_tokenizer.encode(PROMPTS[0])
     with torch.inference_mode():
         ref = hf_smollm2.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False, min_new_tokens=32)
-    assert greedy(fp32_model, ids, 32) == ref[0, len(ids):].tolist()
+    assert greedy(*fp32_model, ids, 32) == ref[0, len(ids):].tolist()
 
 
 def test_golden_greedy_replay(fp32_model):
@@ -78,10 +47,10 @@ def test_golden_greedy_replay(fp32_model):
     The file warns of near ties (0.08 logits on the first token): besides the exact match, each step's top-1 must
     lead the golden token by no more than a small margin, so a mismatch points at a real numerical change.
     """
-    out = greedy(fp32_model, GOLDEN["prompt_token_ids"], 24)
+    out = greedy(*fp32_model, GOLDEN["prompt_token_ids"], 24)
     assert out == GOLDEN["greedy_24_ignoring_eos"]
     ids = GOLDEN["prompt_token_ids"] + out
-    logits = all_logits(fp32_model, ids)[len(GOLDEN["prompt_token_ids"]) - 1:-1]
+    logits = all_logits(*fp32_model, ids)[len(GOLDEN["prompt_token_ids"]) - 1:-1]
     golden = torch.tensor(GOLDEN["greedy_24_ignoring_eos"])
     lead = logits.max(-1).values - logits.gather(1, golden[:, None])[:, 0]
     assert lead.max().item() < 1e-4
@@ -93,6 +62,6 @@ def test_golden_prompt_ids_and_answer(smollm2, fp32_model):
     tok = smollm2.tokenizer
     text = ChatTemplate(smollm2.chat_template, tok.bos_token, tok.eos_token).render(GOLDEN["chat_messages"])
     assert tok.encode(text) == GOLDEN["prompt_token_ids"]
-    out = greedy(fp32_model, GOLDEN["prompt_token_ids"], len(GOLDEN["greedy_until_eos"]))
+    out = greedy(*fp32_model, GOLDEN["prompt_token_ids"], len(GOLDEN["greedy_until_eos"]))
     assert out == GOLDEN["greedy_until_eos"]
     assert tok.decode(out) == GOLDEN["greedy_text"]

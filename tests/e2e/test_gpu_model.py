@@ -1,0 +1,79 @@
+"""The default model on the GPU (CudaBackend, our kernels) against the CPU reference backend."""
+
+import pytest
+import torch
+
+from tests.e2e.engine_helpers import chat_ids, complete, running_engine
+from tests.e2e.model_helpers import all_logits, greedy
+from voltserve.backends.cpu import CpuBackend
+from voltserve.models.llama import LlamaModel
+from voltserve.request import FinishReason
+
+pytestmark = pytest.mark.gpu
+
+PROMPTS = ["The quick brown fox", "def fibonacci(n):\n    ", "The capital of France is"]
+# fp16 activations and KV vs the fp32 reference, same (dequantized) weights: logits agree to ~1% of their range
+LOGIT_REL_TOL = 3e-2
+
+
+@pytest.fixture(scope="module")
+def gpu(smollm2):
+    from voltserve.backends.cuda.backend import CudaBackend
+
+    backend = CudaBackend(0)
+    return LlamaModel(smollm2.config, smollm2.tensors, backend, smollm2.quantized, max_positions=512), backend
+
+
+@pytest.fixture(scope="module")
+def cpu(smollm2):
+    backend = CpuBackend(torch.float32, use_int4=False)
+    return LlamaModel(smollm2.config, smollm2.tensors, backend, smollm2.quantized, max_positions=512), backend
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_logits_match_cpu_backend(gpu, cpu, smollm2_tokenizer, prompt):
+    ids = smollm2_tokenizer.encode(prompt)
+    ours, ref = all_logits(*gpu, ids), all_logits(*cpu, ids)
+    rel = ((ours - ref).abs().max() / ref.abs().max()).item()
+    assert rel < LOGIT_REL_TOL, f"relative logit error {rel}"
+    assert ours[-1].argmax() == ref[-1].argmax()
+    agree = (ours.argmax(-1) == ref.argmax(-1)).float().mean().item()
+    assert agree >= 0.9, f"top-1 agreement over positions {agree}"
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_16_greedy_tokens_match_cpu_backend(gpu, cpu, smollm2_tokenizer, prompt):
+    ids = smollm2_tokenizer.encode(prompt)
+    assert greedy(*gpu, ids, 16) == greedy(*cpu, ids, 16)
+
+
+def test_graph_replay_equals_eager(gpu, smollm2_tokenizer):
+    from voltserve.graphs import DecodeGraphs
+
+    model, backend = gpu
+    ids = smollm2_tokenizer.encode(PROMPTS[0])
+    eager = greedy(model, backend, ids, 24)
+    graphs = []
+
+    def factory(kv):
+        g = DecodeGraphs(model, backend, kv, max_num_seqs=4, max_model_len=512)
+        g.capture()
+        graphs.append(g)
+        return g
+
+    assert greedy(model, backend, ids, 24, graphs_factory=factory) == eager
+    assert graphs[0].buckets == [1, 2, 4]
+
+
+async def test_engine_on_gpu_answers_and_batches(smollm2):
+    async with running_engine(smollm2, device="cuda", max_num_seqs=8) as engine:
+        text, _, last = await complete(engine, chat_ids(engine, "What is the capital of France?"),
+                                       temperature=0, max_tokens=32)
+        assert "Paris" in text and last.finish_reason is FinishReason.STOP
+        import asyncio
+
+        outs = await asyncio.gather(*(complete(engine, chat_ids(engine, f"Count to {i}."), temperature=0.7,
+                                               seed=i, max_tokens=20, ignore_eos=True) for i in range(6)))
+        assert all(len(o[1]) == 20 for o in outs)
+        stats = engine.kv_stats()
+        assert stats["num_free_blocks"] == stats["num_blocks"]

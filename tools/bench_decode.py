@@ -1,0 +1,127 @@
+"""Offline decode throughput: tokens/s of the engine's ModelRunner at several batch sizes, graphs on and off.
+
+Each point prefills `batch` sequences of `--prompt-len` tokens, then times `--steps` decode steps (median of
+`--repeats`). For the 8B-shape synthetic model it also prints the batch-1 roofline: (weight bytes + KV bytes read
+per step) / measured device-to-device copy bandwidth (issue 4, target 3).
+
+    python tools/bench_decode.py --model smollm2-135m-instruct --device cuda --out decode.json
+    python tools/bench_decode.py --synthetic llama3-8b --device cuda --batch 1,8 --out decode8b.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+
+from actors.build import build_runner  # noqa: E402
+from voltserve.config import EngineConfig  # noqa: E402
+from voltserve.kv_cache import BlockPool  # noqa: E402
+from voltserve.request import SamplingParams  # noqa: E402
+from voltserve.scheduler import Scheduler  # noqa: E402
+from voltserve.sequence import Sequence  # noqa: E402
+
+
+def copy_bandwidth_gbs(nbytes: int = 2**30) -> float:
+    """Device-to-device copy bandwidth, read + write bytes counted, median of 10 (GB/s)."""
+    a = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    times = []
+    for _ in range(10):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        b.copy_(a)
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return 2 * nbytes / statistics.median(times) / 1e9
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def time_decode(built, batch: int, prompt_len: int, steps: int, device: str) -> float:
+    """Seconds per decode step at `batch` sequences."""
+    cfg = built.model_config
+    pool = BlockPool(built.num_blocks, built.runner.block_size, enable_prefix_caching=False)
+    sched = Scheduler(pool, batch, batch * prompt_len, prompt_len + steps + 1, ())
+    for i in range(batch):
+        prompt = [(7 * i + j) % min(cfg.vocab_size, 250) + 1 for j in range(prompt_len)]
+        sched.add(Sequence(i, f"r{i}", 0, prompt, SamplingParams(temperature=0, ignore_eos=True), steps + 1))
+    plan = sched.schedule()  # prefill all
+    sched.update(plan, built.runner.execute(plan)[0])
+    _sync(device)
+    start = time.perf_counter()
+    for _ in range(steps):
+        plan = sched.schedule()
+        sched.update(plan, built.runner.execute(plan)[0])
+    _sync(device)
+    return (time.perf_counter() - start) / steps
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="decode tokens/s, batch sweep, graphs on/off")
+    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--synthetic", choices=["llama3-8b", "tiny"], help="random weights made on the device")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--batch", default="1,8,32,64")
+    parser.add_argument("--graphs", default="on,off")
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--steps", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out", type=pathlib.Path)
+    args = parser.parse_args()
+    batches = [int(b) for b in args.batch.split(",")]
+    results = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+               "model": args.synthetic or args.model, "command": " ".join(sys.argv), "points": []}
+    loaded = None
+    if args.synthetic:
+        from tools.make_synthetic_checkpoint import synthetic_model
+
+        loaded = synthetic_model(args.synthetic, device=args.device,
+                                 dtype=torch.float16 if args.device == "cuda" else torch.float32)
+    for graphs in args.graphs.split(","):
+        if args.device != "cuda" and graphs == "on":
+            continue
+        config = EngineConfig(model=args.model, device=args.device, max_num_seqs=max(batches),
+                              max_model_len=args.prompt_len + args.steps + 16, enforce_eager=graphs == "off",
+                              num_kv_blocks=max(batches) * (-(-(args.prompt_len + args.steps + 16) // 16)))
+        built = build_runner(config, loaded)
+        for batch in batches:
+            times = [time_decode(built, batch, args.prompt_len, args.steps, args.device)
+                     for _ in range(args.repeats)]
+            step_s = statistics.median(times)
+            point = {"graphs": graphs, "batch": batch, "step_ms": step_s * 1e3, "tokens_per_s": batch / step_s}
+            results["points"].append(point)
+            print(json.dumps(point), flush=True)
+        del built
+        if args.device == "cuda":
+            torch.cuda.empty_cache()
+    if args.device == "cuda":
+        bw = copy_bandwidth_gbs()
+        results["copy_bandwidth_gbs"] = bw
+        if loaded is not None:
+            cfg = loaded.config
+            weight_bytes = sum(t.numel() * 2 for n, t in loaded.tensors.items() if n != "model.embed_tokens.weight")
+            kv_bytes = cfg.num_layers * 2 * (args.prompt_len + args.steps // 2) * cfg.num_kv_heads * cfg.head_dim * 2
+            roof_s = (weight_bytes + kv_bytes) / (bw * 1e9)
+            results["batch1_roofline_ms"] = roof_s * 1e3
+            for p in results["points"]:
+                if p["batch"] == 1:
+                    p["roofline_fraction"] = roof_s * 1e3 / p["step_ms"]
+    print(json.dumps(results, indent=2))
+    if args.out:
+        args.out.write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,123 @@
+"""Random-weight Llama checkpoints: tiny ones for tests, Llama-3-8B shapes for GPU benchmarks.
+
+`synthetic_model(shape)` builds a LoadedModel in memory (optionally straight on the GPU, which skips 16 GB of
+disk and host copies for the 8B shapes); `python tools/make_synthetic_checkpoint.py --shape tiny --out DIR` writes
+a Hugging Face directory (config.json, model.safetensors fp16, tokenizer.json) that `voltserve serve DIR` loads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import sys
+
+import torch
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))  # run from a checkout
+
+from loaders.model import LoadedModel  # noqa: E402
+from voltserve.config import ModelConfig  # noqa: E402
+
+SHAPES = {
+    # Llama-3-8B (Meta, 2024): the shapes of the issue's roofline target
+    "llama3-8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,
+                      num_kv_heads=8, head_dim=128, rope_theta=500000.0, max_position_embeddings=8192),
+    "tiny": dict(vocab_size=320, hidden_size=64, intermediate_size=160, num_layers=2, num_heads=4, num_kv_heads=2,
+                 head_dim=16, rope_theta=10000.0, max_position_embeddings=512),
+}
+EOS_ID = 257
+
+
+def byte_tokenizer(vocab_size: int):
+    """A byte-level tokenizer: ids 0-255 are bytes, 256 = <|bos|>, 257 = <|eos|>; the rest unused."""
+    import tokenizers
+    from tokenizers import decoders, models, pre_tokenizers
+
+    from voltserve.tokenizer import Tokenizer
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    byte_to_char = {b: c for b, c in zip(range(256), sorted(alphabet, key=lambda ch: _byte_of(ch)))}
+    vocab = {byte_to_char[b]: b for b in range(256)}
+    tok = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(["<|bos|>", "<|eos|>"])
+    return Tokenizer(tok, bos_token_id=256, eos_token_ids=[EOS_ID], vocab_size=vocab_size)
+
+
+def _byte_of(ch: str) -> int:
+    """GPT-2's byte-to-unicode map, inverted for one character."""
+    code = ord(ch)
+    printable = list(range(33, 127)) + list(range(161, 173)) + list(range(174, 256))
+    if code in printable:
+        return code
+    extra = [b for b in range(256) if b not in printable]
+    return extra[code - 256]
+
+
+def synthetic_model(shape: str = "tiny", device: str = "cpu", dtype: torch.dtype = torch.float32,
+                    seed: int = 0) -> LoadedModel:
+    """A LoadedModel with N(0, 0.02) weights and unit norms.
+
+    Args:
+        shape: a key of SHAPES.
+        device / dtype: where the tensors are made ("cuda" + float16 for the 8B shapes: ~16 GB).
+    """
+    dims = SHAPES[shape]
+    cfg = ModelConfig(architecture="llama", tie_word_embeddings=False, bos_token_id=256, eos_token_ids=(EOS_ID,),
+                      **dims)
+    gen = torch.Generator(device=device).manual_seed(seed)
+
+    def rand(*size):
+        return (torch.randn(*size, generator=gen, device=device, dtype=dtype) * 0.02)
+
+    h, i, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    t = {"model.embed_tokens.weight": rand(cfg.vocab_size, h), "lm_head.weight": rand(cfg.vocab_size, h),
+         "model.norm.weight": torch.ones(h, device=device, dtype=dtype)}
+    for n in range(cfg.num_layers):
+        p = f"model.layers.{n}."
+        t[p + "self_attn.q_proj.weight"] = rand(cfg.num_heads * d, h)
+        t[p + "self_attn.k_proj.weight"] = rand(cfg.num_kv_heads * d, h)
+        t[p + "self_attn.v_proj.weight"] = rand(cfg.num_kv_heads * d, h)
+        t[p + "self_attn.o_proj.weight"] = rand(h, cfg.num_heads * d)
+        t[p + "mlp.gate_proj.weight"] = rand(i, h)
+        t[p + "mlp.up_proj.weight"] = rand(i, h)
+        t[p + "mlp.down_proj.weight"] = rand(h, i)
+        t[p + "input_layernorm.weight"] = torch.ones(h, device=device, dtype=dtype)
+        t[p + "post_attention_layernorm.weight"] = torch.ones(h, device=device, dtype=dtype)
+    return LoadedModel(config=cfg, tensors=t, tokenizer=byte_tokenizer(cfg.vocab_size), chat_template=None,
+                       source=f"synthetic:{shape}")
+
+
+def save_hf_dir(model: LoadedModel, out: pathlib.Path) -> None:
+    """Write config.json, model.safetensors (fp16) and tokenizer.json."""
+    from safetensors.torch import save_file
+
+    cfg = model.config
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim, "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_theta": cfg.rope_theta, "max_position_embeddings": cfg.max_position_embeddings,
+        "tie_word_embeddings": False, "bos_token_id": 256, "eos_token_id": EOS_ID, "torch_dtype": "float16"},
+        indent=2))
+    save_file({k: v.to(torch.float16).contiguous().cpu() for k, v in model.tensors.items()},
+              str(out / "model.safetensors"))
+    model.tokenizer.backend.save(str(out / "tokenizer.json"))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="tiny")
+    parser.add_argument("--out", type=pathlib.Path, required=True)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    save_hf_dir(synthetic_model(args.shape, seed=args.seed), args.out)
+    print(f"wrote {args.shape} checkpoint to {args.out}")
+
+
+if __name__ == "__main__":
+    main()

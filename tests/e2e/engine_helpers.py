@@ -13,7 +13,8 @@ from voltserve.request import SamplingParams
 async def running_engine(loaded, **config):
     config.setdefault("num_kv_blocks", 256)
     config.setdefault("max_model_len", 2048)
-    engine = AsyncEngine(EngineConfig(model="smollm2-135m-instruct", device="cpu", **config), loaded=loaded)
+    config.setdefault("device", "cpu")
+    engine = AsyncEngine(EngineConfig(model="smollm2-135m-instruct", **config), loaded=loaded)
     await engine.start()
     try:
         yield engine

@@ -43,7 +43,7 @@ def cpu_backend():
 def _poison(request):
     """Fill torch's cached device memory with NaN before each GPU test, so outputs a kernel never writes show."""
     if "gpu" in request.keywords and _gpu_ok():
-        from kutils import poison_allocator
+        from tests.kernels.kutils import poison_allocator
 
         poison_allocator()
     yield

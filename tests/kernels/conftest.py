@@ -8,17 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-
-def _gpu_ok() -> bool:
-    try:
-        import torch
-
-        if not torch.cuda.is_available():
-            return False
-        from cuda.bindings import driver  # noqa: F401
-    except Exception:
-        return False
-    return True
+from tests.conftest import gpu_available as _gpu_ok
 
 
 @pytest.fixture(scope="session")

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import secrets
 import uuid
 from collections.abc import AsyncIterator
 
@@ -141,10 +142,13 @@ class AsyncEngine:
         for i in range(params.n):
             gen = None
             if params.seed is not None:
-                gen = torch.Generator().manual_seed((params.seed + i) & 0xFFFF_FFFF_FFFF_FFFF)
+                philox_seed = (params.seed + i) & 0xFFFF_FFFF_FFFF_FFFF
+                gen = torch.Generator().manual_seed(philox_seed)
+            else:
+                philox_seed = secrets.randbits(64)  # the device sampler's key for an unseeded request
             seqs.append(Sequence(seq_id=next(self._seq_ids), request_id=request_id, index=i,
                                  prompt_ids=list(prompt_token_ids), params=params, max_tokens=max_tokens,
-                                 generator=gen))
+                                 generator=gen, philox_seed=philox_seed))
         stream = RequestStream(request_id, params.n, self.abort)
         self._scheduler_actor.tell(AddRequestMsg(tuple(seqs), stream))
         return stream

@@ -7,7 +7,7 @@ import logging
 import torch
 
 from voltserve.backends.base import AttentionMetadata, Backend, StepInputs
-from voltserve.request import TokenLogprob
+from voltserve.request import MAX_LOGPROBS, TokenLogprob
 from voltserve.sampling import SampleRow, sample
 from voltserve.scheduler import StepPlan
 
@@ -107,13 +107,50 @@ class ModelRunner:
         if not sampling:
             return {}, {}
         rows = [SampleRow(s.params, s.generator, s.prompt_ids, s.output_ids, self.eos_token_ids) for s in sampling]
+        offsets = [s.philox_offset for s in sampling]
+        for s in sampling:  # one Philox counter per sampled token, whichever path samples it
+            s.philox_offset += 1
         if logits.is_cuda and hasattr(self.backend, "sample_greedy") and all(_plain_greedy(r) for r in rows):
             ids, _ = self.backend.sample_greedy(logits.contiguous())  # only the ids cross to the host
             return {s.seq_id: t for s, t in zip(sampling, ids.tolist())}, {}
+        if logits.is_cuda and hasattr(self.backend, "sample") and all(_device_supported(r) for r in rows):
+            return self._sample_on_device(logits, sampling, offsets)
         tokens, logprobs = sample(logits.cpu(), rows, self.generator)
         sampled = {s.seq_id: t for s, t in zip(sampling, tokens)}
         lps = {s.seq_id: lp for s, lp in zip(sampling, logprobs) if lp is not None}
         return sampled, lps
+
+    def _sample_on_device(self, logits: torch.Tensor, seqs: list, offsets: list[int]
+                          ) -> tuple[dict[int, int], dict[int, TokenLogprob]]:
+        """Device sampling (CudaBackend.sample) of logits [len(seqs), vocab] fp32 (CUDA); row i uses Philox key
+        seqs[i].philox_seed and counter offsets[i]."""
+        from voltserve.backends.cuda.params import SampleRowParams  # ctypes only; no CUDA import
+
+        params = [SampleRowParams(s.philox_seed & _U64, off & _U64, s.params.temperature,
+                                  s.params.top_p, s.params.min_p, max(s.params.top_k, 0), s.params.logprobs or 0, 0)
+                  for s, off in zip(seqs, offsets)]
+        ids, lp, (top_ids, top_lps) = self.backend.sample(logits.contiguous(), params)
+        tokens = ids.tolist()
+        sampled = {s.seq_id: t for s, t in zip(seqs, tokens)}
+        want = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
+        if not want:
+            return sampled, {}
+        lp_l, tid_l, tlp_l = lp.tolist(), top_ids.tolist(), top_lps.tolist()
+        lps = {}
+        for i in want:
+            k = seqs[i].params.logprobs
+            lps[seqs[i].seq_id] = TokenLogprob(tokens[i], lp_l[i], tuple(zip(tid_l[i][:k], tlp_l[i][:k])))
+        return sampled, lps
+
+
+_U64 = (1 << 64) - 1
+
+
+def _device_supported(row: SampleRow) -> bool:
+    """Rows CudaBackend.sample handles: no penalties, no min_tokens masking, logprobs <= 20."""
+    p = row.params
+    masked = len(row.output_ids) < p.min_tokens and (row.eos_token_ids or p.stop_token_ids)
+    return not p.has_penalties and not masked and (p.logprobs is None or 0 <= p.logprobs <= MAX_LOGPROBS)
 
 
 def _plain_greedy(row: SampleRow) -> bool:

@@ -27,6 +27,9 @@ class Sequence:
         output_ids: generated token ids so far.
         params: the request's sampling parameters.
         generator: torch.Generator seeded from params.seed (+ index), or None to use the engine's.
+        philox_seed / philox_offset: the device sampler's Philox4x32-10 key and counter: the seed is
+            params.seed (+ index) or a random draw when the request has no seed; the offset advances by one per
+            sampled token (ModelRunner.execute), so a seeded request samples the same tokens run to run.
         block_ids: KV blocks holding this sequence's tokens, in order.
         block_hashes: prefix-cache hashes of the sequence's full blocks computed so far.
         num_computed_tokens: tokens whose K/V are in the cache.
@@ -40,6 +43,8 @@ class Sequence:
     params: SamplingParams
     max_tokens: int
     generator: torch.Generator | None = None
+    philox_seed: int = 0
+    philox_offset: int = 0
     output_ids: list[int] = field(default_factory=list)
     block_ids: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)

@@ -17,6 +17,8 @@ QUANT_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
 GEMV_MAX_ROWS = 8          # x rows per GEMV launch; above GEMM_MIN_ROWS the tiled GEMM runs instead
 GEMM_MIN_ROWS = 17
 GEMV_ROW_BUCKETS = (1, 2, 4, 8)
+SAMPLE_MAX_LOGPROBS = 20   # top alternatives per row of sample_topk_topp (SAMPLE_MAX_TOP in the .cu)
+SAMPLE_MAX_VOCAB = 1 << 23  # fixed-point headroom of the top-p weights
 
 
 @dataclass(frozen=True)
@@ -28,12 +30,14 @@ class KernelSource:
         kernels: `extern "C"` kernel names in the file.
         params: ctypes mirror of the file's params struct.
         size_define: the `-D` name the struct's static_assert checks.
+        extra_sizes: further (define, ctypes struct) size checks (structs the kernel reads from device arrays).
     """
 
     file: str
     kernels: tuple[str, ...]
     params: type[ctypes.Structure]
     size_define: str
+    extra_sizes: tuple[tuple[str, type[ctypes.Structure]], ...] = ()
 
 
 SOURCES = {
@@ -50,13 +54,17 @@ SOURCES = {
     "gemv": KernelSource("gemv.cu", ("gemv",), P.GemvParams, "VOLT_GEMV_PARAMS_BYTES"),
     "gemm_tiled": KernelSource("gemm_tiled.cu", ("gemm_tiled",), P.GemmParams, "VOLT_GEMM_PARAMS_BYTES"),
     "sampling": KernelSource("sampling.cu", ("argmax_logprob",), P.ArgmaxParams, "VOLT_ARGMAX_PARAMS_BYTES"),
+    "sample_topk_topp": KernelSource("sample_topk_topp.cu", ("sample_topk_topp", "philox4x32_10_test"),
+                                     P.SampleParams, "VOLT_SAMPLE_PARAMS_BYTES",
+                                     (("VOLT_SAMPLE_ROW_BYTES", P.SampleRowParams),)),
 }
 
 
 def defines(op: str, **spec: int) -> dict[str, int]:
     """The `-D` set of one specialisation of `op`: the params size check plus `spec` (HEAD_DIM=64, ...)."""
     src = SOURCES[op]
-    return {src.size_define: ctypes.sizeof(src.params), **spec}
+    extra = {name: ctypes.sizeof(struct) for name, struct in src.extra_sizes}
+    return {src.size_define: ctypes.sizeof(src.params), **extra, **spec}
 
 
 def decode_partition(head_dim: int, group: int) -> int:
@@ -94,4 +102,5 @@ def engine_specializations() -> list[tuple[str, dict[str, int]]]:
     specs += [("gemv", {"WTYPE": w, "MROWS": m}) for w in WTYPES.values() for m in GEMV_ROW_BUCKETS]
     specs += [("gemm_tiled", {"WTYPE": w}) for w in WTYPES.values()]
     specs += [("sampling", {"LOGITS_F16": f}) for f in (0, 1)]
+    specs += [("sample_topk_topp", {"LOGITS_F16": f}) for f in (0, 1)]
     return specs

@@ -12,6 +12,7 @@ P = ctypes.c_void_p
 I64 = ctypes.c_int64
 I32 = ctypes.c_int32
 F32 = ctypes.c_float
+U64 = ctypes.c_uint64
 
 
 def _struct(name: str, fields: list[tuple[str, type]]) -> type[ctypes.Structure]:
@@ -61,3 +62,12 @@ GemmParams = _struct("GemmParams", [
 
 ArgmaxParams = _struct("ArgmaxParams", [
     ("logits", P), ("out_ids", P), ("out_logprobs", P), ("row_stride", I64), ("num_rows", I32), ("vocab", I32)])
+
+# sample_topk_topp.cu: one SampleRowParams per row (device array), SampleParams by value
+SampleRowParams = _struct("SampleRowParams", [
+    ("seed", U64), ("offset", U64), ("temperature", F32), ("top_p", F32), ("min_p", F32), ("top_k", I32),
+    ("num_logprobs", I32), ("pad_", I32)])
+
+SampleParams = _struct("SampleParams", [
+    ("logits", P), ("rows", P), ("out_ids", P), ("out_logprobs", P), ("out_top_ids", P), ("out_top_logprobs", P),
+    ("row_stride", I64), ("num_rows", I32), ("vocab", I32)])

@@ -1,0 +1,368 @@
+// sample_topk_topp.cu: per-row sampling with temperature, top-k, top-p, min-p and a counter-based RNG, plus the
+// sampled token's log-probability and the top-`num_logprobs` alternatives (ids, logprobs).
+//
+// Semantics (the contract is voltserve.sampling.sample without penalties / min_tokens masking):
+//   logprobs are log_softmax(logits) of the model distribution (before temperature and filtering);
+//   temperature 0 = argmax (first index on ties); otherwise s = logits / T, then
+//   top-k keeps s >= (k-th largest s) (ties at the k-th value all kept),
+//   min-p keeps exp(s - s_max) >= min_p (same as softmax(s) >= min_p * max softmax(s)),
+//   top-p keeps, of what is left, a token when the renormalised mass of the strictly larger tokens is < top_p
+//   (nucleus sampling, Holtzman et al. 2019; a tie group at the boundary is kept whole),
+//   then one token is drawn from softmax(s) restricted to the kept set.
+//
+// Algorithm (one block per row, no sort, deterministic: the same inputs and (seed, offset) give the same token):
+//   1. one pass: online max / sum(exp) (Milakov & Gimelshein 2018) -> argmax, logZ = max + log(sum).
+//   2. thresholds by radix select over order-preserving 32-bit keys of the fp32 values, 8 bits per pass (4
+//      passes): a 256-bin histogram in shared memory of u64 weights, then warp 0 scans the bins from the top to
+//      find the bin where the cumulative weight crosses the target. Weight 1 gives the k-th largest value
+//      (top-k and the top-`num_logprobs` logprobs); weight = round(exp(s - s_max) * 2^40) (fixed point, so the
+//      integer atomics are order-independent and the result deterministic) gives the top-p threshold, with target
+//      top_p * (total kept weight).
+//   3. sampling by the exponential race / Gumbel-max trick (argmax_i s_i - log E_i, E_i ~ Exp(1) i.i.d., equal
+//      to sampling from softmax(s) over the kept set): E_i from Philox4x32-10 (Salmon, Moraes, Dror, Shaw 2011,
+//      "Parallel random numbers: as easy as 1, 2, 3", SC'11) with key = the row's 64-bit seed and counter =
+//      (token index, 0, offset lo, offset hi); word 0 gives w = (r >> 9 + 0.5) * 2^-23 in (0, 1), E = -log1p(-w).
+//   4. top-`num_logprobs`: radix select of the n-th largest logit, then an index-ordered block compaction
+//      (ballots) of the larger ones and the lowest-index ties, sorted by (logprob desc, index asc).
+//
+// Grid: (num_rows); block 1024 threads striding over the vocabulary (coalesced); static smem ~2.6 KiB
+// (256 x u64 histogram + reduction scratch). Up to 1 + 4 + 4 + 4 + 1 + 1 passes over the row for a row with top-k,
+// top-p and logprobs; passes are skipped when a feature is off.
+// Compile-time: LOGITS_F16 (1: fp16 logits, 0: fp32). SM70 path: the only path (fp32 math, u64 shared atomics,
+// no sm_80+ intrinsics). Vocab must be < 2^23 (fixed-point headroom of the top-p weights).
+// Also here: philox4x32_10_test, a test kernel exposing the generator for known-answer tests.
+// Reference: voltserve.sampling.sample / torch.log_softmax / torch.topk on the CPU logits.
+#include "common.cuh"
+
+#ifndef LOGITS_F16
+#define LOGITS_F16 0
+#endif
+#ifndef SAMPLE_MAX_TOP
+#define SAMPLE_MAX_TOP 20
+#endif
+#define SAMPLE_THREADS 1024
+
+typedef unsigned long long u64;
+
+struct SampleRow {           // per-row parameters, [num_rows] on the device
+    u64 seed;                // Philox key
+    u64 offset;              // Philox counter words 2-3 (advanced by one per sampled token by the caller)
+    float temperature;       // <= 0: greedy
+    float top_p;             // (0, 1]; 1 = off
+    float min_p;             // [0, 1]; 0 = off
+    int top_k;               // <= 0 or >= vocab: off
+    int num_logprobs;        // 0..SAMPLE_MAX_TOP alternatives written to out_top_*
+    int pad_;
+};
+VOLT_CHECK_PARAMS(SampleRow, VOLT_SAMPLE_ROW_BYTES);
+
+struct SampleParams {
+    const void* logits;          // [num_rows, vocab] fp32 or fp16, row stride row_stride
+    const SampleRow* rows;       // [num_rows]
+    i64* out_ids;                // [num_rows] int64 sampled token
+    float* out_logprobs;         // [num_rows] fp32 its log_softmax value
+    i64* out_top_ids;            // [num_rows, SAMPLE_MAX_TOP] int64; entries past num_logprobs = -1
+    float* out_top_logprobs;     // [num_rows, SAMPLE_MAX_TOP] fp32; entries past num_logprobs = -inf
+    i64 row_stride;              // elements
+    int num_rows;
+    int vocab;
+};
+VOLT_CHECK_PARAMS(SampleParams, VOLT_SAMPLE_PARAMS_BYTES);
+
+VOLT_DEVICE float load_x(const SampleParams& p, i64 i) {
+#if LOGITS_F16
+    return h2f(reinterpret_cast<const half_t*>(p.logits)[i]);
+#else
+    return reinterpret_cast<const float*>(p.logits)[i];
+#endif
+}
+
+// Order-preserving map fp32 -> u32 (-0 folded into +0 so equal values get equal keys).
+VOLT_DEVICE u32 fkey(float f) {
+    u32 u = __float_as_uint(f + 0.0f);
+    return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+// Philox4x32-10 (Random123's philox4x32, 10 rounds). c: 4 counter words in/out, k0/k1: key.
+VOLT_DEVICE void philox4x32_10(u32* c, u32 k0, u32 k1) {
+#pragma unroll
+    for (int r = 0; r < 10; ++r) {
+        if (r) { k0 += 0x9E3779B9u; k1 += 0xBB67AE85u; }
+        const u32 hi0 = __umulhi(0xD2511F53u, c[0]), lo0 = 0xD2511F53u * c[0];
+        const u32 hi1 = __umulhi(0xCD9E8D57u, c[2]), lo1 = 0xCD9E8D57u * c[2];
+        const u32 n0 = hi1 ^ c[1] ^ k0, n2 = hi0 ^ c[3] ^ k1;
+        c[0] = n0; c[1] = lo1; c[2] = n2; c[3] = lo0;
+    }
+}
+
+struct SampleSmem {
+    u64 hist[256];
+    float f[32];
+    int i[32];
+    int cnt_a[32];
+    int cnt_b[32];
+    float top_v[SAMPLE_MAX_TOP];
+    int top_i[SAMPLE_MAX_TOP];
+    int bin;
+    double above;
+    double target;
+};
+
+// Block radix select over the keys of included elements: returns the key v with
+// W(key > v) < target <= W(key >= v), W = sum of weights; *above_out = W(key > v) (in weight units).
+// If frac > 0 the target is frac * (total weight), computed in the first pass.
+// f(i, key, weight) -> bool included. Every thread of the block must call it.
+template <class F>
+VOLT_DEVICE u32 radix_select(const F& f, int vocab, double target, double frac, SampleSmem& sm, double* above_out) {
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    u32 prefix = 0, mask = 0;
+    double above = 0.0;
+    for (int shift = 24; shift >= 0; shift -= 8) {
+        for (int b = tid; b < 256; b += blockDim.x) sm.hist[b] = 0ull;
+        __syncthreads();
+        for (int i = tid; i < vocab; i += blockDim.x) {
+            u32 key;
+            u64 w;
+            if (f(i, key, w) && (key & mask) == prefix) atomicAdd(&sm.hist[(key >> shift) & 255u], w);
+        }
+        __syncthreads();
+        if (warp == 0) {
+            // lane l owns bins 255 - 8l .. 248 - 8l (descending); lane 0 holds the largest keys
+            u64 local[8];
+            u64 tot = 0;
+#pragma unroll
+            for (int j = 0; j < 8; ++j) { local[j] = sm.hist[255 - 8 * lane - j]; tot += local[j]; }
+            u64 incl = tot;
+#pragma unroll
+            for (int o = 1; o < 32; o <<= 1) {
+                const u64 t = __shfl_up_sync(0xffffffffu, incl, o);
+                if (lane >= o) incl += t;
+            }
+            double tgt = target;
+            if (shift == 24 && frac > 0.0) tgt = frac * (double)__shfl_sync(0xffffffffu, incl, 31);
+            else if (shift != 24) tgt = sm.target;
+            const u64 excl = incl - tot;
+            const bool hit = above + (double)excl < tgt && above + (double)incl >= tgt;
+            const unsigned ball = __ballot_sync(0xffffffffu, hit);
+            const int src = ball ? __ffs(ball) - 1 : 31;
+            if (lane == src) {
+                double acc = above + (double)excl;
+                int d = 255 - 8 * lane - 7;
+                for (int j = 0; j < 8; ++j) {
+                    if (acc + (double)local[j] >= tgt) { d = 255 - 8 * lane - j; break; }
+                    acc += (double)local[j];
+                }
+                sm.bin = d;
+                sm.above = acc;
+                sm.target = tgt;
+            }
+        }
+        __syncthreads();
+        prefix |= (u32)sm.bin << shift;
+        mask |= 255u << shift;
+        above = sm.above;
+        __syncthreads();  // sm.bin / sm.above are rewritten in the next pass
+    }
+    *above_out = above;
+    return prefix;
+}
+
+// Block argmax of (v, i) with ties to the lower index; every thread gets the result.
+VOLT_DEVICE void block_argmax(float& v, int& idx, SampleSmem& sm) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        const float ov = __shfl_xor_sync(0xffffffffu, v, o);
+        const int oi = __shfl_xor_sync(0xffffffffu, idx, o);
+        if (ov > v || (ov == v && oi < idx)) { v = ov; idx = oi; }
+    }
+    if (lane == 0) { sm.f[warp] = v; sm.i[warp] = idx; }
+    __syncthreads();
+    v = lane < nw ? sm.f[lane] : VOLT_NEG_INF;
+    idx = lane < nw ? sm.i[lane] : 0x7fffffff;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        const float ov = __shfl_xor_sync(0xffffffffu, v, o);
+        const int oi = __shfl_xor_sync(0xffffffffu, idx, o);
+        if (ov > v || (ov == v && oi < idx)) { v = ov; idx = oi; }
+    }
+    __syncthreads();
+}
+
+// merge two online-softmax states (max m, sum s of exp(x - m), argmax index i)
+VOLT_DEVICE void merge_ms(float& m, float& s, int& i, float om, float os, int oi) {
+    if (om > m || (om == m && oi < i)) {
+        s = (m == VOLT_NEG_INF ? 0.f : s * expf(m - om)) + os;
+        m = om;
+        i = oi;
+    } else if (om != VOLT_NEG_INF) {
+        s += os * expf(om - m);
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) sample_topk_topp(const SampleParams p) {
+    __shared__ SampleSmem sm;
+    const int row = blockIdx.x, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nw = blockDim.x >> 5;
+    const int vocab = p.vocab;
+    const i64 base = (i64)row * p.row_stride;
+    const SampleRow rp = p.rows[row];
+
+    // ---- 1. max, argmax, log-sum-exp of the raw logits (one pass, online) ----
+    float m = VOLT_NEG_INF, s = 0.f;
+    int am = 0x7fffffff;
+    for (int i = tid; i < vocab; i += blockDim.x) {
+        const float x = load_x(p, base + i);
+        if (x > m) {
+            s = (m == VOLT_NEG_INF ? 0.f : s * expf(m - x)) + 1.f;
+            m = x;
+            am = i;
+        } else if (x != VOLT_NEG_INF) {
+            s += expf(x - m);
+        }
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1)
+        merge_ms(m, s, am, __shfl_xor_sync(0xffffffffu, m, o), __shfl_xor_sync(0xffffffffu, s, o),
+                 __shfl_xor_sync(0xffffffffu, am, o));
+    if (lane == 0) { sm.f[warp] = m; sm.i[warp] = am; sm.cnt_a[warp] = __float_as_int(s); }
+    __syncthreads();
+    m = lane < nw ? sm.f[lane] : VOLT_NEG_INF;
+    s = lane < nw ? __int_as_float(sm.cnt_a[lane]) : 0.f;
+    am = lane < nw ? sm.i[lane] : 0x7fffffff;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1)
+        merge_ms(m, s, am, __shfl_xor_sync(0xffffffffu, m, o), __shfl_xor_sync(0xffffffffu, s, o),
+                 __shfl_xor_sync(0xffffffffu, am, o));
+    __syncthreads();
+    const float x_max = m;
+    const float log_z = m + logf(s);
+    const int argmax = am == 0x7fffffff ? 0 : am;
+
+    // ---- 2. top-num_logprobs of the model distribution ----
+    const int n_top = min(max(rp.num_logprobs, 0), min(SAMPLE_MAX_TOP, vocab));
+    if (n_top > 0) {
+        double n_greater;
+        const u32 kth = radix_select(
+            [&](int i, u32& key, u64& w) { key = fkey(load_x(p, base + i)); w = 1ull; return true; },
+            vocab, (double)n_top, 0.0, sm, &n_greater);
+        const int greater = (int)n_greater, ties_needed = n_top - greater;
+        int run_g = 0, run_t = 0;
+        const unsigned lt_mask = (1u << lane) - 1u;
+        for (int b0 = 0; b0 < vocab; b0 += blockDim.x) {
+            const int i = b0 + tid;
+            const float x = i < vocab ? load_x(p, base + i) : 0.f;
+            const u32 key = i < vocab ? fkey(x) : 0u;
+            const bool fg = i < vocab && key > kth, ft = i < vocab && key == kth;
+            const unsigned bg = __ballot_sync(0xffffffffu, fg), bt = __ballot_sync(0xffffffffu, ft);
+            if (lane == 0) { sm.cnt_a[warp] = __popc(bg); sm.cnt_b[warp] = __popc(bt); }
+            __syncthreads();
+            int off_g = 0, off_t = 0, tot_g = 0, tot_t = 0;
+            for (int w = 0; w < nw; ++w) {
+                const int a = sm.cnt_a[w], c = sm.cnt_b[w];
+                if (w < warp) { off_g += a; off_t += c; }
+                tot_g += a;
+                tot_t += c;
+            }
+            if (fg) {
+                const int pos = run_g + off_g + __popc(bg & lt_mask);
+                if (pos < n_top) { sm.top_v[pos] = x; sm.top_i[pos] = i; }
+            }
+            if (ft) {
+                const int pos = run_t + off_t + __popc(bt & lt_mask);
+                if (pos < ties_needed) { sm.top_v[greater + pos] = x; sm.top_i[greater + pos] = i; }
+            }
+            run_g += tot_g;
+            run_t += tot_t;
+            __syncthreads();
+            if (run_g >= greater && run_t >= ties_needed) break;  // uniform: every thread has the same totals
+        }
+        if (tid == 0) {
+            // insertion sort by (value desc, index asc)
+            for (int a = 1; a < n_top; ++a) {
+                const float v = sm.top_v[a];
+                const int id = sm.top_i[a];
+                int b = a - 1;
+                while (b >= 0 && (sm.top_v[b] < v || (sm.top_v[b] == v && sm.top_i[b] > id))) {
+                    sm.top_v[b + 1] = sm.top_v[b];
+                    sm.top_i[b + 1] = sm.top_i[b];
+                    --b;
+                }
+                sm.top_v[b + 1] = v;
+                sm.top_i[b + 1] = id;
+            }
+        }
+        __syncthreads();
+    }
+    if (tid < SAMPLE_MAX_TOP) {
+        const i64 o = (i64)row * SAMPLE_MAX_TOP + tid;
+        p.out_top_ids[o] = tid < n_top ? (i64)sm.top_i[tid] : -1;
+        p.out_top_logprobs[o] = tid < n_top ? sm.top_v[tid] - log_z : VOLT_NEG_INF;
+    }
+
+    // ---- 3. the token ----
+    int token = argmax;
+    const float temp = rp.temperature;
+    if (temp > 0.f) {
+        const float s_max = x_max / temp;
+        const bool use_k = rp.top_k > 0 && rp.top_k < vocab;
+        const bool use_minp = rp.min_p > 0.f;
+        const bool use_p = rp.top_p < 1.f;
+        const float min_p = rp.min_p;
+        u32 k_key = 0u;
+        double unused;
+        if (use_k)
+            k_key = radix_select(
+                [&](int i, u32& key, u64& w) { key = fkey(load_x(p, base + i) / temp); w = 1ull; return true; },
+                vocab, (double)rp.top_k, 0.0, sm, &unused);
+        // kept by top-k and min-p; e = exp(s - s_max) in (0, 1]
+        auto kept1 = [&](float sv, u32 key, float& e) {
+            e = expf(sv - s_max);
+            return key >= k_key && (!use_minp || e >= min_p);
+        };
+        u32 p_key = 0u;
+        if (use_p)
+            p_key = radix_select(
+                [&](int i, u32& key, u64& w) {
+                    const float sv = load_x(p, base + i) / temp;
+                    float e;
+                    key = fkey(sv);
+                    if (!kept1(sv, key, e)) return false;
+                    w = __float2ull_rn(e * 1099511627776.0f);  // 2^40 fixed point
+                    return true;
+                },
+                vocab, 0.0, (double)rp.top_p, sm, &unused);
+        const u32 k0 = (u32)rp.seed, k1 = (u32)(rp.seed >> 32);
+        const u32 c2 = (u32)rp.offset, c3 = (u32)(rp.offset >> 32);
+        float best = VOLT_NEG_INF;
+        int best_i = 0x7fffffff;
+        for (int i = tid; i < vocab; i += blockDim.x) {
+            const float sv = load_x(p, base + i) / temp;
+            const u32 key = fkey(sv);
+            float e;
+            if (!kept1(sv, key, e) || key < p_key) continue;
+            u32 c[4] = {(u32)i, 0u, c2, c3};
+            philox4x32_10(c, k0, k1);
+            const float w = ((float)(c[0] >> 9) + 0.5f) * 1.1920928955078125e-7f;  // (0, 1), 2^-23 steps
+            const float g = sv - logf(-log1pf(-w));                                 // s - log(E), E ~ Exp(1)
+            if (g > best || (g == best && i < best_i)) { best = g; best_i = i; }
+        }
+        block_argmax(best, best_i, sm);
+        if (best_i != 0x7fffffff) token = best_i;
+    }
+    if (tid == 0) {
+        p.out_ids[row] = token;
+        p.out_logprobs[row] = load_x(p, base + token) - log_z;
+    }
+}
+
+// Test kernel: Philox4x32-10 on num_rows (counter, key) sets. logits: u32 [num_rows, 6] (c0, c1, c2, c3, k0, k1);
+// writes u32 [num_rows, 4] to out_top_ids. Grid: (ceil(num_rows / 128)); block 128.
+extern "C" __global__ void philox4x32_10_test(const SampleParams p) {
+    const int r = blockIdx.x * blockDim.x + threadIdx.x;
+    if (r >= p.num_rows) return;
+    const u32* in = reinterpret_cast<const u32*>(p.logits) + (i64)r * 6;
+    u32 c[4] = {in[0], in[1], in[2], in[3]};
+    philox4x32_10(c, in[4], in[5]);
+    u32* out = reinterpret_cast<u32*>(p.out_top_ids) + (i64)r * 4;
+    for (int j = 0; j < 4; ++j) out[j] = c[j];
+}

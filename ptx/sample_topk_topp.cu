@@ -13,7 +13,8 @@
 // Algorithm (one block per row, no sort, deterministic: the same inputs and (seed, offset) give the same token):
 //   1. one pass: online max / sum(exp) (Milakov & Gimelshein 2018) -> argmax, logZ = max + log(sum).
 //   2. thresholds by radix select over order-preserving 32-bit keys of the fp32 values, 8 bits per pass (4
-//      passes): a 256-bin histogram in shared memory of u64 weights, then warp 0 scans the bins from the top to
+//      passes): a 256-bin histogram in shared memory of u64 weights (warp-aggregated: one atomic per warp and
+//      distinct bin), then warp 0 scans the bins from the top to
 //      find the bin where the cumulative weight crosses the target. Weight 1 gives the k-th largest value
 //      (top-k and the top-`num_logprobs` logprobs); weight = round(exp(s - s_max) * 2^40) (fixed point, so the
 //      integer atomics are order-independent and the result deterministic) gives the top-p threshold, with target
@@ -120,10 +121,25 @@ VOLT_DEVICE u32 radix_select(const F& f, int vocab, double target, double frac, 
     for (int shift = 24; shift >= 0; shift -= 8) {
         for (int b = tid; b < 256; b += blockDim.x) sm.hist[b] = 0ull;
         __syncthreads();
-        for (int i = tid; i < vocab; i += blockDim.x) {
-            u32 key;
-            u64 w;
-            if (f(i, key, w) && (key & mask) == prefix) atomicAdd(&sm.hist[(key >> shift) & 255u], w);
+        // warp-aggregated: one shared atomic per (warp, distinct bin) instead of one per element (most elements
+        // share a few bins in the first passes, and per-element atomics on one address serialise)
+        for (int b0 = 0; b0 < vocab; b0 += blockDim.x) {
+            const int i = b0 + tid;
+            u32 key = 0u;
+            u64 w = 0ull;
+            const bool in = i < vocab && f(i, key, w) && (key & mask) == prefix;
+            const u32 bin = (key >> shift) & 255u;
+            unsigned pending = __ballot_sync(0xffffffffu, in);
+            while (pending) {
+                const int src = __ffs(pending) - 1;
+                const u32 b = __shfl_sync(0xffffffffu, bin, src);
+                const bool mine = in && bin == b;
+                u64 v = mine ? w : 0ull;
+#pragma unroll
+                for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+                if (lane == src) atomicAdd(&sm.hist[b], v);
+                pending &= ~__ballot_sync(0xffffffffu, mine);
+            }
         }
         __syncthreads();
         if (warp == 0) {
@@ -314,20 +330,16 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) sample_topk_topp(co
             k_key = radix_select(
                 [&](int i, u32& key, u64& w) { key = fkey(load_x(p, base + i) / temp); w = 1ull; return true; },
                 vocab, (double)rp.top_k, 0.0, sm, &unused);
-        // kept by top-k and min-p; e = exp(s - s_max) in (0, 1]
-        auto kept1 = [&](float sv, u32 key, float& e) {
-            e = expf(sv - s_max);
-            return key >= k_key && (!use_minp || e >= min_p);
-        };
+        // kept by top-k and min-p (e = exp(s - s_max) in (0, 1] >= min_p)
+        auto kept1 = [&](float sv, u32 key) { return key >= k_key && (!use_minp || expf(sv - s_max) >= min_p); };
         u32 p_key = 0u;
         if (use_p)
             p_key = radix_select(
                 [&](int i, u32& key, u64& w) {
                     const float sv = load_x(p, base + i) / temp;
-                    float e;
                     key = fkey(sv);
-                    if (!kept1(sv, key, e)) return false;
-                    w = __float2ull_rn(e * 1099511627776.0f);  // 2^40 fixed point
+                    if (!kept1(sv, key)) return false;
+                    w = __float2ull_rn(expf(sv - s_max) * 1099511627776.0f);  // 2^40 fixed point
                     return true;
                 },
                 vocab, 0.0, (double)rp.top_p, sm, &unused);
@@ -338,8 +350,7 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) sample_topk_topp(co
         for (int i = tid; i < vocab; i += blockDim.x) {
             const float sv = load_x(p, base + i) / temp;
             const u32 key = fkey(sv);
-            float e;
-            if (!kept1(sv, key, e) || key < p_key) continue;
+            if (key < p_key || !kept1(sv, key)) continue;
             u32 c[4] = {(u32)i, 0u, c2, c3};
             philox4x32_10(c, k0, k1);
             const float w = ((float)(c[0] >> 9) + 0.5f) * 1.1920928955078125e-7f;  // (0, 1), 2^-23 steps

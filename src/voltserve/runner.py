@@ -113,11 +113,24 @@ class ModelRunner:
         if logits.is_cuda and hasattr(self.backend, "sample_greedy") and all(_plain_greedy(r) for r in rows):
             ids, _ = self.backend.sample_greedy(logits.contiguous())  # only the ids cross to the host
             return {s.seq_id: t for s, t in zip(sampling, ids.tolist())}, {}
-        if logits.is_cuda and hasattr(self.backend, "sample") and all(_device_supported(r) for r in rows):
-            return self._sample_on_device(logits, sampling, offsets)
-        tokens, logprobs = sample(logits.cpu(), rows, self.generator)
-        sampled = {s.seq_id: t for s, t in zip(sampling, tokens)}
-        lps = {s.seq_id: lp for s, lp in zip(sampling, logprobs) if lp is not None}
+        # route each row by its own parameters only, so a seeded request samples the same way whatever else is
+        # in the batch (case R1): supported rows on the device (Philox), the rest on the host (torch.Generator)
+        on_device = [logits.is_cuda and hasattr(self.backend, "sample") and _device_supported(r) for r in rows]
+        sampled: dict[int, int] = {}
+        lps: dict[int, TokenLogprob] = {}
+        dev_idx = [i for i, d in enumerate(on_device) if d]
+        if dev_idx:
+            d_sampled, d_lps = self._sample_on_device(logits[dev_idx], [sampling[i] for i in dev_idx],
+                                                      [offsets[i] for i in dev_idx])
+            sampled.update(d_sampled)
+            lps.update(d_lps)
+        host_idx = [i for i, d in enumerate(on_device) if not d]
+        if host_idx:
+            tokens, logprobs = sample(logits[host_idx].cpu(), [rows[i] for i in host_idx], self.generator)
+            for i, t, lp in zip(host_idx, tokens, logprobs):
+                sampled[sampling[i].seq_id] = t
+                if lp is not None:
+                    lps[sampling[i].seq_id] = lp
         return sampled, lps
 
     def _sample_on_device(self, logits: torch.Tensor, seqs: list, offsets: list[int]

@@ -77,3 +77,20 @@ async def test_engine_on_gpu_answers_and_batches(smollm2):
         assert all(len(o[1]) == 20 for o in outs)
         stats = engine.kv_stats()
         assert stats["num_free_blocks"] == stats["num_blocks"]
+
+
+async def test_R1_seeded_sampling_on_gpu_is_batch_independent(smollm2):
+    """Case R1 on the GPU: a seeded request gives the same tokens alone and next to a request whose penalties send
+    it to the host sampler (rows are routed by their own parameters)."""
+    import asyncio
+
+    async with running_engine(smollm2, device="cuda", max_num_seqs=8) as engine:
+        ids = chat_ids(engine, "Write a short poem about the sea.")
+        seeded = dict(temperature=0.9, top_p=0.9, top_k=40, seed=77, max_tokens=24, ignore_eos=True)
+        alone = await complete(engine, ids, **seeded)
+        again, _ = await asyncio.gather(
+            complete(engine, ids, **seeded),
+            complete(engine, chat_ids(engine, "Hello"), temperature=0.8, seed=1, repetition_penalty=1.3,
+                     max_tokens=24, ignore_eos=True))
+        other_seed = await complete(engine, ids, **{**seeded, "seed": 78})
+    assert alone[1] == again[1] and alone[1] != other_seed[1]

@@ -2,8 +2,15 @@
 bandwidth, median of repeats, plus bytes / FLOPs and the projected V100 time (900 GB/s, 125 TFLOP/s fp16 TC).
 
 Usage:
-    PYTHONPATH=src:. python tools/bench_kernels.py [--out bench.json] [--repeats 20]
+    PYTHONPATH=src:. python tools/bench_kernels.py [--out bench.json] [--repeats 20] [--only SUBSTRING]
 Shapes are Llama-3-8B-like (hidden 4096, 32 heads / 8 KV heads, head_dim 128, FFN 14336) unless named.
+
+Two kinds of rows:
+  - eager rows (`gemv_F16_m1`, ...): one Python call per timed run on one weight buffer; for short kernels the
+    ~20 us of host launch cost and the 60 MB L2 (a Q4 14336x4096 weight is 33 MB) both show in the figure.
+  - `decode_*` rows (`decode_gemv_Q4_0_14336x4096_m1`: out x in): how decode sees the GEMV, a CUDA graph of
+    launches replayed over enough distinct copies of the weight (>= 4x the L2) that every launch streams its
+    weight from HBM; time per launch = graph time / copies. Bytes = weight + x + y.
 """
 
 from __future__ import annotations
@@ -42,6 +49,54 @@ def copy_bandwidth(repeats: int) -> float:
     dst = torch.empty_like(src)
     t = _time(lambda: dst.copy_(src), repeats)
     return 2 * src.numel() * 2 / t
+
+
+def _graph_time(be, fns, repeats: int) -> float:
+    """Median seconds of one replay of a CUDA graph that calls each of `fns` once (captured on torch's stream)."""
+    for fn in fns:  # compile / load kernels, warm the allocator
+        fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        be.refresh_stream()
+        for fn in fns:
+            fn()
+    be.refresh_stream()
+    t = _time(g.replay, repeats)
+    del g
+    return t
+
+
+def _decode_gemv_cases(be, repeats: int, only: str | None):
+    """GEMV at the Llama-3-8B decode shapes (out x in), m = 1, 2, 4, 8, weights rotated so they come from HBM."""
+    from dataclasses import replace
+
+    sys.path.insert(0, "tests/kernels")
+    from kutils import make_quant
+
+    gen = torch.Generator().manual_seed(1)
+    for fmt in ("F16", "Q4_0", "Q4_1", "Q8_0"):
+        for out_f, in_f in ((4096, 4096), (14336, 4096), (4096, 14336)):
+            names = [f"decode_gemv_{fmt}_{out_f}x{in_f}_m{m}" for m in (1, 2, 4, 8)]
+            if only and not any(only in n for n in names):
+                continue
+            if fmt == "F16":
+                lin = be.prepare_linear(torch.randn(out_f, in_f, generator=gen) * 0.02)
+            else:
+                quant, deq = make_quant(fmt, out_f, in_f, gen)
+                lin = be.prepare_linear(deq, quant)
+            wbytes = lin.data.numel() * lin.data.element_size()
+            copies = max(4, math.ceil(256e6 / wbytes))
+            lins = [lin] + [replace(lin, data=lin.data.clone()) for _ in range(copies - 1)]
+            for m, name in zip((1, 2, 4, 8), names):
+                if only and only not in name:
+                    continue
+                xm = torch.randn(m, in_f, device="cuda", dtype=torch.float16)
+                fns = [(lambda li=li: be.linear(xm, li)) for li in lins]
+                t = _graph_time(be, fns, repeats) / copies
+                yield name, t, wbytes + m * (in_f + out_f) * 2
+            del lins, lin
+            torch.cuda.empty_cache()
 
 
 def _cases(be):
@@ -110,14 +165,15 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=None, help="write the JSON here too")
     ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--only", default=None, help="run only the rows whose name contains this")
     args = ap.parse_args()
     from voltserve.backends.cuda.backend import CudaBackend
 
     be = CudaBackend(0)
     copy_bw = copy_bandwidth(args.repeats)
     rows = []
-    for name, fn, num_bytes, flops in _cases(be):
-        t = _time(fn, args.repeats)
+
+    def add(name, t, num_bytes, flops):
         gbs = num_bytes / t / 1e9
         row = {"kernel": name, "median_us": round(t * 1e6, 2), "bytes": int(num_bytes), "flops": int(flops),
                "achieved_GBps": round(gbs, 1), "fraction_of_copy_bw": round(gbs * 1e9 / copy_bw, 3),
@@ -125,6 +181,13 @@ def main() -> int:
                "projected_v100_us": round(max(num_bytes / V100_BYTES_S, flops / V100_FLOP_S) * 1e6, 2)}
         rows.append(row)
         print(json.dumps(row), file=sys.stderr)
+
+    for name, fn, num_bytes, flops in _cases(be):
+        if args.only and args.only not in name:
+            continue
+        add(name, _time(fn, args.repeats), num_bytes, flops)
+    for name, t, num_bytes in _decode_gemv_cases(be, args.repeats, args.only):
+        add(name, t, num_bytes, 0)
     result = {"device": torch.cuda.get_device_name(), "arch": be.loader.arch, "repeats": args.repeats,
               "copy_bandwidth_GBps": round(copy_bw / 1e9, 1), "kernels": rows}
     text = json.dumps(result, indent=1)

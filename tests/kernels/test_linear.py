@@ -16,7 +16,7 @@ TOL = 3e-3
 
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
 @pytest.mark.parametrize("m", [1, 3, 8, 13, 37, 133])
-@pytest.mark.parametrize("nk", [(333, 576), (1537, 1536)])
+@pytest.mark.parametrize("nk", [(333, 576), (1537, 1536), (70, 2816)])
 def test_linear_quant(cuda_backend, cpu_backend, qtype, m, nk):
     n, k = nk
     gen = torch.Generator().manual_seed(m * n + k)
@@ -29,7 +29,7 @@ def test_linear_quant(cuda_backend, cpu_backend, qtype, m, nk):
 
 
 @pytest.mark.parametrize("m", [1, 5, 8, 13, 37])
-@pytest.mark.parametrize("nk", [(333, 577), (1001, 1024)])
+@pytest.mark.parametrize("nk", [(333, 577), (1001, 1024), (77, 1800)])
 def test_linear_f16(cuda_backend, cpu_backend, m, nk):
     n, k = nk
     gen = torch.Generator().manual_seed(m + n + k)
@@ -55,3 +55,24 @@ def test_linear_strided_input(cuda_backend, cpu_backend):
     wide = torch.randn(5, 101, generator=gen).half()
     got = cuda_backend.linear(wide.cuda()[:, 3:99], cuda_backend.prepare_linear(weight, quant))
     assert rel_err(got, cpu_backend.linear(wide[:, 3:99].float(), weight)) <= TOL
+
+
+@pytest.mark.parametrize("fmt", ["F16", "Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("nk", [(97, 2304), (45, 96)])
+def test_linear_rows_independent(cuda_backend, fmt, nk):
+    """Each output row is the same fixed-order sum whatever the other rows: bitwise equal within one kernel's
+    row range (quant: gemv for m <= 2, gemv_q for m >= 3 when k % 256 == 0; fp16: gemv for all m)."""
+    n, k = nk
+    gen = torch.Generator().manual_seed(n + k)
+    if fmt == "F16":
+        w = cuda_backend.prepare_linear((torch.randn(n, k, generator=gen) * 0.05).half().float())
+    else:
+        quant, weight = make_quant(fmt, n, k, gen)
+        w = cuda_backend.prepare_linear(weight, quant)
+    x = torch.randn(11, k, generator=gen).half().cuda()
+    full = cuda_backend.linear(x, w)  # launches of 8 + 3 rows
+    for m in (3, 8):
+        assert torch.equal(cuda_backend.linear(x[:m].contiguous(), w), full[:m]), (fmt, m)
+    assert torch.equal(cuda_backend.linear(x[:1].contiguous(), w), cuda_backend.linear(x[:2].contiguous(), w)[:1])
+    if fmt == "F16" or k % 256:
+        assert torch.equal(cuda_backend.linear(x[:1].contiguous(), w), full[:1])

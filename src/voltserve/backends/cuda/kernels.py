@@ -19,6 +19,16 @@ GEMM_MIN_ROWS = 17
 GEMV_ROW_BUCKETS = (1, 2, 4, 8)
 SAMPLE_MAX_LOGPROBS = 20   # top alternatives per row of sample_topk_topp (SAMPLE_MAX_TOP in the .cu)
 SAMPLE_MAX_VOCAB = 1 << 23  # fixed-point headroom of the top-p weights
+GEMV_Q_WARPS = 8           # gemv_q: warps per block (they split k), 32 output features per block
+GEMV_Q_PIECE = 2048        # gemv_q: k staged in shared memory at a time (GEMV_Q_WARPS * 256)
+GEMV_Q_SUPERBLOCK = 256    # gemv_q needs k % 256 == 0 (rows of whole 16-byte-aligned 8-block superblocks)
+
+
+def gemv_q_smem_bytes(mrows: int, fmt: str) -> int:
+    """Dynamic shared memory of gemv_q: fp32 x piece [mrows][2048], the warps' partial sums [8][mrows][32] and
+    one [32 rows][pitch] tile of 16-byte vectors per warp (pitch = superblock vectors rounded up to odd)."""
+    pitch = (8 * QUANT_BLOCK_BYTES[fmt] // 16) | 1
+    return 4 * mrows * GEMV_Q_PIECE + 4 * GEMV_Q_WARPS * mrows * 32 + GEMV_Q_WARPS * 32 * pitch * 16
 
 
 @dataclass(frozen=True)
@@ -51,7 +61,7 @@ SOURCES = {
                                      P.DecodeParams, "VOLT_DECODE_PARAMS_BYTES"),
     "attention_prefill": KernelSource("attention_prefill.cu", ("attn_prefill",), P.PrefillParams,
                                       "VOLT_PREFILL_PARAMS_BYTES"),
-    "gemv": KernelSource("gemv.cu", ("gemv",), P.GemvParams, "VOLT_GEMV_PARAMS_BYTES"),
+    "gemv": KernelSource("gemv.cu", ("gemv", "gemv_q"), P.GemvParams, "VOLT_GEMV_PARAMS_BYTES"),
     "gemm_tiled": KernelSource("gemm_tiled.cu", ("gemm_tiled",), P.GemmParams, "VOLT_GEMM_PARAMS_BYTES"),
     "sampling": KernelSource("sampling.cu", ("argmax_logprob",), P.ArgmaxParams, "VOLT_ARGMAX_PARAMS_BYTES"),
     "sample_topk_topp": KernelSource("sample_topk_topp.cu", ("sample_topk_topp", "philox4x32_10_test"),

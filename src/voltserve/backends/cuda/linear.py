@@ -13,6 +13,12 @@ from voltserve.backends.cuda import kernels
 from voltserve.backends.cuda import params as P
 
 
+# gemv_q (x staged in smem, shared by 32 rows) from this row bucket up (m >= 3); below it the warp-per-row
+# `gemv`, which measured as fast or faster at m = 1-2 on the H200 (docs/performance.md). Rows of one launch are
+# bitwise independent of the other rows; results at m <= 2 and m >= 3 differ by fp32 summation order.
+GEMV_Q_MIN_ROWS = 4
+
+
 def _quant_upload(quant: Any, device: torch.device) -> tuple[str, torch.Tensor, int]:
     data = np.ascontiguousarray(quant.data, dtype=np.uint8)
     rows, cols = quant.shape
@@ -74,6 +80,9 @@ class CudaEmbedding:
 def launch_linear(backend: Any, x: torch.Tensor, w: CudaLinear) -> torch.Tensor:
     """y = x @ W^T with our kernels: GEMV for up to 16 rows (in launches of <= 8), the tiled GEMM above.
 
+    GEMV kernels (ptx/gemv.cu): quant weights with k % 256 == 0 and a row bucket >= GEMV_Q_MIN_ROWS ->
+    `gemv_q`; fp16 weights and other quant shapes -> `gemv`.
+
     Args:
         backend: the CudaBackend (loader, stream).
         x: [m, in_features] fp16, CUDA, contiguous rows.
@@ -95,11 +104,17 @@ def launch_linear(backend: Any, x: torch.Tensor, w: CudaLinear) -> torch.Tensor:
                         (256, 1, 1), 0, p)
         return y
     vec_ok = int(k % 8 == 0 and x.stride(0) % 8 == 0 and x.data_ptr() % 16 == 0)
+    # gemv_q streams 16-byte-aligned 256-weight superblocks; other quant shapes take the simple `gemv`
+    q_fast = w.fmt != "F16" and k % kernels.GEMV_Q_SUPERBLOCK == 0 and w.data.data_ptr() % 16 == 0
     for r0 in range(0, m, kernels.GEMV_MAX_ROWS):
         rows = min(kernels.GEMV_MAX_ROWS, m - r0)
         bucket = next(b for b in kernels.GEMV_ROW_BUCKETS if b >= rows)
+        spec = {"WTYPE": wtype, "MROWS": bucket}
         p = P.GemvParams(x.data_ptr() + r0 * x.stride(0) * 2, w.data.data_ptr(), y.data_ptr() + r0 * n * 2,
                          x.stride(0), n, w.row_bytes, rows, n, k, vec_ok)
-        backend._launch("gemv", "gemv", {"WTYPE": wtype, "MROWS": bucket}, (math.ceil(n / 4), 1, 1), (128, 1, 1),
-                        0, p)
+        if q_fast and bucket >= GEMV_Q_MIN_ROWS:
+            backend._launch("gemv", "gemv_q", spec, (math.ceil(n / 32), 1, 1), (32 * kernels.GEMV_Q_WARPS, 1, 1),
+                            kernels.gemv_q_smem_bytes(bucket, w.fmt), p)
+        else:
+            backend._launch("gemv", "gemv", spec, (math.ceil(n / 4), 1, 1), (128, 1, 1), 0, p)
     return y

@@ -37,10 +37,12 @@ def resolve_device(requested: str) -> str:
         return requested
     if torch.cuda.is_available():
         try:
+            import cuda.bindings.driver  # noqa: F401  (the `cuda` extra)
             import voltserve.backends.cuda.backend  # noqa: F401
             return "cuda"
-        except ImportError:
-            logger.warning("a GPU is present but the CUDA backend cannot load; using the CPU")
+        except ImportError as exc:
+            logger.warning("a GPU is present but the CUDA backend cannot load (%s; pip install "
+                           "'voltserve[cuda]'); using the CPU", exc)
     return "cpu"
 
 

@@ -33,6 +33,7 @@ class Actor:
         self._on_crash = on_crash
         self._inbox: asyncio.Queue = asyncio.Queue()
         self._task: asyncio.Task | None = None
+        self._current: asyncio.Future | None = None  # the ask being handled
         self.error: BaseException | None = None
 
     def start(self) -> None:
@@ -91,6 +92,7 @@ class Actor:
 
     async def dispatch(self, msg: Any, fut: asyncio.Future | None) -> None:
         """Run the handler for one message and answer its ask. A handler error fails the ask, not the actor."""
+        self._current = fut
         try:
             result = await self.handle(msg)
         except Exception as exc:
@@ -114,7 +116,10 @@ class Actor:
             if self._on_crash is not None:
                 self._on_crash(exc)
         finally:
-            self._fail_pending(EngineDeadError(f"{self.name} stopped"))
+            stopped = EngineDeadError(f"{self.name} stopped")
+            if self._current is not None and not self._current.done():
+                self._current.set_exception(stopped)  # the ask in hand when the actor died or was cancelled
+            self._fail_pending(stopped)
 
     def _fail_pending(self, exc: BaseException) -> None:
         while not self._inbox.empty():

@@ -26,9 +26,9 @@ from actors.scheduler import AbortRequestMsg, AddRequestMsg, SchedulerActor
 from actors.stream import RequestStream
 from actors.worker import WorkerActor
 from voltserve.config import EngineConfig
-from voltserve.errors import ContextLengthError, EngineDeadError, InvalidRequestError
+from voltserve.errors import EngineDeadError
 from voltserve.kv_cache import BlockPool
-from voltserve.request import RequestOutput, SamplingParams
+from voltserve.request import RequestOutput, SamplingParams, check_request
 from voltserve.scheduler import Scheduler
 from voltserve.sequence import Sequence
 
@@ -120,23 +120,8 @@ class AsyncEngine:
         """
         if not self.is_healthy:
             raise EngineDeadError(f"engine is not running{': ' + repr(self._dead) if self._dead else ''}")
-        params.validate()
+        max_tokens = check_request(prompt_token_ids, params, self.model_config.vocab_size, self.max_model_len)
         num_prompt = len(prompt_token_ids)
-        if num_prompt == 0:
-            raise InvalidRequestError("the prompt is empty", param="prompt")
-        vocab = self.model_config.vocab_size
-        if any(not 0 <= t < vocab for t in prompt_token_ids):
-            raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})", param="prompt")
-        if num_prompt >= self.max_model_len:
-            raise ContextLengthError(
-                f"This model's maximum context length is {self.max_model_len} tokens, but the prompt has "
-                f"{num_prompt} tokens (no room for any output).", param="messages")
-        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - num_prompt
-        if num_prompt + max_tokens > self.max_model_len:
-            raise ContextLengthError(
-                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
-                f"{num_prompt + max_tokens} tokens ({num_prompt} in the prompt, {max_tokens} for the completion). "
-                f"Reduce the prompt or max_tokens.", param="max_tokens")
         request_id = request_id or uuid.uuid4().hex
         seqs = []
         for i in range(params.n):

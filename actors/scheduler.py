@@ -13,11 +13,14 @@ from actors.base import Actor, _Stop
 from actors.stream import RequestStream
 from actors.worker import ExecuteMsg, WorkerActor
 from voltserve.detok import IncrementalDetokenizer
+from voltserve.errors import EngineDeadError, StepFailedError
 from voltserve.request import FinishReason, RequestOutput
 from voltserve.scheduler import Scheduler
 from voltserve.sequence import Sequence
 
 logger = logging.getLogger(__name__)
+
+MAX_FAILED_STEPS_IN_ROW = 3
 
 
 @dataclass(frozen=True)
@@ -45,6 +48,7 @@ class SchedulerActor(Actor):
         self.seqs: dict[str, list[Sequence]] = {}
         self.detoks: dict[int, IncrementalDetokenizer] = {}
         self.num_steps = 0
+        self.num_failed_steps_in_row = 0
 
     async def run_loop(self) -> None:
         while True:
@@ -65,9 +69,16 @@ class SchedulerActor(Actor):
             plan = self.scheduler.schedule()
             if not plan.entries:
                 raise RuntimeError("scheduler made no progress: KV pool too small for the waiting request")
-            # 3) run the step on the worker (its own thread)
-            sampled, logprobs = await self.worker.ask(ExecuteMsg(plan))
+            # 3) run the step on the worker (its own thread); a failing step fails its requests, not the engine
+            try:
+                sampled, logprobs = await self.worker.ask(ExecuteMsg(plan))
+            except EngineDeadError:
+                raise
+            except Exception as exc:
+                self._fail_step(plan, exc)
+                continue
             self.num_steps += 1
+            self.num_failed_steps_in_row = 0
             # 4) apply it and stream the new tokens
             for seq in self.scheduler.update(plan, sampled):
                 self._emit(seq, logprobs.get(seq.seq_id))
@@ -99,8 +110,11 @@ class SchedulerActor(Actor):
         text = ""
         if token is not None and not (seq.is_finished and seq.stop_reason == token):
             text, matched = detok.push([token])
-            if matched is not None and not seq.is_finished:
-                self.scheduler.finish(seq, FinishReason.STOP, matched)
+            if matched is not None:
+                if seq.is_finished:  # it also hit max_tokens or EOS this step: the stop string explains the end
+                    seq.finish_reason, seq.stop_reason = FinishReason.STOP, matched
+                else:
+                    self.scheduler.finish(seq, FinishReason.STOP, matched)
         if seq.is_finished and seq.finish_reason is not FinishReason.ABORT and not isinstance(seq.stop_reason, str):
             text += detok.flush()
         self.streams[seq.request_id].put(RequestOutput(
@@ -125,6 +139,25 @@ class SchedulerActor(Actor):
         if not any(s.seq_id in self.detoks for s in self.seqs.get(rid, [])):
             self.seqs.pop(rid, None)
             self.streams.pop(rid, None)
+
+    def _fail_step(self, plan, exc: Exception) -> None:
+        """A step raised: end its requests with StepFailedError and free their blocks. Several failures in a row
+        mean the device is broken: re-raise, which kills the engine (EngineDeadError for everyone)."""
+        self.num_failed_steps_in_row += 1
+        if self.num_failed_steps_in_row >= MAX_FAILED_STEPS_IN_ROW:
+            raise exc
+        request_ids = {e.seq.request_id for e in plan.entries}
+        logger.error("step failed (%r); failing its %d requests", exc, len(request_ids), exc_info=exc)
+        error = StepFailedError(f"internal error while running the request: {type(exc).__name__}")
+        for rid in request_ids:
+            stream = self.streams.get(rid)
+            for seq in self.seqs.get(rid, []):
+                self.scheduler.finish(seq, FinishReason.ABORT)
+                self.detoks.pop(seq.seq_id, None)
+            self.seqs.pop(rid, None)
+            self.streams.pop(rid, None)
+            if stream is not None:
+                stream.fail(error)
 
     def _abort_all(self) -> None:
         for rid in list(self.seqs):

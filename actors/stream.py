@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
-from voltserve.errors import EngineDeadError
+from voltserve.errors import EngineDeadError, VoltError
 from voltserve.request import RequestOutput
 
 
@@ -32,6 +32,7 @@ class RequestStream:
         abort: callback that aborts the request in the engine.
     Raises (from iteration):
         EngineDeadError: the engine died or stopped before the request finished.
+        StepFailedError: a step running this request raised (the engine goes on).
     """
 
     def __init__(self, request_id: str, num_seqs: int, abort: Callable[[str], None]):
@@ -61,7 +62,8 @@ class RequestStream:
         self._event.set()
 
     def fail(self, exc: BaseException) -> None:
-        """End the stream with an error (engine death)."""
+        """End the stream with an error: a VoltError is raised to the consumer as is, anything else as
+        EngineDeadError."""
         if self._error is None and self._unfinished:
             self._error = exc
             self._event.set()
@@ -75,6 +77,8 @@ class RequestStream:
     async def __anext__(self) -> RequestOutput:
         while not self._pending:
             if self._error is not None:
+                if isinstance(self._error, VoltError):
+                    raise self._error
                 raise EngineDeadError(str(self._error)) from self._error
             if not self._unfinished:
                 raise StopAsyncIteration

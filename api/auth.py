@@ -19,10 +19,8 @@ def check_api_key(expected: str, path: str, headers) -> None:
     """
     if not expected or path in OPEN_PATHS:
         return
-    given = headers.get("x-api-key")
     scheme, _, token = (headers.get("authorization") or "").partition(" ")
-    if given is None and scheme.lower() == "bearer":
-        given = token.strip()
-    # compare_digest: the time taken must not reveal how much of the key matched.
-    if given is None or not hmac.compare_digest(given.encode(), expected.encode()):
+    candidates = [headers.get("x-api-key"), token.strip() if scheme.lower() == "bearer" else None]
+    # either header may carry the key; compare_digest: the time taken must not reveal how much matched
+    if not any(c is not None and hmac.compare_digest(c.encode(), expected.encode()) for c in candidates):
         raise AuthenticationError("Incorrect or missing API key: send 'Authorization: Bearer <key>' or 'x-api-key'.")

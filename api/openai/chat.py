@@ -27,6 +27,10 @@ def _params(req: ChatCompletionRequest) -> SamplingParams:
         raise InvalidRequestError(f"top_logprobs must be between 0 and {MAX_LOGPROBS}", param="top_logprobs")
     if top and not req.logprobs:
         raise InvalidRequestError("top_logprobs needs logprobs set to true", param="top_logprobs")
+    forced = req.tool_choice not in (None, "auto", "none")
+    if forced and req.tools:  # "required" or a named tool needs a grammar, which is not built yet
+        raise InvalidRequestError("tool_choice other than 'auto' or 'none' is not supported yet",
+                                  param="tool_choice")
     if req.response_format and req.response_format.get("type", "text") != "text":
         raise InvalidRequestError("response_format other than 'text' is not supported yet", param="response_format")
     if req.max_completion_tokens is not None:

@@ -1,13 +1,14 @@
 """Chat messages -> prompt token ids: content checks, the model's chat template, tokenization.
 
-User text is never read as special tokens (case S6): the rendered template is tokenized with special-token
-parsing on, except the spans that are message content and would tokenize differently with it on.
+User text is never read as special tokens (case S6): contents that spell a special token are rendered as unique
+placeholders, and the rendered prompt is tokenized with special-token parsing on everywhere but those spans.
 """
 
 from __future__ import annotations
 
 import asyncio
 import re
+import secrets
 
 from api.openai.protocol import ChatCompletionRequest
 from voltserve.errors import InvalidRequestError, VoltError
@@ -68,39 +69,60 @@ def template_messages(req: ChatCompletionRequest) -> list[dict]:
     return messages
 
 
-def encode_rendered(tokenizer, rendered: str, contents: list[str]) -> list[int]:
+def _has_special_text(tokenizer, text: str) -> bool:
+    """True when `text` would tokenize differently with special-token parsing on (it spells a special token)."""
+    return bool(text) and tokenizer.encode(text, add_special_tokens=False, parse_special=True) != \
+        tokenizer.encode(text, add_special_tokens=False, parse_special=False)
+
+
+def encode_rendered(tokenizer, rendered: str, spans: dict[str, str] | None = None) -> list[int]:
     """Tokenize a rendered chat prompt, reading special tokens only where the template put them.
 
     Args:
         tokenizer: voltserve.tokenizer.Tokenizer.
-        rendered: the template's output.
-        contents: the message texts that went into it.
+        rendered: the template's output, where each key of `spans` stands once for a message's content.
+        spans: placeholder -> the content it stands for; that content is tokenized as plain text (case S6).
 
     Returns:
         [num_prompt_tokens] token ids.
     """
-    risky = {c for c in contents if c and tokenizer.encode(c, add_special_tokens=False, parse_special=True)
-             != tokenizer.encode(c, add_special_tokens=False, parse_special=False)}
-    if not risky:
+    if not spans:
         return tokenizer.encode(rendered, add_special_tokens=False, parse_special=True)
-    # Split on the risky contents (longest first): odd pieces are user text, tokenized as plain text.
-    pattern = re.compile("(" + "|".join(re.escape(c) for c in sorted(risky, key=len, reverse=True)) + ")")
+    pattern = re.compile("(" + "|".join(re.escape(k) for k in spans) + ")")
     ids: list[int] = []
-    for k, piece in enumerate(pattern.split(rendered)):
-        if piece:
-            ids += tokenizer.encode(piece, add_special_tokens=False, parse_special=k % 2 == 0)
+    for piece in pattern.split(rendered):
+        if piece in spans:
+            ids += tokenizer.encode(spans[piece], add_special_tokens=False, parse_special=False)
+        elif piece:
+            ids += tokenizer.encode(piece, add_special_tokens=False, parse_special=True)
     return ids
 
 
-def _render_and_encode(engine, req: ChatCompletionRequest, messages: list[dict]) -> list[int]:
+def _render(engine, req: ChatCompletionRequest, messages: list[dict]) -> str:
     kwargs = dict(req.chat_template_kwargs or {})
     try:
-        rendered = engine.chat_template.render(messages, add_generation_prompt=True, tools=req.tools, **kwargs)
+        return engine.chat_template.render(messages, add_generation_prompt=True, tools=req.tools, **kwargs)
     except VoltError:
         raise
     except Exception as exc:  # a template's own raise_exception(), e.g. "roles must alternate"
         raise InvalidRequestError(f"the chat template rejected the messages: {exc}", param="messages") from exc
-    return encode_rendered(engine.tokenizer, rendered, [m["content"] for m in messages])
+
+
+def _render_and_encode(engine, req: ChatCompletionRequest, messages: list[dict]) -> list[int]:
+    tokenizer = engine.tokenizer
+    risky = [i for i, m in enumerate(messages) if _has_special_text(tokenizer, m["content"])]
+    if not risky:
+        return encode_rendered(tokenizer, _render(engine, req, messages))
+    # Render with a unique placeholder in place of each such content, so the template's own markup and the
+    # user's text are told apart by position, never by matching text (the user may type the template's markup).
+    nonce = secrets.token_hex(8)
+    spans = {f"voltserve{nonce}m{i}x": messages[i]["content"] for i in risky}
+    masked = [dict(m, content=f"voltserve{nonce}m{i}x") if i in risky else m for i, m in enumerate(messages)]
+    rendered = _render(engine, req, masked)
+    if any(rendered.count(key) != 1 for key in spans):
+        raise InvalidRequestError("a message spells a special token and the chat template does not place its "
+                                  "content verbatim; remove the special-token text", param="messages")
+    return encode_rendered(tokenizer, rendered, spans)
 
 
 async def chat_prompt_ids(engine, req: ChatCompletionRequest) -> list[int]:

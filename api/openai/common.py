@@ -30,6 +30,8 @@ def sampling_params(req: SamplingFields, *, max_tokens: int | None, max_tokens_p
     """
     if max_tokens is not None and max_tokens < 1:
         raise InvalidRequestError(f"{max_tokens_param} must be >= 1", param=max_tokens_param)
+    if req.logit_bias:
+        raise InvalidRequestError("logit_bias is not supported yet", param="logit_bias")
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     defaults = SamplingParams()
     given = {

@@ -61,6 +61,7 @@ class SamplingFields(_Request):
     min_tokens: int = 0
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
+    logit_bias: dict[str, float] | None = None  # parsed so it can be refused, not silently ignored
 
 
 class ChatCompletionRequest(SamplingFields):

@@ -106,7 +106,7 @@ class EngineConfig:
     num_kv_blocks: int = 0
     kv_cache_memory_gb: float = 1.0
     enable_prefix_caching: bool = True
-    api_key: str = ""
+    api_key: str = field(default="", repr=False)  # never in logs
     sse_keep_alive_interval: float = 0.0
     host: str = "127.0.0.1"
     port: int = 8000

@@ -50,6 +50,10 @@ class RequestAbortedError(VoltError):
     """The request was aborted before it finished (client gone, server stopping)."""
 
 
+class StepFailedError(VoltError):
+    """The engine step running this request raised; the request is failed, the engine keeps serving."""
+
+
 class EngineDeadError(VoltError):
     """The engine has stopped (an actor crashed or it was shut down); no request can be served."""
 

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, field
 
 from voltserve.errors import InvalidRequestError
 
 MAX_LOGPROBS = 20
+# below this temperature sampling is greedy (as vLLM does): dividing logits by ~0 only overflows
+GREEDY_TEMPERATURE = 1e-5
+MAX_TEMPERATURE = 100.0
 
 
 class FinishReason(str, enum.Enum):
@@ -59,7 +63,7 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_TEMPERATURE
 
     @property
     def has_penalties(self) -> bool:
@@ -67,8 +71,13 @@ class SamplingParams:
 
     def validate(self) -> "SamplingParams":
         """Range checks. Raises InvalidRequestError with `param` set to the field name. Returns self."""
+        numbers = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
+        for name in numbers:
+            if not math.isfinite(getattr(self, name)):
+                raise InvalidRequestError(f"{name} must be a finite number", param=name)
         checks = [
             (self.temperature >= 0, "temperature", "temperature must be >= 0"),
+            (self.temperature <= MAX_TEMPERATURE, "temperature", f"temperature must be <= {MAX_TEMPERATURE:g}"),
             (0 < self.top_p <= 1, "top_p", "top_p must be in (0, 1]"),
             (self.top_k >= -1, "top_k", "top_k must be -1, 0 or positive"),
             (0 <= self.min_p <= 1, "min_p", "min_p must be in [0, 1]"),
@@ -78,11 +87,14 @@ class SamplingParams:
             (self.n <= 128, "n", "n must be <= 128"),
             (-2 <= self.presence_penalty <= 2, "presence_penalty", "presence_penalty must be in [-2, 2]"),
             (-2 <= self.frequency_penalty <= 2, "frequency_penalty", "frequency_penalty must be in [-2, 2]"),
-            (self.repetition_penalty > 0, "repetition_penalty", "repetition_penalty must be > 0"),
+            (0.01 <= self.repetition_penalty <= 100, "repetition_penalty",
+             "repetition_penalty must be in [0.01, 100]"),
             (self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS, "logprobs",
              f"logprobs must be between 0 and {MAX_LOGPROBS}"),
             (all(isinstance(s, str) and s for s in self.stop), "stop", "stop strings must be non-empty strings"),
             (len(self.stop) <= 16, "stop", "at most 16 stop strings"),
+            (all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
+             "stop_token_ids must be non-negative token ids"),
         ]
         for ok, param, message in checks:
             if not ok:
@@ -138,3 +150,40 @@ class RequestOutput:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+def check_request(prompt_token_ids: list[int], params: SamplingParams, vocab_size: int, max_model_len: int) -> int:
+    """Validate a request against the model before it is queued.
+
+    Args:
+        prompt_token_ids: [num_prompt_tokens] token ids.
+        params: the request's sampling parameters (validated here).
+        vocab_size: the model's vocabulary size.
+        max_model_len: context window in tokens (prompt + output).
+    Returns:
+        The output token budget: params.max_tokens, or the rest of the context when it is None.
+    Raises:
+        InvalidRequestError: empty prompt, ids outside the vocabulary, bad parameters.
+        ContextLengthError: the prompt (plus max_tokens) does not fit the context; the message names both lengths.
+    """
+    from voltserve.errors import ContextLengthError
+
+    params.validate()
+    num_prompt = len(prompt_token_ids)
+    if num_prompt == 0:
+        raise InvalidRequestError("the prompt is empty", param="prompt")
+    if any(not 0 <= t < vocab_size for t in prompt_token_ids):
+        raise InvalidRequestError(f"prompt token ids must be in [0, {vocab_size})", param="prompt")
+    if any(t >= vocab_size for t in params.stop_token_ids):
+        raise InvalidRequestError(f"stop_token_ids must be in [0, {vocab_size})", param="stop_token_ids")
+    if num_prompt >= max_model_len:
+        raise ContextLengthError(
+            f"This model's maximum context length is {max_model_len} tokens, but the prompt has {num_prompt} "
+            f"tokens (no room for any output).", param="messages")
+    max_tokens = params.max_tokens if params.max_tokens is not None else max_model_len - num_prompt
+    if num_prompt + max_tokens > max_model_len:
+        raise ContextLengthError(
+            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+            f"{num_prompt + max_tokens} tokens ({num_prompt} in the prompt, {max_tokens} for the completion). "
+            f"Reduce the prompt or max_tokens.", param="max_tokens")
+    return max_tokens

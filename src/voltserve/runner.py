@@ -139,7 +139,8 @@ class ModelRunner:
         seqs[i].philox_seed and counter offsets[i]."""
         from voltserve.backends.cuda.params import SampleRowParams  # ctypes only; no CUDA import
 
-        params = [SampleRowParams(s.philox_seed & _U64, off & _U64, s.params.temperature,
+        params = [SampleRowParams(s.philox_seed & _U64, off & _U64,
+                                  0.0 if s.params.is_greedy else s.params.temperature,
                                   s.params.top_p, s.params.min_p, max(s.params.top_k, 0), s.params.logprobs or 0, 0)
                   for s, off in zip(seqs, offsets)]
         ids, lp, (top_ids, top_lps) = self.backend.sample(logits.contiguous(), params)

@@ -92,12 +92,13 @@ def sample(logits: torch.Tensor, rows: list[SampleRow],
             banned = list(row.eos_token_ids) + list(p.stop_token_ids)
             if banned:
                 x[torch.tensor(banned, dtype=torch.long)] = float("-inf")
-        if p.is_greedy:
-            token = int(x.argmax())
-        else:
+        token = int(x.argmax())
+        if not p.is_greedy:
             probs = torch.softmax(_filter(x, p), -1)
-            gen = row.generator if row.generator is not None else default_generator
-            token = int(torch.multinomial(probs, 1, generator=gen))
+            # extreme (valid) parameters can overflow to inf/nan: then the argmax above is the limit they tend to
+            if bool(torch.isfinite(probs).all()) and float(probs.sum()) > 0:
+                gen = row.generator if row.generator is not None else default_generator
+                token = int(torch.multinomial(probs, 1, generator=gen))
         tokens.append(token)
         if p.logprobs is None:
             logprobs.append(None)

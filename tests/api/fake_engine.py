@@ -11,8 +11,8 @@ import codecs
 import uuid
 
 from voltserve.config import EngineConfig
-from voltserve.errors import ContextLengthError, EngineDeadError, InvalidRequestError
-from voltserve.request import FinishReason, RequestOutput, SamplingParams, TokenLogprob
+from voltserve.errors import EngineDeadError
+from voltserve.request import FinishReason, RequestOutput, SamplingParams, TokenLogprob, check_request
 
 SPECIALS = ["<|im_start|>", "<|im_end|>", "<|endoftext|>"]
 EOS_ID = 2
@@ -148,14 +148,8 @@ class ScriptedEngine:
     def add_request(self, prompt_token_ids, params, request_id=None) -> ScriptedStream:
         if not self.healthy:
             raise EngineDeadError("scripted engine is dead")
-        if not prompt_token_ids:
-            raise InvalidRequestError("prompt must not be empty", param="prompt")
-        params.validate()
         n = len(prompt_token_ids)
-        if n + (params.max_tokens or 1) > self.max_model_len:
-            raise ContextLengthError(
-                f"this model's maximum context length is {self.max_model_len} tokens; the request has {n} prompt "
-                f"tokens and asks for {params.max_tokens or 1} output tokens")
+        check_request(prompt_token_ids, params, self.tokenizer.vocab_size, self.max_model_len)
         request_id = request_id or uuid.uuid4().hex
         self.requests.append((list(prompt_token_ids), params, request_id))
         return ScriptedStream(self, request_id, n, params)

@@ -74,6 +74,15 @@ CASES = [
     ("empty_prompt", "POST", COMPLETIONS, completion_body(prompt=""), 400, INVALID, "prompt", None),
     ("prompt_id_outside_vocab", "POST", COMPLETIONS, completion_body(prompt=[1, 10**6]), 400, INVALID, "prompt",
      None),
+    ("temperature_infinite", "POST", CHAT, b'{"model": "test-model", "messages": [{"role": "user", "content": '
+     b'"Hi"}], "temperature": 1e400}', 400, INVALID, "temperature", None),
+    ("repetition_penalty_tiny", "POST", CHAT, chat_body(repetition_penalty=1e-300), 400, INVALID,
+     "repetition_penalty", None),
+    ("stop_token_id_outside_vocab", "POST", CHAT, chat_body(stop_token_ids=[10**9], min_tokens=2, max_tokens=4),
+     400, INVALID, "stop_token_ids", None),
+    ("logit_bias", "POST", CHAT, chat_body(logit_bias={"5": 10}), 400, INVALID, "logit_bias", None),
+    ("tool_choice_required", "POST", CHAT, chat_body(tool_choice="required", tools=[
+        {"type": "function", "function": {"name": "f", "parameters": {}}}]), 400, INVALID, "tool_choice", None),
     ("unknown_route", "POST", "/v1/nope", chat_body(), 404, INVALID, None, "unknown_url"),
     ("wrong_method", "GET", CHAT, None, 405, INVALID, None, "method_not_allowed"),
 ]

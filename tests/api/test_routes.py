@@ -62,12 +62,21 @@ async def test_S2_billing_header_line_dropped(serve):
     assert engine.requests[0][0] == engine.tokenizer.encode(expected)
 
 
-def test_S6_special_tokens_in_user_text_are_plain_text():
+@pytest.mark.parametrize("content", ["say <|im_end|> now", "<|im_start|>", "<|im_end|>", "<|im_start|>system"])
+async def test_S6_special_tokens_in_user_text_are_plain_text(serve, content):
+    """The user's text is plain text even when it equals the template's own markup; the template's markup
+    around it stays special."""
+    async with serve() as (client, engine):
+        response = await client.post("/v1/chat/completions",
+                                     json=chat_body(messages=[{"role": "user", "content": content}]))
+        assert response.status_code == 200
+    tok = engine.tokenizer
+    expected = (tok.encode("<|im_start|>user\n") + tok.encode(content, parse_special=False)
+                + tok.encode("<|im_end|>\n<|im_start|>assistant\n"))
+    assert engine.requests[0][0] == expected
+    assert expected.count(0) == 2 and expected.count(1) == 1  # only the template's <|im_start|> x2, <|im_end|>
+
+
+def test_encode_rendered_without_spans_parses_special_tokens():
     tok = ByteTokenizer()
-    content = "say <|im_end|> now"
-    rendered = f"<|im_start|>user\n{content}<|im_end|>\n"
-    ids = encode_rendered(tok, rendered, [content])
-    assert ids == [0] + tok.encode("user\n") + tok.encode(content, parse_special=False) + [1] + tok.encode("\n")
-    assert ids.count(1) == 1  # only the template's own <|im_end|>
-    # Without special text in the content the whole prompt tokenizes in one call.
-    assert encode_rendered(tok, "<|im_start|>user\nhi", ["hi"]) == [0] + tok.encode("user\nhi")
+    assert encode_rendered(tok, "<|im_start|>user\nhi") == [0] + tok.encode("user\nhi")

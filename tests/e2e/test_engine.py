@@ -5,7 +5,7 @@ import asyncio
 import pytest
 
 from tests.e2e.engine_helpers import chat_ids, complete, running_engine
-from voltserve.errors import EngineDeadError
+from voltserve.errors import EngineDeadError, InvalidRequestError, StepFailedError
 from voltserve.request import FinishReason, SamplingParams
 
 QUESTIONS = [f"Give me one fact about the number {i}." for i in range(8)]
@@ -106,16 +106,88 @@ async def test_stop_string_ends_sequence(smollm2):
     assert last.finish_reason is FinishReason.STOP and last.stop_reason == "of Fr"
 
 
-async def test_dead_worker_fails_requests_and_health(smollm2):
+async def test_failing_step_fails_its_request_and_engine_goes_on(smollm2):
+    async with running_engine(smollm2) as engine:
+        runner = engine._worker.runner
+        real_execute = runner.execute
+        calls = []
+
+        def fail_once(plan):
+            calls.append(plan)
+            if len(calls) == 1:
+                raise RuntimeError("simulated kernel failure")
+            return real_execute(plan)
+
+        runner.execute = fail_once
+        with pytest.raises(StepFailedError):
+            await complete(engine, chat_ids(engine, "Hi"), max_tokens=4)
+        assert engine.is_healthy
+        stats = engine.kv_stats()
+        assert stats["num_free_blocks"] == stats["num_blocks"] and stats["num_running"] == 0
+        _, tokens, _ = await complete(engine, chat_ids(engine, "Hi"), temperature=0, max_tokens=4, ignore_eos=True)
+        assert len(tokens) == 4
+
+
+async def test_persistent_step_failures_kill_the_engine(smollm2):
     async with running_engine(smollm2) as engine:
         def boom(plan):
-            raise RuntimeError("simulated worker failure")
+            raise RuntimeError("simulated broken device")
 
         engine._worker.runner.execute = boom
+        errors = []
+        for _ in range(3):
+            try:
+                await complete(engine, chat_ids(engine, "Hi"), max_tokens=4)
+            except (StepFailedError, EngineDeadError) as exc:
+                errors.append(type(exc))
+        assert errors == [StepFailedError, StepFailedError, EngineDeadError]
+        assert not engine.is_healthy
+        with pytest.raises(EngineDeadError):
+            engine.add_request([1, 2, 3], SamplingParams(max_tokens=4))
+
+
+async def test_dead_worker_fails_requests_and_health(smollm2):
+    """The worker actor dies mid-step: the pending request gets EngineDeadError, health turns false, no hang."""
+    async with running_engine(smollm2) as engine:
+        started = asyncio.Event()
+        real_execute = engine._worker.runner.execute
+
+        def slow(plan):
+            engine._loop.call_soon_threadsafe(started.set)
+            import time
+
+            time.sleep(0.5)
+            return real_execute(plan)
+
+        engine._loop = asyncio.get_running_loop()
+        engine._worker.runner.execute = slow
         stream = engine.add_request(chat_ids(engine, "Hi"), SamplingParams(max_tokens=4))
+        await started.wait()
+        engine._worker._task.cancel()
         with pytest.raises(EngineDeadError):
             async for _ in stream:
                 pass
         assert not engine.is_healthy
         with pytest.raises(EngineDeadError):
             engine.add_request([1, 2, 3], SamplingParams(max_tokens=4))
+
+
+async def test_extreme_sampling_values_do_not_break_the_engine(smollm2):
+    """Valid but extreme parameters (tiny temperature or repetition penalty) sample, never crash the engine."""
+    async with running_engine(smollm2) as engine:
+        ids = chat_ids(engine, "Hi")
+        for params in (dict(temperature=1e-40), dict(temperature=1.0, repetition_penalty=0.01),
+                       dict(temperature=100.0, min_tokens=2), dict(temperature=0.5, top_p=1e-9)):
+            _, tokens, _ = await complete(engine, ids, max_tokens=3, ignore_eos=True, **params)
+            assert len(tokens) == 3
+        with pytest.raises(InvalidRequestError):
+            engine.add_request(ids, SamplingParams(max_tokens=3, stop_token_ids=[10**9], min_tokens=2))
+        assert engine.is_healthy
+
+
+async def test_stop_string_on_the_last_allowed_token_reports_stop(smollm2):
+    async with running_engine(smollm2) as engine:
+        ids = chat_ids(engine, "What is the capital of France?")
+        text, tokens, last = await complete(engine, ids, temperature=0, max_tokens=6, stop=["Paris"])
+    assert len(tokens) == 6 and text == "The capital of France is "
+    assert last.finish_reason is FinishReason.STOP and last.stop_reason == "Paris"

@@ -73,7 +73,7 @@ def test_cache_is_reused_and_repaired(tmp_path, monkeypatch):
     alias = _fake_alias(wheel)
     calls = []
 
-    def fake_download(requirement, dest):
+    def fake_download(requirement, dest, progress=False):
         calls.append(requirement)
         return _make_wheel(dest / "fake_wheel-1.0-py3-none-any.whl")
 

@@ -69,7 +69,7 @@ async def chat_completions():
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         events = _stream_events(engine, stream, req, params, response_id, created, include_usage)
-        return sse_response(events, state.config.sse_keep_alive_interval)
+        return sse_response(events, state.config.sse_keep_alive_interval, stream)
     results, counter = await collect(stream)
     choices = [
         ChatChoice(index=i, message=AssistantMessage(content=seq.text), finish_reason=seq.finish_reason,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import weakref
+
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -137,8 +139,18 @@ def json_response(model: BaseModel, status: int = 200) -> Response:
     return Response(orjson.dumps(model.model_dump(mode="json")), status=status, content_type="application/json")
 
 
-def sse_response(events: AsyncIterator[bytes], keep_alive_s: float) -> Response:
-    """A `text/event-stream` response without Quart's 60 s response timeout (it would cut long streams)."""
+def sse_response(events: AsyncIterator[bytes], keep_alive_s: float, stream=None) -> Response:
+    """A `text/event-stream` response without Quart's 60 s response timeout (it would cut long streams).
+
+    Args:
+        events: the SSE byte chunks.
+        keep_alive_s: seconds of silence before a keep-alive comment; 0 = none.
+        stream: the engine stream behind `events`; if the response is dropped before `events` ever runs (the client
+            left before the first byte), its `finally` cannot abort the request, so the request is aborted when
+            `events` is garbage-collected unfinished.
+    """
+    if stream is not None:
+        weakref.finalize(events, lambda: None if stream.finished else stream.abort())
     response = Response(sse.with_keep_alive(events, keep_alive_s), content_type="text/event-stream")
     response.headers["Cache-Control"] = "no-cache"
     response.timeout = None

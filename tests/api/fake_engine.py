@@ -60,6 +60,7 @@ class ScriptedStream:
 
     def __init__(self, engine: "ScriptedEngine", request_id: str, prompt_len: int, params: SamplingParams):
         self.engine, self.request_id, self.prompt_len, self.params = engine, request_id, prompt_len, params
+        self.finished = False  # every sequence delivered its last delta (as RequestStream.finished)
 
     def abort(self) -> None:
         self.engine.abort(self.request_id)
@@ -107,6 +108,7 @@ class ScriptedStream:
                 if finish is not None:
                     done.add(i)
             if len(done) == p.n:
+                self.finished = True
                 return
             await asyncio.sleep(e.delay_s)
 

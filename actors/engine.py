@@ -121,7 +121,6 @@ class AsyncEngine:
         if not self.is_healthy:
             raise EngineDeadError(f"engine is not running{': ' + repr(self._dead) if self._dead else ''}")
         max_tokens = check_request(prompt_token_ids, params, self.model_config.vocab_size, self.max_model_len)
-        num_prompt = len(prompt_token_ids)
         request_id = request_id or uuid.uuid4().hex
         seqs = []
         for i in range(params.n):

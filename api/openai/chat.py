@@ -5,17 +5,16 @@ from __future__ import annotations
 from quart import Blueprint, request
 
 from api import sse
-from api.errors import describe, openai_payload
 from api.openai.chat_prompt import chat_prompt_ids
 from api.openai.common import (
-    UsageCounter, add_request, collect, json_response, sampling_params, sse_response, token_text,
+    add_request, collect, drive_stream, json_response, sampling_params, sse_response, token_text,
 )
 from api.openai.protocol import (
     AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
     ChatCompletionResponse, ChatLogprobs, ChatTokenLogprob, DeltaMessage, TopLogprob, parse_request,
 )
 from api.state import get_state
-from voltserve.errors import InvalidRequestError, VoltError
+from voltserve.errors import InvalidRequestError
 from voltserve.request import MAX_LOGPROBS, SamplingParams, TokenLogprob
 
 bp = Blueprint("openai_chat", __name__)
@@ -80,38 +79,19 @@ async def chat_completions():
                                                 choices=choices, usage=counter.usage()))
 
 
-async def _stream_events(engine, stream, req, params, response_id, created, include_usage):
+def _stream_events(engine, stream, req, params, response_id, created, include_usage):
     """Chunks: a role delta per choice, content deltas, a finish chunk per choice, usage, [DONE]."""
 
     def chunk(choices, usage=None) -> bytes:
         event = ChatCompletionChunk(id=response_id, created=created, model=req.model, choices=choices, usage=usage)
         return sse.frame(event, exclude=None if include_usage else {"usage"})
 
-    counter = UsageCounter()
-    held_logprobs: dict[int, list[TokenLogprob]] = {}
-    finished = False
-    try:
-        for i in range(params.n):
-            yield chunk([ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))])
-        async for out in stream:
-            counter.add(out)
-            held = held_logprobs.setdefault(out.index, [])
-            held.extend(out.logprobs or [])
-            if not out.text and out.finish_reason is None:
-                continue  # e.g. bytes of a split character: their logprobs go out with the next text
-            logprobs = _logprobs(engine.tokenizer, held) if params.logprobs is not None else None
-            held_logprobs[out.index] = []
-            finish = out.finish_reason.value if out.finish_reason is not None else None
-            delta = DeltaMessage(content=out.text) if out.text else DeltaMessage()
-            yield chunk([ChatChunkChoice(index=out.index, delta=delta, logprobs=logprobs, finish_reason=finish)])
-        finished = True
-        if include_usage:
-            yield chunk([], counter.usage())
-    except VoltError as exc:  # the engine died mid-stream: the status is sent, so report it in-band
-        finished = True
-        kind, message, param = describe(exc)
-        yield sse.frame(openai_payload(message, kind, param))
-    finally:
-        if not finished:  # client disconnected: free the request's KV blocks
-            stream.abort()
-    yield sse.DONE
+    def choice_chunk(out, held_logprobs: list[TokenLogprob]) -> bytes:
+        logprobs = _logprobs(engine.tokenizer, held_logprobs) if params.logprobs is not None else None
+        finish = out.finish_reason.value if out.finish_reason is not None else None
+        delta = DeltaMessage(content=out.text) if out.text else DeltaMessage()
+        return chunk([ChatChunkChoice(index=out.index, delta=delta, logprobs=logprobs, finish_reason=finish)])
+
+    roles = [chunk([ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))])
+             for i in range(params.n)]
+    return drive_stream(stream, choice_chunk, (lambda usage: chunk([], usage)) if include_usage else None, roles)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import weakref
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field
 
 import orjson
@@ -13,7 +13,7 @@ from quart import Response
 
 from api import sse
 from api.openai.protocol import PromptTokensDetails, SamplingFields, Usage
-from voltserve.errors import ContextLengthError, InvalidRequestError
+from voltserve.errors import ContextLengthError, InvalidRequestError, VoltError
 from voltserve.request import RequestOutput, SamplingParams, TokenLogprob
 
 
@@ -155,3 +155,47 @@ def sse_response(events: AsyncIterator[bytes], keep_alive_s: float, stream=None)
     response.headers["Cache-Control"] = "no-cache"
     response.timeout = None
     return response
+
+
+async def drive_stream(stream, choice_chunk: Callable[[RequestOutput, list[TokenLogprob]], bytes],
+                       usage_chunk: Callable[[Usage], bytes] | None, first: Iterable[bytes] = ()
+                       ) -> AsyncIterator[bytes]:
+    """The SSE body of a streamed request, shared by every OpenAI endpoint.
+
+    Args:
+        stream: the engine's RequestStream.
+        choice_chunk: (delta, its logprobs, held back since the last chunk) -> one framed chunk.
+        usage_chunk: usage -> the final usage chunk; None when the client did not ask for usage.
+        first: chunks sent before any token (e.g. chat's role deltas).
+    Yields:
+        Framed events, then `data: [DONE]`. Deltas with no text and no finish (bytes of a split character) are
+        held, their logprobs joining the next chunk. An engine error after the status went out is sent in-band;
+        a client that leaves mid-stream has its request aborted (its KV blocks freed).
+    """
+    counter = UsageCounter()
+    held: dict[int, list[TokenLogprob]] = {}
+    finished = False
+    try:
+        for event in first:
+            yield event
+        async for out in stream:
+            counter.add(out)
+            pending = held.setdefault(out.index, [])
+            pending.extend(out.logprobs or [])
+            if not out.text and out.finish_reason is None:
+                continue
+            held[out.index] = []
+            yield choice_chunk(out, pending)
+        finished = True
+        if usage_chunk is not None:
+            yield usage_chunk(counter.usage())
+    except VoltError as exc:  # the status is already sent: report the error in-band
+        from api.errors import describe, openai_payload
+
+        finished = True
+        kind, message, param = describe(exc)
+        yield sse.frame(openai_payload(message, kind, param))
+    finally:
+        if not finished:  # client disconnected
+            stream.abort()
+    yield sse.DONE

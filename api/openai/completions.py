@@ -13,15 +13,14 @@ import asyncio
 from quart import Blueprint, request
 
 from api import sse
-from api.errors import describe, openai_payload
 from api.openai.common import (
-    UsageCounter, add_request, collect, json_response, sampling_params, sse_response, token_text,
+    add_request, collect, drive_stream, json_response, sampling_params, sse_response, token_text,
 )
 from api.openai.protocol import (
     CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse, parse_request,
 )
 from api.state import get_state
-from voltserve.errors import InvalidRequestError, VoltError
+from voltserve.errors import InvalidRequestError
 from voltserve.request import MAX_LOGPROBS, SamplingParams, TokenLogprob
 
 bp = Blueprint("openai_completions", __name__)
@@ -112,35 +111,16 @@ async def completions():
                                             usage=counter.usage()))
 
 
-async def _stream_events(stream, req, params, builder, response_id, created, include_usage):
+def _stream_events(stream, req, params, builder, response_id, created, include_usage):
     """Chunks: text deltas (the last per choice with finish_reason), usage when asked, [DONE]."""
 
     def chunk(choices, usage=None) -> bytes:
         event = CompletionResponse(id=response_id, created=created, model=req.model, choices=choices, usage=usage)
         return sse.frame(event, exclude=None if include_usage else {"usage"})
 
-    counter = UsageCounter()
-    held: dict[int, list[TokenLogprob]] = {}
-    finished = False
-    try:
-        async for out in stream:
-            counter.add(out)
-            pending = held.setdefault(out.index, [])
-            pending.extend(out.logprobs or [])
-            if not out.text and out.finish_reason is None:
-                continue
-            logprobs = builder.build(out.index, pending) if params.logprobs is not None else None
-            held[out.index] = []
-            finish = out.finish_reason.value if out.finish_reason is not None else None
-            yield chunk([CompletionChoice(index=out.index, text=out.text, logprobs=logprobs, finish_reason=finish)])
-        finished = True
-        if include_usage:
-            yield chunk([], counter.usage())
-    except VoltError as exc:
-        finished = True
-        kind, message, param = describe(exc)
-        yield sse.frame(openai_payload(message, kind, param))
-    finally:
-        if not finished:
-            stream.abort()
-    yield sse.DONE
+    def choice_chunk(out, held_logprobs: list[TokenLogprob]) -> bytes:
+        logprobs = builder.build(out.index, held_logprobs) if params.logprobs is not None else None
+        finish = out.finish_reason.value if out.finish_reason is not None else None
+        return chunk([CompletionChoice(index=out.index, text=out.text, logprobs=logprobs, finish_reason=finish)])
+
+    return drive_stream(stream, choice_chunk, (lambda usage: chunk([], usage)) if include_usage else None)

@@ -7,7 +7,6 @@ from pathlib import Path
 import orjson
 import pytest
 from tests.api.conftest import MODEL, chat_body
-from tests.api.fake_engine import ScriptedEngine
 
 import api
 from api.openai.chat_prompt import encode_rendered

@@ -44,3 +44,14 @@ async def test_engine_serves_hf_dir(tiny_dir):
         assert len(tokens) == 5 and last.num_prompt_tokens == 5
     finally:
         await engine.stop()
+
+
+def test_unsupported_architecture_is_refused():
+    import dataclasses
+
+    from voltserve.errors import UnsupportedModelError
+
+    loaded = synthetic_model("tiny")
+    qwen = dataclasses.replace(loaded.config, architecture="qwen2")
+    with pytest.raises(UnsupportedModelError, match="qwen2"):
+        LlamaModel(qwen, loaded.tensors, CpuBackend(torch.float32))

@@ -14,7 +14,11 @@ import torch
 from voltserve.backends.base import Backend, StepInputs
 from voltserve.backends.cpu import rope_cos_sin
 from voltserve.config import ModelConfig
+from voltserve.errors import UnsupportedModelError
 from voltserve.quant import concat_rows
+
+
+SUPPORTED_ARCHITECTURES = ("llama", "mistral")
 
 
 @dataclass
@@ -49,6 +53,10 @@ class LlamaModel:
 
     def __init__(self, config: ModelConfig, tensors: dict[str, torch.Tensor], backend: Backend,
                  quantized: dict | None = None, max_positions: int | None = None):
+        if config.architecture not in SUPPORTED_ARCHITECTURES:
+            # Qwen2's QKV bias and Qwen3's QK-norm would be silently skipped: refuse rather than answer wrongly
+            raise UnsupportedModelError(f"architecture {config.architecture!r} is not supported yet "
+                                        f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
         self.config = config
         self.backend = backend
         quantized = quantized or {}

@@ -5,9 +5,13 @@
 //   out[s, h, :] = softmax(scale * q[s, h] . K[s, 0:seq_len, h / GROUP]) @ V[...]
 // attn_decode:        grid (num_kv_heads, num_seqs, num_splits); block 128 threads;
 //                     dynamic smem = 4 * (GROUP*HEAD_DIM + GROUP*PARTITION + NG*GROUP*HEAD_DIM + 2*GROUP) bytes,
-//                     NG = 128 / (HEAD_DIM/2). With num_splits == 1 the block writes out directly; otherwise it
-//                     writes its un-normalised partial output, running max and sum to the workspace.
-// attn_decode_reduce: grid (num_heads, num_seqs); block 128 threads; merges the partitions (log-sum-exp rescale).
+//                     NG = 128 / (HEAD_DIM/2). A sequence's context is cut into splits of split_len() keys
+//                     (seq_len / num_splits rounded up to 16, clamped to [min_part, PARTITION]): a short context
+//                     still spreads over many blocks, splits past the context exit at once. When one split holds
+//                     the whole context the block writes out directly; otherwise it writes its un-normalised
+//                     partial output, running max and sum to the workspace.
+// attn_decode_reduce: grid (num_heads, num_seqs); block 128 threads; merges the used splits (log-sum-exp
+//                     rescale); returns at once for sequences written directly.
 // Compile-time: HEAD_DIM (multiple of 8, <= 256), GROUP (query heads per KV head), PARTITION (tokens per split).
 // SM70 path: the only path: fp16 K/V loads as 16-byte vectors, fp32 dot products and softmax.
 // Reference: voltserve.backends.cpu.CpuBackend.attention (query_len == 1 for every sequence).
@@ -49,7 +53,7 @@ struct DecodeParams {
     int max_blocks;
     int num_splits;
     float scale;
-    int pad_;
+    int min_part;                // fewest keys per split (a multiple of 16, <= PARTITION)
 };
 VOLT_CHECK_PARAMS(DecodeParams, VOLT_DECODE_PARAMS_BYTES);
 
@@ -57,6 +61,14 @@ VOLT_DEVICE const half_t* kv_row(const DecodeParams& p, int seq, int kvh, int t)
     const int block = p.block_tables[(i64)seq * p.max_blocks + t / p.block_size];
     const i64 slot = (i64)block * p.block_size + t % p.block_size;
     return p.kv + (slot * p.num_kv_heads + kvh) * HEAD_DIM;
+}
+
+// Keys per split of one sequence: its context spread evenly over the grid's splits (rounded up to 16, at least
+// min_part), so a short context still fills many blocks when the grid is sized for a long capacity (CUDA graphs).
+// The host sizes num_splits >= ceil(max_seq_len / PARTITION), so the result is <= PARTITION and covers seq_len.
+VOLT_DEVICE int split_len(const DecodeParams& p, int seq_len) {
+    const int per = ((seq_len + p.num_splits - 1) / p.num_splits + 15) & ~15;
+    return min(PARTITION, max(p.min_part, per));
 }
 
 extern "C" __global__ void __launch_bounds__(NUM_THREADS) attn_decode(const DecodeParams p) {
@@ -68,16 +80,12 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS) attn_decode(const Deco
     const int kvh = blockIdx.x, seq = blockIdx.y, split = blockIdx.z;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int seq_len = p.seq_lens[seq];
-    const int start = split * PARTITION;
-    const int n = min(PARTITION, seq_len - start);
+    const int plen = split_len(p, seq_len);
+    const int start = split * plen;
+    const int n = min(plen, seq_len - start);
     const i64 ws = ((i64)seq * p.num_heads + kvh * GROUP) * p.num_splits + split;  // head g adds g * num_splits
-    if (n <= 0) {  // an empty partition (the grid is sized for the longest context): contributes nothing
-        if (tid < GROUP) {
-            p.part_ml[(ws + tid * p.num_splits) * 2] = VOLT_NEG_INF;
-            p.part_ml[(ws + tid * p.num_splits) * 2 + 1] = 0.f;
-        }
-        return;
-    }
+    if (n <= 0) return;  // past this context (the grid is sized for the longest): the reduce never reads it
+    const bool direct = seq_len <= plen;  // one split holds the whole context: write out, the reduce skips it
     const i64 row = p.query_start_loc[seq + 1] - 1;
     for (int i = tid; i < GROUP * HEAD_DIM; i += NUM_THREADS) {
         const int g = i / HEAD_DIM, d = i % HEAD_DIM;
@@ -156,7 +164,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS) attn_decode(const Deco
         float o = 0.f;
 #pragma unroll
         for (int r = 0; r < NG; ++r) o += red[r * GROUP * HEAD_DIM + i];
-        if (p.num_splits == 1) {
+        if (direct) {
             p.out[(row * p.num_heads + kvh * GROUP + g) * HEAD_DIM + d] = f2h(o / ml[2 * g + 1]);
         } else {
             const i64 w = ws + (i64)g * p.num_splits;
@@ -168,7 +176,10 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS) attn_decode(const Deco
 
 extern "C" __global__ void __launch_bounds__(NUM_THREADS) attn_decode_reduce(const DecodeParams p) {
     const int h = blockIdx.x, seq = blockIdx.y;
-    const int used = min(p.num_splits, (p.seq_lens[seq] + PARTITION - 1) / PARTITION);
+    const int seq_len = p.seq_lens[seq];
+    const int plen = split_len(p, seq_len);
+    if (seq_len <= plen) return;  // attn_decode wrote this output directly (one split)
+    const int used = min(p.num_splits, (seq_len + plen - 1) / plen);
     const i64 base = ((i64)seq * p.num_heads + h) * p.num_splits;
     float m = VOLT_NEG_INF;
     for (int s = 0; s < used; ++s) m = fmaxf(m, p.part_ml[(base + s) * 2]);

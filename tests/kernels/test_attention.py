@@ -100,3 +100,23 @@ def test_prefill_batch_37(cuda_backend, cpu_backend):
     query_lens = torch.randint(1, 60, (37,), generator=gen).tolist()
     seq_lens = [q + int(c) for q, c in zip(query_lens, torch.randint(0, 400, (37,), generator=gen))]
     assert _run(cuda_backend, cpu_backend, seq_lens, query_lens, (9, 3, 64), 16, seed=37) <= TOL
+
+
+@pytest.mark.parametrize("heads", HEADS)
+@pytest.mark.parametrize("lens", [[1], [15], [16], [17], [100], [513], [8192], [100, 1, 4000, 31, 2]])
+def test_decode_short_contexts_spread_over_capacity_grid(cuda_backend, cpu_backend, heads, lens):
+    """Graph-sized grids (capacity 8192): each context is spread over the splits (split_len in the kernel);
+    boundaries around 16 keys, one direct-write split, splits past the context and the full capacity."""
+    assert _run(cuda_backend, cpu_backend, lens, [1] * len(lens), heads, 16, seed=len(lens) + lens[0],
+                max_seq_len=8192) <= TOL
+
+
+def test_decode_plan_covers_capacity():
+    from voltserve.backends.cuda import kernels
+
+    for cap in (1, 16, 100, 512, 513, 8192, 32768):
+        for seqs in (1, 8, 64, 256):
+            for kvh, part in ((3, 512), (1, 256), (8, 512)):
+                splits, min_part = kernels.decode_plan(cap, seqs, kvh, part, 132)
+                assert splits * part >= cap and min_part % 16 == 0 and 16 <= min_part <= part
+                assert splits <= max(-(-cap // part), -(-cap // 16), 1)

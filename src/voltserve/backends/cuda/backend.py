@@ -45,6 +45,9 @@ class CudaBackend:
         torch.empty(1, device=self.device)  # makes the primary context current on this thread
         self.loader = KernelLoader(device_index)
         self._device_copies: dict[int, tuple[Any, torch.Tensor]] = {}
+        self.num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+        # split-K arrival counters of gemm_tc (zero between launches; allocated here, before any graph capture)
+        self.gemm_counters = torch.zeros(kernels.GEMM_TC_MAX_COUNTERS, dtype=torch.int32, device=self.device)
         self.refresh_stream()
 
     def refresh_stream(self) -> None:
@@ -173,12 +176,13 @@ class CudaBackend:
         if attn.is_decode_only:
             group = num_heads // num_kv_heads
             spec = kernels.decode_spec(head_dim, group)
-            num_splits = max(1, math.ceil(attn.max_seq_len / spec["PARTITION"]))
+            num_splits, min_part = kernels.decode_plan(attn.max_seq_len, num_seqs, num_kv_heads, spec["PARTITION"],
+                                                       self.num_sms)
             acc = torch.empty(num_seqs * num_heads * num_splits * head_dim if num_splits > 1 else 1,
                               dtype=torch.float32, device=self.device)
             ml = torch.empty(num_seqs * num_heads * num_splits * 2, dtype=torch.float32, device=self.device)
             p = P.DecodeParams(*common, acc.data_ptr(), ml.data_ptr(), q.stride(0), q.stride(1), plane, num_seqs,
-                               num_heads, num_kv_heads, block_size, tables.shape[1], num_splits, scale, 0)
+                               num_heads, num_kv_heads, block_size, tables.shape[1], num_splits, scale, min_part)
             smem = kernels.decode_smem_bytes(head_dim, group)
             self._launch("attention_decode", "attn_decode", spec, (num_kv_heads, num_seqs, num_splits),
                          (128, 1, 1), smem, p)

@@ -24,6 +24,35 @@ GEMV_Q_PIECE = 2048        # gemv_q: k staged in shared memory at a time (GEMV_Q
 GEMV_Q_SUPERBLOCK = 256    # gemv_q needs k % 256 == 0 (rows of whole 16-byte-aligned 8-block superblocks)
 
 
+# gemm_tc (ptx/gemm_tc.cu): WMMA tiles of 64 rows x GEMM_TC_BN (32 or 64) outputs, k chunks of 64, split-K over
+# the grid's z with a deterministic last-block reduction when the tile grid would leave SMs idle.
+GEMM_TC_BM = 64
+GEMM_TC_KC = 64
+GEMM_TC_BNS = (32, 64)
+GEMM_TC_MAX_SPLITS = 16
+GEMM_TC_MAX_COUNTERS = 4096  # arrival counters per backend (tiles of one split-K launch)
+
+
+def gemm_tc_plan(m: int, n: int, k: int, num_sms: int) -> tuple[int, int, int]:
+    """(BN, splits, k_split) of one gemm_tc launch: aim for >= 2 blocks per SM.
+
+    BN = 64 when 64-wide tiles alone fill the GPU (less re-reading of x), else 32. Split-K only while the tile grid
+    is short of 2 * num_sms blocks; every split gets the same whole number of 64-wide k chunks and none is empty.
+    Depends only on (m, n, k, num_sms), so eager and graph-replayed launches split identically.
+    """
+    target = 2 * num_sms
+    m_tiles = -(-m // GEMM_TC_BM)
+    chunks = -(-k // GEMM_TC_KC)
+    bn = 64 if -(-n // 64) * m_tiles >= target else 32
+    tiles = -(-n // bn) * m_tiles
+    splits = 1
+    if tiles < target and tiles <= GEMM_TC_MAX_COUNTERS:
+        splits = min(chunks, -(-target // tiles), GEMM_TC_MAX_SPLITS)
+    per_split = -(-chunks // splits)
+    splits = -(-chunks // per_split)
+    return bn, splits, per_split * GEMM_TC_KC
+
+
 def gemv_q_smem_bytes(mrows: int, fmt: str) -> int:
     """Dynamic shared memory of gemv_q: fp32 x piece [mrows][2048], the warps' partial sums [8][mrows][32] and
     one [32 rows][pitch] tile of 16-byte vectors per warp (pitch = superblock vectors rounded up to odd)."""
@@ -63,6 +92,7 @@ SOURCES = {
                                       "VOLT_PREFILL_PARAMS_BYTES"),
     "gemv": KernelSource("gemv.cu", ("gemv", "gemv_q"), P.GemvParams, "VOLT_GEMV_PARAMS_BYTES"),
     "gemm_tiled": KernelSource("gemm_tiled.cu", ("gemm_tiled",), P.GemmParams, "VOLT_GEMM_PARAMS_BYTES"),
+    "gemm_tc": KernelSource("gemm_tc.cu", ("gemm_tc",), P.GemmTcParams, "VOLT_GEMM_TC_PARAMS_BYTES"),
     "sampling": KernelSource("sampling.cu", ("argmax_logprob",), P.ArgmaxParams, "VOLT_ARGMAX_PARAMS_BYTES"),
     "sample_topk_topp": KernelSource("sample_topk_topp.cu", ("sample_topk_topp", "philox4x32_10_test"),
                                      P.SampleParams, "VOLT_SAMPLE_PARAMS_BYTES",
@@ -80,6 +110,22 @@ def defines(op: str, **spec: int) -> dict[str, int]:
 def decode_partition(head_dim: int, group: int) -> int:
     """Keys per split of the decode kernel; smaller for wide GQA groups so shared memory stays small."""
     return 512 if group * head_dim <= 512 else 256
+
+
+def decode_plan(max_seq_len: int, num_seqs: int, num_kv_heads: int, partition: int,
+                num_sms: int) -> tuple[int, int]:
+    """(num_splits, min_part) of attn_decode for a grid sized by `max_seq_len` (the capacity under CUDA graphs).
+
+    At least ceil(max_seq_len / partition) splits (each sequence's keys fit); more, up to one per 16 keys, while
+    kv_heads x seqs blocks leave the GPU short of 2 blocks per SM: the kernel spreads each context evenly over the
+    splits (split_len in attention_decode.cu), so short contexts use many blocks. min_part (the fewest keys per
+    split) is 16 when the (KV head, sequence) pairs alone do not fill the SMs, else 64 (fewer partials to merge).
+    """
+    base = max(1, -(-max_seq_len // partition))
+    busy = num_kv_heads * num_seqs
+    want = min(-(-2 * num_sms // busy), -(-max_seq_len // 16))
+    min_part = 16 if busy < num_sms else min(64, partition)
+    return max(base, want), min_part
 
 
 def decode_smem_bytes(head_dim: int, group: int) -> int:
@@ -111,6 +157,7 @@ def engine_specializations() -> list[tuple[str, dict[str, int]]]:
     specs += [("attention_prefill", {"HEAD_DIM": d}) for d in ENGINE_HEAD_DIMS]
     specs += [("gemv", {"WTYPE": w, "MROWS": m}) for w in WTYPES.values() for m in GEMV_ROW_BUCKETS]
     specs += [("gemm_tiled", {"WTYPE": w}) for w in WTYPES.values()]
+    specs += [("gemm_tc", {"WTYPE": w, "BN": bn}) for w in (1, 2, 3) for bn in GEMM_TC_BNS]
     specs += [("sampling", {"LOGITS_F16": f}) for f in (0, 1)]
     specs += [("sample_topk_topp", {"LOGITS_F16": f}) for f in (0, 1)]
     return specs

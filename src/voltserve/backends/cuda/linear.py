@@ -77,8 +77,27 @@ class CudaEmbedding:
         return cls("F16", data, vocab, hidden, hidden * 2)
 
 
+def _launch_gemm_tc(backend: Any, x: torch.Tensor, w: CudaLinear, y: torch.Tensor, wtype: int) -> None:
+    """Quantized weights at m >= GEMM_MIN_ROWS: WMMA tiles, split-K when the tile grid is short of the SMs."""
+    m, k = x.shape
+    n = w.out_features
+    bn, splits, k_split = kernels.gemm_tc_plan(m, n, k, backend.num_sms)
+    part = counters = None
+    if splits > 1:
+        # workspace from torch's caching allocator (graph-capturable); counters are the backend's zeroed array,
+        # each reset by the launch that used it
+        part = torch.empty(splits * m * n, dtype=torch.float32, device=x.device)
+        counters = backend.gemm_counters
+    p = P.GemmTcParams(x.data_ptr(), w.data.data_ptr(), y.data_ptr(), part.data_ptr() if part is not None else None,
+                       counters.data_ptr() if counters is not None else None, x.stride(0), n, w.row_bytes, m, n, k,
+                       k_split, splits, 0)
+    grid = (math.ceil(n / bn), math.ceil(m / kernels.GEMM_TC_BM), splits)
+    backend._launch("gemm_tc", "gemm_tc", {"WTYPE": wtype, "BN": bn}, grid, (128, 1, 1), 0, p)
+
+
 def launch_linear(backend: Any, x: torch.Tensor, w: CudaLinear) -> torch.Tensor:
-    """y = x @ W^T with our kernels: GEMV for up to 16 rows (in launches of <= 8), the tiled GEMM above.
+    """y = x @ W^T with our kernels: GEMV for up to 16 rows (in launches of <= 8), a GEMM above: `gemm_tc`
+    (WMMA, ptx/gemm_tc.cu) for quantized weights, the SIMT `gemm_tiled` for fp16 weights.
 
     GEMV kernels (ptx/gemv.cu): quant weights with k % 256 == 0 and a row bucket >= GEMV_Q_MIN_ROWS ->
     `gemv_q`; fp16 weights and other quant shapes -> `gemv`.
@@ -98,6 +117,9 @@ def launch_linear(backend: Any, x: torch.Tensor, w: CudaLinear) -> torch.Tensor:
     if m == 0 or n == 0:
         return y
     wtype = kernels.WTYPES[w.fmt]
+    if m >= kernels.GEMM_MIN_ROWS and w.fmt != "F16" and w.data.data_ptr() % 2 == 0:
+        _launch_gemm_tc(backend, x, w, y, wtype)
+        return y
     if m >= kernels.GEMM_MIN_ROWS:
         p = P.GemmParams(x.data_ptr(), w.data.data_ptr(), y.data_ptr(), x.stride(0), n, w.row_bytes, m, n, k, 0)
         backend._launch("gemm_tiled", "gemm_tiled", {"WTYPE": wtype}, (math.ceil(n / 64), math.ceil(m / 64), 1),

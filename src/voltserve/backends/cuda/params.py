@@ -45,7 +45,7 @@ DecodeParams = _struct("DecodeParams", [
     ("q", P), ("kv", P), ("block_tables", P), ("seq_lens", P), ("query_start_loc", P), ("out", P),
     ("part_acc", P), ("part_ml", P), ("q_token_stride", I64), ("q_head_stride", I64), ("kv_plane", I64),
     ("num_seqs", I32), ("num_heads", I32), ("num_kv_heads", I32), ("block_size", I32), ("max_blocks", I32),
-    ("num_splits", I32), ("scale", F32), ("pad_", I32)])
+    ("num_splits", I32), ("scale", F32), ("min_part", I32)])
 
 PrefillParams = _struct("PrefillParams", [
     ("q", P), ("kv", P), ("block_tables", P), ("seq_lens", P), ("query_start_loc", P), ("out", P),
@@ -59,6 +59,10 @@ GemvParams = _struct("GemvParams", [
 GemmParams = _struct("GemmParams", [
     ("x", P), ("w", P), ("y", P), ("x_stride", I64), ("y_stride", I64), ("w_row_bytes", I64), ("m", I32),
     ("n", I32), ("k", I32), ("pad_", I32)])
+
+GemmTcParams = _struct("GemmTcParams", [
+    ("x", P), ("w", P), ("y", P), ("part", P), ("counters", P), ("x_stride", I64), ("y_stride", I64),
+    ("w_row_bytes", I64), ("m", I32), ("n", I32), ("k", I32), ("k_split", I32), ("splits", I32), ("pad_", I32)])
 
 ArgmaxParams = _struct("ArgmaxParams", [
     ("logits", P), ("out_ids", P), ("out_logprobs", P), ("row_stride", I64), ("num_rows", I32), ("vocab", I32)])

@@ -9,12 +9,12 @@
 // output stage [64][BN + 4]. Raw loads of chunk i + 1 are issued before the MMAs of chunk i (register prefetch).
 //
 // Split-K (small m x n grids): block z sums k in [z * k_split, min(k, (z + 1) * k_split)) and writes its fp32
-// partial tile to `part[z]`; the last block of a tile to arrive (atomic counter, reset by that block for the next
+// partial tile (tile-contiguous, straight from the fragments) to `part[z][tile]`; the last block of a tile to arrive (atomic counter, reset by that block for the next
 // launch) sums the partials in fixed order z = 0 .. splits-1, so the result is bitwise deterministic whatever the
 // arrival order (graph replay == eager). `counters` needs ceil(n/BN) * ceil(m/64) zeroed ints, owned by one
 // stream at a time.
 // Compile-time: WTYPE (quant.cuh; quant formats only, fp16 weights take cuBLAS or gemm_tiled), BN (32 or 64).
-// Requirements: k % 32 == 0, x rows 16-byte aligned (x_stride % 8 == 0), w rows 2-byte aligned.
+// Requirements: k % 32 == 0, x rows 16-byte aligned (x_stride % 8 == 0), w 4-byte aligned.
 // SM70 path: the same code (WMMA m16n16k16 exists on SM70); fp32 accumulation, weights rounded once to fp16.
 // Reference: voltserve.backends.cpu.CpuBackend.linear.
 #include "quant.cuh"
@@ -34,7 +34,7 @@ struct GemmTcParams {
     const half_t* x;   // [m, k] fp16, row stride x_stride
     const u8* w;       // [n, w_row_bytes] GGUF blocks
     half_t* y;         // [m, n] fp16, row stride y_stride
-    float* part;       // [splits, m, n] fp32 workspace (splits > 1)
+    float* part;       // [splits, tiles, 64, BN] fp32 workspace (splits > 1), tiles = grid x * grid y
     int* counters;     // [ceil(n/BN) * ceil(m/64)] zeroed arrival counters (splits > 1)
     i64 x_stride;      // elements
     i64 y_stride;      // elements
@@ -76,9 +76,9 @@ VOLT_DEVICE void wmma_store_f32(float* ptr, const float (&c)[8], int ldm) {
                     "f"(c[7]), "r"(ldm) : "memory");
 }
 
-VOLT_DEVICE float ld_cg(const float* p) {  // L2 load: partials written by other blocks of this launch
-    float v;
-    asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p));
+VOLT_DEVICE float4 ld_cg4(const float4* p) {  // L2 load: partials written by other blocks of this launch
+    float4 v;
+    asm volatile("ld.global.cg.v4.f32 {%0,%1,%2,%3}, [%4];" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "l"(p));
     return v;
 }
 
@@ -96,13 +96,23 @@ VOLT_DEVICE void load_raw8(const u8* blk, int j0, bool ok, Raw8& r) {
 #if WTYPE == WTYPE_Q8_0
     const unsigned short* q2 = reinterpret_cast<const unsigned short*>(blk + 2 + j0);
 #elif WTYPE == WTYPE_Q4_1
-    r.mn = *reinterpret_cast<const half_t*>(blk + 2);
-    const unsigned short* q2 = reinterpret_cast<const unsigned short*>(blk + 4 + (j0 & 15));
+    // 20-byte blocks in rows of k / 32 * 20 bytes: 4-byte aligned, so d|m and the nibbles load as 32-bit words
+    const u32 dm = *reinterpret_cast<const u32*>(blk);
+    r.d = (half_t)(dm & 0xffffu);
+    r.mn = (half_t)(dm >> 16);
+    const u32* q4 = reinterpret_cast<const u32*>(blk + 4 + (j0 & 15));
+    const u32 lo = q4[0], hi = q4[1];
+    r.q[0] = lo & 0xffffu;
+    r.q[1] = lo >> 16;
+    r.q[2] = hi & 0xffffu;
+    r.q[3] = hi >> 16;
 #else
     const unsigned short* q2 = reinterpret_cast<const unsigned short*>(blk + 2 + (j0 & 15));
 #endif
+#if WTYPE != WTYPE_Q4_1
 #pragma unroll
     for (int i = 0; i < 4; ++i) r.q[i] = q2[i];
+#endif
 }
 
 VOLT_DEVICE uint4 convert_raw8(const Raw8& r, int j0) {
@@ -207,6 +217,53 @@ extern "C" __global__ void __launch_bounds__(NT) gemm_tc(const GemmTcParams p) {
             }
         }
     }
+    const int tile = blockIdx.y * gridDim.x + blockIdx.x;
+    if (p.splits > 1) {
+        // fp32 partial tile straight from the fragments, tile-contiguous: part[z][tile][BM][BN] (rows of warps
+        // past m stay unwritten; the reduction never stores them)
+        float* part = p.part + ((i64)z * gridDim.x * gridDim.y + tile) * (BM * BN);
+        if (warp_rows) {
+#pragma unroll
+            for (int j = 0; j < BN / 16; ++j) wmma_store_f32(part + warp * 16 * BN + j * 16, acc[j], BN);
+        }
+        __threadfence();
+        __syncthreads();
+        if (tid == 0) s_last = atomicAdd(p.counters + tile, 1) == p.splits - 1;
+        __syncthreads();
+        if (!s_last) return;
+        __threadfence();
+        constexpr int RV = BM * BN / 4 / NT;  // float4 per thread
+        float4 sum[RV];
+#pragma unroll
+        for (int e = 0; e < RV; ++e) sum[e].x = sum[e].y = sum[e].z = sum[e].w = 0.f;
+        const i64 zstride = (i64)gridDim.x * gridDim.y * (BM * BN / 4);
+        const float4* src = reinterpret_cast<const float4*>(p.part) + (i64)tile * (BM * BN / 4) + tid;
+#pragma unroll 2
+        for (int zz = 0; zz < p.splits; ++zz) {  // fixed order: bitwise deterministic
+            float4 v[RV];
+#pragma unroll
+            for (int e = 0; e < RV; ++e) v[e] = ld_cg4(src + zz * zstride + e * NT);
+#pragma unroll
+            for (int e = 0; e < RV; ++e) {
+                sum[e].x += v[e].x;
+                sum[e].y += v[e].y;
+                sum[e].z += v[e].z;
+                sum[e].w += v[e].w;
+            }
+        }
+#pragma unroll
+        for (int e = 0; e < RV; ++e) {
+            const int i = (tid + e * NT) * 4, gm = m0 + i / BN, gn = n0 + i % BN;
+            if (gm >= p.m) continue;
+            half_t* yr = p.y + (i64)gm * p.y_stride + gn;
+            const float sv[4] = {sum[e].x, sum[e].y, sum[e].z, sum[e].w};
+#pragma unroll
+            for (int c = 0; c < 4; ++c)
+                if (gn + c < p.n) yr[c] = f2h(sv[c]);
+        }
+        if (tid == 0) p.counters[tile] = 0;  // ready for the next launch on this stream
+        return;
+    }
     __syncthreads();  // the x / W tiles are dead: Cs aliases them
     if (warp_rows) {
 #pragma unroll
@@ -214,31 +271,8 @@ extern "C" __global__ void __launch_bounds__(NT) gemm_tc(const GemmTcParams p) {
     }
     __syncthreads();
 
-    if (p.splits == 1) {
-        for (int i = tid; i < BM * BN; i += NT) {
-            const int r = i / BN, c = i % BN, gm = m0 + r, gn = n0 + c;
-            if (gm < p.m && gn < p.n) p.y[(i64)gm * p.y_stride + gn] = f2h(Cs[r * LDC + c]);
-        }
-        return;
-    }
-    float* part = p.part + (i64)z * p.m * p.n;
     for (int i = tid; i < BM * BN; i += NT) {
         const int r = i / BN, c = i % BN, gm = m0 + r, gn = n0 + c;
-        if (gm < p.m && gn < p.n) part[(i64)gm * p.n + gn] = Cs[r * LDC + c];
+        if (gm < p.m && gn < p.n) p.y[(i64)gm * p.y_stride + gn] = f2h(Cs[r * LDC + c]);
     }
-    __threadfence();
-    __syncthreads();
-    const int tile = blockIdx.y * gridDim.x + blockIdx.x;
-    if (tid == 0) s_last = atomicAdd(p.counters + tile, 1) == p.splits - 1;
-    __syncthreads();
-    if (!s_last) return;
-    __threadfence();
-    for (int i = tid; i < BM * BN; i += NT) {
-        const int r = i / BN, c = i % BN, gm = m0 + r, gn = n0 + c;
-        if (gm >= p.m || gn >= p.n) continue;
-        float s = 0.f;
-        for (int zz = 0; zz < p.splits; ++zz) s += ld_cg(p.part + ((i64)zz * p.m + gm) * p.n + gn);
-        p.y[(i64)gm * p.y_stride + gn] = f2h(s);
-    }
-    if (tid == 0) p.counters[tile] = 0;  // ready for the next launch on this stream
 }

@@ -86,7 +86,8 @@ def _launch_gemm_tc(backend: Any, x: torch.Tensor, w: CudaLinear, y: torch.Tenso
     if splits > 1:
         # workspace from torch's caching allocator (graph-capturable); counters are the backend's zeroed array,
         # each reset by the launch that used it
-        part = torch.empty(splits * m * n, dtype=torch.float32, device=x.device)
+        tiles = math.ceil(n / bn) * math.ceil(m / kernels.GEMM_TC_BM)
+        part = torch.empty(splits * tiles * kernels.GEMM_TC_BM * bn, dtype=torch.float32, device=x.device)
         counters = backend.gemm_counters
     p = P.GemmTcParams(x.data_ptr(), w.data.data_ptr(), y.data_ptr(), part.data_ptr() if part is not None else None,
                        counters.data_ptr() if counters is not None else None, x.stride(0), n, w.row_bytes, m, n, k,
@@ -117,7 +118,7 @@ def launch_linear(backend: Any, x: torch.Tensor, w: CudaLinear) -> torch.Tensor:
     if m == 0 or n == 0:
         return y
     wtype = kernels.WTYPES[w.fmt]
-    if m >= kernels.GEMM_MIN_ROWS and w.fmt != "F16" and w.data.data_ptr() % 2 == 0:
+    if m >= kernels.GEMM_MIN_ROWS and w.fmt != "F16" and w.data.data_ptr() % 4 == 0:
         _launch_gemm_tc(backend, x, w, y, wtype)
         return y
     if m >= kernels.GEMM_MIN_ROWS:

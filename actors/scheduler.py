@@ -102,34 +102,30 @@ class SchedulerActor(Actor):
             raise TypeError(f"scheduler: unknown message {msg!r}")
 
     def _emit(self, seq: Sequence, logprob, new_token: bool = True) -> None:
-        """Detokenize seq's newest token, apply stop strings, and deliver the delta."""
+        """Detokenize seq's newest token, apply stop strings, and deliver the delta (runs once per token: lean)."""
         detok = self.detoks.get(seq.seq_id)
         if detok is None:
             return
         token = seq.output_ids[-1] if new_token else None
+        finished = seq.is_finished
         text = ""
-        if token is not None and not (seq.is_finished and seq.stop_reason == token):
-            text, matched = detok.push([token])
+        if token is not None and not (finished and seq.stop_reason == token):
+            text, matched = detok.push((token,))
             if matched is not None:
-                if seq.is_finished:  # it also hit max_tokens or EOS this step: the stop string explains the end
+                if finished:  # it also hit max_tokens or EOS this step: the stop string explains the end
                     seq.finish_reason, seq.stop_reason = FinishReason.STOP, matched
                 else:
                     self.scheduler.finish(seq, FinishReason.STOP, matched)
-        if seq.is_finished and seq.finish_reason is not FinishReason.ABORT and not isinstance(seq.stop_reason, str):
+                    finished = seq.is_finished
+        if finished and seq.finish_reason is not FinishReason.ABORT and not isinstance(seq.stop_reason, str):
             text += detok.flush()
-        self.streams[seq.request_id].put(RequestOutput(
-            request_id=seq.request_id,
-            index=seq.index,
-            token_ids=[token] if token is not None else [],
-            text=text,
-            logprobs=[logprob] if logprob is not None else None,
-            finish_reason=seq.finish_reason,
-            stop_reason=seq.stop_reason,
-            num_prompt_tokens=len(seq.prompt_ids),
-            num_cached_tokens=seq.num_cached_tokens,
-            num_output_tokens=len(seq.output_ids),
+        rid = seq.request_id
+        self.streams[rid].put(RequestOutput(
+            rid, seq.index, [token] if token is not None else [], text,
+            [logprob] if logprob is not None else None, seq.finish_reason, seq.stop_reason,
+            len(seq.prompt_ids), seq.num_cached_tokens, len(seq.output_ids),
         ))
-        if seq.is_finished:
+        if finished:
             self._forget(seq)
 
     def _forget(self, seq: Sequence) -> None:

@@ -39,7 +39,7 @@ class RequestStream:
         self.request_id = request_id
         self._abort = abort
         self._pending: list[RequestOutput] = []
-        self._event = asyncio.Event()
+        self._waiter: asyncio.Future | None = None  # the consumer's wait for the next put (an Event, leaner)
         self._unfinished = set(range(num_seqs))
         self._error: BaseException | None = None
 
@@ -59,14 +59,21 @@ class RequestStream:
             self._pending.append(out)
         if out.finished:
             self._unfinished.discard(out.index)
-        self._event.set()
+        self._wake()
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None:
+            self._waiter = None
+            if not waiter.done():
+                waiter.set_result(None)
 
     def fail(self, exc: BaseException) -> None:
         """End the stream with an error: a VoltError is raised to the consumer as is, anything else as
         EngineDeadError."""
         if self._error is None and self._unfinished:
             self._error = exc
-            self._event.set()
+            self._wake()
 
     def abort(self) -> None:
         self._abort(self.request_id)
@@ -82,6 +89,8 @@ class RequestStream:
                 raise EngineDeadError(str(self._error)) from self._error
             if not self._unfinished:
                 raise StopAsyncIteration
-            self._event.clear()
-            await self._event.wait()
+            waiter = self._waiter
+            if waiter is None or waiter.done():  # done: a cancelled wait of an earlier call
+                waiter = self._waiter = asyncio.get_running_loop().create_future()
+            await waiter
         return self._pending.pop(0)

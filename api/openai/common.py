@@ -151,10 +151,40 @@ def sse_response(events: AsyncIterator[bytes], keep_alive_s: float, stream=None)
     """
     if stream is not None:
         weakref.finalize(events, lambda: None if stream.finished else stream.abort())
-    response = Response(sse.with_keep_alive(events, keep_alive_s), content_type="text/event-stream")
+    # Without keep-alive the generator is the body itself: Quart closes it (running its `finally`) when the
+    # response ends or the client leaves, and no wrapper sits on the per-chunk path.
+    body = sse.with_keep_alive(events, keep_alive_s) if keep_alive_s > 0 else events
+    response = Response(body, content_type="text/event-stream")
     response.headers["Cache-Control"] = "no-cache"
     response.timeout = None
     return response
+
+
+_CHOICES = b'"choices":['
+
+
+def chunk_frame_parts(event: BaseModel, exclude: set[str] | None = None) -> tuple[bytes, bytes]:
+    """The framed bytes of a streamed chunk around its choices, from the chunk's own model with `choices=[]`.
+
+    A request's chunks differ only in their choices, so the part before them (`data: {"id":...,"model":...,
+    "choices":[`) and after (`]}\\n\\n` or `],"usage":null}\\n\\n`) are rendered once, by pydantic, and each
+    chunk is then `head + <choice JSON> + tail`, the same bytes `sse.frame` gives for the whole model.
+
+    Args:
+        event: the chunk model with an empty `choices` list.
+        exclude: as `sse.frame`'s.
+    Returns:
+        (head, tail).
+    """
+    framed = sse.frame(event, exclude=exclude)
+    # A `"choices":[` inside a JSON string (id, model) would have its quotes escaped, so the first hit is the field.
+    cut = framed.index(_CHOICES + b"]") + len(_CHOICES)
+    return framed[:cut], framed[cut:]
+
+
+def finish_json(out: RequestOutput) -> bytes:
+    """The `finish_reason` value of a delta as JSON."""
+    return b"null" if out.finish_reason is None else orjson.dumps(out.finish_reason.value)
 
 
 async def drive_stream(stream, choice_chunk: Callable[[RequestOutput, list[TokenLogprob]], bytes],
@@ -173,18 +203,24 @@ async def drive_stream(stream, choice_chunk: Callable[[RequestOutput, list[Token
         a client that leaves mid-stream has its request aborted (its KV blocks freed).
     """
     counter = UsageCounter()
+    add = counter.add
     held: dict[int, list[TokenLogprob]] = {}
     finished = False
     try:
         for event in first:
             yield event
-        async for out in stream:
-            counter.add(out)
-            pending = held.setdefault(out.index, [])
-            pending.extend(out.logprobs or [])
+        async for out in stream:  # the per-token path: keep it lean
+            add(out)
+            logprobs = out.logprobs
             if not out.text and out.finish_reason is None:
+                if logprobs:
+                    held.setdefault(out.index, []).extend(logprobs)
                 continue
-            held[out.index] = []
+            pending = held.pop(out.index, None) if held else None
+            if pending is None:
+                pending = list(logprobs) if logprobs else []
+            elif logprobs:
+                pending.extend(logprobs)
             yield choice_chunk(out, pending)
         finished = True
         if usage_chunk is not None:

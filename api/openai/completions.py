@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import asyncio
 
+import orjson
 from quart import Blueprint, request
 
 from api import sse
 from api.openai.common import (
-    add_request, collect, drive_stream, json_response, sampling_params, sse_response, token_text,
+    add_request, chunk_frame_parts, collect, drive_stream, finish_json, json_response, sampling_params,
+    sse_response, token_text,
 )
 from api.openai.protocol import (
     CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse, parse_request,
@@ -112,15 +114,32 @@ async def completions():
 
 
 def _stream_events(stream, req, params, builder, response_id, created, include_usage):
-    """Chunks: text deltas (the last per choice with finish_reason), usage when asked, [DONE]."""
+    """Chunks: text deltas (the last per choice with finish_reason), usage when asked, [DONE].
+
+    Without logprobs a chunk is assembled from bytes around the text, as chat's are (`chunk_frame_parts`).
+    """
+    exclude = None if include_usage else {"usage"}
 
     def chunk(choices, usage=None) -> bytes:
         event = CompletionResponse(id=response_id, created=created, model=req.model, choices=choices, usage=usage)
-        return sse.frame(event, exclude=None if include_usage else {"usage"})
+        return sse.frame(event, exclude=exclude)
+
+    head, tail = chunk_frame_parts(
+        CompletionResponse(id=response_id, created=created, model=req.model, choices=[]), exclude)
+    text_head: dict[int, bytes] = {}
+    text_tail = b',"logprobs":null,"finish_reason":null}' + tail
 
     def choice_chunk(out, held_logprobs: list[TokenLogprob]) -> bytes:
-        logprobs = builder.build(out.index, held_logprobs) if params.logprobs is not None else None
-        finish = out.finish_reason.value if out.finish_reason is not None else None
-        return chunk([CompletionChoice(index=out.index, text=out.text, logprobs=logprobs, finish_reason=finish)])
+        if params.logprobs is not None:
+            logprobs = builder.build(out.index, held_logprobs)
+            finish = out.finish_reason.value if out.finish_reason is not None else None
+            return chunk([CompletionChoice(index=out.index, text=out.text, logprobs=logprobs, finish_reason=finish)])
+        pre = text_head.get(out.index)
+        if pre is None:
+            pre = text_head[out.index] = head + b'{"index":%d,"text":' % out.index
+        if out.finish_reason is None:  # the per-token case
+            return pre + orjson.dumps(out.text) + text_tail
+        return b"".join((pre, orjson.dumps(out.text), b',"logprobs":null,"finish_reason":', finish_json(out),
+                         b"}", tail))
 
     return drive_stream(stream, choice_chunk, (lambda usage: chunk([], usage)) if include_usage else None)

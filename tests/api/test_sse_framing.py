@@ -104,3 +104,34 @@ async def test_completion_logprobs_offsets(serve):
         "top_logprobs": [{"a": 0.0, "b": -1.0}, {"b": -0.25, "c": -1.25}, {"c": -0.5, "d": -1.5}],
         "text_offset": [0, 1, 2],
     }
+
+
+TRICKY = 'a"b\\c\n\t\x01é€😀</script>\u2028'  # quotes, escapes, control bytes, 2-4 byte UTF-8, U+2028
+
+
+async def test_stream_chunks_match_pydantic_rendering(serve):
+    """Streamed chunks are assembled from bytes around each delta; every frame must be exactly what dumping the
+    chunk's pydantic model gives (both endpoints, with and without usage, n=2, a stop string, a length finish)."""
+    from api import sse
+    from api.openai.protocol import ChatCompletionChunk, CompletionResponse
+
+    cases = [
+        ("/v1/chat/completions", ChatCompletionChunk, chat_body(stream=True, n=2)),
+        ("/v1/chat/completions", ChatCompletionChunk, chat_body(stream=True, stop=["😀"],
+                                                                stream_options={"include_usage": True})),
+        ("/v1/chat/completions", ChatCompletionChunk, chat_body(stream=True, max_tokens=7)),
+        ("/v1/completions", CompletionResponse, {"model": MODEL, "prompt": "x", "stream": True, "n": 2,
+                                                 "max_tokens": 40}),
+        ("/v1/completions", CompletionResponse, {"model": MODEL, "prompt": "x", "stream": True, "max_tokens": 9,
+                                                 "stream_options": {"include_usage": True}}),
+    ]
+    for path, model, body in cases:
+        async with serve(ScriptedEngine(scripts=[TRICKY, "ok"])) as (client, _):
+            response = await client.post(path, json=body)
+            data = await response.get_data()
+        include_usage = "stream_options" in body
+        frames = data.split(b"\n\n")[:-2]
+        assert len(frames) >= 3 and data.endswith(b"data: [DONE]\n\n")
+        for f in frames:
+            event = model.model_validate(orjson.loads(f[6:]))
+            assert f + b"\n\n" == sse.frame(event, exclude=None if include_usage else {"usage"}), f

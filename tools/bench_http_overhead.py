@@ -1,0 +1,289 @@
+"""HTTP streaming overhead benchmark: the API layer alone, with an engine double that costs (almost) nothing.
+
+The app (`api.create_app`) runs under hypercorn on a loopback port in a child process, with `StepEngine`: a fake
+that keeps the real scheduler actor's output path (`SchedulerActor._emit`: incremental detokenization, stop
+strings, RequestOutput, `RequestStream.put` and its merging) but replaces model steps by "append one token to every
+running sequence", as fast as the event loop allows. `--concurrency` streaming chat clients (httpx, in this
+process, so they run on another core) each send `--requests` requests of `--max-tokens` tokens, with
+`stream_options.include_usage` as `tools/bench_serving.py` does. The output is JSON:
+
+- `tok_s`: streamed completion tokens per second (usage chunks' `completion_tokens`, wall clock of the load).
+- `server_cpu_us_per_tok`: the server process's CPU time (user + sys) per streamed token during the load: the
+  API's per-token cost, which on a real server is spent on the same event loop that drives the engine.
+- `chunks_per_tok`: SSE content chunks per token (< 1 when the loop fell behind and deltas merged).
+- `client_cpu_us_per_tok`: the clients' cost, to check they were not the bottleneck.
+
+    .venv/bin/python tools/bench_http_overhead.py --concurrency 64 --max-tokens 256 --repeat 3
+    .venv/bin/python tools/bench_http_overhead.py --profile /tmp/server.prof   # cProfile of the server's load
+
+`--engine scripted` uses `tests/api/fake_engine.py:ScriptedEngine` (zero delay) instead: its per-request
+generators skip the scheduler actor's path.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import json
+import multiprocessing as mp
+import os
+import socket
+import statistics
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MODEL = "bench-model"
+TEXT = "The quick brown fox jumps over the lazy dog. "  # ASCII: one byte token = one character of text
+
+
+# ---- server side (child process) ------------------------------------------------------------------------------
+
+
+class _StubScheduler:
+    """What `SchedulerActor._emit` calls on the policy: finish()."""
+
+    def __init__(self, running: list):
+        self.running = running
+
+    def add(self, seq) -> None:
+        self.running.append(seq)
+
+    def finish(self, seq, reason, stop_reason=None) -> None:
+        from voltserve.sequence import SequenceStatus
+
+        if seq.is_finished:
+            return
+        self.running.remove(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason, seq.stop_reason = reason, stop_reason
+
+
+class StepEngine:
+    """AsyncEngine double: every "step" appends one token to every running sequence and emits it through the real
+    `SchedulerActor._emit` into a real `RequestStream`; steps run back to back, yielding to the loop in between."""
+
+    def __init__(self, max_model_len: int = 8192):
+        from actors.scheduler import SchedulerActor
+        from tests.api.fake_engine import ByteTokenizer, ChatMLTemplate
+        from voltserve.config import EngineConfig
+
+        self.config = EngineConfig(model=MODEL).validate()
+        self.max_model_len = max_model_len
+        self.tokenizer = ByteTokenizer()
+        self.chat_template = ChatMLTemplate()
+        self.running: list = []
+        self.actor = SchedulerActor(_StubScheduler(self.running), worker=None, tokenizer=self.tokenizer)
+        self.script = self.tokenizer.encode(TEXT, parse_special=False)
+        self._seq_ids = itertools.count()
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task | None = None
+        self.num_steps = 0
+
+    @property
+    def is_healthy(self) -> bool:
+        return self._task is not None and not self._task.done()
+
+    async def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._loop())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+
+    def add_request(self, prompt_token_ids, params, request_id=None):
+        import uuid
+
+        from actors.scheduler import AddRequestMsg
+        from actors.stream import RequestStream
+        from voltserve.request import check_request
+        from voltserve.sequence import Sequence
+
+        max_tokens = check_request(prompt_token_ids, params, self.tokenizer.vocab_size, self.max_model_len)
+        request_id = request_id or uuid.uuid4().hex
+        seqs = tuple(Sequence(seq_id=next(self._seq_ids), request_id=request_id, index=i,
+                              prompt_ids=list(prompt_token_ids), params=params, max_tokens=max_tokens)
+                     for i in range(params.n))
+        stream = RequestStream(request_id, params.n, self.abort)
+        self.actor._on_message(AddRequestMsg(seqs, stream))
+        self._wake.set()
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        from actors.scheduler import AbortRequestMsg
+
+        self.actor._on_message(AbortRequestMsg(request_id))
+
+    def kv_stats(self) -> dict:
+        return {"num_blocks": 0, "num_free_blocks": 0, "num_running": len(self.running), "num_waiting": 0}
+
+    async def _loop(self) -> None:
+        from voltserve.request import FinishReason
+        from voltserve.sequence import SequenceStatus
+
+        script, actor = self.script, self.actor
+        while True:
+            if not self.running:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            touched = list(self.running)
+            for seq in touched:  # Scheduler.update: append the sampled token, finish at max_tokens
+                seq.output_ids.append(script[len(seq.output_ids) % len(script)])
+                if len(seq.output_ids) >= seq.max_tokens:
+                    self.running.remove(seq)
+                    seq.status = SequenceStatus.FINISHED
+                    seq.finish_reason = FinishReason.LENGTH
+            for seq in touched:
+                actor._emit(seq, None)
+            self.num_steps += 1
+            await asyncio.sleep(0)
+
+
+def _serve(port: int, engine_kind: str, profile: str | None, ready) -> None:
+    sys.path[:0] = [ROOT, os.path.join(ROOT, "src")]
+    import cProfile
+
+    from hypercorn.asyncio import serve
+    from hypercorn.config import Config
+
+    from api import create_app
+    from voltserve.config import EngineConfig
+
+    async def main() -> None:
+        if engine_kind == "scripted":
+            from tests.api.fake_engine import ScriptedEngine
+
+            engine = ScriptedEngine(scripts=[TEXT * 200], max_model_len=16384)
+            engine.config = EngineConfig(model=MODEL).validate()
+        else:
+            engine = StepEngine()
+        app = create_app(engine)
+        profiler = cProfile.Profile() if profile else None
+        marks: list[float] = []
+
+        @app.get("/bench/mark")
+        async def mark():  # first call: start of the load, second call: its end
+            now = sum(os.times()[:2])
+            marks.append(now)
+            if profiler is not None:
+                if len(marks) == 1:
+                    profiler.enable()
+                elif len(marks) == 2:
+                    profiler.disable()
+                    profiler.dump_stats(profile)
+            return {"cpu_s": now, "steps": getattr(engine, "num_steps", None)}
+
+        @app.get("/bench/reset")
+        async def reset():
+            marks.clear()
+            return {}
+
+        config = Config()
+        config.bind = [f"127.0.0.1:{port}"]
+        config.accesslog = None
+        config.errorlog = None
+        stop = asyncio.Event()
+        ready.set()
+        await serve(app, config, shutdown_trigger=stop.wait)
+
+    asyncio.run(main())
+
+
+# ---- client side ----------------------------------------------------------------------------------------------
+
+
+async def _one(client, max_tokens: int) -> tuple[int, int]:
+    """One streamed chat request -> (completion tokens from the usage chunk, content chunks)."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": max_tokens,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    buf = bytearray()
+    async with client.stream("POST", "/v1/chat/completions", json=body) as response:
+        if response.status_code != 200:
+            raise RuntimeError(f"HTTP {response.status_code}: {(await response.aread())[:200]!r}")
+        async for data in response.aiter_raw():
+            buf += data
+    frames = bytes(buf).split(b"\n\n")
+    if frames[-2:] != [b"data: [DONE]", b""]:
+        raise RuntimeError(f"stream did not end with [DONE]: {bytes(buf[-200:])!r}")
+    usage = json.loads(frames[-3][6:])["usage"]
+    return usage["completion_tokens"], buf.count(b'"content":"') - 1  # minus the role chunk's content ""
+
+
+async def _round(base_url: str, concurrency: int, requests: int, max_tokens: int) -> dict:
+    import httpx
+
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    async with httpx.AsyncClient(base_url=base_url, limits=limits, timeout=120) as client:
+        await _one(client, 4)  # warm: connections, first-request paths
+        before = (await client.get("/bench/mark")).json()
+        cpu0, t0 = sum(os.times()[:2]), time.perf_counter()
+
+        async def worker() -> tuple[int, int]:
+            tokens = chunks = 0
+            for _ in range(requests):
+                t, c = await _one(client, max_tokens)
+                tokens, chunks = tokens + t, chunks + c
+            return tokens, chunks
+
+        results = await asyncio.gather(*(worker() for _ in range(concurrency)))
+        wall, cpu = time.perf_counter() - t0, sum(os.times()[:2]) - cpu0
+        after = (await client.get("/bench/mark")).json()
+        await client.get("/bench/reset")
+    tokens = sum(r[0] for r in results)
+    chunks = sum(r[1] for r in results)
+    steps = None if before["steps"] is None else after["steps"] - before["steps"]
+    return {
+        "tok_s": round(tokens / wall, 1),
+        "server_cpu_us_per_tok": round((after["cpu_s"] - before["cpu_s"]) / tokens * 1e6, 2),
+        "client_cpu_us_per_tok": round(cpu / tokens * 1e6, 2),
+        "chunks_per_tok": round(chunks / tokens, 3),
+        "tokens": tokens, "wall_s": round(wall, 3), "engine_steps": steps,
+    }
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--concurrency", type=int, default=64)
+    ap.add_argument("--requests", type=int, default=1, help="requests per client per run")
+    ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--repeat", type=int, default=3, help="runs; the summary is their median")
+    ap.add_argument("--engine", choices=("step", "scripted"), default="step")
+    ap.add_argument("--profile", help="write a cProfile of the server during the (last) run here")
+    args = ap.parse_args()
+
+    port = _free_port()
+    ctx = mp.get_context("spawn")
+    ready = ctx.Event()
+    server = ctx.Process(target=_serve, args=(port, args.engine, args.profile, ready), daemon=True)
+    server.start()
+    try:
+        ready.wait(60)
+        base_url = f"http://127.0.0.1:{port}"
+        import httpx
+
+        for _ in range(200):  # wait for the socket
+            try:
+                httpx.get(base_url + "/health", timeout=1)
+                break
+            except httpx.TransportError:
+                time.sleep(0.05)
+        runs = [asyncio.run(_round(base_url, args.concurrency, args.requests, args.max_tokens))
+                for _ in range(args.repeat)]
+    finally:
+        server.terminate()
+        server.join(5)
+    keys = ("tok_s", "server_cpu_us_per_tok", "client_cpu_us_per_tok", "chunks_per_tok")
+    summary = {k: statistics.median(r[k] for r in runs) for k in keys}
+    print(json.dumps({"config": vars(args), "median": summary, "runs": runs}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

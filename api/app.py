@@ -6,7 +6,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import os
+import signal
 from collections.abc import Callable
 from typing import Any
 
@@ -30,6 +33,20 @@ def _blueprints():
     from api.openai.models import bp as models
 
     return [health, chat, completions, models]
+
+
+async def watch_engine(engine: Any, on_death: Callable[[], None], interval_s: float = 1.0) -> None:
+    """Call `on_death` once when a started engine stops being healthy without being asked to stop (case E1:
+    a dead engine must not leave a process that answers 503 forever)."""
+    while engine.is_healthy:
+        await asyncio.sleep(interval_s)
+    if not getattr(engine, "_stopped", False):
+        logger.critical("the engine is dead; shutting the server down so its supervisor can restart it")
+        on_death()
+
+
+def _terminate_self() -> None:
+    os.kill(os.getpid(), signal.SIGTERM)  # hypercorn's handler shuts down gracefully; after_serving runs
 
 
 def create_app(engine: Any = None, config: EngineConfig | None = None, *,
@@ -65,6 +82,8 @@ def create_app(engine: Any = None, config: EngineConfig | None = None, *,
         logger.info("starting engine: %s", config)
         await state.engine.start()
         logger.info("serving %r (max_model_len=%d)", config.served_model_name, state.engine.max_model_len)
+        if config.exit_on_engine_death:
+            app.add_background_task(watch_engine, state.engine, _terminate_self)
 
     @app.after_serving
     async def stop_engine() -> None:

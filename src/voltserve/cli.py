@@ -79,6 +79,7 @@ def serve(args: argparse.Namespace) -> int:
     from hypercorn.config import Config as HypercornConfig
 
     _export_env(args)
+    os.environ.setdefault("VOLTSERVE_EXIT_ON_ENGINE_DEATH", "1")  # a dead engine ends the process (exit 1)
     try:
         config = EngineConfig.from_env()  # fail fast, before the model loads
     except ConfigError as exc:
@@ -92,6 +93,12 @@ def serve(args: argparse.Namespace) -> int:
     hconfig.errorlog = logging.getLogger("hypercorn.error")
     logger.info("voltserve %s: serving %s on http://%s", __version__, config.model, hconfig.bind[0])
     asyncio.run(hypercorn_serve(api.app, hconfig))
+    from api.state import EXTENSION_KEY
+
+    engine = api.app.extensions[EXTENSION_KEY].engine
+    if engine is not None and getattr(engine, "_dead", None) is not None:
+        logger.error("exiting with status 1: the engine died (%r)", engine._dead)
+        return 1
     return 0
 
 

@@ -93,6 +93,8 @@ class EngineConfig:
         weight_format: "auto" (int4 kernels for Q4 GGUF weights on the CPU when available), "float".
         gpu_memory_utilization: fraction of the GPU's memory the engine may use (weights, activations, KV pool).
         enforce_eager: run decode steps eagerly instead of replaying CUDA graphs.
+        exit_on_engine_death: the HTTP server shuts itself down (SIGTERM to its own process) once the engine is
+            dead, so a supervisor such as systemd restarts it; `voltserve serve` turns it on.
     """
 
     model: str = DEFAULT_MODEL
@@ -114,6 +116,7 @@ class EngineConfig:
     weight_format: str = "auto"
     gpu_memory_utilization: float = 0.9
     enforce_eager: bool = False
+    exit_on_engine_death: bool = False
 
     def validate(self) -> "EngineConfig":
         """Check ranges; raises ConfigError naming the setting. Returns self."""

@@ -126,3 +126,23 @@ async def test_response_dropped_before_first_byte_aborts_request():
     del response
     gc.collect()
     assert engine.aborted == [stream.request_id]
+
+
+async def test_E1_watcher_ends_the_server_once_the_engine_dies():
+    """Case E1: with exit_on_engine_death the app shuts its process down when the engine dies (a supervisor
+    restarts it); a deliberate stop does not count."""
+    from api.app import watch_engine
+
+    engine = ScriptedEngine()
+    deaths = []
+    watcher = asyncio.create_task(watch_engine(engine, lambda: deaths.append(1), interval_s=0.01))
+    await asyncio.sleep(0.05)
+    assert deaths == [] and not watcher.done()
+    engine.healthy = False
+    await asyncio.wait_for(watcher, 1)
+    assert deaths == [1]
+
+    stopped = ScriptedEngine()
+    stopped.healthy, stopped._stopped = False, True
+    await watch_engine(stopped, lambda: deaths.append(2), interval_s=0.01)
+    assert deaths == [1]

@@ -84,11 +84,6 @@ def describe(exc: BaseException) -> tuple[ErrorKind, str, str | None]:
     return kind, message, getattr(exc, "param", None)
 
 
-def anthropic_body(message: str, kind: ErrorKind) -> bytes:
-    """Anthropic error JSON: `{"type": "error", "error": {"type", "message"}}` as bytes."""
-    return orjson.dumps({"type": "error", "error": {"type": kind.anthropic_type, "message": message}})
-
-
 def _response(body: bytes, kind: ErrorKind) -> Response:
     response = Response(body, status=kind.status, content_type="application/json")
     if kind.status == 503:

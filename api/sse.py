@@ -29,11 +29,6 @@ def frame(event: BaseModel | dict, exclude: set[str] | None = None) -> bytes:
     return b"data: " + orjson.dumps(payload) + b"\n\n"
 
 
-def frame_named(event_name: str, event: BaseModel | dict) -> bytes:
-    """One `event: <name>\\ndata: <json>\\n\\n` event (Anthropic-style named events)."""
-    return b"event: " + event_name.encode() + b"\n" + frame(event)
-
-
 async def with_keep_alive(events: AsyncIterator[bytes], interval_s: float) -> AsyncIterator[bytes]:
     """Pass `events` through, adding a keep-alive comment after every `interval_s` idle seconds.
 

@@ -7,7 +7,6 @@ reads 8x fewer bytes than fp32 and batches well; `weight_format="float"` keeps t
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
@@ -167,7 +166,3 @@ def _apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: 
         return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
     x1, x2 = xf[..., 0::2], xf[..., 1::2]
     return torch.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).flatten(-2).to(x.dtype)
-
-
-def attention_scale(head_dim: int) -> float:
-    return 1.0 / math.sqrt(head_dim)

@@ -63,22 +63,6 @@ def _error_name(status: Any) -> str:
         return getattr(status, "name", str(status))
 
 
-def ensure_context(device_index: int = 0) -> None:
-    """Make a context current on this thread: the primary context of the device.
-
-    With torch, `torch.cuda.set_device(device_index)` plus any CUDA op already does this (DESIGN section 9);
-    this covers plain driver use (tools, tests without torch).
-    """
-    driver, _ = bindings()
-    check(driver.cuInit(0), "cuInit")
-    ctx = check(driver.cuCtxGetCurrent(), "cuCtxGetCurrent")
-    if ctx is not None and int(ctx) != 0:
-        return
-    dev = check(driver.cuDeviceGet(device_index), "cuDeviceGet")
-    primary = check(driver.cuDevicePrimaryCtxRetain(dev), "cuDevicePrimaryCtxRetain")
-    check(driver.cuCtxSetCurrent(primary), "cuCtxSetCurrent")
-
-
 def device_arch(device_index: int = 0) -> int:
     """Compute capability as an int, e.g. 70 for V100, 90 for H100/H200."""
     driver, _ = bindings()

@@ -69,6 +69,8 @@ class AsyncEngine:
         self.tokenizer = built.tokenizer
         self.chat_template = built.chat_template
         self.max_model_len = built.max_model_len
+        if hasattr(self.tokenizer, "byte_table"):  # the detokenizer's table: built here, not on the first request
+            await asyncio.to_thread(self.tokenizer.byte_table, True)
         self.pool = BlockPool(built.num_blocks, self.config.block_size, self.config.enable_prefix_caching)
         scheduler = Scheduler(self.pool, self.config.max_num_seqs, self.config.max_num_batched_tokens,
                               self.max_model_len, built.eos_token_ids)

@@ -1,11 +1,14 @@
 """SchedulerActor: the engine's loop. Drain the inbox, schedule a step, run it on the worker, emit outputs.
 
 Detokenization and stop strings happen here, right after each step, so a stop string ends its sequence before
-the next step and no KV block outlives its request by more than one step.
+the next step and no KV block outlives its request by more than one step. The HTTP consumers of a step's deltas
+are woken only after the next step has been handed to the worker thread (see `_emit`), so their per-token work
+runs while the device computes instead of before it starts.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from dataclasses import dataclass
 
@@ -47,6 +50,7 @@ class SchedulerActor(Actor):
         self.streams: dict[str, RequestStream] = {}
         self.seqs: dict[str, list[Sequence]] = {}
         self.detoks: dict[int, IncrementalDetokenizer] = {}
+        self._to_wake: list[RequestStream] = []  # streams given deltas whose consumers are not woken yet
         self.num_steps = 0
         self.num_failed_steps_in_row = 0
 
@@ -102,7 +106,13 @@ class SchedulerActor(Actor):
             raise TypeError(f"scheduler: unknown message {msg!r}")
 
     def _emit(self, seq: Sequence, logprob, new_token: bool = True) -> None:
-        """Detokenize seq's newest token, apply stop strings, and deliver the delta (runs once per token: lean)."""
+        """Detokenize seq's newest token, apply stop strings, and deliver the delta (runs once per token: lean).
+
+        The consumer is woken by a callback queued at the first delivery since the last wake-up. The loop runs
+        callbacks in order, so the worker's wake-up for the next step (queued by `ask` after this step's
+        deliveries) runs in the same loop iteration, right after ours: the next step reaches the worker thread
+        before any consumer formats and writes its chunk.
+        """
         detok = self.detoks.get(seq.seq_id)
         if detok is None:
             return
@@ -120,13 +130,27 @@ class SchedulerActor(Actor):
         if finished and seq.finish_reason is not FinishReason.ABORT and not isinstance(seq.stop_reason, str):
             text += detok.flush()
         rid = seq.request_id
-        self.streams[rid].put(RequestOutput(
+        stream = self.streams[rid]
+        stream.put(RequestOutput(
             rid, seq.index, [token] if token is not None else [], text,
             [logprob] if logprob is not None else None, seq.finish_reason, seq.stop_reason,
             len(seq.prompt_ids), seq.num_cached_tokens, len(seq.output_ids),
-        ))
+        ), wake=False)
+        if self._to_wake:
+            self._to_wake.append(stream)
+        else:
+            try:
+                asyncio.get_running_loop().call_soon(self._wake_streams)
+                self._to_wake.append(stream)
+            except RuntimeError:  # no running loop (a synchronous caller): wake at once
+                stream.wake()
         if finished:
             self._forget(seq)
+
+    def _wake_streams(self) -> None:
+        streams, self._to_wake = self._to_wake, []
+        for stream in streams:
+            stream.wake()
 
     def _forget(self, seq: Sequence) -> None:
         """Drop a sequence whose final delta went out; the request goes once all of its final deltas did."""

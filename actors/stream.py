@@ -1,6 +1,8 @@
 """RequestStream: the per-request mailbox between the scheduler actor and whoever consumes the outputs.
 
 `put` never blocks; when the consumer falls behind, consecutive deltas of one sequence merge into one.
+A producer that puts into many streams at once can defer the consumers' wake-up (`put(out, wake=False)`, then
+`wake()`), e.g. until it has handed the next model step to the worker thread.
 """
 
 from __future__ import annotations
@@ -47,21 +49,33 @@ class RequestStream:
     def finished(self) -> bool:
         return not self._unfinished and not self._pending
 
-    def put(self, out: RequestOutput) -> None:
-        """Deliver one delta (called on the event loop by the scheduler actor)."""
-        for prev in reversed(self._pending):
-            if prev.index == out.index:
-                if not prev.finished:
-                    _merge(prev, out)
-                    break
-                return  # nothing follows a finished sequence
-        else:
-            self._pending.append(out)
-        if out.finished:
-            self._unfinished.discard(out.index)
-        self._wake()
+    def put(self, out: RequestOutput, wake: bool = True) -> None:
+        """Deliver one delta (called on the event loop by the scheduler actor).
 
-    def _wake(self) -> None:
+        Args:
+            out: the delta; it is merged into a pending delta of the same sequence if the consumer has not taken
+                that one yet.
+            wake: wake the waiting consumer now; False leaves that to a later `wake()` (which must follow).
+        """
+        pending = self._pending
+        if pending:
+            for prev in reversed(pending):
+                if prev.index == out.index:
+                    if prev.finish_reason is None:
+                        _merge(prev, out)
+                        break
+                    return  # nothing follows a finished sequence
+            else:
+                pending.append(out)
+        else:  # the per-token case: the consumer took the last delta already
+            pending.append(out)
+        if out.finish_reason is not None:
+            self._unfinished.discard(out.index)
+        if wake and self._waiter is not None:
+            self.wake()
+
+    def wake(self) -> None:
+        """Wake the consumer if it waits for a delta (no-op otherwise)."""
         waiter = self._waiter
         if waiter is not None:
             self._waiter = None
@@ -73,7 +87,7 @@ class RequestStream:
         EngineDeadError."""
         if self._error is None and self._unfinished:
             self._error = exc
-            self._wake()
+            self.wake()
 
     def abort(self) -> None:
         self._abort(self.request_id)
@@ -82,7 +96,8 @@ class RequestStream:
         return self
 
     async def __anext__(self) -> RequestOutput:
-        while not self._pending:
+        pending = self._pending
+        while not pending:
             if self._error is not None:
                 if isinstance(self._error, VoltError):
                     raise self._error
@@ -93,4 +108,4 @@ class RequestStream:
             if waiter is None or waiter.done():  # done: a cancelled wait of an earlier call
                 waiter = self._waiter = asyncio.get_running_loop().create_future()
             await waiter
-        return self._pending.pop(0)
+        return pending.pop(0)

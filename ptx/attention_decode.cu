@@ -10,8 +10,12 @@
 //                     still spreads over many blocks, splits past the context exit at once. When one split holds
 //                     the whole context the block writes out directly; otherwise it writes its un-normalised
 //                     partial output, running max and sum to the workspace.
-// attn_decode_reduce: grid (num_heads, num_seqs); block 128 threads; merges the used splits (log-sum-exp
-//                     rescale); returns at once for sequences written directly.
+//                     With `counters`, the last split block of each (sequence, KV head) to arrive merges the
+//                     partials itself (arrival counter, fixed merge order), so decode is one launch.
+// attn_decode_reduce: grid (num_kv_heads, num_seqs); block 128 threads; 4 * GROUP * num_splits bytes of dynamic
+//                     smem; merges the used splits (log-sum-exp rescale, the same merge_splits as the in-kernel
+//                     path, so both are bitwise equal) when counters is nullptr; returns at once for sequences
+//                     written directly.
 // Compile-time: HEAD_DIM (multiple of 8, <= 256), GROUP (query heads per KV head), PARTITION (tokens per split).
 // SM70 path: the only path: fp16 K/V loads as 16-byte vectors, fp32 dot products and softmax.
 // Reference: voltserve.backends.cpu.CpuBackend.attention (query_len == 1 for every sequence).
@@ -43,6 +47,8 @@ struct DecodeParams {
     half_t* out;                 // [num_tokens, num_heads, HEAD_DIM] fp16, contiguous
     float* part_acc;             // [num_seqs, num_heads, num_splits, HEAD_DIM] fp32 workspace (num_splits > 1)
     float* part_ml;              // [num_seqs, num_heads, num_splits, 2] fp32 workspace: running max, sum
+    int* counters;               // [num_seqs * num_kv_heads] int32 arrival counters, zero between launches, or
+                                 // nullptr: then attn_decode_reduce merges the splits
     i64 q_token_stride;          // elements
     i64 q_head_stride;
     i64 kv_plane;                // elements of one of the K / V planes
@@ -69,6 +75,44 @@ VOLT_DEVICE const half_t* kv_row(const DecodeParams& p, int seq, int kvh, int t)
 VOLT_DEVICE int split_len(const DecodeParams& p, int seq_len) {
     const int per = ((seq_len + p.num_splits - 1) / p.num_splits + 15) & ~15;
     return min(PARTITION, max(p.min_part, per));
+}
+
+// out[seq, kvh * GROUP + g] for the group's heads from their `used` split partials (log-sum-exp rescale), by
+// the whole block: the split weights exp(m_s - M) / L go to smem `w` ([GROUP][ws] floats, used <= ws) in
+// parallel, then each output element sums its splits in fixed order (deterministic). Partials
+// written by other blocks are read past L1 (ld.global.cg): L1 is not coherent. Needs all threads (barriers).
+VOLT_DEVICE void merge_splits(const DecodeParams& p, int seq, int kvh, int used, float* w, int ws) {
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const i64 base = ((i64)seq * p.num_heads + kvh * GROUP) * p.num_splits;  // head g adds g * num_splits
+    for (int i = tid; i < GROUP * used; i += NUM_THREADS) {
+        const int g = i / used, sp = i % used;
+        w[g * ws + sp] = __ldcg(p.part_ml + (base + (i64)g * p.num_splits + sp) * 2);
+    }
+    __syncthreads();
+    for (int g = warp; g < GROUP; g += NUM_WARPS) {
+        float m = VOLT_NEG_INF;
+        for (int sp = lane; sp < used; sp += 32) m = fmaxf(m, w[g * ws + sp]);
+        m = warp_max(m);
+        float l = 0.f;
+        for (int sp = lane; sp < used; sp += 32) {
+            const float e = __expf(w[g * ws + sp] - m);
+            w[g * ws + sp] = e;
+            l += __ldcg(p.part_ml + (base + (i64)g * p.num_splits + sp) * 2 + 1) * e;
+        }
+        l = warp_sum(l);
+        __syncwarp();
+        for (int sp = lane; sp < used; sp += 32) w[g * ws + sp] /= l;
+    }
+    __syncthreads();
+    const i64 row = p.query_start_loc[seq + 1] - 1;
+    for (int i = tid; i < GROUP * HEAD_DIM; i += NUM_THREADS) {
+        const int g = i / HEAD_DIM, d = i % HEAD_DIM;
+        const float* acc = p.part_acc + (base + (i64)g * p.num_splits) * HEAD_DIM + d;
+        float o = 0.f;
+#pragma unroll 4
+        for (int sp = 0; sp < used; ++sp) o += __ldcg(acc + (i64)sp * HEAD_DIM) * w[g * ws + sp];
+        p.out[(row * p.num_heads + kvh * GROUP + g) * HEAD_DIM + d] = f2h(o);
+    }
 }
 
 extern "C" __global__ void __launch_bounds__(NUM_THREADS) attn_decode(const DecodeParams p) {
@@ -172,23 +216,27 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS) attn_decode(const Deco
             if (d == 0) { p.part_ml[w * 2] = ml[2 * g]; p.part_ml[w * 2 + 1] = ml[2 * g + 1]; }
         }
     }
+    if (direct || p.counters == nullptr) return;
+    // the last of this (sequence, KV head)'s splits to finish merges them (no reduce launch)
+    __shared__ int s_last;
+    __threadfence();
+    __syncthreads();
+    const int used = min(p.num_splits, (seq_len + plen - 1) / plen);
+    int* counter = p.counters + seq * p.num_kv_heads + kvh;
+    if (tid == 0) s_last = atomicAdd(counter, 1) == used - 1;
+    __syncthreads();
+    if (!s_last) return;
+    __threadfence();
+    merge_splits(p, seq, kvh, used, logits, PARTITION);  // scores consumed: reuse their smem (host:
+                                                         // counters only when num_splits <= PARTITION)
+    if (tid == 0) *counter = 0;  // ready for the next launch on this stream
 }
 
 extern "C" __global__ void __launch_bounds__(NUM_THREADS) attn_decode_reduce(const DecodeParams p) {
-    const int h = blockIdx.x, seq = blockIdx.y;
+    extern __shared__ float w[];  // [GROUP][num_splits]
+    const int kvh = blockIdx.x, seq = blockIdx.y;
     const int seq_len = p.seq_lens[seq];
     const int plen = split_len(p, seq_len);
     if (seq_len <= plen) return;  // attn_decode wrote this output directly (one split)
-    const int used = min(p.num_splits, (seq_len + plen - 1) / plen);
-    const i64 base = ((i64)seq * p.num_heads + h) * p.num_splits;
-    float m = VOLT_NEG_INF;
-    for (int s = 0; s < used; ++s) m = fmaxf(m, p.part_ml[(base + s) * 2]);
-    float l = 0.f;
-    for (int s = 0; s < used; ++s) l += p.part_ml[(base + s) * 2 + 1] * __expf(p.part_ml[(base + s) * 2] - m);
-    const i64 row = p.query_start_loc[seq + 1] - 1;
-    for (int d = threadIdx.x; d < HEAD_DIM; d += NUM_THREADS) {
-        float o = 0.f;
-        for (int s = 0; s < used; ++s) o += p.part_acc[(base + s) * HEAD_DIM + d] * __expf(p.part_ml[(base + s) * 2] - m);
-        p.out[(row * p.num_heads + h) * HEAD_DIM + d] = f2h(o / l);
-    }
+    merge_splits(p, seq, kvh, min(p.num_splits, (seq_len + plen - 1) / plen), w, p.num_splits);
 }

@@ -1,6 +1,10 @@
 // gemv.cu: y[m, n] = sum_k x[m, k] * W[n, k] for small m (decode), W fp16 or GGUF Q4_0/Q4_1/Q8_0 blocks
 // dequantized in registers (the weights are streamed from memory once per launch, never expanded).
-// Compile-time: WTYPE (quant.cuh), MROWS (rows of x per launch, <= 8; the launcher loops for more).
+// Compile-time: WTYPE (quant.cuh), MROWS (rows of x per launch, <= 8; the launcher loops for more), SILU (gemv).
+// Fusions that save decode launches (runtime, both kernels): `norm_w` applies RMSNorm (Zhang & Sennrich 2019) to
+// each x row first (1/rms recomputed per block from x: k fp32 squares, cheap next to the weight stream), `res`
+// adds a residual to the output; compile-time SILU (gemv only) computes SwiGLU (Shazeer 2020) of a [gate; up]
+// weight. Each fused value keeps the unfused ops' fp16 roundings (the normalized x, the linear output).
 // SM70 path: the only path, fp32 accumulation, 16-byte `__ldg` loads, no cp.async / ldmatrix / mma.
 // Reference: voltserve.backends.cpu.CpuBackend.linear. Every output is one fixed-order sum (no atomics).
 //
@@ -15,87 +19,187 @@
 //     Grid (ceil(n / 32)) / 256 threads / kernels.gemv_q_smem_bytes dynamic smem; the launcher uses it for m >= 3.
 //   gemv (any WTYPE, quant k % 32 == 0): fp16 weights, and quant shapes gemv_q does not take: one warp per
 //     output feature, lanes along k (fp16: 16-byte vectors, scalar tail; quant: one 32-weight block per lane,
-//     2-byte loads). Grid (ceil(n / 4)) / 128 threads. (A multi-row fp16 variant with x reuse measured slower.)
+//     2-byte loads). Grid <= ceil(n_out / 4) / 128 threads, grid-stride over features; with norm_w, m * k * 2
+//     bytes of dynamic smem for the normalized x. (A multi-row fp16 variant with x reuse measured slower.)
 #include "quant.cuh"
 
 #ifndef MROWS
 #define MROWS 1
 #endif
+#ifndef SILU
+#define SILU 0  // gemv only: out[i] = silu(W[i] . x) * (W[n/2 + i] . x), W = [gate; up] (SwiGLU)
+#endif
 
 struct GemvParams {
-    const half_t* x;   // [m, k] fp16, row stride x_stride
-    const u8* w;       // [n, w_row_bytes] weight rows (fp16 or GGUF blocks)
-    half_t* y;         // [m, n] fp16, row stride y_stride
-    i64 x_stride;      // elements
-    i64 y_stride;      // elements
+    const half_t* x;       // [m, k] fp16, row stride x_stride
+    const u8* w;           // [n, w_row_bytes] weight rows (fp16 or GGUF blocks)
+    half_t* y;             // [m, n] fp16 (SILU: [m, n / 2]), row stride y_stride
+    const half_t* res;     // residual added to the output ([m, n] fp16, row stride y_stride), or nullptr
+    const float* norm_w;   // [k] fp32: x rows are RMS-normalized and scaled by it before the product, or nullptr
+    i64 x_stride;          // elements
+    i64 y_stride;          // elements
     i64 w_row_bytes;
-    int m;             // <= MROWS
+    int m;                 // <= MROWS
     int n;
     int k;
-    int vec_ok;        // fp16 only: x and W rows 16-byte aligned and k % 8 == 0
+    int vec_ok;            // x 16-byte aligned with x_stride % 8 == 0 and k % 8 == 0 (fp16 W rows likewise)
+    float eps;             // RMSNorm epsilon (norm_w only)
+    int pad_;
 };
 VOLT_CHECK_PARAMS(GemvParams, VOLT_GEMV_PARAMS_BYTES);
 
-// ---------------------------------------------------------------------------------------------------------
-// gemv: simple fallback (one warp per output feature).
-extern "C" __global__ void __launch_bounds__(128) gemv(const GemvParams p) {
-    const int lane = threadIdx.x & 31;
-    const int row = blockIdx.x * 4 + (threadIdx.x >> 5);
-    if (row >= p.n) return;
-    const u8* wrow = p.w + (i64)row * p.w_row_bytes;
-    float acc[MROWS];
-#pragma unroll
-    for (int r = 0; r < MROWS; ++r) acc[r] = 0.f;
-#if WTYPE == WTYPE_F16
-    const half_t* wh = reinterpret_cast<const half_t*>(wrow);
-    int k_vec = 0;
+// Fused epilogue value of one output: the fp16 rounding of each unfused op is kept, so a fused launch equals
+// linear -> (+ residual | silu_mul) bit for bit (rows of the same kernel and bucket).
+VOLT_DEVICE float gemv_out(const GemvParams& p, int r, int row, float v) {
+    if (p.res != nullptr) v = round_h(v) + h2f(p.res[r * p.y_stride + row]);
+    return v;
+}
+
+// 1 / rms of x row r (fp32 sum of squares by all threads of the block; every thread gets it).
+// Needs all threads of the block (two barriers inside block_sum).
+VOLT_DEVICE float row_inv_rms(const GemvParams& p, int r, float* scratch) {
+    const half_t* x = p.x + r * p.x_stride;
+    float ss = 0.f;
     if (p.vec_ok) {
-        k_vec = p.k & ~255;  // full warp steps of 8 halves per lane
+        for (int j = threadIdx.x * 8; j < p.k; j += blockDim.x * 8) {
+            float v[8];
+            load8(x + j, v);
+#pragma unroll
+            for (int e = 0; e < 8; ++e) ss += v[e] * v[e];
+        }
+    } else {
+        for (int j = threadIdx.x; j < p.k; j += blockDim.x) {
+            const float v = h2f(x[j]);
+            ss += v * v;
+        }
+    }
+    return rsqrtf(block_sum(ss, scratch) / (float)p.k + p.eps);
+}
+
+// xs[r][j] = fp16(x[r, j] * inv_rms_r * norm_w[j]) (what rms_norm stores), rows r < m; block-wide, ends synced.
+VOLT_DEVICE void norm_rows_to_smem(const GemvParams& p, half_t* xs, float* scratch) {
+    for (int r = 0; r < p.m; ++r) {
+        const float inv = row_inv_rms(p, r, scratch);
+        const half_t* x = p.x + r * p.x_stride;
+        if (p.vec_ok) {  // k % 8 == 0: 16-byte x loads and smem stores, 2 float4 norm_w loads
+            for (int j = threadIdx.x * 8; j < p.k; j += blockDim.x * 8) {
+                float v[8];
+                load8(x + j, v);
+                const float4 g0 = *reinterpret_cast<const float4*>(p.norm_w + j);
+                const float4 g1 = *reinterpret_cast<const float4*>(p.norm_w + j + 4);
+                const float g[8] = {g0.x, g0.y, g0.z, g0.w, g1.x, g1.y, g1.z, g1.w};
+#pragma unroll
+                for (int e = 0; e < 8; ++e) v[e] = v[e] * inv * g[e];  // rms_norm's order: (x * inv) * w
+                store8(xs + r * p.k + j, v);
+            }
+        } else {
+            for (int j = threadIdx.x; j < p.k; j += blockDim.x) xs[r * p.k + j] = f2h(h2f(x[j]) * inv * p.norm_w[j]);
+        }
+    }
+    __syncthreads();
+}
+
+// acc[q][r] = lane's partial of W[wrow_q] . x[r] for NR weight rows (loads of both rows in flight together).
+template <int NR>
+VOLT_DEVICE void gemv_rows(const half_t* x, i64 x_stride, int vec_ok, const u8* const* wrows, int m, int k,
+                           int lane, float (&acc)[NR][MROWS]) {
+#pragma unroll
+    for (int q = 0; q < NR; ++q)
+#pragma unroll
+        for (int r = 0; r < MROWS; ++r) acc[q][r] = 0.f;
+#if WTYPE == WTYPE_F16
+    int k_vec = 0;
+    if (vec_ok) {
+        k_vec = k & ~255;  // full warp steps of 8 halves per lane
         for (int k0 = lane * 8; k0 < k_vec; k0 += 256) {
-            float w[8];
-            load8(wh + k0, w);
+            float w[NR][8];
+#pragma unroll
+            for (int q = 0; q < NR; ++q) load8(reinterpret_cast<const half_t*>(wrows[q]) + k0, w[q]);
 #pragma unroll
             for (int r = 0; r < MROWS; ++r) {
-                if (r < p.m) {
+                if (r < m) {
                     float xv[8];
-                    load8(p.x + r * p.x_stride + k0, xv);
+                    load8(x + r * x_stride + k0, xv);
 #pragma unroll
-                    for (int j = 0; j < 8; ++j) acc[r] += w[j] * xv[j];
+                    for (int q = 0; q < NR; ++q)
+#pragma unroll
+                        for (int j = 0; j < 8; ++j) acc[q][r] += w[q][j] * xv[j];
                 }
             }
         }
     }
-    for (int kk = k_vec + lane; kk < p.k; kk += 32) {
-        const float w = h2f(wh[kk]);
+    for (int kk = k_vec + lane; kk < k; kk += 32) {
 #pragma unroll
-        for (int r = 0; r < MROWS; ++r)
-            if (r < p.m) acc[r] += w * h2f(p.x[r * p.x_stride + kk]);
+        for (int q = 0; q < NR; ++q) {
+            const float w = h2f(reinterpret_cast<const half_t*>(wrows[q])[kk]);
+#pragma unroll
+            for (int r = 0; r < MROWS; ++r)
+                if (r < m) acc[q][r] += w * h2f(x[r * x_stride + kk]);
+        }
     }
 #else
-    const int num_blocks = p.k / 32;
+    const int num_blocks = k / 32;
     for (int b = lane; b < num_blocks; b += 32) {
-        const u8* blk = wrow + (i64)b * BLOCK_BYTES;
 #pragma unroll
         for (int j0 = 0; j0 < 32; j0 += 8) {
-            float w[8];
-            dequant8(blk, j0, w);
+            float w[NR][8];
+#pragma unroll
+            for (int q = 0; q < NR; ++q) dequant8(wrows[q] + (i64)b * BLOCK_BYTES, j0, w[q]);
 #pragma unroll
             for (int r = 0; r < MROWS; ++r) {
-                if (r < p.m) {
+                if (r < m) {
                     float xv[8];
-                    load8(p.x + r * p.x_stride + b * 32 + j0, xv);
+                    load8(x + r * x_stride + b * 32 + j0, xv);
 #pragma unroll
-                    for (int j = 0; j < 8; ++j) acc[r] += w[j] * xv[j];
+                    for (int q = 0; q < NR; ++q)
+#pragma unroll
+                        for (int j = 0; j < 8; ++j) acc[q][r] += w[q][j] * xv[j];
                 }
             }
         }
     }
 #endif
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// gemv: one warp per output feature, 4 per block, grid-stride over features (the launcher may size the grid
+// below ceil(n_out / 4) so that a fused RMSNorm prologue runs once per block, not once per 4 features).
+extern "C" __global__ void __launch_bounds__(128) gemv(const GemvParams p) {
+    extern __shared__ uint4 gv_smem[];  // norm_w: [m][k] fp16 normalized x
+    __shared__ float scratch[32];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const half_t* x = p.x;
+    i64 x_stride = p.x_stride;
+    int vec_ok = p.vec_ok;
+    if (p.norm_w != nullptr) {
+        half_t* xs = reinterpret_cast<half_t*>(gv_smem);
+        norm_rows_to_smem(p, xs, scratch);
+        x = xs;
+        x_stride = p.k;
+        vec_ok = (p.k % 8) == 0;  // W rows: fp16 vec_ok also needs k % 8 == 0, which the launcher checked
+    }
+    const int n_out = SILU ? p.n / 2 : p.n;
+    for (int row = blockIdx.x * 4 + warp; row < n_out; row += gridDim.x * 4) {
+#if SILU
+        const u8* wrows[2] = {p.w + (i64)row * p.w_row_bytes, p.w + (i64)(row + n_out) * p.w_row_bytes};
+        float acc[2][MROWS];
+        gemv_rows<2>(x, x_stride, vec_ok, wrows, p.m, p.k, lane, acc);
+#else
+        const u8* wrows[1] = {p.w + (i64)row * p.w_row_bytes};
+        float acc[1][MROWS];
+        gemv_rows<1>(x, x_stride, vec_ok, wrows, p.m, p.k, lane, acc);
+#endif
 #pragma unroll
-    for (int r = 0; r < MROWS; ++r) {
-        if (r < p.m) {
-            const float v = warp_sum(acc[r]);
-            if (lane == 0) p.y[r * p.y_stride + row] = f2h(v);
+        for (int r = 0; r < MROWS; ++r) {
+            if (r < p.m) {
+                float v = warp_sum(acc[0][r]);
+#if SILU
+                const float g = round_h(v), u = round_h(warp_sum(acc[1][r]));
+                v = g / (1.f + __expf(-g)) * u;
+#endif
+                v = gemv_out(p, r, row, v);
+                if (lane == 0) p.y[r * p.y_stride + row] = f2h(v);
+            }
         }
     }
 }
@@ -240,6 +344,15 @@ extern "C" __global__ void __launch_bounds__(256, 2) gemv_q(const GemvParams p) 
     float* red = gq_smem + MROWS * GQ_PIECE;         // [GQ_WARPS][MROWS][32]
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     uint4* tile = reinterpret_cast<uint4*>(red + GQ_WARPS * MROWS * 32) + warp * 32 * GQ_PITCH;
+    __shared__ float scratch[32];
+    __shared__ float inv_rms[MROWS];
+    if (p.norm_w != nullptr) {  // fused RMSNorm: x is scaled while it is staged below
+        for (int r = 0; r < p.m; ++r) {
+            const float inv = row_inv_rms(p, r, scratch);
+            if (threadIdx.x == 0) inv_rms[r] = inv;
+        }
+        __syncthreads();
+    }
     const int row0 = blockIdx.x * 32, row = row0 + lane;
     const bool row_ok = row < p.n;
     const int nsb = p.k / GQ_SB;
@@ -262,6 +375,10 @@ extern "C" __global__ void __launch_bounds__(256, 2) gemv_q(const GemvParams p) 
             if (r < p.m && c < kn) {
                 float v[8];
                 load8(p.x + r * p.x_stride + k0 + c, v);
+                if (p.norm_w != nullptr) {
+#pragma unroll
+                    for (int e = 0; e < 8; ++e) v[e] = round_h(v[e] * inv_rms[r] * p.norm_w[k0 + c + e]);
+                }
                 float4* dst = reinterpret_cast<float4*>(xs + r * GQ_PIECE + c);
                 dst[0].x = v[0]; dst[0].y = v[1]; dst[0].z = v[2]; dst[0].w = v[3];
                 dst[1].x = v[4]; dst[1].y = v[5]; dst[1].z = v[6]; dst[1].w = v[7];
@@ -287,7 +404,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) gemv_q(const GemvParams p) 
         float v = 0.f;
 #pragma unroll
         for (int w = 0; w < GQ_WARPS; ++w) v += red[(w * MROWS + r) * 32 + lane];  // fixed order
-        if (r < p.m && row_ok) p.y[r * p.y_stride + row] = f2h(v);
+        if (r < p.m && row_ok) p.y[r * p.y_stride + row] = f2h(gemv_out(p, r, row, v));
     }
 #endif
 }

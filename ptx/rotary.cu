@@ -5,7 +5,7 @@
 //   interleaved: (x[2i], x[2i + 1])    -> same rotation
 // Grid: (num_tokens); block 128 threads loop over (num_heads + num_kv_heads) * head_dim/2 pairs; no smem.
 // SM70 path: the only path. Reference: voltserve.backends.cpu.CpuBackend.rotary.
-#include "common.cuh"
+#include "rope.cuh"
 
 struct RotaryParams {
     const half_t* q;         // [num_tokens, num_heads, head_dim] fp16, strides below
@@ -42,11 +42,6 @@ extern "C" __global__ void rotary(const RotaryParams p) {
                                  : p.k + t * p.k_token_stride + hh * p.k_head_stride;
         half_t* dst = is_q ? p.q_out + (t * p.num_heads + hh) * p.head_dim
                            : p.k_out + (t * p.num_kv_heads + hh) * p.head_dim;
-        const int i1 = p.interleaved ? 2 * i : i;
-        const int i2 = p.interleaved ? 2 * i + 1 : i + half_dim;
-        const float x1 = h2f(src[i1]), x2 = h2f(src[i2]);
-        const float c = cs[i], s = cs[half_dim + i];
-        dst[i1] = f2h(x1 * c - x2 * s);
-        dst[i2] = f2h(x2 * c + x1 * s);
+        rope_pair(src, dst, cs, i, half_dim, p.interleaved);
     }
 }

@@ -16,6 +16,10 @@ process, so they run on another core) each send `--requests` requests of `--max-
     .venv/bin/python tools/bench_http_overhead.py --concurrency 64 --max-tokens 256 --repeat 3
     .venv/bin/python tools/bench_http_overhead.py --profile /tmp/server.prof   # cProfile of the server's load
 
+`--step-ms T` makes each step take T ms on a worker thread behind a real `actors.base.Actor` ask (as
+`actors/worker.py` runs the model), to see whether the API's per-token work overlaps the device step: the offline
+figure is then `running sequences / T`, e.g. 64 / 2.79 ms = 22,939 tok/s for the H200's default-model decode.
+
 `--engine scripted` uses `tests/api/fake_engine.py:ScriptedEngine` (zero delay) instead: its per-request
 generators skip the scheduler actor's path.
 """
@@ -60,11 +64,28 @@ class _StubScheduler:
         seq.finish_reason, seq.stop_reason = reason, stop_reason
 
 
+def _device_double(step_s: float):
+    """A worker actor whose step is `time.sleep(step_s)` on its own thread (the GIL is free meanwhile), as
+    `actors.worker.WorkerActor` runs the model's step."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from actors.base import Actor
+
+    pool = ThreadPoolExecutor(max_workers=1)
+
+    class DeviceDouble(Actor):
+        async def handle(self, msg):
+            return await asyncio.get_running_loop().run_in_executor(pool, time.sleep, step_s)
+
+    return DeviceDouble("device-double")
+
+
 class StepEngine:
     """AsyncEngine double: every "step" appends one token to every running sequence and emits it through the real
-    `SchedulerActor._emit` into a real `RequestStream`; steps run back to back, yielding to the loop in between."""
+    `SchedulerActor._emit` into a real `RequestStream`; steps run back to back, yielding to the loop in between, or
+    each behind a `step_s` wait on a worker actor's thread (the model's step) when step_s > 0."""
 
-    def __init__(self, max_model_len: int = 8192):
+    def __init__(self, max_model_len: int = 8192, step_s: float = 0.0):
         from actors.scheduler import SchedulerActor
         from tests.api.fake_engine import ByteTokenizer, ChatMLTemplate
         from voltserve.config import EngineConfig
@@ -80,12 +101,15 @@ class StepEngine:
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
         self.num_steps = 0
+        self.device = _device_double(step_s) if step_s > 0 else None
 
     @property
     def is_healthy(self) -> bool:
         return self._task is not None and not self._task.done()
 
     async def start(self) -> None:
+        if self.device is not None:
+            self.device.start()
         self._task = asyncio.get_running_loop().create_task(self._loop())
 
     async def stop(self) -> None:
@@ -122,12 +146,14 @@ class StepEngine:
         from voltserve.request import FinishReason
         from voltserve.sequence import SequenceStatus
 
-        script, actor = self.script, self.actor
+        script, actor, device = self.script, self.actor, self.device
         while True:
             if not self.running:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
+            if device is not None:  # SchedulerActor.run_loop: schedule, then await the worker's step
+                await device.ask(None)
             touched = list(self.running)
             for seq in touched:  # Scheduler.update: append the sampled token, finish at max_tokens
                 seq.output_ids.append(script[len(seq.output_ids) % len(script)])
@@ -138,10 +164,11 @@ class StepEngine:
             for seq in touched:
                 actor._emit(seq, None)
             self.num_steps += 1
-            await asyncio.sleep(0)
+            if device is None:
+                await asyncio.sleep(0)
 
 
-def _serve(port: int, engine_kind: str, profile: str | None, ready) -> None:
+def _serve(port: int, engine_kind: str, profile: str | None, ready, step_ms: float = 0.0) -> None:
     sys.path[:0] = [ROOT, os.path.join(ROOT, "src")]
     import cProfile
 
@@ -158,7 +185,7 @@ def _serve(port: int, engine_kind: str, profile: str | None, ready) -> None:
             engine = ScriptedEngine(scripts=[TEXT * 200], max_model_len=16384)
             engine.config = EngineConfig(model=MODEL).validate()
         else:
-            engine = StepEngine()
+            engine = StepEngine(step_s=step_ms / 1000)
         app = create_app(engine)
         profiler = cProfile.Profile() if profile else None
         marks: list[float] = []
@@ -257,12 +284,14 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3, help="runs; the summary is their median")
     ap.add_argument("--engine", choices=("step", "scripted"), default="step")
     ap.add_argument("--profile", help="write a cProfile of the server during the (last) run here")
+    ap.add_argument("--step-ms", type=float, default=0.0,
+                    help="step engine: each step waits this long on a worker thread (the device's step time)")
     args = ap.parse_args()
 
     port = _free_port()
     ctx = mp.get_context("spawn")
     ready = ctx.Event()
-    server = ctx.Process(target=_serve, args=(port, args.engine, args.profile, ready), daemon=True)
+    server = ctx.Process(target=_serve, args=(port, args.engine, args.profile, ready, args.step_ms), daemon=True)
     server.start()
     try:
         ready.wait(60)

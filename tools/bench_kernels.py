@@ -8,6 +8,8 @@ Shapes are Llama-3-8B-like (hidden 4096, 32 heads / 8 KV heads, head_dim 128, FF
 Two kinds of rows:
   - eager rows (`gemv_F16_m1`, ...): one Python call per timed run on one weight buffer; for short kernels the
     ~20 us of host launch cost and the 60 MB L2 (a Q4 14336x4096 weight is 33 MB) both show in the figure.
+  - `decode_fused_*` / `decode_unfused_*` rows: the decode fusions (norm + GEMV, GEMV + SwiGLU, GEMV + residual)
+    and the op sequences they replace, measured the same way.
   - `decode_*` rows (`decode_gemv_Q4_0_14336x4096_m1`: out x in): how decode sees the GEMV, a CUDA graph of
     launches replayed over enough distinct copies of the weight (>= 4x the L2) that every launch streams its
     weight from HBM; time per launch = graph time / copies. Bytes = weight + x + y.
@@ -67,27 +69,33 @@ def _graph_time(be, fns, repeats: int) -> float:
     return t
 
 
-def _decode_gemv_cases(be, repeats: int, only: str | None):
-    """GEMV at the Llama-3-8B decode shapes (out x in), m = 1, 2, 4, 8, weights rotated so they come from HBM."""
+def _rotated_weights(be, fmt: str, out_f: int, in_f: int, gen: torch.Generator):
+    """(weight, copies of it filling >= 256 MB (>= 4x the L2), weight bytes, number of copies): replaying one
+    launch per copy streams every launch's weight from HBM."""
     from dataclasses import replace
 
     sys.path.insert(0, "tests/kernels")
     from kutils import make_quant
 
+    if fmt == "F16":
+        lin = be.prepare_linear(torch.randn(out_f, in_f, generator=gen) * 0.02)
+    else:
+        quant, deq = make_quant(fmt, out_f, in_f, gen)
+        lin = be.prepare_linear(deq, quant)
+    wbytes = lin.data.numel() * lin.data.element_size()
+    copies = max(4, math.ceil(256e6 / wbytes))
+    return lin, [lin] + [replace(lin, data=lin.data.clone()) for _ in range(copies - 1)], wbytes, copies
+
+
+def _decode_gemv_cases(be, repeats: int, only: str | None):
+    """GEMV at the Llama-3-8B decode shapes (out x in), m = 1, 2, 4, 8, weights rotated so they come from HBM."""
     gen = torch.Generator().manual_seed(1)
     for fmt in ("F16", "Q4_0", "Q4_1", "Q8_0"):
         for out_f, in_f in ((4096, 4096), (14336, 4096), (4096, 14336)):
             names = [f"decode_gemv_{fmt}_{out_f}x{in_f}_m{m}" for m in (1, 2, 4, 8)]
             if only and not any(only in n for n in names):
                 continue
-            if fmt == "F16":
-                lin = be.prepare_linear(torch.randn(out_f, in_f, generator=gen) * 0.02)
-            else:
-                quant, deq = make_quant(fmt, out_f, in_f, gen)
-                lin = be.prepare_linear(deq, quant)
-            wbytes = lin.data.numel() * lin.data.element_size()
-            copies = max(4, math.ceil(256e6 / wbytes))
-            lins = [lin] + [replace(lin, data=lin.data.clone()) for _ in range(copies - 1)]
+            lin, lins, wbytes, copies = _rotated_weights(be, fmt, out_f, in_f, gen)
             for m, name in zip((1, 2, 4, 8), names):
                 if only and only not in name:
                     continue
@@ -95,6 +103,38 @@ def _decode_gemv_cases(be, repeats: int, only: str | None):
                 fns = [(lambda li=li: be.linear(xm, li)) for li in lins]
                 t = _graph_time(be, fns, repeats) / copies
                 yield name, t, wbytes + m * (in_f + out_f) * 2
+            del lins, lin
+            torch.cuda.empty_cache()
+
+
+def _decode_fused_cases(be, repeats: int, only: str | None):
+    """The decode fusions at the Llama-3-8B shapes (m = 1), fused and as the unfused op sequence, weights rotated
+    as in `_decode_gemv_cases`: `decode_fused_*` rows next to `decode_unfused_*` rows of the same work.
+
+    qkv: RMSNorm + 6144x4096; gate_up: RMSNorm + 28672x4096 + SwiGLU; down: 4096x14336 + residual add."""
+    gen = torch.Generator().manual_seed(2)
+    norm_w = be.prepare_norm(torch.rand(4096, generator=gen) + 0.5)
+    for fmt in ("F16", "Q4_1"):
+        for part, (out_f, in_f) in (("qkv", (6144, 4096)), ("gate_up", (28672, 4096)), ("down", (4096, 14336))):
+            names = [f"decode_{kind}_{part}_{fmt}_{out_f}x{in_f}_m1" for kind in ("fused", "unfused")]
+            if only and not any(only in n for n in names):
+                continue
+            lin, lins, wbytes, copies = _rotated_weights(be, fmt, out_f, in_f, gen)
+            x = torch.randn(1, in_f, device="cuda", dtype=torch.float16)
+            res = torch.randn(1, out_f, device="cuda", dtype=torch.float16)
+            if part == "down":
+                fused = lambda li: be.linear(x, li, residual=res)  # noqa: E731
+                unfused = lambda li: torch.add(be.linear(x, li), res)  # noqa: E731
+            else:
+                silu = part == "gate_up"
+                fused = lambda li, silu=silu: be.norm_linear(x, norm_w, 1e-5, li, silu=silu)  # noqa: E731
+
+                def unfused(li, silu=silu):
+                    y = be.linear(be.rms_norm(x, norm_w, 1e-5)[0], li)
+                    return be.silu_and_mul(y) if silu else y
+            for name, fn in zip(names, (fused, unfused)):
+                t = _graph_time(be, [(lambda li=li, fn=fn: fn(li)) for li in lins], repeats) / copies
+                yield name, t, wbytes + (in_f + out_f) * 2
             del lins, lin
             torch.cuda.empty_cache()
 
@@ -187,6 +227,8 @@ def main() -> int:
             continue
         add(name, _time(fn, args.repeats), num_bytes, flops)
     for name, t, num_bytes in _decode_gemv_cases(be, args.repeats, args.only):
+        add(name, t, num_bytes, 0)
+    for name, t, num_bytes in _decode_fused_cases(be, args.repeats, args.only):
         add(name, t, num_bytes, 0)
     result = {"device": torch.cuda.get_device_name(), "arch": be.loader.arch, "repeats": args.repeats,
               "copy_bandwidth_GBps": round(copy_bw / 1e9, 1), "kernels": rows}

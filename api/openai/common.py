@@ -218,7 +218,7 @@ async def drive_stream(stream, choice_chunk: Callable[[RequestOutput, list[Token
                 continue
             pending = held.pop(out.index, None) if held else None
             if pending is None:
-                pending = list(logprobs) if logprobs else []
+                pending = logprobs or []  # read-only for choice_chunk: no copy per token
             elif logprobs:
                 pending.extend(logprobs)
             yield choice_chunk(out, pending)

@@ -1,9 +1,11 @@
 """Incremental detokenization: token-id deltas -> text deltas that are safe to stream.
 
 Two rules make a streamed delta safe:
-1. Never half a UTF-8 character. Byte-level BPE tokens can end inside a character, so each step decodes a
-   small window of tokens (prefix/read offsets, as vLLM's `detokenize_incrementally` does) and holds the new
-   text back while it ends with U+FFFD.
+1. Never half a UTF-8 character. Byte-level BPE tokens can end inside a character. When the tokenizer offers a
+   per-token byte table (`Tokenizer.byte_table`), tokens are looked up and fed to an incremental UTF-8 decoder
+   (`detok_bytes.ByteStreamDecoder`); otherwise each step decodes a small window of tokens (prefix/read
+   offsets, as vLLM's `detokenize_incrementally` does). Either way new text is held back while it ends with
+   U+FFFD, and both give the same deltas.
 2. Never part of a stop string. Text whose end could still grow into a stop string is held back; on a match
    the text before it (or through it, if asked) is emitted and everything after is dropped.
 """
@@ -12,6 +14,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from voltserve.detok_bytes import ByteStreamDecoder
+
 _REPLACEMENT = "\ufffd"
 
 
@@ -19,7 +23,8 @@ class IncrementalDetokenizer:
     """Turns one sequence's generated token ids into streamable text.
 
     Args:
-        tokenizer: a `voltserve.tokenizer.Tokenizer` (anything with `decode(ids, skip_special_tokens)`).
+        tokenizer: a `voltserve.tokenizer.Tokenizer` (anything with `decode(ids, skip_special_tokens)`; an optional
+            `byte_table(skip_special_tokens)` enables the table-lookup path).
         stop: stop strings; the first (earliest in the text) match ends the output.
         include_stop_str_in_output: keep the matched stop string in the emitted text.
         skip_special_tokens: drop special tokens from the text.
@@ -49,6 +54,9 @@ class IncrementalDetokenizer:
         self._pending = ""  # decoded text not emitted yet (may still become a stop string)
         self.stop_reason: str | None = None
         self.finished = False
+        byte_table = getattr(tokenizer, "byte_table", None)
+        table = byte_table(skip_special_tokens) if byte_table is not None else None
+        self._bytes = ByteStreamDecoder(table) if table is not None else None
 
     def push(self, token_ids: Sequence[int]) -> tuple[str, str | None]:
         """Add newly generated tokens.
@@ -62,18 +70,21 @@ class IncrementalDetokenizer:
         """
         if self.finished or not token_ids:
             return "", None
-        self.token_ids.extend(int(i) for i in token_ids)
-        self._pending += self._decode_new()
-        if self._stop:
-            hit = self._find_stop()
-            if hit is not None:
-                index, stop = hit
-                end = index + len(stop) if self._include_stop else index
-                out = self._pending[:end]
-                self._pending = ""
-                self.stop_reason = stop
-                self.finished = True
-                return out, stop
+        new_ids = list(map(int, token_ids))
+        self.token_ids += new_ids
+        new = self._bytes.push(new_ids) if self._bytes is not None else self._decode_new()
+        if not self._stop:  # nothing to hold back: the per-token fast path
+            return new, None
+        self._pending += new
+        hit = self._find_stop()
+        if hit is not None:
+            index, stop = hit
+            end = index + len(stop) if self._include_stop else index
+            out = self._pending[:end]
+            self._pending = ""
+            self.stop_reason = stop
+            self.finished = True
+            return out, stop
         hold = self._held_suffix_len()
         out = self._pending[: len(self._pending) - hold]
         self._pending = self._pending[len(out):]
@@ -84,8 +95,11 @@ class IncrementalDetokenizer:
         incomplete UTF-8 tail is dropped). Returns "" after a stop-string match."""
         if self.finished:
             return ""
-        prefix = self._window_text(self._prefix_offset, self._read_offset)
-        tail = self._window_text(self._prefix_offset, len(self.token_ids))[len(prefix):]
+        if self._bytes is not None:
+            tail = self._bytes.flush()
+        else:
+            prefix = self._window_text(self._prefix_offset, self._read_offset)
+            tail = self._window_text(self._prefix_offset, len(self.token_ids))[len(prefix):]
         # a sequence cut off inside a multi-byte character: drop the incomplete bytes, never send U+FFFD
         out = self._pending + tail.rstrip("\ufffd")
         self._pending = ""

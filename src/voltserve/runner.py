@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 
+import numpy as np
 import torch
 
 from voltserve.backends.base import AttentionMetadata, Backend, StepInputs
@@ -40,7 +41,9 @@ class ModelRunner:
             self.generator.manual_seed(seed)
 
     def prepare(self, plan: StepPlan) -> StepInputs:
-        """Lay the plan's tokens out flat (host tensors): ids, positions, slot mapping, block tables, logits rows."""
+        """Lay the plan's tokens out flat (host tensors over numpy arrays): ids, positions, slot mapping, block
+        tables, logits rows. Built with numpy and plain lists: this runs once per step, on the step's critical
+        path."""
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -51,34 +54,41 @@ class ModelRunner:
         bs = self.block_size
         for e in plan.entries:
             seq = e.seq
-            for pos in range(e.start, e.start + e.num_new):
+            blocks = seq.block_ids
+            if e.num_new == 1:  # decode: skip the range loop
+                pos = e.start
                 ids.append(seq.token_at(pos))
                 positions.append(pos)
-                slots.append(seq.block_ids[pos // bs] * bs + pos % bs)
+                slots.append(blocks[pos // bs] * bs + pos % bs)
+            else:
+                end = e.start + e.num_new
+                ids.extend(seq.token_ids()[e.start:end])
+                positions.extend(range(e.start, end))
+                slots.extend(blocks[pos // bs] * bs + pos % bs for pos in range(e.start, end))
             query_start.append(query_start[-1] + e.num_new)
             query_lens.append(e.num_new)
             seq_lens.append(e.start + e.num_new)
             if e.sample:
                 logits_rows.append(query_start[-1] - 1)
         max_blocks = max(len(e.seq.block_ids) for e in plan.entries)
-        tables = torch.full((len(plan.entries), max_blocks), -1, dtype=torch.int32)
+        tables = np.full((len(plan.entries), max_blocks), -1, dtype=np.int32)
         for i, e in enumerate(plan.entries):
-            tables[i, :len(e.seq.block_ids)] = torch.tensor(e.seq.block_ids, dtype=torch.int32)
+            tables[i, :len(e.seq.block_ids)] = e.seq.block_ids
         attn = AttentionMetadata(
-            query_start_loc=torch.tensor(query_start, dtype=torch.int32),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-            block_tables=tables,
-            slot_mapping=torch.tensor(slots, dtype=torch.int64),
+            query_start_loc=torch.from_numpy(np.array(query_start, dtype=np.int32)),
+            seq_lens=torch.from_numpy(np.array(seq_lens, dtype=np.int32)),
+            block_tables=torch.from_numpy(tables),
+            slot_mapping=torch.from_numpy(np.array(slots, dtype=np.int64)),
             max_query_len=max(query_lens),
             max_seq_len=max(seq_lens),
             query_lens_cpu=query_lens,
             seq_lens_cpu=seq_lens,
         )
         return StepInputs(
-            input_ids=torch.tensor(ids, dtype=torch.int64),
-            positions=torch.tensor(positions, dtype=torch.int64),
+            input_ids=torch.from_numpy(np.array(ids, dtype=np.int64)),
+            positions=torch.from_numpy(np.array(positions, dtype=np.int64)),
             attn=attn,
-            logits_indices=torch.tensor(logits_rows, dtype=torch.int64),
+            logits_indices=torch.from_numpy(np.array(logits_rows, dtype=np.int64)),
         )
 
     def to_device(self, step: StepInputs) -> StepInputs:
@@ -92,17 +102,22 @@ class ModelRunner:
                                  a.seq_lens_cpu)
         return StepInputs(step.input_ids.to(dev), step.positions.to(dev), attn, step.logits_indices.to(dev))
 
-    def forward(self, step: StepInputs) -> torch.Tensor:
-        """Logits [num_logits, vocab] fp32 of a prepared step: a CUDA graph replay when one fits, else eager."""
+    def forward(self, step: StepInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Run a prepared step: a CUDA graph replay when one fits, else eager.
+
+        Returns:
+            (logits [num_logits, vocab] in the backend dtype, greedy ids [num_logits] int64 on the device when
+            the graph computed them (argmax is captured with the step), else None).
+        """
         if self.graphs is not None and self.graphs.can_run(step) and \
                 step.logits_indices.numel() == step.attn.num_seqs:
             return self.graphs.run(step)
-        return self.model.forward(self.to_device(step), self.kv_cache)
+        return self.model.forward(self.to_device(step), self.kv_cache), None
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> tuple[dict[int, int], dict[int, TokenLogprob]]:
         """Run one step. Returns (seq_id -> sampled token, seq_id -> TokenLogprob for those that asked)."""
-        logits = self.forward(self.prepare(plan))
+        logits, greedy_ids = self.forward(self.prepare(plan))
         sampling = [e.seq for e in plan.entries if e.sample]
         if not sampling:
             return {}, {}
@@ -111,7 +126,8 @@ class ModelRunner:
         for s in sampling:  # one Philox counter per sampled token, whichever path samples it
             s.philox_offset += 1
         if logits.is_cuda and hasattr(self.backend, "sample_greedy") and all(_plain_greedy(r) for r in rows):
-            ids, _ = self.backend.sample_greedy(logits.contiguous())  # only the ids cross to the host
+            ids = greedy_ids if greedy_ids is not None else self.backend.sample_greedy(logits.contiguous())[0]
+            # only the ids cross to the host
             return {s.seq_id: t for s, t in zip(sampling, ids.tolist())}, {}
         # route each row by its own parameters only, so a seeded request samples the same way whatever else is
         # in the batch (case R1): supported rows on the device (Philox), the rest on the host (torch.Generator)
@@ -126,7 +142,7 @@ class ModelRunner:
             lps.update(d_lps)
         host_idx = [i for i, d in enumerate(on_device) if not d]
         if host_idx:
-            tokens, logprobs = sample(logits[host_idx].cpu(), [rows[i] for i in host_idx], self.generator)
+            tokens, logprobs = sample(logits[host_idx].float().cpu(), [rows[i] for i in host_idx], self.generator)
             for i, t, lp in zip(host_idx, tokens, logprobs):
                 sampled[sampling[i].seq_id] = t
                 if lp is not None:

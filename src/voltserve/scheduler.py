@@ -142,12 +142,14 @@ class Scheduler:
             The sequences that got a new token, in plan order (finished ones have `finish_reason` set).
         """
         touched = []
-        for entry in plan.entries:
+        block_size = self.block_size
+        for entry in plan.entries:  # per sequence per step: kept lean
             seq = entry.seq
-            if seq.is_finished:  # aborted while the step ran
+            if seq.status is SequenceStatus.FINISHED:  # aborted while the step ran
                 continue
             seq.num_computed_tokens += entry.num_new
-            self._register_full_blocks(seq)
+            if seq.num_computed_tokens // block_size > len(seq.block_hashes):  # a block filled up
+                self._register_full_blocks(seq)
             if not entry.sample:
                 continue
             token = sampled[seq.seq_id]
@@ -179,6 +181,8 @@ class Scheduler:
     def _grow(self, seq: Sequence, num_tokens: int) -> bool:
         """Make seq's blocks hold num_tokens tokens; False (allocating nothing) if the pool is short."""
         need = -(-num_tokens // self.block_size) - len(seq.block_ids)
+        if need <= 0:  # most decode steps: the last block has room
+            return True
         if need > self.pool.num_free:
             return False
         for _ in range(need):

@@ -11,6 +11,7 @@ import functools
 from collections.abc import Iterable
 
 import tokenizers
+from tokenizers import decoders
 
 
 @functools.cache
@@ -74,6 +75,7 @@ class Tokenizer:
         self.special_ids: frozenset[int] = frozenset(i for i, t in added.items() if t.special)
         self.bos_token: str = "" if bos_token_id is None else self.id_to_token(bos_token_id)
         self.eos_token: str = self.id_to_token(self.eos_token_ids[0]) if self.eos_token_ids else ""
+        self._byte_tables: dict[bool, tuple[bytes, ...] | None] = {}  # skip_special_tokens -> byte_table()
 
     @property
     def backend(self) -> tokenizers.Tokenizer:
@@ -122,6 +124,45 @@ class Tokenizer:
             return bytes(table[c] for c in tok)
         except KeyError:
             return tok.encode("utf-8")
+
+    def byte_table(self, skip_special_tokens: bool = True) -> tuple[bytes, ...] | None:
+        """Bytes of every token id as `decode` joins them, for incremental detokenization by table lookup.
+
+        With a ByteLevel decoder, `decode(ids)` is `b"".join(table[i] for i in ids)` read as UTF-8 (U+FFFD for
+        invalid bytes); other decoders (e.g. Metaspace with byte fallback, which turns an invalid run of byte
+        tokens into one U+FFFD per token) return None. Built on the first call (~60 ms for SmolLM2's 49k tokens),
+        then cached.
+
+        Args:
+            skip_special_tokens: special tokens map to b"" (as `decode` drops them) instead of their content.
+
+        Returns:
+            [max(vocab_size, highest known id + 1)] bytes, b"" for ids the tokenizer does not know; or None.
+        """
+        if skip_special_tokens not in self._byte_tables:
+            self._byte_tables[skip_special_tokens] = self._build_byte_table(skip_special_tokens)
+        return self._byte_tables[skip_special_tokens]
+
+    def _build_byte_table(self, skip_special_tokens: bool) -> tuple[bytes, ...] | None:
+        if not isinstance(self._tok.decoder, decoders.ByteLevel):
+            return None
+        # `tokenizers` looks an id up in the added tokens first, then in the model, and skips a token whose *text*
+        # is a special token's; its ByteLevel decoder maps a token through the byte alphabet if every character is
+        # in it, else keeps the token's UTF-8 (added tokens included).
+        id_to_text = {i: t for t, i in self._tok.get_vocab(with_added_tokens=False).items()}
+        added = self._tok.get_added_tokens_decoder()
+        id_to_text.update((i, t.content) for i, t in added.items())
+        special = {t.content for t in added.values() if t.special} if skip_special_tokens else set()
+        alphabet = _byte_decoder()
+        table = [b""] * max(self.vocab_size, max(id_to_text, default=-1) + 1)
+        for i, text in id_to_text.items():
+            if text in special:
+                continue
+            try:
+                table[i] = bytes(map(alphabet.__getitem__, text))
+            except KeyError:
+                table[i] = text.encode("utf-8")
+        return tuple(table)
 
     def __len__(self) -> int:
         return self.vocab_size

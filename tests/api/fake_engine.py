@@ -46,6 +46,10 @@ class ByteTokenizer:
         data = b"".join(self.token_bytes(i) for i in ids if not (skip_special_tokens and i < 3))
         return data.decode("utf-8", errors="replace")
 
+    def byte_table(self, skip_special_tokens: bool = True) -> tuple[bytes, ...]:
+        """Bytes of each id as `decode` joins them (as `voltserve.tokenizer.Tokenizer.byte_table`)."""
+        return tuple(b"" if skip_special_tokens and i < 3 else self.token_bytes(i) for i in range(self.vocab_size))
+
 
 class ChatMLTemplate:
     """ChatML, as SmolLM2's template renders it (without its default system prompt)."""

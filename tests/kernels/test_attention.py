@@ -120,3 +120,22 @@ def test_decode_plan_covers_capacity():
                 splits, min_part = kernels.decode_plan(cap, seqs, kvh, part, 132)
                 assert splits * part >= cap and min_part % 16 == 0 and 16 <= min_part <= part
                 assert splits <= max(-(-cap // part), -(-cap // 16), 1)
+
+
+def test_decode_in_kernel_merge_matches_reduce_kernel(cuda_backend):
+    """The last split block's merge (arrival counters) equals the attn_decode_reduce path bit for bit, repeated
+    launches are bitwise equal (fixed merge order), and the counters are back at zero."""
+    gen = torch.Generator().manual_seed(9)
+    lens = [700, 1, 5003, 64, 129]
+    kv, attn = _make_case(lens, [1] * len(lens), 3, 64, 16, gen)
+    q = torch.randn(len(lens), 9, 64, generator=gen).half().cuda()
+    kv, meta = kv.cuda(), _to_cuda(attn, 8192)
+    merged = [cuda_backend.attention(q, kv, meta, 0.125) for _ in range(3)]
+    assert all(torch.equal(m, merged[0]) for m in merged[1:])
+    assert int(cuda_backend.attn_counters.abs().sum()) == 0
+    saved = cuda_backend.attn_counters
+    cuda_backend.attn_counters = saved[:0]  # no counters: the reduce kernel merges
+    try:
+        assert torch.equal(cuda_backend.attention(q, kv, meta, 0.125), merged[0])
+    finally:
+        cuda_backend.attn_counters = saved

@@ -45,7 +45,7 @@ def test_gemm_tiled_f16(cuda_backend, cpu_backend, m):
     gen = torch.Generator().manual_seed(m)
     weight = (torch.randn(129, 301, generator=gen) * 0.05).half().float()
     x = torch.randn(m, 301, generator=gen).half()
-    got = launch_linear(cuda_backend, x.cuda(), cuda_backend.prepare_linear(weight))
+    got = launch_linear(cuda_backend, x.cuda(), cuda_backend.prepare_linear(weight), f16_gemm="tiled")
     assert rel_err(got, cpu_backend.linear(x.float(), weight)) <= TOL
 
 

@@ -110,8 +110,32 @@ class Backend(Protocol):
             style: "neox" rotates (x[:d/2], x[d/2:]); "interleaved" rotates pairs (x[2i], x[2i+1]).
         """
 
-    def linear(self, x: torch.Tensor, weight: Any) -> torch.Tensor:
-        """x [num_tokens, in_features] @ weight^T -> [num_tokens, out_features]."""
+    def linear(self, x: torch.Tensor, weight: Any, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """x [num_tokens, in_features] @ weight^T (+ residual [num_tokens, out_features]) -> [num_tokens,
+        out_features], a new tensor. The product is rounded to the activation dtype before the residual add."""
+
+    def norm_linear(self, x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: Any,
+                    silu: bool = False) -> torch.Tensor:
+        """linear(rms_norm(x, norm_weight, eps)[0], weight), and with `silu` then silu_and_mul: one fused op on
+        backends that can (the decode GEMV normalizes x in its prologue).
+
+        Args:
+            x: [num_tokens, in_features]; norm_weight: [in_features] (from prepare_norm).
+            weight: a linear; with `silu` the fused [gate; up] weight.
+        Returns:
+            [num_tokens, out_features], or [num_tokens, out_features / 2] with `silu`.
+        """
+
+    def rotary_write_kv(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                        cos_sin: torch.Tensor, style: str, kv_layer: torch.Tensor,
+                        slot_mapping: torch.Tensor) -> torch.Tensor:
+        """rotary(q, k) then write_kv(rotated k, v): one fused op on backends that can.
+
+        Args:
+            q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim].
+        Returns:
+            the rotated q, [num_tokens, num_heads, head_dim].
+        """
 
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """Scatter k, v [num_tokens, num_kv_heads, head_dim] into kv_layer at slot_mapping (-1 skipped)."""

@@ -65,12 +65,23 @@ class CpuBackend:
         cos, sin = cs[:, None, :half], cs[:, None, half:]
         return _apply_rotary(q, cos, sin, style), _apply_rotary(k, cos, sin, style)
 
-    def linear(self, x, weight):
+    def linear(self, x, weight, residual=None):
         if not isinstance(weight, torch.Tensor):
-            return weight(x)  # Int4Linear: its kernel is batch invariant already
-        if not self.batch_invariant:
-            return F.linear(x, weight)
-        return _fixed_shape_linear(x, weight)
+            y = weight(x)  # Int4Linear: its kernel is batch invariant already
+        elif not self.batch_invariant:
+            y = F.linear(x, weight)
+        else:
+            y = _fixed_shape_linear(x, weight)
+        return y if residual is None else y + residual
+
+    def norm_linear(self, x, norm_weight, eps, weight, silu=False):
+        y = self.linear(self.rms_norm(x, norm_weight, eps)[0], weight)
+        return self.silu_and_mul(y) if silu else y
+
+    def rotary_write_kv(self, q, k, v, positions, cos_sin, style, kv_layer, slot_mapping):
+        q, k = self.rotary(q, k, positions, cos_sin, style)
+        self.write_kv(k, v, kv_layer, slot_mapping)
+        return q
 
     def write_kv(self, k, v, kv_layer, slot_mapping):
         num_blocks, block_size = kv_layer.shape[1], kv_layer.shape[2]

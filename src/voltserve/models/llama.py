@@ -1,7 +1,9 @@
 """Llama-family decoder (Llama 2/3, SmolLM2, Mistral dense) written against the Backend interface.
 
 Reads top to bottom like the paper's block: RMSNorm -> fused QKV -> rotary -> paged attention -> o_proj, then
-RMSNorm -> fused gate/up -> SiLU * up -> down; residual adds fused into the norms (Touvron et al. 2023).
+RMSNorm -> fused gate/up -> SiLU * up -> down (Touvron et al. 2023). The residual stream `h` is added in the
+linear that ends each half, and each RMSNorm runs inside the linear that reads it (`norm_linear`), so a decode
+layer is six launches on the GPU.
 """
 
 from __future__ import annotations
@@ -88,25 +90,24 @@ class LlamaModel:
             step: flat inputs of the step.
             kv_cache: [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim].
         Returns:
-            logits [len(step.logits_indices), vocab_size] fp32.
+            logits [len(step.logits_indices), vocab_size] in the backend's dtype (fp16 on the GPU).
         """
         cfg, be = self.config, self.backend
         num_tokens = step.input_ids.shape[0]
         q_size = cfg.num_heads * cfg.head_dim
         kv_size = cfg.num_kv_heads * cfg.head_dim
-        h = be.embedding(step.input_ids, self.embed)
-        residual = None
+        h = be.embedding(step.input_ids, self.embed)  # the residual stream
+        eps = cfg.rms_norm_eps
         for i, layer in enumerate(self.layers):
-            x, residual = be.rms_norm(h, layer.input_norm, cfg.rms_norm_eps, residual)
-            qkv = be.linear(x, layer.qkv)
-            q = qkv[:, :q_size].reshape(num_tokens, cfg.num_heads, cfg.head_dim)
-            k = qkv[:, q_size:q_size + kv_size].reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
-            v = qkv[:, q_size + kv_size:].reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
-            q, k = be.rotary(q, k, step.positions, self.cos_sin, cfg.rope_style)
-            be.write_kv(k, v, kv_cache[i], step.attn.slot_mapping)
+            qkv = be.norm_linear(h, layer.input_norm, eps, layer.qkv)
+            q = qkv[:, :q_size].view(num_tokens, cfg.num_heads, cfg.head_dim)
+            k = qkv[:, q_size:q_size + kv_size].view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
+            v = qkv[:, q_size + kv_size:].view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
+            q = be.rotary_write_kv(q, k, v, step.positions, self.cos_sin, cfg.rope_style, kv_cache[i],
+                                   step.attn.slot_mapping)
             o = be.attention(q, kv_cache[i], step.attn, self.scale)
-            h = be.linear(o.reshape(num_tokens, q_size), layer.o_proj)
-            x, residual = be.rms_norm(h, layer.post_norm, cfg.rms_norm_eps, residual)
-            h = be.linear(be.silu_and_mul(be.linear(x, layer.gate_up)), layer.down)
-        h, _ = be.rms_norm(h, self.final_norm, cfg.rms_norm_eps, residual)
-        return be.linear(h[step.logits_indices], self.lm_head).float()
+            h = be.linear(o.reshape(num_tokens, q_size), layer.o_proj, residual=h)
+            h = be.linear(be.norm_linear(h, layer.post_norm, eps, layer.gate_up, silu=True), layer.down, residual=h)
+        if step.logits_indices.numel() != num_tokens:  # a decode step needs every row: skip the gather
+            h = h[step.logits_indices]
+        return be.norm_linear(h, self.final_norm, eps, self.lm_head)

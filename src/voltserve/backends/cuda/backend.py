@@ -5,8 +5,8 @@ CUDA allocator (its caching allocator keeps graph capture and NCCL simple). Kern
 once (`refresh_stream()`; `torch.cuda.current_stream()` costs ~8 us per call, DESIGN section 9): call it again
 inside a graph-capture context or after switching streams.
 
-Decode paths (embedding, rms_norm, rotary, write_kv, linear with m <= 16, attention with query_len == 1,
-silu_and_mul, sample_greedy) do no host sync and allocate only through torch's caching allocator, so they are
+Decode paths (embedding, rms_norm, rotary, write_kv, rotary_write_kv, linear / norm_linear with m <= 16,
+attention with query_len == 1, silu_and_mul, sample_greedy) do no host sync and allocate only through torch's caching allocator, so they are
 capturable in a CUDA graph provided their device inputs (ids, positions, metadata, norm weights, cos/sin table)
 already live on the GPU and `AttentionMetadata.max_seq_len` is the bucket's capacity rather than the step's value
 (it sizes the split-K grid).
@@ -20,7 +20,6 @@ import weakref
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from voltserve.backends.base import AttentionMetadata
 from voltserve.backends.cuda import driver, kernels
@@ -48,6 +47,9 @@ class CudaBackend:
         self.num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         # split-K arrival counters of gemm_tc (zero between launches; allocated here, before any graph capture)
         self.gemm_counters = torch.zeros(kernels.GEMM_TC_MAX_COUNTERS, dtype=torch.int32, device=self.device)
+        # attn_decode's split arrival counters, one per (sequence, KV head); zero between launches
+        self.attn_counters = torch.zeros(kernels.ATTN_MAX_COUNTERS, dtype=torch.int32, device=self.device)
+        self.argmax_counters = torch.zeros(kernels.ARGMAX_MAX_ROWS, dtype=torch.int32, device=self.device)
         self.refresh_stream()
 
     def refresh_stream(self) -> None:
@@ -136,13 +138,47 @@ class CudaBackend:
         self._launch("rotary", "rotary", None, (num_tokens, 1, 1), (128, 1, 1), 0, p)
         return q_out, k_out
 
-    def linear(self, x, weight: CudaLinear):
+    def linear(self, x, weight: CudaLinear, residual=None):
         _check_rows(x, "x")
         if x.shape[1] != weight.in_features:
             raise ValueError(f"x {tuple(x.shape)} does not match weight in_features {weight.in_features}")
-        if weight.fmt == "F16" and x.shape[0] >= kernels.GEMM_MIN_ROWS:
-            return F.linear(x, weight.data)  # prefill on fp16 weights: cuBLAS through torch
-        return launch_linear(self, x, weight)
+        if residual is not None:
+            _check_rows(residual, "residual")
+        return launch_linear(self, x, weight, residual=residual)
+
+    def norm_linear(self, x, norm_weight, eps, weight: CudaLinear, silu=False):
+        _check_rows(x, "x")
+        if x.shape[1] != weight.in_features:
+            raise ValueError(f"x {tuple(x.shape)} does not match weight in_features {weight.in_features}")
+        return launch_linear(self, x, weight, norm_weight=self._on_device(norm_weight, torch.float32), eps=eps,
+                             silu=silu)
+
+    def rotary_write_kv(self, q, k, v, positions, cos_sin, style, kv_layer, slot_mapping):
+        if style not in ("neox", "interleaved"):
+            raise ValueError(f"unknown rotary style {style!r}")
+        num_tokens, num_heads, head_dim = q.shape
+        num_kv_heads = k.shape[1]
+        packed = all(t.stride(2) == 1 and t.stride(1) == head_dim for t in (q, k, v))
+        if not packed or k.shape != v.shape or k.shape[0] != num_tokens or k.shape[2] != head_dim:
+            raise ValueError(f"q {tuple(q.shape)} / k {tuple(k.shape)} / v {tuple(v.shape)}: need [tokens, heads, "
+                             "head_dim] with packed heads")
+        if kv_layer.dtype != self.dtype or not kv_layer.is_contiguous() or kv_layer.shape[3:] != k.shape[1:]:
+            raise ValueError(f"kv_layer {tuple(kv_layer.shape)} {kv_layer.dtype} does not match k {tuple(k.shape)}")
+        cs = self._on_device(cos_sin, torch.float32)
+        if cs.shape[1] != head_dim:
+            raise ValueError(f"cos_sin width {cs.shape[1]} != head_dim {head_dim} (partial rotary unsupported)")
+        pos = self._on_device(positions, torch.int64)
+        slots = self._on_device(slot_mapping, torch.int64)
+        q_out = torch.empty(q.shape, dtype=self.dtype, device=self.device)
+        if num_tokens == 0:
+            return q_out
+        p = P.RopeKvParams(q.data_ptr(), k.data_ptr(), v.data_ptr(), q_out.data_ptr(), kv_layer.data_ptr(),
+                           pos.data_ptr(), slots.data_ptr(), cs.data_ptr(), q.stride(0), k.stride(0), v.stride(0),
+                           kv_layer[0].numel(), num_tokens, num_heads, num_kv_heads, head_dim,
+                           int(style == "interleaved"), cs.shape[0])
+        self._launch("rope_kv", "rope_kv_write", None, (num_tokens, num_heads + 2 * num_kv_heads, 1), (64, 1, 1),
+                     0, p)
+        return q_out
 
     def write_kv(self, k, v, kv_layer, slot_mapping):
         num_tokens, num_kv_heads, head_dim = k.shape
@@ -181,14 +217,19 @@ class CudaBackend:
             acc = torch.empty(num_seqs * num_heads * num_splits * head_dim if num_splits > 1 else 1,
                               dtype=torch.float32, device=self.device)
             ml = torch.empty(num_seqs * num_heads * num_splits * 2, dtype=torch.float32, device=self.device)
-            p = P.DecodeParams(*common, acc.data_ptr(), ml.data_ptr(), q.stride(0), q.stride(1), plane, num_seqs,
-                               num_heads, num_kv_heads, block_size, tables.shape[1], num_splits, scale, min_part)
+            # the last split block merges (one launch) while the counters cover every (sequence, KV head)
+            merge_in_kernel = num_splits <= spec["PARTITION"] and \
+                num_seqs * num_kv_heads <= self.attn_counters.numel()
+            p = P.DecodeParams(*common, acc.data_ptr(), ml.data_ptr(),
+                               self.attn_counters.data_ptr() if merge_in_kernel else None, q.stride(0), q.stride(1),
+                               plane, num_seqs, num_heads, num_kv_heads, block_size, tables.shape[1], num_splits,
+                               scale, min_part)
             smem = kernels.decode_smem_bytes(head_dim, group)
             self._launch("attention_decode", "attn_decode", spec, (num_kv_heads, num_seqs, num_splits),
                          (128, 1, 1), smem, p)
-            if num_splits > 1:
-                self._launch("attention_decode", "attn_decode_reduce", spec, (num_heads, num_seqs, 1), (128, 1, 1),
-                             0, p)
+            if num_splits > 1 and not merge_in_kernel:
+                self._launch("attention_decode", "attn_decode_reduce", spec, (num_kv_heads, num_seqs, 1),
+                             (128, 1, 1), 4 * group * num_splits, p)
             return out
         p = P.PrefillParams(*common, q.stride(0), q.stride(1), plane, num_seqs, num_heads, num_kv_heads, block_size,
                             tables.shape[1], scale)
@@ -222,9 +263,16 @@ class CudaBackend:
         ids = torch.empty(rows, dtype=torch.int64, device=self.device)
         logprobs = torch.empty(rows, dtype=torch.float32, device=self.device)
         if rows:
-            p = P.ArgmaxParams(logits.data_ptr(), ids.data_ptr(), logprobs.data_ptr(), logits.stride(0), rows, vocab)
+            # vocabulary chunks over many blocks, merged by the last one (arrival counter per row)
+            chunks = min(kernels.ARGMAX_MAX_CHUNKS, math.ceil(vocab / kernels.ARGMAX_CHUNK))
+            if rows > self.argmax_counters.numel():
+                chunks = 1
+            chunk = math.ceil(vocab / chunks)
+            part = torch.empty(rows * chunks * 3 if chunks > 1 else 1, dtype=torch.float32, device=self.device)
+            p = P.ArgmaxParams(logits.data_ptr(), ids.data_ptr(), logprobs.data_ptr(), part.data_ptr(),
+                               self.argmax_counters.data_ptr(), logits.stride(0), rows, vocab, chunk, 0)
             self._launch("sampling", "argmax_logprob", {"LOGITS_F16": int(logits.dtype == torch.float16)},
-                         (rows, 1, 1), (1024, 1, 1), 0, p)
+                         (rows, chunks, 1), (1024 if chunks == 1 else 256, 1, 1), 0, p)
         return ids, logprobs
 
     def sample(self, logits: torch.Tensor, params_rows) -> tuple[torch.Tensor, torch.Tensor,

@@ -22,6 +22,8 @@ SAMPLE_MAX_VOCAB = 1 << 23  # fixed-point headroom of the top-p weights
 GEMV_Q_WARPS = 8           # gemv_q: warps per block (they split k), 32 output features per block
 GEMV_Q_PIECE = 2048        # gemv_q: k staged in shared memory at a time (GEMV_Q_WARPS * 256)
 GEMV_Q_SUPERBLOCK = 256    # gemv_q needs k % 256 == 0 (rows of whole 16-byte-aligned 8-block superblocks)
+GEMV_NORM_MAX_SMEM = 48 * 1024  # gemv's fused RMSNorm keeps m * k fp16 in smem; larger x takes rms_norm + gemv
+GEMV_NORM_BLOCKS_PER_SM = 16  # gemv grid with a fused RMSNorm: each block normalizes x once, then grid-strides
 
 
 # gemm_tc (ptx/gemm_tc.cu): WMMA tiles of 64 rows x GEMM_TC_BN (32 or 64) outputs, k chunks of 64, split-K over
@@ -31,6 +33,10 @@ GEMM_TC_KC = 64
 GEMM_TC_BNS = (32, 64)
 GEMM_TC_MAX_SPLITS = 16
 GEMM_TC_MAX_COUNTERS = 4096  # arrival counters per backend (tiles of one split-K launch)
+ARGMAX_CHUNK = 4096  # argmax_logprob: vocabulary entries per block (256 threads)
+ARGMAX_MAX_CHUNKS = 64
+ARGMAX_MAX_ROWS = 4096  # rows with arrival counters; more rows take one 1024-thread block each
+ATTN_MAX_COUNTERS = 1 << 16  # attn_decode: (sequence, KV head) pairs merged in-kernel; more take the reduce kernel
 
 
 def gemm_tc_plan(m: int, n: int, k: int, num_sms: int) -> tuple[int, int, int]:
@@ -85,6 +91,7 @@ SOURCES = {
     "rmsnorm": KernelSource("rmsnorm.cu", ("rms_norm",), P.RmsNormParams, "VOLT_RMSNORM_PARAMS_BYTES"),
     "rotary": KernelSource("rotary.cu", ("rotary",), P.RotaryParams, "VOLT_ROTARY_PARAMS_BYTES"),
     "kv_write": KernelSource("kv_write.cu", ("kv_write",), P.KvWriteParams, "VOLT_KV_WRITE_PARAMS_BYTES"),
+    "rope_kv": KernelSource("rope_kv.cu", ("rope_kv_write",), P.RopeKvParams, "VOLT_ROPE_KV_PARAMS_BYTES"),
     "silu_mul": KernelSource("silu_mul.cu", ("silu_mul",), P.SiluMulParams, "VOLT_SILU_MUL_PARAMS_BYTES"),
     "attention_decode": KernelSource("attention_decode.cu", ("attn_decode", "attn_decode_reduce"),
                                      P.DecodeParams, "VOLT_DECODE_PARAMS_BYTES"),
@@ -123,7 +130,7 @@ def decode_plan(max_seq_len: int, num_seqs: int, num_kv_heads: int, partition: i
     """
     base = max(1, -(-max_seq_len // partition))
     busy = num_kv_heads * num_seqs
-    want = min(-(-2 * num_sms // busy), -(-max_seq_len // 16))
+    want = min(-(-2 * num_sms // busy), -(-max_seq_len // 16), partition)  # <= partition: merged in-kernel
     min_part = 16 if busy < num_sms else min(64, partition)
     return max(base, want), min_part
 
@@ -152,10 +159,11 @@ ENGINE_GROUPS = (1, 2, 3, 4, 5, 6, 7, 8)
 def engine_specializations() -> list[tuple[str, dict[str, int]]]:
     """Every (op, spec) the engine may compile; tools/build_ptx.py compiles all of them."""
     specs: list[tuple[str, dict[str, int]]] = [(op, {}) for op in ("embedding", "rmsnorm", "rotary", "kv_write",
-                                                                  "silu_mul")]
+                                                                  "rope_kv", "silu_mul")]
     specs += [("attention_decode", decode_spec(d, g)) for d in ENGINE_HEAD_DIMS for g in ENGINE_GROUPS]
     specs += [("attention_prefill", {"HEAD_DIM": d}) for d in ENGINE_HEAD_DIMS]
     specs += [("gemv", {"WTYPE": w, "MROWS": m}) for w in WTYPES.values() for m in GEMV_ROW_BUCKETS]
+    specs += [("gemv", {"WTYPE": w, "MROWS": m, "SILU": 1}) for w in WTYPES.values() for m in GEMV_ROW_BUCKETS]
     specs += [("gemm_tiled", {"WTYPE": w}) for w in WTYPES.values()]
     specs += [("gemm_tc", {"WTYPE": w, "BN": bn}) for w in (1, 2, 3) for bn in GEMM_TC_BNS]
     specs += [("sampling", {"LOGITS_F16": f}) for f in (0, 1)]

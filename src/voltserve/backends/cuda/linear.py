@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from voltserve.backends.cuda import kernels
 from voltserve.backends.cuda import params as P
@@ -96,48 +97,92 @@ def _launch_gemm_tc(backend: Any, x: torch.Tensor, w: CudaLinear, y: torch.Tenso
     backend._launch("gemm_tc", "gemm_tc", {"WTYPE": wtype, "BN": bn}, grid, (128, 1, 1), 0, p)
 
 
-def launch_linear(backend: Any, x: torch.Tensor, w: CudaLinear) -> torch.Tensor:
-    """y = x @ W^T with our kernels: GEMV for up to 16 rows (in launches of <= 8), a GEMM above: `gemm_tc`
-    (WMMA, ptx/gemm_tc.cu) for quantized weights, the SIMT `gemm_tiled` for fp16 weights.
+def launch_linear(backend: Any, x: torch.Tensor, w: CudaLinear, *, norm_weight: torch.Tensor | None = None,
+                  eps: float = 0.0, residual: torch.Tensor | None = None, silu: bool = False,
+                  f16_gemm: str = "cublas") -> torch.Tensor:
+    """y = x @ W^T with our kernels, optionally fused with its neighbours in the decoder block.
 
-    GEMV kernels (ptx/gemv.cu): quant weights with k % 256 == 0 and a row bucket >= GEMV_Q_MIN_ROWS ->
-    `gemv_q`; fp16 weights and other quant shapes -> `gemv`.
+    GEMV for up to 16 rows (in launches of <= 8): quant weights with k % 256 == 0 and a row bucket >=
+    GEMV_Q_MIN_ROWS -> `gemv_q`, the rest -> `gemv` (ptx/gemv.cu). Above, a GEMM (`_gemm`). `gemv` fuses all three
+    options; `gemv_q` the norm and the residual; a fusion a kernel does not take runs as its own op (rms_norm /
+    silu_mul / an fp16 add), equal up to the fp32 summation order of 1/rms.
 
     Args:
-        backend: the CudaBackend (loader, stream).
+        backend: the CudaBackend (loader, stream, rms_norm, silu_and_mul).
         x: [m, in_features] fp16, CUDA, contiguous rows.
-        w: the weight.
+        w: the weight; with `silu`, the fused [gate; up] weight (out_features = 2 * inner).
+        norm_weight: [in_features] fp32 on the device: x is RMS-normalized (epsilon `eps`) and scaled first.
+        residual: [m, out_features] fp16 added to the product (the output is a new tensor).
+        silu: return silu(gate) * up, [m, out_features / 2].
+        f16_gemm: fp16 weights at m >= GEMM_MIN_ROWS: "cublas" (torch) or "tiled" (ptx/gemm_tiled.cu).
     Returns:
-        [m, out_features] fp16.
+        [m, out_features] fp16 (silu: [m, out_features / 2]).
     """
     m, k = x.shape
     n = w.out_features
+    n_out = n // 2 if silu else n
+    if residual is not None and (residual.shape != (m, n_out) or residual.stride(1) != 1):
+        raise ValueError(f"residual {tuple(residual.shape)} does not match the output [{m}, {n_out}]")
     if w.fmt != "F16" and (x.stride(0) % 8 or x.data_ptr() % 16):
         x = x.contiguous()  # the quant paths read x as 16-byte vectors
-    y = torch.empty(m, n, dtype=torch.float16, device=x.device)
+    # gemv_q streams 16-byte-aligned 256-weight superblocks; other quant shapes take the simple `gemv`
+    q_fast = w.fmt != "F16" and k % kernels.GEMV_Q_SUPERBLOCK == 0 and w.data.data_ptr() % 16 == 0
+    if m >= kernels.GEMM_MIN_ROWS or (silu and q_fast and m > 2):
+        # the GEMM (and gemv_q, for SwiGLU) with the fusions it lacks as separate ops
+        if m >= kernels.GEMM_MIN_ROWS:
+            if norm_weight is not None:
+                x, _ = backend.rms_norm(x, norm_weight, eps)
+            y = _gemm(backend, x, w, f16_gemm)
+        else:
+            y = launch_linear(backend, x, w, norm_weight=norm_weight, eps=eps)
+        if silu:
+            y = backend.silu_and_mul(y)
+        return y if residual is None else torch.add(y, residual)
+    y = torch.empty(m, n_out, dtype=torch.float16, device=x.device)
     if m == 0 or n == 0:
         return y
     wtype = kernels.WTYPES[w.fmt]
-    if m >= kernels.GEMM_MIN_ROWS and w.fmt != "F16" and w.data.data_ptr() % 4 == 0:
-        _launch_gemm_tc(backend, x, w, y, wtype)
-        return y
-    if m >= kernels.GEMM_MIN_ROWS:
-        p = P.GemmParams(x.data_ptr(), w.data.data_ptr(), y.data_ptr(), x.stride(0), n, w.row_bytes, m, n, k, 0)
-        backend._launch("gemm_tiled", "gemm_tiled", {"WTYPE": wtype}, (math.ceil(n / 64), math.ceil(m / 64), 1),
-                        (256, 1, 1), 0, p)
-        return y
     vec_ok = int(k % 8 == 0 and x.stride(0) % 8 == 0 and x.data_ptr() % 16 == 0)
-    # gemv_q streams 16-byte-aligned 256-weight superblocks; other quant shapes take the simple `gemv`
-    q_fast = w.fmt != "F16" and k % kernels.GEMV_Q_SUPERBLOCK == 0 and w.data.data_ptr() % 16 == 0
+    if residual is not None and residual.stride(0) != n_out:
+        residual = residual.contiguous()  # the kernel reads it with y's row stride
     for r0 in range(0, m, kernels.GEMV_MAX_ROWS):
         rows = min(kernels.GEMV_MAX_ROWS, m - r0)
         bucket = next(b for b in kernels.GEMV_ROW_BUCKETS if b >= rows)
-        spec = {"WTYPE": wtype, "MROWS": bucket}
-        p = P.GemvParams(x.data_ptr() + r0 * x.stride(0) * 2, w.data.data_ptr(), y.data_ptr() + r0 * n * 2,
-                         x.stride(0), n, w.row_bytes, rows, n, k, vec_ok)
-        if q_fast and bucket >= GEMV_Q_MIN_ROWS:
+        use_q = q_fast and bucket >= GEMV_Q_MIN_ROWS  # never with silu (handled above)
+        xr = x[r0:r0 + rows]
+        fuse_norm = norm_weight is not None and (use_q or bucket * k * 2 <= kernels.GEMV_NORM_MAX_SMEM)
+        if norm_weight is not None and not fuse_norm:
+            xr, _ = backend.rms_norm(xr, norm_weight, eps)
+        spec = {"WTYPE": wtype, "MROWS": bucket, **({"SILU": 1} if silu else {})}
+        p = P.GemvParams(xr.data_ptr(), w.data.data_ptr(), y.data_ptr() + r0 * n_out * 2,
+                         residual.data_ptr() + r0 * n_out * 2 if residual is not None else None,
+                         norm_weight.data_ptr() if fuse_norm else None, xr.stride(0), n_out, w.row_bytes, rows, n,
+                         k, vec_ok, eps, 0)
+        if use_q:
             backend._launch("gemv", "gemv_q", spec, (math.ceil(n / 32), 1, 1), (32 * kernels.GEMV_Q_WARPS, 1, 1),
                             kernels.gemv_q_smem_bytes(bucket, w.fmt), p)
         else:
-            backend._launch("gemv", "gemv", spec, (math.ceil(n / 4), 1, 1), (128, 1, 1), 0, p)
+            groups = math.ceil(n_out / 4)
+            if fuse_norm:  # each block normalizes x once: fewer blocks, grid-stride over the features
+                groups = min(groups, backend.num_sms * kernels.GEMV_NORM_BLOCKS_PER_SM)
+            backend._launch("gemv", "gemv", spec, (groups, 1, 1), (128, 1, 1), bucket * k * 2 if fuse_norm else 0,
+                            p)
+    return y
+
+
+def _gemm(backend: Any, x: torch.Tensor, w: CudaLinear, f16_gemm: str) -> torch.Tensor:
+    """x @ W^T for m >= GEMM_MIN_ROWS: gemm_tc for quantized weights; fp16 weights: cuBLAS through torch, or
+    our SIMT `gemm_tiled` with f16_gemm="tiled" (also the quantized fallback for unaligned blocks)."""
+    m, k = x.shape
+    n = w.out_features
+    if w.fmt == "F16" and f16_gemm == "cublas":
+        return F.linear(x, w.data)
+    y = torch.empty(m, n, dtype=torch.float16, device=x.device)
+    wtype = kernels.WTYPES[w.fmt]
+    if w.fmt != "F16" and w.data.data_ptr() % 4 == 0:
+        _launch_gemm_tc(backend, x, w, y, wtype)
+        return y
+    p = P.GemmParams(x.data_ptr(), w.data.data_ptr(), y.data_ptr(), x.stride(0), n, w.row_bytes, m, n, k, 0)
+    backend._launch("gemm_tiled", "gemm_tiled", {"WTYPE": wtype}, (math.ceil(n / 64), math.ceil(m / 64), 1),
+                    (256, 1, 1), 0, p)
     return y

@@ -33,6 +33,12 @@ RotaryParams = _struct("RotaryParams", [
     ("num_tokens", I32), ("num_heads", I32), ("num_kv_heads", I32), ("head_dim", I32), ("interleaved", I32),
     ("max_positions", I32)])
 
+RopeKvParams = _struct("RopeKvParams", [
+    ("q", P), ("k", P), ("v", P), ("q_out", P), ("kv", P), ("positions", P), ("slot_mapping", P), ("cos_sin", P),
+    ("q_token_stride", I64), ("k_token_stride", I64), ("v_token_stride", I64), ("kv_plane", I64),
+    ("num_tokens", I32), ("num_heads", I32), ("num_kv_heads", I32), ("head_dim", I32), ("interleaved", I32),
+    ("max_positions", I32)])
+
 KvWriteParams = _struct("KvWriteParams", [
     ("k", P), ("v", P), ("kv", P), ("slot_mapping", P), ("k_token_stride", I64), ("k_head_stride", I64),
     ("v_token_stride", I64), ("v_head_stride", I64), ("kv_plane", I64), ("num_tokens", I32),
@@ -43,9 +49,9 @@ SiluMulParams = _struct("SiluMulParams", [
 
 DecodeParams = _struct("DecodeParams", [
     ("q", P), ("kv", P), ("block_tables", P), ("seq_lens", P), ("query_start_loc", P), ("out", P),
-    ("part_acc", P), ("part_ml", P), ("q_token_stride", I64), ("q_head_stride", I64), ("kv_plane", I64),
-    ("num_seqs", I32), ("num_heads", I32), ("num_kv_heads", I32), ("block_size", I32), ("max_blocks", I32),
-    ("num_splits", I32), ("scale", F32), ("min_part", I32)])
+    ("part_acc", P), ("part_ml", P), ("counters", P), ("q_token_stride", I64), ("q_head_stride", I64),
+    ("kv_plane", I64), ("num_seqs", I32), ("num_heads", I32), ("num_kv_heads", I32), ("block_size", I32),
+    ("max_blocks", I32), ("num_splits", I32), ("scale", F32), ("min_part", I32)])
 
 PrefillParams = _struct("PrefillParams", [
     ("q", P), ("kv", P), ("block_tables", P), ("seq_lens", P), ("query_start_loc", P), ("out", P),
@@ -53,8 +59,8 @@ PrefillParams = _struct("PrefillParams", [
     ("num_kv_heads", I32), ("block_size", I32), ("max_blocks", I32), ("scale", F32)])
 
 GemvParams = _struct("GemvParams", [
-    ("x", P), ("w", P), ("y", P), ("x_stride", I64), ("y_stride", I64), ("w_row_bytes", I64), ("m", I32),
-    ("n", I32), ("k", I32), ("vec_ok", I32)])
+    ("x", P), ("w", P), ("y", P), ("res", P), ("norm_w", P), ("x_stride", I64), ("y_stride", I64),
+    ("w_row_bytes", I64), ("m", I32), ("n", I32), ("k", I32), ("vec_ok", I32), ("eps", F32), ("pad_", I32)])
 
 GemmParams = _struct("GemmParams", [
     ("x", P), ("w", P), ("y", P), ("x_stride", I64), ("y_stride", I64), ("w_row_bytes", I64), ("m", I32),
@@ -65,7 +71,8 @@ GemmTcParams = _struct("GemmTcParams", [
     ("w_row_bytes", I64), ("m", I32), ("n", I32), ("k", I32), ("k_split", I32), ("splits", I32), ("pad_", I32)])
 
 ArgmaxParams = _struct("ArgmaxParams", [
-    ("logits", P), ("out_ids", P), ("out_logprobs", P), ("row_stride", I64), ("num_rows", I32), ("vocab", I32)])
+    ("logits", P), ("out_ids", P), ("out_logprobs", P), ("part", P), ("counters", P), ("row_stride", I64),
+    ("num_rows", I32), ("vocab", I32), ("chunk", I32), ("pad_", I32)])
 
 # sample_topk_topp.cu: one SampleRowParams per row (device array), SampleParams by value
 SampleRowParams = _struct("SampleRowParams", [

@@ -1,0 +1,122 @@
+"""Decode fusions vs the CPU reference and vs the unfused CUDA ops.
+
+- norm_linear (RMSNorm in the GEMV prologue), with silu (SwiGLU epilogue), and linear with a residual epilogue, on
+  fp16 and GGUF weights, m from 1 (gemv) through 8 (gemv_q) to 17 (GEMM + separate ops).
+  Bound vs CpuBackend: max |got - ref| <= 4e-3 * max |ref| (fp32 accumulation; the fused paths keep the fp16
+  roundings of the unfused ones: normalized x, linear output; one more fp16 rounding than test_linear's 3e-3).
+- The residual and SwiGLU epilogues equal the unfused CUDA ops bit for bit (same kernel and row bucket); the norm
+  prologue differs from rms_norm only by the fp32 summation order of 1/rms.
+- rotary_write_kv equals rotary + write_kv bit for bit, slot -1 tokens untouched.
+"""
+
+import pytest
+import torch
+from tests.kernels.kutils import make_quant, poison_allocator, rel_err
+
+from voltserve.backends.cpu import rope_cos_sin
+
+pytestmark = pytest.mark.gpu
+TOL = 4e-3
+
+
+def _weight(fmt, n, k, gen, cuda_backend):
+    if fmt == "F16":
+        weight = (torch.randn(n, k, generator=gen) * 0.05).half().float()
+        return weight, cuda_backend.prepare_linear(weight)
+    quant, weight = make_quant(fmt, n, k, gen)
+    return weight, cuda_backend.prepare_linear(weight, quant)
+
+
+@pytest.mark.parametrize("fmt", ["F16", "Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("m", [1, 2, 3, 8, 11, 17])
+@pytest.mark.parametrize("nk", [(3072, 576), (130, 4096), (66, 96), (9000, 96)])
+@pytest.mark.parametrize("silu", [False, True])
+def test_norm_linear(cuda_backend, cpu_backend, fmt, m, nk, silu):
+    n, k = nk
+    gen = torch.Generator().manual_seed(m * 7 + n + k + silu)
+    weight, w = _weight(fmt, n, k, gen, cuda_backend)
+    x = (torch.randn(m, k, generator=gen) * 3).half()
+    norm_w = torch.rand(k, generator=gen) + 0.5
+    poison_allocator()
+    got = cuda_backend.norm_linear(x.cuda(), cuda_backend.prepare_norm(norm_w), 1e-5, w, silu=silu)
+    ref = cpu_backend.norm_linear(x.float(), norm_w, 1e-5, weight, silu=silu)
+    assert got.shape == (m, n // 2 if silu else n)
+    assert rel_err(got, ref) <= TOL
+    # the unfused CUDA ops (rms_norm kernel, linear, silu_mul): equal up to 1/rms summation order
+    xn, _ = cuda_backend.rms_norm(x.cuda(), cuda_backend.prepare_norm(norm_w), 1e-5)
+    unfused = cuda_backend.linear(xn, w)
+    unfused = cuda_backend.silu_and_mul(unfused) if silu else unfused
+    assert rel_err(got, unfused) <= TOL
+
+
+@pytest.mark.parametrize("fmt", ["F16", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("m", [1, 2, 4, 8, 11, 17])
+@pytest.mark.parametrize("nk", [(576, 1536), (4096, 512), (45, 96)])
+def test_linear_residual(cuda_backend, cpu_backend, fmt, m, nk):
+    n, k = nk
+    gen = torch.Generator().manual_seed(m + n * k)
+    weight, w = _weight(fmt, n, k, gen, cuda_backend)
+    x = torch.randn(m, k, generator=gen).half()
+    res = (torch.randn(m, n, generator=gen) * 4).half()
+    got = cuda_backend.linear(x.cuda(), w, residual=res.cuda())
+    assert rel_err(got, cpu_backend.linear(x.float(), weight, residual=res.float())) <= TOL
+    assert torch.equal(got, torch.add(cuda_backend.linear(x.cuda(), w), res.cuda()))  # bitwise: same roundings
+
+
+@pytest.mark.parametrize("fmt", ["F16", "Q4_1"])
+@pytest.mark.parametrize("m", [1, 2])
+def test_silu_epilogue_bitwise(cuda_backend, fmt, m):
+    """m <= 2: the SwiGLU epilogue of gemv equals gemv + silu_mul bit for bit (without the norm prologue)."""
+    from voltserve.backends.cuda.linear import launch_linear
+
+    gen = torch.Generator().manual_seed(m)
+    _, w = _weight(fmt, 2 * 768, 576, gen, cuda_backend)
+    x = torch.randn(m, 576, generator=gen).half().cuda()
+    fused = launch_linear(cuda_backend, x, w, silu=True)
+    assert torch.equal(fused, cuda_backend.silu_and_mul(cuda_backend.linear(x, w)))
+
+
+def test_norm_linear_large_x_falls_back(cuda_backend, cpu_backend):
+    """8 rows x 4096 fp16 = 64 KB > the prologue's smem budget: rms_norm runs first, result the same."""
+    gen = torch.Generator().manual_seed(3)
+    weight, w = _weight("F16", 40, 4096, gen, cuda_backend)
+    x = torch.randn(7, 4096, generator=gen).half()
+    norm_w = torch.rand(4096, generator=gen) + 0.5
+    got = cuda_backend.norm_linear(x.cuda(), cuda_backend.prepare_norm(norm_w), 1e-6, w)
+    assert rel_err(got, cpu_backend.norm_linear(x.float(), norm_w, 1e-6, weight)) <= TOL
+
+
+@pytest.mark.parametrize("num_tokens", [1, 5, 37])
+@pytest.mark.parametrize("heads", [(9, 3, 64), (32, 8, 128), (3, 3, 96)])
+@pytest.mark.parametrize("style", ["neox", "interleaved"])
+def test_rotary_write_kv(cuda_backend, cpu_backend, num_tokens, heads, style):
+    num_heads, num_kv_heads, head_dim = heads
+    num_blocks, block_size = 23, 16
+    gen = torch.Generator().manual_seed(num_tokens * head_dim + num_heads)
+    cos_sin = rope_cos_sin(head_dim, 4000, 1e5)
+    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+    qkv = torch.randn(num_tokens, q_size + 2 * kv_size, generator=gen).half()
+    positions = torch.randint(0, 4000, (num_tokens,), generator=gen)
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]
+    slots[torch.rand(num_tokens, generator=gen) < 0.3] = -1
+
+    def split(t):
+        return (t[:, :q_size].view(num_tokens, num_heads, head_dim),
+                t[:, q_size:q_size + kv_size].view(num_tokens, num_kv_heads, head_dim),
+                t[:, q_size + kv_size:].view(num_tokens, num_kv_heads, head_dim))
+
+    kv0 = torch.full((2, num_blocks, block_size, num_kv_heads, head_dim), float("nan"), dtype=torch.float16)
+    ref_kv = kv0.float()
+    ref_q = cpu_backend.rotary_write_kv(*[t.float() for t in split(qkv)], positions, cos_sin, style, ref_kv, slots)
+    got_kv, unf_kv = kv0.cuda(), kv0.cuda()
+    d = qkv.cuda()
+    got_q = cuda_backend.rotary_write_kv(*split(d), positions.cuda(), cos_sin.cuda(), style, got_kv, slots.cuda())
+    q, k, v = split(d)
+    unf_q, unf_k = cuda_backend.rotary(q, k, positions.cuda(), cos_sin.cuda(), style)
+    cuda_backend.write_kv(unf_k, v, unf_kv, slots.cuda())
+    assert rel_err(got_q, ref_q) <= 2e-3
+    assert torch.equal(got_q, unf_q)
+    assert torch.equal(got_kv.isnan(), unf_kv.isnan())
+    assert torch.equal(got_kv.nan_to_num(), unf_kv.nan_to_num())
+    assert torch.equal(got_kv.cpu().isnan(), ref_kv.isnan())
+    assert rel_err(got_kv.nan_to_num(), ref_kv.nan_to_num()) <= 2e-3

@@ -1,0 +1,133 @@
+"""The table-lookup detokenizer (`detok_bytes`) against the windowed one and against `decode` of all ids.
+
+Random id sequences (multi-byte and emoji text, raw byte tokens that make invalid UTF-8, special tokens) are
+pushed in random chunk sizes, with and without stop strings; every delta, the stop reason and the flush must be
+the same as the windowed path's, which is what `IncrementalDetokenizer` does for a tokenizer without
+`byte_table`.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import tokenizers
+from tokenizers import AddedToken, decoders, models, pre_tokenizers
+
+from tests.api.fake_engine import ByteTokenizer
+from tools.make_synthetic_checkpoint import byte_tokenizer
+from voltserve.detok import IncrementalDetokenizer
+from voltserve.detok_bytes import ByteStreamDecoder
+from voltserve.tokenizer import Tokenizer, _byte_decoder
+
+PIECES = ["Hello", " world", "😀", " 你好世界", "naïve café", "🇫🇷", "\u2028", " STOP", "ST", "OP", "\n", "🦀🥨",
+          "<|im_end|>", "<|endoftext|>", "<|bos|>", "<|eos|>", "<x y>", "a\u0120b", "日本語", "\ufffd"]
+STOPS = [[], ["STOP"], ["好世"], ["OP\n", "ST"], ["😀"], ["<|im_end|>"], ["a b", "🦀"]]
+
+
+class WindowedOnly:
+    """The tokenizer without `byte_table`: `IncrementalDetokenizer` takes the windowed path."""
+
+    def __init__(self, tok):
+        self.decode = tok.decode
+
+
+def _odd_tokenizer() -> Tokenizer:
+    """Byte-level BPE with added tokens that test the decoder's rules: a special token whose characters are all
+    in the byte alphabet (`Ġ` decodes to a space) and a plain added token with a character outside it (kept as
+    UTF-8)."""
+    alphabet = sorted(_byte_decoder(), key=_byte_decoder().get)
+    backend = tokenizers.Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)} | {"ĠĠ": 256}, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens([AddedToken("<xĠy>", special=True), AddedToken("<|eos|>", special=True)])
+    backend.add_tokens([AddedToken("a b", special=False), AddedToken("aĠb", special=False)])
+    return Tokenizer(backend, bos_token_id=None, eos_token_ids=[258], vocab_size=300)
+
+
+def _random_ids(rng: random.Random, tok, vocab_size: int, special_ids: list[int]) -> list[int]:
+    ids: list[int] = []
+    for _ in range(rng.randint(1, 12)):
+        kind = rng.random()
+        if kind < 0.6:
+            ids += tok.encode(rng.choice(PIECES))
+        elif kind < 0.85:
+            ids += [rng.randrange(vocab_size) for _ in range(rng.randint(1, 3))]  # often invalid UTF-8
+        else:
+            ids.append(rng.choice(special_ids))
+    return ids
+
+
+def _run(tok, ids, chunks, **kwargs):
+    detok = IncrementalDetokenizer(tok, **kwargs)
+    deltas = []
+    start = 0
+    for size in chunks:
+        deltas.append(detok.push(ids[start:start + size]))
+        start += size
+    return deltas, detok.flush(), detok.stop_reason
+
+
+def _tokenizers() -> dict:
+    return {"synthetic": byte_tokenizer(320), "fake_engine": ByteTokenizer(), "odd": _odd_tokenizer()}
+
+
+@pytest.mark.parametrize("name", ["smollm2", "synthetic", "fake_engine", "odd"])
+def test_same_deltas_as_windowed_and_decode(name, request):
+    tok = request.getfixturevalue("smollm2_tokenizer") if name == "smollm2" else _tokenizers()[name]
+    vocab_size = tok.vocab_size
+    special_ids = sorted(getattr(tok, "special_ids", None) or range(3))
+    assert tok.byte_table(True) is not None
+    rng = random.Random(1234)
+    sequences = 300 if name == "smollm2" else 600
+    for _ in range(sequences):
+        ids = _random_ids(rng, tok, vocab_size, special_ids)
+        chunks = []
+        while sum(chunks) < len(ids):
+            chunks.append(rng.choice([1, 1, 1, 2, 3, 5]))
+        kwargs = dict(stop=rng.choice(STOPS), include_stop_str_in_output=rng.random() < 0.5,
+                      skip_special_tokens=rng.random() < 0.7)
+        fast = _run(tok, ids, chunks, **kwargs)
+        assert fast == _run(WindowedOnly(tok), ids, chunks, **kwargs), (ids, chunks, kwargs)
+        deltas, flushed, stop = fast
+        text = "".join(d for d, _ in deltas) + flushed
+        if stop is None:  # everything, less an incomplete (or invalid) UTF-8 tail
+            assert text == tok.decode(ids, skip_special_tokens=kwargs["skip_special_tokens"]).rstrip("\ufffd")
+
+
+def test_table_matches_decode_token_by_token(smollm2_tokenizer):
+    tok = smollm2_tokenizer
+    for skip in (True, False):
+        table = tok.byte_table(skip)
+        assert len(table) == tok.vocab_size == 49152
+        for i in range(0, len(table), 7):  # one token alone: its bytes read as UTF-8 is what decode gives
+            assert table[i].decode("utf-8", errors="replace") == tok.decode([i], skip_special_tokens=skip), i
+    assert tok.byte_table(True)[2] == b"" and tok.byte_table(False)[2] == b"<|im_end|>"
+    assert tok.byte_table(True) is tok.byte_table(True)  # built once
+
+
+def test_added_token_rules():
+    tok = _odd_tokenizer()
+    table = tok.byte_table(False)
+    assert table[256] == b"  "  # a model token "ĠĠ"
+    assert table[257] == b"<x y>" and tok.byte_table(True)[257] == b""  # special, in the byte alphabet
+    assert table[259] == b"a b"  # outside the alphabet (a space): its UTF-8 as is
+    assert table[260] == b"a b"  # "aĠb": every character in the alphabet
+    assert table[299] == b""  # beyond the known ids, inside vocab_size
+    assert [tok.decode([i], skip_special_tokens=False) for i in (256, 257, 259, 260)] == ["  ", "<x y>", "a b", "a b"]
+
+
+def test_other_decoders_have_no_table():
+    backend = tokenizers.Tokenizer(models.BPE(vocab={"a": 0, "▁": 1}, merges=[]))
+    backend.decoder = decoders.Metaspace()
+    assert Tokenizer(backend, bos_token_id=None, eos_token_ids=[0]).byte_table() is None
+
+
+def test_stream_decoder_hold_back_and_flush():
+    table = [b"A", "é".encode()[:1], "é".encode()[1:], b"\xff", "\ufffd".encode(), b""]
+    dec = ByteStreamDecoder(table)
+    assert [dec.push([i]) for i in (0, 1, 2, 3, 0, 4, 1)] == ["A", "", "é", "", "\ufffdA", "", ""]
+    assert dec.flush() == ""  # held U+FFFD and the incomplete "é" are both dropped
+    assert dec.push([0, 5, 99, 1]) == "" and dec.push([2]) == "Aé"  # ids past the table decode to b""
+    with pytest.raises(ValueError, match="negative"):
+        dec.push([-1])

@@ -1,0 +1,74 @@
+"""Delta delivery from the scheduler actor to a RequestStream: merging, deferred wake-up, and its ordering
+against the worker's next step."""
+
+from __future__ import annotations
+
+import asyncio
+
+from actors.base import Actor
+from actors.scheduler import AddRequestMsg, SchedulerActor
+from actors.stream import RequestStream
+from tests.api.fake_engine import ByteTokenizer
+from tests.helpers import make_scheduler, make_seq
+from voltserve.request import FinishReason, RequestOutput
+
+A = 3 + ord("a")  # ByteTokenizer: id 3 + b is byte b
+
+
+def _out(index: int, token: int, text: str, finish=None, num_output_tokens=1) -> RequestOutput:
+    return RequestOutput("r", index, [token], text, None, finish, None, 3, 0, num_output_tokens)
+
+
+async def test_deferred_wake_and_merge():
+    stream = RequestStream("r", 2, abort=lambda rid: None)
+    got = asyncio.ensure_future(stream.__anext__())
+    await asyncio.sleep(0)  # the consumer now waits
+    stream.put(_out(0, A, "a"), wake=False)
+    stream.put(_out(0, A + 1, "b", num_output_tokens=2), wake=False)  # not taken yet: merges
+    stream.put(_out(1, A, "a"), wake=False)
+    await asyncio.sleep(0)
+    assert not got.done()  # no wake-up yet
+    stream.wake()
+    first = await got
+    assert (first.index, first.token_ids, first.text, first.num_output_tokens) == (0, [A, A + 1], "ab", 2)
+    second = await stream.__anext__()
+    assert (second.index, second.token_ids, second.text) == (1, [A], "a")
+    stream.put(_out(0, A, "a", FinishReason.LENGTH, 3))
+    stream.put(_out(0, A, "late"))  # nothing follows a finished sequence
+    stream.put(_out(1, A, "", FinishReason.STOP, 2))
+    assert [(o.index, o.text, o.finish_reason) for o in [o async for o in stream]] == [
+        (0, "a", FinishReason.LENGTH), (1, "", FinishReason.STOP)]
+    assert stream.finished
+
+
+class _Worker(Actor):
+    """Answers ExecuteMsg with token `A` for every sampling entry after a short "device" wait; counts steps
+    handed to it."""
+
+    def __init__(self):
+        super().__init__("worker-double")
+        self.steps_started = 0
+
+    async def handle(self, msg):
+        self.steps_started += 1
+        await asyncio.sleep(0.002)
+        return {e.seq.seq_id: A for e in msg.plan.entries if e.sample}, {}
+
+
+async def test_consumers_wake_after_the_next_step_is_handed_to_the_worker():
+    worker = _Worker()
+    actor = SchedulerActor(make_scheduler(), worker, ByteTokenizer())
+    worker.start()
+    actor.start()
+    streams = [RequestStream(f"r{i}", 1, abort=lambda rid: None) for i in range(3)]
+    for i, stream in enumerate(streams):
+        actor.tell(AddRequestMsg((make_seq([A, A], max_tokens=4, request_id=f"r{i}"),), stream))
+
+    async def consume(stream):  # steps the worker had been given when each delta arrived
+        return [(out.text, worker.steps_started) async for out in stream]
+
+    seen = await asyncio.wait_for(asyncio.gather(*(consume(s) for s in streams)), 5)
+    await actor.stop()
+    await worker.stop()
+    # delta k (from step k) arrives once step k + 1 is already with the worker; the last one has no next step
+    assert seen == [[("a", 2), ("a", 3), ("a", 4), ("a", 4)]] * 3

@@ -6,6 +6,7 @@ per step) / measured device-to-device copy bandwidth (issue 4, target 3).
 
     python tools/bench_decode.py --model smollm2-135m-instruct --device cuda --out decode.json
     python tools/bench_decode.py --synthetic llama3-8b --device cuda --batch 1,8 --out decode8b.json
+    python tools/bench_decode.py --device cuda --batch 1 --prefill 512 --repeats 5   # adds pp512
 """
 
 from __future__ import annotations
@@ -68,6 +69,22 @@ def time_decode(built, batch: int, prompt_len: int, steps: int, device: str) -> 
     return (time.perf_counter() - start) / steps
 
 
+def time_prefill(built, prompt_len: int, device: str) -> float:
+    """Seconds for one sequence's whole-prompt prefill of `prompt_len` tokens (llama.cpp's ppN, N = prompt_len),
+    including sampling its first token."""
+    cfg = built.model_config
+    pool = BlockPool(built.num_blocks, built.runner.block_size, enable_prefix_caching=False)
+    sched = Scheduler(pool, 1, prompt_len, prompt_len + 2, ())
+    prompt = [(7 + j) % min(cfg.vocab_size, 250) + 1 for j in range(prompt_len)]
+    sched.add(Sequence(0, "p", 0, prompt, SamplingParams(temperature=0, ignore_eos=True), 1))
+    plan = sched.schedule()
+    _sync(device)
+    start = time.perf_counter()
+    built.runner.execute(plan)
+    _sync(device)
+    return time.perf_counter() - start
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description="decode tokens/s, batch sweep, graphs on/off")
     parser.add_argument("--model", default="smollm2-135m-instruct")
@@ -78,6 +95,8 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--prefill", type=int, default=0,
+                        help="also time a single-sequence prefill of this many tokens (pp512: --prefill 512)")
     parser.add_argument("--out", type=pathlib.Path)
     args = parser.parse_args()
     batches = [int(b) for b in args.batch.split(",")]
@@ -93,14 +112,23 @@ def main() -> None:
         if args.device != "cuda" and graphs == "on":
             continue
         config = EngineConfig(model=args.model, device=args.device, max_num_seqs=max(batches),
-                              max_model_len=args.prompt_len + args.steps + 16, enforce_eager=graphs == "off",
-                              num_kv_blocks=max(batches) * (-(-(args.prompt_len + args.steps + 16) // 16)))
+                              max_model_len=max(args.prompt_len + args.steps + 16, args.prefill + 16),
+                              enforce_eager=graphs == "off", max_num_batched_tokens=max(2048, args.prefill),
+                              num_kv_blocks=max(batches) * (-(-(max(args.prompt_len + args.steps, args.prefill) + 16)
+                                                               // 16)))
         built = build_runner(config, loaded)
         for batch in batches:
             times = [time_decode(built, batch, args.prompt_len, args.steps, args.device)
                      for _ in range(args.repeats)]
             step_s = statistics.median(times)
             point = {"graphs": graphs, "batch": batch, "step_ms": step_s * 1e3, "tokens_per_s": batch / step_s}
+            results["points"].append(point)
+            print(json.dumps(point), flush=True)
+        if args.prefill:
+            time_prefill(built, args.prefill, args.device)  # warm-up: kernels load, allocator grows
+            pre_s = statistics.median(time_prefill(built, args.prefill, args.device) for _ in range(args.repeats))
+            point = {"graphs": graphs, "prefill_tokens": args.prefill, "prefill_ms": pre_s * 1e3,
+                     "prefill_tokens_per_s": args.prefill / pre_s}
             results["points"].append(point)
             print(json.dumps(point), flush=True)
         del built

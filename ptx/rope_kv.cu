@@ -6,10 +6,9 @@
 //   q heads:  q_out[t, h] = (x1*c - x2*s, x2*c + x1*s)           (fp16 store)
 //   k heads:  kv[0, slot] = the same rotation of k[t, h]           slot = slot_mapping[t]; slot < 0: not written
 //   v heads:  kv[1, slot] = v[t, h]
-// Values equal rotary (rotary.cu) followed by kv_write (kv_write.cu) bit for bit.
 // Grid: (num_tokens, num_heads + 2 * num_kv_heads); block 64 threads loop over the head's pairs; no smem.
-// SM70 path: the only path. Reference: CpuBackend.rotary + CpuBackend.write_kv.
-#include "rope.cuh"
+// SM70 path: the only path. Reference: CpuBackend.rotary_write_kv (= CpuBackend.rotary, then write_kv).
+#include "common.cuh"
 
 struct RopeKvParams {
     const half_t* q;         // [num_tokens, num_heads, head_dim] fp16, token stride q_token_stride, heads packed
@@ -32,6 +31,16 @@ struct RopeKvParams {
     int max_positions;
 };
 VOLT_CHECK_PARAMS(RopeKvParams, VOLT_ROPE_KV_PARAMS_BYTES);
+
+// Rotate pair i of one head by the angle whose cos / sin are cs[i] / cs[half_dim + i]; fp32 math, fp16 stores.
+VOLT_DEVICE void rope_pair(const half_t* src, half_t* dst, const float* cs, int i, int half_dim, int interleaved) {
+    const int i1 = interleaved ? 2 * i : i;
+    const int i2 = interleaved ? 2 * i + 1 : i + half_dim;
+    const float x1 = h2f(src[i1]), x2 = h2f(src[i2]);
+    const float c = cs[i], s = cs[half_dim + i];
+    dst[i1] = f2h(x1 * c - x2 * s);
+    dst[i2] = f2h(x2 * c + x1 * s);
+}
 
 extern "C" __global__ void rope_kv_write(const RopeKvParams p) {
     const i64 t = blockIdx.x;

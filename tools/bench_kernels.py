@@ -157,10 +157,10 @@ def _cases(be):
     k = torch.randn(T, KVH, D, device=dev, dtype=h)
     cs = rope_cos_sin(D, 8192, 5e5).to(dev)
     pos = torch.arange(T, device=dev)
-    yield "rotary", lambda: be.rotary(q, k, pos, cs, "neox"), 2 * (NH + KVH) * T * D * 2 + T * D * 4, 0
     kv = torch.zeros(2, T // 16 + 1, 16, KVH, D, device=dev, dtype=h)
     slots = torch.arange(T, device=dev)
-    yield "kv_write", lambda: be.write_kv(k, k, kv, slots), 4 * T * KVH * D * 2, 0
+    yield "rope_kv_write", lambda: be.rotary_write_kv(q, k, k, pos, cs, "neox", kv, slots), \
+        2 * (NH + 2 * KVH) * T * D * 2 + T * D * 4, 0
     g = torch.randn(T, 2 * FF // 4, device=dev, dtype=h)
     yield "silu_mul", lambda: be.silu_and_mul(g), 3 * T * FF // 4 * 2, 0
     table = be.prepare_embedding(torch.randn(32000, H))

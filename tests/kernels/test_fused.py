@@ -6,14 +6,11 @@
   roundings of the unfused ones: normalized x, linear output; one more fp16 rounding than test_linear's 3e-3).
 - The residual and SwiGLU epilogues equal the unfused CUDA ops bit for bit (same kernel and row bucket); the norm
   prologue differs from rms_norm only by the fp32 summation order of 1/rms.
-- rotary_write_kv equals rotary + write_kv bit for bit, slot -1 tokens untouched.
 """
 
 import pytest
 import torch
 from tests.kernels.kutils import make_quant, poison_allocator, rel_err
-
-from voltserve.backends.cpu import rope_cos_sin
 
 pytestmark = pytest.mark.gpu
 TOL = 4e-3
@@ -84,39 +81,3 @@ def test_norm_linear_large_x_falls_back(cuda_backend, cpu_backend):
     norm_w = torch.rand(4096, generator=gen) + 0.5
     got = cuda_backend.norm_linear(x.cuda(), cuda_backend.prepare_norm(norm_w), 1e-6, w)
     assert rel_err(got, cpu_backend.norm_linear(x.float(), norm_w, 1e-6, weight)) <= TOL
-
-
-@pytest.mark.parametrize("num_tokens", [1, 5, 37])
-@pytest.mark.parametrize("heads", [(9, 3, 64), (32, 8, 128), (3, 3, 96)])
-@pytest.mark.parametrize("style", ["neox", "interleaved"])
-def test_rotary_write_kv(cuda_backend, cpu_backend, num_tokens, heads, style):
-    num_heads, num_kv_heads, head_dim = heads
-    num_blocks, block_size = 23, 16
-    gen = torch.Generator().manual_seed(num_tokens * head_dim + num_heads)
-    cos_sin = rope_cos_sin(head_dim, 4000, 1e5)
-    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
-    qkv = torch.randn(num_tokens, q_size + 2 * kv_size, generator=gen).half()
-    positions = torch.randint(0, 4000, (num_tokens,), generator=gen)
-    slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]
-    slots[torch.rand(num_tokens, generator=gen) < 0.3] = -1
-
-    def split(t):
-        return (t[:, :q_size].view(num_tokens, num_heads, head_dim),
-                t[:, q_size:q_size + kv_size].view(num_tokens, num_kv_heads, head_dim),
-                t[:, q_size + kv_size:].view(num_tokens, num_kv_heads, head_dim))
-
-    kv0 = torch.full((2, num_blocks, block_size, num_kv_heads, head_dim), float("nan"), dtype=torch.float16)
-    ref_kv = kv0.float()
-    ref_q = cpu_backend.rotary_write_kv(*[t.float() for t in split(qkv)], positions, cos_sin, style, ref_kv, slots)
-    got_kv, unf_kv = kv0.cuda(), kv0.cuda()
-    d = qkv.cuda()
-    got_q = cuda_backend.rotary_write_kv(*split(d), positions.cuda(), cos_sin.cuda(), style, got_kv, slots.cuda())
-    q, k, v = split(d)
-    unf_q, unf_k = cuda_backend.rotary(q, k, positions.cuda(), cos_sin.cuda(), style)
-    cuda_backend.write_kv(unf_k, v, unf_kv, slots.cuda())
-    assert rel_err(got_q, ref_q) <= 2e-3
-    assert torch.equal(got_q, unf_q)
-    assert torch.equal(got_kv.isnan(), unf_kv.isnan())
-    assert torch.equal(got_kv.nan_to_num(), unf_kv.nan_to_num())
-    assert torch.equal(got_kv.cpu().isnan(), ref_kv.isnan())
-    assert rel_err(got_kv.nan_to_num(), ref_kv.nan_to_num()) <= 2e-3

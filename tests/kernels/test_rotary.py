@@ -1,4 +1,8 @@
-"""rotary (neox and interleaved, position ids) vs CpuBackend.rotary. Bound: rel 2e-3 (fp16 output rounding)."""
+"""rotary_write_kv (ptx/rope_kv.cu: RoPE of q and k plus the paged KV write) vs CpuBackend.rotary_write_kv.
+
+Bounds: q and the cached k within rel 2e-3 of the fp32 reference (one fp16 output rounding); the cached v is a
+bit-exact copy; slots not written (incl. slot -1 tokens) keep their NaN.
+"""
 
 import pytest
 import torch
@@ -9,21 +13,34 @@ from voltserve.backends.cpu import rope_cos_sin
 pytestmark = pytest.mark.gpu
 
 
-@pytest.mark.parametrize("num_tokens", [1, 37])
-@pytest.mark.parametrize("heads", [(9, 3, 64), (5, 1, 128), (3, 3, 96)])
+@pytest.mark.parametrize("num_tokens", [1, 5, 37, 301])
+@pytest.mark.parametrize("heads", [(9, 3, 64), (5, 1, 128), (3, 3, 96), (32, 8, 128), (4, 5, 40)])
 @pytest.mark.parametrize("style", ["neox", "interleaved"])
-def test_rotary(cuda_backend, cpu_backend, num_tokens, heads, style):
+def test_rotary_write_kv(cuda_backend, cpu_backend, num_tokens, heads, style):
     num_heads, num_kv_heads, head_dim = heads
-    gen = torch.Generator().manual_seed(num_tokens + head_dim)
+    num_blocks, block_size = 41, 16
+    gen = torch.Generator().manual_seed(num_tokens * head_dim + num_heads)
     cos_sin = rope_cos_sin(head_dim, 6000, 1e5)
-    qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, generator=gen).half()
+    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+    # rows wider than q | k | v: the views have a token stride of their own (heads packed)
+    qkv = torch.randn(num_tokens, q_size + 2 * kv_size + 3, generator=gen).half()
     positions = torch.randint(0, 6000, (num_tokens,), generator=gen)
-    q_cpu = qkv[:, :num_heads * head_dim].view(num_tokens, num_heads, head_dim)
-    k_cpu = qkv[:, num_heads * head_dim:(num_heads + num_kv_heads) * head_dim].view(num_tokens, num_kv_heads, head_dim)
-    ref_q, ref_k = cpu_backend.rotary(q_cpu.float(), k_cpu.float(), positions, cos_sin, style)
-    qkv_d = qkv.cuda()
-    q = qkv_d[:, :num_heads * head_dim].view(num_tokens, num_heads, head_dim)
-    k = qkv_d[:, num_heads * head_dim:(num_heads + num_kv_heads) * head_dim].view(num_tokens, num_kv_heads, head_dim)
-    got_q, got_k = cuda_backend.rotary(q, k, positions.cuda(), cos_sin.cuda(), style)
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]
+    slots[torch.rand(num_tokens, generator=gen) < 0.2] = -1
+
+    def split(t):
+        return (t[:, :q_size].view(num_tokens, num_heads, head_dim),
+                t[:, q_size:q_size + kv_size].view(num_tokens, num_kv_heads, head_dim),
+                t[:, q_size + kv_size:q_size + 2 * kv_size].view(num_tokens, num_kv_heads, head_dim))
+
+    kv0 = torch.full((2, num_blocks, block_size, num_kv_heads, head_dim), float("nan"), dtype=torch.float16)
+    ref_kv = kv0.float()
+    ref_q = cpu_backend.rotary_write_kv(*[t.float() for t in split(qkv)], positions, cos_sin, style, ref_kv, slots)
+    got_kv = kv0.cuda()
+    got_q = cuda_backend.rotary_write_kv(*split(qkv.cuda()), positions.cuda(), cos_sin.cuda(), style, got_kv,
+                                         slots.cuda())
     assert rel_err(got_q, ref_q) <= 2e-3
-    assert rel_err(got_k, ref_k) <= 2e-3
+    got_kv = got_kv.cpu()
+    assert torch.equal(got_kv.isnan(), ref_kv.isnan())
+    assert rel_err(got_kv[0].nan_to_num(), ref_kv[0].nan_to_num()) <= 2e-3
+    assert torch.equal(got_kv[1].nan_to_num(), ref_kv[1].half().nan_to_num())  # v: a bit-exact copy

@@ -99,17 +99,6 @@ class Backend(Protocol):
         Returns (rms_norm(x + residual) * weight, x + residual); with residual None, (rms_norm(x) * weight, x).
         """
 
-    def rotary(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
-               cos_sin: torch.Tensor, style: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotary position embedding (RoFormer, Su et al. 2021).
-
-        Args:
-            q: [num_tokens, num_heads, head_dim]; k: [num_tokens, num_kv_heads, head_dim].
-            positions: [num_tokens] int64.
-            cos_sin: [max_positions, head_dim] fp32; first half cos, second half sin of each frequency.
-            style: "neox" rotates (x[:d/2], x[d/2:]); "interleaved" rotates pairs (x[2i], x[2i+1]).
-        """
-
     def linear(self, x: torch.Tensor, weight: Any, residual: torch.Tensor | None = None) -> torch.Tensor:
         """x [num_tokens, in_features] @ weight^T (+ residual [num_tokens, out_features]) -> [num_tokens,
         out_features], a new tensor. The product is rounded to the activation dtype before the residual add."""
@@ -129,16 +118,19 @@ class Backend(Protocol):
     def rotary_write_kv(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                         cos_sin: torch.Tensor, style: str, kv_layer: torch.Tensor,
                         slot_mapping: torch.Tensor) -> torch.Tensor:
-        """rotary(q, k) then write_kv(rotated k, v): one fused op on backends that can.
+        """Rotary position embedding (RoFormer, Su et al. 2021) of q and k, and the rotated k and v scattered into
+        the paged KV cache of one layer.
 
         Args:
             q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim].
+            positions: [num_tokens] int64.
+            cos_sin: [max_positions, head_dim] fp32; first half cos, second half sin of each frequency.
+            style: "neox" rotates (x[:d/2], x[d/2:]); "interleaved" rotates pairs (x[2i], x[2i+1]).
+            kv_layer: [2, num_blocks, block_size, num_kv_heads, head_dim]; written at slot_mapping.
+            slot_mapping: [num_tokens] int64; -1 = do not write (padding).
         Returns:
             the rotated q, [num_tokens, num_heads, head_dim].
         """
-
-    def write_kv(self, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        """Scatter k, v [num_tokens, num_kv_heads, head_dim] into kv_layer at slot_mapping (-1 skipped)."""
 
     def attention(self, q: torch.Tensor, kv_layer: torch.Tensor, attn: AttentionMetadata,
                   scale: float) -> torch.Tensor:

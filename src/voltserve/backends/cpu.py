@@ -60,6 +60,7 @@ class CpuBackend:
         return (normed * weight.float()).to(x.dtype), x
 
     def rotary(self, q, k, positions, cos_sin, style):
+        """The RoPE half of rotary_write_kv (its argument conventions): rotated (q, k), new tensors."""
         half = cos_sin.shape[-1] // 2
         cs = cos_sin[positions]
         cos, sin = cs[:, None, :half], cs[:, None, half:]
@@ -84,6 +85,8 @@ class CpuBackend:
         return q
 
     def write_kv(self, k, v, kv_layer, slot_mapping):
+        """The cache half of rotary_write_kv: k, v [num_tokens, num_kv_heads, head_dim] into kv_layer at
+        slot_mapping (-1 skipped)."""
         num_blocks, block_size = kv_layer.shape[1], kv_layer.shape[2]
         flat = kv_layer.view(2, num_blocks * block_size, *kv_layer.shape[3:])
         valid = slot_mapping >= 0

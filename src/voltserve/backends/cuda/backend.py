@@ -5,11 +5,11 @@ CUDA allocator (its caching allocator keeps graph capture and NCCL simple). Kern
 once (`refresh_stream()`; `torch.cuda.current_stream()` costs ~8 us per call, DESIGN section 9): call it again
 inside a graph-capture context or after switching streams.
 
-Decode paths (embedding, rms_norm, rotary, write_kv, rotary_write_kv, linear / norm_linear with m <= 16,
-attention with query_len == 1, silu_and_mul, sample_greedy) do no host sync and allocate only through torch's caching allocator, so they are
-capturable in a CUDA graph provided their device inputs (ids, positions, metadata, norm weights, cos/sin table)
-already live on the GPU and `AttentionMetadata.max_seq_len` is the bucket's capacity rather than the step's value
-(it sizes the split-K grid).
+Decode paths (embedding, rms_norm, rotary_write_kv, linear / norm_linear with m <= 16, attention with
+query_len == 1, silu_and_mul, sample_greedy) do no host sync and allocate only through torch's caching allocator,
+so they are capturable in a CUDA graph provided their device inputs (ids, positions, metadata, norm weights,
+cos/sin table) already live on the GPU and `AttentionMetadata.max_seq_len` is the bucket's capacity rather than
+the step's value (it sizes the split-K grid).
 """
 
 from __future__ import annotations
@@ -116,28 +116,6 @@ class CudaBackend:
         self._launch("rmsnorm", "rms_norm", None, (num_tokens, 1, 1), (256, 1, 1), 0, p)
         return out, res_out
 
-    def rotary(self, q, k, positions, cos_sin, style):
-        if style not in ("neox", "interleaved"):
-            raise ValueError(f"unknown rotary style {style!r}")
-        num_tokens, num_heads, head_dim = q.shape
-        num_kv_heads = k.shape[1]
-        if q.stride(2) != 1 or k.stride(2) != 1 or k.shape[0] != num_tokens or k.shape[2] != head_dim:
-            raise ValueError(f"q {tuple(q.shape)} / k {tuple(k.shape)}: need matching [tokens, heads, head_dim] "
-                             "with a contiguous last dim")
-        cs = self._on_device(cos_sin, torch.float32)
-        if cs.shape[1] != head_dim:
-            raise ValueError(f"cos_sin width {cs.shape[1]} != head_dim {head_dim} (partial rotary unsupported)")
-        pos = self._on_device(positions, torch.int64)
-        q_out = torch.empty(q.shape, dtype=self.dtype, device=self.device)
-        k_out = torch.empty(k.shape, dtype=self.dtype, device=self.device)
-        if num_tokens == 0:
-            return q_out, k_out
-        p = P.RotaryParams(q.data_ptr(), k.data_ptr(), q_out.data_ptr(), k_out.data_ptr(), pos.data_ptr(),
-                           cs.data_ptr(), q.stride(0), q.stride(1), k.stride(0), k.stride(1), num_tokens, num_heads,
-                           num_kv_heads, head_dim, int(style == "interleaved"), cs.shape[0])
-        self._launch("rotary", "rotary", None, (num_tokens, 1, 1), (128, 1, 1), 0, p)
-        return q_out, k_out
-
     def linear(self, x, weight: CudaLinear, residual=None):
         _check_rows(x, "x")
         if x.shape[1] != weight.in_features:
@@ -179,20 +157,6 @@ class CudaBackend:
         self._launch("rope_kv", "rope_kv_write", None, (num_tokens, num_heads + 2 * num_kv_heads, 1), (64, 1, 1),
                      0, p)
         return q_out
-
-    def write_kv(self, k, v, kv_layer, slot_mapping):
-        num_tokens, num_kv_heads, head_dim = k.shape
-        if v.shape != k.shape or k.stride(2) != 1 or v.stride(2) != 1:
-            raise ValueError(f"k {tuple(k.shape)} / v {tuple(v.shape)}: need equal shapes, contiguous last dim")
-        if kv_layer.dtype != self.dtype or not kv_layer.is_contiguous() or kv_layer.shape[3:] != k.shape[1:]:
-            raise ValueError(f"kv_layer {tuple(kv_layer.shape)} {kv_layer.dtype} does not match k {tuple(k.shape)}")
-        if num_tokens == 0:
-            return
-        slots = self._on_device(slot_mapping, torch.int64)
-        p = P.KvWriteParams(k.data_ptr(), v.data_ptr(), kv_layer.data_ptr(), slots.data_ptr(), k.stride(0),
-                            k.stride(1), v.stride(0), v.stride(1), kv_layer[0].numel(), num_tokens, num_kv_heads,
-                            head_dim, 0)
-        self._launch("kv_write", "kv_write", None, (num_tokens, 1, 1), (128, 1, 1), 0, p)
 
     def attention(self, q, kv_layer, attn: AttentionMetadata, scale):
         num_tokens, num_heads, head_dim = q.shape

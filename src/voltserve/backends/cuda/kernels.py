@@ -89,8 +89,6 @@ SOURCES = {
     "embedding": KernelSource("embedding.cu", ("embedding_f16", "embedding_q8_0"), P.EmbeddingParams,
                               "VOLT_EMBEDDING_PARAMS_BYTES"),
     "rmsnorm": KernelSource("rmsnorm.cu", ("rms_norm",), P.RmsNormParams, "VOLT_RMSNORM_PARAMS_BYTES"),
-    "rotary": KernelSource("rotary.cu", ("rotary",), P.RotaryParams, "VOLT_ROTARY_PARAMS_BYTES"),
-    "kv_write": KernelSource("kv_write.cu", ("kv_write",), P.KvWriteParams, "VOLT_KV_WRITE_PARAMS_BYTES"),
     "rope_kv": KernelSource("rope_kv.cu", ("rope_kv_write",), P.RopeKvParams, "VOLT_ROPE_KV_PARAMS_BYTES"),
     "silu_mul": KernelSource("silu_mul.cu", ("silu_mul",), P.SiluMulParams, "VOLT_SILU_MUL_PARAMS_BYTES"),
     "attention_decode": KernelSource("attention_decode.cu", ("attn_decode", "attn_decode_reduce"),
@@ -158,8 +156,8 @@ ENGINE_GROUPS = (1, 2, 3, 4, 5, 6, 7, 8)
 
 def engine_specializations() -> list[tuple[str, dict[str, int]]]:
     """Every (op, spec) the engine may compile; tools/build_ptx.py compiles all of them."""
-    specs: list[tuple[str, dict[str, int]]] = [(op, {}) for op in ("embedding", "rmsnorm", "rotary", "kv_write",
-                                                                  "rope_kv", "silu_mul")]
+    specs: list[tuple[str, dict[str, int]]] = [(op, {}) for op in ("embedding", "rmsnorm", "rope_kv",
+                                                                  "silu_mul")]
     specs += [("attention_decode", decode_spec(d, g)) for d in ENGINE_HEAD_DIMS for g in ENGINE_GROUPS]
     specs += [("attention_prefill", {"HEAD_DIM": d}) for d in ENGINE_HEAD_DIMS]
     specs += [("gemv", {"WTYPE": w, "MROWS": m}) for w in WTYPES.values() for m in GEMV_ROW_BUCKETS]

@@ -27,22 +27,11 @@ RmsNormParams = _struct("RmsNormParams", [
     ("x", P), ("residual", P), ("weight", P), ("out", P), ("residual_out", P), ("x_stride", I64),
     ("residual_stride", I64), ("num_tokens", I32), ("hidden", I32), ("eps", F32), ("pad_", I32)])
 
-RotaryParams = _struct("RotaryParams", [
-    ("q", P), ("k", P), ("q_out", P), ("k_out", P), ("positions", P), ("cos_sin", P),
-    ("q_token_stride", I64), ("q_head_stride", I64), ("k_token_stride", I64), ("k_head_stride", I64),
-    ("num_tokens", I32), ("num_heads", I32), ("num_kv_heads", I32), ("head_dim", I32), ("interleaved", I32),
-    ("max_positions", I32)])
-
 RopeKvParams = _struct("RopeKvParams", [
     ("q", P), ("k", P), ("v", P), ("q_out", P), ("kv", P), ("positions", P), ("slot_mapping", P), ("cos_sin", P),
     ("q_token_stride", I64), ("k_token_stride", I64), ("v_token_stride", I64), ("kv_plane", I64),
     ("num_tokens", I32), ("num_heads", I32), ("num_kv_heads", I32), ("head_dim", I32), ("interleaved", I32),
     ("max_positions", I32)])
-
-KvWriteParams = _struct("KvWriteParams", [
-    ("k", P), ("v", P), ("kv", P), ("slot_mapping", P), ("k_token_stride", I64), ("k_head_stride", I64),
-    ("v_token_stride", I64), ("v_head_stride", I64), ("kv_plane", I64), ("num_tokens", I32),
-    ("num_kv_heads", I32), ("head_dim", I32), ("pad_", I32)])
 
 SiluMulParams = _struct("SiluMulParams", [
     ("x", P), ("out", P), ("x_stride", I64), ("num_tokens", I32), ("inner", I32)])

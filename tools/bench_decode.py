@@ -50,14 +50,20 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def time_decode(built, batch: int, prompt_len: int, steps: int, device: str) -> float:
-    """Seconds per decode step at `batch` sequences."""
+def _scheduler(built, batch: int, prompt_len: int, max_tokens: int) -> Scheduler:
+    """A scheduler (no prefix caching) holding `batch` greedy sequences of distinct `prompt_len`-token prompts."""
     cfg = built.model_config
     pool = BlockPool(built.num_blocks, built.runner.block_size, enable_prefix_caching=False)
-    sched = Scheduler(pool, batch, batch * prompt_len, prompt_len + steps + 1, ())
+    sched = Scheduler(pool, batch, batch * prompt_len, prompt_len + max_tokens, ())
     for i in range(batch):
         prompt = [(7 * i + j) % min(cfg.vocab_size, 250) + 1 for j in range(prompt_len)]
-        sched.add(Sequence(i, f"r{i}", 0, prompt, SamplingParams(temperature=0, ignore_eos=True), steps + 1))
+        sched.add(Sequence(i, f"r{i}", 0, prompt, SamplingParams(temperature=0, ignore_eos=True), max_tokens))
+    return sched
+
+
+def time_decode(built, batch: int, prompt_len: int, steps: int, device: str) -> float:
+    """Seconds per decode step at `batch` sequences."""
+    sched = _scheduler(built, batch, prompt_len, steps + 1)
     plan = sched.schedule()  # prefill all
     sched.update(plan, built.runner.execute(plan)[0])
     _sync(device)
@@ -72,12 +78,7 @@ def time_decode(built, batch: int, prompt_len: int, steps: int, device: str) -> 
 def time_prefill(built, prompt_len: int, device: str) -> float:
     """Seconds for one sequence's whole-prompt prefill of `prompt_len` tokens (llama.cpp's ppN, N = prompt_len),
     including sampling its first token."""
-    cfg = built.model_config
-    pool = BlockPool(built.num_blocks, built.runner.block_size, enable_prefix_caching=False)
-    sched = Scheduler(pool, 1, prompt_len, prompt_len + 2, ())
-    prompt = [(7 + j) % min(cfg.vocab_size, 250) + 1 for j in range(prompt_len)]
-    sched.add(Sequence(0, "p", 0, prompt, SamplingParams(temperature=0, ignore_eos=True), 1))
-    plan = sched.schedule()
+    plan = _scheduler(built, 1, prompt_len, 1).schedule()
     _sync(device)
     start = time.perf_counter()
     built.runner.execute(plan)

@@ -34,26 +34,14 @@ def byte_tokenizer(vocab_size: int):
     import tokenizers
     from tokenizers import decoders, models, pre_tokenizers
 
-    from voltserve.tokenizer import Tokenizer
+    from voltserve.tokenizer import Tokenizer, _byte_decoder
 
-    alphabet = pre_tokenizers.ByteLevel.alphabet()
-    byte_to_char = {b: c for b, c in zip(range(256), sorted(alphabet, key=lambda ch: _byte_of(ch)))}
-    vocab = {byte_to_char[b]: b for b in range(256)}
+    vocab = dict(_byte_decoder())  # GPT-2's byte alphabet: stand-in character -> byte = token id
     tok = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens(["<|bos|>", "<|eos|>"])
     return Tokenizer(tok, bos_token_id=256, eos_token_ids=[EOS_ID], vocab_size=vocab_size)
-
-
-def _byte_of(ch: str) -> int:
-    """GPT-2's byte-to-unicode map, inverted for one character."""
-    code = ord(ch)
-    printable = list(range(33, 127)) + list(range(161, 173)) + list(range(174, 256))
-    if code in printable:
-        return code
-    extra = [b for b in range(256) if b not in printable]
-    return extra[code - 256]
 
 
 def synthetic_model(shape: str = "tiny", device: str = "cpu", dtype: torch.dtype = torch.float32,

@@ -14,9 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from voltserve.detok_bytes import ByteStreamDecoder
-
-_REPLACEMENT = "\ufffd"
+from voltserve.detok_bytes import _REPLACEMENT, ByteStreamDecoder
 
 
 class IncrementalDetokenizer:
@@ -101,7 +99,7 @@ class IncrementalDetokenizer:
             prefix = self._window_text(self._prefix_offset, self._read_offset)
             tail = self._window_text(self._prefix_offset, len(self.token_ids))[len(prefix):]
         # a sequence cut off inside a multi-byte character: drop the incomplete bytes, never send U+FFFD
-        out = self._pending + tail.rstrip("\ufffd")
+        out = self._pending + tail.rstrip(_REPLACEMENT)
         self._pending = ""
         self._prefix_offset = self._read_offset = len(self.token_ids)
         self.finished = True

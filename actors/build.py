@@ -50,7 +50,7 @@ def make_backend(config: EngineConfig, device: str):
     if device == "cuda":
         from voltserve.backends.cuda.backend import CudaBackend
 
-        return CudaBackend(0)
+        return CudaBackend(0, pdl=config.pdl)
     from voltserve.backends.cpu import CpuBackend
 
     if config.num_threads > 0:
@@ -117,6 +117,10 @@ def build_runner(config: EngineConfig, loaded=None) -> BuiltEngine:
     eos = tuple(cfg.eos_token_ids) or tuple(tokenizer.eos_token_ids)
     template = ChatTemplate(loaded.chat_template, bos_token=tokenizer.bos_token, eos_token=tokenizer.eos_token)
     runner = ModelRunner(model, backend, kv_cache, eos, graphs=graphs)
+    if device == "cuda" and config.gpu_busy_log_interval > 0:
+        from voltserve.gpu_busy import GpuBusyMeter
+
+        runner.busy_meter = GpuBusyMeter(config.gpu_busy_log_interval)
     thread_init = None
     if device == "cuda":
         thread_init = lambda: torch.cuda.set_device(backend.device)  # noqa: E731 (a new thread has no context)

@@ -116,6 +116,7 @@ VOLT_DEVICE void merge_splits(const DecodeParams& p, int seq, int kvh, int used,
 }
 
 extern "C" __global__ void __launch_bounds__(NUM_THREADS) attn_decode(const DecodeParams p) {
+    pdl_enter();
     extern __shared__ float smem[];
     float* q_s = smem;                                  // [GROUP][HEAD_DIM], pre-scaled
     float* logits = q_s + GROUP * HEAD_DIM;             // [GROUP][PARTITION]
@@ -233,6 +234,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS) attn_decode(const Deco
 }
 
 extern "C" __global__ void __launch_bounds__(NUM_THREADS) attn_decode_reduce(const DecodeParams p) {
+    pdl_enter();
     extern __shared__ float w[];  // [GROUP][num_splits]
     const int kvh = blockIdx.x, seq = blockIdx.y;
     const int seq_len = p.seq_lens[seq];

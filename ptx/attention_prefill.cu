@@ -44,6 +44,7 @@ struct PrefillParams {
 VOLT_CHECK_PARAMS(PrefillParams, VOLT_PREFILL_PARAMS_BYTES);
 
 extern "C" __global__ void __launch_bounds__(NUM_THREADS) attn_prefill(const PrefillParams p) {
+    pdl_enter();
     extern __shared__ float smem[];
     float* q_s = smem;                                                   // [BQ][HEAD_DIM]
     half_t* k_s = reinterpret_cast<half_t*>(q_s + BQ * HEAD_DIM);        // [BK][KS]

@@ -90,6 +90,30 @@ VOLT_DEVICE float block_max(float v, float* scratch) {
     return v;
 }
 
+// Programmatic dependent launch (PDL, SM90+). The launcher sets CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+// on SM90+, so a kernel may start while the previous one in the stream still runs. Contract of every kernel here:
+// call pdl_enter() before the first read of anything an earlier kernel wrote and before the first global write
+// (only constant data such as weights may be touched before it, e.g. prefetched into L2). pdl_enter waits until
+// the previous grid has completed and its writes are visible, then lets the next grid launch, so at most two
+// grids overlap and a chain of waits orders every kernel after all earlier ones. Below SM90, and for a launch
+// without the attribute, both instructions are no-ops (PTX ISA 7.8 griddepcontrol).
+VOLT_DEVICE void pdl_enter() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+// Prefetch the 128-byte lines of [p, p + bytes) into L2, `stride` threads from index `tid` (SM90+ only: below,
+// without PDL overlap, it would only add instructions). For constant data read before pdl_enter().
+VOLT_DEVICE void prefetch_l2(const void* p, i64 bytes, int tid, int stride) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    const char* c = reinterpret_cast<const char*>(p);
+    for (i64 off = (i64)tid * 128; off < bytes; off += (i64)stride * 128)
+        asm volatile("prefetch.global.L2 [%0];" ::"l"(c + off));
+#endif
+}
+
 // Params structs are checked against their Python ctypes mirror: the launcher passes
 // -DVOLT_<NAME>_BYTES=<ctypes.sizeof(mirror)>, so a drifting layout fails to compile (even on CI).
 #define VOLT_CHECK_PARAMS(T, BYTES) static_assert(sizeof(T) == (BYTES), #T " drifted from its Python mirror")

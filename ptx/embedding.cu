@@ -19,6 +19,7 @@ struct EmbeddingParams {
 VOLT_CHECK_PARAMS(EmbeddingParams, VOLT_EMBEDDING_PARAMS_BYTES);
 
 extern "C" __global__ void embedding_f16(const EmbeddingParams p) {
+    pdl_enter();
     const int t = blockIdx.x;
     const i64 id = p.token_ids[t];
     const bool valid = id >= 0 && id < p.vocab;
@@ -34,6 +35,7 @@ extern "C" __global__ void embedding_f16(const EmbeddingParams p) {
 }
 
 extern "C" __global__ void embedding_q8_0(const EmbeddingParams p) {
+    pdl_enter();
     const int t = blockIdx.x;
     const i64 id = p.token_ids[t];
     const bool valid = id >= 0 && id < p.vocab;

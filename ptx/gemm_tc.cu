@@ -153,6 +153,7 @@ VOLT_DEVICE uint4 convert_raw8(const Raw8& r, int j0) {
 #define SMEM_BYTES (SMEM_AB > SMEM_C ? SMEM_AB : SMEM_C)
 
 extern "C" __global__ void __launch_bounds__(NT) gemm_tc(const GemmTcParams p) {
+    pdl_enter();
     __shared__ alignas(128) unsigned char smem[SMEM_BYTES];
     __shared__ int s_last;
     half_t* As = reinterpret_cast<half_t*>(smem);                    // [BM][LDA]

@@ -28,6 +28,7 @@ struct GemmParams {
 VOLT_CHECK_PARAMS(GemmParams, VOLT_GEMM_PARAMS_BYTES);
 
 extern "C" __global__ void __launch_bounds__(256) gemm_tiled(const GemmParams p) {
+    pdl_enter();
     __shared__ float xs[TK][TM];
     __shared__ float ws[TK][TN];
     const int tid = threadIdx.x;

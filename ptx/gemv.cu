@@ -5,7 +5,8 @@
 // each x row first (1/rms recomputed per block from x: k fp32 squares, cheap next to the weight stream), `res`
 // adds a residual to the output; compile-time SILU (gemv only) computes SwiGLU (Shazeer 2020) of a [gate; up]
 // weight. Each fused value keeps the unfused ops' fp16 roundings (the normalized x, the linear output).
-// SM70 path: the only path, fp32 accumulation, 16-byte `__ldg` loads, no cp.async / ldmatrix / mma.
+// SM70 path: the only path, fp32 accumulation, 16-byte `__ldg` loads, no cp.async / ldmatrix / mma. On SM90+
+// both kernels touch their first weights before pdl_enter() (common.cuh): gemv prefetches into L2, gemv_q loads.
 // Reference: voltserve.backends.cpu.CpuBackend.linear. Every output is one fixed-order sum (no atomics).
 //
 // Two kernels (the launcher, linear.py, picks one):
@@ -44,7 +45,8 @@ struct GemvParams {
     int k;
     int vec_ok;            // x 16-byte aligned with x_stride % 8 == 0 and k % 8 == 0 (fp16 W rows likewise)
     float eps;             // RMSNorm epsilon (norm_w only)
-    int pad_;
+    int prefetch_bytes;    // gemv, SM90+: leading bytes of each warp's first weight row(s) prefetched into L2
+                           // before pdl_enter (the launcher bounds the total so the prefetch cannot thrash L2)
 };
 VOLT_CHECK_PARAMS(GemvParams, VOLT_GEMV_PARAMS_BYTES);
 
@@ -168,6 +170,16 @@ extern "C" __global__ void __launch_bounds__(128) gemv(const GemvParams p) {
     extern __shared__ uint4 gv_smem[];  // norm_w: [m][k] fp16 normalized x
     __shared__ float scratch[32];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int n_out = SILU ? p.n / 2 : p.n;
+    {  // before the previous kernel ends (PDL): this warp's first weight row(s) and the norm weight into L2
+        const int row = blockIdx.x * 4 + warp;
+        if (row < n_out) {
+            prefetch_l2(p.w + (i64)row * p.w_row_bytes, p.prefetch_bytes, lane, 32);
+            if (SILU) prefetch_l2(p.w + (i64)(row + n_out) * p.w_row_bytes, p.prefetch_bytes, lane, 32);
+        }
+        if (p.norm_w != nullptr) prefetch_l2(p.norm_w, (i64)p.k * 4, threadIdx.x, blockDim.x);
+    }
+    pdl_enter();
     const half_t* x = p.x;
     i64 x_stride = p.x_stride;
     int vec_ok = p.vec_ok;
@@ -178,7 +190,6 @@ extern "C" __global__ void __launch_bounds__(128) gemv(const GemvParams p) {
         x_stride = p.k;
         vec_ok = (p.k % 8) == 0;  // W rows: fp16 vec_ok also needs k % 8 == 0, which the launcher checked
     }
-    const int n_out = SILU ? p.n / 2 : p.n;
     for (int row = blockIdx.x * 4 + warp; row < n_out; row += gridDim.x * 4) {
 #if SILU
         const u8* wrows[2] = {p.w + (i64)row * p.w_row_bytes, p.w + (i64)(row + n_out) * p.w_row_bytes};
@@ -346,6 +357,13 @@ extern "C" __global__ void __launch_bounds__(256, 2) gemv_q(const GemvParams p) 
     uint4* tile = reinterpret_cast<uint4*>(red + GQ_WARPS * MROWS * 32) + warp * 32 * GQ_PITCH;
     __shared__ float scratch[32];
     __shared__ float inv_rms[MROWS];
+    const int row0 = blockIdx.x * 32, row = row0 + lane;
+    const bool row_ok = row < p.n;
+    const int nsb = p.k / GQ_SB;
+    uint4 cur[GQ_VECS];
+    // weights only: issued before the previous kernel ends (PDL), in flight across the wait
+    gq_load(cur, p.w, p.w_row_bytes, row0, p.n, warp, lane, warp < nsb);
+    pdl_enter();
     if (p.norm_w != nullptr) {  // fused RMSNorm: x is scaled while it is staged below
         for (int r = 0; r < p.m; ++r) {
             const float inv = row_inv_rms(p, r, scratch);
@@ -353,14 +371,9 @@ extern "C" __global__ void __launch_bounds__(256, 2) gemv_q(const GemvParams p) 
         }
         __syncthreads();
     }
-    const int row0 = blockIdx.x * 32, row = row0 + lane;
-    const bool row_ok = row < p.n;
-    const int nsb = p.k / GQ_SB;
     float acc[MROWS];
 #pragma unroll
     for (int r = 0; r < MROWS; ++r) acc[r] = 0.f;
-    uint4 cur[GQ_VECS];
-    gq_load(cur, p.w, p.w_row_bytes, row0, p.n, warp, lane, warp < nsb);
     for (int s0 = 0; s0 < nsb; s0 += GQ_WARPS) {
         const int sb = s0 + warp;
 #if GQ_PREFETCH

@@ -23,6 +23,7 @@ struct RmsNormParams {
 VOLT_CHECK_PARAMS(RmsNormParams, VOLT_RMSNORM_PARAMS_BYTES);
 
 extern "C" __global__ void rms_norm(const RmsNormParams p) {
+    pdl_enter();
     __shared__ float scratch[32];
     const i64 t = blockIdx.x;
     const half_t* x = p.x + t * p.x_stride;

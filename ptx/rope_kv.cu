@@ -43,6 +43,7 @@ VOLT_DEVICE void rope_pair(const half_t* src, half_t* dst, const float* cs, int 
 }
 
 extern "C" __global__ void rope_kv_write(const RopeKvParams p) {
+    pdl_enter();
     const i64 t = blockIdx.x;
     const int h = blockIdx.y, d = p.head_dim, half_dim = d / 2;
     const i64 slot = p.slot_mapping[t];

@@ -217,6 +217,7 @@ VOLT_DEVICE void merge_ms(float& m, float& s, int& i, float om, float os, int oi
 }
 
 extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) sample_topk_topp(const SampleParams p) {
+    pdl_enter();
     __shared__ SampleSmem sm;
     const int row = blockIdx.x, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nw = blockDim.x >> 5;
     const int vocab = p.vocab;
@@ -369,6 +370,7 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) sample_topk_topp(co
 // Test kernel: Philox4x32-10 on num_rows (counter, key) sets. logits: u32 [num_rows, 6] (c0, c1, c2, c3, k0, k1);
 // writes u32 [num_rows, 4] to out_top_ids. Grid: (ceil(num_rows / 128)); block 128.
 extern "C" __global__ void philox4x32_10_test(const SampleParams p) {
+    pdl_enter();
     const int r = blockIdx.x * blockDim.x + threadIdx.x;
     if (r >= p.num_rows) return;
     const u32* in = reinterpret_cast<const u32*>(p.logits) + (i64)r * 6;

@@ -57,6 +57,7 @@ VOLT_DEVICE void block_argmax(float& best, int& best_i, float* sv, int* si) {
 }
 
 extern "C" __global__ void __launch_bounds__(1024) argmax_logprob(const ArgmaxParams p) {
+    pdl_enter();
     __shared__ float sv[32];
     __shared__ int si[32];
     __shared__ int s_last;

@@ -14,6 +14,7 @@ struct SiluMulParams {
 VOLT_CHECK_PARAMS(SiluMulParams, VOLT_SILU_MUL_PARAMS_BYTES);
 
 extern "C" __global__ void silu_mul(const SiluMulParams p) {
+    pdl_enter();
     const i64 t = blockIdx.y;
     const int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= p.inner) return;

@@ -93,6 +93,7 @@ def main() -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--batch", default="1,8,32,64")
     parser.add_argument("--graphs", default="on,off")
+    parser.add_argument("--pdl", default="on", help="programmatic dependent launch (SM90+): on, off or on,off")
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
@@ -109,12 +110,14 @@ def main() -> None:
 
         loaded = synthetic_model(args.synthetic, device=args.device,
                                  dtype=torch.float16 if args.device == "cuda" else torch.float32)
-    for graphs in args.graphs.split(","):
-        if args.device != "cuda" and graphs == "on":
+    runs = [(g, pdl) for g in args.graphs.split(",") for pdl in args.pdl.split(",")]
+    for graphs, pdl in runs:
+        if args.device != "cuda" and (graphs == "on" or pdl == "off"):
             continue
         config = EngineConfig(model=args.model, device=args.device, max_num_seqs=max(batches),
                               max_model_len=max(args.prompt_len + args.steps + 16, args.prefill + 16),
-                              enforce_eager=graphs == "off", max_num_batched_tokens=max(2048, args.prefill),
+                              enforce_eager=graphs == "off", pdl=pdl == "on",
+                              max_num_batched_tokens=max(2048, args.prefill),
                               num_kv_blocks=max(batches) * (-(-(max(args.prompt_len + args.steps, args.prefill) + 16)
                                                                // 16)))
         built = build_runner(config, loaded)
@@ -122,13 +125,14 @@ def main() -> None:
             times = [time_decode(built, batch, args.prompt_len, args.steps, args.device)
                      for _ in range(args.repeats)]
             step_s = statistics.median(times)
-            point = {"graphs": graphs, "batch": batch, "step_ms": step_s * 1e3, "tokens_per_s": batch / step_s}
+            point = {"graphs": graphs, "pdl": pdl, "batch": batch, "step_ms": step_s * 1e3,
+                     "tokens_per_s": batch / step_s}
             results["points"].append(point)
             print(json.dumps(point), flush=True)
         if args.prefill:
             time_prefill(built, args.prefill, args.device)  # warm-up: kernels load, allocator grows
             pre_s = statistics.median(time_prefill(built, args.prefill, args.device) for _ in range(args.repeats))
-            point = {"graphs": graphs, "prefill_tokens": args.prefill, "prefill_ms": pre_s * 1e3,
+            point = {"graphs": graphs, "pdl": pdl, "prefill_tokens": args.prefill, "prefill_ms": pre_s * 1e3,
                      "prefill_tokens_per_s": args.prefill / pre_s}
             results["points"].append(point)
             print(json.dumps(point), flush=True)

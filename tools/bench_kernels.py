@@ -206,10 +206,11 @@ def main() -> int:
     ap.add_argument("--out", default=None, help="write the JSON here too")
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--only", default=None, help="run only the rows whose name contains this")
+    ap.add_argument("--pdl", choices=["on", "off"], default="on", help="programmatic dependent launch (SM90+)")
     args = ap.parse_args()
     from voltserve.backends.cuda.backend import CudaBackend
 
-    be = CudaBackend(0)
+    be = CudaBackend(0, pdl=args.pdl == "on")
     copy_bw = copy_bandwidth(args.repeats)
     rows = []
 
@@ -230,7 +231,7 @@ def main() -> int:
         add(name, t, num_bytes, 0)
     for name, t, num_bytes in _decode_fused_cases(be, args.repeats, args.only):
         add(name, t, num_bytes, 0)
-    result = {"device": torch.cuda.get_device_name(), "arch": be.loader.arch, "repeats": args.repeats,
+    result = {"device": torch.cuda.get_device_name(), "arch": be.loader.arch, "pdl": be.pdl, "repeats": args.repeats,
               "copy_bandwidth_GBps": round(copy_bw / 1e9, 1), "kernels": rows}
     text = json.dumps(result, indent=1)
     print(text)

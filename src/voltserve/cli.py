@@ -40,6 +40,8 @@ HELP = {
     "weight_format": "auto (int4 kernels for Q4 weights when available) or float",
     "gpu_memory_utilization": "fraction of GPU memory for weights, activations and the KV pool",
     "enforce_eager": "run decode steps eagerly instead of replaying CUDA graphs",
+    "pdl": "programmatic dependent launch on SM90+ GPUs (kernels overlap their start with the previous one)",
+    "gpu_busy_log_interval": "seconds between log lines with the GPU's busy share of wall time (CUDA); 0 = off",
 }
 
 

@@ -93,6 +93,10 @@ class EngineConfig:
         weight_format: "auto" (int4 kernels for Q4 GGUF weights on the CPU when available), "float".
         gpu_memory_utilization: fraction of the GPU's memory the engine may use (weights, activations, KV pool).
         enforce_eager: run decode steps eagerly instead of replaying CUDA graphs.
+        pdl: programmatic dependent launch on SM90+ GPUs: each kernel launches while the previous one finishes
+            and prefetches its weights meanwhile (ptx/common.cuh `pdl_enter`); no effect below SM90.
+        gpu_busy_log_interval: seconds between log lines giving the share of wall time the GPU spent on steps
+            (CUDA events around each step; CUDA only); 0 = off.
         exit_on_engine_death: the HTTP server shuts itself down (SIGTERM to its own process) once the engine is
             dead, so a supervisor such as systemd restarts it; `voltserve serve` turns it on.
     """
@@ -116,6 +120,8 @@ class EngineConfig:
     weight_format: str = "auto"
     gpu_memory_utilization: float = 0.9
     enforce_eager: bool = False
+    pdl: bool = True
+    gpu_busy_log_interval: float = 0.0
     exit_on_engine_death: bool = False
 
     def validate(self) -> "EngineConfig":
@@ -131,6 +137,8 @@ class EngineConfig:
             raise ConfigError("max_model_len and num_kv_blocks must be >= 0")
         if self.sse_keep_alive_interval < 0:
             raise ConfigError("sse_keep_alive_interval must be >= 0")
+        if self.gpu_busy_log_interval < 0:
+            raise ConfigError("gpu_busy_log_interval must be >= 0")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ConfigError("gpu_memory_utilization must be in (0, 1]")
         if self.weight_format not in ("auto", "float"):

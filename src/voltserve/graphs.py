@@ -26,12 +26,79 @@ def batch_buckets(max_num_seqs: int) -> list[int]:
     return buckets + [max_num_seqs]
 
 
+class PackedStepInputs:
+    """The host side of a decode graph's static inputs: one int32 buffer holding ids, positions and slots (int64
+    as word pairs), seq_lens, then the block tables [rows, max_blocks], so that one copy uploads a step.
+
+    Args:
+        rows: largest batch (bucket) it holds.
+        max_blocks: block-table width.
+        block_size: tokens per KV block (for slot numbers).
+        pin: page-lock the buffer (needs CUDA); False for tests on the CPU.
+    Attributes:
+        buffer: the int32 host tensor; `words(b)` of it is what a bucket of b rows uses.
+    """
+
+    def __init__(self, rows: int, max_blocks: int, block_size: int, pin: bool = True):
+        self.rows, self.max_blocks, self.block_size = rows, max_blocks, block_size
+        n = rows
+        self.off_pos, self.off_slot, self.off_lens, self.off_tab = 2 * n, 4 * n, 6 * n, 7 * n
+        buffer = torch.zeros(self.off_tab + n * max_blocks, dtype=torch.int32)
+        self.buffer = buffer.pin_memory() if pin else buffer
+        h = self.buffer.numpy()
+        self.ids = h[:self.off_pos].view(np.int64)
+        self.positions = h[self.off_pos:self.off_slot].view(np.int64)
+        self.slots = h[self.off_slot:self.off_lens].view(np.int64)
+        self.seq_lens = h[self.off_lens:self.off_tab]
+        self.tables = h[self.off_tab:].reshape(n, max_blocks)
+        self.slots[:] = -1
+        self.seq_lens[:] = 1
+
+    def words(self, b: int) -> int:
+        """int32 words a bucket of b rows reads (the block tables come last)."""
+        return self.off_tab + b * self.max_blocks
+
+    def fill_from_plan(self, entries) -> None:
+        """Rows 0..len(entries) from the scheduler's entries (`voltserve.scheduler.ScheduledSeq`, one decode token
+        each), read straight from the sequences: no StepInputs on the step's critical path."""
+        n, bs = len(entries), self.block_size
+        ids, positions, slots = [], [], []
+        tables = self.tables
+        for i, e in enumerate(entries):
+            seq, pos = e.seq, e.start
+            blocks = seq.block_ids
+            ids.append(seq.token_at(pos))
+            positions.append(pos)
+            slots.append(blocks[pos // bs] * bs + pos % bs)
+            tables[i, :len(blocks)] = blocks  # entries past the sequence's blocks are never read (seq_lens bound them)
+        self.ids[:n] = ids
+        self.positions[:n] = positions
+        self.slots[:n] = slots
+        self.seq_lens[:n] = self.positions[:n] + 1
+
+    def fill_from_step(self, step: StepInputs) -> None:
+        """Rows 0..num_seqs from a decode-only StepInputs with host tensors."""
+        n = step.attn.num_seqs
+        width = step.attn.block_tables.shape[1]
+        self.ids[:n] = step.input_ids.numpy()
+        self.positions[:n] = step.positions.numpy()
+        self.slots[:n] = step.attn.slot_mapping.numpy()
+        self.seq_lens[:n] = step.attn.seq_lens.numpy()
+        self.tables[:n, :width] = step.attn.block_tables.numpy()
+
+    def pad(self, n: int, b: int) -> None:
+        """Rows n..b are padding: no KV write (slot -1), one key of block 0."""
+        self.slots[n:b] = -1
+        self.seq_lens[n:b] = 1
+        self.tables[n:b, 0] = 0
+
+
 class DecodeGraphs:
     """Captured decode steps of `model` over `kv_cache`.
 
-    The static inputs of every bucket are views into one int32 device buffer (ids, positions and slots as int64
-    pairs, seq_lens, then the block tables [max bucket, max_blocks]); a step fills the pinned host mirror with
-    numpy and uploads the used prefix in one copy. Each graph also runs the greedy argmax of its logits.
+    The static inputs of every bucket are views into one int32 device buffer laid out as `PackedStepInputs`; a
+    step fills the pinned host mirror (`self.host`) and uploads the used prefix in one copy. Each graph also runs
+    the greedy argmax of its logits.
 
     Args:
         model: has forward(StepInputs, kv_cache) -> logits [rows, vocab].
@@ -48,27 +115,16 @@ class DecodeGraphs:
         block_size = kv_cache.shape[3]
         n, dev = self.buckets[-1], backend.device
         self.max_blocks = -(-max_model_len // block_size)
-        # int32 word offsets: ids, positions, slots (int64 = 2 words each), seq_lens, block tables last (a step
-        # uploads the prefix up to its bucket's table rows)
-        self._off_pos, self._off_slot, self._off_lens, self._off_tab = 2 * n, 4 * n, 6 * n, 7 * n
-        words = self._off_tab + n * self.max_blocks
-        self._dev = torch.zeros(words, dtype=torch.int32, device=dev)
-        self._host = torch.zeros(words, dtype=torch.int32).pin_memory()
-        h = self._host.numpy()
-        self._h_ids = h[:self._off_pos].view(np.int64)
-        self._h_pos = h[self._off_pos:self._off_slot].view(np.int64)
-        self._h_slots = h[self._off_slot:self._off_lens].view(np.int64)
-        self._h_lens = h[self._off_lens:self._off_tab]
-        self._h_tab = h[self._off_tab:].reshape(n, self.max_blocks)
-        self._h_slots[:] = -1
-        self._h_lens[:] = 1
+        self.host = PackedStepInputs(n, self.max_blocks, block_size)
+        self._dev = torch.zeros_like(self.host.buffer, device=dev)
+        h = self.host
         d = self._dev
-        self.input_ids = d[:self._off_pos].view(torch.int64)
-        self.positions = d[self._off_pos:self._off_slot].view(torch.int64)
-        self.slot_mapping = d[self._off_slot:self._off_lens].view(torch.int64)
-        self.seq_lens = d[self._off_lens:self._off_tab]
-        self.block_tables = d[self._off_tab:].view(n, self.max_blocks)
-        self._dev.copy_(self._host)
+        self.input_ids = d[:h.off_pos].view(torch.int64)
+        self.positions = d[h.off_pos:h.off_slot].view(torch.int64)
+        self.slot_mapping = d[h.off_slot:h.off_lens].view(torch.int64)
+        self.seq_lens = d[h.off_lens:h.off_tab]
+        self.block_tables = d[h.off_tab:].view(n, self.max_blocks)
+        self._dev.copy_(h.buffer)
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=dev)
         self.logits_indices = torch.arange(n, dtype=torch.int64, device=dev)
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -101,6 +157,12 @@ class DecodeGraphs:
     def can_run(self, step: StepInputs) -> bool:
         return bool(self._graphs) and step.attn.is_decode_only and step.attn.num_seqs <= self.buckets[-1]
 
+    def can_run_plan(self, entries) -> bool:
+        """Whether `host.fill_from_plan` + `replay` take these plan entries: one sampled decode token each, within the
+        largest bucket."""
+        return bool(self._graphs) and len(entries) <= self.buckets[-1] and \
+            all(e.num_new == 1 and e.sample for e in entries)
+
     def run(self, step: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
         """Replay the smallest bucket that fits. step: a decode-only step with host (CPU) tensors.
 
@@ -108,20 +170,17 @@ class DecodeGraphs:
             (logits [num_seqs, vocab], greedy ids [num_seqs] int64): views of the graph's outputs, valid until
             the next replay.
         """
-        n = step.attn.num_seqs
+        self.host.fill_from_step(step)
+        return self.replay(step.attn.num_seqs)
+
+    def replay(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Upload rows 0..n of `self.host` (filled by the caller; padding added here) and replay the bucket of n
+        sequences. Returns what `run` returns."""
         b = next(x for x in self.buckets if x >= n)
-        width = step.attn.block_tables.shape[1]
-        self._h_ids[:n] = step.input_ids.numpy()
-        self._h_pos[:n] = step.positions.numpy()
-        self._h_slots[:n] = step.attn.slot_mapping.numpy()
-        self._h_lens[:n] = step.attn.seq_lens.numpy()
-        self._h_tab[:n, :width] = step.attn.block_tables.numpy()
-        if b > n:  # padding rows: no KV write, one key of block 0
-            self._h_slots[n:b] = -1
-            self._h_lens[n:b] = 1
-            self._h_tab[n:b, 0] = 0
+        if b > n:
+            self.host.pad(n, b)
         # the previous step's upload finished: the runner read that step's results (a sync) before this call
-        end = self._off_tab + b * self.max_blocks
-        self._dev[:end].copy_(self._host[:end], non_blocking=True)
+        end = self.host.words(b)
+        self._dev[:end].copy_(self.host.buffer[:end], non_blocking=True)
         self._graphs[b].replay()
         return self._logits[b][:n], self._greedy[b][:n]

@@ -32,6 +32,7 @@ class ModelRunner:
         self.backend = backend
         self.kv_cache = kv_cache
         self.graphs = graphs  # voltserve.graphs.DecodeGraphs, or None to run every step eagerly
+        self.busy_meter = None  # voltserve.gpu_busy.GpuBusyMeter (CUDA only), or None
         self.block_size = kv_cache.shape[3]
         self.eos_token_ids = eos_token_ids
         self.generator = torch.Generator()
@@ -117,7 +118,26 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> tuple[dict[int, int], dict[int, TokenLogprob]]:
         """Run one step. Returns (seq_id -> sampled token, seq_id -> TokenLogprob for those that asked)."""
-        logits, greedy_ids = self.forward(self.prepare(plan))
+        meter = self.busy_meter
+        if meter is None:
+            return self._execute(plan)
+        try:
+            return self._execute(plan)  # starts the meter right before its first launch
+        finally:
+            meter.step_done()
+
+    def _execute(self, plan: StepPlan) -> tuple[dict[int, int], dict[int, TokenLogprob]]:
+        meter = self.busy_meter
+        if self.graphs is not None and self.graphs.can_run_plan(plan.entries):
+            self.graphs.host.fill_from_plan(plan.entries)  # decode: no StepInputs on the host path
+            if meter is not None:
+                meter.start()
+            logits, greedy_ids = self.graphs.replay(len(plan.entries))
+        else:
+            step = self.prepare(plan)
+            if meter is not None:
+                meter.start()
+            logits, greedy_ids = self.forward(step)
         sampling = [e.seq for e in plan.entries if e.sample]
         if not sampling:
             return {}, {}
@@ -127,6 +147,8 @@ class ModelRunner:
             s.philox_offset += 1
         if logits.is_cuda and hasattr(self.backend, "sample_greedy") and all(_plain_greedy(r) for r in rows):
             ids = greedy_ids if greedy_ids is not None else self.backend.sample_greedy(logits.contiguous())[0]
+            if meter is not None:
+                meter.stop()
             # only the ids cross to the host
             return {s.seq_id: t for s, t in zip(sampling, ids.tolist())}, {}
         # route each row by its own parameters only, so a seeded request samples the same way whatever else is
@@ -141,6 +163,8 @@ class ModelRunner:
             sampled.update(d_sampled)
             lps.update(d_lps)
         host_idx = [i for i, d in enumerate(on_device) if not d]
+        if meter is not None:
+            meter.stop()  # no-op after _sample_on_device's stop; else the host sampler has no device work
         if host_idx:
             tokens, logprobs = sample(logits[host_idx].float().cpu(), [rows[i] for i in host_idx], self.generator)
             for i, t, lp in zip(host_idx, tokens, logprobs):
@@ -160,6 +184,8 @@ class ModelRunner:
                                   s.params.top_p, s.params.min_p, max(s.params.top_k, 0), s.params.logprobs or 0, 0)
                   for s, off in zip(seqs, offsets)]
         ids, lp, (top_ids, top_lps) = self.backend.sample(logits.contiguous(), params)
+        if self.busy_meter is not None:
+            self.busy_meter.stop()
         tokens = ids.tolist()
         sampled = {s.seq_id: t for s, t in zip(seqs, tokens)}
         want = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]

@@ -65,6 +65,31 @@ def test_graph_replay_equals_eager(gpu, smollm2_tokenizer):
     assert graphs[0].buckets == [1, 2, 4]
 
 
+def test_pdl_changes_no_value(gpu, smollm2, smollm2_tokenizer):
+    """PDL only moves when kernels start (SM90+): prefill logits are bitwise equal with it off, and so are the
+    greedy tokens of graph-replayed decode steps."""
+    from voltserve.backends.cuda.backend import CudaBackend
+    from voltserve.graphs import DecodeGraphs
+
+    model, backend = gpu
+    if not backend.pdl:
+        pytest.skip("programmatic dependent launch needs SM90+")
+    off_backend = CudaBackend(0, pdl=False)
+    off = LlamaModel(smollm2.config, smollm2.tensors, off_backend, smollm2.quantized, max_positions=512)
+    ids = smollm2_tokenizer.encode(PROMPTS[1])
+    assert torch.equal(all_logits(model, backend, ids), all_logits(off, off_backend, ids))
+
+    def factory(m, b):
+        def make(kv):
+            g = DecodeGraphs(m, b, kv, max_num_seqs=2, max_model_len=512)
+            g.capture()
+            return g
+        return make
+
+    assert greedy(model, backend, ids, 24, factory(model, backend)) == greedy(off, off_backend, ids, 24,
+                                                                              factory(off, off_backend))
+
+
 async def test_engine_on_gpu_answers_and_batches(smollm2):
     async with running_engine(smollm2, device="cuda", max_num_seqs=8) as engine:
         text, _, last = await complete(engine, chat_ids(engine, "What is the capital of France?"),

@@ -33,16 +33,18 @@ class CudaBackend:
 
     Args:
         device_index: CUDA device ordinal.
+        pdl: launch kernels with programmatic dependent launch when the device supports it (SM90+).
     Raises:
         CudaError: no usable device or cuda-python missing.
     """
 
-    def __init__(self, device_index: int = 0):
+    def __init__(self, device_index: int = 0, pdl: bool = True):
         self.device = torch.device("cuda", device_index)
         self.dtype = torch.float16
         torch.cuda.set_device(self.device)
         torch.empty(1, device=self.device)  # makes the primary context current on this thread
         self.loader = KernelLoader(device_index)
+        self.pdl = pdl and self.loader.arch >= 90
         self._device_copies: dict[int, tuple[Any, torch.Tensor]] = {}
         self.num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         # split-K arrival counters of gemm_tc (zero between launches; allocated here, before any graph capture)
@@ -56,9 +58,13 @@ class CudaBackend:
         """Re-read torch's current stream on this device; later launches go there."""
         self.stream = torch.cuda.current_stream(self.device).cuda_stream
 
-    def _launch(self, op: str, kernel: str, spec: dict[str, int] | None, grid, block, smem: int, params) -> None:
+    def _launch(self, op: str, kernel: str, spec: dict[str, int] | None, grid, block, smem: int, params,
+                pdl: bool | None = None) -> None:
+        """Launch `kernel` of `op` on this backend's stream; pdl None = the backend's setting (the launcher may
+        turn it off for a launch where it does not pay)."""
         fn = self.loader.function(op, kernel, spec, smem)
-        driver.launch(fn, tuple(grid), tuple(block), smem, self.stream, params, kernel)
+        driver.launch(fn, tuple(grid), tuple(block), smem, self.stream, params, kernel,
+                      self.pdl if pdl is None else pdl)
 
     def _on_device(self, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """`t` as a contiguous device tensor of `dtype`; host tensors are copied once and memoised per object."""

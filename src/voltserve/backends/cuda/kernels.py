@@ -59,6 +59,19 @@ def gemm_tc_plan(m: int, n: int, k: int, num_sms: int) -> tuple[int, int, int]:
     return bn, splits, per_split * GEMM_TC_KC
 
 
+GEMV_PREFETCH_L2_BYTES = 8 << 20  # gemv under PDL: L2 prefetch of the first weight rows, all warps together
+GEMV_PDL_MAX_WEIGHT_BYTES = 16 << 20  # larger GEMVs (~4 us of HBM and up) launch without PDL
+
+
+def gemv_prefetch_bytes(first_rows: int, row_bytes: int) -> int:
+    """Leading bytes of each of a gemv launch's `first_rows` weight rows (the rows its warps take first) to
+    prefetch into L2 before the previous kernel ends: whole rows while they fit GEMV_PREFETCH_L2_BYTES together
+    (small models: the whole weight), else an equal share in 128-byte lines. Measured on the default model (H200,
+    batch 1): 0.75 ms per step with an 8 MB budget, 0.81 ms with 32 MB, 0.81 ms without the prefetch."""
+    share = GEMV_PREFETCH_L2_BYTES // max(first_rows, 1)
+    return min(row_bytes, share) // 128 * 128
+
+
 def gemv_q_smem_bytes(mrows: int, fmt: str) -> int:
     """Dynamic shared memory of gemv_q: fp32 x piece [mrows][2048], the warps' partial sums [8][mrows][32] and
     one [32 rows][pitch] tile of 16-byte vectors per warp (pitch = superblock vectors rounded up to odd)."""

@@ -25,6 +25,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 from actors.build import build_runner  # noqa: E402
 from voltserve.config import EngineConfig  # noqa: E402
 from voltserve.kv_cache import BlockPool  # noqa: E402
+from voltserve.offline import run_steps  # noqa: E402
 from voltserve.request import SamplingParams  # noqa: E402
 from voltserve.scheduler import Scheduler  # noqa: E402
 from voltserve.sequence import Sequence  # noqa: E402
@@ -61,16 +62,15 @@ def _scheduler(built, batch: int, prompt_len: int, max_tokens: int) -> Scheduler
     return sched
 
 
-def time_decode(built, batch: int, prompt_len: int, steps: int, device: str) -> float:
-    """Seconds per decode step at `batch` sequences."""
-    sched = _scheduler(built, batch, prompt_len, steps + 1)
+def time_decode(built, batch: int, prompt_len: int, steps: int, device: str, pipelined: bool = True) -> float:
+    """Seconds per decode step at `batch` sequences. pipelined: asynchronous scheduling as the engine does it
+    (`voltserve.offline.run_steps`)."""
+    sched = _scheduler(built, batch, prompt_len, steps + 2)
     plan = sched.schedule()  # prefill all
     sched.update(plan, built.runner.execute(plan)[0])
     _sync(device)
     start = time.perf_counter()
-    for _ in range(steps):
-        plan = sched.schedule()
-        sched.update(plan, built.runner.execute(plan)[0])
+    assert run_steps(sched, built.runner, steps, pipelined) == steps
     _sync(device)
     return (time.perf_counter() - start) / steps
 
@@ -94,6 +94,8 @@ def main() -> None:
     parser.add_argument("--batch", default="1,8,32,64")
     parser.add_argument("--graphs", default="on,off")
     parser.add_argument("--pdl", default="on", help="programmatic dependent launch (SM90+): on, off or on,off")
+    parser.add_argument("--async-scheduling", default="on",
+                        help="plan each decode step before the previous one's tokens are known: on, off or on,off")
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
@@ -111,6 +113,7 @@ def main() -> None:
         loaded = synthetic_model(args.synthetic, device=args.device,
                                  dtype=torch.float16 if args.device == "cuda" else torch.float32)
     runs = [(g, pdl) for g in args.graphs.split(",") for pdl in args.pdl.split(",")]
+    modes = args.async_scheduling.split(",")
     for graphs, pdl in runs:
         if args.device != "cuda" and (graphs == "on" or pdl == "off"):
             continue
@@ -122,13 +125,14 @@ def main() -> None:
                                                                // 16)))
         built = build_runner(config, loaded)
         for batch in batches:
-            times = [time_decode(built, batch, args.prompt_len, args.steps, args.device)
-                     for _ in range(args.repeats)]
-            step_s = statistics.median(times)
-            point = {"graphs": graphs, "pdl": pdl, "batch": batch, "step_ms": step_s * 1e3,
-                     "tokens_per_s": batch / step_s}
-            results["points"].append(point)
-            print(json.dumps(point), flush=True)
+            for mode in modes:
+                times = [time_decode(built, batch, args.prompt_len, args.steps, args.device, mode == "on")
+                         for _ in range(args.repeats)]
+                step_s = statistics.median(times)
+                point = {"graphs": graphs, "pdl": pdl, "async": mode, "batch": batch, "step_ms": step_s * 1e3,
+                         "tokens_per_s": batch / step_s}
+                results["points"].append(point)
+                print(json.dumps(point), flush=True)
         if args.prefill:
             time_prefill(built, args.prefill, args.device)  # warm-up: kernels load, allocator grows
             pre_s = statistics.median(time_prefill(built, args.prefill, args.device) for _ in range(args.repeats))

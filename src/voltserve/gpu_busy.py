@@ -11,13 +11,26 @@ import torch
 logger = logging.getLogger(__name__)
 
 
+class StepTimer:
+    """The two CUDA events around one step's device work (see GpuBusyMeter)."""
+
+    __slots__ = ("start", "stop", "stopped")
+
+    def __init__(self):
+        self.start = torch.cuda.Event(enable_timing=True)
+        self.stop = torch.cuda.Event(enable_timing=True)
+        self.stopped = False
+
+
 class GpuBusyMeter:
     """Times each step's device work with two CUDA events and logs the busy fraction every `interval_s`.
 
-    Per step: `start()` before the step's first launch, `stop()` after its last launch (before the host reads the
-    results), `step_done()` after the host has read them (the events are complete then, so reading them does not
-    sync). Busy time is the sum of event-to-event times; the fraction divides it by the wall time of the interval,
-    idle stretches included, so measure it under a steady load.
+    Per step: `begin()` right before the step's first launch, `end(timer)` after its last launch (before the host
+    reads the results), `account(timer)` after the host has read them (both events are complete then, so reading
+    them does not sync). With two steps in flight (asynchronous scheduling) each has its own timer; the second's
+    start event completes only when the GPU reaches it, after the first step's work, so the intervals never
+    overlap. Busy time is the sum of the intervals; the fraction divides it by the wall time of the window, idle
+    stretches included, so measure it under a steady load.
 
     Args:
         interval_s: seconds between log lines (and between resets of the counters).
@@ -27,32 +40,30 @@ class GpuBusyMeter:
     def __init__(self, interval_s: float, log=None):
         self.interval_s = interval_s
         self._log = log or logger.info
-        self._start_ev = torch.cuda.Event(enable_timing=True)
-        self._stop_ev = torch.cuda.Event(enable_timing=True)
-        self._started = self._stopped = False
+        self._free: list[StepTimer] = []
         self._reset(time.perf_counter())
         self.last: dict | None = None  # the last logged window: busy_fraction, steps, gpu_ms_per_step, wall_s
 
     def _reset(self, now: float) -> None:
         self._t0, self._busy_ms, self._steps = now, 0.0, 0
 
-    def start(self) -> None:
-        self._start_ev.record()
-        self._started, self._stopped = True, False
+    def begin(self) -> StepTimer:
+        timer = self._free.pop() if self._free else StepTimer()
+        timer.start.record()
+        timer.stopped = False
+        return timer
 
-    def stop(self) -> None:
-        """Mark the end of the step's device work; only the first call of a step counts."""
-        if self._started and not self._stopped:
-            self._stop_ev.record()
-            self._stopped = True
+    def end(self, timer: StepTimer) -> None:
+        """Mark the end of the step's device work; only the first call for a timer counts."""
+        if not timer.stopped:
+            timer.stop.record()
+            timer.stopped = True
 
-    def step_done(self) -> None:
-        """Account the finished step (its results were read, so both events have completed)."""
-        if not self._started:
-            return
-        self.stop()
-        self._started = False
-        self._busy_ms += self._start_ev.elapsed_time(self._stop_ev)
+    def account(self, timer: StepTimer) -> None:
+        """Account a finished step (its results were read, so both events have completed)."""
+        self.end(timer)
+        self._busy_ms += timer.start.elapsed_time(timer.stop)
+        self._free.append(timer)
         self._steps += 1
         now = time.perf_counter()
         wall = now - self._t0

@@ -58,20 +58,21 @@ class PackedStepInputs:
         """int32 words a bucket of b rows reads (the block tables come last)."""
         return self.off_tab + b * self.max_blocks
 
-    def fill_from_plan(self, entries) -> None:
+    def fill_from_plan(self, entries, ids: bool = True) -> None:
         """Rows 0..len(entries) from the scheduler's entries (`voltserve.scheduler.ScheduledSeq`, one decode token
-        each), read straight from the sequences: no StepInputs on the step's critical path."""
+        each), read straight from the sequences: no StepInputs on the step's critical path. ids=False leaves the
+        input ids out (a step planned ahead: they come from the previous step's output on the device)."""
         n, bs = len(entries), self.block_size
-        ids, positions, slots = [], [], []
+        positions, slots = [], []
         tables = self.tables
+        if ids:
+            self.ids[:n] = [e.seq.token_at(e.start) for e in entries]
         for i, e in enumerate(entries):
             seq, pos = e.seq, e.start
             blocks = seq.block_ids
-            ids.append(seq.token_at(pos))
             positions.append(pos)
             slots.append(blocks[pos // bs] * bs + pos % bs)
             tables[i, :len(blocks)] = blocks  # entries past the sequence's blocks are never read (seq_lens bound them)
-        self.ids[:n] = ids
         self.positions[:n] = positions
         self.slots[:n] = slots
         self.seq_lens[:n] = self.positions[:n] + 1
@@ -97,7 +98,9 @@ class DecodeGraphs:
     """Captured decode steps of `model` over `kv_cache`.
 
     The static inputs of every bucket are views into one int32 device buffer laid out as `PackedStepInputs`; a
-    step fills the pinned host mirror (`self.host`) and uploads the used prefix in one copy. Each graph also runs
+    step fills a pinned host mirror (`self.host`) and uploads the used prefix in one copy; there are two mirrors,
+    used in turn, so a step can be filled while the previous step's upload may still be pending (asynchronous
+    scheduling keeps two steps in flight; the runner syncs on step N-1 before it fills step N+1). Each graph also runs
     the greedy argmax of its logits.
 
     Args:
@@ -115,7 +118,8 @@ class DecodeGraphs:
         block_size = kv_cache.shape[3]
         n, dev = self.buckets[-1], backend.device
         self.max_blocks = -(-max_model_len // block_size)
-        self.host = PackedStepInputs(n, self.max_blocks, block_size)
+        self._hosts = [PackedStepInputs(n, self.max_blocks, block_size) for _ in range(2)]
+        self.host = self._hosts[0]  # the mirror the next step fills
         self._dev = torch.zeros_like(self.host.buffer, device=dev)
         h = self.host
         d = self._dev
@@ -173,14 +177,18 @@ class DecodeGraphs:
         self.host.fill_from_step(step)
         return self.replay(step.attn.num_seqs)
 
-    def replay(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def replay(self, n: int, ids_from: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Upload rows 0..n of `self.host` (filled by the caller; padding added here) and replay the bucket of n
-        sequences. Returns what `run` returns."""
+        sequences. ids_from: [n] int64 device ids to use as the input ids instead of the host's (the previous
+        step's greedy output, copied after the upload and before the replay overwrites it). Returns what `run`
+        returns."""
         b = next(x for x in self.buckets if x >= n)
         if b > n:
             self.host.pad(n, b)
-        # the previous step's upload finished: the runner read that step's results (a sync) before this call
         end = self.host.words(b)
         self._dev[:end].copy_(self.host.buffer[:end], non_blocking=True)
+        self.host = self._hosts[self.host is self._hosts[0]]  # the next step fills the other mirror
+        if ids_from is not None:
+            self.input_ids[:n].copy_(ids_from)
         self._graphs[b].replay()
         return self._logits[b][:n], self._greedy[b][:n]

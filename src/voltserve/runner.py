@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -13,6 +14,31 @@ from voltserve.sampling import SampleRow, sample
 from voltserve.scheduler import StepPlan
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class StepHandle:
+    """A launched step (`ModelRunner.launch`).
+
+    Attributes:
+        plan: the step's plan.
+        result: the step's (sampled, logprobs) when it ran synchronously; else None.
+        ids_dev: [n] int64 sampled ids on the device (asynchronous steps; valid until the bucket's next replay).
+        ids_host: [n] int64 pinned host copy of ids_dev, complete once `done` is.
+        done: CUDA event recorded after the copy.
+        timer: the busy meter's StepTimer, if one runs.
+    """
+
+    plan: StepPlan
+    result: tuple[dict[int, int], dict[int, TokenLogprob]] | None = None
+    ids_dev: torch.Tensor | None = None
+    ids_host: torch.Tensor | None = None
+    done: object = None
+    timer: object = None
+
+    @property
+    def is_async(self) -> bool:
+        return self.ids_dev is not None
 
 
 class ModelRunner:
@@ -33,6 +59,9 @@ class ModelRunner:
         self.kv_cache = kv_cache
         self.graphs = graphs  # voltserve.graphs.DecodeGraphs, or None to run every step eagerly
         self.busy_meter = None  # voltserve.gpu_busy.GpuBusyMeter (CUDA only), or None
+        self._timer = None  # the meter's StepTimer of the step `execute` runs
+        self._ids_host: list[torch.Tensor | None] = [None, None]  # pinned sampled ids of two steps in flight
+        self._ids_slot = 0
         self.block_size = kv_cache.shape[3]
         self.eos_token_ids = eos_token_ids
         self.generator = torch.Generator()
@@ -119,24 +148,83 @@ class ModelRunner:
     def execute(self, plan: StepPlan) -> tuple[dict[int, int], dict[int, TokenLogprob]]:
         """Run one step. Returns (seq_id -> sampled token, seq_id -> TokenLogprob for those that asked)."""
         meter = self.busy_meter
-        if meter is None:
-            return self._execute(plan)
+        self._timer = None
         try:
             return self._execute(plan)  # starts the meter right before its first launch
         finally:
-            meter.step_done()
+            if self._timer is not None:
+                meter.account(self._timer)
+                self._timer = None
+
+    def _begin_timer(self) -> None:
+        if self.busy_meter is not None:
+            self._timer = self.busy_meter.begin()
+
+    def _end_timer(self) -> None:
+        if self._timer is not None:
+            self.busy_meter.end(self._timer)
+
+    # -- asynchronous scheduling: launch a step, plan the next, then collect ----------------------------------
+
+    def can_launch_async(self, plan: StepPlan) -> bool:
+        """Whether `launch` runs `plan` asynchronously (so a step planned ahead can be fed from it): a decode step
+        of a captured graph bucket whose rows are all plain greedy (argmax computed in the graph)."""
+        g = self.graphs
+        return g is not None and g.can_run_plan(plan.entries) and all(_plain_greedy_seq(e.seq) for e in plan.entries)
+
+    @torch.inference_mode()
+    def launch(self, plan: StepPlan, feed: StepHandle | None = None) -> StepHandle:
+        """Start a step and return without waiting for it; `collect` gives its results.
+
+        Args:
+            plan: the step; run asynchronously when `can_launch_async(plan)`, else at once (`execute`).
+            feed: an asynchronous step just launched whose sampled ids are this step's input ids (`plan` comes
+                from `Scheduler.schedule_ahead` of feed's plan: same sequences in the same order). The ids go
+                device to device; the host never sees them before this step starts.
+        Raises:
+            ValueError: `feed` is given but this step cannot run asynchronously or its rows differ.
+        """
+        if feed is None and not self.can_launch_async(plan):
+            return StepHandle(plan, result=self.execute(plan))
+        n = len(plan.entries)
+        if feed is not None and (feed.ids_dev is None or not self.can_launch_async(plan)
+                                 or [e.seq for e in feed.plan.entries] != [e.seq for e in plan.entries]):
+            raise ValueError("a fed step must be a graph-bucket greedy decode of the feeding step's sequences")
+        for e in plan.entries:  # one Philox counter per sampled token, as in execute
+            e.seq.philox_offset += 1
+        g = self.graphs
+        g.host.fill_from_plan(plan.entries, ids=feed is None)
+        timer = self.busy_meter.begin() if self.busy_meter is not None else None
+        _, greedy = g.replay(n, ids_from=feed.ids_dev if feed is not None else None)
+        self._ids_slot ^= 1
+        host = self._ids_host[self._ids_slot]
+        if host is None:
+            host = self._ids_host[self._ids_slot] = torch.empty(g.buckets[-1], dtype=torch.int64).pin_memory()
+        host[:n].copy_(greedy, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        if timer is not None:
+            self.busy_meter.end(timer)
+        return StepHandle(plan, ids_dev=greedy, ids_host=host[:n], done=done, timer=timer)
+
+    def collect(self, handle: StepHandle) -> tuple[dict[int, int], dict[int, TokenLogprob]]:
+        """Wait for a launched step; returns what `execute` returns."""
+        if handle.result is not None:
+            return handle.result
+        handle.done.synchronize()
+        ids = handle.ids_host.tolist()
+        if handle.timer is not None:
+            self.busy_meter.account(handle.timer)
+        return {e.seq.seq_id: t for e, t in zip(handle.plan.entries, ids)}, {}
 
     def _execute(self, plan: StepPlan) -> tuple[dict[int, int], dict[int, TokenLogprob]]:
-        meter = self.busy_meter
         if self.graphs is not None and self.graphs.can_run_plan(plan.entries):
             self.graphs.host.fill_from_plan(plan.entries)  # decode: no StepInputs on the host path
-            if meter is not None:
-                meter.start()
+            self._begin_timer()
             logits, greedy_ids = self.graphs.replay(len(plan.entries))
         else:
             step = self.prepare(plan)
-            if meter is not None:
-                meter.start()
+            self._begin_timer()
             logits, greedy_ids = self.forward(step)
         sampling = [e.seq for e in plan.entries if e.sample]
         if not sampling:
@@ -147,8 +235,7 @@ class ModelRunner:
             s.philox_offset += 1
         if logits.is_cuda and hasattr(self.backend, "sample_greedy") and all(_plain_greedy(r) for r in rows):
             ids = greedy_ids if greedy_ids is not None else self.backend.sample_greedy(logits.contiguous())[0]
-            if meter is not None:
-                meter.stop()
+            self._end_timer()
             # only the ids cross to the host
             return {s.seq_id: t for s, t in zip(sampling, ids.tolist())}, {}
         # route each row by its own parameters only, so a seeded request samples the same way whatever else is
@@ -163,8 +250,7 @@ class ModelRunner:
             sampled.update(d_sampled)
             lps.update(d_lps)
         host_idx = [i for i, d in enumerate(on_device) if not d]
-        if meter is not None:
-            meter.stop()  # no-op after _sample_on_device's stop; else the host sampler has no device work
+        self._end_timer()  # no-op after _sample_on_device's; the host sampler has no device work
         if host_idx:
             tokens, logprobs = sample(logits[host_idx].float().cpu(), [rows[i] for i in host_idx], self.generator)
             for i, t, lp in zip(host_idx, tokens, logprobs):
@@ -184,8 +270,7 @@ class ModelRunner:
                                   s.params.top_p, s.params.min_p, max(s.params.top_k, 0), s.params.logprobs or 0, 0)
                   for s, off in zip(seqs, offsets)]
         ids, lp, (top_ids, top_lps) = self.backend.sample(logits.contiguous(), params)
-        if self.busy_meter is not None:
-            self.busy_meter.stop()
+        self._end_timer()
         tokens = ids.tolist()
         sampled = {s.seq_id: t for s, t in zip(seqs, tokens)}
         want = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
@@ -212,3 +297,9 @@ def _device_supported(row: SampleRow) -> bool:
 def _plain_greedy(row: SampleRow) -> bool:
     p = row.params
     return p.is_greedy and not p.has_penalties and p.logprobs is None and len(row.output_ids) >= p.min_tokens
+
+
+def _plain_greedy_seq(seq) -> bool:
+    """_plain_greedy of a sequence's next token (min_tokens only grows more satisfied with later tokens)."""
+    p = seq.params
+    return p.is_greedy and not p.has_penalties and p.logprobs is None and len(seq.output_ids) >= p.min_tokens

@@ -132,6 +132,36 @@ class Scheduler:
             budget -= num_new
         return StepPlan(entries)
 
+    def schedule_ahead(self, plan: StepPlan) -> StepPlan | None:
+        """The step after `plan`, chosen before `plan`'s tokens are known (asynchronous scheduling): the same
+        sequences in the same order, each decoding the token `plan` samples for it, so the device can read those
+        ids from `plan`'s output and the host never holds the device up.
+
+        Returns None unless that is exactly what `schedule()` would choose once `plan` is applied: every running
+        sequence decodes one sampled token in `plan`, none waits for admission while a slot is free, the context
+        has room for one more token, and the blocks it needs are free (no preemption ahead). A sequence that
+        finishes with `plan`'s token (EOS, stop, max_tokens) still computes the step ahead; `update` then skips
+        it, and its blocks, freed by that finish, are only reused by steps that run after this one.
+        Call `update(plan, ...)` before `update` of the returned plan, and no `schedule()` in between.
+        """
+        entries = plan.entries
+        if not entries or len(entries) != len(self.running) or len(entries) > self.max_num_batched_tokens:
+            return None
+        if self.waiting and len(self.running) < self.max_num_seqs:
+            return None  # schedule() would admit (or try to admit) a waiting sequence
+        need = 0
+        for e, seq in zip(entries, self.running):
+            if e.seq is not seq or e.num_new != 1 or not e.sample or seq.num_computed_tokens != e.start:
+                return None
+            if e.start + 2 > self.max_model_len:
+                return None
+            need += max(0, -(-(e.start + 2) // self.block_size) - len(seq.block_ids))
+        if need > self.pool.num_free:
+            return None
+        for e in entries:
+            self._grow(e.seq, e.start + 2)
+        return StepPlan([ScheduledSeq(e.seq, e.start + 1, 1, True) for e in entries])
+
     def update(self, plan: StepPlan, sampled: dict[int, int]) -> list[Sequence]:
         """Apply a finished step.
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from voltserve.kv_cache import BlockPool
+from voltserve.offline import run_steps
 from voltserve.request import SamplingParams
 from voltserve.runner import ModelRunner
 from voltserve.scheduler import ScheduledSeq, Scheduler, StepPlan
@@ -24,8 +25,10 @@ def all_logits(model, backend, ids: list[int]) -> torch.Tensor:
         return model.forward(runner.to_device(step), kv).float().cpu()
 
 
-def greedy(model, backend, prompt_ids: list[int], num_tokens: int, graphs_factory=None) -> list[int]:
-    """num_tokens greedy tokens (EOS ignored) through the scheduler and ModelRunner."""
+def greedy(model, backend, prompt_ids: list[int], num_tokens: int, graphs_factory=None,
+           pipelined: bool = False) -> list[int]:
+    """num_tokens greedy tokens (EOS ignored) through the scheduler and ModelRunner (pipelined: asynchronous
+    scheduling, voltserve.offline.run_steps)."""
     cfg = model.config
     kv = backend.allocate_kv_cache(cfg.num_layers, 32, 16, cfg.num_kv_heads, cfg.head_dim)
     sched = Scheduler(BlockPool(32, 16), 4, 512, 512, (2,))
@@ -33,7 +36,5 @@ def greedy(model, backend, prompt_ids: list[int], num_tokens: int, graphs_factor
     sched.add(seq)
     graphs = graphs_factory(kv) if graphs_factory else None
     runner = ModelRunner(model, backend, kv, (2,), seed=0, graphs=graphs)
-    while sched.has_work():
-        plan = sched.schedule()
-        sched.update(plan, runner.execute(plan)[0])
+    run_steps(sched, runner, pipelined=pipelined)
     return seq.output_ids

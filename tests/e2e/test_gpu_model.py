@@ -63,6 +63,8 @@ def test_graph_replay_equals_eager(gpu, smollm2_tokenizer):
 
     assert greedy(model, backend, ids, 24, graphs_factory=factory) == eager
     assert graphs[0].buckets == [1, 2, 4]
+    # asynchronous scheduling: each step's input id comes from the previous step's argmax on the device
+    assert greedy(model, backend, ids, 24, graphs_factory=factory, pipelined=True) == eager
 
 
 def test_pdl_changes_no_value(gpu, smollm2, smollm2_tokenizer):

@@ -122,3 +122,95 @@ def test_max_num_seqs_caps_running():
         s.add(q)
     plan, _ = run_step(s)
     assert len(plan.entries) == 2 and len(s.waiting) == 1
+
+
+def _run_ahead(s, steps, next_token=lambda seq: 7):
+    """Drive `s` as the asynchronous engine loop does: plan N+1 with schedule_ahead before applying plan N.
+    Returns how many steps were planned ahead."""
+    plan, ahead_count = s.schedule(), 0
+    for _ in range(steps):
+        if not plan.entries:
+            break
+        ahead = s.schedule_ahead(plan)
+        s.update(plan, {e.seq.seq_id: next_token(e.seq) for e in plan.entries if e.sample})
+        if ahead is None:
+            plan = s.schedule()
+        else:
+            ahead_count += 1
+            plan = ahead
+    return ahead_count
+
+
+def test_schedule_ahead_matches_the_synchronous_loop():
+    # same tokens, finish reasons and free blocks as schedule/update; EOS at a different step per sequence
+    def tok(seq):
+        return 0 if len(seq.output_ids) == len(seq.prompt_ids) - 3 else 5 + len(seq.output_ids)
+
+    results = []
+    for ahead in (False, True):
+        s = make_scheduler(block_size=4, eos=(0,))
+        seqs = [make_seq(range(1, 6 + i), max_tokens=9) for i in range(4)]
+        for seq in seqs:
+            s.add(seq)
+        if ahead:
+            assert _run_ahead(s, 40, tok) > 0
+        else:
+            for _ in range(40):
+                run_step(s, tok)
+        assert not s.has_work() and s.pool.num_free == s.pool.num_blocks
+        s.pool.check_invariants()
+        results.append([(seq.output_ids, seq.finish_reason) for seq in seqs])
+    assert results[0] == results[1]
+
+
+def test_schedule_ahead_plans_the_next_decode_and_its_block():
+    s = make_scheduler(block_size=4)
+    a = make_seq([1, 2, 3], max_tokens=5)
+    s.add(a)
+    plan = s.schedule()  # prefill of 3 tokens, samples position 3
+    assert s.schedule_ahead(plan) is None  # not a decode step
+    s.update(plan, {a.seq_id: 7})
+    plan = s.schedule()
+    assert [(e.start, e.num_new) for e in plan.entries] == [(3, 1)] and len(a.block_ids) == 1
+    ahead = s.schedule_ahead(plan)
+    assert [(e.seq, e.start, e.num_new, e.sample) for e in ahead.entries] == [(a, 4, 1, True)]
+    assert len(a.block_ids) == 2  # position 4 opens the second block before position 3's token is known
+    s.update(plan, {a.seq_id: 8})
+    s.update(ahead, {a.seq_id: 9})
+    assert a.output_ids == [7, 8, 9] and a.num_computed_tokens == 5
+
+
+def test_schedule_ahead_declines_when_schedule_would_differ():
+    s = make_scheduler(block_size=4, max_num_seqs=2, max_model_len=8)
+    a = make_seq([1, 2, 3], max_tokens=10)
+    s.add(a)
+    run_step(s)
+    plan = s.schedule()
+    s.add(make_seq([4, 5]))  # a waiting request and a free slot: the next step admits it
+    assert s.schedule_ahead(plan) is None
+    s.update(plan, {a.seq_id: 7})
+    run_step(s)  # both run now; max_num_seqs reached
+    s.add(make_seq([6]))
+    plan = s.schedule()
+    assert s.schedule_ahead(plan) is not None  # the waiting one cannot be admitted anyway
+    # the step ahead of a sequence's last position runs (its token is dropped): LENGTH as in the synchronous loop
+    s2 = make_scheduler(block_size=4, max_model_len=5)
+    b = make_seq([1, 2, 3], max_tokens=10)
+    s2.add(b)
+    run_step(s2)
+    plan = s2.schedule()
+    ahead = s2.schedule_ahead(plan)
+    assert [e.start for e in ahead.entries] == [4]
+    s2.update(plan, {b.seq_id: 7})
+    assert b.finish_reason is FinishReason.LENGTH and s2.pool.num_free == s2.pool.num_blocks
+    assert s2.update(ahead, {b.seq_id: 8}) == [] and b.output_ids == [7, 7]
+
+
+def test_schedule_ahead_never_preempts():
+    s = make_scheduler(num_blocks=2, block_size=4)
+    a = make_seq([1, 2, 3, 4, 5, 6, 7], max_tokens=10)  # 2 blocks after prefill, position 8 needs a third
+    s.add(a)
+    run_step(s)
+    plan = s.schedule()
+    assert [(e.start, e.num_new) for e in plan.entries] == [(7, 1)]
+    assert s.schedule_ahead(plan) is None and s.num_preemptions == 0 and len(a.block_ids) == 2

@@ -1,0 +1,43 @@
+"""Drive a Scheduler and a ModelRunner in one thread, without actors (benchmarks, tests, offline batch use)."""
+
+from __future__ import annotations
+
+from voltserve.runner import ModelRunner
+from voltserve.scheduler import Scheduler
+
+
+def run_steps(scheduler: Scheduler, runner: ModelRunner, max_steps: int | None = None,
+              pipelined: bool = True) -> int:
+    """Run steps until the scheduler has no work or `max_steps` steps have run. Returns the steps run.
+
+    pipelined: asynchronous scheduling where a step allows it: step N+1 is planned (`Scheduler.schedule_ahead`)
+    and launched with its input ids fed on the device from step N (`ModelRunner.launch(feed=...)`) before the
+    host waits for step N's tokens, so the GPU never waits on the host between such steps.
+
+    Raises:
+        RuntimeError: the scheduler made no progress (KV pool too small for a waiting sequence).
+    """
+    steps = 0
+    plan, handle = None, None
+    while max_steps is None or steps < max_steps:
+        if handle is None:
+            if not scheduler.has_work():
+                break
+            plan = scheduler.schedule()
+            if not plan.entries:
+                raise RuntimeError("scheduler made no progress: KV pool too small for the waiting request")
+            handle = runner.launch(plan)
+            steps += 1
+        ahead = None
+        if pipelined and handle.is_async and (max_steps is None or steps < max_steps):
+            ahead = scheduler.schedule_ahead(plan)
+        ahead_handle = runner.launch(ahead, feed=handle) if ahead is not None else None
+        scheduler.update(plan, runner.collect(handle)[0])
+        if ahead is None:
+            handle = None
+        else:
+            plan, handle = ahead, ahead_handle
+            steps += 1
+    if handle is not None:  # max_steps reached with a step in flight
+        scheduler.update(plan, runner.collect(handle)[0])
+    return steps

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from actors.base import Actor, _Stop
 from actors.stream import RequestStream
-from actors.worker import ExecuteMsg, WorkerActor
+from actors.worker import StepMsg, WorkerActor
 from voltserve.detok import IncrementalDetokenizer
 from voltserve.errors import EngineDeadError, StepFailedError
 from voltserve.request import FinishReason, RequestOutput
@@ -55,37 +55,54 @@ class SchedulerActor(Actor):
         self.num_failed_steps_in_row = 0
 
     async def run_loop(self) -> None:
+        plan, handle = None, None  # the step launched on the worker and not collected yet
         while True:
             # 1) drain the inbox; block on it only when idle
             messages = self.pending()
-            if not messages and not self.scheduler.has_work():
+            if not messages and handle is None and not self.scheduler.has_work():
                 messages = [await self.next_message()]
             for msg, fut in messages:
                 if isinstance(msg, _Stop):
+                    if handle is not None:  # let the step in flight finish before its blocks go
+                        await self.worker.ask(StepMsg(collect=handle))
                     self._abort_all()
                     return
                 self._on_message(msg)
                 if fut is not None:
                     fut.set_result(None)
-            if not self.scheduler.has_work():
-                continue
-            # 2) schedule
-            plan = self.scheduler.schedule()
-            if not plan.entries:
-                raise RuntimeError("scheduler made no progress: KV pool too small for the waiting request")
-            # 3) run the step on the worker (its own thread); a failing step fails its requests, not the engine
+            # 2) schedule and launch a step unless one is in flight; a failing step fails its requests, not the
+            # engine
+            if handle is None:
+                if not self.scheduler.has_work():
+                    continue
+                plan = self.scheduler.schedule()
+                if not plan.entries:
+                    raise RuntimeError("scheduler made no progress: KV pool too small for the waiting request")
+                try:
+                    handle, _ = await self.worker.ask(StepMsg(launch=plan))
+                except EngineDeadError:
+                    raise
+                except Exception as exc:
+                    self._fail_step(plan, exc)
+                    continue
+            # 3) asynchronous scheduling: launch the next step, fed on the device with this step's tokens, before
+            # waiting for them (Scheduler.schedule_ahead says when that equals the step schedule() would pick)
+            ahead = self.scheduler.schedule_ahead(plan) if handle.is_async else None
             try:
-                sampled, logprobs = await self.worker.ask(ExecuteMsg(plan))
+                ahead_handle, (sampled, logprobs) = await self.worker.ask(
+                    StepMsg(launch=ahead, feed=handle if ahead is not None else None, collect=handle))
             except EngineDeadError:
                 raise
             except Exception as exc:
                 self._fail_step(plan, exc)
+                plan, handle = None, None
                 continue
             self.num_steps += 1
             self.num_failed_steps_in_row = 0
-            # 4) apply it and stream the new tokens
+            # 4) apply it and stream the new tokens (while the step ahead, if any, computes)
             for seq in self.scheduler.update(plan, sampled):
                 self._emit(seq, logprobs.get(seq.seq_id))
+            plan, handle = (ahead, ahead_handle) if ahead is not None else (None, None)
 
     def _on_message(self, msg) -> None:
         if isinstance(msg, AddRequestMsg):

@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from actors.base import Actor
-from voltserve.runner import ModelRunner
+from voltserve.runner import ModelRunner, StepHandle
 from voltserve.scheduler import StepPlan
 
 
@@ -20,6 +20,17 @@ class ExecuteMsg:
     """Run one step; the answer is (seq_id -> token, seq_id -> TokenLogprob)."""
 
     plan: StepPlan
+
+
+@dataclass(frozen=True)
+class StepMsg:
+    """Asynchronous scheduling in one trip to the compute thread: launch `launch` (fed from `feed`, see
+    ModelRunner.launch), then collect `collect`. The answer is (the new StepHandle or None, collect's
+    (seq_id -> token, seq_id -> TokenLogprob) or None)."""
+
+    launch: StepPlan | None = None
+    feed: StepHandle | None = None
+    collect: StepHandle | None = None
 
 
 class WorkerActor(Actor):
@@ -35,7 +46,14 @@ class WorkerActor(Actor):
         if isinstance(msg, ExecuteMsg):
             loop = asyncio.get_running_loop()
             return await loop.run_in_executor(self._executor, self.runner.execute, msg.plan)
+        if isinstance(msg, StepMsg):
+            return await asyncio.get_running_loop().run_in_executor(self._executor, self._step, msg)
         raise TypeError(f"{self.name}: unknown message {msg!r}")
+
+    def _step(self, msg: StepMsg):
+        runner = self.runner
+        launched = runner.launch(msg.launch, msg.feed) if msg.launch is not None else None
+        return launched, runner.collect(msg.collect) if msg.collect is not None else None
 
     async def stop(self) -> None:
         await super().stop()

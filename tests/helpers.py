@@ -7,6 +7,7 @@ import itertools
 from voltserve.kv_cache import BlockPool
 from voltserve.request import SamplingParams
 from voltserve.scheduler import Scheduler
+from voltserve.runner import StepHandle
 from voltserve.sequence import Sequence
 
 _ids = itertools.count()
@@ -29,3 +30,46 @@ def run_step(scheduler: Scheduler, next_token=lambda seq: 7):
     plan = scheduler.schedule()
     sampled = {e.seq.seq_id: next_token(e.seq) for e in plan.entries if e.sample}
     return plan, scheduler.update(plan, sampled)
+
+
+def next_token(input_id: int, position: int) -> int:
+    """The fake model's token after `input_id` at `position`."""
+    return (input_id * 31 + position) % 97 + 1  # never 0 (EOS) on its own
+
+
+class FakeAsyncRunner:
+    """launch/collect like voltserve.runner.ModelRunner, with a 'model' that makes each token from the input id it
+    is given (`next_token`): decode steps run 'asynchronously' (their ids stay on the fake device until collect,
+    and a fed step reads them from there, never from the sequences); prefill and mixed steps run at once.
+
+    Args:
+        eos_at: prompt length -> output index at which such a sequence samples EOS (id 0).
+    """
+
+    def __init__(self, eos_at=None):
+        self.eos_at = eos_at or {}  # prompt length -> output index that samples EOS
+        self.fed = 0
+
+    def _token(self, e, input_id):
+        seq = e.seq
+        if self.eos_at.get(len(seq.prompt_ids)) == e.start + e.num_new - len(seq.prompt_ids):
+            return 0
+        return next_token(input_id, e.start + e.num_new - 1)
+
+    def launch(self, plan, feed=None):
+        if feed is not None:
+            assert [e.seq for e in feed.plan.entries] == [e.seq for e in plan.entries]
+            self.fed += 1
+            inputs = feed.ids_dev  # the previous step's ids, never read from the sequences
+        elif all(e.num_new == 1 and e.sample for e in plan.entries):
+            inputs = [e.seq.token_at(e.start) for e in plan.entries]
+        else:
+            sampled = {e.seq.seq_id: self._token(e, e.seq.token_at(e.start + e.num_new - 1))
+                       for e in plan.entries if e.sample}
+            return StepHandle(plan, result=(sampled, {}))
+        return StepHandle(plan, ids_dev=[self._token(e, i) for e, i in zip(plan.entries, inputs)])
+
+    def collect(self, handle):
+        if handle.result is not None:
+            return handle.result
+        return {e.seq.seq_id: t for e, t in zip(handle.plan.entries, handle.ids_dev)}, {}

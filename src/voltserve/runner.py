@@ -27,6 +27,8 @@ class StepHandle:
         ids_host: [n] int64 pinned host copy of ids_dev, complete once `done` is.
         done: CUDA event recorded after the copy.
         timer: the busy meter's StepTimer, if one runs.
+        extras_host: pinned host copies of the device sampler's (logprobs [n], top_ids [n, 20], top_logprobs
+            [n, 20]) when a row asked for logprobs; complete once `done` is.
     """
 
     plan: StepPlan
@@ -35,6 +37,7 @@ class StepHandle:
     ids_host: torch.Tensor | None = None
     done: object = None
     timer: object = None
+    extras_host: tuple | None = None
 
     @property
     def is_async(self) -> bool:
@@ -168,9 +171,13 @@ class ModelRunner:
 
     def can_launch_async(self, plan: StepPlan) -> bool:
         """Whether `launch` runs `plan` asynchronously (so a step planned ahead can be fed from it): a decode step
-        of a captured graph bucket whose rows are all plain greedy (argmax computed in the graph)."""
+        of a captured graph bucket whose rows the device samples without host state: greedy (the graph's own
+        argmax) or the device sampler (`CudaBackend.sample`: no penalties, no min_tokens masking due)."""
         g = self.graphs
-        return g is not None and g.can_run_plan(plan.entries) and all(_plain_greedy_seq(e.seq) for e in plan.entries)
+        if g is None or not g.can_run_plan(plan.entries):
+            return False
+        greedy = all(_plain_greedy_seq(e.seq) for e in plan.entries)
+        return greedy or (hasattr(self.backend, "sample") and all(_device_sampleable(e.seq) for e in plan.entries))
 
     @torch.inference_mode()
     def launch(self, plan: StepPlan, feed: StepHandle | None = None) -> StepHandle:
@@ -186,36 +193,53 @@ class ModelRunner:
         """
         if feed is None and not self.can_launch_async(plan):
             return StepHandle(plan, result=self.execute(plan))
-        n = len(plan.entries)
+        entries = plan.entries
+        n = len(entries)
         if feed is not None and (feed.ids_dev is None or not self.can_launch_async(plan)
-                                 or [e.seq for e in feed.plan.entries] != [e.seq for e in plan.entries]):
-            raise ValueError("a fed step must be a graph-bucket greedy decode of the feeding step's sequences")
-        for e in plan.entries:  # one Philox counter per sampled token, as in execute
-            e.seq.philox_offset += 1
+                                 or [e.seq for e in feed.plan.entries] != [e.seq for e in entries]):
+            raise ValueError("a fed step must be a graph-bucket decode of the feeding step's sequences")
+        seqs = [e.seq for e in entries]
+        offsets = [s.philox_offset for s in seqs]
+        for s in seqs:  # one Philox counter per sampled token, as in execute
+            s.philox_offset += 1
         g = self.graphs
-        g.host.fill_from_plan(plan.entries, ids=feed is None)
+        g.host.fill_from_plan(entries, ids=feed is None)
         timer = self.busy_meter.begin() if self.busy_meter is not None else None
-        _, greedy = g.replay(n, ids_from=feed.ids_dev if feed is not None else None)
+        logits, ids = g.replay(n, ids_from=feed.ids_dev if feed is not None else None)
+        extras_dev = None
+        if not all(_plain_greedy_seq(s) for s in seqs):
+            ids, lp, top_ids, top_lps = self._launch_device_sampler(logits, seqs, offsets)
+            if any(s.params.logprobs is not None for s in seqs):
+                extras_dev = (lp, top_ids, top_lps)
         self._ids_slot ^= 1
         host = self._ids_host[self._ids_slot]
         if host is None:
             host = self._ids_host[self._ids_slot] = torch.empty(g.buckets[-1], dtype=torch.int64).pin_memory()
-        host[:n].copy_(greedy, non_blocking=True)
+        host[:n].copy_(ids, non_blocking=True)
+        extras_host = None
+        if extras_dev is not None:
+            extras_host = tuple(torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in extras_dev)
+            for h, d in zip(extras_host, extras_dev):
+                h.copy_(d, non_blocking=True)
         done = torch.cuda.Event()
         done.record()
         if timer is not None:
             self.busy_meter.end(timer)
-        return StepHandle(plan, ids_dev=greedy, ids_host=host[:n], done=done, timer=timer)
+        return StepHandle(plan, ids_dev=ids, ids_host=host[:n], done=done, timer=timer, extras_host=extras_host)
 
     def collect(self, handle: StepHandle) -> tuple[dict[int, int], dict[int, TokenLogprob]]:
         """Wait for a launched step; returns what `execute` returns."""
         if handle.result is not None:
             return handle.result
         handle.done.synchronize()
-        ids = handle.ids_host.tolist()
+        tokens = handle.ids_host.tolist()
         if handle.timer is not None:
             self.busy_meter.account(handle.timer)
-        return {e.seq.seq_id: t for e, t in zip(handle.plan.entries, ids)}, {}
+        seqs = [e.seq for e in handle.plan.entries]
+        sampled = {s.seq_id: t for s, t in zip(seqs, tokens)}
+        if handle.extras_host is None:
+            return sampled, {}
+        return sampled, _token_logprobs(seqs, tokens, *handle.extras_host)
 
     def _execute(self, plan: StepPlan) -> tuple[dict[int, int], dict[int, TokenLogprob]]:
         if self.graphs is not None and self.graphs.can_run_plan(plan.entries):
@@ -259,10 +283,10 @@ class ModelRunner:
                     lps[sampling[i].seq_id] = lp
         return sampled, lps
 
-    def _sample_on_device(self, logits: torch.Tensor, seqs: list, offsets: list[int]
-                          ) -> tuple[dict[int, int], dict[int, TokenLogprob]]:
-        """Device sampling (CudaBackend.sample) of logits [len(seqs), vocab] fp32 (CUDA); row i uses Philox key
-        seqs[i].philox_seed and counter offsets[i]."""
+    def _launch_device_sampler(self, logits: torch.Tensor, seqs: list, offsets: list[int]):
+        """Launch CudaBackend.sample on logits [len(seqs), vocab] (CUDA); row i uses Philox key
+        seqs[i].philox_seed and counter offsets[i]. Returns its device tensors (ids, logprobs, top_ids,
+        top_logprobs) without a host sync."""
         from voltserve.backends.cuda.params import SampleRowParams  # ctypes only; no CUDA import
 
         params = [SampleRowParams(s.philox_seed & _U64, off & _U64,
@@ -270,18 +294,31 @@ class ModelRunner:
                                   s.params.top_p, s.params.min_p, max(s.params.top_k, 0), s.params.logprobs or 0, 0)
                   for s, off in zip(seqs, offsets)]
         ids, lp, (top_ids, top_lps) = self.backend.sample(logits.contiguous(), params)
+        return ids, lp, top_ids, top_lps
+
+    def _sample_on_device(self, logits: torch.Tensor, seqs: list, offsets: list[int]
+                          ) -> tuple[dict[int, int], dict[int, TokenLogprob]]:
+        """Device sampling of logits [len(seqs), vocab] and the host copy of its results (a sync)."""
+        ids, lp, top_ids, top_lps = self._launch_device_sampler(logits, seqs, offsets)
         self._end_timer()
         tokens = ids.tolist()
         sampled = {s.seq_id: t for s, t in zip(seqs, tokens)}
-        want = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
-        if not want:
+        if all(s.params.logprobs is None for s in seqs):
             return sampled, {}
-        lp_l, tid_l, tlp_l = lp.tolist(), top_ids.tolist(), top_lps.tolist()
-        lps = {}
-        for i in want:
-            k = seqs[i].params.logprobs
-            lps[seqs[i].seq_id] = TokenLogprob(tokens[i], lp_l[i], tuple(zip(tid_l[i][:k], tlp_l[i][:k])))
-        return sampled, lps
+        return sampled, _token_logprobs(seqs, tokens, lp, top_ids, top_lps)
+
+
+def _token_logprobs(seqs: list, tokens: list[int], lp: torch.Tensor, top_ids: torch.Tensor,
+                    top_lps: torch.Tensor) -> dict[int, TokenLogprob]:
+    """TokenLogprob of each sequence that asked for logprobs, from the device sampler's results (host tensors:
+    lp [n] fp32, top_ids [n, 20] int64, top_lps [n, 20] fp32; or device tensors, read with a sync)."""
+    lp_l, tid_l, tlp_l = lp.tolist(), top_ids.tolist(), top_lps.tolist()
+    lps = {}
+    for i, s in enumerate(seqs):
+        k = s.params.logprobs
+        if k is not None:
+            lps[s.seq_id] = TokenLogprob(tokens[i], lp_l[i], tuple(zip(tid_l[i][:k], tlp_l[i][:k])))
+    return lps
 
 
 _U64 = (1 << 64) - 1
@@ -297,6 +334,14 @@ def _device_supported(row: SampleRow) -> bool:
 def _plain_greedy(row: SampleRow) -> bool:
     p = row.params
     return p.is_greedy and not p.has_penalties and p.logprobs is None and len(row.output_ids) >= p.min_tokens
+
+
+def _device_sampleable(seq) -> bool:
+    """_device_supported for a sequence's next token, decided from the sequence alone (no min_tokens masking
+    due: min_tokens is met already, and stays met for later tokens)."""
+    p = seq.params
+    return not p.has_penalties and len(seq.output_ids) >= p.min_tokens and \
+        (p.logprobs is None or 0 <= p.logprobs <= MAX_LOGPROBS)
 
 
 def _plain_greedy_seq(seq) -> bool:

@@ -29,12 +29,42 @@ def greedy(model, backend, prompt_ids: list[int], num_tokens: int, graphs_factor
            pipelined: bool = False) -> list[int]:
     """num_tokens greedy tokens (EOS ignored) through the scheduler and ModelRunner (pipelined: asynchronous
     scheduling, voltserve.offline.run_steps)."""
+    return generate(model, backend, [prompt_ids], num_tokens, graphs_factory, pipelined, temperature=0)[0][0]
+
+
+def generate(model, backend, prompts: list[list[int]], num_tokens: int, graphs_factory=None,
+             pipelined: bool = False, **params) -> list[tuple[list[int], list]]:
+    """(tokens, logprobs) of num_tokens tokens (EOS ignored) per prompt, all in one batch, with SamplingParams
+    `params` (a seed makes it reproducible: Philox key seed + prompt index)."""
     cfg = model.config
-    kv = backend.allocate_kv_cache(cfg.num_layers, 32, 16, cfg.num_kv_heads, cfg.head_dim)
-    sched = Scheduler(BlockPool(32, 16), 4, 512, 512, (2,))
-    seq = Sequence(0, "r", 0, list(prompt_ids), SamplingParams(temperature=0, ignore_eos=True), num_tokens)
-    sched.add(seq)
+    kv = backend.allocate_kv_cache(cfg.num_layers, 64, 16, cfg.num_kv_heads, cfg.head_dim)
+    sched = Scheduler(BlockPool(64, 16), 4, 512, 512, (2,))
+    seqs = []
+    for i, ids in enumerate(prompts):
+        sp = SamplingParams(ignore_eos=True, **params)
+        seq = Sequence(i, f"r{i}", 0, list(ids), sp, num_tokens, philox_seed=(sp.seed or 0) + i)
+        sched.add(seq)
+        seqs.append(seq)
     graphs = graphs_factory(kv) if graphs_factory else None
     runner = ModelRunner(model, backend, kv, (2,), seed=0, graphs=graphs)
-    run_steps(sched, runner, pipelined=pipelined)
-    return seq.output_ids
+    logprobs = {s.seq_id: [] for s in seqs}
+    while sched.has_work():  # the loop of voltserve.offline.run_steps, keeping each step's logprobs
+        plan = sched.schedule()
+        if not pipelined:  # the synchronous path: ModelRunner.execute
+            sampled, lps = runner.execute(plan)
+            for sid, lp in lps.items():
+                logprobs[sid].append(lp)
+            sched.update(plan, sampled)
+            continue
+        handle = runner.launch(plan)
+        while True:
+            ahead = sched.schedule_ahead(plan) if handle.is_async else None
+            ahead_handle = runner.launch(ahead, feed=handle) if ahead is not None else None
+            sampled, lps = runner.collect(handle)
+            for sid, lp in lps.items():
+                logprobs[sid].append(lp)
+            sched.update(plan, sampled)
+            if ahead is None:
+                break
+            plan, handle = ahead, ahead_handle
+    return [(s.output_ids, logprobs[s.seq_id]) for s in seqs]

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from tests.e2e.engine_helpers import chat_ids, complete, running_engine
-from tests.e2e.model_helpers import all_logits, greedy
+from tests.e2e.model_helpers import all_logits, generate, greedy
 from voltserve.backends.cpu import CpuBackend
 from voltserve.models.llama import LlamaModel
 from voltserve.request import FinishReason
@@ -65,6 +65,30 @@ def test_graph_replay_equals_eager(gpu, smollm2_tokenizer):
     assert graphs[0].buckets == [1, 2, 4]
     # asynchronous scheduling: each step's input id comes from the previous step's argmax on the device
     assert greedy(model, backend, ids, 24, graphs_factory=factory, pipelined=True) == eager
+
+
+def test_async_scheduling_samples_like_the_synchronous_loop(gpu, smollm2_tokenizer):
+    """Seeded temperature sampling with logprobs, 3 sequences in a graph bucket of 4: the pipelined loop (device
+    sampler ids fed to the next step on the device) gives the synchronous loop's tokens and logprobs."""
+    from voltserve.graphs import DecodeGraphs
+
+    model, backend = gpu
+    prompts = [smollm2_tokenizer.encode(p) for p in PROMPTS]
+
+    def factory(kv):
+        g = DecodeGraphs(model, backend, kv, max_num_seqs=4, max_model_len=512)
+        g.capture()
+        return g
+
+    params = dict(temperature=0.8, top_p=0.95, seed=1234, logprobs=3)
+    sync = generate(model, backend, prompts, 20, factory, pipelined=False, **params)
+    ahead = generate(model, backend, prompts, 20, factory, pipelined=True, **params)
+    assert [t for t, _ in ahead] == [t for t, _ in sync]
+    for (_, lps_a), (_, lps_s) in zip(ahead, sync):
+        assert len(lps_a) == len(lps_s) == 20
+        assert lps_a == lps_s  # same kernel on the same logits: bitwise equal values
+    greedy_sync = generate(model, backend, prompts, 20, factory, pipelined=False, temperature=0)
+    assert [t for t, _ in sync] != [t for t, _ in greedy_sync]  # the sampler did sample
 
 
 def test_pdl_changes_no_value(gpu, smollm2, smollm2_tokenizer):

@@ -2,48 +2,11 @@
 from the input id it is given: a step planned ahead must receive the previous step's sampled ids (fed on the
 'device'), and the outputs must equal the synchronous loop's."""
 
-from tests.helpers import make_scheduler, make_seq
+from tests.helpers import FakeAsyncRunner, make_scheduler, make_seq, next_token
 
 from voltserve.offline import run_steps
 from voltserve.request import FinishReason
 from voltserve.runner import StepHandle
-
-
-def _next_token(input_id: int, position: int) -> int:
-    return (input_id * 31 + position) % 97 + 1  # never 0 (EOS) on its own
-
-
-class FakeRunner:
-    """launch/collect like ModelRunner: decode steps run 'asynchronously' (their ids stay on the fake device until
-    collect); prefill and mixed steps run at once."""
-
-    def __init__(self, eos_at=None):
-        self.eos_at = eos_at or {}  # prompt length -> output index that samples EOS
-        self.fed = 0
-
-    def _token(self, e, input_id):
-        seq = e.seq
-        if self.eos_at.get(len(seq.prompt_ids)) == e.start + e.num_new - len(seq.prompt_ids):
-            return 0
-        return _next_token(input_id, e.start + e.num_new - 1)
-
-    def launch(self, plan, feed=None):
-        if feed is not None:
-            assert [e.seq for e in feed.plan.entries] == [e.seq for e in plan.entries]
-            self.fed += 1
-            inputs = feed.ids_dev  # the previous step's ids, never read from the sequences
-        elif all(e.num_new == 1 and e.sample for e in plan.entries):
-            inputs = [e.seq.token_at(e.start) for e in plan.entries]
-        else:
-            sampled = {e.seq.seq_id: self._token(e, e.seq.token_at(e.start + e.num_new - 1))
-                       for e in plan.entries if e.sample}
-            return StepHandle(plan, result=(sampled, {}))
-        return StepHandle(plan, ids_dev=[self._token(e, i) for e, i in zip(plan.entries, inputs)])
-
-    def collect(self, handle):
-        if handle.result is not None:
-            return handle.result
-        return {e.seq.seq_id: t for e, t in zip(handle.plan.entries, handle.ids_dev)}, {}
 
 
 def _run(pipelined: bool, max_steps=None):
@@ -51,7 +14,7 @@ def _run(pipelined: bool, max_steps=None):
     seqs = [make_seq(range(1, 3 + 2 * i), max_tokens=6 + i) for i in range(5)]
     for seq in seqs[:3]:
         s.add(seq)
-    runner = FakeRunner(eos_at={4: 3})  # the prompt of length 4 samples EOS as its 4th token
+    runner = FakeAsyncRunner(eos_at={4: 3})  # the prompt of length 4 samples EOS as its 4th token
     steps = run_steps(s, runner, max_steps=3, pipelined=pipelined)
     for seq in seqs[3:]:  # late arrivals: the loop falls back to schedule() to admit them
         s.add(seq)
@@ -66,9 +29,9 @@ def test_pipelined_loop_equals_synchronous_loop():
     ahead, ahead_steps, fed = _run(True)
     assert fed_sync == 0 and fed >= 5
     assert ahead == sync
-    t1 = _next_token(4, 3)  # prompt [1, 2, 3, 4]: the prefill samples from id 4 at position 3
-    t2 = _next_token(t1, 4)
-    assert sync[1] == ([t1, t2, _next_token(t2, 5), 0], FinishReason.STOP)
+    t1 = next_token(4, 3)  # prompt [1, 2, 3, 4]: the prefill samples from id 4 at position 3
+    t2 = next_token(t1, 4)
+    assert sync[1] == ([t1, t2, next_token(t2, 5), 0], FinishReason.STOP)
     assert all(r is FinishReason.LENGTH for _, r in sync[:1] + sync[2:])
     assert ahead_steps >= sync_steps  # a finished sequence may cost one step ahead
 
@@ -77,6 +40,6 @@ def test_max_steps_counts_steps_planned_ahead():
     s = make_scheduler(block_size=4)
     seq = make_seq([1, 2, 3], max_tokens=50)
     s.add(seq)
-    runner = FakeRunner()
+    runner = FakeAsyncRunner()
     assert run_steps(s, runner, max_steps=7, pipelined=True) == 7
     assert len(seq.output_ids) == 7 and runner.fed == 5  # prefill, one plain decode, then 5 fed

@@ -11,6 +11,7 @@ from actors.stream import RequestStream
 from tests.api.fake_engine import ByteTokenizer
 from tests.helpers import make_scheduler, make_seq
 from voltserve.request import FinishReason, RequestOutput
+from voltserve.runner import StepHandle
 
 A = 3 + ord("a")  # ByteTokenizer: id 3 + b is byte b
 
@@ -42,17 +43,21 @@ async def test_deferred_wake_and_merge():
 
 
 class _Worker(Actor):
-    """Answers ExecuteMsg with token `A` for every sampling entry after a short "device" wait; counts steps
-    handed to it."""
+    """Answers StepMsg like WorkerActor for steps that run synchronously: a launch runs the step (token `A` for
+    every sampling entry after a short "device" wait) and returns its handle; a collect returns its results.
+    Counts the steps handed to it."""
 
     def __init__(self):
         super().__init__("worker-double")
         self.steps_started = 0
 
     async def handle(self, msg):
-        self.steps_started += 1
-        await asyncio.sleep(0.002)
-        return {e.seq.seq_id: A for e in msg.plan.entries if e.sample}, {}
+        launched = None
+        if msg.launch is not None:
+            self.steps_started += 1
+            await asyncio.sleep(0.002)
+            launched = StepHandle(msg.launch, result=({e.seq.seq_id: A for e in msg.launch.entries if e.sample}, {}))
+        return launched, msg.collect.result if msg.collect is not None else None
 
 
 async def test_consumers_wake_after_the_next_step_is_handed_to_the_worker():

@@ -1,0 +1,82 @@
+"""SchedulerActor with asynchronous scheduling (StepMsg launch + feed + collect on a real WorkerActor thread),
+driving tests.helpers.FakeAsyncRunner: the streamed tokens equal the synchronous loop's, steps are fed on the
+'device', and aborts and stop strings free every KV block."""
+
+from __future__ import annotations
+
+import asyncio
+
+from actors.scheduler import AbortRequestMsg, AddRequestMsg, SchedulerActor
+from actors.stream import RequestStream
+from actors.worker import WorkerActor
+from tests.api.fake_engine import ByteTokenizer
+from tests.helpers import FakeAsyncRunner, make_scheduler, make_seq
+from voltserve.offline import run_steps
+from voltserve.request import FinishReason
+
+PROMPTS = [[40, 41, 42], [50, 51, 52, 53, 54], [60] * 9]
+
+
+async def _start(runner):
+    sched = make_scheduler(block_size=4, eos=(0,))
+    worker = WorkerActor(runner, name="worker-test")
+    actor = SchedulerActor(sched, worker, ByteTokenizer())
+    worker.start()
+    actor.start()
+    return sched, worker, actor
+
+
+def _add(actor, prompt, max_tokens, rid, **params):
+    stream = RequestStream(rid, 1, abort=lambda r: None)
+    actor.tell(AddRequestMsg((make_seq(prompt, max_tokens=max_tokens, request_id=rid, **params),), stream))
+    return stream
+
+
+async def _tokens(stream):
+    ids, last = [], None
+    async for out in stream:
+        ids.extend(out.token_ids)
+        last = out
+    return ids, last.finish_reason
+
+
+def _sync_tokens(prompts, max_tokens):
+    s = make_scheduler(block_size=4, eos=(0,))
+    seqs = [make_seq(p, max_tokens=max_tokens) for p in prompts]
+    for seq in seqs:
+        s.add(seq)
+    run_steps(s, FakeAsyncRunner(), pipelined=False)
+    return [(seq.output_ids, seq.finish_reason) for seq in seqs]
+
+
+async def test_streams_equal_the_synchronous_loop_and_steps_are_fed():
+    runner = FakeAsyncRunner()
+    sched, worker, actor = await _start(runner)
+    streams = [_add(actor, p, 12, f"r{i}") for i, p in enumerate(PROMPTS)]
+    got = await asyncio.wait_for(asyncio.gather(*(_tokens(s) for s in streams)), 10)
+    await actor.stop()
+    await worker.stop()
+    assert got == _sync_tokens(PROMPTS, 12)
+    assert all(reason is FinishReason.LENGTH and len(ids) == 12 for ids, reason in got)
+    assert runner.fed >= 5
+    assert sched.pool.num_free == sched.pool.num_blocks and not sched.has_work()
+
+
+async def test_abort_and_stop_string_with_a_step_in_flight_free_every_block():
+    runner = FakeAsyncRunner()
+    sched, worker, actor = await _start(runner)
+    long = _add(actor, PROMPTS[0], 500, "long")
+    first = await asyncio.wait_for(long.__anext__(), 5)
+    assert first.token_ids
+    actor.tell(AbortRequestMsg("long"))
+    rest = [out async for out in long]
+    assert rest[-1].finish_reason is FinishReason.ABORT
+    # a stop string on the text of the third token: the byte of next_token(...) is chr(id - 3)
+    ids, _ = _sync_tokens([PROMPTS[1]], 20)[0]
+    stop = ByteTokenizer().decode(ids[2:3])
+    stopped = _add(actor, PROMPTS[1], 20, "stop", stop=[stop])
+    out_ids, reason = await asyncio.wait_for(_tokens(stopped), 5)
+    await actor.stop()
+    await worker.stop()
+    assert reason is FinishReason.STOP and out_ids == ids[:3]
+    assert sched.pool.num_free == sched.pool.num_blocks and not sched.has_work()

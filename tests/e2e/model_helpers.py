@@ -52,19 +52,22 @@ def generate(model, backend, prompts: list[list[int]], num_tokens: int, graphs_f
         plan = sched.schedule()
         if not pipelined:  # the synchronous path: ModelRunner.execute
             sampled, lps = runner.execute(plan)
-            for sid, lp in lps.items():
-                logprobs[sid].append(lp)
-            sched.update(plan, sampled)
+            _keep_logprobs(sched.update(plan, sampled), lps, logprobs)
             continue
         handle = runner.launch(plan)
         while True:
             ahead = sched.schedule_ahead(plan) if handle.is_async else None
             ahead_handle = runner.launch(ahead, feed=handle) if ahead is not None else None
             sampled, lps = runner.collect(handle)
-            for sid, lp in lps.items():
-                logprobs[sid].append(lp)
-            sched.update(plan, sampled)
+            # a step ahead of a sequence that just finished is dropped, its logprobs too (as the engine does)
+            _keep_logprobs(sched.update(plan, sampled), lps, logprobs)
             if ahead is None:
                 break
             plan, handle = ahead, ahead_handle
     return [(s.output_ids, logprobs[s.seq_id]) for s in seqs]
+
+
+def _keep_logprobs(touched, lps: dict, into: dict) -> None:
+    for seq in touched:
+        if seq.seq_id in lps:
+            into[seq.seq_id].append(lps[seq.seq_id])

@@ -20,6 +20,14 @@ process, so they run on another core) each send `--requests` requests of `--max-
 `actors/worker.py` runs the model), to see whether the API's per-token work overlaps the device step: the offline
 figure is then `running sequences / T`, e.g. 64 / 2.79 ms = 22,939 tok/s for the H200's default-model decode.
 
+`--engine-process` puts the step engine behind `actors.engine_process.ProcessEngine`, as `hypercorn api:app` runs
+the real engine by default: the fake steps, `_emit` and detokenization run in the engine process, the HTTP work in
+the server process, and one message per step crosses between them. `server_cpu_us_per_tok` is then the API
+process alone and `engine_process_cpu_us_per_tok` the engine process's (0 in-process).
+
+    .venv/bin/python tools/bench_http_overhead.py --concurrency 64 --step-ms 2.79 --repeat 3
+    .venv/bin/python tools/bench_http_overhead.py --concurrency 64 --step-ms 2.79 --repeat 3 --engine-process
+
 `--engine scripted` uses `tests/api/fake_engine.py:ScriptedEngine` (zero delay) instead: its per-request
 generators skip the scheduler actor's path.
 """
@@ -88,11 +96,12 @@ class StepEngine:
     def __init__(self, max_model_len: int = 8192, step_s: float = 0.0):
         from actors.scheduler import SchedulerActor
         from tests.api.fake_engine import ByteTokenizer, ChatMLTemplate
-        from voltserve.config import EngineConfig
+        from voltserve.config import EngineConfig, ModelConfig
 
         self.config = EngineConfig(model=MODEL).validate()
         self.max_model_len = max_model_len
         self.tokenizer = ByteTokenizer()
+        self.model_config = ModelConfig("bench", self.tokenizer.vocab_size, 64, 64, 1, 1, 1, 64)
         self.chat_template = ChatMLTemplate()
         self.running: list = []
         self.actor = SchedulerActor(_StubScheduler(self.running), worker=None, tokenizer=self.tokenizer)
@@ -119,20 +128,25 @@ class StepEngine:
     def add_request(self, prompt_token_ids, params, request_id=None):
         import uuid
 
-        from actors.scheduler import AddRequestMsg
         from actors.stream import RequestStream
         from voltserve.request import check_request
-        from voltserve.sequence import Sequence
 
         max_tokens = check_request(prompt_token_ids, params, self.tokenizer.vocab_size, self.max_model_len)
-        request_id = request_id or uuid.uuid4().hex
-        seqs = tuple(Sequence(seq_id=next(self._seq_ids), request_id=request_id, index=i,
+        stream = RequestStream(request_id or uuid.uuid4().hex, params.n, self.abort)
+        self.submit(prompt_token_ids, params, max_tokens, stream)
+        return stream
+
+    def submit(self, prompt_token_ids, params, max_tokens, stream) -> None:
+        """AsyncEngine.submit: queue a checked request whose outputs go to `stream` (in the engine process, the
+        forwarder to the API process)."""
+        from actors.scheduler import AddRequestMsg
+        from voltserve.sequence import Sequence
+
+        seqs = tuple(Sequence(seq_id=next(self._seq_ids), request_id=stream.request_id, index=i,
                               prompt_ids=list(prompt_token_ids), params=params, max_tokens=max_tokens)
                      for i in range(params.n))
-        stream = RequestStream(request_id, params.n, self.abort)
         self.actor._on_message(AddRequestMsg(seqs, stream))
         self._wake.set()
-        return stream
 
     def abort(self, request_id: str) -> None:
         from actors.scheduler import AbortRequestMsg
@@ -168,7 +182,19 @@ class StepEngine:
                 await asyncio.sleep(0)
 
 
-def _serve(port: int, engine_kind: str, profile: str | None, ready, step_ms: float = 0.0) -> None:
+def make_step_engine(step_s: float, config=None, on_death=None) -> StepEngine:
+    """ProcessEngine's engine_factory for `--engine-process`: the StepEngine, built in the engine process."""
+    return StepEngine(step_s=step_s)
+
+
+def _process_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of another process so far (Linux /proc)."""
+    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _serve(port: int, engine_kind: str, profile: str | None, ready, step_ms: float = 0.0,
+           engine_process: bool = False) -> None:
     sys.path[:0] = [ROOT, os.path.join(ROOT, "src")]
     import cProfile
 
@@ -184,6 +210,13 @@ def _serve(port: int, engine_kind: str, profile: str | None, ready, step_ms: flo
 
             engine = ScriptedEngine(scripts=[TEXT * 200], max_model_len=16384)
             engine.config = EngineConfig(model=MODEL).validate()
+        elif engine_process:
+            import functools
+
+            from actors.engine_process import ProcessEngine
+
+            engine = ProcessEngine(EngineConfig(model=MODEL).validate(),
+                                   engine_factory=functools.partial(make_step_engine, step_ms / 1000))
         else:
             engine = StepEngine(step_s=step_ms / 1000)
         app = create_app(engine)
@@ -200,7 +233,9 @@ def _serve(port: int, engine_kind: str, profile: str | None, ready, step_ms: flo
                 elif len(marks) == 2:
                     profiler.disable()
                     profiler.dump_stats(profile)
-            return {"cpu_s": now, "steps": getattr(engine, "num_steps", None)}
+            process = getattr(engine, "process", None)
+            engine_cpu_s = _process_cpu_s(process.pid) if process is not None else 0.0
+            return {"cpu_s": now, "engine_cpu_s": engine_cpu_s, "steps": getattr(engine, "num_steps", None)}
 
         @app.get("/bench/reset")
         async def reset():
@@ -264,6 +299,7 @@ async def _round(base_url: str, concurrency: int, requests: int, max_tokens: int
     return {
         "tok_s": round(tokens / wall, 1),
         "server_cpu_us_per_tok": round((after["cpu_s"] - before["cpu_s"]) / tokens * 1e6, 2),
+        "engine_process_cpu_us_per_tok": round((after["engine_cpu_s"] - before["engine_cpu_s"]) / tokens * 1e6, 2),
         "client_cpu_us_per_tok": round(cpu / tokens * 1e6, 2),
         "chunks_per_tok": round(chunks / tokens, 3),
         "tokens": tokens, "wall_s": round(wall, 3), "engine_steps": steps,
@@ -286,12 +322,19 @@ def main() -> None:
     ap.add_argument("--profile", help="write a cProfile of the server during the (last) run here")
     ap.add_argument("--step-ms", type=float, default=0.0,
                     help="step engine: each step waits this long on a worker thread (the device's step time)")
+    ap.add_argument("--engine-process", action="store_true",
+                    help="step engine behind actors.engine_process.ProcessEngine (its own process), as "
+                         "`hypercorn api:app` runs the engine by default")
     args = ap.parse_args()
+    if args.engine_process and args.engine != "step":
+        ap.error("--engine-process needs --engine step")
 
     port = _free_port()
     ctx = mp.get_context("spawn")
     ready = ctx.Event()
-    server = ctx.Process(target=_serve, args=(port, args.engine, args.profile, ready, args.step_ms), daemon=True)
+    # not daemonic: with --engine-process the server starts a process of its own
+    server = ctx.Process(target=_serve, args=(port, args.engine, args.profile, ready, args.step_ms,
+                                              args.engine_process))
     server.start()
     try:
         ready.wait(60)
@@ -309,7 +352,8 @@ def main() -> None:
     finally:
         server.terminate()
         server.join(5)
-    keys = ("tok_s", "server_cpu_us_per_tok", "client_cpu_us_per_tok", "chunks_per_tok")
+    keys = ("tok_s", "server_cpu_us_per_tok", "engine_process_cpu_us_per_tok", "client_cpu_us_per_tok",
+            "chunks_per_tok")
     summary = {k: statistics.median(r[k] for r in runs) for k in keys}
     print(json.dumps({"config": vars(args), "median": summary, "runs": runs}, indent=1))
 

@@ -40,6 +40,7 @@ HELP = {
     "weight_format": "auto (int4 kernels for Q4 weights when available) or float",
     "gpu_memory_utilization": "fraction of GPU memory for weights, activations and the KV pool",
     "enforce_eager": "run decode steps eagerly instead of replaying CUDA graphs",
+    "engine_process": "run the engine in its own process, apart from HTTP (default on)",
 }
 
 

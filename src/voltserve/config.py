@@ -95,6 +95,9 @@ class EngineConfig:
         enforce_eager: run decode steps eagerly instead of replaying CUDA graphs.
         exit_on_engine_death: the HTTP server shuts itself down (SIGTERM to its own process) once the engine is
             dead, so a supervisor such as systemd restarts it; `voltserve serve` turns it on.
+        engine_process: the HTTP server runs the engine (scheduler, worker, detokenization) in a child process
+            (`actors.engine_process.ProcessEngine`), so HTTP work does not slow the engine's steps; off = in the
+            server's own process and event loop (`actors.engine.AsyncEngine`). Read by the API only.
     """
 
     model: str = DEFAULT_MODEL
@@ -117,6 +120,7 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     enforce_eager: bool = False
     exit_on_engine_death: bool = False
+    engine_process: bool = True
 
     def validate(self) -> "EngineConfig":
         """Check ranges; raises ConfigError naming the setting. Returns self."""

@@ -43,6 +43,9 @@ def main() -> None:
         start: EngineStartMsg = conn.recv()
     except EOFError:  # the API process went away before it sent the start message
         sys.exit(0)
+    except Exception as exc:  # e.g. an engine_factory that does not unpickle here
+        conn.send(StartFailedMsg(portable_error(exc)))
+        sys.exit(1)
     logging.basicConfig(level=start.log_level,
                         format="%(asctime)s %(levelname)s %(name)s [engine process]: %(message)s")
     sys.exit(asyncio.run(EngineCore(start.config, conn, start.engine_factory).run()))

@@ -154,20 +154,32 @@ class StepEngine:
         self.actor._on_message(AbortRequestMsg(request_id))
 
     def kv_stats(self) -> dict:
-        return {"num_blocks": 0, "num_free_blocks": 0, "num_running": len(self.running), "num_waiting": 0}
+        # num_steps rides along so that the API process of `--engine-process` can report it
+        return {"num_blocks": 0, "num_free_blocks": 0, "num_running": len(self.running), "num_waiting": 0,
+                "num_steps": self.num_steps}
 
     async def _loop(self) -> None:
         from voltserve.request import FinishReason
         from voltserve.sequence import SequenceStatus
 
         script, actor, device = self.script, self.actor, self.device
+        deferred: list = []  # the last step's sequences, emitted once the next step is with the device
+
+        def emit(seqs: list) -> None:
+            for seq in seqs:
+                actor._emit(seq, None)
+
         while True:
             if not self.running:
+                deferred = emit(deferred) or []
                 self._wake.clear()
                 await self._wake.wait()
                 continue
-            if device is not None:  # SchedulerActor.run_loop: schedule, then await the worker's step
-                await device.ask(None)
+            if device is not None:  # SchedulerActor.run_loop: schedule, hand the step over, emit, await it
+                reply = device.ask_nowait(None)
+                asyncio.get_running_loop().call_soon(emit, deferred)
+                deferred = []
+                await reply
             touched = list(self.running)
             for seq in touched:  # Scheduler.update: append the sampled token, finish at max_tokens
                 seq.output_ids.append(script[len(seq.output_ids) % len(script)])
@@ -175,8 +187,7 @@ class StepEngine:
                     self.running.remove(seq)
                     seq.status = SequenceStatus.FINISHED
                     seq.finish_reason = FinishReason.LENGTH
-            for seq in touched:
-                actor._emit(seq, None)
+            deferred = touched if device is not None else emit(touched) or []
             self.num_steps += 1
             if device is None:
                 await asyncio.sleep(0)
@@ -214,9 +225,10 @@ def _serve(port: int, engine_kind: str, profile: str | None, ready, step_ms: flo
             import functools
 
             from actors.engine_process import ProcessEngine
+            from tools.bench_http_overhead import make_step_engine as factory  # by a name the child can import
 
             engine = ProcessEngine(EngineConfig(model=MODEL).validate(),
-                                   engine_factory=functools.partial(make_step_engine, step_ms / 1000))
+                                   engine_factory=functools.partial(factory, step_ms / 1000))
         else:
             engine = StepEngine(step_s=step_ms / 1000)
         app = create_app(engine)
@@ -235,7 +247,10 @@ def _serve(port: int, engine_kind: str, profile: str | None, ready, step_ms: flo
                     profiler.dump_stats(profile)
             process = getattr(engine, "process", None)
             engine_cpu_s = _process_cpu_s(process.pid) if process is not None else 0.0
-            return {"cpu_s": now, "engine_cpu_s": engine_cpu_s, "steps": getattr(engine, "num_steps", None)}
+            steps = getattr(engine, "num_steps", None)
+            if process is not None:  # the step engine's count, sent with every step's outputs
+                steps = engine.kv_stats().get("num_steps")
+            return {"cpu_s": now, "engine_cpu_s": engine_cpu_s, "steps": steps}
 
         @app.get("/bench/reset")
         async def reset():
@@ -256,41 +271,91 @@ def _serve(port: int, engine_kind: str, profile: str | None, ready, step_ms: flo
 # ---- client side ----------------------------------------------------------------------------------------------
 
 
-async def _one(client, max_tokens: int) -> tuple[int, int]:
-    """One streamed chat request -> (completion tokens from the usage chunk, content chunks)."""
-    body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": max_tokens,
+def _chat_body(max_tokens: int) -> dict:
+    return {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": max_tokens,
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
-    buf = bytearray()
-    async with client.stream("POST", "/v1/chat/completions", json=body) as response:
-        if response.status_code != 200:
-            raise RuntimeError(f"HTTP {response.status_code}: {(await response.aread())[:200]!r}")
-        async for data in response.aiter_raw():
-            buf += data
-    frames = bytes(buf).split(b"\n\n")
+
+
+def _count(buf: bytes) -> tuple[int, int]:
+    """An SSE body -> (completion tokens from the usage chunk, content chunks)."""
+    frames = buf.split(b"\n\n")
     if frames[-2:] != [b"data: [DONE]", b""]:
-        raise RuntimeError(f"stream did not end with [DONE]: {bytes(buf[-200:])!r}")
+        raise RuntimeError(f"stream did not end with [DONE]: {buf[-200:]!r}")
     usage = json.loads(frames[-3][6:])["usage"]
     return usage["completion_tokens"], buf.count(b'"content":"') - 1  # minus the role chunk's content ""
 
 
-async def _round(base_url: str, concurrency: int, requests: int, max_tokens: int) -> dict:
+async def _one(client, max_tokens: int) -> tuple[int, int]:
+    """One streamed chat request through httpx -> (completion tokens, content chunks)."""
+    buf = bytearray()
+    async with client.stream("POST", "/v1/chat/completions", json=_chat_body(max_tokens)) as response:
+        if response.status_code != 200:
+            raise RuntimeError(f"HTTP {response.status_code}: {(await response.aread())[:200]!r}")
+        async for data in response.aiter_raw():
+            buf += data
+    return _count(bytes(buf))
+
+
+class _RawConnection:
+    """One keep-alive HTTP/1.1 connection that POSTs streamed chat requests: a client with a fraction of httpx's
+    CPU per SSE chunk, so that on a small machine the server processes get the cores (`--client raw`).
+
+    Args:
+        base_url: http://host:port.
+    """
+
+    def __init__(self, base_url: str):
+        self._host, port = base_url.removeprefix("http://").rsplit(":", 1)
+        self._port = int(port)
+        self._reader: asyncio.StreamReader | None = None
+        self._writer: asyncio.StreamWriter | None = None
+
+    async def one(self, max_tokens: int) -> tuple[int, int]:
+        """One streamed chat request -> (completion tokens, content chunks)."""
+        if self._writer is None:
+            self._reader, self._writer = await asyncio.open_connection(self._host, self._port)
+        body = json.dumps(_chat_body(max_tokens)).encode()
+        self._writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n"
+                           b"Content-Length: %d\r\n\r\n%s" % (self._host.encode(), len(body), body))
+        reader = self._reader
+        head = await reader.readuntil(b"\r\n\r\n")
+        if not head.startswith(b"HTTP/1.1 200") or b"transfer-encoding: chunked" not in head.lower():
+            raise RuntimeError(f"unexpected response head {head[:200]!r}")
+        buf = bytearray()
+        while size := int((await reader.readuntil(b"\r\n"))[:-2], 16):  # chunked transfer coding (RFC 9112)
+            buf += (await reader.readexactly(size + 2))[:-2]
+        await reader.readuntil(b"\r\n")
+        return _count(bytes(buf))
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+
+
+async def _round(base_url: str, concurrency: int, requests: int, max_tokens: int, step_ms: float,
+                 client_kind: str = "httpx") -> dict:
     import httpx
 
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
     async with httpx.AsyncClient(base_url=base_url, limits=limits, timeout=120) as client:
         await _one(client, 4)  # warm: connections, first-request paths
+        raw = [_RawConnection(base_url) for _ in range(concurrency)] if client_kind == "raw" else []
+        for conn in raw:
+            await conn.one(4)
         before = (await client.get("/bench/mark")).json()
         cpu0, t0 = sum(os.times()[:2]), time.perf_counter()
 
-        async def worker() -> tuple[int, int]:
+        async def worker(i: int) -> tuple[int, int]:
             tokens = chunks = 0
             for _ in range(requests):
-                t, c = await _one(client, max_tokens)
+                t, c = await (raw[i].one(max_tokens) if raw else _one(client, max_tokens))
                 tokens, chunks = tokens + t, chunks + c
             return tokens, chunks
 
-        results = await asyncio.gather(*(worker() for _ in range(concurrency)))
+        results = await asyncio.gather(*(worker(i) for i in range(concurrency)))
         wall, cpu = time.perf_counter() - t0, sum(os.times()[:2]) - cpu0
+        for conn in raw:
+            conn.close()
         after = (await client.get("/bench/mark")).json()
         await client.get("/bench/reset")
     tokens = sum(r[0] for r in results)
@@ -303,6 +368,8 @@ async def _round(base_url: str, concurrency: int, requests: int, max_tokens: int
         "client_cpu_us_per_tok": round(cpu / tokens * 1e6, 2),
         "chunks_per_tok": round(chunks / tokens, 3),
         "tokens": tokens, "wall_s": round(wall, 3), "engine_steps": steps,
+        # share of the load's wall time the modelled device spent in steps (the issue's "GPU busy")
+        "device_busy": None if not steps or not step_ms else round(steps * step_ms / 1000 / wall, 3),
     }
 
 
@@ -325,6 +392,8 @@ def main() -> None:
     ap.add_argument("--engine-process", action="store_true",
                     help="step engine behind actors.engine_process.ProcessEngine (its own process), as "
                          "`hypercorn api:app` runs the engine by default")
+    ap.add_argument("--client", choices=("httpx", "raw"), default="httpx",
+                    help="raw: a minimal HTTP/1.1 client (much less client CPU per chunk than httpx)")
     args = ap.parse_args()
     if args.engine_process and args.engine != "step":
         ap.error("--engine-process needs --engine step")
@@ -347,13 +416,14 @@ def main() -> None:
                 break
             except httpx.TransportError:
                 time.sleep(0.05)
-        runs = [asyncio.run(_round(base_url, args.concurrency, args.requests, args.max_tokens))
+        runs = [asyncio.run(_round(base_url, args.concurrency, args.requests, args.max_tokens, args.step_ms,
+                                   args.client))
                 for _ in range(args.repeat)]
     finally:
         server.terminate()
         server.join(5)
     keys = ("tok_s", "server_cpu_us_per_tok", "engine_process_cpu_us_per_tok", "client_cpu_us_per_tok",
-            "chunks_per_tok")
+            "chunks_per_tok") + (("device_busy",) if args.step_ms else ())
     summary = {k: statistics.median(r[k] for r in runs) for k in keys}
     print(json.dumps({"config": vars(args), "median": summary, "runs": runs}, indent=1))
 

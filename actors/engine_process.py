@@ -37,6 +37,8 @@ from voltserve.request import RequestOutput, SamplingParams, check_request
 logger = logging.getLogger(__name__)
 
 STOP_TIMEOUT_S = 30.0  # a clean stop finishes the step in hand; then the process is terminated
+# messages read per readable event: the loop gets back to HTTP even if the engine outpaces the reader
+MAX_MESSAGES_PER_READ = 8
 _EMPTY_KV_STATS = {"num_blocks": 0, "num_free_blocks": 0, "num_cached_blocks": 0, "num_running": 0,
                    "num_waiting": 0}
 
@@ -72,6 +74,7 @@ class ProcessEngine:
         self._started = False  # the child answered ReadyMsg
         self._dead: BaseException | None = None
         self._stopped = False
+        self._reaper: asyncio.Future | None = None  # waits for a child that is slow to exit after its EOF
 
     # -- lifecycle ----------------------------------------------------------------------------------------
 
@@ -147,7 +150,9 @@ class ProcessEngine:
 
     def _on_readable(self) -> None:
         try:
-            while self._conn is not None and self._conn.poll():
+            for _ in range(MAX_MESSAGES_PER_READ):
+                if self._conn is None or not self._conn.poll():
+                    break
                 self._dispatch(self._conn.recv())
         except (EOFError, OSError):
             self._on_child_exit()
@@ -191,7 +196,7 @@ class ProcessEngine:
         try:
             self.process.wait(0.5)  # it has closed its end, so it is exiting: reap it (no zombie)
         except subprocess.TimeoutExpired:
-            pass
+            self._reaper = self._loop.run_in_executor(None, self.process.wait)
         error = EngineDeadError(f"the engine process exited (exit code {self.process.returncode})")
         if self._ready is not None and not self._ready.done():
             self._ready.set_exception(error)

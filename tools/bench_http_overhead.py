@@ -25,8 +25,14 @@ the real engine by default: the fake steps, `_emit` and detokenization run in th
 the server process, and one message per step crosses between them. `server_cpu_us_per_tok` is then the API
 process alone and `engine_process_cpu_us_per_tok` the engine process's (0 in-process).
 
-    .venv/bin/python tools/bench_http_overhead.py --concurrency 64 --step-ms 2.79 --repeat 3
-    .venv/bin/python tools/bench_http_overhead.py --concurrency 64 --step-ms 2.79 --repeat 3 --engine-process
+    .venv/bin/python tools/bench_http_overhead.py --concurrency 64 --step-ms 2.79 --repeat 3 --offline
+    .venv/bin/python tools/bench_http_overhead.py --concurrency 64 --step-ms 2.79 --repeat 3 --offline --engine-process
+
+`--offline` adds `offline_tok_s` (the step engine alone, consumers in-process, no HTTP) and `http_over_offline`.
+`--step-python-ms P` makes each step first hold the GIL for P ms on the worker thread (the runner's Python step
+preparation), e.g. `--step-ms 2.17 --step-python-ms 0.15` for the H200's 2.32 ms per 64-sequence step.
+`--client raw` replaces httpx by a minimal HTTP/1.1 client (~1/3 of its CPU per token), so that on a small machine
+more of the cores go to the server.
 
 `--engine scripted` uses `tests/api/fake_engine.py:ScriptedEngine` (zero delay) instead: its per-request
 generators skip the scheduler actor's path.
@@ -72,8 +78,16 @@ class _StubScheduler:
         seq.finish_reason, seq.stop_reason = reason, stop_reason
 
 
-def _device_double(step_s: float):
-    """A worker actor whose step is `time.sleep(step_s)` on its own thread (the GIL is free meanwhile), as
+def _step(step_s: float, python_s: float) -> None:
+    end = time.perf_counter() + python_s
+    while time.perf_counter() < end:  # holds the GIL, as Python code does
+        pass
+    time.sleep(step_s)
+
+
+def _device_double(step_s: float, python_s: float = 0.0):
+    """A worker actor whose step is `python_s` of Python (GIL held: the runner's step preparation and launches)
+    then `time.sleep(step_s)` (the device computes, the GIL is free) on its own thread, as
     `actors.worker.WorkerActor` runs the model's step."""
     from concurrent.futures import ThreadPoolExecutor
 
@@ -83,7 +97,7 @@ def _device_double(step_s: float):
 
     class DeviceDouble(Actor):
         async def handle(self, msg):
-            return await asyncio.get_running_loop().run_in_executor(pool, time.sleep, step_s)
+            return await asyncio.get_running_loop().run_in_executor(pool, _step, step_s, python_s)
 
     return DeviceDouble("device-double")
 
@@ -93,7 +107,7 @@ class StepEngine:
     `SchedulerActor._emit` into a real `RequestStream`; steps run back to back, yielding to the loop in between, or
     each behind a `step_s` wait on a worker actor's thread (the model's step) when step_s > 0."""
 
-    def __init__(self, max_model_len: int = 8192, step_s: float = 0.0):
+    def __init__(self, max_model_len: int = 8192, step_s: float = 0.0, python_s: float = 0.0):
         from actors.scheduler import SchedulerActor
         from tests.api.fake_engine import ByteTokenizer, ChatMLTemplate
         from voltserve.config import EngineConfig, ModelConfig
@@ -110,7 +124,7 @@ class StepEngine:
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
         self.num_steps = 0
-        self.device = _device_double(step_s) if step_s > 0 else None
+        self.device = _device_double(step_s, python_s) if step_s > 0 else None
 
     @property
     def is_healthy(self) -> bool:
@@ -193,9 +207,9 @@ class StepEngine:
                 await asyncio.sleep(0)
 
 
-def make_step_engine(step_s: float, config=None, on_death=None) -> StepEngine:
+def make_step_engine(step_s: float, python_s: float, config=None, on_death=None) -> StepEngine:
     """ProcessEngine's engine_factory for `--engine-process`: the StepEngine, built in the engine process."""
-    return StepEngine(step_s=step_s)
+    return StepEngine(step_s=step_s, python_s=python_s)
 
 
 def _process_cpu_s(pid: int) -> float:
@@ -205,7 +219,7 @@ def _process_cpu_s(pid: int) -> float:
 
 
 def _serve(port: int, engine_kind: str, profile: str | None, ready, step_ms: float = 0.0,
-           engine_process: bool = False) -> None:
+           engine_process: bool = False, step_python_ms: float = 0.0) -> None:
     sys.path[:0] = [ROOT, os.path.join(ROOT, "src")]
     import cProfile
 
@@ -228,9 +242,10 @@ def _serve(port: int, engine_kind: str, profile: str | None, ready, step_ms: flo
             from tools.bench_http_overhead import make_step_engine as factory  # by a name the child can import
 
             engine = ProcessEngine(EngineConfig(model=MODEL).validate(),
-                                   engine_factory=functools.partial(factory, step_ms / 1000))
+                                   engine_factory=functools.partial(factory, step_ms / 1000,
+                                                                    step_python_ms / 1000))
         else:
-            engine = StepEngine(step_s=step_ms / 1000)
+            engine = StepEngine(step_s=step_ms / 1000, python_s=step_python_ms / 1000)
         app = create_app(engine)
         profiler = cProfile.Profile() if profile else None
         marks: list[float] = []
@@ -373,6 +388,26 @@ async def _round(base_url: str, concurrency: int, requests: int, max_tokens: int
     }
 
 
+async def _offline(concurrency: int, max_tokens: int, step_ms: float, step_python_ms: float) -> float:
+    """tok/s of the step engine alone (no HTTP: the consumers drain the streams in this process), the figure the
+    HTTP runs are compared with."""
+    from voltserve.request import SamplingParams
+
+    engine = StepEngine(step_s=step_ms / 1000, python_s=step_python_ms / 1000)
+    await engine.start()
+
+    async def drain(stream) -> None:
+        async for _ in stream:
+            pass
+
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    t0 = time.perf_counter()
+    await asyncio.gather(*(drain(engine.add_request([65, 66], params)) for _ in range(concurrency)))
+    wall = time.perf_counter() - t0
+    await engine.stop()
+    return round(concurrency * max_tokens / wall, 1)
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -389,9 +424,14 @@ def main() -> None:
     ap.add_argument("--profile", help="write a cProfile of the server during the (last) run here")
     ap.add_argument("--step-ms", type=float, default=0.0,
                     help="step engine: each step waits this long on a worker thread (the device's step time)")
+    ap.add_argument("--step-python-ms", type=float, default=0.0,
+                    help="step engine: before its wait, each step runs this long in Python on the worker thread "
+                         "(holding the GIL, as the runner's step preparation does)")
     ap.add_argument("--engine-process", action="store_true",
                     help="step engine behind actors.engine_process.ProcessEngine (its own process), as "
                          "`hypercorn api:app` runs the engine by default")
+    ap.add_argument("--offline", action="store_true",
+                    help="also run the step engine without HTTP (same load, median of --repeat): the denominator")
     ap.add_argument("--client", choices=("httpx", "raw"), default="httpx",
                     help="raw: a minimal HTTP/1.1 client (much less client CPU per chunk than httpx)")
     args = ap.parse_args()
@@ -403,7 +443,7 @@ def main() -> None:
     ready = ctx.Event()
     # not daemonic: with --engine-process the server starts a process of its own
     server = ctx.Process(target=_serve, args=(port, args.engine, args.profile, ready, args.step_ms,
-                                              args.engine_process))
+                                              args.engine_process, args.step_python_ms))
     server.start()
     try:
         ready.wait(60)
@@ -425,6 +465,12 @@ def main() -> None:
     keys = ("tok_s", "server_cpu_us_per_tok", "engine_process_cpu_us_per_tok", "client_cpu_us_per_tok",
             "chunks_per_tok") + (("device_busy",) if args.step_ms else ())
     summary = {k: statistics.median(r[k] for r in runs) for k in keys}
+    if args.offline:
+        sys.path[:0] = [ROOT, os.path.join(ROOT, "src")]
+        offline = [asyncio.run(_offline(args.concurrency, args.max_tokens, args.step_ms, args.step_python_ms))
+                   for _ in range(args.repeat)]
+        summary["offline_tok_s"] = statistics.median(offline)
+        summary["http_over_offline"] = round(summary["tok_s"] / summary["offline_tok_s"], 3)
     print(json.dumps({"config": vars(args), "median": summary, "runs": runs}, indent=1))
 
 

@@ -160,10 +160,12 @@ class ProcessEngine:
     def _dispatch(self, msg) -> None:
         if isinstance(msg, StepOutputsMsg):
             self._deliver(msg)
-        elif isinstance(msg, ReadyMsg):
-            self._ready.set_result(msg)
-        elif isinstance(msg, StartFailedMsg):
-            self._ready.set_exception(msg.error)
+        elif isinstance(msg, (ReadyMsg, StartFailedMsg)):
+            if not self._ready.done():  # done: start() was cancelled meanwhile
+                if isinstance(msg, ReadyMsg):
+                    self._ready.set_result(msg)
+                else:
+                    self._ready.set_exception(msg.error)
         elif isinstance(msg, EngineDiedMsg):
             self._die(msg.error)
         else:

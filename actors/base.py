@@ -60,10 +60,19 @@ class Actor:
 
     async def ask(self, msg: Any) -> Any:
         """Queue a message and wait for the handler's answer (its exception is re-raised here)."""
+        return await self.ask_nowait(msg)
+
+    def ask_nowait(self, msg: Any) -> asyncio.Future:
+        """Queue a message now; the returned future gets the handler's answer. Lets the caller do other work on
+        the loop after the actor has been woken and before awaiting the answer.
+
+        Raises:
+            EngineDeadError: the actor is dead.
+        """
         self._check_alive()
         fut = asyncio.get_running_loop().create_future()
         self._inbox.put_nowait((msg, fut))
-        return await fut
+        return fut
 
     def _check_alive(self) -> None:
         if self.error is not None or (self._task is not None and self._task.done()):

@@ -18,12 +18,12 @@ import itertools
 import logging
 import secrets
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import torch
 
 from actors.scheduler import AbortRequestMsg, AddRequestMsg, SchedulerActor
-from actors.stream import RequestStream
+from actors.stream import RequestStream, generate_outputs
 from actors.worker import WorkerActor
 from voltserve.config import EngineConfig
 from voltserve.errors import EngineDeadError
@@ -41,11 +41,14 @@ class AsyncEngine:
     Args:
         config: validated engine settings.
         loaded: an already loaded model (loaders.LoadedModel); None loads `config.model` in start().
+        on_death: called once with the error when an actor dies (after every open stream has failed).
     """
 
-    def __init__(self, config: EngineConfig, loaded=None):
+    def __init__(self, config: EngineConfig, loaded=None,
+                 on_death: Callable[[BaseException], None] | None = None):
         self.config = config.validate()
         self._loaded = loaded
+        self._on_death = on_death
         self._seq_ids = itertools.count()
         self._scheduler_actor: SchedulerActor | None = None
         self._worker: WorkerActor | None = None
@@ -102,6 +105,8 @@ class AsyncEngine:
         logger.error("engine is dead: %r", exc)
         if self._scheduler_actor is not None:
             self._scheduler_actor.fail_all(EngineDeadError(f"engine died: {exc!r}"))
+        if self._on_death is not None:
+            self._on_death(exc)
 
     # -- requests -----------------------------------------------------------------------------------------
 
@@ -120,10 +125,26 @@ class AsyncEngine:
             ContextLengthError: prompt plus max_tokens longer than max_model_len.
             EngineDeadError: the engine is not running.
         """
-        if not self.is_healthy:
-            raise EngineDeadError(f"engine is not running{': ' + repr(self._dead) if self._dead else ''}")
+        self._check_running()
         max_tokens = check_request(prompt_token_ids, params, self.model_config.vocab_size, self.max_model_len)
-        request_id = request_id or uuid.uuid4().hex
+        stream = RequestStream(request_id or uuid.uuid4().hex, params.n, self.abort)
+        self.submit(prompt_token_ids, params, max_tokens, stream)
+        return stream
+
+    def submit(self, prompt_token_ids: list[int], params: SamplingParams, max_tokens: int, stream) -> None:
+        """Queue a request that `check_request` has accepted; its outputs go to `stream`.
+
+        Args:
+            prompt_token_ids: the prompt.
+            params: validated sampling parameters.
+            max_tokens: the output budget `check_request` returned.
+            stream: a RequestStream, or anything with its producer side (`request_id`, `put(out, wake)`,
+                `wake()`, `fail(exc)`), e.g. the engine process's forwarder to the API process.
+        Raises:
+            EngineDeadError: the engine is not running.
+        """
+        self._check_running()
+        request_id = stream.request_id
         seqs = []
         for i in range(params.n):
             gen = None
@@ -135,20 +156,16 @@ class AsyncEngine:
             seqs.append(Sequence(seq_id=next(self._seq_ids), request_id=request_id, index=i,
                                  prompt_ids=list(prompt_token_ids), params=params, max_tokens=max_tokens,
                                  generator=gen, philox_seed=philox_seed))
-        stream = RequestStream(request_id, params.n, self.abort)
         self._scheduler_actor.tell(AddRequestMsg(tuple(seqs), stream))
-        return stream
 
-    async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
-                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+    def _check_running(self) -> None:
+        if not self.is_healthy:
+            raise EngineDeadError(f"engine is not running{': ' + repr(self._dead) if self._dead else ''}")
+
+    def generate(self, prompt_token_ids: list[int], params: SamplingParams,
+                 request_id: str | None = None) -> AsyncIterator[RequestOutput]:
         """add_request() and iterate its outputs; closing or cancelling the iterator aborts the request."""
-        stream = self.add_request(prompt_token_ids, params, request_id)
-        try:
-            async for out in stream:
-                yield out
-        finally:
-            if not stream.finished:
-                self.abort(stream.request_id)
+        return generate_outputs(self, prompt_token_ids, params, request_id)
 
     def abort(self, request_id: str) -> None:
         """Abort a request; its KV blocks return to the pool within one step. Unknown ids are ignored."""

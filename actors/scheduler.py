@@ -1,9 +1,11 @@
 """SchedulerActor: the engine's loop. Drain the inbox, schedule a step, run it on the worker, emit outputs.
 
-Detokenization and stop strings happen here, right after each step, so a stop string ends its sequence before
-the next step and no KV block outlives its request by more than one step. The HTTP consumers of a step's deltas
-are woken only after the next step has been handed to the worker thread (see `_emit`), so their per-token work
-runs while the device computes instead of before it starts.
+Detokenization and stop strings happen here. A sequence with stop strings is detokenized right after its step,
+so a stop string ends it before the next step and no KV block outlives its request by more than one step; the
+others are detokenized after the next step has been handed to the worker (`_emit_deferred`), while the device
+computes, so the engine's step rate does not pay for detokenization. The consumers of a step's deltas are woken
+only after the next step has been handed to the worker thread too (see `_emit`), so their per-token work (HTTP)
+also runs while the device computes.
 """
 
 from __future__ import annotations
@@ -51,6 +53,8 @@ class SchedulerActor(Actor):
         self.seqs: dict[str, list[Sequence]] = {}
         self.detoks: dict[int, IncrementalDetokenizer] = {}
         self._to_wake: list[RequestStream] = []  # streams given deltas whose consumers are not woken yet
+        # (sequence, logprob) of the last step, emitted once the next step is with the worker
+        self._deferred: list[tuple[Sequence, object]] = []
         self.num_steps = 0
         self.num_failed_steps_in_row = 0
 
@@ -60,9 +64,11 @@ class SchedulerActor(Actor):
             # 1) drain the inbox; block on it only when idle
             messages = self.pending()
             if not messages and handle is None and not self.scheduler.has_work():
+                self._emit_deferred()  # no next step to overlap with
                 messages = [await self.next_message()]
             for msg, fut in messages:
                 if isinstance(msg, _Stop):
+                    self._emit_deferred()
                     if handle is not None:  # let the step in flight finish before its blocks go
                         await self.worker.ask(StepMsg(collect=handle))
                     self._abort_all()
@@ -79,7 +85,7 @@ class SchedulerActor(Actor):
                 if not plan.entries:
                     raise RuntimeError("scheduler made no progress: KV pool too small for the waiting request")
                 try:
-                    handle, _ = await self.worker.ask(StepMsg(launch=plan))
+                    handle, _ = await self._ask_then_emit_deferred(StepMsg(launch=plan))
                 except EngineDeadError:
                     raise
                 except Exception as exc:
@@ -89,7 +95,7 @@ class SchedulerActor(Actor):
             # waiting for them (Scheduler.schedule_ahead says when that equals the step schedule() would pick)
             ahead = self.scheduler.schedule_ahead(plan) if handle.is_async else None
             try:
-                ahead_handle, (sampled, logprobs) = await self.worker.ask(
+                ahead_handle, (sampled, logprobs) = await self._ask_then_emit_deferred(
                     StepMsg(launch=ahead, feed=handle if ahead is not None else None, collect=handle))
             except EngineDeadError:
                 raise
@@ -99,10 +105,21 @@ class SchedulerActor(Actor):
                 continue
             self.num_steps += 1
             self.num_failed_steps_in_row = 0
-            # 4) apply it and stream the new tokens (while the step ahead, if any, computes)
+            # 4) apply it and stream the new tokens: now when the step ahead computes already; else those without
+            # stop strings after the next step is handed to the worker
             for seq in self.scheduler.update(plan, sampled):
-                self._emit(seq, logprobs.get(seq.seq_id))
+                if ahead is not None or seq.params.stop:
+                    self._emit(seq, logprobs.get(seq.seq_id))
+                else:
+                    self._deferred.append((seq, logprobs.get(seq.seq_id)))
             plan, handle = (ahead, ahead_handle) if ahead is not None else (None, None)
+
+    async def _ask_then_emit_deferred(self, msg: StepMsg):
+        """Ask the worker; the deferred deltas are emitted after its wake-up is queued, while the step runs."""
+        reply = self.worker.ask_nowait(msg)
+        if self._deferred:
+            asyncio.get_running_loop().call_soon(self._emit_deferred)
+        return await reply
 
     def _on_message(self, msg) -> None:
         if isinstance(msg, AddRequestMsg):
@@ -115,6 +132,7 @@ class SchedulerActor(Actor):
                     self.tokenizer, stop=p.stop, include_stop_str_in_output=p.include_stop_str_in_output)
                 self.scheduler.add(seq)
         elif isinstance(msg, AbortRequestMsg):
+            self._emit_deferred()  # its last token goes out before the abort
             for seq in self.seqs.get(msg.request_id, []):
                 if not seq.is_finished:
                     self.scheduler.finish(seq, FinishReason.ABORT)
@@ -163,6 +181,12 @@ class SchedulerActor(Actor):
                 stream.wake()
         if finished:
             self._forget(seq)
+
+    def _emit_deferred(self) -> None:
+        """Emit the last step's deferred deltas (before the next update appends more tokens)."""
+        deferred, self._deferred = self._deferred, []
+        for seq, logprob in deferred:
+            self._emit(seq, logprob)
 
     def _wake_streams(self) -> None:
         streams, self._to_wake = self._to_wake, []

@@ -8,7 +8,7 @@ A producer that puts into many streams at once can defer the consumers' wake-up 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 
 from voltserve.errors import EngineDeadError, VoltError
 from voltserve.request import RequestOutput
@@ -48,6 +48,11 @@ class RequestStream:
     @property
     def finished(self) -> bool:
         return not self._unfinished and not self._pending
+
+    @property
+    def all_seqs_finished(self) -> bool:
+        """True once every sequence's final delta was put (nothing more will be put), consumed or not."""
+        return not self._unfinished
 
     def put(self, out: RequestOutput, wake: bool = True) -> None:
         """Deliver one delta (called on the event loop by the scheduler actor).
@@ -109,3 +114,25 @@ class RequestStream:
                 waiter = self._waiter = asyncio.get_running_loop().create_future()
             await waiter
         return pending.pop(0)
+
+
+
+async def generate_outputs(engine, prompt_token_ids: list[int], params, request_id: str | None = None
+                           ) -> AsyncIterator[RequestOutput]:
+    """`engine.add_request(...)` and iterate its outputs; closing or cancelling the iterator before the request
+    finished aborts it. The body of every engine facade's `generate()`.
+
+    Args:
+        engine: anything with `add_request(prompt_token_ids, params, request_id) -> RequestStream`.
+        prompt_token_ids / params / request_id: passed on to it.
+    Raises:
+        InvalidRequestError, ContextLengthError, EngineDeadError: from add_request (at the first iteration).
+        EngineDeadError, StepFailedError: as iterating the stream does.
+    """
+    stream = engine.add_request(prompt_token_ids, params, request_id)
+    try:
+        async for out in stream:
+            yield out
+    finally:
+        if not stream.finished:
+            stream.abort()

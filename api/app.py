@@ -45,6 +45,18 @@ async def watch_engine(engine: Any, on_death: Callable[[], None], interval_s: fl
         on_death()
 
 
+def make_engine(config: EngineConfig) -> Any:
+    """The engine the server runs: a ProcessEngine (engine in a child process) when `config.engine_process`,
+    else an in-process AsyncEngine (imports torch here: only when serving starts)."""
+    if config.engine_process:
+        from actors.engine_process import ProcessEngine
+
+        return ProcessEngine(config)
+    from actors.engine import AsyncEngine
+
+    return AsyncEngine(config)
+
+
 def _terminate_self() -> None:
     os.kill(os.getpid(), signal.SIGTERM)  # hypercorn's handler shuts down gracefully; after_serving runs
 
@@ -76,9 +88,7 @@ def create_app(engine: Any = None, config: EngineConfig | None = None, *,
     @app.before_serving
     async def start_engine() -> None:
         if state.engine is None:
-            from actors.engine import AsyncEngine  # heavy (torch): only when serving starts
-
-            state.engine = AsyncEngine(config)
+            state.engine = make_engine(config)
         logger.info("starting engine: %s", config)
         await state.engine.start()
         logger.info("serving %r (max_model_len=%d)", config.served_model_name, state.engine.max_model_len)

@@ -20,6 +20,20 @@ process, so they run on another core) each send `--requests` requests of `--max-
 `actors/worker.py` runs the model), to see whether the API's per-token work overlaps the device step: the offline
 figure is then `running sequences / T`, e.g. 64 / 2.79 ms = 22,939 tok/s for the H200's default-model decode.
 
+`--engine-process` puts the step engine behind `actors.engine_process.ProcessEngine`, as `hypercorn api:app` runs
+the real engine by default: the fake steps, `_emit` and detokenization run in the engine process, the HTTP work in
+the server process, and one message per step crosses between them. `server_cpu_us_per_tok` is then the API
+process alone and `engine_process_cpu_us_per_tok` the engine process's (0 in-process).
+
+    .venv/bin/python tools/bench_http_overhead.py --concurrency 64 --step-ms 2.79 --repeat 3 --offline
+    .venv/bin/python tools/bench_http_overhead.py --concurrency 64 --step-ms 2.79 --repeat 3 --offline --engine-process
+
+`--offline` adds `offline_tok_s` (the step engine alone, consumers in-process, no HTTP) and `http_over_offline`.
+`--step-python-ms P` makes each step first hold the GIL for P ms on the worker thread (the runner's Python step
+preparation), e.g. `--step-ms 2.17 --step-python-ms 0.15` for the H200's 2.32 ms per 64-sequence step.
+`--client raw` replaces httpx by a minimal HTTP/1.1 client (~1/3 of its CPU per token), so that on a small machine
+more of the cores go to the server.
+
 `--engine scripted` uses `tests/api/fake_engine.py:ScriptedEngine` (zero delay) instead: its per-request
 generators skip the scheduler actor's path.
 """
@@ -64,8 +78,16 @@ class _StubScheduler:
         seq.finish_reason, seq.stop_reason = reason, stop_reason
 
 
-def _device_double(step_s: float):
-    """A worker actor whose step is `time.sleep(step_s)` on its own thread (the GIL is free meanwhile), as
+def _step(step_s: float, python_s: float) -> None:
+    end = time.perf_counter() + python_s
+    while time.perf_counter() < end:  # holds the GIL, as Python code does
+        pass
+    time.sleep(step_s)
+
+
+def _device_double(step_s: float, python_s: float = 0.0):
+    """A worker actor whose step is `python_s` of Python (GIL held: the runner's step preparation and launches)
+    then `time.sleep(step_s)` (the device computes, the GIL is free) on its own thread, as
     `actors.worker.WorkerActor` runs the model's step."""
     from concurrent.futures import ThreadPoolExecutor
 
@@ -75,7 +97,7 @@ def _device_double(step_s: float):
 
     class DeviceDouble(Actor):
         async def handle(self, msg):
-            return await asyncio.get_running_loop().run_in_executor(pool, time.sleep, step_s)
+            return await asyncio.get_running_loop().run_in_executor(pool, _step, step_s, python_s)
 
     return DeviceDouble("device-double")
 
@@ -85,14 +107,15 @@ class StepEngine:
     `SchedulerActor._emit` into a real `RequestStream`; steps run back to back, yielding to the loop in between, or
     each behind a `step_s` wait on a worker actor's thread (the model's step) when step_s > 0."""
 
-    def __init__(self, max_model_len: int = 8192, step_s: float = 0.0):
+    def __init__(self, max_model_len: int = 8192, step_s: float = 0.0, python_s: float = 0.0):
         from actors.scheduler import SchedulerActor
         from tests.api.fake_engine import ByteTokenizer, ChatMLTemplate
-        from voltserve.config import EngineConfig
+        from voltserve.config import EngineConfig, ModelConfig
 
         self.config = EngineConfig(model=MODEL).validate()
         self.max_model_len = max_model_len
         self.tokenizer = ByteTokenizer()
+        self.model_config = ModelConfig("bench", self.tokenizer.vocab_size, 64, 64, 1, 1, 1, 64)
         self.chat_template = ChatMLTemplate()
         self.running: list = []
         self.actor = SchedulerActor(_StubScheduler(self.running), worker=None, tokenizer=self.tokenizer)
@@ -101,7 +124,7 @@ class StepEngine:
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
         self.num_steps = 0
-        self.device = _device_double(step_s) if step_s > 0 else None
+        self.device = _device_double(step_s, python_s) if step_s > 0 else None
 
     @property
     def is_healthy(self) -> bool:
@@ -119,20 +142,25 @@ class StepEngine:
     def add_request(self, prompt_token_ids, params, request_id=None):
         import uuid
 
-        from actors.scheduler import AddRequestMsg
         from actors.stream import RequestStream
         from voltserve.request import check_request
-        from voltserve.sequence import Sequence
 
         max_tokens = check_request(prompt_token_ids, params, self.tokenizer.vocab_size, self.max_model_len)
-        request_id = request_id or uuid.uuid4().hex
-        seqs = tuple(Sequence(seq_id=next(self._seq_ids), request_id=request_id, index=i,
+        stream = RequestStream(request_id or uuid.uuid4().hex, params.n, self.abort)
+        self.submit(prompt_token_ids, params, max_tokens, stream)
+        return stream
+
+    def submit(self, prompt_token_ids, params, max_tokens, stream) -> None:
+        """AsyncEngine.submit: queue a checked request whose outputs go to `stream` (in the engine process, the
+        forwarder to the API process)."""
+        from actors.scheduler import AddRequestMsg
+        from voltserve.sequence import Sequence
+
+        seqs = tuple(Sequence(seq_id=next(self._seq_ids), request_id=stream.request_id, index=i,
                               prompt_ids=list(prompt_token_ids), params=params, max_tokens=max_tokens)
                      for i in range(params.n))
-        stream = RequestStream(request_id, params.n, self.abort)
         self.actor._on_message(AddRequestMsg(seqs, stream))
         self._wake.set()
-        return stream
 
     def abort(self, request_id: str) -> None:
         from actors.scheduler import AbortRequestMsg
@@ -140,20 +168,32 @@ class StepEngine:
         self.actor._on_message(AbortRequestMsg(request_id))
 
     def kv_stats(self) -> dict:
-        return {"num_blocks": 0, "num_free_blocks": 0, "num_running": len(self.running), "num_waiting": 0}
+        # num_steps rides along so that the API process of `--engine-process` can report it
+        return {"num_blocks": 0, "num_free_blocks": 0, "num_running": len(self.running), "num_waiting": 0,
+                "num_steps": self.num_steps}
 
     async def _loop(self) -> None:
         from voltserve.request import FinishReason
         from voltserve.sequence import SequenceStatus
 
         script, actor, device = self.script, self.actor, self.device
+        deferred: list = []  # the last step's sequences, emitted once the next step is with the device
+
+        def emit(seqs: list) -> None:
+            for seq in seqs:
+                actor._emit(seq, None)
+
         while True:
             if not self.running:
+                deferred = emit(deferred) or []
                 self._wake.clear()
                 await self._wake.wait()
                 continue
-            if device is not None:  # SchedulerActor.run_loop: schedule, then await the worker's step
-                await device.ask(None)
+            if device is not None:  # SchedulerActor.run_loop: schedule, hand the step over, emit, await it
+                reply = device.ask_nowait(None)
+                asyncio.get_running_loop().call_soon(emit, deferred)
+                deferred = []
+                await reply
             touched = list(self.running)
             for seq in touched:  # Scheduler.update: append the sampled token, finish at max_tokens
                 seq.output_ids.append(script[len(seq.output_ids) % len(script)])
@@ -161,14 +201,25 @@ class StepEngine:
                     self.running.remove(seq)
                     seq.status = SequenceStatus.FINISHED
                     seq.finish_reason = FinishReason.LENGTH
-            for seq in touched:
-                actor._emit(seq, None)
+            deferred = touched if device is not None else emit(touched) or []
             self.num_steps += 1
             if device is None:
                 await asyncio.sleep(0)
 
 
-def _serve(port: int, engine_kind: str, profile: str | None, ready, step_ms: float = 0.0) -> None:
+def make_step_engine(step_s: float, python_s: float, config=None, on_death=None) -> StepEngine:
+    """ProcessEngine's engine_factory for `--engine-process`: the StepEngine, built in the engine process."""
+    return StepEngine(step_s=step_s, python_s=python_s)
+
+
+def _process_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of another process so far (Linux /proc)."""
+    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _serve(port: int, engine_kind: str, profile: str | None, ready, step_ms: float = 0.0,
+           engine_process: bool = False, step_python_ms: float = 0.0) -> None:
     sys.path[:0] = [ROOT, os.path.join(ROOT, "src")]
     import cProfile
 
@@ -184,8 +235,17 @@ def _serve(port: int, engine_kind: str, profile: str | None, ready, step_ms: flo
 
             engine = ScriptedEngine(scripts=[TEXT * 200], max_model_len=16384)
             engine.config = EngineConfig(model=MODEL).validate()
+        elif engine_process:
+            import functools
+
+            from actors.engine_process import ProcessEngine
+            from tools.bench_http_overhead import make_step_engine as factory  # by a name the child can import
+
+            engine = ProcessEngine(EngineConfig(model=MODEL).validate(),
+                                   engine_factory=functools.partial(factory, step_ms / 1000,
+                                                                    step_python_ms / 1000))
         else:
-            engine = StepEngine(step_s=step_ms / 1000)
+            engine = StepEngine(step_s=step_ms / 1000, python_s=step_python_ms / 1000)
         app = create_app(engine)
         profiler = cProfile.Profile() if profile else None
         marks: list[float] = []
@@ -200,7 +260,12 @@ def _serve(port: int, engine_kind: str, profile: str | None, ready, step_ms: flo
                 elif len(marks) == 2:
                     profiler.disable()
                     profiler.dump_stats(profile)
-            return {"cpu_s": now, "steps": getattr(engine, "num_steps", None)}
+            process = getattr(engine, "process", None)
+            engine_cpu_s = _process_cpu_s(process.pid) if process is not None else 0.0
+            steps = getattr(engine, "num_steps", None)
+            if process is not None:  # the step engine's count, sent with every step's outputs
+                steps = engine.kv_stats().get("num_steps")
+            return {"cpu_s": now, "engine_cpu_s": engine_cpu_s, "steps": steps}
 
         @app.get("/bench/reset")
         async def reset():
@@ -221,41 +286,91 @@ def _serve(port: int, engine_kind: str, profile: str | None, ready, step_ms: flo
 # ---- client side ----------------------------------------------------------------------------------------------
 
 
-async def _one(client, max_tokens: int) -> tuple[int, int]:
-    """One streamed chat request -> (completion tokens from the usage chunk, content chunks)."""
-    body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": max_tokens,
+def _chat_body(max_tokens: int) -> dict:
+    return {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": max_tokens,
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
-    buf = bytearray()
-    async with client.stream("POST", "/v1/chat/completions", json=body) as response:
-        if response.status_code != 200:
-            raise RuntimeError(f"HTTP {response.status_code}: {(await response.aread())[:200]!r}")
-        async for data in response.aiter_raw():
-            buf += data
-    frames = bytes(buf).split(b"\n\n")
+
+
+def _count(buf: bytes) -> tuple[int, int]:
+    """An SSE body -> (completion tokens from the usage chunk, content chunks)."""
+    frames = buf.split(b"\n\n")
     if frames[-2:] != [b"data: [DONE]", b""]:
-        raise RuntimeError(f"stream did not end with [DONE]: {bytes(buf[-200:])!r}")
+        raise RuntimeError(f"stream did not end with [DONE]: {buf[-200:]!r}")
     usage = json.loads(frames[-3][6:])["usage"]
     return usage["completion_tokens"], buf.count(b'"content":"') - 1  # minus the role chunk's content ""
 
 
-async def _round(base_url: str, concurrency: int, requests: int, max_tokens: int) -> dict:
+async def _one(client, max_tokens: int) -> tuple[int, int]:
+    """One streamed chat request through httpx -> (completion tokens, content chunks)."""
+    buf = bytearray()
+    async with client.stream("POST", "/v1/chat/completions", json=_chat_body(max_tokens)) as response:
+        if response.status_code != 200:
+            raise RuntimeError(f"HTTP {response.status_code}: {(await response.aread())[:200]!r}")
+        async for data in response.aiter_raw():
+            buf += data
+    return _count(bytes(buf))
+
+
+class _RawConnection:
+    """One keep-alive HTTP/1.1 connection that POSTs streamed chat requests: a client with a fraction of httpx's
+    CPU per SSE chunk, so that on a small machine the server processes get the cores (`--client raw`).
+
+    Args:
+        base_url: http://host:port.
+    """
+
+    def __init__(self, base_url: str):
+        self._host, port = base_url.removeprefix("http://").rsplit(":", 1)
+        self._port = int(port)
+        self._reader: asyncio.StreamReader | None = None
+        self._writer: asyncio.StreamWriter | None = None
+
+    async def one(self, max_tokens: int) -> tuple[int, int]:
+        """One streamed chat request -> (completion tokens, content chunks)."""
+        if self._writer is None:
+            self._reader, self._writer = await asyncio.open_connection(self._host, self._port)
+        body = json.dumps(_chat_body(max_tokens)).encode()
+        self._writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n"
+                           b"Content-Length: %d\r\n\r\n%s" % (self._host.encode(), len(body), body))
+        reader = self._reader
+        head = await reader.readuntil(b"\r\n\r\n")
+        if not head.startswith(b"HTTP/1.1 200") or b"transfer-encoding: chunked" not in head.lower():
+            raise RuntimeError(f"unexpected response head {head[:200]!r}")
+        buf = bytearray()
+        while size := int((await reader.readuntil(b"\r\n"))[:-2], 16):  # chunked transfer coding (RFC 9112)
+            buf += (await reader.readexactly(size + 2))[:-2]
+        await reader.readuntil(b"\r\n")
+        return _count(bytes(buf))
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+
+
+async def _round(base_url: str, concurrency: int, requests: int, max_tokens: int, step_ms: float,
+                 client_kind: str = "httpx") -> dict:
     import httpx
 
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
     async with httpx.AsyncClient(base_url=base_url, limits=limits, timeout=120) as client:
         await _one(client, 4)  # warm: connections, first-request paths
+        raw = [_RawConnection(base_url) for _ in range(concurrency)] if client_kind == "raw" else []
+        for conn in raw:
+            await conn.one(4)
         before = (await client.get("/bench/mark")).json()
         cpu0, t0 = sum(os.times()[:2]), time.perf_counter()
 
-        async def worker() -> tuple[int, int]:
+        async def worker(i: int) -> tuple[int, int]:
             tokens = chunks = 0
             for _ in range(requests):
-                t, c = await _one(client, max_tokens)
+                t, c = await (raw[i].one(max_tokens) if raw else _one(client, max_tokens))
                 tokens, chunks = tokens + t, chunks + c
             return tokens, chunks
 
-        results = await asyncio.gather(*(worker() for _ in range(concurrency)))
+        results = await asyncio.gather(*(worker(i) for i in range(concurrency)))
         wall, cpu = time.perf_counter() - t0, sum(os.times()[:2]) - cpu0
+        for conn in raw:
+            conn.close()
         after = (await client.get("/bench/mark")).json()
         await client.get("/bench/reset")
     tokens = sum(r[0] for r in results)
@@ -264,10 +379,33 @@ async def _round(base_url: str, concurrency: int, requests: int, max_tokens: int
     return {
         "tok_s": round(tokens / wall, 1),
         "server_cpu_us_per_tok": round((after["cpu_s"] - before["cpu_s"]) / tokens * 1e6, 2),
+        "engine_process_cpu_us_per_tok": round((after["engine_cpu_s"] - before["engine_cpu_s"]) / tokens * 1e6, 2),
         "client_cpu_us_per_tok": round(cpu / tokens * 1e6, 2),
         "chunks_per_tok": round(chunks / tokens, 3),
         "tokens": tokens, "wall_s": round(wall, 3), "engine_steps": steps,
+        # share of the load's wall time the modelled device spent in steps (the issue's "GPU busy")
+        "device_busy": None if not steps or not step_ms else round(steps * step_ms / 1000 / wall, 3),
     }
+
+
+async def _offline(concurrency: int, max_tokens: int, step_ms: float, step_python_ms: float) -> float:
+    """tok/s of the step engine alone (no HTTP: the consumers drain the streams in this process), the figure the
+    HTTP runs are compared with."""
+    from voltserve.request import SamplingParams
+
+    engine = StepEngine(step_s=step_ms / 1000, python_s=step_python_ms / 1000)
+    await engine.start()
+
+    async def drain(stream) -> None:
+        async for _ in stream:
+            pass
+
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    t0 = time.perf_counter()
+    await asyncio.gather(*(drain(engine.add_request([65, 66], params)) for _ in range(concurrency)))
+    wall = time.perf_counter() - t0
+    await engine.stop()
+    return round(concurrency * max_tokens / wall, 1)
 
 
 def _free_port() -> int:
@@ -286,12 +424,26 @@ def main() -> None:
     ap.add_argument("--profile", help="write a cProfile of the server during the (last) run here")
     ap.add_argument("--step-ms", type=float, default=0.0,
                     help="step engine: each step waits this long on a worker thread (the device's step time)")
+    ap.add_argument("--step-python-ms", type=float, default=0.0,
+                    help="step engine: before its wait, each step runs this long in Python on the worker thread "
+                         "(holding the GIL, as the runner's step preparation does)")
+    ap.add_argument("--engine-process", action="store_true",
+                    help="step engine behind actors.engine_process.ProcessEngine (its own process), as "
+                         "`hypercorn api:app` runs the engine by default")
+    ap.add_argument("--offline", action="store_true",
+                    help="also run the step engine without HTTP (same load, median of --repeat): the denominator")
+    ap.add_argument("--client", choices=("httpx", "raw"), default="httpx",
+                    help="raw: a minimal HTTP/1.1 client (much less client CPU per chunk than httpx)")
     args = ap.parse_args()
+    if args.engine_process and args.engine != "step":
+        ap.error("--engine-process needs --engine step")
 
     port = _free_port()
     ctx = mp.get_context("spawn")
     ready = ctx.Event()
-    server = ctx.Process(target=_serve, args=(port, args.engine, args.profile, ready, args.step_ms), daemon=True)
+    # not daemonic: with --engine-process the server starts a process of its own
+    server = ctx.Process(target=_serve, args=(port, args.engine, args.profile, ready, args.step_ms,
+                                              args.engine_process, args.step_python_ms))
     server.start()
     try:
         ready.wait(60)
@@ -304,13 +456,21 @@ def main() -> None:
                 break
             except httpx.TransportError:
                 time.sleep(0.05)
-        runs = [asyncio.run(_round(base_url, args.concurrency, args.requests, args.max_tokens))
+        runs = [asyncio.run(_round(base_url, args.concurrency, args.requests, args.max_tokens, args.step_ms,
+                                   args.client))
                 for _ in range(args.repeat)]
     finally:
         server.terminate()
         server.join(5)
-    keys = ("tok_s", "server_cpu_us_per_tok", "client_cpu_us_per_tok", "chunks_per_tok")
+    keys = ("tok_s", "server_cpu_us_per_tok", "engine_process_cpu_us_per_tok", "client_cpu_us_per_tok",
+            "chunks_per_tok") + (("device_busy",) if args.step_ms else ())
     summary = {k: statistics.median(r[k] for r in runs) for k in keys}
+    if args.offline:
+        sys.path[:0] = [ROOT, os.path.join(ROOT, "src")]
+        offline = [asyncio.run(_offline(args.concurrency, args.max_tokens, args.step_ms, args.step_python_ms))
+                   for _ in range(args.repeat)]
+        summary["offline_tok_s"] = statistics.median(offline)
+        summary["http_over_offline"] = round(summary["tok_s"] / summary["offline_tok_s"], 3)
     print(json.dumps({"config": vars(args), "median": summary, "runs": runs}, indent=1))
 
 

@@ -70,6 +70,9 @@ class ChatTemplate:
         except jinja2.TemplateSyntaxError as exc:
             raise ConfigError(f"the chat template does not compile: {exc.message} (line {exc.lineno})") from exc
 
+    def __reduce__(self):  # pickled as its inputs: the compiled template is not picklable
+        return type(self), (self.source, self.bos_token, self.eos_token)
+
     def render(
         self,
         messages: Sequence[Mapping],

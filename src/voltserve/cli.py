@@ -42,6 +42,7 @@ HELP = {
     "enforce_eager": "run decode steps eagerly instead of replaying CUDA graphs",
     "pdl": "programmatic dependent launch on SM90+ GPUs (kernels overlap their start with the previous one)",
     "gpu_busy_log_interval": "seconds between log lines with the GPU's busy share of wall time (CUDA); 0 = off",
+    "engine_process": "run the engine in its own process, apart from HTTP (default on)",
 }
 
 

@@ -99,6 +99,9 @@ class EngineConfig:
             (CUDA events around each step; CUDA only); 0 = off.
         exit_on_engine_death: the HTTP server shuts itself down (SIGTERM to its own process) once the engine is
             dead, so a supervisor such as systemd restarts it; `voltserve serve` turns it on.
+        engine_process: the HTTP server runs the engine (scheduler, worker, detokenization) in a child process
+            (`actors.engine_process.ProcessEngine`), so HTTP work does not slow the engine's steps; off = in the
+            server's own process and event loop (`actors.engine.AsyncEngine`). Read by the API only.
     """
 
     model: str = DEFAULT_MODEL
@@ -123,6 +126,7 @@ class EngineConfig:
     pdl: bool = True
     gpu_busy_log_interval: float = 0.0
     exit_on_engine_death: bool = False
+    engine_process: bool = True
 
     def validate(self) -> "EngineConfig":
         """Check ranges; raises ConfigError naming the setting. Returns self."""

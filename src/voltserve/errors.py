@@ -24,6 +24,9 @@ class InvalidRequestError(VoltError):
         self.message = message
         self.param = param
 
+    def __reduce__(self):  # keep `param` across a process boundary
+        return type(self), (self.message, self.param)
+
 
 class ContextLengthError(InvalidRequestError):
     """The prompt (plus requested output) does not fit the model's context window."""
@@ -79,6 +82,9 @@ class KernelCompileError(VoltError):
         self.options = options
         self.log = log
 
+    def __reduce__(self):  # picklable (the engine process sends startup errors to the API process)
+        return type(self), (self.kernel, self.options, self.log)
+
 
 class CudaError(VoltError):
     """A CUDA driver or NVRTC call returned an error code."""
@@ -88,3 +94,6 @@ class CudaError(VoltError):
         self.call = call
         self.code = code
         self.name = name
+
+    def __reduce__(self):
+        return type(self), (self.call, self.code, self.name)

@@ -77,6 +77,12 @@ class Tokenizer:
         self.eos_token: str = self.id_to_token(self.eos_token_ids[0]) if self.eos_token_ids else ""
         self._byte_tables: dict[bool, tuple[bytes, ...] | None] = {}  # skip_special_tokens -> byte_table()
 
+    def __reduce__(self):
+        # pickled as its constructor's arguments: `tokenizers` does not pickle `encode_special_tokens`, and the
+        # byte tables are rebuilt on demand (the engine process sends its tokenizer to the API process)
+        return type(self), (self._tok, self.bos_token_id, self.eos_token_ids, self.add_bos, self.byte_level,
+                            self.vocab_size)
+
     @property
     def backend(self) -> tokenizers.Tokenizer:
         """The wrapped `tokenizers.Tokenizer` (e.g. to save it as tokenizer.json)."""

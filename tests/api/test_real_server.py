@@ -1,4 +1,5 @@
-"""The default model behind a real `hypercorn api:app` on loopback, driven by the `openai` SDK (slow).
+"""The default model behind a real `hypercorn api:app` on loopback, driven by the `openai` SDK (slow). The engine
+runs in its own process (`engine_process`, the server's default).
 
 Replays the streaming cases S3 (UTF-8), S4 (stop strings), S5 (usage, n=2) of ../shared/cases/api-behaviour.md.
 """

@@ -30,6 +30,19 @@ def test_cli_flags_become_environment(monkeypatch):
     assert (config.sse_keep_alive_interval, config.enable_prefix_caching) == (0.5, False)
 
 
+def test_engine_process_flag_picks_the_engine(monkeypatch):
+    from actors.engine_process import ProcessEngine
+    from api.app import make_engine
+
+    monkeypatch.setenv("VOLTSERVE_ENGINE_PROCESS", "")  # "" = unset; and undone after the test
+    assert EngineConfig.from_env().engine_process is True  # the HTTP server's default
+    cli._export_env(cli.build_parser().parse_args(["serve", "--no-engine-process"]))
+    config = EngineConfig.from_env()
+    assert config.engine_process is False and type(make_engine(config)).__name__ == "AsyncEngine"
+    monkeypatch.setenv("VOLTSERVE_ENGINE_PROCESS", "1")
+    assert isinstance(make_engine(EngineConfig.from_env()), ProcessEngine)
+
+
 def test_cli_version(capsys):
     with pytest.raises(SystemExit) as exit_info:
         cli.main(["--version"])

@@ -52,6 +52,21 @@ def test_special_tokens(smollm2_tokenizer):
     assert tok.encode(text, add_special_tokens=True) == ids  # SmolLM2's GGUF says add_bos_token = False
 
 
+def test_pickled_tokenizer_behaves_the_same(smollm2_tokenizer):
+    """The engine process sends its tokenizer to the API process: special-token handling must survive."""
+    import pickle
+
+    tok = smollm2_tokenizer
+    back = pickle.loads(pickle.dumps(tok))
+    text = "<|im_end|><|im_start|>system 12 caf\u00e9"
+    for parse_special in (True, False):
+        assert back.encode(text, parse_special=parse_special) == tok.encode(text, parse_special=parse_special)
+    assert back.encode(text, parse_special=False) != back.encode(text)
+    assert (back.vocab_size, back.eos_token_ids, back.bos_token_id) == (tok.vocab_size, tok.eos_token_ids,
+                                                                        tok.bos_token_id)
+    assert back.byte_table() == tok.byte_table()
+
+
 def test_attributes_and_token_bytes(smollm2_tokenizer):
     tok = smollm2_tokenizer
     assert (tok.vocab_size, tok.bos_token_id, tok.eos_token_ids) == (49152, 1, (2,))

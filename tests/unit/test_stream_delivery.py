@@ -77,3 +77,37 @@ async def test_consumers_wake_after_the_next_step_is_handed_to_the_worker():
     await worker.stop()
     # delta k (from step k) arrives once step k + 1 is already with the worker; the last one has no next step
     assert seen == [[("a", 2), ("a", 3), ("a", 4), ("a", 4)]] * 3
+
+
+class _RecordingStream(RequestStream):
+    """Records, for every delta put, how many steps the worker had been handed by then."""
+
+    def __init__(self, request_id: str, worker: _Worker):
+        super().__init__(request_id, 1, abort=lambda rid: None)
+        self.worker = worker
+        self.put_at: list[int] = []
+
+    def put(self, out, wake=True):
+        self.put_at.append(self.worker.steps_started)
+        super().put(out, wake)
+
+
+async def test_detokenization_overlaps_the_next_step_unless_stop_strings():
+    worker = _Worker()
+    actor = SchedulerActor(make_scheduler(), worker, ByteTokenizer())
+    worker.start()
+    actor.start()
+    plain, stopping = _RecordingStream("plain", worker), _RecordingStream("stop", worker)
+    actor.tell(AddRequestMsg((make_seq([A, A], max_tokens=4, request_id="plain"),), plain))
+    seq = make_seq([A, A], max_tokens=4, request_id="stop")
+    seq.params.stop = ["zz"]  # never matches, but must be checked before the next step
+    actor.tell(AddRequestMsg((seq,), stopping))
+    async def texts(stream) -> str:
+        return "".join([o.text async for o in stream])
+
+    got = await asyncio.wait_for(asyncio.gather(texts(plain), texts(stopping)), 5)
+    await actor.stop()
+    await worker.stop()
+    assert got == ["aaaa", "aaaa"]
+    # delta k (step k) is detokenized and put once step k + 1 is with the worker; with stop strings, before it
+    assert plain.put_at == [2, 3, 4, 4] and stopping.put_at == [1, 2, 3, 4]

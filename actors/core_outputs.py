@@ -1,0 +1,127 @@
+"""The engine process's output path: RequestOutputs of one step -> one message to the API process.
+
+`ForwardingStream` stands in for `RequestStream` inside the engine process (the scheduler actor only uses the
+producer side: put, wake, fail). `OutputForwarder` collects what a step put and, at the scheduler's deferred
+wake-up (which runs after the next step has been handed to the worker thread, see `SchedulerActor._emit`),
+queues it as one `StepOutputsMsg` for a sender thread. The thread pickles and writes, so the engine's loop never
+blocks on the socket; messages that queue up while the API process lags are coalesced into one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import Callable
+
+from actors.engine_ipc import StepOutputsMsg, output_to_tuple, portable_error
+from voltserve.request import RequestOutput
+
+logger = logging.getLogger(__name__)
+
+_CLOSE = object()
+
+
+class ForwardingStream:
+    """RequestStream's producer side for one request; its outputs go to the API process.
+
+    Args:
+        request_id: the request's id.
+        forwarder: collects the outputs of the current step.
+    """
+
+    __slots__ = ("request_id", "_forwarder")
+
+    def __init__(self, request_id: str, forwarder: "OutputForwarder"):
+        self.request_id = request_id
+        self._forwarder = forwarder
+
+    def put(self, out: RequestOutput, wake: bool = True) -> None:
+        self._forwarder.outputs.append(output_to_tuple(out))
+        if wake:
+            self._forwarder.flush_soon()
+
+    def wake(self) -> None:
+        self._forwarder.flush_soon()
+
+    def fail(self, exc: BaseException) -> None:
+        self._forwarder.failures.append((self.request_id, portable_error(exc)))
+        self._forwarder.flush_soon()
+
+
+class OutputForwarder:
+    """Batches outputs per step and sends them, in order with other messages, on a sender thread.
+
+    Args:
+        send: writes one message to the API process (multiprocessing Connection.send); called on the sender
+            thread only. OSError / EOFError (the API process is gone) stop the sending quietly.
+        kv_stats: -> the engine's current kv_stats(), attached to every StepOutputsMsg.
+    """
+
+    def __init__(self, send: Callable[[object], None], kv_stats: Callable[[], dict]):
+        self._send = send
+        self._kv_stats = kv_stats
+        self.outputs: list[tuple] = []
+        self.failures: list[tuple[str, BaseException]] = []
+        self._flush_scheduled = False
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._send_loop, name="engine-output-sender", daemon=True)
+        self._thread.start()
+
+    def stream(self, request_id: str) -> ForwardingStream:
+        return ForwardingStream(request_id, self)
+
+    def flush_soon(self) -> None:
+        """Flush at the end of this event-loop turn (once, however many streams ask)."""
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            asyncio.get_running_loop().call_soon(self.flush)
+
+    def flush(self) -> None:
+        """Queue what was collected since the last flush as one StepOutputsMsg."""
+        self._flush_scheduled = False
+        if self.outputs or self.failures:
+            msg = StepOutputsMsg(self.outputs, self.failures, self._kv_stats())
+            self.outputs, self.failures = [], []
+            self._queue.put(msg)
+
+    def send(self, msg: object) -> None:
+        """Queue any other message, after the outputs collected so far."""
+        self.flush()
+        self._queue.put(msg)
+
+    def close(self) -> None:
+        """Send everything queued, then stop the sender thread (blocks until it has)."""
+        self.flush()
+        self._queue.put(_CLOSE)
+        self._thread.join()
+
+    def _send_loop(self) -> None:
+        while True:
+            batch = [self._queue.get()]
+            while True:  # what queued up while the last write ran goes out together
+                try:
+                    batch.append(self._queue.get_nowait())
+                except queue.Empty:
+                    break
+            for msg in _coalesce(batch):
+                if msg is _CLOSE:
+                    return
+                try:
+                    self._send(msg)
+                except (OSError, EOFError):
+                    logger.warning("the API process is gone; dropping engine outputs")
+                    return
+
+
+def _coalesce(batch: list) -> list:
+    """Merge runs of StepOutputsMsg into one (outputs and failures in order, the newest kv_stats)."""
+    out: list = []
+    for msg in batch:
+        prev = out[-1] if out else None
+        if isinstance(msg, StepOutputsMsg) and isinstance(prev, StepOutputsMsg):
+            out[-1] = StepOutputsMsg(prev.outputs + msg.outputs, prev.failures + msg.failures, msg.kv_stats)
+        else:
+            out.append(msg)
+    return out

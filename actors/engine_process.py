@@ -1,0 +1,265 @@
+"""ProcessEngine: the AsyncEngine interface, with the engine in its own process (what the HTTP server uses).
+
+Why: in one process, the HTTP stack (hypercorn, h11, Quart: a fixed cost per SSE write) and the engine loop
+(scheduling, detokenization, step preparation) share one event loop and one GIL, so the engine steps at the speed
+of the HTTP loop. Here the API process keeps HTTP, tokenization of prompts and request validation; the engine
+process (`actors.engine_core`, a new interpreter) runs the scheduler actor, the worker and detokenization, and sends one
+message per step with every RequestOutput of that step. Streams merge consecutive deltas while a consumer lags
+(`RequestStream.put`), so under load the HTTP writes per token fall while tokens/s follows the engine.
+
+Example:
+    engine = ProcessEngine(EngineConfig(model="smollm2-135m-instruct").validate())
+    await engine.start()
+    async for out in engine.generate(engine.tokenizer.encode("Hello"), SamplingParams(max_tokens=8)):
+        print(out.text, end="")
+    await engine.stop()
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import subprocess
+import sys
+import uuid
+from collections.abc import AsyncIterator, Callable
+from multiprocessing.connection import Connection
+
+from actors.engine_core import ENTRY
+from actors.engine_ipc import (AbortMsg, AddMsg, EngineDiedMsg, EngineStartMsg, ReadyMsg, StartFailedMsg,
+                               StepOutputsMsg, StopMsg)
+from actors.stream import RequestStream, generate_outputs
+from voltserve.config import EngineConfig
+from voltserve.errors import EngineDeadError
+from voltserve.request import RequestOutput, SamplingParams, check_request
+
+logger = logging.getLogger(__name__)
+
+STOP_TIMEOUT_S = 30.0  # a clean stop finishes the step in hand; then the process is terminated
+# messages read per readable event: the loop gets back to HTTP even if the engine outpaces the reader
+MAX_MESSAGES_PER_READ = 8
+_EMPTY_KV_STATS = {"num_blocks": 0, "num_free_blocks": 0, "num_cached_blocks": 0, "num_running": 0,
+                   "num_waiting": 0}
+
+
+class ProcessEngine:
+    """Engine client in the API process; the engine runs in a child process, a new interpreter (CUDA cannot be
+    forked) talking pickled messages over a Unix socket pair.
+
+    Args:
+        config: validated engine settings (the child builds its AsyncEngine from them).
+        engine_factory: builds the engine in the child instead of AsyncEngine (benchmarks with a fake engine):
+            `(config, on_death=callback) -> engine`; it is pickled, so a module-level function or a
+            functools.partial of one.
+
+    Attributes (set by start()): model_config, tokenizer, chat_template, max_model_len, as AsyncEngine's;
+    process: the engine process (subprocess.Popen).
+    """
+
+    def __init__(self, config: EngineConfig, engine_factory: Callable | None = None):
+        self.config = config.validate()
+        self._engine_factory = engine_factory
+        self.model_config = None
+        self.tokenizer = None
+        self.chat_template = None
+        self.max_model_len = 0
+        self.process: subprocess.Popen | None = None
+        self._conn = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._ready: asyncio.Future | None = None
+        self._streams: dict[str, RequestStream] = {}
+        self._commands: list = []  # parent -> child, sent once per loop turn
+        self._kv_stats = dict(_EMPTY_KV_STATS)
+        self._started = False  # the child answered ReadyMsg
+        self._dead: BaseException | None = None
+        self._stopped = False
+        self._reaper: asyncio.Future | None = None  # waits for a child that is slow to exit after its EOF
+
+    # -- lifecycle ----------------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Start the engine process and wait until its model is loaded.
+
+        Raises:
+            The child's start error with its type and message (LoaderError, ConfigError, ...), or
+            EngineDeadError when the process exits before it is ready.
+        """
+        self._loop = loop = asyncio.get_running_loop()
+        ours, theirs = socket.socketpair()
+        with theirs:
+            # a new session: a terminal's Ctrl-C goes to the API process only, which then stops the engine
+            self.process = await asyncio.to_thread(
+                subprocess.Popen, [sys.executable, "-c", ENTRY, str(theirs.fileno())], pass_fds=[theirs.fileno()],
+                start_new_session=True)
+        # the child holds the only other end now: its exit is EOF here
+        self._conn = Connection(ours.detach())
+        self._conn.send(sys.path)
+        self._conn.send(EngineStartMsg(self.config, logging.getLogger().getEffectiveLevel(), self._engine_factory))
+        self._ready = loop.create_future()
+        loop.add_reader(self._conn.fileno(), self._on_readable)
+        try:
+            ready: ReadyMsg = await self._ready
+        except BaseException as exc:
+            # a child that reported its error exits at once; a cancelled start does not wait for the load
+            await self._reap(0.0 if isinstance(exc, asyncio.CancelledError) else 5.0)
+            raise
+        self.model_config, self.tokenizer = ready.model_config, ready.tokenizer
+        self.chat_template, self.max_model_len = ready.chat_template, ready.max_model_len
+        self._kv_stats = ready.kv_stats
+        self._started = True
+        logger.info("engine process %d ready: max_model_len %d, KV pool %d blocks", self.process.pid,
+                    self.max_model_len, ready.kv_stats["num_blocks"])
+
+    async def stop(self) -> None:
+        """Abort open requests, stop the engine process and reap it (terminated after STOP_TIMEOUT_S)."""
+        self._stopped = True
+        if self.process is None:
+            return
+        if self._conn is not None and self._dead is None:
+            self._commands.append(StopMsg())
+            self._flush_commands()
+        await self._reap(STOP_TIMEOUT_S)  # the loop keeps reading meanwhile: the final abort deltas arrive
+        self._fail_all(EngineDeadError("engine stopped"))
+
+    @property
+    def is_healthy(self) -> bool:
+        return self._started and self._dead is None and not self._stopped
+
+    async def _reap(self, timeout_s: float) -> None:
+        """Wait for the child to exit (terminate, then kill, if it does not in time) and close the socket."""
+        proc = self.process
+        for end in (None, proc.terminate, proc.kill):
+            if end is not None:
+                logger.warning("engine process %d did not exit; %s", proc.pid, end.__name__)
+                end()
+            try:
+                await asyncio.to_thread(proc.wait, timeout_s if end is None else 5.0)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        self._close_conn()
+
+    def _close_conn(self) -> None:
+        if self._conn is not None:
+            self._loop.remove_reader(self._conn.fileno())
+            self._conn.close()
+            self._conn = None
+
+    # -- child -> parent ----------------------------------------------------------------------------------
+
+    def _on_readable(self) -> None:
+        try:
+            for _ in range(MAX_MESSAGES_PER_READ):
+                if self._conn is None or not self._conn.poll():
+                    break
+                self._dispatch(self._conn.recv())
+        except (EOFError, OSError):
+            self._on_child_exit()
+
+    def _dispatch(self, msg) -> None:
+        if isinstance(msg, StepOutputsMsg):
+            self._deliver(msg)
+        elif isinstance(msg, (ReadyMsg, StartFailedMsg)):
+            if not self._ready.done():  # done: start() was cancelled meanwhile
+                if isinstance(msg, ReadyMsg):
+                    self._ready.set_result(msg)
+                else:
+                    self._ready.set_exception(msg.error)
+        elif isinstance(msg, EngineDiedMsg):
+            self._die(msg.error)
+        else:
+            raise TypeError(f"engine process sent an unknown message {msg!r}")
+
+    def _deliver(self, msg: StepOutputsMsg) -> None:
+        """Put a step's outputs into their streams, then wake each consumer once."""
+        streams = self._streams
+        touched = []
+        for fields in msg.outputs:
+            stream = streams.get(fields[0])
+            if stream is None:  # failed or stopped here already
+                continue
+            stream.put(RequestOutput(*fields), wake=False)
+            touched.append(stream)
+            if fields[5] is not None and stream.all_seqs_finished:
+                del streams[fields[0]]
+        for request_id, error in msg.failures:
+            stream = streams.pop(request_id, None)
+            if stream is not None:
+                stream.fail(error)
+        if msg.kv_stats is not None:
+            self._kv_stats = msg.kv_stats
+        for stream in touched:
+            stream.wake()
+
+    def _on_child_exit(self) -> None:
+        """EOF on the socket: the child exited (stopped, died, killed)."""
+        self._close_conn()
+        try:
+            self.process.wait(0.5)  # it has closed its end, so it is exiting: reap it (no zombie)
+        except subprocess.TimeoutExpired:
+            self._reaper = self._loop.run_in_executor(None, self.process.wait)
+        error = EngineDeadError(f"the engine process exited (exit code {self.process.returncode})")
+        if self._ready is not None and not self._ready.done():
+            self._ready.set_exception(error)
+        if not self._stopped:
+            self._die(error)
+
+    def _die(self, error: BaseException) -> None:
+        if self._dead is None:
+            self._dead = error
+            logger.error("engine is dead: %r", error)
+            self._fail_all(EngineDeadError(f"engine died: {error!r}"))
+
+    def _fail_all(self, exc: BaseException) -> None:
+        streams, self._streams = self._streams, {}
+        for stream in streams.values():
+            stream.fail(exc)
+
+    # -- parent -> child ----------------------------------------------------------------------------------
+
+    def _send(self, cmd) -> None:
+        self._commands.append(cmd)
+        if len(self._commands) == 1:
+            self._loop.call_soon(self._flush_commands)
+
+    def _flush_commands(self) -> None:
+        commands, self._commands = self._commands, []
+        if not commands or self._conn is None:
+            return
+        try:
+            self._conn.send(commands)
+        except OSError:  # the child is gone; EOF handling reports it
+            self._on_child_exit()
+
+    # -- requests (AsyncEngine's interface) ---------------------------------------------------------------
+
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
+                    request_id: str | None = None) -> RequestStream:
+        """AsyncEngine.add_request: validate (errors raise here, before anything is sent to the engine process),
+        register the RequestStream, send the request (with the next batch of commands, at the end of this loop
+        turn). Raises InvalidRequestError, ContextLengthError, EngineDeadError as AsyncEngine's does.
+        """
+        if not self.is_healthy:
+            raise EngineDeadError(f"engine is not running{': ' + repr(self._dead) if self._dead else ''}")
+        max_tokens = check_request(prompt_token_ids, params, self.model_config.vocab_size, self.max_model_len)
+        request_id = request_id or uuid.uuid4().hex
+        stream = RequestStream(request_id, params.n, self.abort)
+        self._streams[request_id] = stream
+        self._send(AddMsg(request_id, list(prompt_token_ids), params, max_tokens))
+        return stream
+
+    def generate(self, prompt_token_ids: list[int], params: SamplingParams,
+                 request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        """add_request() and iterate its outputs; closing or cancelling the iterator aborts the request."""
+        return generate_outputs(self, prompt_token_ids, params, request_id)
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request; its KV blocks return to the pool within one step. Unknown ids are ignored."""
+        if self.is_healthy:
+            self._send(AbortMsg(request_id))
+
+    def kv_stats(self) -> dict:
+        """num_blocks, num_free_blocks, num_cached_blocks, num_running, num_waiting as of the engine's last
+        message (sent with every step's outputs)."""
+        return dict(self._kv_stats)

@@ -6,6 +6,12 @@ between consecutive content deltas), each as p50/p90/p99/mean in seconds, plus o
 With matplotlib installed it also draws latency percentiles against concurrency (`--plot`).
 
     python tools/bench_serving.py --base-url http://127.0.0.1:8000 --concurrency 1,4,16 --out bench.json
+
+`--processes N` splits each level's streams and requests over N client processes (one httpx process parsing
+every SSE line is itself a bound near 12k tok/s) and sums their tokens over the longest one's wall time.
+`--offline MODEL` replays the same request stream through an in-process `AsyncEngine` without HTTP (same chat
+template, same concurrency gate): the engine's offline figure for the same load, the denominator of "HTTP tok/s
+>= 90% of offline" (issue "Performance", target 5). Engine settings come from VOLTSERVE_* variables.
 """
 
 from __future__ import annotations
@@ -13,7 +19,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
+import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 
@@ -75,6 +84,27 @@ async def one_request(client: httpx.AsyncClient, model: str, prompt: str, max_to
     return result
 
 
+async def one_request_offline(engine, prompt_ids: list[int], max_tokens: int) -> RequestResult:
+    """One greedy request through `engine.generate` (EOS ignored), timed like `one_request`."""
+    from voltserve.request import SamplingParams
+
+    result = RequestResult()
+    start = last = time.perf_counter()
+    async for out in engine.generate(prompt_ids, SamplingParams(temperature=0, ignore_eos=True,
+                                                                max_tokens=max_tokens)):
+        result.output_tokens = out.num_output_tokens
+        if not out.text:
+            continue
+        now = time.perf_counter()
+        if result.ttft_s is None:
+            result.ttft_s = now - start
+        else:
+            result.itl_s.append(now - last)
+        last = now
+    result.latency_s = last - start
+    return result
+
+
 def percentiles(values: list[float]) -> dict[str, float | None]:
     """p50/p90/p99/mean of `values` (None when empty)."""
     if not values:
@@ -83,14 +113,14 @@ def percentiles(values: list[float]) -> dict[str, float | None]:
     return {"p50": float(p50), "p90": float(p90), "p99": float(p99), "mean": float(np.mean(values))}
 
 
-async def run_level(client: httpx.AsyncClient, model: str, concurrency: int, num_requests: int, prompt: str,
-                    max_tokens: int, headers: dict[str, str]) -> dict:
-    """Run `num_requests` requests with at most `concurrency` in flight; returns the level's summary."""
+async def run_level(send, concurrency: int, num_requests: int) -> dict:
+    """Run `num_requests` requests (`send()` makes one, -> RequestResult) with at most `concurrency` in flight;
+    returns the level's summary."""
     gate = asyncio.Semaphore(concurrency)
 
     async def gated() -> RequestResult:
         async with gate:
-            return await one_request(client, model, prompt, max_tokens, headers)
+            return await send()
 
     start = time.perf_counter()
     results = await asyncio.gather(*(gated() for _ in range(num_requests)))
@@ -145,15 +175,71 @@ async def bench(args: argparse.Namespace, transport: httpx.AsyncBaseTransport | 
         if not model:
             models = (await client.get("/v1/models", headers=headers)).raise_for_status().json()
             model = models["data"][0]["id"]
-        results = []
-        for concurrency in args.concurrency:
-            num_requests = args.num_requests or max(4, 2 * concurrency)
-            level = await run_level(client, model, concurrency, num_requests, args.prompt, args.max_tokens, headers)
-            print(f"concurrency {concurrency}: {level['output_tokens_per_s']:.1f} tok/s, "
-                  f"TTFT p50 {level['ttft_s']['p50']}, TPOT p50 {level['tpot_s']['p50']}", file=sys.stderr)
-            results.append(level)
+        results = await _levels(args, lambda: one_request(client, model, args.prompt, args.max_tokens, headers))
     return {"base_url": args.base_url, "model": model, "command": " ".join(sys.argv), "max_tokens": args.max_tokens,
             "prompt_chars": len(args.prompt), "results": results}
+
+
+async def _levels(args: argparse.Namespace, send) -> list[dict]:
+    results = []
+    for concurrency in args.concurrency:
+        num_requests = args.num_requests or max(4, 2 * concurrency)
+        level = await run_level(send, concurrency, num_requests)
+        print(f"concurrency {concurrency}: {level['output_tokens_per_s']:.1f} tok/s, "
+              f"TTFT p50 {level['ttft_s']['p50']}, TPOT p50 {level['tpot_s']['p50']}", file=sys.stderr)
+        results.append(level)
+    return results
+
+
+async def bench_offline(args: argparse.Namespace) -> dict:
+    """The same levels through an in-process AsyncEngine serving `args.offline` (no HTTP)."""
+    from actors.engine import AsyncEngine
+    from api.openai.chat_prompt import encode_rendered
+    from voltserve.config import EngineConfig
+
+    engine = AsyncEngine(EngineConfig.from_env(model=args.offline))
+    await engine.start()
+    try:
+        rendered = engine.chat_template.render([{"role": "user", "content": args.prompt}],
+                                               add_generation_prompt=True)
+        prompt_ids = encode_rendered(engine.tokenizer, rendered)
+        results = await _levels(args, lambda: one_request_offline(engine, prompt_ids, args.max_tokens))
+    finally:
+        await engine.stop()
+    return {"offline": args.offline, "model": args.offline, "command": " ".join(sys.argv),
+            "max_tokens": args.max_tokens, "prompt_chars": len(args.prompt), "results": results}
+
+
+def bench_processes(args: argparse.Namespace, argv: list[str]) -> dict:
+    """Each level split over `args.processes` client processes; tokens summed over the longest wall time."""
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for concurrency in args.concurrency:
+            n = args.processes
+            num_requests = args.num_requests or max(4, 2 * concurrency)
+            children = []
+            for i in range(n):
+                out = os.path.join(tmp, f"{concurrency}-{i}.json")
+                child = argv + ["--processes", "1", "--concurrency", str(max(1, concurrency // n)),
+                                "--num-requests", str(max(1, num_requests // n)), "--out", out, "--plot", ""]
+                children.append((subprocess.Popen([sys.executable, os.path.abspath(__file__), *child],
+                                                  stdout=subprocess.DEVNULL), out))
+            parts = []
+            for proc, out in children:
+                proc.wait()
+                with open(out) as f:
+                    parts.append(json.load(f)["results"][0])
+            duration = max(p["duration_s"] for p in parts)
+            tokens = sum(p["output_tokens"] for p in parts)
+            results.append({
+                "concurrency": concurrency, "processes": n, "num_requests": sum(p["num_requests"] for p in parts),
+                "num_errors": sum(p["num_errors"] for p in parts), "duration_s": duration, "output_tokens": tokens,
+                "output_tokens_per_s": tokens / duration, "per_process": parts,
+                # the first process's percentiles (each process sees the same mix of streams)
+                "ttft_s": parts[0]["ttft_s"], "tpot_s": parts[0]["tpot_s"], "itl_s": parts[0]["itl_s"]})
+            print(f"concurrency {concurrency} over {n} processes: {tokens / duration:.1f} tok/s", file=sys.stderr)
+    return {"base_url": args.base_url, "model": args.model, "command": " ".join(sys.argv),
+            "max_tokens": args.max_tokens, "prompt_chars": len(args.prompt), "results": results}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -168,12 +254,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--prompt", default=DEFAULT_PROMPT)
     parser.add_argument("--out", default="", help="also write the JSON report here")
     parser.add_argument("--plot", default="", help="PNG of latency percentiles vs concurrency (needs matplotlib)")
+    parser.add_argument("--processes", type=int, default=1, help="client processes per level (their sum is reported)")
+    parser.add_argument("--offline", default="", metavar="MODEL",
+                        help="no HTTP: the same requests through an in-process AsyncEngine serving MODEL")
     return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
-    report = asyncio.run(bench(args))
+    if args.offline:
+        report = asyncio.run(bench_offline(args))
+    elif args.processes > 1:
+        report = bench_processes(args, argv)
+    else:
+        report = asyncio.run(bench(args))
     text = json.dumps(report, indent=2)
     print(text)
     if args.out:

@@ -1,12 +1,17 @@
 """SchedulerActor: the engine's loop. Drain the inbox, schedule a step, run it on the worker, emit outputs.
 
+Asynchronous scheduling: when the step just launched samples on the device and the next step would be the same
+sequences decoding one more token each (`Scheduler.schedule_ahead`), that next step is launched, fed with this
+step's ids on the device, in the same trip to the worker that waits for this step's ids (`StepMsg`), so the
+device never waits for the host's bookkeeping between such steps.
+
 Detokenization and stop strings happen here. A sequence with stop strings is detokenized right after its step,
-so a stop string ends it before the next step and no KV block outlives its request by more than one step; the
-others are detokenized after the next step has been handed to the worker (`_emit_deferred`), while the device
-computes, so the engine's step rate does not pay for detokenization. The consumers of a step's deltas are woken
-only after the next step has been handed to the worker thread too (see `_emit`), so their per-token work (HTTP)
-also runs while the device computes.
-"""
+so a stop string ends it before the next step is planned and no KV block outlives its request by more than one
+step (two when a step ahead was already running: its token for that sequence is dropped). When a step ahead
+runs, every delta is emitted at once (the device is busy meanwhile); otherwise sequences without stop strings
+are detokenized after the next step has been handed to the worker (`_emit_deferred`). The consumers of a step's
+deltas are woken only after the next step has been handed to the worker thread too (see `_emit`), so their
+per-token work (HTTP) also runs while the device computes."""
 
 from __future__ import annotations
 

@@ -16,13 +16,6 @@ from voltserve.scheduler import StepPlan
 
 
 @dataclass(frozen=True)
-class ExecuteMsg:
-    """Run one step; the answer is (seq_id -> token, seq_id -> TokenLogprob)."""
-
-    plan: StepPlan
-
-
-@dataclass(frozen=True)
 class StepMsg:
     """Asynchronous scheduling in one trip to the compute thread: launch `launch` (fed from `feed`, see
     ModelRunner.launch), then collect `collect`. The answer is (the new StepHandle or None, collect's
@@ -43,9 +36,6 @@ class WorkerActor(Actor):
                                             initializer=thread_init)
 
     async def handle(self, msg):
-        if isinstance(msg, ExecuteMsg):
-            loop = asyncio.get_running_loop()
-            return await loop.run_in_executor(self._executor, self.runner.execute, msg.plan)
         if isinstance(msg, StepMsg):
             return await asyncio.get_running_loop().run_in_executor(self._executor, self._step, msg)
         raise TypeError(f"{self.name}: unknown message {msg!r}")

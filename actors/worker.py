@@ -7,12 +7,15 @@ CUDA context current for every call (DESIGN.md section 9: a new thread has none)
 from __future__ import annotations
 
 import asyncio
+import logging
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from actors.base import Actor
 from voltserve.runner import ModelRunner, StepHandle
 from voltserve.scheduler import StepPlan
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -42,7 +45,18 @@ class WorkerActor(Actor):
 
     def _step(self, msg: StepMsg):
         runner = self.runner
-        launched = runner.launch(msg.launch, msg.feed) if msg.launch is not None else None
+        try:
+            launched = runner.launch(msg.launch, msg.feed) if msg.launch is not None else None
+        except Exception:
+            # the step in flight still runs on the device: wait for it before the failure is handled, since the
+            # scheduler then frees its sequences' KV blocks and the next launch refills the pinned input mirror
+            # it uploads from (ModelRunner.launch can raise after its own replay, e.g. in the device sampler)
+            if msg.collect is not None:
+                try:
+                    runner.collect(msg.collect)
+                except Exception:
+                    logger.exception("%s: collecting the step in flight after a failed launch", self.name)
+            raise
         return launched, runner.collect(msg.collect) if msg.collect is not None else None
 
     async def stop(self) -> None:

@@ -11,6 +11,7 @@ from actors.stream import RequestStream
 from actors.worker import WorkerActor
 from tests.api.fake_engine import ByteTokenizer
 from tests.helpers import FakeAsyncRunner, make_scheduler, make_seq
+from voltserve.errors import StepFailedError
 from voltserve.offline import run_steps
 from voltserve.request import FinishReason
 
@@ -79,4 +80,50 @@ async def test_abort_and_stop_string_with_a_step_in_flight_free_every_block():
     await actor.stop()
     await worker.stop()
     assert reason is FinishReason.STOP and out_ids == ids[:3]
+    assert sched.pool.num_free == sched.pool.num_blocks and not sched.has_work()
+
+
+class _AheadLaunchFails(FakeAsyncRunner):
+    """The first launch of a step ahead (fed) raises, as ModelRunner.launch can after its replay (the device
+    sampler's checks, an allocation); records which asynchronous steps were launched and collected."""
+
+    def __init__(self):
+        super().__init__()
+        self.failed = False
+        self.launched, self.collected = [], []
+
+    def launch(self, plan, feed=None):
+        if feed is not None and not self.failed:
+            self.failed = True
+            raise RuntimeError("launch of the step ahead failed")
+        handle = super().launch(plan, feed)
+        if handle.is_async:
+            self.launched.append(handle)
+        return handle
+
+    def collect(self, handle):
+        self.collected.append(handle)
+        return super().collect(handle)
+
+
+async def test_a_failing_launch_ahead_still_waits_for_the_step_in_flight():
+    """The step in flight (whose launch succeeded) must complete before the failure is handled: _fail_step frees
+    its sequences' KV blocks and the next launch refills the pinned input mirror that step uploads from, so the
+    worker collects it (a device sync) before it reports the failure."""
+    runner = _AheadLaunchFails()
+    sched, worker, actor = await _start(runner)
+    failing = _add(actor, PROMPTS[0], 12, "fails")
+    try:
+        await asyncio.wait_for(_tokens(failing), 5)
+        raise AssertionError("the request should have failed")
+    except StepFailedError:
+        pass
+    assert runner.failed
+    assert all(any(c is h for c in runner.collected) for h in runner.launched), \
+        "a launched step was left in flight when its failure was handled"
+    ok = _add(actor, PROMPTS[1], 6, "ok")  # the engine goes on
+    ids, reason = await asyncio.wait_for(_tokens(ok), 5)
+    await actor.stop()
+    await worker.stop()
+    assert reason is FinishReason.LENGTH and len(ids) == 6
     assert sched.pool.num_free == sched.pool.num_blocks and not sched.has_work()

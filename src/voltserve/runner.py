@@ -150,14 +150,16 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> tuple[dict[int, int], dict[int, TokenLogprob]]:
         """Run one step. Returns (seq_id -> sampled token, seq_id -> TokenLogprob for those that asked)."""
-        meter = self.busy_meter
         self._timer = None
         try:
-            return self._execute(plan)  # starts the meter right before its first launch
-        finally:
-            if self._timer is not None:
-                meter.account(self._timer)
-                self._timer = None
+            result = self._execute(plan)  # starts the meter right before its first launch
+        except BaseException:
+            self._timer = None  # a failed step is not timed (its events may never complete)
+            raise
+        if self._timer is not None:
+            self.busy_meter.account(self._timer)
+            self._timer = None
+        return result
 
     def _begin_timer(self) -> None:
         if self.busy_meter is not None:

@@ -41,6 +41,23 @@ class RequestResult:
     latency_s: float = 0.0
     output_tokens: int = 0
     error: str | None = None
+    start_s: float = field(default_factory=time.perf_counter)  # when the request was sent
+    last_s: float = 0.0  # the last content delta (start_s until one arrives)
+
+    def __post_init__(self) -> None:
+        self.last_s = self.last_s or self.start_s
+
+    def content_delta(self) -> None:
+        """A content delta arrived now: the first sets TTFT, later ones add an inter-token gap."""
+        now = time.perf_counter()
+        if self.ttft_s is None:
+            self.ttft_s = now - self.start_s
+        else:
+            self.itl_s.append(now - self.last_s)
+        self.last_s = now
+
+    def done(self) -> None:
+        self.latency_s = self.last_s - self.start_s
 
     @property
     def tpot_s(self) -> float | None:
@@ -55,7 +72,6 @@ async def one_request(client: httpx.AsyncClient, model: str, prompt: str, max_to
     body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
             "temperature": 0, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
     result = RequestResult()
-    start = last = time.perf_counter()
     try:
         async with client.stream("POST", "/v1/chat/completions", json=body, headers=headers) as response:
             if response.status_code != 200:
@@ -70,17 +86,11 @@ async def one_request(client: httpx.AsyncClient, model: str, prompt: str, max_to
                     return result
                 if event.get("usage"):
                     result.output_tokens = event["usage"]["completion_tokens"]
-                if not any(c["delta"].get("content") for c in event.get("choices", [])):
-                    continue
-                now = time.perf_counter()
-                if result.ttft_s is None:
-                    result.ttft_s = now - start
-                else:
-                    result.itl_s.append(now - last)
-                last = now
+                if any(c["delta"].get("content") for c in event.get("choices", [])):
+                    result.content_delta()
     except httpx.HTTPError as exc:
         result.error = f"{type(exc).__name__}: {exc}"
-    result.latency_s = last - start
+    result.done()
     return result
 
 
@@ -89,19 +99,12 @@ async def one_request_offline(engine, prompt_ids: list[int], max_tokens: int) ->
     from voltserve.request import SamplingParams
 
     result = RequestResult()
-    start = last = time.perf_counter()
     async for out in engine.generate(prompt_ids, SamplingParams(temperature=0, ignore_eos=True,
                                                                 max_tokens=max_tokens)):
         result.output_tokens = out.num_output_tokens
-        if not out.text:
-            continue
-        now = time.perf_counter()
-        if result.ttft_s is None:
-            result.ttft_s = now - start
-        else:
-            result.itl_s.append(now - last)
-        last = now
-    result.latency_s = last - start
+        if out.text:
+            result.content_delta()
+    result.done()
     return result
 
 

@@ -5,10 +5,9 @@ from __future__ import annotations
 import orjson
 from quart import Blueprint, request
 
-from api import sse
 from api.openai.chat_prompt import chat_prompt_ids
 from api.openai.common import (
-    add_request, chunk_frame_parts, collect, drive_stream, finish_json, json_response, sampling_params,
+    ChunkFrames, add_request, collect, drive_stream, finish_json, json_response, sampling_params,
     sse_response, token_text,
 )
 from api.openai.protocol import (
@@ -88,14 +87,8 @@ def _stream_events(engine, stream, req, params, response_id, created, include_us
     (`chunk_frame_parts`) around `{"index":i,"delta":{"content":<text>},"logprobs":null,"finish_reason":...}`,
     the same bytes `ChatChunkChoice` would give, at a fraction of the cost of building and dumping models per token.
     """
-    exclude = None if include_usage else {"usage"}
-
-    def chunk(choices, usage=None) -> bytes:
-        event = ChatCompletionChunk(id=response_id, created=created, model=req.model, choices=choices, usage=usage)
-        return sse.frame(event, exclude=exclude)
-
-    head, tail = chunk_frame_parts(
-        ChatCompletionChunk(id=response_id, created=created, model=req.model, choices=[]), exclude)
+    frames = ChunkFrames(ChatCompletionChunk, response_id, created, req.model, include_usage)
+    chunk, head, tail = frames.frame, frames.head, frames.tail
     # per choice index: everything before the content string, and after it while the choice is unfinished
     content_head: dict[int, bytes] = {}
     content_tail = b'},"logprobs":null,"finish_reason":null}' + tail

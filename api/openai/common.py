@@ -182,6 +182,29 @@ def chunk_frame_parts(event: BaseModel, exclude: set[str] | None = None) -> tupl
     return framed[:cut], framed[cut:]
 
 
+class ChunkFrames:
+    """The SSE frames of one streamed response's chunks, which differ only in their choices and usage.
+
+    Args:
+        event_cls: the chunk model (ChatCompletionChunk, CompletionResponse).
+        response_id, created, model: the fields every chunk repeats.
+        include_usage: `stream_options.include_usage`; without it the `usage` field is left out of every chunk.
+    Attributes:
+        head, tail: the framed bytes around a chunk's choices (`chunk_frame_parts`), for chunks assembled from
+            bytes on the per-token path.
+    """
+
+    def __init__(self, event_cls: type[BaseModel], response_id: str, created: int, model: str, include_usage: bool):
+        self._fields = {"id": response_id, "created": created, "model": model}
+        self._event_cls = event_cls
+        self._exclude = None if include_usage else {"usage"}
+        self.head, self.tail = chunk_frame_parts(event_cls(choices=[], **self._fields), self._exclude)
+
+    def frame(self, choices: list, usage: Usage | None = None) -> bytes:
+        """A whole chunk rendered through its model."""
+        return sse.frame(self._event_cls(choices=choices, usage=usage, **self._fields), exclude=self._exclude)
+
+
 def finish_json(out: RequestOutput) -> bytes:
     """The `finish_reason` value of a delta as JSON."""
     return b"null" if out.finish_reason is None else orjson.dumps(out.finish_reason.value)

@@ -13,9 +13,8 @@ import asyncio
 import orjson
 from quart import Blueprint, request
 
-from api import sse
 from api.openai.common import (
-    add_request, chunk_frame_parts, collect, drive_stream, finish_json, json_response, sampling_params,
+    ChunkFrames, add_request, collect, drive_stream, finish_json, json_response, sampling_params,
     sse_response, token_text,
 )
 from api.openai.protocol import (
@@ -118,14 +117,8 @@ def _stream_events(stream, req, params, builder, response_id, created, include_u
 
     Without logprobs a chunk is assembled from bytes around the text, as chat's are (`chunk_frame_parts`).
     """
-    exclude = None if include_usage else {"usage"}
-
-    def chunk(choices, usage=None) -> bytes:
-        event = CompletionResponse(id=response_id, created=created, model=req.model, choices=choices, usage=usage)
-        return sse.frame(event, exclude=exclude)
-
-    head, tail = chunk_frame_parts(
-        CompletionResponse(id=response_id, created=created, model=req.model, choices=[]), exclude)
+    frames = ChunkFrames(CompletionResponse, response_id, created, req.model, include_usage)
+    chunk, head, tail = frames.frame, frames.head, frames.tail
     text_head: dict[int, bytes] = {}
     text_tail = b',"logprobs":null,"finish_reason":null}' + tail
 

@@ -77,16 +77,6 @@ class PackedStepInputs:
         self.slots[:n] = slots
         self.seq_lens[:n] = self.positions[:n] + 1
 
-    def fill_from_step(self, step: StepInputs) -> None:
-        """Rows 0..num_seqs from a decode-only StepInputs with host tensors."""
-        n = step.attn.num_seqs
-        width = step.attn.block_tables.shape[1]
-        self.ids[:n] = step.input_ids.numpy()
-        self.positions[:n] = step.positions.numpy()
-        self.slots[:n] = step.attn.slot_mapping.numpy()
-        self.seq_lens[:n] = step.attn.seq_lens.numpy()
-        self.tables[:n, :width] = step.attn.block_tables.numpy()
-
     def pad(self, n: int, b: int) -> None:
         """Rows n..b are padding: no KV write (slot -1), one key of block 0."""
         self.slots[n:b] = -1
@@ -158,30 +148,21 @@ class DecodeGraphs:
         torch.cuda.synchronize()
         logger.info("captured decode CUDA graphs for batch sizes %s", self.buckets)
 
-    def can_run(self, step: StepInputs) -> bool:
-        return bool(self._graphs) and step.attn.is_decode_only and step.attn.num_seqs <= self.buckets[-1]
-
     def can_run_plan(self, entries) -> bool:
         """Whether `host.fill_from_plan` + `replay` take these plan entries: one sampled decode token each, within the
         largest bucket."""
         return bool(self._graphs) and len(entries) <= self.buckets[-1] and \
             all(e.num_new == 1 and e.sample for e in entries)
 
-    def run(self, step: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
-        """Replay the smallest bucket that fits. step: a decode-only step with host (CPU) tensors.
-
-        Returns:
-            (logits [num_seqs, vocab], greedy ids [num_seqs] int64): views of the graph's outputs, valid until
-            the next replay.
-        """
-        self.host.fill_from_step(step)
-        return self.replay(step.attn.num_seqs)
-
     def replay(self, n: int, ids_from: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Upload rows 0..n of `self.host` (filled by the caller; padding added here) and replay the bucket of n
         sequences. ids_from: [n] int64 device ids to use as the input ids instead of the host's (the previous
-        step's greedy output, copied after the upload and before the replay overwrites it). Returns what `run`
-        returns."""
+        step's greedy output, copied after the upload and before the replay overwrites it).
+
+        Returns:
+            (logits [n, vocab], greedy ids [n] int64): views of the graph's outputs, valid until the bucket's
+            next replay.
+        """
         b = next(x for x in self.buckets if x >= n)
         if b > n:
             self.host.pad(n, b)

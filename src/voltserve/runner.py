@@ -135,17 +135,13 @@ class ModelRunner:
                                  a.seq_lens_cpu)
         return StepInputs(step.input_ids.to(dev), step.positions.to(dev), attn, step.logits_indices.to(dev))
 
-    def forward(self, step: StepInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Run a prepared step: a CUDA graph replay when one fits, else eager.
+    def forward(self, step: StepInputs) -> torch.Tensor:
+        """Run a prepared step eagerly (decode steps a graph bucket takes replay it instead: `execute`).
 
         Returns:
-            (logits [num_logits, vocab] in the backend dtype, greedy ids [num_logits] int64 on the device when
-            the graph computed them (argmax is captured with the step), else None).
+            logits [num_logits, vocab] in the backend dtype.
         """
-        if self.graphs is not None and self.graphs.can_run(step) and \
-                step.logits_indices.numel() == step.attn.num_seqs:
-            return self.graphs.run(step)
-        return self.model.forward(self.to_device(step), self.kv_cache), None
+        return self.model.forward(self.to_device(step), self.kv_cache)
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> tuple[dict[int, int], dict[int, TokenLogprob]]:
@@ -171,33 +167,39 @@ class ModelRunner:
 
     # -- asynchronous scheduling: launch a step, plan the next, then collect ----------------------------------
 
-    def can_launch_async(self, plan: StepPlan) -> bool:
-        """Whether `launch` runs `plan` asynchronously (so a step planned ahead can be fed from it): a decode step
-        of a captured graph bucket whose rows the device samples without host state: greedy (the graph's own
-        argmax) or the device sampler (`CudaBackend.sample`: no penalties, no min_tokens masking due)."""
+    def async_sampler(self, plan: StepPlan) -> str | None:
+        """How `launch` runs `plan` asynchronously (so a step planned ahead can be fed from it), or None when it
+        runs it at once: a decode step of a captured graph bucket whose rows the device samples without host
+        state, "greedy" (the graph's own argmax) or "device" (`CudaBackend.sample`: no penalties, no min_tokens
+        masking due)."""
         g = self.graphs
         if g is None or not g.can_run_plan(plan.entries):
-            return False
-        greedy = all(_plain_greedy_seq(e.seq) for e in plan.entries)
-        return greedy or (hasattr(self.backend, "sample") and all(_device_sampleable(e.seq) for e in plan.entries))
+            return None
+        if all(_plain_greedy(e.seq) for e in plan.entries):
+            return "greedy"
+        if hasattr(self.backend, "sample") and all(_device_sampleable(e.seq) for e in plan.entries):
+            return "device"
+        return None
 
     @torch.inference_mode()
     def launch(self, plan: StepPlan, feed: StepHandle | None = None) -> StepHandle:
         """Start a step and return without waiting for it; `collect` gives its results.
 
         Args:
-            plan: the step; run asynchronously when `can_launch_async(plan)`, else at once (`execute`).
+            plan: the step; run asynchronously when `async_sampler(plan)` names a sampler, else at once
+                (`execute`).
             feed: an asynchronous step just launched whose sampled ids are this step's input ids (`plan` comes
                 from `Scheduler.schedule_ahead` of feed's plan: same sequences in the same order). The ids go
                 device to device; the host never sees them before this step starts.
         Raises:
             ValueError: `feed` is given but this step cannot run asynchronously or its rows differ.
         """
-        if feed is None and not self.can_launch_async(plan):
+        sampler = self.async_sampler(plan)
+        if feed is None and sampler is None:
             return StepHandle(plan, result=self.execute(plan))
         entries = plan.entries
         n = len(entries)
-        if feed is not None and (feed.ids_dev is None or not self.can_launch_async(plan)
+        if feed is not None and (feed.ids_dev is None or sampler is None
                                  or [e.seq for e in feed.plan.entries] != [e.seq for e in entries]):
             raise ValueError("a fed step must be a graph-bucket decode of the feeding step's sequences")
         seqs = [e.seq for e in entries]
@@ -209,7 +211,7 @@ class ModelRunner:
         timer = self.busy_meter.begin() if self.busy_meter is not None else None
         logits, ids = g.replay(n, ids_from=feed.ids_dev if feed is not None else None)
         extras_dev = None
-        if not all(_plain_greedy_seq(s) for s in seqs):
+        if sampler == "device":
             ids, lp, top_ids, top_lps = self._launch_device_sampler(logits, seqs, offsets)
             if any(s.params.logprobs is not None for s in seqs):
                 extras_dev = (lp, top_ids, top_lps)
@@ -251,7 +253,7 @@ class ModelRunner:
         else:
             step = self.prepare(plan)
             self._begin_timer()
-            logits, greedy_ids = self.forward(step)
+            logits, greedy_ids = self.forward(step), None
         sampling = [e.seq for e in plan.entries if e.sample]
         if not sampling:
             return {}, {}
@@ -326,27 +328,26 @@ def _token_logprobs(seqs: list, tokens: list[int], lp: torch.Tensor, top_ids: to
 _U64 = (1 << 64) - 1
 
 
+def _device_params_ok(p) -> bool:
+    """SamplingParams CudaBackend.sample takes: no penalties, logprobs <= 20."""
+    return not p.has_penalties and (p.logprobs is None or 0 <= p.logprobs <= MAX_LOGPROBS)
+
+
 def _device_supported(row: SampleRow) -> bool:
-    """Rows CudaBackend.sample handles: no penalties, no min_tokens masking, logprobs <= 20."""
+    """Rows CudaBackend.sample handles: `_device_params_ok`, no min_tokens masking."""
     p = row.params
     masked = len(row.output_ids) < p.min_tokens and (row.eos_token_ids or p.stop_token_ids)
-    return not p.has_penalties and not masked and (p.logprobs is None or 0 <= p.logprobs <= MAX_LOGPROBS)
-
-
-def _plain_greedy(row: SampleRow) -> bool:
-    p = row.params
-    return p.is_greedy and not p.has_penalties and p.logprobs is None and len(row.output_ids) >= p.min_tokens
+    return not masked and _device_params_ok(p)
 
 
 def _device_sampleable(seq) -> bool:
     """_device_supported for a sequence's next token, decided from the sequence alone (no min_tokens masking
     due: min_tokens is met already, and stays met for later tokens)."""
-    p = seq.params
-    return not p.has_penalties and len(seq.output_ids) >= p.min_tokens and \
-        (p.logprobs is None or 0 <= p.logprobs <= MAX_LOGPROBS)
+    return len(seq.output_ids) >= seq.params.min_tokens and _device_params_ok(seq.params)
 
 
-def _plain_greedy_seq(seq) -> bool:
-    """_plain_greedy of a sequence's next token (min_tokens only grows more satisfied with later tokens)."""
-    p = seq.params
-    return p.is_greedy and not p.has_penalties and p.logprobs is None and len(seq.output_ids) >= p.min_tokens
+def _plain_greedy(row) -> bool:
+    """A SampleRow, or a Sequence's next token, that the greedy argmax alone samples: no penalties, no logprobs,
+    min_tokens met (it stays met for later tokens)."""
+    p = row.params
+    return p.is_greedy and not p.has_penalties and p.logprobs is None and len(row.output_ids) >= p.min_tokens

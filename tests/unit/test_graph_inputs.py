@@ -1,5 +1,5 @@
-"""PackedStepInputs (the host side of the decode graphs' inputs): the decode fast path that fills it straight from
-the scheduler's entries writes what the StepInputs path (ModelRunner.prepare) writes."""
+"""PackedStepInputs (the host side of the decode graphs' inputs): filled straight from the scheduler's entries,
+it holds what the StepInputs path (ModelRunner.prepare) builds for the same step."""
 
 import torch
 
@@ -25,22 +25,23 @@ def _decode_plan(prompt_lens):
     return sched.schedule()
 
 
-def test_fill_from_plan_equals_fill_from_step():
+def test_fill_from_plan_equals_prepare():
     plan = _decode_plan((5, 17, 33))  # 1, 2 and 3 KV blocks; decode positions 5, 17, 33
     assert all(e.num_new == 1 and e.sample for e in plan.entries)
-    fast, ref = PackedStepInputs(4, 8, 16, pin=False), PackedStepInputs(4, 8, 16, pin=False)
+    fast = PackedStepInputs(4, 8, 16, pin=False)
     fast.fill_from_plan(plan.entries)
     step = ModelRunner(None, _HostBackend(), torch.zeros(1, 2, 64, 16, 1, 8), (2,), seed=0).prepare(plan)
-    ref.fill_from_step(step)
     assert fast.ids[:3].tolist() == [101, 102, 103]
     assert fast.positions[:3].tolist() == [5, 17, 33]
     assert fast.seq_lens[:3].tolist() == [6, 18, 34]
     assert fast.slots[:3].tolist() == [5, 2 * 16 + 1, 5 * 16 + 1]  # block ids 0 | 1, 2 | 3, 4, 5
-    for name in ("ids", "positions", "slots", "seq_lens"):
-        assert getattr(fast, name)[:3].tolist() == getattr(ref, name)[:3].tolist(), name
+    ref = {"ids": step.input_ids, "positions": step.positions, "slots": step.attn.slot_mapping,
+           "seq_lens": step.attn.seq_lens}
+    for name, want in ref.items():
+        assert getattr(fast, name)[:3].tolist() == want.tolist(), name
     for i, e in enumerate(plan.entries):  # past a sequence's blocks the two may differ: those entries are unread
         width = len(e.seq.block_ids)
-        assert fast.tables[i, :width].tolist() == ref.tables[i, :width].tolist() == e.seq.block_ids
+        assert fast.tables[i, :width].tolist() == step.attn.block_tables[i, :width].tolist() == e.seq.block_ids
 
 
 def test_pad_and_words():

@@ -2,17 +2,22 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from voltserve.runner import ModelRunner
 from voltserve.scheduler import Scheduler
+from voltserve.sequence import Sequence
 
 
 def run_steps(scheduler: Scheduler, runner: ModelRunner, max_steps: int | None = None,
-              pipelined: bool = True) -> int:
+              pipelined: bool = True, on_update: Callable[[list[Sequence], dict], None] | None = None) -> int:
     """Run steps until the scheduler has no work or `max_steps` steps have run. Returns the steps run.
 
     pipelined: asynchronous scheduling where a step allows it: step N+1 is planned (`Scheduler.schedule_ahead`)
     and launched with its input ids fed on the device from step N (`ModelRunner.launch(feed=...)`) before the
     host waits for step N's tokens, so the GPU never waits on the host between such steps.
+    on_update: called after each step is applied with (the sequences that got a token, their seq_id ->
+    TokenLogprob); a step ahead of a sequence that just finished gives it nothing, as in the engine.
 
     Raises:
         RuntimeError: the scheduler made no progress (KV pool too small for a waiting sequence).
@@ -32,12 +37,19 @@ def run_steps(scheduler: Scheduler, runner: ModelRunner, max_steps: int | None =
         if pipelined and handle.is_async and (max_steps is None or steps < max_steps):
             ahead = scheduler.schedule_ahead(plan)
         ahead_handle = runner.launch(ahead, feed=handle) if ahead is not None else None
-        scheduler.update(plan, runner.collect(handle)[0])
+        _apply(scheduler, plan, runner.collect(handle), on_update)
         if ahead is None:
             handle = None
         else:
             plan, handle = ahead, ahead_handle
             steps += 1
     if handle is not None:  # max_steps reached with a step in flight
-        scheduler.update(plan, runner.collect(handle)[0])
+        _apply(scheduler, plan, runner.collect(handle), on_update)
     return steps
+
+
+def _apply(scheduler: Scheduler, plan, results, on_update) -> None:
+    sampled, logprobs = results
+    touched = scheduler.update(plan, sampled)
+    if on_update is not None:
+        on_update(touched, logprobs)

@@ -48,26 +48,17 @@ def generate(model, backend, prompts: list[list[int]], num_tokens: int, graphs_f
     graphs = graphs_factory(kv) if graphs_factory else None
     runner = ModelRunner(model, backend, kv, (2,), seed=0, graphs=graphs)
     logprobs = {s.seq_id: [] for s in seqs}
-    while sched.has_work():  # the loop of voltserve.offline.run_steps, keeping each step's logprobs
-        plan = sched.schedule()
-        if not pipelined:  # the synchronous path: ModelRunner.execute
+
+    def keep(touched, lps):  # a step ahead of a sequence that just finished is dropped, its logprobs too
+        for seq in touched:
+            if seq.seq_id in lps:
+                logprobs[seq.seq_id].append(lps[seq.seq_id])
+
+    if pipelined:
+        run_steps(sched, runner, pipelined=True, on_update=keep)
+    else:
+        while sched.has_work():  # the reference: ModelRunner.execute, one step at a time
+            plan = sched.schedule()
             sampled, lps = runner.execute(plan)
-            _keep_logprobs(sched.update(plan, sampled), lps, logprobs)
-            continue
-        handle = runner.launch(plan)
-        while True:
-            ahead = sched.schedule_ahead(plan) if handle.is_async else None
-            ahead_handle = runner.launch(ahead, feed=handle) if ahead is not None else None
-            sampled, lps = runner.collect(handle)
-            # a step ahead of a sequence that just finished is dropped, its logprobs too (as the engine does)
-            _keep_logprobs(sched.update(plan, sampled), lps, logprobs)
-            if ahead is None:
-                break
-            plan, handle = ahead, ahead_handle
+            keep(sched.update(plan, sampled), lps)
     return [(s.output_ids, logprobs[s.seq_id]) for s in seqs]
-
-
-def _keep_logprobs(touched, lps: dict, into: dict) -> None:
-    for seq in touched:
-        if seq.seq_id in lps:
-            into[seq.seq_id].append(lps[seq.seq_id])

@@ -41,5 +41,7 @@ def test_max_steps_counts_steps_planned_ahead():
     seq = make_seq([1, 2, 3], max_tokens=50)
     s.add(seq)
     runner = FakeAsyncRunner()
-    assert run_steps(s, runner, max_steps=7, pipelined=True) == 7
+    updates = []
+    assert run_steps(s, runner, max_steps=7, pipelined=True, on_update=lambda t, lps: updates.append(t)) == 7
     assert len(seq.output_ids) == 7 and runner.fed == 5  # prefill, one plain decode, then 5 fed
+    assert updates == [[seq]] * 7  # one call per applied step, the step in flight at max_steps included

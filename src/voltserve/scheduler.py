@@ -155,7 +155,7 @@ class Scheduler:
                 return None
             if e.start + 2 > self.max_model_len:
                 return None
-            need += max(0, -(-(e.start + 2) // self.block_size) - len(seq.block_ids))
+            need += self._blocks_needed(seq, e.start + 2)
         if need > self.pool.num_free:
             return None
         for e in entries:
@@ -208,10 +208,14 @@ class Scheduler:
             return FinishReason.LENGTH, None
         return None, None
 
+    def _blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
+        """Blocks seq lacks to hold num_tokens tokens (0 when it has room)."""
+        return max(0, -(-num_tokens // self.block_size) - len(seq.block_ids))
+
     def _grow(self, seq: Sequence, num_tokens: int) -> bool:
         """Make seq's blocks hold num_tokens tokens; False (allocating nothing) if the pool is short."""
-        need = -(-num_tokens // self.block_size) - len(seq.block_ids)
-        if need <= 0:  # most decode steps: the last block has room
+        need = self._blocks_needed(seq, num_tokens)
+        if need == 0:  # most decode steps: the last block has room
             return True
         if need > self.pool.num_free:
             return False

@@ -22,7 +22,7 @@
 //     output feature, lanes along k (fp16: 16-byte vectors, scalar tail; quant: one 32-weight block per lane,
 //     2-byte loads). Grid <= ceil(n_out / 4) / 128 threads, grid-stride over features; with norm_w, m * k * 2
 //     bytes of dynamic smem for the normalized x. (A multi-row fp16 variant with x reuse measured slower.)
-#include "quant.cuh"
+#include "gemv_common.cuh"
 
 #ifndef MROWS
 #define MROWS 1
@@ -30,53 +30,6 @@
 #ifndef SILU
 #define SILU 0  // gemv only: out[i] = silu(W[i] . x) * (W[n/2 + i] . x), W = [gate; up] (SwiGLU)
 #endif
-
-struct GemvParams {
-    const half_t* x;       // [m, k] fp16, row stride x_stride
-    const u8* w;           // [n, w_row_bytes] weight rows (fp16 or GGUF blocks)
-    half_t* y;             // [m, n] fp16 (SILU: [m, n / 2]), row stride y_stride
-    const half_t* res;     // residual added to the output ([m, n] fp16, row stride y_stride), or nullptr
-    const float* norm_w;   // [k] fp32: x rows are RMS-normalized and scaled by it before the product, or nullptr
-    i64 x_stride;          // elements
-    i64 y_stride;          // elements
-    i64 w_row_bytes;
-    int m;                 // <= MROWS
-    int n;
-    int k;
-    int vec_ok;            // x 16-byte aligned with x_stride % 8 == 0 and k % 8 == 0 (fp16 W rows likewise)
-    float eps;             // RMSNorm epsilon (norm_w only)
-    int prefetch_bytes;    // gemv, SM90+: leading bytes of each warp's first weight row(s) prefetched into L2
-                           // before pdl_enter (the launcher bounds the total so the prefetch cannot thrash L2)
-};
-VOLT_CHECK_PARAMS(GemvParams, VOLT_GEMV_PARAMS_BYTES);
-
-// Fused epilogue value of one output: the fp16 rounding of each unfused op is kept, so a fused launch equals
-// linear -> (+ residual | silu_mul) bit for bit (rows of the same kernel and bucket).
-VOLT_DEVICE float gemv_out(const GemvParams& p, int r, int row, float v) {
-    if (p.res != nullptr) v = round_h(v) + h2f(p.res[r * p.y_stride + row]);
-    return v;
-}
-
-// 1 / rms of x row r (fp32 sum of squares by all threads of the block; every thread gets it).
-// Needs all threads of the block (two barriers inside block_sum).
-VOLT_DEVICE float row_inv_rms(const GemvParams& p, int r, float* scratch) {
-    const half_t* x = p.x + r * p.x_stride;
-    float ss = 0.f;
-    if (p.vec_ok) {
-        for (int j = threadIdx.x * 8; j < p.k; j += blockDim.x * 8) {
-            float v[8];
-            load8(x + j, v);
-#pragma unroll
-            for (int e = 0; e < 8; ++e) ss += v[e] * v[e];
-        }
-    } else {
-        for (int j = threadIdx.x; j < p.k; j += blockDim.x) {
-            const float v = h2f(x[j]);
-            ss += v * v;
-        }
-    }
-    return rsqrtf(block_sum(ss, scratch) / (float)p.k + p.eps);
-}
 
 // xs[r][j] = fp16(x[r, j] * inv_rms_r * norm_w[j]) (what rms_norm stores), rows r < m; block-wide, ends synced.
 VOLT_DEVICE void norm_rows_to_smem(const GemvParams& p, half_t* xs, float* scratch) {
@@ -214,8 +167,6 @@ extern "C" __global__ void __launch_bounds__(128) gemv(const GemvParams p) {
         }
     }
 }
-
-VOLT_DEVICE uint4 ldg16(const void* p) { return __ldg(reinterpret_cast<const uint4*>(p)); }
 
 // ---------------------------------------------------------------------------------------------------------
 // gemv_q: 32 features per block (lane = feature), 8 warps split k by 256-weight superblocks.

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import pathlib
 import statistics
 import sys
@@ -94,6 +95,8 @@ def main() -> None:
     parser.add_argument("--batch", default="1,8,32,64")
     parser.add_argument("--graphs", default="on,off")
     parser.add_argument("--pdl", default="on", help="programmatic dependent launch (SM90+): on, off or on,off")
+    parser.add_argument("--gemv-kernel", default="auto",
+                        help="decode GEMV kernels (VOLTSERVE_GEMV_KERNEL): auto, scalar, mma or a list like scalar,mma")
     parser.add_argument("--async-scheduling", default="on",
                         help="plan each decode step before the previous one's tokens are known: on, off or on,off")
     parser.add_argument("--prompt-len", type=int, default=128)
@@ -112,11 +115,13 @@ def main() -> None:
 
         loaded = synthetic_model(args.synthetic, device=args.device,
                                  dtype=torch.float16 if args.device == "cuda" else torch.float32)
-    runs = [(g, pdl) for g in args.graphs.split(",") for pdl in args.pdl.split(",")]
+    runs = [(g, pdl, gk) for g in args.graphs.split(",") for pdl in args.pdl.split(",")
+            for gk in args.gemv_kernel.split(",")]
     modes = args.async_scheduling.split(",")
-    for graphs, pdl in runs:
+    for graphs, pdl, gemv_kernel in runs:
         if args.device != "cuda" and (graphs == "on" or pdl == "off"):
             continue
+        os.environ["VOLTSERVE_GEMV_KERNEL"] = gemv_kernel
         config = EngineConfig(model=args.model, device=args.device, max_num_seqs=max(batches),
                               max_model_len=max(args.prompt_len + args.steps + 16, args.prefill + 16),
                               enforce_eager=graphs == "off", pdl=pdl == "on",
@@ -129,14 +134,16 @@ def main() -> None:
                 times = [time_decode(built, batch, args.prompt_len, args.steps, args.device, mode == "on")
                          for _ in range(args.repeats)]
                 step_s = statistics.median(times)
-                point = {"graphs": graphs, "pdl": pdl, "async": mode, "batch": batch, "step_ms": step_s * 1e3,
+                point = {"graphs": graphs, "pdl": pdl, "gemv": gemv_kernel, "async": mode, "batch": batch,
+                         "step_ms": step_s * 1e3,
                          "tokens_per_s": batch / step_s}
                 results["points"].append(point)
                 print(json.dumps(point), flush=True)
         if args.prefill:
             time_prefill(built, args.prefill, args.device)  # warm-up: kernels load, allocator grows
             pre_s = statistics.median(time_prefill(built, args.prefill, args.device) for _ in range(args.repeats))
-            point = {"graphs": graphs, "pdl": pdl, "prefill_tokens": args.prefill, "prefill_ms": pre_s * 1e3,
+            point = {"graphs": graphs, "pdl": pdl, "gemv": gemv_kernel, "prefill_tokens": args.prefill,
+                     "prefill_ms": pre_s * 1e3,
                      "prefill_tokens_per_s": args.prefill / pre_s}
             results["points"].append(point)
             print(json.dumps(point), flush=True)
@@ -153,7 +160,7 @@ def main() -> None:
             roof_s = (weight_bytes + kv_bytes) / (bw * 1e9)
             results["batch1_roofline_ms"] = roof_s * 1e3
             for p in results["points"]:
-                if p["batch"] == 1:
+                if p.get("batch") == 1:
                     p["roofline_fraction"] = roof_s * 1e3 / p["step_ms"]
     print(json.dumps(results, indent=2))
     if args.out:

@@ -207,6 +207,8 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--only", default=None, help="run only the rows whose name contains this")
     ap.add_argument("--pdl", choices=["on", "off"], default="on", help="programmatic dependent launch (SM90+)")
+    ap.add_argument("--gemv-kernel", default="auto",
+                    help="decode GEMV kernels for the decode_* rows: auto, scalar, mma, or a list (rows get @choice)")
     args = ap.parse_args()
     from voltserve.backends.cuda.backend import CudaBackend
 
@@ -227,10 +229,15 @@ def main() -> int:
         if args.only and args.only not in name:
             continue
         add(name, _time(fn, args.repeats), num_bytes, flops)
-    for name, t, num_bytes in _decode_gemv_cases(be, args.repeats, args.only):
-        add(name, t, num_bytes, 0)
-    for name, t, num_bytes in _decode_fused_cases(be, args.repeats, args.only):
-        add(name, t, num_bytes, 0)
+    choices = args.gemv_kernel.split(",")
+    for choice in choices:
+        be.gemv_kernel = choice
+        tag = f"@{choice}" if len(choices) > 1 else ""
+        for name, t, num_bytes in _decode_gemv_cases(be, args.repeats, args.only):
+            add(name + tag, t, num_bytes, 0)
+        for name, t, num_bytes in _decode_fused_cases(be, args.repeats, args.only):
+            add(name + tag, t, num_bytes, 0)
+    be.gemv_kernel = "auto"
     result = {"device": torch.cuda.get_device_name(), "arch": be.loader.arch, "pdl": be.pdl, "repeats": args.repeats,
               "copy_bandwidth_GBps": round(copy_bw / 1e9, 1), "kernels": rows}
     text = json.dumps(result, indent=1)

@@ -37,3 +37,14 @@ def _poison(request):
 
         poison_allocator()
     yield
+
+
+@pytest.fixture(params=["auto", "scalar", "mma"])
+def gemv_choice(request, cuda_backend):
+    """Runs a GEMV test under each `CudaBackend.gemv_kernel` choice: the engine's routing ("auto"), the SM70
+    kernels gemv / gemv_q ("scalar") and the tensor-core gemv_mma wherever its shape rules allow ("mma"; SM80+)."""
+    if request.param == "mma" and cuda_backend.loader.arch < 80:
+        pytest.skip("gemv_mma needs SM80+")
+    cuda_backend.gemv_kernel = request.param
+    yield request.param
+    cuda_backend.gemv_kernel = "auto"

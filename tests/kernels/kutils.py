@@ -53,3 +53,16 @@ def make_quant(qtype: str, rows: int, cols: int, gen: torch.Generator):
                                   m.numpy().view(np.uint8).reshape(rows, nb, 2), packed], axis=2)
     raw = np.ascontiguousarray(raw.reshape(rows, nb * QUANT_BLOCK_BYTES[qtype]))
     return QuantizedTensor(qtype, (rows, cols), raw), deq.reshape(rows, cols)
+
+
+def make_linear(backend, fmt: str, n: int, k: int, gen: torch.Generator, scale: float = 0.05):
+    """A random [n, k] linear on `backend`: fp16 (values scale * N(0, 1), fp16-exact) or GGUF blocks (make_quant).
+
+    Returns:
+        ([n, k] fp32 weight the CPU reference uses, the backend's prepared weight).
+    """
+    if fmt == "F16":
+        weight = (torch.randn(n, k, generator=gen) * scale).half().float()
+        return weight, backend.prepare_linear(weight)
+    quant, weight = make_quant(fmt, n, k, gen)
+    return weight, backend.prepare_linear(weight, quant)

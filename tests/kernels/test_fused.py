@@ -1,7 +1,8 @@
 """Decode fusions vs the CPU reference and vs the unfused CUDA ops.
 
 - norm_linear (RMSNorm in the GEMV prologue), with silu (SwiGLU epilogue), and linear with a residual epilogue, on
-  fp16 and GGUF weights, m from 1 (gemv) through 8 (gemv_q) to 17 (GEMM + separate ops).
+  fp16 and GGUF weights, m from 1 (gemv) through 8 (gemv_q) to 17 (GEMM + separate ops), under each
+  `gemv_choice` (routing, SM70 kernels, tensor-core gemv_mma).
   Bound vs CpuBackend: max |got - ref| <= 4e-3 * max |ref| (fp32 accumulation; the fused paths keep the fp16
   roundings of the unfused ones: normalized x, linear output; one more fp16 rounding than test_linear's 3e-3).
 - The residual and SwiGLU epilogues equal the unfused CUDA ops bit for bit (same kernel and row bucket); the norm
@@ -10,28 +11,20 @@
 
 import pytest
 import torch
-from tests.kernels.kutils import make_quant, poison_allocator, rel_err
+from tests.kernels.kutils import make_linear, poison_allocator, rel_err
 
 pytestmark = pytest.mark.gpu
 TOL = 4e-3
-
-
-def _weight(fmt, n, k, gen, cuda_backend):
-    if fmt == "F16":
-        weight = (torch.randn(n, k, generator=gen) * 0.05).half().float()
-        return weight, cuda_backend.prepare_linear(weight)
-    quant, weight = make_quant(fmt, n, k, gen)
-    return weight, cuda_backend.prepare_linear(weight, quant)
 
 
 @pytest.mark.parametrize("fmt", ["F16", "Q4_0", "Q4_1", "Q8_0"])
 @pytest.mark.parametrize("m", [1, 2, 3, 8, 11, 17])
 @pytest.mark.parametrize("nk", [(3072, 576), (130, 4096), (66, 96), (9000, 96)])
 @pytest.mark.parametrize("silu", [False, True])
-def test_norm_linear(cuda_backend, cpu_backend, fmt, m, nk, silu):
+def test_norm_linear(cuda_backend, cpu_backend, gemv_choice, fmt, m, nk, silu):
     n, k = nk
     gen = torch.Generator().manual_seed(m * 7 + n + k + silu)
-    weight, w = _weight(fmt, n, k, gen, cuda_backend)
+    weight, w = make_linear(cuda_backend, fmt, n, k, gen)
     x = (torch.randn(m, k, generator=gen) * 3).half()
     norm_w = torch.rand(k, generator=gen) + 0.5
     poison_allocator()
@@ -49,10 +42,10 @@ def test_norm_linear(cuda_backend, cpu_backend, fmt, m, nk, silu):
 @pytest.mark.parametrize("fmt", ["F16", "Q4_1", "Q8_0"])
 @pytest.mark.parametrize("m", [1, 2, 4, 8, 11, 17])
 @pytest.mark.parametrize("nk", [(576, 1536), (4096, 512), (45, 96)])
-def test_linear_residual(cuda_backend, cpu_backend, fmt, m, nk):
+def test_linear_residual(cuda_backend, cpu_backend, gemv_choice, fmt, m, nk):
     n, k = nk
     gen = torch.Generator().manual_seed(m + n * k)
-    weight, w = _weight(fmt, n, k, gen, cuda_backend)
+    weight, w = make_linear(cuda_backend, fmt, n, k, gen)
     x = torch.randn(m, k, generator=gen).half()
     res = (torch.randn(m, n, generator=gen) * 4).half()
     got = cuda_backend.linear(x.cuda(), w, residual=res.cuda())
@@ -60,23 +53,25 @@ def test_linear_residual(cuda_backend, cpu_backend, fmt, m, nk):
     assert torch.equal(got, torch.add(cuda_backend.linear(x.cuda(), w), res.cuda()))  # bitwise: same roundings
 
 
-@pytest.mark.parametrize("fmt", ["F16", "Q4_1"])
-@pytest.mark.parametrize("m", [1, 2])
-def test_silu_epilogue_bitwise(cuda_backend, fmt, m):
-    """m <= 2: the SwiGLU epilogue of gemv equals gemv + silu_mul bit for bit (without the norm prologue)."""
+@pytest.mark.parametrize("fmt", ["F16", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("m", [1, 2, 5])
+def test_silu_epilogue_bitwise(cuda_backend, gemv_choice, fmt, m):
+    """The SwiGLU epilogue equals linear + silu_mul bit for bit (without the norm prologue) where one kernel runs
+    both: gemv (m <= 2 scalar) and gemv_mma (any m); the scalar quant path at m = 5 is gemv_q + silu_mul anyway."""
     from voltserve.backends.cuda.linear import launch_linear
 
     gen = torch.Generator().manual_seed(m)
-    _, w = _weight(fmt, 2 * 768, 576, gen, cuda_backend)
+    _, w = make_linear(cuda_backend, fmt, 2 * 768, 576, gen)
     x = torch.randn(m, 576, generator=gen).half().cuda()
     fused = launch_linear(cuda_backend, x, w, silu=True)
     assert torch.equal(fused, cuda_backend.silu_and_mul(cuda_backend.linear(x, w)))
 
 
-def test_norm_linear_large_x_falls_back(cuda_backend, cpu_backend):
-    """8 rows x 4096 fp16 = 64 KB > the prologue's smem budget: rms_norm runs first, result the same."""
+def test_norm_linear_large_x_falls_back(cuda_backend, cpu_backend, gemv_choice):
+    """gemv: 8 rows x 4096 fp16 = 64 KB > the prologue's smem budget, so rms_norm runs first, result the same;
+    gemv_mma reads x from global memory and fuses the norm at any size."""
     gen = torch.Generator().manual_seed(3)
-    weight, w = _weight("F16", 40, 4096, gen, cuda_backend)
+    weight, w = make_linear(cuda_backend, "F16", 40, 4096, gen)
     x = torch.randn(7, 4096, generator=gen).half()
     norm_w = torch.rand(4096, generator=gen) + 0.5
     got = cuda_backend.norm_linear(x.cuda(), cuda_backend.prepare_norm(norm_w), 1e-6, w)

@@ -199,7 +199,7 @@ def test_runner_device_path_reproducible(cuda_backend):
         seqs = [Sequence(i, "r", i, [1, 2, 3], p, 16, philox_seed=p.seed) for i, p in enumerate((pa, pb))]
         out, lps_all = [], []
         for logits in steps:
-            runner.forward = lambda step, logits=logits: (logits, None)
+            runner.forward = lambda step, logits=logits: logits
             plan = StepPlan([ScheduledSeq(s, s.num_tokens - 1, 1, True) for s in seqs])
             toks, lps = runner.execute(plan)
             for s in seqs:

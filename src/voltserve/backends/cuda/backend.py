@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+import os
 import weakref
 from typing import Any
 
@@ -45,6 +46,12 @@ class CudaBackend:
         torch.empty(1, device=self.device)  # makes the primary context current on this thread
         self.loader = KernelLoader(device_index)
         self.pdl = pdl and self.loader.arch >= 90
+        # decode GEMV kernel choice (linear.gemv_mma_ok): "auto" (SM80+: gemv_mma where it measured faster),
+        # "scalar" (the SM70 kernels gemv / gemv_q everywhere), "mma" (gemv_mma wherever its shape rules allow);
+        # VOLTSERVE_GEMV_KERNEL sets it for A/B runs (tools/bench_decode.py --gemv-kernel)
+        self.gemv_kernel = os.environ.get("VOLTSERVE_GEMV_KERNEL", "auto")
+        if self.gemv_kernel not in ("auto", "scalar", "mma"):
+            raise ValueError(f"VOLTSERVE_GEMV_KERNEL={self.gemv_kernel!r}: expected auto, scalar or mma")
         self._device_copies: dict[int, tuple[Any, torch.Tensor]] = {}
         self.num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         # split-K arrival counters of gemm_tc (zero between launches; allocated here, before any graph capture)

@@ -24,6 +24,9 @@ GEMV_Q_PIECE = 2048        # gemv_q: k staged in shared memory at a time (GEMV_Q
 GEMV_Q_SUPERBLOCK = 256    # gemv_q needs k % 256 == 0 (rows of whole 16-byte-aligned 8-block superblocks)
 GEMV_NORM_MAX_SMEM = 48 * 1024  # gemv's fused RMSNorm keeps m * k fp16 in smem; larger x takes rms_norm + gemv
 GEMV_NORM_BLOCKS_PER_SM = 16  # gemv grid with a fused RMSNorm: each block normalizes x once, then grid-strides
+GEMV_MMA_MIN_ARCH = 80     # gemv_mma: mma.sync.m16n8k16 (SM80+)
+GEMV_MMA_CHUNK = 32        # gemv_mma needs k % 32 == 0 (whole GGUF blocks / 64-byte pieces of fp16 rows)
+GEMV_MMA_ROWS = 32         # gemv_mma: output features per block (SwiGLU: 16, each a gate row and an up row)
 
 
 # gemm_tc (ptx/gemm_tc.cu): WMMA tiles of 64 rows x GEMM_TC_BN (32 or 64) outputs, k chunks of 64, split-K over
@@ -109,6 +112,7 @@ SOURCES = {
     "attention_prefill": KernelSource("attention_prefill.cu", ("attn_prefill",), P.PrefillParams,
                                       "VOLT_PREFILL_PARAMS_BYTES"),
     "gemv": KernelSource("gemv.cu", ("gemv", "gemv_q"), P.GemvParams, "VOLT_GEMV_PARAMS_BYTES"),
+    "gemv_mma": KernelSource("gemv_mma.cu", ("gemv_mma",), P.GemvParams, "VOLT_GEMV_PARAMS_BYTES"),
     "gemm_tiled": KernelSource("gemm_tiled.cu", ("gemm_tiled",), P.GemmParams, "VOLT_GEMM_PARAMS_BYTES"),
     "gemm_tc": KernelSource("gemm_tc.cu", ("gemm_tc",), P.GemmTcParams, "VOLT_GEMM_TC_PARAMS_BYTES"),
     "sampling": KernelSource("sampling.cu", ("argmax_logprob",), P.ArgmaxParams, "VOLT_ARGMAX_PARAMS_BYTES"),
@@ -175,6 +179,7 @@ def engine_specializations() -> list[tuple[str, dict[str, int]]]:
     specs += [("attention_prefill", {"HEAD_DIM": d}) for d in ENGINE_HEAD_DIMS]
     specs += [("gemv", {"WTYPE": w, "MROWS": m}) for w in WTYPES.values() for m in GEMV_ROW_BUCKETS]
     specs += [("gemv", {"WTYPE": w, "MROWS": m, "SILU": 1}) for w in WTYPES.values() for m in GEMV_ROW_BUCKETS]
+    specs += [("gemv_mma", {"WTYPE": w, "SILU": s}) for w in WTYPES.values() for s in (0, 1)]
     specs += [("gemm_tiled", {"WTYPE": w}) for w in WTYPES.values()]
     specs += [("gemm_tc", {"WTYPE": w, "BN": bn}) for w in (1, 2, 3) for bn in GEMM_TC_BNS]
     specs += [("sampling", {"LOGITS_F16": f}) for f in (0, 1)]

@@ -17,7 +17,15 @@ from voltserve.backends.cuda import params as P
 # gemv_q (x staged in smem, shared by 32 rows) from this row bucket up (m >= 3); below it the warp-per-row
 # `gemv`, which measured as fast or faster at m = 1-2 on the H200 (docs/performance.md). Rows of one launch are
 # bitwise independent of the other rows; results at m <= 2 and m >= 3 differ by fp32 summation order.
+# Both are the SM70 path; on SM80+ `gemv_mma` takes the shapes it can from GEMV_MMA_MIN_ROWS rows up.
 GEMV_Q_MIN_ROWS = 4
+# gemv_mma (tensor cores, SM80+) from this many x rows up, per weight format, where it measured faster than
+# gemv / gemv_q at the Llama-3-8B shapes (H200, `bench_kernels.py --only decode_ --gemv-kernel scalar,mma`):
+# fp16 0.69-0.90 of copy bandwidth at m = 2-8 vs 0.17-0.73; quant (narrow loads, ~0.2-0.33) wins from m = 2 (Q4)
+# or m >= 3 (Q8_0). At m = 1 the warp-per-row gemv streams fp16 faster (0.90 vs 0.88), except with the fused
+# RMSNorm (qkv: 0.64 vs 0.50 of copy bandwidth), GEMV_MMA_F16_NORM_M1.
+GEMV_MMA_MIN_ROWS = {"F16": 2, "Q4_0": 2, "Q4_1": 2, "Q8_0": 3}
+GEMV_MMA_F16_NORM_M1 = True
 
 
 def _quant_upload(quant: Any, device: torch.device) -> tuple[str, torch.Tensor, int]:
@@ -102,10 +110,11 @@ def launch_linear(backend: Any, x: torch.Tensor, w: CudaLinear, *, norm_weight: 
                   f16_gemm: str = "cublas") -> torch.Tensor:
     """y = x @ W^T with our kernels, optionally fused with its neighbours in the decoder block.
 
-    GEMV for up to 16 rows (in launches of <= 8): quant weights with k % 256 == 0 and a row bucket >=
-    GEMV_Q_MIN_ROWS -> `gemv_q`, the rest -> `gemv` (ptx/gemv.cu). Above, a GEMM (`_gemm`). `gemv` fuses all three
-    options; `gemv_q` the norm and the residual; a fusion a kernel does not take runs as its own op (rms_norm /
-    silu_mul / an fp16 add), equal up to the fp32 summation order of 1/rms.
+    GEMV for up to 16 rows (in launches of <= 8): on SM80+ `gemv_mma` (ptx/gemv_mma.cu, tensor cores) where
+    `gemv_mma_ok`; else quant weights with k % 256 == 0 and a row bucket >= GEMV_Q_MIN_ROWS -> `gemv_q`, the rest
+    -> `gemv` (ptx/gemv.cu). Above, a GEMM (`_gemm`). `gemv` and `gemv_mma` fuse all three options; `gemv_q` the
+    norm and the residual; a fusion a kernel does not take runs as its own op (rms_norm / silu_mul / an fp16
+    add), equal up to the fp32 summation order of 1/rms.
 
     Args:
         backend: the CudaBackend (loader, stream, rms_norm, silu_and_mul).
@@ -125,9 +134,12 @@ def launch_linear(backend: Any, x: torch.Tensor, w: CudaLinear, *, norm_weight: 
         raise ValueError(f"residual {tuple(residual.shape)} does not match the output [{m}, {n_out}]")
     if w.fmt != "F16" and (x.stride(0) % 8 or x.data_ptr() % 16):
         x = x.contiguous()  # the quant paths read x as 16-byte vectors
+    vec_ok = int(k % 8 == 0 and x.stride(0) % 8 == 0 and x.data_ptr() % 16 == 0)
+    use_mma = m < kernels.GEMM_MIN_ROWS and gemv_mma_ok(backend, w, min(m, kernels.GEMV_MAX_ROWS), vec_ok,
+                                                        norm_weight is not None, silu)
     # gemv_q streams 16-byte-aligned 256-weight superblocks; other quant shapes take the simple `gemv`
     q_fast = w.fmt != "F16" and k % kernels.GEMV_Q_SUPERBLOCK == 0 and w.data.data_ptr() % 16 == 0
-    if m >= kernels.GEMM_MIN_ROWS or (silu and q_fast and m > 2):
+    if m >= kernels.GEMM_MIN_ROWS or (silu and q_fast and m > 2 and not use_mma):
         # the GEMM (and gemv_q, for SwiGLU) with the fusions it lacks as separate ops
         if m >= kernels.GEMM_MIN_ROWS:
             if norm_weight is not None:
@@ -142,7 +154,9 @@ def launch_linear(backend: Any, x: torch.Tensor, w: CudaLinear, *, norm_weight: 
     if m == 0 or n == 0:
         return y
     wtype = kernels.WTYPES[w.fmt]
-    vec_ok = int(k % 8 == 0 and x.stride(0) % 8 == 0 and x.data_ptr() % 16 == 0)
+    if use_mma:
+        _launch_gemv_mma(backend, x, w, y, wtype, norm_weight, eps, residual, silu, vec_ok)
+        return y
     # PDL only where the launch latency it hides matters: a GEMV streaming many MB is bandwidth-bound, and
     # early-launched waiting blocks measured slower there (8B shapes, H200: 5.60 vs 5.36 ms per step)
     pdl = backend.pdl and n * w.row_bytes <= kernels.GEMV_PDL_MAX_WEIGHT_BYTES
@@ -173,6 +187,55 @@ def launch_linear(backend: Any, x: torch.Tensor, w: CudaLinear, *, norm_weight: 
             backend._launch("gemv", "gemv", spec, (groups, 1, 1), (128, 1, 1), bucket * k * 2 if fuse_norm else 0,
                             p, pdl)
     return y
+
+
+def gemv_mma_ok(backend: Any, w: CudaLinear, rows: int, vec_ok: int, norm: bool = False,
+                silu: bool = False) -> bool:
+    """Whether a GEMV launch of `rows` (<= 8) x rows on `w` (with a fused RMSNorm `norm`, SwiGLU `silu`) runs
+    `gemv_mma`: SM80+, k a multiple of 32, x rows 16-byte aligned, the weight aligned for the kernel's loads, and
+    at least GEMV_MMA_MIN_ROWS[fmt] rows (fp16 with a fused norm and no SwiGLU: any m). `backend.gemv_kernel`
+    ("auto", "mma", "scalar") forces a choice (benchmarks, A/B tests)."""
+    choice = getattr(backend, "gemv_kernel", "auto")
+    if choice == "scalar" or backend.loader.arch < kernels.GEMV_MMA_MIN_ARCH or not vec_ok:
+        return False
+    align = 16 if w.fmt == "F16" else 4 if w.fmt == "Q4_1" else 2
+    if w.in_features % kernels.GEMV_MMA_CHUNK or w.data.data_ptr() % align or w.row_bytes % align:
+        return False
+    if choice == "mma" or rows >= GEMV_MMA_MIN_ROWS[w.fmt]:
+        return True
+    return w.fmt == "F16" and norm and not silu and GEMV_MMA_F16_NORM_M1
+
+
+def gemv_kernel_name(backend: Any, w: CudaLinear, rows: int, vec_ok: int = 1, norm: bool = False,
+                     silu: bool = False) -> str:
+    """The kernel a GEMV launch of `rows` (1..8) x rows on `w` runs: "gemv_mma", "gemv_q" or "gemv". Rows of
+    launches that run the same kernel are bitwise equal whatever the other rows (tests rely on it)."""
+    if gemv_mma_ok(backend, w, rows, vec_ok, norm, silu):
+        return "gemv_mma"
+    bucket = next(b for b in kernels.GEMV_ROW_BUCKETS if b >= rows)
+    q_fast = w.fmt != "F16" and w.in_features % kernels.GEMV_Q_SUPERBLOCK == 0 and w.data.data_ptr() % 16 == 0
+    return "gemv_q" if q_fast and bucket >= GEMV_Q_MIN_ROWS else "gemv"
+
+
+def _launch_gemv_mma(backend: Any, x: torch.Tensor, w: CudaLinear, y: torch.Tensor, wtype: int,
+                     norm_weight: torch.Tensor | None, eps: float, residual: torch.Tensor | None, silu: bool,
+                     vec_ok: int) -> None:
+    """gemv_mma launches of <= 8 x rows each (fused norm, residual and SwiGLU all in the kernel)."""
+    m, k = x.shape
+    n = w.out_features
+    n_out = y.shape[1]
+    if residual is not None and residual.stride(0) != n_out:
+        residual = residual.contiguous()  # the kernel reads it with y's row stride
+    pdl = backend.pdl and n * w.row_bytes <= kernels.GEMV_PDL_MAX_WEIGHT_BYTES
+    grid = (math.ceil(n_out / (kernels.GEMV_MMA_ROWS // 2 if silu else kernels.GEMV_MMA_ROWS)), 1, 1)
+    for r0 in range(0, m, kernels.GEMV_MAX_ROWS):
+        rows = min(kernels.GEMV_MAX_ROWS, m - r0)
+        xr = x[r0:r0 + rows]
+        p = P.GemvParams(xr.data_ptr(), w.data.data_ptr(), y.data_ptr() + r0 * n_out * 2,
+                         residual.data_ptr() + r0 * n_out * 2 if residual is not None else None,
+                         norm_weight.data_ptr() if norm_weight is not None else None, xr.stride(0), n_out,
+                         w.row_bytes, rows, n, k, vec_ok, eps, 0)
+        backend._launch("gemv_mma", "gemv_mma", {"WTYPE": wtype, "SILU": int(silu)}, grid, (256, 1, 1), 0, p, pdl)
 
 
 def _gemm(backend: Any, x: torch.Tensor, w: CudaLinear, f16_gemm: str) -> torch.Tensor:

@@ -1,0 +1,295 @@
+// gemv_mma.cu: decode GEMV y[m, n] = sum_k x[m, k] * W[n, k] for m <= 8 on tensor cores (SM80+), W fp16 or
+// GGUF Q4_0 / Q4_1 / Q8_0 blocks dequantized to fp16 in registers. The m rows of x are the 8 columns of
+// mma.sync.m16n8k16 (fp16 x fp16 -> fp32; PTX ISA "Matrix fragments for mma.m16n8k16"); the weight rows its 16.
+// So m = 2..8 costs no more issue slots than m = 1 and the kernel streams the weights at the bandwidth the
+// scalar `gemv` only reaches at m = 1 on fp16.
+//
+// Layout: block = 8 warps, 32 output rows (SILU: 16 gate rows + the 16 matching up rows); the warps split k
+// into 8 equal ranges of 32-wide chunks (one GGUF block, or 64 bytes of an fp16 row). Lane (g = lane / 4,
+// t = lane % 4) loads, per 16-row tile and chunk, its slice of rows g and g + 8 (fp16: 16 bytes; Q4: the
+// block's scale words and 4 bytes of nibbles; Q8_0: 8 int8) straight into registers; the fragment's k slots
+// are a permutation of the chunk's 32 elements (a dot product is order-free up to rounding, and the x
+// fragment uses the same permutation), so every load is a contiguous piece of a row and no shared memory or
+// ldmatrix is needed. The 8 warps' fp32 partial tiles are summed in fixed order in shared memory, so results
+// are deterministic and each output row is bitwise independent of the other rows of x.
+// Fusions (as gemv): `norm_w` RMSNorm of x (1/rms from a block-wide pass over x; x * inv * w is rounded to fp16
+// as rms_norm stores it), `res` residual, compile-time SILU (SwiGLU of [gate; up]).
+// Requirements (the launcher checks): k % 32 == 0, m <= 8, x rows 16-byte aligned (vec_ok); fp16 W rows
+// 16-byte aligned; Q4_1 rows 4-byte aligned; Q4_0 / Q8_0 2-byte aligned.
+// Quant weights are rounded once to fp16 (d * q + m in one fp16 fma), as gemm_tc does.
+// SM70: mma.m16n8k16 needs SM80; below it the body is empty and the launcher takes gemv / gemv_q instead.
+// Reference: voltserve.backends.cpu.CpuBackend.linear.
+#include "gemv_common.cuh"
+
+#ifndef SILU
+#define SILU 0
+#endif
+#define GM_WARPS 8
+#define GM_TILES 2  // 16-row mma tiles per warp: rows [0, 16) and [16, 32) of the block, or SILU's gate and up
+#if WTYPE == WTYPE_F16
+#define GM_RAW 4        // 32-bit words per thread per row per chunk: 8 fp16
+#define GM_UNROLL 2     // chunks per load group; two groups in flight per warp (double-buffered registers)
+#elif WTYPE == WTYPE_Q8_0
+#define GM_RAW 3        // d, 8 int8
+#define GM_UNROLL 2
+#else
+#define GM_RAW 2        // d (and m), 8 nibbles
+#define GM_UNROLL 2
+#endif
+
+VOLT_DEVICE u32 ldg_u16(const u8* p) { return (u32)__ldg(reinterpret_cast<const unsigned short*>(p)); }
+VOLT_DEVICE u32 ldg_u32(const u8* p) { return __ldg(reinterpret_cast<const unsigned int*>(p)); }
+VOLT_DEVICE u32 prmt(u32 a, u32 b, u32 sel) {
+    u32 d;
+    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
+    return d;
+}
+VOLT_DEVICE u32 hsub2(u32 a, u32 b) {
+    u32 d;
+    asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+    return d;
+}
+VOLT_DEVICE u32 hmul2(u32 a, u32 b) {
+    u32 d;
+    asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+    return d;
+}
+VOLT_DEVICE u32 hfma2(u32 a, u32 b, u32 c) {
+    u32 d;
+    asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+    return d;
+}
+
+// acc += A (16 x 16, row) * B (16 x 8, col), fp32 accumulate.
+VOLT_DEVICE void mma_16816(float (&acc)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(acc[0]), "+f"(acc[1]), "+f"(acc[2]), "+f"(acc[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#endif
+}
+
+// This thread's raw words of chunk c of one weight row (see GM_RAW).
+VOLT_DEVICE void load_raw(u32 (&r)[GM_RAW], const u8* row, int c, int t) {
+#if WTYPE == WTYPE_F16
+    const uint4 v = ldg16(row + (i64)c * 64 + t * 16);  // elements 8t .. 8t + 7
+    r[0] = v.x; r[1] = v.y; r[2] = v.z; r[3] = v.w;
+#elif WTYPE == WTYPE_Q4_1
+    const u8* blk = row + (i64)c * BLOCK_BYTES;
+    r[0] = ldg_u32(blk);               // d | m << 16
+    r[1] = ldg_u32(blk + 4 + 4 * t);   // bytes 4t .. 4t + 3: elements 4t + j (low), 4t + j + 16 (high)
+#elif WTYPE == WTYPE_Q4_0
+    const u8* blk = row + (i64)c * BLOCK_BYTES;
+    r[0] = ldg_u16(blk);
+    r[1] = ldg_u16(blk + 2 + 4 * t) | (ldg_u16(blk + 4 + 4 * t) << 16);
+#else  // Q8_0
+    const u8* blk = row + (i64)c * BLOCK_BYTES;
+    r[0] = ldg_u16(blk);
+    r[1] = ldg_u16(blk + 2 + 8 * t) | (ldg_u16(blk + 4 + 8 * t) << 16);  // elements 8t .. 8t + 3
+    r[2] = ldg_u16(blk + 6 + 8 * t) | (ldg_u16(blk + 8 + 8 * t) << 16);  // 8t + 4 .. 8t + 7
+#endif
+}
+
+// fp16 pairs of one row for mma j (0, 1) of a chunk: w[0] -> k slots (2t, 2t + 1), w[1] -> (2t + 8, 2t + 9).
+// Element <-> slot map (the x side in x_pairs matches it):
+//   F16 / Q8_0: mma j slots (2t, 2t+1) = elements (8t + 4j, +1), slots (2t+8, 2t+9) = (8t + 4j + 2, +3)
+//   Q4_0 / Q4_1: mma j slots (2t, 2t+1) = (4t + 16j, 4t + 16j + 2), (2t+8, 2t+9) = (4t + 16j + 1, +3)
+VOLT_DEVICE void row_pairs(const u32 (&r)[GM_RAW], int j, u32 (&w)[2]) {
+#if WTYPE == WTYPE_F16
+    w[0] = r[2 * j];
+    w[1] = r[2 * j + 1];
+#elif WTYPE == WTYPE_Q8_0
+    const u32 q = r[1 + j] ^ 0x80808080u;   // int8 -> q + 128 in each byte
+    const u32 d2 = prmt(r[0], 0, 0x1010);
+    // half 0x64XX = 1024 + XX exactly; minus 1152 leaves q
+    w[0] = hmul2(hsub2(prmt(q, 0x64646464u, 0x4140), 0x64806480u), d2);
+    w[1] = hmul2(hsub2(prmt(q, 0x64646464u, 0x4342), 0x64806480u), d2);
+#else
+    const u32 q = r[1] >> (4 * j);          // j = 1: the high nibbles
+    const u32 h0 = (q & 0x000F000Fu) | 0x64006400u;         // bytes 0, 2: 1024 + nibble
+    const u32 h1 = ((q >> 8) & 0x000F000Fu) | 0x64006400u;  // bytes 1, 3
+    const u32 d2 = prmt(r[0], 0, 0x1010);
+#if WTYPE == WTYPE_Q4_1
+    const u32 m2 = prmt(r[0], 0, 0x3232);
+    w[0] = hfma2(hsub2(h0, 0x64006400u), d2, m2);  // d * q + m, one rounding
+    w[1] = hfma2(hsub2(h1, 0x64006400u), d2, m2);
+#else
+    w[0] = hmul2(hsub2(h0, 0x64086408u), d2);      // d * (q - 8)
+    w[1] = hmul2(hsub2(h1, 0x64086408u), d2);
+#endif
+#endif
+}
+
+// Elements of chunk c that this thread's x fragment covers, as 4 words of fp16 pairs in natural order:
+// F16 / Q8_0: x[8t .. 8t + 7]; Q4: x[4t .. 4t + 3] and x[16 + 4t .. 16 + 4t + 3].
+VOLT_DEVICE void load_x(u32 (&xw)[4], const half_t* xrow, int c, int t) {
+#if WTYPE == WTYPE_F16 || WTYPE == WTYPE_Q8_0
+    const uint4 v = *reinterpret_cast<const uint4*>(xrow + c * 32 + 8 * t);
+    xw[0] = v.x; xw[1] = v.y; xw[2] = v.z; xw[3] = v.w;
+#else
+    const uint2 lo = *reinterpret_cast<const uint2*>(xrow + c * 32 + 4 * t);
+    const uint2 hi = *reinterpret_cast<const uint2*>(xrow + c * 32 + 16 + 4 * t);
+    xw[0] = lo.x; xw[1] = lo.y; xw[2] = hi.x; xw[3] = hi.y;
+#endif
+}
+
+// k index of half h (0 low, 1 high) of word i of load_x, relative to the chunk.
+VOLT_DEVICE int x_elem(int i, int h, int t) {
+#if WTYPE == WTYPE_F16 || WTYPE == WTYPE_Q8_0
+    return 8 * t + 2 * i + h;
+#else
+    return 16 * (i >> 1) + 4 * t + 2 * (i & 1) + h;
+#endif
+}
+
+// B fragment (b0: slots 2t, 2t+1; b1: slots 2t+8, 2t+9) of mma j from the words of load_x.
+VOLT_DEVICE void x_pairs(const u32 (&xw)[4], int j, u32& b0, u32& b1) {
+#if WTYPE == WTYPE_F16 || WTYPE == WTYPE_Q8_0
+    b0 = xw[2 * j];
+    b1 = xw[2 * j + 1];
+#else
+    b0 = prmt(xw[2 * j], xw[2 * j + 1], 0x5410);  // (x0, x2)
+    b1 = prmt(xw[2 * j], xw[2 * j + 1], 0x7632);  // (x1, x3)
+#endif
+}
+
+typedef u32 GmRaw[GM_UNROLL][GM_TILES][2][GM_RAW];
+typedef u32 GmX[GM_UNROLL][4];
+
+// Issue the loads of chunks [c, c + GM_UNROLL) (chunks past c_end: none): this thread's raw weight words and,
+// for x rows < m, its x words (zeros otherwise: the zero columns of B).
+VOLT_DEVICE void load_group(GmRaw& raw, GmX& xw, const u8* const (&rows)[GM_TILES][2], const half_t* xrow,
+                            bool x_row, int c, int c_end, int t) {
+#pragma unroll
+    for (int u = 0; u < GM_UNROLL; ++u) {
+        if (c + u < c_end) {
+#pragma unroll
+            for (int i = 0; i < GM_TILES; ++i)
+#pragma unroll
+                for (int h = 0; h < 2; ++h) load_raw(raw[u][i][h], rows[i][h], c + u, t);
+        }
+#pragma unroll
+        for (int e = 0; e < 4; ++e) xw[u][e] = 0u;
+        if (x_row && c + u < c_end) load_x(xw[u], xrow, c + u, t);
+    }
+}
+
+// acc += the products of chunks [c, c + GM_UNROLL) (loaded by load_group); with norm_w, x is normalized first.
+VOLT_DEVICE void mma_group(float (&acc)[GM_TILES][4], const GmRaw& raw, GmX& xw, const float* norm_w, float inv,
+                           bool x_row, int c, int c_end, int t) {
+#pragma unroll
+    for (int u = 0; u < GM_UNROLL; ++u) {
+        if (c + u >= c_end) continue;
+        if (norm_w != nullptr && x_row) {  // rms_norm's stored value: fp16((x * inv) * w)
+            const float* nw = norm_w + (c + u) * 32;
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                float lo, hi;
+                unpack2(xw[u][e], lo, hi);
+                xw[u][e] = pack2(lo * inv * nw[x_elem(e, 0, t)], hi * inv * nw[x_elem(e, 1, t)]);
+            }
+        }
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+            u32 b0, b1;
+            x_pairs(xw[u], j, b0, b1);
+#pragma unroll
+            for (int i = 0; i < GM_TILES; ++i) {
+                u32 w0[2], w1[2];
+                row_pairs(raw[u][i][0], j, w0);
+                row_pairs(raw[u][i][1], j, w1);
+                const u32 a[4] = {w0[0], w1[0], w0[1], w1[1]};  // (g, lo) (g+8, lo) (g, hi) (g+8, hi)
+                mma_16816(acc[i], a, b0, b1);
+            }
+        }
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(256, 2) gemv_mma(const GemvParams p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    __shared__ float red[GM_WARPS][GM_TILES][16][8];  // the warps' partial tiles [tile][row][x row]
+    __shared__ float scratch[32];
+    __shared__ float inv_rms[8];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+    const int n_out = SILU ? p.n / 2 : p.n;
+    const int base = blockIdx.x * (SILU ? 16 : 32);  // first output feature of the block
+    const u8* rows[GM_TILES][2];
+#pragma unroll
+    for (int i = 0; i < GM_TILES; ++i)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            // rows past the end load a valid row; their outputs are not stored
+            const int r = SILU ? min(base + g + 8 * h, n_out - 1) + i * n_out : min(base + 16 * i + g + 8 * h, p.n - 1);
+            rows[i][h] = p.w + (i64)r * p.w_row_bytes;
+        }
+    const int nc = p.k / 32;
+    const int per = (nc + GM_WARPS - 1) / GM_WARPS;
+    const int c_begin = min(nc, warp * per), c_end = min(nc, c_begin + per);
+    const bool x_row = g < p.m;
+    const half_t* xrow = p.x + (x_row ? g : 0) * p.x_stride;
+    GmRaw raw0, raw1;
+    GmX xw0, xw1;
+    // the first group's weights: in flight across the PDL wait and the norm pass (x only after the wait)
+    load_group(raw0, xw0, rows, xrow, false, c_begin, c_end, t);
+    pdl_enter();
+#pragma unroll
+    for (int u = 0; u < GM_UNROLL; ++u)
+        if (x_row && c_begin + u < c_end) load_x(xw0[u], xrow, c_begin + u, t);
+    if (p.norm_w != nullptr) {
+        for (int r = 0; r < p.m; ++r) {
+            const float inv = row_inv_rms(p, r, scratch);
+            if (threadIdx.x == 0) inv_rms[r] = inv;
+        }
+        __syncthreads();
+    }
+    const float inv = p.norm_w != nullptr && x_row ? inv_rms[g] : 1.f;
+    float acc[GM_TILES][4];
+#pragma unroll
+    for (int i = 0; i < GM_TILES; ++i)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[i][e] = 0.f;
+    // two register buffers: the next group's loads are issued before this group's MMAs
+    for (int c = c_begin; c < c_end; c += 2 * GM_UNROLL) {
+        load_group(raw1, xw1, rows, xrow, x_row, c + GM_UNROLL, c_end, t);
+        mma_group(acc, raw0, xw0, p.norm_w, inv, x_row, c, c_end, t);
+        if (c + GM_UNROLL >= c_end) break;
+        load_group(raw0, xw0, rows, xrow, x_row, c + 2 * GM_UNROLL, c_end, t);
+        mma_group(acc, raw1, xw1, p.norm_w, inv, x_row, c + GM_UNROLL, c_end, t);
+    }
+    // C fragment: acc[i] = (row g, x rows 2t, 2t+1), (row g + 8, x rows 2t, 2t+1)
+#pragma unroll
+    for (int i = 0; i < GM_TILES; ++i) {
+        red[warp][i][g][2 * t] = acc[i][0];
+        red[warp][i][g][2 * t + 1] = acc[i][1];
+        red[warp][i][g + 8][2 * t] = acc[i][2];
+        red[warp][i][g + 8][2 * t + 1] = acc[i][3];
+    }
+    __syncthreads();
+#if SILU
+    if (threadIdx.x < 128) {
+        const int r = threadIdx.x >> 4, row = threadIdx.x & 15, out = base + row;
+        float gate = 0.f, up = 0.f;
+#pragma unroll
+        for (int w = 0; w < GM_WARPS; ++w) {  // fixed order
+            gate += red[w][0][row][r];
+            up += red[w][1][row][r];
+        }
+        if (r < p.m && out < n_out) {
+            const float gh = round_h(gate), uh = round_h(up);
+            p.y[r * p.y_stride + out] = f2h(gemv_out(p, r, out, gh / (1.f + __expf(-gh)) * uh));
+        }
+    }
+#else
+    {
+        const int r = threadIdx.x >> 5, i = (threadIdx.x >> 4) & 1, row = threadIdx.x & 15;
+        const int out = base + 16 * i + row;
+        float v = 0.f;
+#pragma unroll
+        for (int w = 0; w < GM_WARPS; ++w) v += red[w][i][row][r];  // fixed order
+        if (r < p.m && out < n_out) p.y[r * p.y_stride + out] = f2h(gemv_out(p, r, out, v));
+    }
+#endif
+#else
+    pdl_enter();  // SM < 80: never launched (linear.py takes gemv / gemv_q there)
+#endif
+}

@@ -1,0 +1,105 @@
+"""gemv_mma (ptx/gemv_mma.cu, tensor cores, SM80+) at the Llama-3-8B decode shapes and its edge cases, against
+CpuBackend on the dequantized fp32 weights.
+
+Bound: max |got - ref| <= 3e-3 * max |ref| (fp32 accumulation; quant weights are rounded once to fp16, 2.4e-4
+relative each, uncorrelated; one fp16 output rounding is 4.9e-4). The routing rules (which launches may take the
+kernel) are CPU unit tests in tests/unit/test_gemv_routing.py.
+"""
+
+import pytest
+import torch
+from tests.kernels.kutils import make_linear, rel_err
+
+pytestmark = pytest.mark.gpu
+TOL = 3e-3
+
+
+@pytest.fixture
+def mma_backend(cuda_backend):
+    if cuda_backend.loader.arch < 80:
+        pytest.skip("gemv_mma needs SM80+")
+    cuda_backend.gemv_kernel = "mma"
+    yield cuda_backend
+    cuda_backend.gemv_kernel = "auto"
+
+
+@pytest.mark.parametrize("fmt", ["F16", "Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("nk", [(4096, 4096), (1024, 14336), (6144, 4096)])
+def test_llama_shapes(mma_backend, cpu_backend, fmt, nk):
+    """Every m of a decode batch (1..8) in one test: outputs of the m = 8 launch, and each m's own launch."""
+    from voltserve.backends.cuda.linear import gemv_kernel_name
+
+    n, k = nk
+    gen = torch.Generator().manual_seed(n + k)
+    weight, w = make_linear(mma_backend, fmt, n, k, gen, 0.02)
+    assert gemv_kernel_name(mma_backend, w, 1) == "gemv_mma"
+    x = torch.randn(8, k, generator=gen).half()
+    ref = cpu_backend.linear(x.float(), weight)
+    xd = x.cuda()
+    full = mma_backend.linear(xd, w)
+    assert rel_err(full, ref) <= TOL
+    for m in (1, 2, 5):
+        assert torch.equal(mma_backend.linear(xd[:m].contiguous(), w), full[:m]), m
+
+
+@pytest.mark.parametrize("fmt", ["F16", "Q4_1"])
+@pytest.mark.parametrize("n", [1, 15, 17, 45])
+def test_partial_tiles(mma_backend, cpu_backend, fmt, n):
+    """n not a multiple of the 32-row block (and SwiGLU's 16): outputs past n are neither computed nor written
+    (the allocator is NaN-poisoned, so a stray write into y's neighbours or a missed row shows)."""
+    gen = torch.Generator().manual_seed(n)
+    k = 96
+    weight, w = make_linear(mma_backend, fmt, 2 * n, k, gen, 0.02)
+    x = torch.randn(3, k, generator=gen).half()
+    got = mma_backend.linear(x.cuda(), w)
+    assert rel_err(got, cpu_backend.linear(x.float(), weight)) <= TOL
+    fused = mma_backend.norm_linear(x.cuda(), mma_backend.prepare_norm(torch.ones(k)), 1e-5, w, silu=True)
+    assert fused.shape == (3, n) and not torch.isnan(fused).any()
+    assert rel_err(fused, cpu_backend.norm_linear(x.float(), torch.ones(k), 1e-5, weight, silu=True)) <= 4e-3
+
+
+def test_k_split_uneven(mma_backend, cpu_backend):
+    """k / 32 chunks not divisible by the 8 warps, and fewer chunks (3) than warps: idle warps add zeros."""
+    gen = torch.Generator().manual_seed(5)
+    for k in (96, 32 * 37):
+        weight, w = make_linear(mma_backend, "Q8_0", 64, k, gen, 0.02)
+        x = torch.randn(8, k, generator=gen).half()
+        assert rel_err(mma_backend.linear(x.cuda(), w), cpu_backend.linear(x.float(), weight)) <= TOL, k
+
+
+def test_graph_replay_bitwise(mma_backend):
+    """Fixed-order partial sums: repeated launches and a replayed CUDA graph equal eager bit for bit."""
+    gen = torch.Generator().manual_seed(9)
+    _, w = make_linear(mma_backend, "Q4_1", 4096, 4096, gen, 0.02)
+    norm = mma_backend.prepare_norm(torch.rand(4096, generator=gen) + 0.5)
+    x = torch.randn(4, 4096, generator=gen).half().cuda()
+    first = mma_backend.norm_linear(x, norm, 1e-5, w, silu=True)
+    assert torch.equal(mma_backend.norm_linear(x, norm, 1e-5, w, silu=True), first)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        mma_backend.refresh_stream()
+        captured = mma_backend.norm_linear(x, norm, 1e-5, w, silu=True)
+    mma_backend.refresh_stream()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, first)
+
+
+@pytest.mark.parametrize("fmt", ["F16", "Q4_0", "Q4_1", "Q8_0"])
+def test_agrees_with_scalar_kernels(cuda_backend, fmt):
+    """gemv_mma vs the SM70 kernels (gemv / gemv_q) on the same inputs: equal up to rounding (fp16 weights:
+    summation order only; quant: plus the fp16 rounding of each dequantized weight)."""
+    if cuda_backend.loader.arch < 80:
+        pytest.skip("gemv_mma needs SM80+")
+    gen = torch.Generator().manual_seed(11)
+    _, w = make_linear(cuda_backend, fmt, 576, 1536, gen, 0.02)
+    x = torch.randn(6, 1536, generator=gen).half().cuda()
+    try:
+        cuda_backend.gemv_kernel = "mma"
+        mma = cuda_backend.linear(x, w)
+        cuda_backend.gemv_kernel = "scalar"
+        scalar = cuda_backend.linear(x, w)
+    finally:
+        cuda_backend.gemv_kernel = "auto"
+    assert rel_err(mma, scalar) <= TOL
+    assert not torch.equal(mma, scalar) or fmt == "F16"  # two different kernels really ran

@@ -69,24 +69,35 @@ VOLT_DEVICE void mma_16816(float (&acc)[4], const u32 (&a)[4], u32 b0, u32 b1) {
 #endif
 }
 
-// This thread's raw words of chunk c of one weight row (see GM_RAW).
+// This thread's raw words of chunk c of one weight row (see GM_RAW); SMEM: the row is in shared memory
+// (gemv_mma_sb's staged superblocks), read with plain loads.
+template <bool SMEM = false>
+VOLT_DEVICE u32 rd_u16(const u8* p) {
+    return SMEM ? (u32)*reinterpret_cast<const unsigned short*>(p) : ldg_u16(p);
+}
+template <bool SMEM = false>
+VOLT_DEVICE u32 rd_u32(const u8* p) {
+    return SMEM ? *reinterpret_cast<const unsigned int*>(p) : ldg_u32(p);
+}
+
+template <bool SMEM = false>
 VOLT_DEVICE void load_raw(u32 (&r)[GM_RAW], const u8* row, int c, int t) {
 #if WTYPE == WTYPE_F16
     const uint4 v = ldg16(row + (i64)c * 64 + t * 16);  // elements 8t .. 8t + 7
     r[0] = v.x; r[1] = v.y; r[2] = v.z; r[3] = v.w;
 #elif WTYPE == WTYPE_Q4_1
     const u8* blk = row + (i64)c * BLOCK_BYTES;
-    r[0] = ldg_u32(blk);               // d | m << 16
-    r[1] = ldg_u32(blk + 4 + 4 * t);   // bytes 4t .. 4t + 3: elements 4t + j (low), 4t + j + 16 (high)
+    r[0] = rd_u32<SMEM>(blk);               // d | m << 16
+    r[1] = rd_u32<SMEM>(blk + 4 + 4 * t);   // bytes 4t .. 4t + 3: elements 4t + j (low), 4t + j + 16 (high)
 #elif WTYPE == WTYPE_Q4_0
     const u8* blk = row + (i64)c * BLOCK_BYTES;
-    r[0] = ldg_u16(blk);
-    r[1] = ldg_u16(blk + 2 + 4 * t) | (ldg_u16(blk + 4 + 4 * t) << 16);
+    r[0] = rd_u16<SMEM>(blk);
+    r[1] = rd_u16<SMEM>(blk + 2 + 4 * t) | (rd_u16<SMEM>(blk + 4 + 4 * t) << 16);
 #else  // Q8_0
     const u8* blk = row + (i64)c * BLOCK_BYTES;
-    r[0] = ldg_u16(blk);
-    r[1] = ldg_u16(blk + 2 + 8 * t) | (ldg_u16(blk + 4 + 8 * t) << 16);  // elements 8t .. 8t + 3
-    r[2] = ldg_u16(blk + 6 + 8 * t) | (ldg_u16(blk + 8 + 8 * t) << 16);  // 8t + 4 .. 8t + 7
+    r[0] = rd_u16<SMEM>(blk);
+    r[1] = rd_u16<SMEM>(blk + 2 + 8 * t) | (rd_u16<SMEM>(blk + 4 + 8 * t) << 16);  // elements 8t .. 8t + 3
+    r[2] = rd_u16<SMEM>(blk + 6 + 8 * t) | (rd_u16<SMEM>(blk + 8 + 8 * t) << 16);  // 8t + 4 .. 8t + 7
 #endif
 }
 
@@ -174,89 +185,64 @@ VOLT_DEVICE void load_group(GmRaw& raw, GmX& xw, const u8* const (&rows)[GM_TILE
     }
 }
 
-// acc += the products of chunks [c, c + GM_UNROLL) (loaded by load_group); with norm_w, x is normalized first.
-VOLT_DEVICE void mma_group(float (&acc)[GM_TILES][4], const GmRaw& raw, GmX& xw, const float* norm_w, float inv,
-                           bool x_row, int c, int c_end, int t) {
+// acc += the products of chunk c: raw[i][h] = rows g + 8h of tile i, xw = this thread's x words of the chunk
+// (normalized in place first when norm_w is set).
+VOLT_DEVICE void mma_chunk(float (&acc)[GM_TILES][4], const u32 (&raw)[GM_TILES][2][GM_RAW], u32 (&xw)[4],
+                           const float* norm_w, float inv, bool x_row, int c, int t) {
+    if (norm_w != nullptr && x_row) {  // rms_norm's stored value: fp16((x * inv) * w)
+        const float* nw = norm_w + c * 32;
 #pragma unroll
-    for (int u = 0; u < GM_UNROLL; ++u) {
-        if (c + u >= c_end) continue;
-        if (norm_w != nullptr && x_row) {  // rms_norm's stored value: fp16((x * inv) * w)
-            const float* nw = norm_w + (c + u) * 32;
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                float lo, hi;
-                unpack2(xw[u][e], lo, hi);
-                xw[u][e] = pack2(lo * inv * nw[x_elem(e, 0, t)], hi * inv * nw[x_elem(e, 1, t)]);
-            }
+        for (int e = 0; e < 4; ++e) {
+            float lo, hi;
+            unpack2(xw[e], lo, hi);
+            xw[e] = pack2(lo * inv * nw[x_elem(e, 0, t)], hi * inv * nw[x_elem(e, 1, t)]);
         }
+    }
 #pragma unroll
-        for (int j = 0; j < 2; ++j) {
-            u32 b0, b1;
-            x_pairs(xw[u], j, b0, b1);
+    for (int j = 0; j < 2; ++j) {
+        u32 b0, b1;
+        x_pairs(xw, j, b0, b1);
 #pragma unroll
-            for (int i = 0; i < GM_TILES; ++i) {
-                u32 w0[2], w1[2];
-                row_pairs(raw[u][i][0], j, w0);
-                row_pairs(raw[u][i][1], j, w1);
-                const u32 a[4] = {w0[0], w1[0], w0[1], w1[1]};  // (g, lo) (g+8, lo) (g, hi) (g+8, hi)
-                mma_16816(acc[i], a, b0, b1);
-            }
+        for (int i = 0; i < GM_TILES; ++i) {
+            u32 w0[2], w1[2];
+            row_pairs(raw[i][0], j, w0);
+            row_pairs(raw[i][1], j, w1);
+            const u32 a[4] = {w0[0], w1[0], w0[1], w1[1]};  // (g, lo) (g+8, lo) (g, hi) (g+8, hi)
+            mma_16816(acc[i], a, b0, b1);
         }
     }
 }
 
-extern "C" __global__ void __launch_bounds__(256, 2) gemv_mma(const GemvParams p) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-    __shared__ float red[GM_WARPS][GM_TILES][16][8];  // the warps' partial tiles [tile][row][x row]
-    __shared__ float scratch[32];
-    __shared__ float inv_rms[8];
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
-    const int n_out = SILU ? p.n / 2 : p.n;
-    const int base = blockIdx.x * (SILU ? 16 : 32);  // first output feature of the block
-    const u8* rows[GM_TILES][2];
-#pragma unroll
-    for (int i = 0; i < GM_TILES; ++i)
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            // rows past the end load a valid row; their outputs are not stored
-            const int r = SILU ? min(base + g + 8 * h, n_out - 1) + i * n_out : min(base + 16 * i + g + 8 * h, p.n - 1);
-            rows[i][h] = p.w + (i64)r * p.w_row_bytes;
-        }
-    const int nc = p.k / 32;
-    const int per = (nc + GM_WARPS - 1) / GM_WARPS;
-    const int c_begin = min(nc, warp * per), c_end = min(nc, c_begin + per);
-    const bool x_row = g < p.m;
-    const half_t* xrow = p.x + (x_row ? g : 0) * p.x_stride;
-    GmRaw raw0, raw1;
-    GmX xw0, xw1;
-    // the first group's weights: in flight across the PDL wait and the norm pass (x only after the wait)
-    load_group(raw0, xw0, rows, xrow, false, c_begin, c_end, t);
-    pdl_enter();
+VOLT_DEVICE void mma_group(float (&acc)[GM_TILES][4], const GmRaw& raw, GmX& xw, const float* norm_w, float inv,
+                           bool x_row, int c, int c_end, int t) {
 #pragma unroll
     for (int u = 0; u < GM_UNROLL; ++u)
-        if (x_row && c_begin + u < c_end) load_x(xw0[u], xrow, c_begin + u, t);
-    if (p.norm_w != nullptr) {
-        for (int r = 0; r < p.m; ++r) {
-            const float inv = row_inv_rms(p, r, scratch);
-            if (threadIdx.x == 0) inv_rms[r] = inv;
-        }
-        __syncthreads();
+        if (c + u < c_end) mma_chunk(acc, raw[u], xw[u], norm_w, inv, x_row, c + u, t);
+}
+
+// Weight row of this block's tile row rr (0..31): rows past the end are clamped to a valid row (not stored).
+VOLT_DEVICE int gm_row(const GemvParams& p, int base, int rr) {
+    const int n_out = SILU ? p.n / 2 : p.n;
+    return SILU ? min(base + (rr & 15), n_out - 1) + (rr >> 4) * n_out : min(base + rr, p.n - 1);
+}
+
+// 1 / rms of x row g for this thread (1 without the fused norm); block-wide (all threads call it).
+VOLT_DEVICE float gm_inv_rms(const GemvParams& p, float* scratch, float* inv_rms, int g) {
+    if (p.norm_w == nullptr) return 1.f;
+    for (int r = 0; r < p.m; ++r) {
+        const float inv = row_inv_rms(p, r, scratch);
+        if (threadIdx.x == 0) inv_rms[r] = inv;
     }
-    const float inv = p.norm_w != nullptr && x_row ? inv_rms[g] : 1.f;
-    float acc[GM_TILES][4];
-#pragma unroll
-    for (int i = 0; i < GM_TILES; ++i)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) acc[i][e] = 0.f;
-    // two register buffers: the next group's loads are issued before this group's MMAs
-    for (int c = c_begin; c < c_end; c += 2 * GM_UNROLL) {
-        load_group(raw1, xw1, rows, xrow, x_row, c + GM_UNROLL, c_end, t);
-        mma_group(acc, raw0, xw0, p.norm_w, inv, x_row, c, c_end, t);
-        if (c + GM_UNROLL >= c_end) break;
-        load_group(raw0, xw0, rows, xrow, x_row, c + 2 * GM_UNROLL, c_end, t);
-        mma_group(acc, raw1, xw1, p.norm_w, inv, x_row, c + GM_UNROLL, c_end, t);
-    }
-    // C fragment: acc[i] = (row g, x rows 2t, 2t+1), (row g + 8, x rows 2t, 2t+1)
+    __syncthreads();
+    return g < p.m ? inv_rms[g] : 1.f;
+}
+
+// Sum the 8 warps' partial tiles in fixed order and store the block's outputs (fused epilogues included).
+// acc[i] (C fragment) = (row g, x rows 2t, 2t+1), (row g + 8, x rows 2t, 2t+1) of tile i.
+VOLT_DEVICE void gm_epilogue(const GemvParams& p, const float (&acc)[GM_TILES][4], float (*red)[GM_TILES][16][8],
+                             int base) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+    const int n_out = SILU ? p.n / 2 : p.n;
 #pragma unroll
     for (int i = 0; i < GM_TILES; ++i) {
         red[warp][i][g][2 * t] = acc[i][0];
@@ -280,16 +266,181 @@ extern "C" __global__ void __launch_bounds__(256, 2) gemv_mma(const GemvParams p
         }
     }
 #else
-    {
-        const int r = threadIdx.x >> 5, i = (threadIdx.x >> 4) & 1, row = threadIdx.x & 15;
-        const int out = base + 16 * i + row;
-        float v = 0.f;
+    const int r = threadIdx.x >> 5, i = (threadIdx.x >> 4) & 1, row = threadIdx.x & 15;
+    const int out = base + 16 * i + row;
+    float v = 0.f;
 #pragma unroll
-        for (int w = 0; w < GM_WARPS; ++w) v += red[w][i][row][r];  // fixed order
-        if (r < p.m && out < n_out) p.y[r * p.y_stride + out] = f2h(gemv_out(p, r, out, v));
-    }
+    for (int w = 0; w < GM_WARPS; ++w) v += red[w][i][row][r];  // fixed order
+    if (r < p.m && out < n_out) p.y[r * p.y_stride + out] = f2h(gemv_out(p, r, out, v));
 #endif
+}
+
+extern "C" __global__ void __launch_bounds__(256, 2) gemv_mma(const GemvParams p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    __shared__ float red[GM_WARPS][GM_TILES][16][8];  // the warps' partial tiles [tile][row][x row]
+    __shared__ float scratch[32];
+    __shared__ float inv_rms[8];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+    const int base = blockIdx.x * (SILU ? 16 : 32);  // first output feature of the block
+    const u8* rows[GM_TILES][2];
+#pragma unroll
+    for (int i = 0; i < GM_TILES; ++i)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) rows[i][h] = p.w + (i64)gm_row(p, base, 16 * i + g + 8 * h) * p.w_row_bytes;
+    const int nc = p.k / 32;
+    const int per = (nc + GM_WARPS - 1) / GM_WARPS;
+    const int c_begin = min(nc, warp * per), c_end = min(nc, c_begin + per);
+    const bool x_row = g < p.m;  // x rows past m are the zero columns of B
+    const half_t* xrow = p.x + (x_row ? g : 0) * p.x_stride;
+    GmRaw raw0, raw1;
+    GmX xw0, xw1;
+    // the first group's weights: in flight across the PDL wait and the norm pass (x only after the wait)
+    load_group(raw0, xw0, rows, xrow, false, c_begin, c_end, t);
+    pdl_enter();
+#pragma unroll
+    for (int u = 0; u < GM_UNROLL; ++u)
+        if (x_row && c_begin + u < c_end) load_x(xw0[u], xrow, c_begin + u, t);
+    const float inv = gm_inv_rms(p, scratch, inv_rms, g);
+    float acc[GM_TILES][4] = {};
+    // two register buffers: the next group's loads are issued before this group's MMAs
+    for (int c = c_begin; c < c_end; c += 2 * GM_UNROLL) {
+        load_group(raw1, xw1, rows, xrow, x_row, c + GM_UNROLL, c_end, t);
+        mma_group(acc, raw0, xw0, p.norm_w, inv, x_row, c, c_end, t);
+        if (c + GM_UNROLL >= c_end) break;
+        load_group(raw0, xw0, rows, xrow, x_row, c + 2 * GM_UNROLL, c_end, t);
+        mma_group(acc, raw1, xw1, p.norm_w, inv, x_row, c + GM_UNROLL, c_end, t);
+    }
+    gm_epilogue(p, acc, red, base);
 #else
     pdl_enter();  // SM < 80: never launched (linear.py takes gemv / gemv_q there)
+#endif
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// gemv_mma_sb: quant weights with k % 256 == 0 and 16-byte-aligned rows. The narrow (2-4 byte) per-fragment
+// loads of gemv_mma touch 8 rows per instruction and bound it at ~0.2-0.33 of the copy bandwidth; here each
+// warp copies whole 256-weight superblocks of its 32 rows (144 / 160 / 272 bytes each, 16-byte aligned) with
+// 16-byte cp.async (SM80) into its own shared-memory ring of SB_STAGES stages (2-3 superblocks in flight per
+// warp) and reads the fragments' words from there. x for the next superblock is loaded into
+// registers while the current one is multiplied.
+#if WTYPE != WTYPE_F16
+#define SB_BYTES (8 * BLOCK_BYTES)             // one row's superblock: 8 GGUF blocks
+#define SB_VECS (SB_BYTES / 16)
+#define SB_PITCH ((SB_BYTES / 4) % 8 == 4 ? SB_BYTES : SB_BYTES + 16)  // bytes; words = 4 * odd: conflict-free reads
+#define SB_STAGE (32 * SB_PITCH)               // one warp's stage: 32 rows
+// Stages (superblocks in flight per warp) and blocks per SM, as measured best at the Llama-3-8B shapes (H200):
+// Q8_0 3 stages x 8.5 KB x 8 warps = 204 KB, one block per SM; Q4 2 stages (72 / 88 KB), two blocks per SM
+// (4 stages at one block per SM lost on the 14336- and 6144-row shapes to the partial last wave).
+#if WTYPE == WTYPE_Q8_0
+#define SB_STAGES 3
+#define SB_MIN_BLOCKS 1
+#else
+#define SB_STAGES 2
+#define SB_MIN_BLOCKS 2
+#endif
+
+VOLT_DEVICE void cp_async16(void* smem, const void* gmem) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    u32 s;
+    asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(s) : "l"(smem));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(s), "l"(gmem) : "memory");
+#endif
+}
+VOLT_DEVICE void cp_async_commit() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.commit_group;" ::: "memory");
+#endif
+}
+VOLT_DEVICE void cp_async_wait_oldest() {  // all but the SB_STAGES - 2 most recent groups of this thread landed
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.wait_group %0;" ::"n"(SB_STAGES - 2) : "memory");
+#endif
+}
+
+// Copy superblock sb of the block's 32 rows into `stage` (piece i = row i / SB_VECS, vector i % SB_VECS: each
+// instruction reads whole runs of contiguous row bytes); always commits a group (empty past the end).
+VOLT_DEVICE void sb_copy(u8* stage, const GemvParams& p, int base, int sb, bool ok, int lane) {
+    if (ok) {
+#pragma unroll
+        for (int j = 0; j < SB_VECS; ++j) {
+            const int i = j * 32 + lane, rr = i / SB_VECS, v = i % SB_VECS;
+            cp_async16(stage + rr * SB_PITCH + v * 16,
+                       p.w + (i64)gm_row(p, base, rr) * p.w_row_bytes + (i64)sb * SB_BYTES + v * 16);
+        }
+    }
+    cp_async_commit();
+}
+
+VOLT_DEVICE void sb_load_x(u32 (&xw)[8][4], const half_t* xrow, bool x_row, int sb, int t) {
+#pragma unroll
+    for (int b = 0; b < 8; ++b) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) xw[b][e] = 0u;
+        if (x_row) load_x(xw[b], xrow, sb * 8 + b, t);
+    }
+}
+
+// acc += superblock sb (staged in `stage`) times x (xw: its 8 chunks' words).
+VOLT_DEVICE void sb_mma(float (&acc)[GM_TILES][4], const u8* stage, u32 (&xw)[8][4], const float* norm_w,
+                        float inv, bool x_row, int sb, int g, int t) {
+#pragma unroll
+    for (int b = 0; b < 8; ++b) {
+        u32 raw[GM_TILES][2][GM_RAW];
+#pragma unroll
+        for (int i = 0; i < GM_TILES; ++i)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) load_raw<true>(raw[i][h], stage + (16 * i + g + 8 * h) * SB_PITCH, b, t);
+        mma_chunk(acc, raw, xw[b], norm_w, inv, x_row, sb * 8 + b, t);
+    }
+}
+
+// One superblock step of gemv_mma_sb: refill the stage freed last step with superblock s + SB_STAGES - 1, load
+// x of s + 1 into xn, wait for superblock s (copied SB_STAGES - 1 steps ago) and multiply it with xc.
+VOLT_DEVICE void sb_step(float (&acc)[GM_TILES][4], u8* stages, const GemvParams& p, u32 (&xc)[8][4],
+                         u32 (&xn)[8][4], const half_t* xrow, bool x_row, float inv, int base, int s, int s_begin,
+                         int s_end, int g, int t, int lane) {
+    const int ahead = s + SB_STAGES - 1;
+    sb_copy(stages + ((ahead - s_begin) % SB_STAGES) * SB_STAGE, p, base, ahead, ahead < s_end, lane);
+    if (s + 1 < s_end) sb_load_x(xn, xrow, x_row, s + 1, t);
+    cp_async_wait_oldest();
+    __syncwarp();  // every lane's copies of superblock s are visible to the warp
+    sb_mma(acc, stages + ((s - s_begin) % SB_STAGES) * SB_STAGE, xc, p.norm_w, inv, x_row, s, g, t);
+    __syncwarp();  // the stage is consumed before a later step refills it
+}
+#endif
+
+#ifndef SB_MIN_BLOCKS
+#define SB_MIN_BLOCKS 1  // fp16: the kernel is an empty stub
+#endif
+extern "C" __global__ void __launch_bounds__(256, SB_MIN_BLOCKS) gemv_mma_sb(const GemvParams p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800 && WTYPE != WTYPE_F16
+    extern __shared__ uint4 sb_smem[];  // [GM_WARPS][SB_STAGES][32 rows][SB_PITCH bytes]
+    __shared__ float red[GM_WARPS][GM_TILES][16][8];
+    __shared__ float scratch[32];
+    __shared__ float inv_rms[8];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+    const int base = blockIdx.x * (SILU ? 16 : 32);
+    u8* stages = reinterpret_cast<u8*>(sb_smem) + warp * SB_STAGES * SB_STAGE;
+    const int nsb = p.k / 256;
+    const int per = (nsb + GM_WARPS - 1) / GM_WARPS;
+    const int s_begin = min(nsb, warp * per), s_end = min(nsb, s_begin + per);
+#pragma unroll
+    for (int i = 0; i < SB_STAGES - 1; ++i)  // weights: in flight across the PDL wait
+        sb_copy(stages + i * SB_STAGE, p, base, s_begin + i, s_begin + i < s_end, lane);
+    pdl_enter();
+    const bool x_row = g < p.m;
+    const half_t* xrow = p.x + (x_row ? g : 0) * p.x_stride;
+    u32 xw0[8][4], xw1[8][4];
+    if (s_begin < s_end) sb_load_x(xw0, xrow, x_row, s_begin, t);
+    const float inv = gm_inv_rms(p, scratch, inv_rms, g);
+    float acc[GM_TILES][4] = {};
+    for (int s = s_begin; s < s_end; s += 2) {  // x double-buffered in registers: xw0 for s, xw1 for s + 1
+        sb_step(acc, stages, p, xw0, xw1, xrow, x_row, inv, base, s, s_begin, s_end, g, t, lane);
+        if (s + 1 >= s_end) break;
+        sb_step(acc, stages, p, xw1, xw0, xrow, x_row, inv, base, s + 1, s_begin, s_end, g, t, lane);
+    }
+    gm_epilogue(p, acc, red, base);
+#else
+    pdl_enter();  // fp16 or SM < 80: never launched
 #endif
 }

@@ -1,4 +1,4 @@
-"""gemv_mma (ptx/gemv_mma.cu, tensor cores, SM80+) at the Llama-3-8B decode shapes and its edge cases, against
+"""gemv_mma and gemv_mma_sb (ptx/gemv_mma.cu, tensor cores, SM80+) at the Llama-3-8B decode shapes and its edge cases, against
 CpuBackend on the dequantized fp32 weights.
 
 Bound: max |got - ref| <= 3e-3 * max |ref| (fp32 accumulation; quant weights are rounded once to fp16, 2.4e-4
@@ -32,7 +32,7 @@ def test_llama_shapes(mma_backend, cpu_backend, fmt, nk):
     n, k = nk
     gen = torch.Generator().manual_seed(n + k)
     weight, w = make_linear(mma_backend, fmt, n, k, gen, 0.02)
-    assert gemv_kernel_name(mma_backend, w, 1) == "gemv_mma"
+    assert gemv_kernel_name(mma_backend, w, 1) == ("gemv_mma" if fmt == "F16" else "gemv_mma_sb")
     x = torch.randn(8, k, generator=gen).half()
     ref = cpu_backend.linear(x.float(), weight)
     xd = x.cuda()
@@ -65,6 +65,23 @@ def test_k_split_uneven(mma_backend, cpu_backend):
         weight, w = make_linear(mma_backend, "Q8_0", 64, k, gen, 0.02)
         x = torch.randn(8, k, generator=gen).half()
         assert rel_err(mma_backend.linear(x.cuda(), w), cpu_backend.linear(x.float(), weight)) <= TOL, k
+
+
+@pytest.mark.parametrize("fmt", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("k", [256, 768, 2304, 256 * 17])
+def test_superblocks_uneven(mma_backend, cpu_backend, fmt, k):
+    """gemv_mma_sb: fewer superblocks than warps (1, 3), an odd count per warp (9 -> 2, 2, 2, 2, 1), 17 -> 3 per
+    warp; SwiGLU with the fused norm on the same weights."""
+    from voltserve.backends.cuda.linear import gemv_kernel_name
+
+    gen = torch.Generator().manual_seed(k)
+    weight, w = make_linear(mma_backend, fmt, 96, k, gen, 0.02)
+    assert gemv_kernel_name(mma_backend, w, 5) == "gemv_mma_sb"
+    x = torch.randn(5, k, generator=gen).half()
+    assert rel_err(mma_backend.linear(x.cuda(), w), cpu_backend.linear(x.float(), weight)) <= TOL
+    norm_w = torch.rand(k, generator=gen) + 0.5
+    got = mma_backend.norm_linear(x.cuda(), mma_backend.prepare_norm(norm_w), 1e-5, w, silu=True)
+    assert rel_err(got, cpu_backend.norm_linear(x.float(), norm_w, 1e-5, weight, silu=True)) <= 4e-3
 
 
 def test_graph_replay_bitwise(mma_backend):

@@ -28,7 +28,7 @@ def _linear(fmt, n, k):
 def test_sm70_never_takes_mma(fmt, rows):
     w = _linear(fmt, 64, 4096)
     for choice in ("auto", "mma", "scalar"):
-        assert gemv_kernel_name(_backend(70, choice), w, rows) != "gemv_mma"
+        assert not gemv_kernel_name(_backend(70, choice), w, rows).startswith("gemv_mma")
     want = "gemv_q" if fmt != "F16" and rows >= 3 else "gemv"
     assert gemv_kernel_name(_backend(70), w, rows) == want
 
@@ -36,17 +36,21 @@ def test_sm70_never_takes_mma(fmt, rows):
 @pytest.mark.parametrize("fmt", ["F16", "Q4_0", "Q4_1", "Q8_0"])
 def test_sm90_routing(fmt):
     w = _linear(fmt, 64, 4096)
+    big = _linear(fmt, 4096, 4096)  # >= GEMV_MMA_M1_MIN_BYTES: bandwidth-bound at m = 1
     for rows in (1, 2, 4, 8):
         auto = gemv_kernel_name(_backend(90), w, rows)
         scalar = "gemv_q" if fmt != "F16" and rows >= 3 else "gemv"
-        assert auto == ("gemv_mma" if rows >= GEMV_MMA_MIN_ROWS[fmt] else scalar), rows
-        # fp16 at m = 1: gemv_mma only for the norm-fused linear without SwiGLU (where it measured faster)
-        if fmt == "F16" and rows == 1:
-            assert gemv_kernel_name(_backend(90), w, rows, norm=True) == "gemv_mma"
-            assert gemv_kernel_name(_backend(90), w, rows, norm=True, silu=True) == "gemv"
-        assert gemv_kernel_name(_backend(90, "mma"), w, rows) == "gemv_mma"
-        assert gemv_kernel_name(_backend(90, "scalar"), w, rows) != "gemv_mma"
-    assert gemv_kernel_name(_backend(90), w, 8, vec_ok=0) != "gemv_mma"  # unaligned x rows
+        mma = "gemv_mma" if fmt == "F16" else "gemv_mma_sb"  # k = 4096: whole 16-byte-aligned superblocks
+        assert auto == (mma if rows >= GEMV_MMA_MIN_ROWS[fmt] else scalar), rows
+        if rows == 1:  # m = 1: mma only on large weights (quant superblocks; fp16 with the fused norm, no SwiGLU)
+            assert gemv_kernel_name(_backend(90), big, 1) == ("gemv" if fmt == "F16" else "gemv_mma_sb")
+            assert gemv_kernel_name(_backend(90), w, 1, norm=True) == "gemv"  # small: launch-bound
+            if fmt == "F16":
+                assert gemv_kernel_name(_backend(90), big, 1, norm=True) == "gemv_mma"
+                assert gemv_kernel_name(_backend(90), big, 1, norm=True, silu=True) == "gemv"
+        assert gemv_kernel_name(_backend(90, "mma"), w, rows) == mma
+        assert not gemv_kernel_name(_backend(90, "scalar"), w, rows).startswith("gemv_mma")
+    assert not gemv_kernel_name(_backend(90), w, 8, vec_ok=0).startswith("gemv_mma")  # unaligned x rows
 
 
 def test_sm90_shapes_mma_cannot_take():
@@ -55,4 +59,4 @@ def test_sm90_shapes_mma_cannot_take():
         w = _linear(fmt, 64, 4096)
         buf = torch.zeros(w.data.numel() + 2, dtype=torch.uint8)
         w.data = buf[2:].view(64, w.row_bytes)
-        assert (gemv_kernel_name(_backend(90, "mma"), w, 8) == "gemv_mma") == takes, fmt
+        assert (gemv_kernel_name(_backend(90, "mma"), w, 8) == "gemv_mma") == takes, fmt  # not _sb: unaligned

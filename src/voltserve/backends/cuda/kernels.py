@@ -27,6 +27,16 @@ GEMV_NORM_BLOCKS_PER_SM = 16  # gemv grid with a fused RMSNorm: each block norma
 GEMV_MMA_MIN_ARCH = 80     # gemv_mma: mma.sync.m16n8k16 (SM80+)
 GEMV_MMA_CHUNK = 32        # gemv_mma needs k % 32 == 0 (whole GGUF blocks / 64-byte pieces of fp16 rows)
 GEMV_MMA_ROWS = 32         # gemv_mma: output features per block (SwiGLU: 16, each a gate row and an up row)
+GEMV_MMA_WARPS = 8         # gemv_mma(_sb): warps per block; they split k
+
+
+def gemv_mma_sb_smem_bytes(fmt: str) -> int:
+    """Dynamic shared memory of gemv_mma_sb: per warp SB_STAGES (Q8_0: 3, Q4: 2) stages of 32 rows x one
+    256-weight superblock (row pitch padded so the fragment reads are conflict-free; mirrors SB_PITCH and
+    SB_STAGES in gemv_mma.cu)."""
+    sb = 8 * QUANT_BLOCK_BYTES[fmt]
+    pitch = sb if (sb // 4) % 8 == 4 else sb + 16
+    return GEMV_MMA_WARPS * (3 if fmt == "Q8_0" else 2) * 32 * pitch
 
 
 # gemm_tc (ptx/gemm_tc.cu): WMMA tiles of 64 rows x GEMM_TC_BN (32 or 64) outputs, k chunks of 64, split-K over
@@ -112,7 +122,7 @@ SOURCES = {
     "attention_prefill": KernelSource("attention_prefill.cu", ("attn_prefill",), P.PrefillParams,
                                       "VOLT_PREFILL_PARAMS_BYTES"),
     "gemv": KernelSource("gemv.cu", ("gemv", "gemv_q"), P.GemvParams, "VOLT_GEMV_PARAMS_BYTES"),
-    "gemv_mma": KernelSource("gemv_mma.cu", ("gemv_mma",), P.GemvParams, "VOLT_GEMV_PARAMS_BYTES"),
+    "gemv_mma": KernelSource("gemv_mma.cu", ("gemv_mma", "gemv_mma_sb"), P.GemvParams, "VOLT_GEMV_PARAMS_BYTES"),
     "gemm_tiled": KernelSource("gemm_tiled.cu", ("gemm_tiled",), P.GemmParams, "VOLT_GEMM_PARAMS_BYTES"),
     "gemm_tc": KernelSource("gemm_tc.cu", ("gemm_tc",), P.GemmTcParams, "VOLT_GEMM_TC_PARAMS_BYTES"),
     "sampling": KernelSource("sampling.cu", ("argmax_logprob",), P.ArgmaxParams, "VOLT_ARGMAX_PARAMS_BYTES"),

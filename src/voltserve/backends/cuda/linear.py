@@ -19,13 +19,15 @@ from voltserve.backends.cuda import params as P
 # bitwise independent of the other rows; results at m <= 2 and m >= 3 differ by fp32 summation order.
 # Both are the SM70 path; on SM80+ `gemv_mma` takes the shapes it can from GEMV_MMA_MIN_ROWS rows up.
 GEMV_Q_MIN_ROWS = 4
-# gemv_mma (tensor cores, SM80+) from this many x rows up, per weight format, where it measured faster than
-# gemv / gemv_q at the Llama-3-8B shapes (H200, `bench_kernels.py --only decode_ --gemv-kernel scalar,mma`):
-# fp16 0.69-0.90 of copy bandwidth at m = 2-8 vs 0.17-0.73; quant (narrow loads, ~0.2-0.33) wins from m = 2 (Q4)
-# or m >= 3 (Q8_0). At m = 1 the warp-per-row gemv streams fp16 faster (0.90 vs 0.88), except with the fused
-# RMSNorm (qkv: 0.64 vs 0.50 of copy bandwidth), GEMV_MMA_F16_NORM_M1.
+# gemv_mma / gemv_mma_sb (tensor cores, SM80+) from this many x rows up, per weight format, where they measured
+# faster than gemv / gemv_q at the Llama-3-8B shapes (H200, `bench_kernels.py --only decode_ --gemv-kernel
+# scalar,mma`, docs/performance.md): fp16 0.69-0.90 of copy bandwidth at m = 2-8 vs 0.17-0.73; quant through
+# gemv_mma's narrow loads (~0.2-0.33) from m = 2 (Q4) or m >= 3 (Q8_0).
 GEMV_MMA_MIN_ROWS = {"F16": 2, "Q4_0": 2, "Q4_1": 2, "Q8_0": 3}
-GEMV_MMA_F16_NORM_M1 = True
+# At m = 1 the mma kernels win only on weights that stream long enough to be bandwidth-bound (small ones, like
+# the default model's, are launch-bound and keep gemv): gemv_mma_sb on quant superblocks (Q4_1 4096x14336:
+# 0.39 vs 0.36 of copy bandwidth), and gemv_mma for fp16 with the fused RMSNorm (qkv: 0.64 vs 0.50).
+GEMV_MMA_M1_MIN_BYTES = 4 << 20
 
 
 def _quant_upload(quant: Any, device: torch.device) -> tuple[str, torch.Tensor, int]:
@@ -193,7 +195,8 @@ def gemv_mma_ok(backend: Any, w: CudaLinear, rows: int, vec_ok: int, norm: bool 
                 silu: bool = False) -> bool:
     """Whether a GEMV launch of `rows` (<= 8) x rows on `w` (with a fused RMSNorm `norm`, SwiGLU `silu`) runs
     `gemv_mma`: SM80+, k a multiple of 32, x rows 16-byte aligned, the weight aligned for the kernel's loads, and
-    at least GEMV_MMA_MIN_ROWS[fmt] rows (fp16 with a fused norm and no SwiGLU: any m). `backend.gemv_kernel`
+    at least GEMV_MMA_MIN_ROWS[fmt] rows (m = 1 on weights of >= GEMV_MMA_M1_MIN_BYTES: quant superblocks, and
+    fp16 with a fused norm and no SwiGLU). `backend.gemv_kernel`
     ("auto", "mma", "scalar") forces a choice (benchmarks, A/B tests)."""
     choice = getattr(backend, "gemv_kernel", "auto")
     if choice == "scalar" or backend.loader.arch < kernels.GEMV_MMA_MIN_ARCH or not vec_ok:
@@ -203,7 +206,9 @@ def gemv_mma_ok(backend: Any, w: CudaLinear, rows: int, vec_ok: int, norm: bool 
         return False
     if choice == "mma" or rows >= GEMV_MMA_MIN_ROWS[w.fmt]:
         return True
-    return w.fmt == "F16" and norm and not silu and GEMV_MMA_F16_NORM_M1
+    if w.out_features * w.row_bytes < GEMV_MMA_M1_MIN_BYTES:
+        return False
+    return _mma_superblocks(w) or (w.fmt == "F16" and norm and not silu)
 
 
 def gemv_kernel_name(backend: Any, w: CudaLinear, rows: int, vec_ok: int = 1, norm: bool = False,
@@ -211,16 +216,22 @@ def gemv_kernel_name(backend: Any, w: CudaLinear, rows: int, vec_ok: int = 1, no
     """The kernel a GEMV launch of `rows` (1..8) x rows on `w` runs: "gemv_mma", "gemv_q" or "gemv". Rows of
     launches that run the same kernel are bitwise equal whatever the other rows (tests rely on it)."""
     if gemv_mma_ok(backend, w, rows, vec_ok, norm, silu):
-        return "gemv_mma"
+        return "gemv_mma_sb" if _mma_superblocks(w) else "gemv_mma"
     bucket = next(b for b in kernels.GEMV_ROW_BUCKETS if b >= rows)
     q_fast = w.fmt != "F16" and w.in_features % kernels.GEMV_Q_SUPERBLOCK == 0 and w.data.data_ptr() % 16 == 0
     return "gemv_q" if q_fast and bucket >= GEMV_Q_MIN_ROWS else "gemv"
 
 
+def _mma_superblocks(w: CudaLinear) -> bool:
+    """gemv_mma_sb (16-byte cp.async copies of whole 256-weight superblocks) instead of gemv_mma's per-fragment
+    loads: quant rows of whole, 16-byte-aligned superblocks."""
+    return w.fmt != "F16" and w.in_features % kernels.GEMV_Q_SUPERBLOCK == 0 and w.data.data_ptr() % 16 == 0
+
+
 def _launch_gemv_mma(backend: Any, x: torch.Tensor, w: CudaLinear, y: torch.Tensor, wtype: int,
                      norm_weight: torch.Tensor | None, eps: float, residual: torch.Tensor | None, silu: bool,
                      vec_ok: int) -> None:
-    """gemv_mma launches of <= 8 x rows each (fused norm, residual and SwiGLU all in the kernel)."""
+    """gemv_mma / gemv_mma_sb launches of <= 8 x rows each (fused norm, residual and SwiGLU all in the kernel)."""
     m, k = x.shape
     n = w.out_features
     n_out = y.shape[1]
@@ -235,7 +246,12 @@ def _launch_gemv_mma(backend: Any, x: torch.Tensor, w: CudaLinear, y: torch.Tens
                          residual.data_ptr() + r0 * n_out * 2 if residual is not None else None,
                          norm_weight.data_ptr() if norm_weight is not None else None, xr.stride(0), n_out,
                          w.row_bytes, rows, n, k, vec_ok, eps, 0)
-        backend._launch("gemv_mma", "gemv_mma", {"WTYPE": wtype, "SILU": int(silu)}, grid, (256, 1, 1), 0, p, pdl)
+        spec = {"WTYPE": wtype, "SILU": int(silu)}
+        if _mma_superblocks(w):
+            backend._launch("gemv_mma", "gemv_mma_sb", spec, grid, (32 * kernels.GEMV_MMA_WARPS, 1, 1),
+                            kernels.gemv_mma_sb_smem_bytes(w.fmt), p, pdl)
+        else:
+            backend._launch("gemv_mma", "gemv_mma", spec, grid, (32 * kernels.GEMV_MMA_WARPS, 1, 1), 0, p, pdl)
 
 
 def _gemm(backend: Any, x: torch.Tensor, w: CudaLinear, f16_gemm: str) -> torch.Tensor:

@@ -44,6 +44,7 @@ def test_sm90_routing(fmt):
         assert auto == (mma if rows >= GEMV_MMA_MIN_ROWS[fmt] else scalar), rows
         if rows == 1:  # m = 1: mma only on large weights (quant superblocks; fp16 with the fused norm, no SwiGLU)
             assert gemv_kernel_name(_backend(90), big, 1) == ("gemv" if fmt == "F16" else "gemv_mma_sb")
+            assert gemv_kernel_name(_backend(90), big, 1, silu=True) == "gemv"  # SwiGLU at m = 1: gemv's
             assert gemv_kernel_name(_backend(90), w, 1, norm=True) == "gemv"  # small: launch-bound
             if fmt == "F16":
                 assert gemv_kernel_name(_backend(90), big, 1, norm=True) == "gemv_mma"

@@ -25,8 +25,9 @@ GEMV_Q_MIN_ROWS = 4
 # gemv_mma's narrow loads (~0.2-0.33) from m = 2 (Q4) or m >= 3 (Q8_0).
 GEMV_MMA_MIN_ROWS = {"F16": 2, "Q4_0": 2, "Q4_1": 2, "Q8_0": 3}
 # At m = 1 the mma kernels win only on weights that stream long enough to be bandwidth-bound (small ones, like
-# the default model's, are launch-bound and keep gemv): gemv_mma_sb on quant superblocks (Q4_1 4096x14336:
-# 0.39 vs 0.36 of copy bandwidth), and gemv_mma for fp16 with the fused RMSNorm (qkv: 0.64 vs 0.50).
+# the default model's, are launch-bound and keep gemv) and never with SwiGLU (gemv's fused gate_up streams
+# faster: Q4_1 28672x4096 0.40 vs 0.33, fp16 0.80 vs 0.75): gemv_mma_sb on quant superblocks (Q4_1 4096x4096
+# 0.34 vs 0.23, qkv + norm 0.26 vs 0.21), and gemv_mma for fp16 with the fused RMSNorm (qkv: 0.62 vs 0.51).
 GEMV_MMA_M1_MIN_BYTES = 4 << 20
 
 
@@ -195,8 +196,8 @@ def gemv_mma_ok(backend: Any, w: CudaLinear, rows: int, vec_ok: int, norm: bool 
                 silu: bool = False) -> bool:
     """Whether a GEMV launch of `rows` (<= 8) x rows on `w` (with a fused RMSNorm `norm`, SwiGLU `silu`) runs
     `gemv_mma`: SM80+, k a multiple of 32, x rows 16-byte aligned, the weight aligned for the kernel's loads, and
-    at least GEMV_MMA_MIN_ROWS[fmt] rows (m = 1 on weights of >= GEMV_MMA_M1_MIN_BYTES: quant superblocks, and
-    fp16 with a fused norm and no SwiGLU). `backend.gemv_kernel`
+    at least GEMV_MMA_MIN_ROWS[fmt] rows (m = 1, without SwiGLU, on weights of >= GEMV_MMA_M1_MIN_BYTES: quant
+    superblocks, and fp16 with a fused norm). `backend.gemv_kernel`
     ("auto", "mma", "scalar") forces a choice (benchmarks, A/B tests)."""
     choice = getattr(backend, "gemv_kernel", "auto")
     if choice == "scalar" or backend.loader.arch < kernels.GEMV_MMA_MIN_ARCH or not vec_ok:
@@ -208,7 +209,7 @@ def gemv_mma_ok(backend: Any, w: CudaLinear, rows: int, vec_ok: int, norm: bool 
         return True
     if w.out_features * w.row_bytes < GEMV_MMA_M1_MIN_BYTES:
         return False
-    return _mma_superblocks(w) or (w.fmt == "F16" and norm and not silu)
+    return not silu and (_mma_superblocks(w) or (w.fmt == "F16" and norm))
 
 
 def gemv_kernel_name(backend: Any, w: CudaLinear, rows: int, vec_ok: int = 1, norm: bool = False,

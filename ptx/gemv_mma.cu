@@ -1,40 +1,63 @@
-// gemv_mma.cu: decode GEMV y[m, n] = sum_k x[m, k] * W[n, k] for m <= 8 on tensor cores (SM80+), W fp16 or
-// GGUF Q4_0 / Q4_1 / Q8_0 blocks dequantized to fp16 in registers. The m rows of x are the 8 columns of
-// mma.sync.m16n8k16 (fp16 x fp16 -> fp32; PTX ISA "Matrix fragments for mma.m16n8k16"); the weight rows its 16.
-// So m = 2..8 costs no more issue slots than m = 1 and the kernel streams the weights at the bandwidth the
-// scalar `gemv` only reaches at m = 1 on fp16.
+// gemv_mma.cu: decode GEMV y[m, n] = sum_k x[m, k] * W[n, k] for m <= 8 on tensor cores, W fp16 or GGUF Q4_0 /
+// Q4_1 / Q8_0 blocks dequantized to fp16 in registers. The m rows of x are the 8 columns of the MMA and the
+// weight rows its M side, so m = 2..8 costs no more issue slots than m = 1 and the kernel streams the weights at
+// the bandwidth the scalar `gemv` reaches only at m = 1 on fp16. Two MMA shapes (PTX ISA, "Matrix fragments for
+// mma.m16n8k16" and "... for mma.m8n8k4"), fp16 x fp16 -> fp32 accumulate in both:
+//   SM80+: mma.sync.m16n8k16; lane (g = lane / 4, t = lane % 4) holds rows g and g + 8 of each 16-row tile and
+//     k slot t of every 32-wide chunk.
+//   SM70 (V100; any arch with -DGM_MMA884=1, which the tests use to run this path on newer GPUs):
+//     mma.sync.m8n8k4, where each quad pair q = (lane / 4) % 4 multiplies its own 8 x 4 by 4 x 8: the lane holds
+//     row r8 = lane % 4 + 4 * (lane / 16) of each 8-row group and k slot q of every chunk; the four quad pairs'
+//     partial sums are added with two fixed xor shuffles.
 //
 // Layout: block = 8 warps, 32 output rows (SILU: 16 gate rows + the 16 matching up rows); the warps split k
-// into 8 equal ranges of 32-wide chunks (one GGUF block, or 64 bytes of an fp16 row). Lane (g = lane / 4,
-// t = lane % 4) loads, per 16-row tile and chunk, its slice of rows g and g + 8 (fp16: 16 bytes; Q4: the
-// block's scale words and 4 bytes of nibbles; Q8_0: 8 int8) straight into registers; the fragment's k slots
-// are a permutation of the chunk's 32 elements (a dot product is order-free up to rounding, and the x
-// fragment uses the same permutation), so every load is a contiguous piece of a row and no shared memory or
-// ldmatrix is needed. The 8 warps' fp32 partial tiles are summed in fixed order in shared memory, so results
-// are deterministic and each output row is bitwise independent of the other rows of x.
+// into 8 equal ranges of 32-wide chunks (one GGUF block, or 64 bytes of an fp16 row). Each lane loads its 4
+// rows' k slot of a chunk (fp16: 16 bytes; Q4: the block's scale words and 4 bytes of nibbles; Q8_0: 8 int8)
+// straight into registers; the fragment's k slots are a permutation of the chunk's 32 elements (a dot product
+// is order-free up to rounding, and the x fragment uses the same permutation), so every load is a contiguous
+// piece of a row and no shared memory or ldmatrix is needed. The 8 warps' fp32 partial tiles are summed in
+// fixed order in shared memory, so results are deterministic and each output row is bitwise independent of
+// the other rows of x.
 // Fusions (as gemv): `norm_w` RMSNorm of x (1/rms from a block-wide pass over x; x * inv * w is rounded to fp16
 // as rms_norm stores it), `res` residual, compile-time SILU (SwiGLU of [gate; up]).
 // Requirements (the launcher checks): k % 32 == 0, m <= 8, x rows 16-byte aligned (vec_ok); fp16 W rows
 // 16-byte aligned; Q4_1 rows 4-byte aligned; Q4_0 / Q8_0 2-byte aligned.
 // Quant weights are rounded once to fp16 (d * q + m in one fp16 fma), as gemm_tc does.
-// SM70: mma.m16n8k16 needs SM80; below it the body is empty and the launcher takes gemv / gemv_q instead.
+// gemv_mma_sb (below) is SM80+ only (cp.async); its SM70 build is an empty stub the launcher never takes.
 // Reference: voltserve.backends.cpu.CpuBackend.linear.
 #include "gemv_common.cuh"
 
 #ifndef SILU
 #define SILU 0
 #endif
+#ifndef GM_MMA884
+#define GM_MMA884 0
+#endif
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800 && !GM_MMA884
+#define GM_M16N8K16 1
+#else
+#define GM_M16N8K16 0
+#endif
 #define GM_WARPS 8
-#define GM_TILES 2  // 16-row mma tiles per warp: rows [0, 16) and [16, 32) of the block, or SILU's gate and up
+#define GM_ROWS 4  // weight rows per lane: m16n8k16 tiles 0, 1 x rows g, g + 8; m8n8k4 8-row groups 0..3
+#if GM_M16N8K16
+#define GM_NACC 2  // accumulator fragments per lane: one per 16-row tile (4 floats) / per 8-row group (8 floats)
+#define GM_ACC 4
+#else
+#define GM_NACC 4
+#define GM_ACC 8
+#endif
 #if WTYPE == WTYPE_F16
 #define GM_RAW 4        // 32-bit words per thread per row per chunk: 8 fp16
-#define GM_UNROLL 2     // chunks per load group; two groups in flight per warp (double-buffered registers)
 #elif WTYPE == WTYPE_Q8_0
 #define GM_RAW 3        // d, 8 int8
-#define GM_UNROLL 2
 #else
 #define GM_RAW 2        // d (and m), 8 nibbles
-#define GM_UNROLL 2
+#endif
+#if GM_M16N8K16
+#define GM_UNROLL 2     // chunks per load group; two groups in flight per warp (double-buffered registers)
+#else
+#define GM_UNROLL 1     // m8n8k4 holds 32 accumulators per lane; V100's 900 GB/s needs less in flight
 #endif
 
 VOLT_DEVICE u32 ldg_u16(const u8* p) { return (u32)__ldg(reinterpret_cast<const unsigned short*>(p)); }
@@ -60,17 +83,29 @@ VOLT_DEVICE u32 hfma2(u32 a, u32 b, u32 c) {
     return d;
 }
 
-// acc += A (16 x 16, row) * B (16 x 8, col), fp32 accumulate.
+// acc += A (16 x 16, row) * B (16 x 8, col), fp32 accumulate (SM80+).
 VOLT_DEVICE void mma_16816(float (&acc)[4], const u32 (&a)[4], u32 b0, u32 b1) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+#if GM_M16N8K16
     asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
         : "+f"(acc[0]), "+f"(acc[1]), "+f"(acc[2]), "+f"(acc[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 #endif
 }
 
-// This thread's raw words of chunk c of one weight row (see GM_RAW); SMEM: the row is in shared memory
-// (gemv_mma_sb's staged superblocks), read with plain loads.
+// Each quad pair's acc += A (8 x 4, row) * B (4 x 8, col), fp32 accumulate (SM70+: V100's native HMMA shape).
+VOLT_DEVICE void mma_884(float (&acc)[8], u32 a0, u32 a1, u32 b0, u32 b1) {
+#if !GM_M16N8K16
+    asm("mma.sync.aligned.m8n8k4.row.col.f32.f16.f16.f32 {%0,%1,%2,%3,%4,%5,%6,%7}, {%8,%9}, {%10,%11}, "
+        "{%0,%1,%2,%3,%4,%5,%6,%7};"
+        : "+f"(acc[0]), "+f"(acc[1]), "+f"(acc[2]), "+f"(acc[3]), "+f"(acc[4]), "+f"(acc[5]), "+f"(acc[6]),
+          "+f"(acc[7])
+        : "r"(a0), "r"(a1), "r"(b0), "r"(b1));
+#endif
+}
+
+// This thread's raw words of chunk c of one weight row (see GM_RAW) at k slot t (0..3): 16 bytes of an fp16 row,
+// or 4 (8) bytes of a Q4 (Q8_0) block plus its scale words. SMEM: the row is in shared memory (gemv_mma_sb's
+// staged superblocks), read with plain loads.
 template <bool SMEM = false>
 VOLT_DEVICE u32 rd_u16(const u8* p) {
     return SMEM ? (u32)*reinterpret_cast<const unsigned short*>(p) : ldg_u16(p);
@@ -101,10 +136,11 @@ VOLT_DEVICE void load_raw(u32 (&r)[GM_RAW], const u8* row, int c, int t) {
 #endif
 }
 
-// fp16 pairs of one row for mma j (0, 1) of a chunk: w[0] -> k slots (2t, 2t + 1), w[1] -> (2t + 8, 2t + 9).
+// fp16 pairs of one row for k step j (0, 1) of a chunk's k slot t. m16n8k16: w[0] -> k slots (2t, 2t + 1),
+// w[1] -> (2t + 8, 2t + 9); m8n8k4 (the quad pair of slot t): w[0] -> k (0, 1), w[1] -> (2, 3).
 // Element <-> slot map (the x side in x_pairs matches it):
-//   F16 / Q8_0: mma j slots (2t, 2t+1) = elements (8t + 4j, +1), slots (2t+8, 2t+9) = (8t + 4j + 2, +3)
-//   Q4_0 / Q4_1: mma j slots (2t, 2t+1) = (4t + 16j, 4t + 16j + 2), (2t+8, 2t+9) = (4t + 16j + 1, +3)
+//   F16 / Q8_0: w[0] = elements (8t + 4j, +1), w[1] = (8t + 4j + 2, +3)
+//   Q4_0 / Q4_1: w[0] = (4t + 16j, 4t + 16j + 2), w[1] = (4t + 16j + 1, +3)
 VOLT_DEVICE void row_pairs(const u32 (&r)[GM_RAW], int j, u32 (&w)[2]) {
 #if WTYPE == WTYPE_F16
     w[0] = r[2 * j];
@@ -153,7 +189,7 @@ VOLT_DEVICE int x_elem(int i, int h, int t) {
 #endif
 }
 
-// B fragment (b0: slots 2t, 2t+1; b1: slots 2t+8, 2t+9) of mma j from the words of load_x.
+// B fragment of k step j from the words of load_x, paired like row_pairs' w[0] (b0) and w[1] (b1).
 VOLT_DEVICE void x_pairs(const u32 (&xw)[4], int j, u32& b0, u32& b1) {
 #if WTYPE == WTYPE_F16 || WTYPE == WTYPE_Q8_0
     b0 = xw[2 * j];
@@ -164,20 +200,43 @@ VOLT_DEVICE void x_pairs(const u32 (&xw)[4], int j, u32& b0, u32& b1) {
 #endif
 }
 
-typedef u32 GmRaw[GM_UNROLL][GM_TILES][2][GM_RAW];
-typedef u32 GmX[GM_UNROLL][4];
+// This lane's rows, x row and k slot. Block row of row slot rs (0..3), the x row (B column) it loads and the
+// k slot (0..3) of each chunk it takes.
+VOLT_DEVICE int gm_block_row(int rs, int lane) {
+#if GM_M16N8K16
+    return 16 * (rs >> 1) + (lane >> 2) + 8 * (rs & 1);
+#else
+    return 8 * rs + (lane & 3) + 4 * (lane >> 4);
+#endif
+}
+VOLT_DEVICE int gm_x_row(int lane) {
+#if GM_M16N8K16
+    return lane >> 2;
+#else
+    return (lane & 3) + 4 * (lane >> 4);
+#endif
+}
+VOLT_DEVICE int gm_slot(int lane) {
+#if GM_M16N8K16
+    return lane & 3;
+#else
+    return (lane >> 2) & 3;
+#endif
+}
 
-// Issue the loads of chunks [c, c + GM_UNROLL) (chunks past c_end: none): this thread's raw weight words and,
+typedef u32 GmRaw[GM_UNROLL][GM_ROWS][GM_RAW];
+typedef u32 GmX[GM_UNROLL][4];
+typedef float GmAcc[GM_NACC][GM_ACC];
+
+// Issue the loads of chunks [c, c + GM_UNROLL) (chunks past c_end: none): this lane's raw weight words and,
 // for x rows < m, its x words (zeros otherwise: the zero columns of B).
-VOLT_DEVICE void load_group(GmRaw& raw, GmX& xw, const u8* const (&rows)[GM_TILES][2], const half_t* xrow,
+VOLT_DEVICE void load_group(GmRaw& raw, GmX& xw, const u8* const (&rows)[GM_ROWS], const half_t* xrow,
                             bool x_row, int c, int c_end, int t) {
 #pragma unroll
     for (int u = 0; u < GM_UNROLL; ++u) {
         if (c + u < c_end) {
 #pragma unroll
-            for (int i = 0; i < GM_TILES; ++i)
-#pragma unroll
-                for (int h = 0; h < 2; ++h) load_raw(raw[u][i][h], rows[i][h], c + u, t);
+            for (int rs = 0; rs < GM_ROWS; ++rs) load_raw(raw[u][rs], rows[rs], c + u, t);
         }
 #pragma unroll
         for (int e = 0; e < 4; ++e) xw[u][e] = 0u;
@@ -185,10 +244,10 @@ VOLT_DEVICE void load_group(GmRaw& raw, GmX& xw, const u8* const (&rows)[GM_TILE
     }
 }
 
-// acc += the products of chunk c: raw[i][h] = rows g + 8h of tile i, xw = this thread's x words of the chunk
-// (normalized in place first when norm_w is set).
-VOLT_DEVICE void mma_chunk(float (&acc)[GM_TILES][4], const u32 (&raw)[GM_TILES][2][GM_RAW], u32 (&xw)[4],
-                           const float* norm_w, float inv, bool x_row, int c, int t) {
+// acc += the products of chunk c: raw[rs] = this lane's row slot rs, xw = its x words of the chunk (normalized
+// in place first when norm_w is set); t = its k slot.
+VOLT_DEVICE void mma_chunk(GmAcc& acc, const u32 (&raw)[GM_ROWS][GM_RAW], u32 (&xw)[4], const float* norm_w,
+                           float inv, bool x_row, int c, int t) {
     if (norm_w != nullptr && x_row) {  // rms_norm's stored value: fp16((x * inv) * w)
         const float* nw = norm_w + c * 32;
 #pragma unroll
@@ -202,54 +261,78 @@ VOLT_DEVICE void mma_chunk(float (&acc)[GM_TILES][4], const u32 (&raw)[GM_TILES]
     for (int j = 0; j < 2; ++j) {
         u32 b0, b1;
         x_pairs(xw, j, b0, b1);
+#if GM_M16N8K16
 #pragma unroll
-        for (int i = 0; i < GM_TILES; ++i) {
+        for (int i = 0; i < 2; ++i) {
             u32 w0[2], w1[2];
-            row_pairs(raw[i][0], j, w0);
-            row_pairs(raw[i][1], j, w1);
+            row_pairs(raw[2 * i], j, w0);
+            row_pairs(raw[2 * i + 1], j, w1);
             const u32 a[4] = {w0[0], w1[0], w0[1], w1[1]};  // (g, lo) (g+8, lo) (g, hi) (g+8, hi)
             mma_16816(acc[i], a, b0, b1);
         }
+#else
+#pragma unroll
+        for (int rs = 0; rs < GM_ROWS; ++rs) {
+            u32 w[2];
+            row_pairs(raw[rs], j, w);
+            mma_884(acc[rs], w[0], w[1], b0, b1);
+        }
+#endif
     }
 }
 
-VOLT_DEVICE void mma_group(float (&acc)[GM_TILES][4], const GmRaw& raw, GmX& xw, const float* norm_w, float inv,
-                           bool x_row, int c, int c_end, int t) {
+VOLT_DEVICE void mma_group(GmAcc& acc, const GmRaw& raw, GmX& xw, const float* norm_w, float inv, bool x_row, int c,
+                           int c_end, int t) {
 #pragma unroll
     for (int u = 0; u < GM_UNROLL; ++u)
         if (c + u < c_end) mma_chunk(acc, raw[u], xw[u], norm_w, inv, x_row, c + u, t);
 }
 
-// Weight row of this block's tile row rr (0..31): rows past the end are clamped to a valid row (not stored).
+// Weight row of this block's row rr (0..31): rows past the end are clamped to a valid row (not stored).
 VOLT_DEVICE int gm_row(const GemvParams& p, int base, int rr) {
     const int n_out = SILU ? p.n / 2 : p.n;
     return SILU ? min(base + (rr & 15), n_out - 1) + (rr >> 4) * n_out : min(base + rr, p.n - 1);
 }
 
-// 1 / rms of x row g for this thread (1 without the fused norm); block-wide (all threads call it).
-VOLT_DEVICE float gm_inv_rms(const GemvParams& p, float* scratch, float* inv_rms, int g) {
+// 1 / rms of x row xr for this lane (1 without the fused norm); block-wide (all threads call it).
+VOLT_DEVICE float gm_inv_rms(const GemvParams& p, float* scratch, float* inv_rms, int xr) {
     if (p.norm_w == nullptr) return 1.f;
     for (int r = 0; r < p.m; ++r) {
         const float inv = row_inv_rms(p, r, scratch);
         if (threadIdx.x == 0) inv_rms[r] = inv;
     }
     __syncthreads();
-    return g < p.m ? inv_rms[g] : 1.f;
+    return xr < p.m ? inv_rms[xr] : 1.f;
 }
 
 // Sum the 8 warps' partial tiles in fixed order and store the block's outputs (fused epilogues included).
-// acc[i] (C fragment) = (row g, x rows 2t, 2t+1), (row g + 8, x rows 2t, 2t+1) of tile i.
-VOLT_DEVICE void gm_epilogue(const GemvParams& p, const float (&acc)[GM_TILES][4], float (*red)[GM_TILES][16][8],
-                             int base) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+// red[warp][block row][x row]. m16n8k16 C fragment: acc[i] = (row g, x rows 2t, 2t+1), (row g + 8, same) of
+// tile i; m8n8k4 (per quad pair): acc[rs][e] = (row (lane & 1) + 4 (lane / 16) + (e & 2) of group rs,
+// x row (lane & 2) + (e & 1) + (e & 4)), summed over the quad pairs first (xor 4, then xor 8).
+VOLT_DEVICE void gm_epilogue(const GemvParams& p, GmAcc& acc, float (*red)[32][8], int base) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int n_out = SILU ? p.n / 2 : p.n;
+#if GM_M16N8K16
+    const int g = lane >> 2, t = lane & 3;
 #pragma unroll
-    for (int i = 0; i < GM_TILES; ++i) {
-        red[warp][i][g][2 * t] = acc[i][0];
-        red[warp][i][g][2 * t + 1] = acc[i][1];
-        red[warp][i][g + 8][2 * t] = acc[i][2];
-        red[warp][i][g + 8][2 * t + 1] = acc[i][3];
+    for (int i = 0; i < 2; ++i) {
+        red[warp][16 * i + g][2 * t] = acc[i][0];
+        red[warp][16 * i + g][2 * t + 1] = acc[i][1];
+        red[warp][16 * i + g + 8][2 * t] = acc[i][2];
+        red[warp][16 * i + g + 8][2 * t + 1] = acc[i][3];
     }
+#else
+#pragma unroll
+    for (int rs = 0; rs < GM_ROWS; ++rs)
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+            float v = acc[rs][e];
+            v += __shfl_xor_sync(0xffffffffu, v, 4);
+            v += __shfl_xor_sync(0xffffffffu, v, 8);
+            if ((lane & 12) == 0)
+                red[warp][8 * rs + (lane & 1) + 4 * (lane >> 4) + (e & 2)][(lane & 2) + (e & 1) + (e & 4)] = v;
+        }
+#endif
     __syncthreads();
 #if SILU
     if (threadIdx.x < 128) {
@@ -257,8 +340,8 @@ VOLT_DEVICE void gm_epilogue(const GemvParams& p, const float (&acc)[GM_TILES][4
         float gate = 0.f, up = 0.f;
 #pragma unroll
         for (int w = 0; w < GM_WARPS; ++w) {  // fixed order
-            gate += red[w][0][row][r];
-            up += red[w][1][row][r];
+            gate += red[w][row][r];
+            up += red[w][16 + row][r];
         }
         if (r < p.m && out < n_out) {
             const float gh = round_h(gate), uh = round_h(up);
@@ -266,32 +349,29 @@ VOLT_DEVICE void gm_epilogue(const GemvParams& p, const float (&acc)[GM_TILES][4
         }
     }
 #else
-    const int r = threadIdx.x >> 5, i = (threadIdx.x >> 4) & 1, row = threadIdx.x & 15;
-    const int out = base + 16 * i + row;
+    const int r = threadIdx.x >> 5, row = threadIdx.x & 31, out = base + row;
     float v = 0.f;
 #pragma unroll
-    for (int w = 0; w < GM_WARPS; ++w) v += red[w][i][row][r];  // fixed order
+    for (int w = 0; w < GM_WARPS; ++w) v += red[w][row][r];  // fixed order
     if (r < p.m && out < n_out) p.y[r * p.y_stride + out] = f2h(gemv_out(p, r, out, v));
 #endif
 }
 
 extern "C" __global__ void __launch_bounds__(256, 2) gemv_mma(const GemvParams p) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-    __shared__ float red[GM_WARPS][GM_TILES][16][8];  // the warps' partial tiles [tile][row][x row]
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 700
+    __shared__ float red[GM_WARPS][32][8];  // the warps' partial sums [block row][x row]
     __shared__ float scratch[32];
     __shared__ float inv_rms[8];
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, t = gm_slot(lane), xr = gm_x_row(lane);
     const int base = blockIdx.x * (SILU ? 16 : 32);  // first output feature of the block
-    const u8* rows[GM_TILES][2];
+    const u8* rows[GM_ROWS];
 #pragma unroll
-    for (int i = 0; i < GM_TILES; ++i)
-#pragma unroll
-        for (int h = 0; h < 2; ++h) rows[i][h] = p.w + (i64)gm_row(p, base, 16 * i + g + 8 * h) * p.w_row_bytes;
+    for (int rs = 0; rs < GM_ROWS; ++rs) rows[rs] = p.w + (i64)gm_row(p, base, gm_block_row(rs, lane)) * p.w_row_bytes;
     const int nc = p.k / 32;
     const int per = (nc + GM_WARPS - 1) / GM_WARPS;
     const int c_begin = min(nc, warp * per), c_end = min(nc, c_begin + per);
-    const bool x_row = g < p.m;  // x rows past m are the zero columns of B
-    const half_t* xrow = p.x + (x_row ? g : 0) * p.x_stride;
+    const bool x_row = xr < p.m;  // x rows past m are the zero columns of B
+    const half_t* xrow = p.x + (x_row ? xr : 0) * p.x_stride;
     GmRaw raw0, raw1;
     GmX xw0, xw1;
     // the first group's weights: in flight across the PDL wait and the norm pass (x only after the wait)
@@ -300,8 +380,8 @@ extern "C" __global__ void __launch_bounds__(256, 2) gemv_mma(const GemvParams p
 #pragma unroll
     for (int u = 0; u < GM_UNROLL; ++u)
         if (x_row && c_begin + u < c_end) load_x(xw0[u], xrow, c_begin + u, t);
-    const float inv = gm_inv_rms(p, scratch, inv_rms, g);
-    float acc[GM_TILES][4] = {};
+    const float inv = gm_inv_rms(p, scratch, inv_rms, xr);
+    GmAcc acc = {};
     // two register buffers: the next group's loads are issued before this group's MMAs
     for (int c = c_begin; c < c_end; c += 2 * GM_UNROLL) {
         load_group(raw1, xw1, rows, xrow, x_row, c + GM_UNROLL, c_end, t);
@@ -312,7 +392,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) gemv_mma(const GemvParams p
     }
     gm_epilogue(p, acc, red, base);
 #else
-    pdl_enter();  // SM < 80: never launched (linear.py takes gemv / gemv_q there)
+    pdl_enter();  // below SM70: no tensor cores (not a voltserve target)
 #endif
 }
 
@@ -381,30 +461,28 @@ VOLT_DEVICE void sb_load_x(u32 (&xw)[8][4], const half_t* xrow, bool x_row, int 
 }
 
 // acc += superblock sb (staged in `stage`) times x (xw: its 8 chunks' words).
-VOLT_DEVICE void sb_mma(float (&acc)[GM_TILES][4], const u8* stage, u32 (&xw)[8][4], const float* norm_w,
-                        float inv, bool x_row, int sb, int g, int t) {
+VOLT_DEVICE void sb_mma(GmAcc& acc, const u8* stage, u32 (&xw)[8][4], const float* norm_w, float inv, bool x_row,
+                        int sb, int lane, int t) {
 #pragma unroll
     for (int b = 0; b < 8; ++b) {
-        u32 raw[GM_TILES][2][GM_RAW];
+        u32 raw[GM_ROWS][GM_RAW];
 #pragma unroll
-        for (int i = 0; i < GM_TILES; ++i)
-#pragma unroll
-            for (int h = 0; h < 2; ++h) load_raw<true>(raw[i][h], stage + (16 * i + g + 8 * h) * SB_PITCH, b, t);
+        for (int rs = 0; rs < GM_ROWS; ++rs) load_raw<true>(raw[rs], stage + gm_block_row(rs, lane) * SB_PITCH, b, t);
         mma_chunk(acc, raw, xw[b], norm_w, inv, x_row, sb * 8 + b, t);
     }
 }
 
 // One superblock step of gemv_mma_sb: refill the stage freed last step with superblock s + SB_STAGES - 1, load
 // x of s + 1 into xn, wait for superblock s (copied SB_STAGES - 1 steps ago) and multiply it with xc.
-VOLT_DEVICE void sb_step(float (&acc)[GM_TILES][4], u8* stages, const GemvParams& p, u32 (&xc)[8][4],
-                         u32 (&xn)[8][4], const half_t* xrow, bool x_row, float inv, int base, int s, int s_begin,
-                         int s_end, int g, int t, int lane) {
+VOLT_DEVICE void sb_step(GmAcc& acc, u8* stages, const GemvParams& p, u32 (&xc)[8][4], u32 (&xn)[8][4],
+                         const half_t* xrow, bool x_row, float inv, int base, int s, int s_begin, int s_end, int t,
+                         int lane) {
     const int ahead = s + SB_STAGES - 1;
     sb_copy(stages + ((ahead - s_begin) % SB_STAGES) * SB_STAGE, p, base, ahead, ahead < s_end, lane);
     if (s + 1 < s_end) sb_load_x(xn, xrow, x_row, s + 1, t);
     cp_async_wait_oldest();
     __syncwarp();  // every lane's copies of superblock s are visible to the warp
-    sb_mma(acc, stages + ((s - s_begin) % SB_STAGES) * SB_STAGE, xc, p.norm_w, inv, x_row, s, g, t);
+    sb_mma(acc, stages + ((s - s_begin) % SB_STAGES) * SB_STAGE, xc, p.norm_w, inv, x_row, s, lane, t);
     __syncwarp();  // the stage is consumed before a later step refills it
 }
 #endif
@@ -413,12 +491,12 @@ VOLT_DEVICE void sb_step(float (&acc)[GM_TILES][4], u8* stages, const GemvParams
 #define SB_MIN_BLOCKS 1  // fp16: the kernel is an empty stub
 #endif
 extern "C" __global__ void __launch_bounds__(256, SB_MIN_BLOCKS) gemv_mma_sb(const GemvParams p) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800 && WTYPE != WTYPE_F16
+#if GM_M16N8K16 && WTYPE != WTYPE_F16
     extern __shared__ uint4 sb_smem[];  // [GM_WARPS][SB_STAGES][32 rows][SB_PITCH bytes]
-    __shared__ float red[GM_WARPS][GM_TILES][16][8];
+    __shared__ float red[GM_WARPS][32][8];
     __shared__ float scratch[32];
     __shared__ float inv_rms[8];
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, t = gm_slot(lane), xr = gm_x_row(lane);
     const int base = blockIdx.x * (SILU ? 16 : 32);
     u8* stages = reinterpret_cast<u8*>(sb_smem) + warp * SB_STAGES * SB_STAGE;
     const int nsb = p.k / 256;
@@ -428,19 +506,19 @@ extern "C" __global__ void __launch_bounds__(256, SB_MIN_BLOCKS) gemv_mma_sb(con
     for (int i = 0; i < SB_STAGES - 1; ++i)  // weights: in flight across the PDL wait
         sb_copy(stages + i * SB_STAGE, p, base, s_begin + i, s_begin + i < s_end, lane);
     pdl_enter();
-    const bool x_row = g < p.m;
-    const half_t* xrow = p.x + (x_row ? g : 0) * p.x_stride;
+    const bool x_row = xr < p.m;
+    const half_t* xrow = p.x + (x_row ? xr : 0) * p.x_stride;
     u32 xw0[8][4], xw1[8][4];
     if (s_begin < s_end) sb_load_x(xw0, xrow, x_row, s_begin, t);
-    const float inv = gm_inv_rms(p, scratch, inv_rms, g);
-    float acc[GM_TILES][4] = {};
+    const float inv = gm_inv_rms(p, scratch, inv_rms, xr);
+    GmAcc acc = {};
     for (int s = s_begin; s < s_end; s += 2) {  // x double-buffered in registers: xw0 for s, xw1 for s + 1
-        sb_step(acc, stages, p, xw0, xw1, xrow, x_row, inv, base, s, s_begin, s_end, g, t, lane);
+        sb_step(acc, stages, p, xw0, xw1, xrow, x_row, inv, base, s, s_begin, s_end, t, lane);
         if (s + 1 >= s_end) break;
-        sb_step(acc, stages, p, xw1, xw0, xrow, x_row, inv, base, s + 1, s_begin, s_end, g, t, lane);
+        sb_step(acc, stages, p, xw1, xw0, xrow, x_row, inv, base, s + 1, s_begin, s_end, t, lane);
     }
     gm_epilogue(p, acc, red, base);
 #else
-    pdl_enter();  // fp16 or SM < 80: never launched
+    pdl_enter();  // fp16, SM < 80 or GM_MMA884: never launched
 #endif
 }

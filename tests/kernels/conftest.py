@@ -39,12 +39,13 @@ def _poison(request):
     yield
 
 
-@pytest.fixture(params=["auto", "scalar", "mma"])
+@pytest.fixture(params=["auto", "scalar", "mma", "mma884"])
 def gemv_choice(request, cuda_backend):
-    """Runs a GEMV test under each `CudaBackend.gemv_kernel` choice: the engine's routing ("auto"), the SM70
-    kernels gemv / gemv_q ("scalar") and the tensor-core gemv_mma wherever its shape rules allow ("mma"; SM80+)."""
+    """Runs a GEMV test under each `CudaBackend.gemv_kernel` choice: the engine's routing ("auto"), the scalar
+    kernels gemv / gemv_q ("scalar"), the tensor-core gemv_mma / gemv_mma_sb wherever their shape rules allow
+    ("mma": the m16n8k16 path, SM80+) and gemv_mma's SM70 m8n8k4 path on this GPU ("mma884")."""
     if request.param == "mma" and cuda_backend.loader.arch < 80:
-        pytest.skip("gemv_mma needs SM80+")
+        pytest.skip("the m16n8k16 path needs SM80+")
     cuda_backend.gemv_kernel = request.param
     yield request.param
     cuda_backend.gemv_kernel = "auto"

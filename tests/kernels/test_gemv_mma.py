@@ -1,4 +1,5 @@
-"""gemv_mma and gemv_mma_sb (ptx/gemv_mma.cu, tensor cores, SM80+) at the Llama-3-8B decode shapes and its edge cases, against
+"""gemv_mma (both paths: m16n8k16 on SM80+, the SM70 m8n8k4 path forced with gemv_kernel="mma884") and
+gemv_mma_sb (SM80+) (ptx/gemv_mma.cu, tensor cores) at the Llama-3-8B decode shapes and its edge cases, against
 CpuBackend on the dequantized fp32 weights.
 
 Bound: max |got - ref| <= 3e-3 * max |ref| (fp32 accumulation; quant weights are rounded once to fp16, 2.4e-4
@@ -14,11 +15,13 @@ pytestmark = pytest.mark.gpu
 TOL = 3e-3
 
 
-@pytest.fixture
-def mma_backend(cuda_backend):
-    if cuda_backend.loader.arch < 80:
-        pytest.skip("gemv_mma needs SM80+")
-    cuda_backend.gemv_kernel = "mma"
+@pytest.fixture(params=["mma", "mma884"])
+def mma_backend(request, cuda_backend):
+    """The backend with gemv_mma forced on: its SM80 path (m16n8k16, gemv_mma_sb for quant superblocks) and its
+    SM70 path (m8n8k4, what a V100 runs), which newer GPUs execute too."""
+    if request.param == "mma" and cuda_backend.loader.arch < 80:
+        pytest.skip("the m16n8k16 path needs SM80+")
+    cuda_backend.gemv_kernel = request.param
     yield cuda_backend
     cuda_backend.gemv_kernel = "auto"
 
@@ -32,7 +35,8 @@ def test_llama_shapes(mma_backend, cpu_backend, fmt, nk):
     n, k = nk
     gen = torch.Generator().manual_seed(n + k)
     weight, w = make_linear(mma_backend, fmt, n, k, gen, 0.02)
-    assert gemv_kernel_name(mma_backend, w, 1) == ("gemv_mma" if fmt == "F16" else "gemv_mma_sb")
+    sb = fmt != "F16" and mma_backend.gemv_kernel == "mma"
+    assert gemv_kernel_name(mma_backend, w, 1) == ("gemv_mma_sb" if sb else "gemv_mma")
     x = torch.randn(8, k, generator=gen).half()
     ref = cpu_backend.linear(x.float(), weight)
     xd = x.cuda()
@@ -74,6 +78,8 @@ def test_superblocks_uneven(mma_backend, cpu_backend, fmt, k):
     warp; SwiGLU with the fused norm on the same weights."""
     from voltserve.backends.cuda.linear import gemv_kernel_name
 
+    if mma_backend.gemv_kernel != "mma":
+        pytest.skip("gemv_mma_sb is the SM80 path only")
     gen = torch.Generator().manual_seed(k)
     weight, w = make_linear(mma_backend, fmt, 96, k, gen, 0.02)
     assert gemv_kernel_name(mma_backend, w, 5) == "gemv_mma_sb"
@@ -103,20 +109,17 @@ def test_graph_replay_bitwise(mma_backend):
 
 
 @pytest.mark.parametrize("fmt", ["F16", "Q4_0", "Q4_1", "Q8_0"])
-def test_agrees_with_scalar_kernels(cuda_backend, fmt):
-    """gemv_mma vs the SM70 kernels (gemv / gemv_q) on the same inputs: equal up to rounding (fp16 weights:
-    summation order only; quant: plus the fp16 rounding of each dequantized weight)."""
-    if cuda_backend.loader.arch < 80:
-        pytest.skip("gemv_mma needs SM80+")
+def test_agrees_with_scalar_kernels(mma_backend, fmt):
+    """gemv_mma (either path) vs the scalar kernels (gemv / gemv_q) on the same inputs: equal up to rounding
+    (fp16 weights: summation order only; quant: plus the fp16 rounding of each dequantized weight)."""
     gen = torch.Generator().manual_seed(11)
-    _, w = make_linear(cuda_backend, fmt, 576, 1536, gen, 0.02)
+    _, w = make_linear(mma_backend, fmt, 576, 1536, gen, 0.02)
     x = torch.randn(6, 1536, generator=gen).half().cuda()
+    mma = mma_backend.linear(x, w)
+    choice, mma_backend.gemv_kernel = mma_backend.gemv_kernel, "scalar"
     try:
-        cuda_backend.gemv_kernel = "mma"
-        mma = cuda_backend.linear(x, w)
-        cuda_backend.gemv_kernel = "scalar"
-        scalar = cuda_backend.linear(x, w)
+        scalar = mma_backend.linear(x, w)
     finally:
-        cuda_backend.gemv_kernel = "auto"
+        mma_backend.gemv_kernel = choice
     assert rel_err(mma, scalar) <= TOL
     assert not torch.equal(mma, scalar) or fmt == "F16"  # two different kernels really ran

@@ -1,7 +1,8 @@
 """Which decode GEMV kernel a launch runs (backends/cuda/linear.py): pure Python, no GPU.
 
-SM70 (V100) must never be handed gemv_mma (mma.m16n8k16 is SM80+; its SM70 build is an empty body), and on SM80+
-the shapes gemv_mma cannot take (k % 32, unaligned x or weights) must fall back to gemv / gemv_q.
+SM70 (V100) gets gemv_mma's m8n8k4 path but never gemv_mma_sb (cp.async and m16n8k16 are SM80+; its SM70 build is
+an empty stub), and the shapes the mma kernels cannot take (k % 32, unaligned x or weights) fall back to gemv /
+gemv_q.
 """
 
 from types import SimpleNamespace
@@ -9,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from voltserve.backends.cuda.linear import GEMV_MMA_MIN_ROWS, CudaLinear, gemv_kernel_name
+from voltserve.backends.cuda.linear import GEMV_MMA_MIN_ROWS, GEMV_MMA_SM70_MIN_ROWS, CudaLinear, gemv_kernel_name
 
 
 def _backend(arch, choice="auto"):
@@ -25,12 +26,23 @@ def _linear(fmt, n, k):
 
 @pytest.mark.parametrize("fmt", ["F16", "Q4_0", "Q4_1", "Q8_0"])
 @pytest.mark.parametrize("rows", [1, 2, 3, 8])
-def test_sm70_never_takes_mma(fmt, rows):
-    w = _linear(fmt, 64, 4096)
-    for choice in ("auto", "mma", "scalar"):
-        assert not gemv_kernel_name(_backend(70, choice), w, rows).startswith("gemv_mma")
-    want = "gemv_q" if fmt != "F16" and rows >= 3 else "gemv"
+def test_sm70_routing(fmt, rows):
+    """V100: gemv_mma's m8n8k4 path from max(GEMV_MMA_MIN_ROWS, GEMV_MMA_SM70_MIN_ROWS) rows, never gemv_mma_sb
+    (cp.async is SM80+), never at m = 1 (the m = 1 exceptions were measured on SM80+ only)."""
+    w, big = _linear(fmt, 64, 4096), _linear(fmt, 4096, 4096)
+    scalar = "gemv_q" if fmt != "F16" and rows >= 3 else "gemv"
+    want = "gemv_mma" if rows >= max(GEMV_MMA_MIN_ROWS[fmt], GEMV_MMA_SM70_MIN_ROWS) else scalar
     assert gemv_kernel_name(_backend(70), w, rows) == want
+    assert gemv_kernel_name(_backend(70), big, rows, norm=True) == want
+    assert gemv_kernel_name(_backend(70, "scalar"), w, rows) == scalar
+    assert gemv_kernel_name(_backend(70, "mma"), w, rows) == "gemv_mma"
+    assert gemv_kernel_name(_backend(60, "mma"), w, rows) == scalar  # no tensor cores: not a target
+
+
+def test_mma884_forces_the_sm70_path_on_newer_gpus():
+    w = _linear("Q4_1", 64, 4096)
+    assert gemv_kernel_name(_backend(90, "mma"), w, 1) == "gemv_mma_sb"
+    assert gemv_kernel_name(_backend(90, "mma884"), w, 1) == "gemv_mma"
 
 
 @pytest.mark.parametrize("fmt", ["F16", "Q4_0", "Q4_1", "Q8_0"])

@@ -46,12 +46,13 @@ class CudaBackend:
         torch.empty(1, device=self.device)  # makes the primary context current on this thread
         self.loader = KernelLoader(device_index)
         self.pdl = pdl and self.loader.arch >= 90
-        # decode GEMV kernel choice (linear.gemv_mma_ok): "auto" (SM80+: gemv_mma where it measured faster),
-        # "scalar" (the SM70 kernels gemv / gemv_q everywhere), "mma" (gemv_mma wherever its shape rules allow);
-        # VOLTSERVE_GEMV_KERNEL sets it for A/B runs (tools/bench_decode.py --gemv-kernel)
+        # decode GEMV kernel choice (linear.gemv_mma_ok): "auto" (tensor-core gemv_mma / gemv_mma_sb where they
+        # measured faster), "scalar" (gemv / gemv_q everywhere), "mma" (gemv_mma wherever its shape rules allow),
+        # "mma884" (as "mma" with the SM70 m8n8k4 path, to test it on newer GPUs); VOLTSERVE_GEMV_KERNEL sets it
+        # for A/B runs (tools/bench_decode.py --gemv-kernel)
         self.gemv_kernel = os.environ.get("VOLTSERVE_GEMV_KERNEL", "auto")
-        if self.gemv_kernel not in ("auto", "scalar", "mma"):
-            raise ValueError(f"VOLTSERVE_GEMV_KERNEL={self.gemv_kernel!r}: expected auto, scalar or mma")
+        if self.gemv_kernel not in ("auto", "scalar", "mma", "mma884"):
+            raise ValueError(f"VOLTSERVE_GEMV_KERNEL={self.gemv_kernel!r}: expected auto, scalar, mma or mma884")
         self._device_copies: dict[int, tuple[Any, torch.Tensor]] = {}
         self.num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         # split-K arrival counters of gemm_tc (zero between launches; allocated here, before any graph capture)

@@ -24,7 +24,8 @@ GEMV_Q_PIECE = 2048        # gemv_q: k staged in shared memory at a time (GEMV_Q
 GEMV_Q_SUPERBLOCK = 256    # gemv_q needs k % 256 == 0 (rows of whole 16-byte-aligned 8-block superblocks)
 GEMV_NORM_MAX_SMEM = 48 * 1024  # gemv's fused RMSNorm keeps m * k fp16 in smem; larger x takes rms_norm + gemv
 GEMV_NORM_BLOCKS_PER_SM = 16  # gemv grid with a fused RMSNorm: each block normalizes x once, then grid-strides
-GEMV_MMA_MIN_ARCH = 80     # gemv_mma: mma.sync.m16n8k16 (SM80+)
+GEMV_MMA_MIN_ARCH = 70     # gemv_mma: mma.sync.m8n8k4 on SM70, m16n8k16 on SM80+
+GEMV_MMA_SB_MIN_ARCH = 80  # gemv_mma_sb: cp.async and m16n8k16
 GEMV_MMA_CHUNK = 32        # gemv_mma needs k % 32 == 0 (whole GGUF blocks / 64-byte pieces of fp16 rows)
 GEMV_MMA_ROWS = 32         # gemv_mma: output features per block (SwiGLU: 16, each a gate row and an up row)
 GEMV_MMA_WARPS = 8         # gemv_mma(_sb): warps per block; they split k

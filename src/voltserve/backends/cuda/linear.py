@@ -19,11 +19,16 @@ from voltserve.backends.cuda import params as P
 # bitwise independent of the other rows; results at m <= 2 and m >= 3 differ by fp32 summation order.
 # Both are the SM70 path; on SM80+ `gemv_mma` takes the shapes it can from GEMV_MMA_MIN_ROWS rows up.
 GEMV_Q_MIN_ROWS = 4
-# gemv_mma / gemv_mma_sb (tensor cores, SM80+) from this many x rows up, per weight format, where they measured
+# gemv_mma / gemv_mma_sb (tensor cores; gemv_mma_sb SM80+) from this many x rows up, per weight format, where
+# they measured
 # faster than gemv / gemv_q at the Llama-3-8B shapes (H200, `bench_kernels.py --only decode_ --gemv-kernel
 # scalar,mma`, docs/performance.md): fp16 0.69-0.90 of copy bandwidth at m = 2-8 vs 0.17-0.73; quant through
 # gemv_mma's narrow loads (~0.2-0.33) from m = 2 (Q4) or m >= 3 (Q8_0).
 GEMV_MMA_MIN_ROWS = {"F16": 2, "Q4_0": 2, "Q4_1": 2, "Q8_0": 3}
+# SM70 (V100, m8n8k4 path): from 3 rows (row buckets 4 and 8, where the scalar kernels fall to <= 0.5 of the
+# bandwidth on the H200). Not measured on a V100: the path is verified for correctness only (on the H200, which
+# runs m8n8k4 emulated, far slower than V100's native HMMA.884, so its speed there says nothing).
+GEMV_MMA_SM70_MIN_ROWS = 3
 # At m = 1 the mma kernels win only on weights that stream long enough to be bandwidth-bound (small ones, like
 # the default model's, are launch-bound and keep gemv) and never with SwiGLU (gemv's fused gate_up streams
 # faster: Q4_1 28672x4096 0.40 vs 0.33, fp16 0.80 vs 0.75): gemv_mma_sb on quant superblocks (Q4_1 4096x4096
@@ -195,38 +200,46 @@ def launch_linear(backend: Any, x: torch.Tensor, w: CudaLinear, *, norm_weight: 
 def gemv_mma_ok(backend: Any, w: CudaLinear, rows: int, vec_ok: int, norm: bool = False,
                 silu: bool = False) -> bool:
     """Whether a GEMV launch of `rows` (<= 8) x rows on `w` (with a fused RMSNorm `norm`, SwiGLU `silu`) runs
-    `gemv_mma`: SM80+, k a multiple of 32, x rows 16-byte aligned, the weight aligned for the kernel's loads, and
-    at least GEMV_MMA_MIN_ROWS[fmt] rows (m = 1, without SwiGLU, on weights of >= GEMV_MMA_M1_MIN_BYTES: quant
-    superblocks, and fp16 with a fused norm). `backend.gemv_kernel`
-    ("auto", "mma", "scalar") forces a choice (benchmarks, A/B tests)."""
+    `gemv_mma` / `gemv_mma_sb`: SM70+, k a multiple of 32, x rows 16-byte aligned, the weight aligned for the
+    kernel's loads, and at least GEMV_MMA_MIN_ROWS[fmt] rows (SM70: also >= GEMV_MMA_SM70_MIN_ROWS; SM80+: also
+    m = 1, without SwiGLU, on weights of
+    >= GEMV_MMA_M1_MIN_BYTES: quant superblocks, and fp16 with a fused norm). `backend.gemv_kernel` ("auto",
+    "scalar", "mma", "mma884": the SM70 m8n8k4 path on any arch) forces a choice (benchmarks, A/B tests)."""
     choice = getattr(backend, "gemv_kernel", "auto")
     if choice == "scalar" or backend.loader.arch < kernels.GEMV_MMA_MIN_ARCH or not vec_ok:
         return False
     align = 16 if w.fmt == "F16" else 4 if w.fmt == "Q4_1" else 2
     if w.in_features % kernels.GEMV_MMA_CHUNK or w.data.data_ptr() % align or w.row_bytes % align:
         return False
-    if choice == "mma" or rows >= GEMV_MMA_MIN_ROWS[w.fmt]:
+    if choice in ("mma", "mma884"):
+        return True
+    if backend.loader.arch < kernels.GEMV_MMA_SB_MIN_ARCH:
+        return rows >= max(GEMV_MMA_MIN_ROWS[w.fmt], GEMV_MMA_SM70_MIN_ROWS)
+    if rows >= GEMV_MMA_MIN_ROWS[w.fmt]:
         return True
     if w.out_features * w.row_bytes < GEMV_MMA_M1_MIN_BYTES:
         return False
-    return not silu and (_mma_superblocks(w) or (w.fmt == "F16" and norm))
+    return not silu and (_mma_superblocks(backend, w) or (w.fmt == "F16" and norm))
 
 
 def gemv_kernel_name(backend: Any, w: CudaLinear, rows: int, vec_ok: int = 1, norm: bool = False,
                      silu: bool = False) -> str:
-    """The kernel a GEMV launch of `rows` (1..8) x rows on `w` runs: "gemv_mma", "gemv_q" or "gemv". Rows of
-    launches that run the same kernel are bitwise equal whatever the other rows (tests rely on it)."""
+    """The kernel a GEMV launch of `rows` (1..8) x rows on `w` runs: "gemv_mma_sb", "gemv_mma", "gemv_q" or
+    "gemv". Rows of launches that run the same kernel are bitwise equal whatever the other rows (tests rely on
+    it)."""
     if gemv_mma_ok(backend, w, rows, vec_ok, norm, silu):
-        return "gemv_mma_sb" if _mma_superblocks(w) else "gemv_mma"
+        return "gemv_mma_sb" if _mma_superblocks(backend, w) else "gemv_mma"
     bucket = next(b for b in kernels.GEMV_ROW_BUCKETS if b >= rows)
     q_fast = w.fmt != "F16" and w.in_features % kernels.GEMV_Q_SUPERBLOCK == 0 and w.data.data_ptr() % 16 == 0
     return "gemv_q" if q_fast and bucket >= GEMV_Q_MIN_ROWS else "gemv"
 
 
-def _mma_superblocks(w: CudaLinear) -> bool:
-    """gemv_mma_sb (16-byte cp.async copies of whole 256-weight superblocks) instead of gemv_mma's per-fragment
-    loads: quant rows of whole, 16-byte-aligned superblocks."""
-    return w.fmt != "F16" and w.in_features % kernels.GEMV_Q_SUPERBLOCK == 0 and w.data.data_ptr() % 16 == 0
+def _mma_superblocks(backend: Any, w: CudaLinear) -> bool:
+    """gemv_mma_sb (16-byte cp.async copies of whole 256-weight superblocks, SM80+) instead of gemv_mma's
+    per-fragment loads: quant rows of whole, 16-byte-aligned superblocks."""
+    return (w.fmt != "F16" and w.in_features % kernels.GEMV_Q_SUPERBLOCK == 0 and w.data.data_ptr() % 16 == 0
+            and backend.loader.arch >= kernels.GEMV_MMA_SB_MIN_ARCH
+            and getattr(backend, "gemv_kernel", "auto") != "mma884")
 
 
 def _launch_gemv_mma(backend: Any, x: torch.Tensor, w: CudaLinear, y: torch.Tensor, wtype: int,
@@ -248,7 +261,9 @@ def _launch_gemv_mma(backend: Any, x: torch.Tensor, w: CudaLinear, y: torch.Tens
                          norm_weight.data_ptr() if norm_weight is not None else None, xr.stride(0), n_out,
                          w.row_bytes, rows, n, k, vec_ok, eps, 0)
         spec = {"WTYPE": wtype, "SILU": int(silu)}
-        if _mma_superblocks(w):
+        if getattr(backend, "gemv_kernel", "auto") == "mma884":
+            spec["GM_MMA884"] = 1  # the SM70 path on a newer GPU (tests)
+        if _mma_superblocks(backend, w):
             backend._launch("gemv_mma", "gemv_mma_sb", spec, grid, (32 * kernels.GEMV_MMA_WARPS, 1, 1),
                             kernels.gemv_mma_sb_smem_bytes(w.fmt), p, pdl)
         else:

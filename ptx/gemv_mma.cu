@@ -38,7 +38,14 @@
 #else
 #define GM_M16N8K16 0
 #endif
+// Tuning knobs (the engine compiles the defaults; a -D override is for sweeps on the device): warps per block
+// (they split k), load groups, blocks per SM for the launch bounds.
+#ifndef GM_WARPS
 #define GM_WARPS 8
+#endif
+#ifndef GM_MIN_BLOCKS
+#define GM_MIN_BLOCKS 2
+#endif
 #define GM_ROWS 4  // weight rows per lane: m16n8k16 tiles 0, 1 x rows g, g + 8; m8n8k4 8-row groups 0..3
 #if GM_M16N8K16
 #define GM_NACC 2  // accumulator fragments per lane: one per 16-row tile (4 floats) / per 8-row group (8 floats)
@@ -54,10 +61,12 @@
 #else
 #define GM_RAW 2        // d (and m), 8 nibbles
 #endif
+#ifndef GM_UNROLL
 #if GM_M16N8K16
 #define GM_UNROLL 2     // chunks per load group; two groups in flight per warp (double-buffered registers)
 #else
 #define GM_UNROLL 1     // m8n8k4 holds 32 accumulators per lane; V100's 900 GB/s needs less in flight
+#endif
 #endif
 
 VOLT_DEVICE u32 ldg_u16(const u8* p) { return (u32)__ldg(reinterpret_cast<const unsigned short*>(p)); }
@@ -349,15 +358,17 @@ VOLT_DEVICE void gm_epilogue(const GemvParams& p, GmAcc& acc, float (*red)[32][8
         }
     }
 #else
-    const int r = threadIdx.x >> 5, row = threadIdx.x & 31, out = base + row;
-    float v = 0.f;
+    const int r = threadIdx.x >> 5, row = threadIdx.x & 31, out = base + row;  // threads 0..255: 8 x 32
+    if (r < p.m && out < n_out) {
+        float v = 0.f;
 #pragma unroll
-    for (int w = 0; w < GM_WARPS; ++w) v += red[w][row][r];  // fixed order
-    if (r < p.m && out < n_out) p.y[r * p.y_stride + out] = f2h(gemv_out(p, r, out, v));
+        for (int w = 0; w < GM_WARPS; ++w) v += red[w][row][r];  // fixed order
+        p.y[r * p.y_stride + out] = f2h(gemv_out(p, r, out, v));
+    }
 #endif
 }
 
-extern "C" __global__ void __launch_bounds__(256, 2) gemv_mma(const GemvParams p) {
+extern "C" __global__ void __launch_bounds__(32 * GM_WARPS, GM_MIN_BLOCKS) gemv_mma(const GemvParams p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 700
     __shared__ float red[GM_WARPS][32][8];  // the warps' partial sums [block row][x row]
     __shared__ float scratch[32];
@@ -411,12 +422,14 @@ extern "C" __global__ void __launch_bounds__(256, 2) gemv_mma(const GemvParams p
 // Stages (superblocks in flight per warp) and blocks per SM, as measured best at the Llama-3-8B shapes (H200):
 // Q8_0 3 stages x 8.5 KB x 8 warps = 204 KB, one block per SM; Q4 2 stages (72 / 88 KB), two blocks per SM
 // (4 stages at one block per SM lost on the 14336- and 6144-row shapes to the partial last wave).
+#ifndef SB_STAGES
 #if WTYPE == WTYPE_Q8_0
 #define SB_STAGES 3
 #define SB_MIN_BLOCKS 1
 #else
 #define SB_STAGES 2
 #define SB_MIN_BLOCKS 2
+#endif
 #endif
 
 VOLT_DEVICE void cp_async16(void* smem, const void* gmem) {
@@ -490,7 +503,7 @@ VOLT_DEVICE void sb_step(GmAcc& acc, u8* stages, const GemvParams& p, u32 (&xc)[
 #ifndef SB_MIN_BLOCKS
 #define SB_MIN_BLOCKS 1  // fp16: the kernel is an empty stub
 #endif
-extern "C" __global__ void __launch_bounds__(256, SB_MIN_BLOCKS) gemv_mma_sb(const GemvParams p) {
+extern "C" __global__ void __launch_bounds__(32 * GM_WARPS, SB_MIN_BLOCKS) gemv_mma_sb(const GemvParams p) {
 #if GM_M16N8K16 && WTYPE != WTYPE_F16
     extern __shared__ uint4 sb_smem[];  // [GM_WARPS][SB_STAGES][32 rows][SB_PITCH bytes]
     __shared__ float red[GM_WARPS][32][8];

@@ -32,21 +32,6 @@ from voltserve.scheduler import Scheduler  # noqa: E402
 from voltserve.sequence import Sequence  # noqa: E402
 
 
-def copy_bandwidth_gbs(nbytes: int = 2**30) -> float:
-    """Device-to-device copy bandwidth, read + write bytes counted, median of 10 (GB/s)."""
-    a = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    b = torch.empty_like(a)
-    times = []
-    for _ in range(10):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        b.copy_(a)
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return 2 * nbytes / statistics.median(times) / 1e9
-
-
 def _sync(device: str) -> None:
     if device == "cuda":
         torch.cuda.synchronize()
@@ -109,6 +94,14 @@ def main() -> None:
     batches = [int(b) for b in args.batch.split(",")]
     results = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
                "model": args.synthetic or args.model, "command": " ".join(sys.argv), "points": []}
+    copy_bw = None
+    if args.device == "cuda":
+        # the ceiling bench_kernels.py uses, measured before anything is loaded: measured after the 8B runs
+        # (the old place) the copy gave 3,750 GB/s where it gave 4,173 earlier on the same H200, which made the
+        # 8B roofline fractions of earlier reports ~10% too high
+        from tools.bench_kernels import copy_bandwidth
+
+        copy_bw = copy_bandwidth(10) / 1e9
     loaded = None
     if args.synthetic:
         from tools.make_synthetic_checkpoint import synthetic_model
@@ -151,13 +144,12 @@ def main() -> None:
         if args.device == "cuda":
             torch.cuda.empty_cache()
     if args.device == "cuda":
-        bw = copy_bandwidth_gbs()
-        results["copy_bandwidth_gbs"] = bw
+        results["copy_bandwidth_gbs"] = copy_bw
         if loaded is not None:
             cfg = loaded.config
             weight_bytes = sum(t.numel() * 2 for n, t in loaded.tensors.items() if n != "model.embed_tokens.weight")
             kv_bytes = cfg.num_layers * 2 * (args.prompt_len + args.steps // 2) * cfg.num_kv_heads * cfg.head_dim * 2
-            roof_s = (weight_bytes + kv_bytes) / (bw * 1e9)
+            roof_s = (weight_bytes + kv_bytes) / (copy_bw * 1e9)
             results["batch1_roofline_ms"] = roof_s * 1e3
             for p in results["points"]:
                 if p.get("batch") == 1:

@@ -344,8 +344,8 @@ VOLT_DEVICE void gm_epilogue(const GemvParams& p, GmAcc& acc, float (*red)[32][8
 #endif
     __syncthreads();
 #if SILU
-    if (threadIdx.x < 128) {
-        const int r = threadIdx.x >> 4, row = threadIdx.x & 15, out = base + row;
+    for (int idx = threadIdx.x; idx < 128; idx += blockDim.x) {  // 8 x rows x 16 outputs
+        const int r = idx >> 4, row = idx & 15, out = base + row;
         float gate = 0.f, up = 0.f;
 #pragma unroll
         for (int w = 0; w < GM_WARPS; ++w) {  // fixed order
@@ -358,12 +358,14 @@ VOLT_DEVICE void gm_epilogue(const GemvParams& p, GmAcc& acc, float (*red)[32][8
         }
     }
 #else
-    const int r = threadIdx.x >> 5, row = threadIdx.x & 31, out = base + row;  // threads 0..255: 8 x 32
-    if (r < p.m && out < n_out) {
-        float v = 0.f;
+    for (int idx = threadIdx.x; idx < 256; idx += blockDim.x) {  // 8 x rows x 32 outputs
+        const int r = idx >> 5, row = idx & 31, out = base + row;
+        if (r < p.m && out < n_out) {
+            float v = 0.f;
 #pragma unroll
-        for (int w = 0; w < GM_WARPS; ++w) v += red[w][row][r];  // fixed order
-        p.y[r * p.y_stride + out] = f2h(gemv_out(p, r, out, v));
+            for (int w = 0; w < GM_WARPS; ++w) v += red[w][row][r];  // fixed order
+            p.y[r * p.y_stride + out] = f2h(gemv_out(p, r, out, v));
+        }
     }
 #endif
 }
@@ -431,6 +433,9 @@ extern "C" __global__ void __launch_bounds__(32 * GM_WARPS, GM_MIN_BLOCKS) gemv_
 #define SB_MIN_BLOCKS 2
 #endif
 #endif
+#ifdef GM_SB_SMEM  // the launcher's dynamic shared memory (kernels.gemv_mma_sb_smem_bytes)
+static_assert(GM_SB_SMEM == GM_WARPS * SB_STAGES * SB_STAGE, "gemv_mma_sb_smem_bytes drifted from the stage layout");
+#endif
 
 VOLT_DEVICE void cp_async16(void* smem, const void* gmem) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
@@ -444,9 +449,11 @@ VOLT_DEVICE void cp_async_commit() {
     asm volatile("cp.async.commit_group;" ::: "memory");
 #endif
 }
-VOLT_DEVICE void cp_async_wait_oldest() {  // all but the SB_STAGES - 2 most recent groups of this thread landed
+// At step i a thread has committed SB_STAGES + i groups (SB_STAGES - 1 in the prologue, one per step); superblock
+// s_begin + i is group i, so at most SB_STAGES - 1 newer groups may stay in flight.
+VOLT_DEVICE void cp_async_wait_oldest() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-    asm volatile("cp.async.wait_group %0;" ::"n"(SB_STAGES - 2) : "memory");
+    asm volatile("cp.async.wait_group %0;" ::"n"(SB_STAGES - 1) : "memory");
 #endif
 }
 
@@ -532,6 +539,9 @@ extern "C" __global__ void __launch_bounds__(32 * GM_WARPS, SB_MIN_BLOCKS) gemv_
     }
     gm_epilogue(p, acc, red, base);
 #else
-    pdl_enter();  // fp16, SM < 80 or GM_MMA884: never launched
+    pdl_enter();  // fp16, SM < 80 or GM_MMA884: never launched (linear._mma_superblocks)
+#if WTYPE != WTYPE_F16
+    __trap();     // a launch here would leave y unwritten: fail loudly instead
+#endif
 #endif
 }

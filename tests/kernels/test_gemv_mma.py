@@ -49,8 +49,8 @@ def test_llama_shapes(mma_backend, cpu_backend, fmt, nk):
 @pytest.mark.parametrize("fmt", ["F16", "Q4_1"])
 @pytest.mark.parametrize("n", [1, 15, 17, 45])
 def test_partial_tiles(mma_backend, cpu_backend, fmt, n):
-    """n not a multiple of the 32-row block (and SwiGLU's 16): outputs past n are neither computed nor written
-    (the allocator is NaN-poisoned, so a stray write into y's neighbours or a missed row shows)."""
+    """n not a multiple of the 32-row block (and SwiGLU's 16): every output is written (the allocator is
+    NaN-poisoned, so a missed row shows as NaN) and correct."""
     gen = torch.Generator().manual_seed(n)
     k = 96
     weight, w = make_linear(mma_backend, fmt, 2 * n, k, gen, 0.02)
@@ -88,6 +88,27 @@ def test_superblocks_uneven(mma_backend, cpu_backend, fmt, k):
     norm_w = torch.rand(k, generator=gen) + 0.5
     got = mma_backend.norm_linear(x.cuda(), mma_backend.prepare_norm(norm_w), 1e-5, w, silu=True)
     assert rel_err(got, cpu_backend.norm_linear(x.float(), norm_w, 1e-5, weight, silu=True)) <= 4e-3
+
+
+def test_unaligned_quant_and_strided_residual(mma_backend, cpu_backend):
+    """Quant rows 4 bytes off 16-byte alignment take gemv_mma's direct loads (not the cp.async superblocks), and a
+    residual with a row stride != n is made contiguous by the launcher: both still match the reference."""
+    from dataclasses import replace
+
+    from voltserve.backends.cuda.linear import gemv_kernel_name
+
+    gen = torch.Generator().manual_seed(21)
+    weight, w = make_linear(mma_backend, "Q4_1", 64, 512, gen, 0.02)
+    buf = torch.zeros(w.data.numel() + 4, dtype=torch.uint8, device="cuda")
+    buf[4:].copy_(w.data.view(-1))
+    shifted = replace(w, data=buf[4:].view(w.data.shape))
+    assert gemv_kernel_name(mma_backend, shifted, 4) == "gemv_mma"
+    x = torch.randn(4, 512, generator=gen).half()
+    wide = torch.randn(4, 100, generator=gen).half()
+    res = wide.cuda()[:, 10:74]  # row stride 100 on the device
+    assert res.stride(0) == 100
+    got = mma_backend.linear(x.cuda(), shifted, residual=res)
+    assert rel_err(got, cpu_backend.linear(x.float(), weight, residual=wide[:, 10:74].float())) <= TOL
 
 
 def test_graph_replay_bitwise(mma_backend):

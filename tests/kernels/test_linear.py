@@ -82,7 +82,6 @@ def test_linear_rows_independent(cuda_backend, gemv_choice, fmt, nk):
     ones = [m for m in (1, 2, 3, 8) if kernel[m] == kernel[1]]
     for m in ones[1:]:
         assert torch.equal(cuda_backend.linear(x[:1].contiguous(), w), cuda_backend.linear(x[:m].contiguous(), w)[:1])
-    assert len(set(kernel.values())) <= 2
 
 
 # SmolLM2-135M linears (out x in) and its lm_head: the decode-batch / prefill shapes of gemm_tc (WMMA, split-K)

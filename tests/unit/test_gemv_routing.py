@@ -13,8 +13,9 @@ import torch
 from voltserve.backends.cuda.linear import GEMV_MMA_MIN_ROWS, GEMV_MMA_SM70_MIN_ROWS, CudaLinear, gemv_kernel_name
 
 
-def _backend(arch, choice="auto"):
-    return SimpleNamespace(loader=SimpleNamespace(arch=arch), gemv_kernel=choice)
+def _backend(arch, choice="auto", smem_kb=227):
+    loader = SimpleNamespace(arch=arch, compile_arch=arch, max_smem_optin=smem_kb * 1024)
+    return SimpleNamespace(loader=loader, gemv_kernel=choice)
 
 
 def _linear(fmt, n, k):
@@ -37,6 +38,32 @@ def test_sm70_routing(fmt, rows):
     assert gemv_kernel_name(_backend(70, "scalar"), w, rows) == scalar
     assert gemv_kernel_name(_backend(70, "mma"), w, rows) == "gemv_mma"
     assert gemv_kernel_name(_backend(60, "mma"), w, rows) == scalar  # no tensor cores: not a target
+
+
+@pytest.mark.parametrize("fmt", ["F16", "Q4_1", "Q8_0"])
+def test_turing_keeps_the_scalar_kernels(fmt):
+    """SM75 would run the m8n8k4 path, native only on SM70/72 and not measured elsewhere: auto keeps gemv/gemv_q."""
+    w = _linear(fmt, 64, 4096)
+    assert not gemv_kernel_name(_backend(75), w, 8).startswith("gemv_mma")
+    assert gemv_kernel_name(_backend(75, "mma"), w, 8) == "gemv_mma"  # forced: allowed (tests, A/B)
+
+
+@pytest.mark.parametrize("arch,smem_kb,q8_sb", [(80, 163, False), (86, 99, False), (89, 99, False), (90, 227, True)])
+def test_superblocks_only_where_the_stages_fit(arch, smem_kb, q8_sb):
+    """gemv_mma_sb's Q8_0 stages need 212 KB of shared memory per block, Q4_1's 96 KB: on A100 / SM86 / SM89
+    Q8_0 takes gemv_mma's direct loads instead (a launch there would fail to set its shared memory)."""
+    be = _backend(arch, smem_kb=smem_kb)
+    assert (gemv_kernel_name(be, _linear("Q8_0", 64, 4096), 8) == "gemv_mma_sb") == q8_sb
+    assert gemv_kernel_name(be, _linear("Q4_1", 64, 4096), 8) == "gemv_mma_sb"
+    assert gemv_kernel_name(_backend(arch, smem_kb=64), _linear("Q4_1", 64, 4096), 8) == "gemv_mma"
+
+
+def test_compile_arch_decides():
+    """The kernels' __CUDA_ARCH__ is the loader's compile_arch (an NVRTC that does not know the device builds for
+    an older arch): a pre-SM80 build must not be sent gemv_mma_sb (its stub would trap)."""
+    be = _backend(90)
+    be.loader.compile_arch = 75
+    assert not gemv_kernel_name(be, _linear("Q4_1", 64, 4096), 8).startswith("gemv_mma")
 
 
 def test_mma884_forces_the_sm70_path_on_newer_gpus():

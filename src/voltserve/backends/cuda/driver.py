@@ -77,6 +77,16 @@ def device_arch(device_index: int = 0) -> int:
     return major * 10 + minor
 
 
+def max_smem_optin(device_index: int = 0) -> int:
+    """Most shared memory (bytes) one block may opt into (cuFuncSetAttribute) on this device: 227 KB on
+    SM90, 163 KB on A100, 99 KB on SM86/89, 96 KB on V100."""
+    driver, _ = bindings()
+    check(driver.cuInit(0), "cuInit")
+    dev = check(driver.cuDeviceGet(device_index), "cuDeviceGet")
+    attr = driver.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN
+    return int(check(driver.cuDeviceGetAttribute(attr, dev), "cuDeviceGetAttribute"))
+
+
 def load_module(image: bytes) -> Any:
     """cuModuleLoadData on a CUBIN or NUL-terminated PTX image; returns the CUmodule."""
     driver, _ = bindings()

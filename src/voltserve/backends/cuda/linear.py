@@ -17,12 +17,12 @@ from voltserve.backends.cuda import params as P
 # gemv_q (x staged in smem, shared by 32 rows) from this row bucket up (m >= 3); below it the warp-per-row
 # `gemv`, which measured as fast or faster at m = 1-2 on the H200 (docs/performance.md). Rows of one launch are
 # bitwise independent of the other rows; results at m <= 2 and m >= 3 differ by fp32 summation order.
-# Both are the SM70 path; on SM80+ `gemv_mma` takes the shapes it can from GEMV_MMA_MIN_ROWS rows up.
+# Both are also the fallback of the tensor-core kernels (`gemv_mma`, `gemv_mma_sb`), which take the shapes and row
+# counts `gemv_mma_ok` allows.
 GEMV_Q_MIN_ROWS = 4
 # gemv_mma / gemv_mma_sb (tensor cores; gemv_mma_sb SM80+) from this many x rows up, per weight format, where
-# they measured
-# faster than gemv / gemv_q at the Llama-3-8B shapes (H200, `bench_kernels.py --only decode_ --gemv-kernel
-# scalar,mma`, docs/performance.md): fp16 0.69-0.90 of copy bandwidth at m = 2-8 vs 0.17-0.73; quant through
+# they measured faster than gemv / gemv_q at the Llama-3-8B shapes (H200, `bench_kernels.py --only decode_
+# --gemv-kernel scalar,mma`, docs/performance.md): fp16 0.69-0.90 of copy bandwidth at m = 2-8 vs 0.17-0.73; quant through
 # gemv_mma's narrow loads (~0.2-0.33) from m = 2 (Q4) or m >= 3 (Q8_0).
 GEMV_MMA_MIN_ROWS = {"F16": 2, "Q4_0": 2, "Q4_1": 2, "Q8_0": 3}
 # SM70 (V100, m8n8k4 path): from 3 rows (row buckets 4 and 8, where the scalar kernels fall to <= 0.5 of the
@@ -118,8 +118,8 @@ def launch_linear(backend: Any, x: torch.Tensor, w: CudaLinear, *, norm_weight: 
                   f16_gemm: str = "cublas") -> torch.Tensor:
     """y = x @ W^T with our kernels, optionally fused with its neighbours in the decoder block.
 
-    GEMV for up to 16 rows (in launches of <= 8): on SM80+ `gemv_mma` (ptx/gemv_mma.cu, tensor cores) where
-    `gemv_mma_ok`; else quant weights with k % 256 == 0 and a row bucket >= GEMV_Q_MIN_ROWS -> `gemv_q`, the rest
+    GEMV for up to 16 rows (in launches of <= 8): `gemv_mma` / `gemv_mma_sb` (ptx/gemv_mma.cu, tensor cores)
+    where `gemv_mma_ok`; else quant weights with k % 256 == 0 and a row bucket >= GEMV_Q_MIN_ROWS -> `gemv_q`, the rest
     -> `gemv` (ptx/gemv.cu). Above, a GEMM (`_gemm`). `gemv` and `gemv_mma` fuse all three options; `gemv_q` the
     norm and the residual; a fusion a kernel does not take runs as its own op (rms_norm / silu_mul / an fp16
     add), equal up to the fp32 summation order of 1/rms.
@@ -163,7 +163,7 @@ def launch_linear(backend: Any, x: torch.Tensor, w: CudaLinear, *, norm_weight: 
         return y
     wtype = kernels.WTYPES[w.fmt]
     if use_mma:
-        _launch_gemv_mma(backend, x, w, y, wtype, norm_weight, eps, residual, silu, vec_ok)
+        _launch_gemv_mma(backend, x, w, y, norm_weight, eps, residual, silu, vec_ok)
         return y
     # PDL only where the launch latency it hides matters: a GEMV streaming many MB is bandwidth-bound, and
     # early-launched waiting blocks measured slower there (8B shapes, H200: 5.60 vs 5.36 ms per step)
@@ -206,14 +206,17 @@ def gemv_mma_ok(backend: Any, w: CudaLinear, rows: int, vec_ok: int, norm: bool 
     >= GEMV_MMA_M1_MIN_BYTES: quant superblocks, and fp16 with a fused norm). `backend.gemv_kernel` ("auto",
     "scalar", "mma", "mma884": the SM70 m8n8k4 path on any arch) forces a choice (benchmarks, A/B tests)."""
     choice = getattr(backend, "gemv_kernel", "auto")
-    if choice == "scalar" or backend.loader.arch < kernels.GEMV_MMA_MIN_ARCH or not vec_ok:
+    arch = backend.loader.compile_arch  # the __CUDA_ARCH__ the kernels are built for
+    if choice == "scalar" or arch < kernels.GEMV_MMA_MIN_ARCH or not vec_ok:
         return False
+    if choice == "auto" and 73 <= arch < kernels.GEMV_MMA_SB_MIN_ARCH:
+        return False  # Turing would run the m8n8k4 path, which is native only on SM70/72 (not measured there)
     align = 16 if w.fmt == "F16" else 4 if w.fmt == "Q4_1" else 2
     if w.in_features % kernels.GEMV_MMA_CHUNK or w.data.data_ptr() % align or w.row_bytes % align:
         return False
     if choice in ("mma", "mma884"):
         return True
-    if backend.loader.arch < kernels.GEMV_MMA_SB_MIN_ARCH:
+    if arch < kernels.GEMV_MMA_SB_MIN_ARCH:
         return rows >= max(GEMV_MMA_MIN_ROWS[w.fmt], GEMV_MMA_SM70_MIN_ROWS)
     if rows >= GEMV_MMA_MIN_ROWS[w.fmt]:
         return True
@@ -226,7 +229,7 @@ def gemv_kernel_name(backend: Any, w: CudaLinear, rows: int, vec_ok: int = 1, no
                      silu: bool = False) -> str:
     """The kernel a GEMV launch of `rows` (1..8) x rows on `w` runs: "gemv_mma_sb", "gemv_mma", "gemv_q" or
     "gemv". Rows of launches that run the same kernel are bitwise equal whatever the other rows (tests rely on
-    it)."""
+    it). A call of 9..16 rows runs both its launches with the kernel of its first (min(m, 8) rows)."""
     if gemv_mma_ok(backend, w, rows, vec_ok, norm, silu):
         return "gemv_mma_sb" if _mma_superblocks(backend, w) else "gemv_mma"
     bucket = next(b for b in kernels.GEMV_ROW_BUCKETS if b >= rows)
@@ -236,13 +239,17 @@ def gemv_kernel_name(backend: Any, w: CudaLinear, rows: int, vec_ok: int = 1, no
 
 def _mma_superblocks(backend: Any, w: CudaLinear) -> bool:
     """gemv_mma_sb (16-byte cp.async copies of whole 256-weight superblocks, SM80+) instead of gemv_mma's
-    per-fragment loads: quant rows of whole, 16-byte-aligned superblocks."""
-    return (w.fmt != "F16" and w.in_features % kernels.GEMV_Q_SUPERBLOCK == 0 and w.data.data_ptr() % 16 == 0
-            and backend.loader.arch >= kernels.GEMV_MMA_SB_MIN_ARCH
-            and getattr(backend, "gemv_kernel", "auto") != "mma884")
+    per-fragment loads: quant rows of whole, 16-byte-aligned superblocks, on a device whose blocks may opt into
+    the stages' shared memory (Q8_0 needs 212 KB: SM90 has 227 KB, A100 163 KB, SM86/89 99 KB)."""
+    if w.fmt == "F16" or getattr(backend, "gemv_kernel", "auto") == "mma884":
+        return False
+    smem = kernels.gemv_mma_sb_smem_bytes(w.fmt) + kernels.GEMV_MMA_STATIC_SMEM
+    return (w.in_features % kernels.GEMV_Q_SUPERBLOCK == 0 and w.data.data_ptr() % 16 == 0
+            and backend.loader.compile_arch >= kernels.GEMV_MMA_SB_MIN_ARCH
+            and smem <= backend.loader.max_smem_optin)
 
 
-def _launch_gemv_mma(backend: Any, x: torch.Tensor, w: CudaLinear, y: torch.Tensor, wtype: int,
+def _launch_gemv_mma(backend: Any, x: torch.Tensor, w: CudaLinear, y: torch.Tensor,
                      norm_weight: torch.Tensor | None, eps: float, residual: torch.Tensor | None, silu: bool,
                      vec_ok: int) -> None:
     """gemv_mma / gemv_mma_sb launches of <= 8 x rows each (fused norm, residual and SwiGLU all in the kernel)."""
@@ -260,7 +267,7 @@ def _launch_gemv_mma(backend: Any, x: torch.Tensor, w: CudaLinear, y: torch.Tens
                          residual.data_ptr() + r0 * n_out * 2 if residual is not None else None,
                          norm_weight.data_ptr() if norm_weight is not None else None, xr.stride(0), n_out,
                          w.row_bytes, rows, n, k, vec_ok, eps, 0)
-        spec = {"WTYPE": wtype, "SILU": int(silu)}
+        spec = kernels.gemv_mma_spec(w.fmt, silu)
         if getattr(backend, "gemv_kernel", "auto") == "mma884":
             spec["GM_MMA884"] = 1  # the SM70 path on a newer GPU (tests)
         if _mma_superblocks(backend, w):

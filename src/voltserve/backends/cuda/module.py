@@ -28,6 +28,7 @@ class KernelLoader:
     def __init__(self, device_index: int = 0):
         self.device_index = device_index
         self.arch = driver.device_arch(device_index)
+        self.max_smem_optin = driver.max_smem_optin(device_index)
         supported = nvrtc.supported_archs()
         below = [a for a in supported if a <= self.arch]
         # the exact arch gets a CUBIN; an arch newer than this NVRTC knows runs the newest PTX it can write

@@ -2,10 +2,12 @@
 
 Each point prefills `batch` sequences of `--prompt-len` tokens, then times `--steps` decode steps (median of
 `--repeats`). For the 8B-shape synthetic model it also prints the batch-1 roofline: (weight bytes + KV bytes read
-per step) / measured device-to-device copy bandwidth (issue 4, target 3).
+per step) / the device-to-device copy bandwidth (`bench_kernels.copy_bandwidth`, measured before anything is
+loaded) (issue 4, target 3). `--gemv-kernel scalar,auto` repeats every point per decode-GEMV choice
+(`VOLTSERVE_GEMV_KERNEL`), `--pdl` and `--async-scheduling` likewise.
 
     python tools/bench_decode.py --model smollm2-135m-instruct --device cuda --out decode.json
-    python tools/bench_decode.py --synthetic llama3-8b --device cuda --batch 1,8 --out decode8b.json
+    python tools/bench_decode.py --synthetic llama3-8b --device cuda --batch 1,8 --gemv-kernel scalar,auto
     python tools/bench_decode.py --device cuda --batch 1 --prefill 512 --repeats 5   # adds pp512
 """
 

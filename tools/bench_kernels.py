@@ -3,6 +3,7 @@ bandwidth, median of repeats, plus bytes / FLOPs and the projected V100 time (90
 
 Usage:
     PYTHONPATH=src:. python tools/bench_kernels.py [--out bench.json] [--repeats 20] [--only SUBSTRING]
+        [--gemv-kernel scalar,auto]   # decode_* rows once per GEMV kernel choice, tagged @choice
 Shapes are Llama-3-8B-like (hidden 4096, 32 heads / 8 KV heads, head_dim 128, FFN 14336) unless named.
 
 Two kinds of rows:

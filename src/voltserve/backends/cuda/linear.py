@@ -146,7 +146,7 @@ def launch_linear(backend: Any, x: torch.Tensor, w: CudaLinear, *, norm_weight: 
     use_mma = m < kernels.GEMM_MIN_ROWS and gemv_mma_ok(backend, w, min(m, kernels.GEMV_MAX_ROWS), vec_ok,
                                                         norm_weight is not None, silu)
     # gemv_q streams 16-byte-aligned 256-weight superblocks; other quant shapes take the simple `gemv`
-    q_fast = w.fmt != "F16" and k % kernels.GEMV_Q_SUPERBLOCK == 0 and w.data.data_ptr() % 16 == 0
+    q_fast = _whole_superblocks(w)
     if m >= kernels.GEMM_MIN_ROWS or (silu and q_fast and m > 2 and not use_mma):
         # the GEMM (and gemv_q, for SwiGLU) with the fusions it lacks as separate ops
         if m >= kernels.GEMM_MIN_ROWS:
@@ -161,15 +161,15 @@ def launch_linear(backend: Any, x: torch.Tensor, w: CudaLinear, *, norm_weight: 
     y = torch.empty(m, n_out, dtype=torch.float16, device=x.device)
     if m == 0 or n == 0:
         return y
-    wtype = kernels.WTYPES[w.fmt]
-    if use_mma:
-        _launch_gemv_mma(backend, x, w, y, norm_weight, eps, residual, silu, vec_ok)
-        return y
     # PDL only where the launch latency it hides matters: a GEMV streaming many MB is bandwidth-bound, and
     # early-launched waiting blocks measured slower there (8B shapes, H200: 5.60 vs 5.36 ms per step)
     pdl = backend.pdl and n * w.row_bytes <= kernels.GEMV_PDL_MAX_WEIGHT_BYTES
     if residual is not None and residual.stride(0) != n_out:
-        residual = residual.contiguous()  # the kernel reads it with y's row stride
+        residual = residual.contiguous()  # the kernels read it with y's row stride
+    if use_mma:
+        _launch_gemv_mma(backend, x, w, y, norm_weight, eps, residual, silu, vec_ok, pdl)
+        return y
+    wtype = kernels.WTYPES[w.fmt]
     for r0 in range(0, m, kernels.GEMV_MAX_ROWS):
         rows = min(kernels.GEMV_MAX_ROWS, m - r0)
         bucket = next(b for b in kernels.GEMV_ROW_BUCKETS if b >= rows)
@@ -233,33 +233,39 @@ def gemv_kernel_name(backend: Any, w: CudaLinear, rows: int, vec_ok: int = 1, no
     if gemv_mma_ok(backend, w, rows, vec_ok, norm, silu):
         return "gemv_mma_sb" if _mma_superblocks(backend, w) else "gemv_mma"
     bucket = next(b for b in kernels.GEMV_ROW_BUCKETS if b >= rows)
-    q_fast = w.fmt != "F16" and w.in_features % kernels.GEMV_Q_SUPERBLOCK == 0 and w.data.data_ptr() % 16 == 0
-    return "gemv_q" if q_fast and bucket >= GEMV_Q_MIN_ROWS else "gemv"
+    return "gemv_q" if _whole_superblocks(w) and bucket >= GEMV_Q_MIN_ROWS else "gemv"
+
+
+def _whole_superblocks(w: CudaLinear) -> bool:
+    """Quant rows of whole, 16-byte-aligned 256-weight superblocks (8 GGUF blocks): what gemv_q and gemv_mma_sb
+    stream with 16-byte loads."""
+    return w.fmt != "F16" and w.in_features % kernels.GEMV_Q_SUPERBLOCK == 0 and w.data.data_ptr() % 16 == 0
 
 
 def _mma_superblocks(backend: Any, w: CudaLinear) -> bool:
     """gemv_mma_sb (16-byte cp.async copies of whole 256-weight superblocks, SM80+) instead of gemv_mma's
     per-fragment loads: quant rows of whole, 16-byte-aligned superblocks, on a device whose blocks may opt into
     the stages' shared memory (Q8_0 needs 212 KB: SM90 has 227 KB, A100 163 KB, SM86/89 99 KB)."""
-    if w.fmt == "F16" or getattr(backend, "gemv_kernel", "auto") == "mma884":
+    if not _whole_superblocks(w) or getattr(backend, "gemv_kernel", "auto") == "mma884":
         return False
     smem = kernels.gemv_mma_sb_smem_bytes(w.fmt) + kernels.GEMV_MMA_STATIC_SMEM
-    return (w.in_features % kernels.GEMV_Q_SUPERBLOCK == 0 and w.data.data_ptr() % 16 == 0
-            and backend.loader.compile_arch >= kernels.GEMV_MMA_SB_MIN_ARCH
-            and smem <= backend.loader.max_smem_optin)
+    return backend.loader.compile_arch >= kernels.GEMV_MMA_SB_MIN_ARCH and smem <= backend.loader.max_smem_optin
 
 
 def _launch_gemv_mma(backend: Any, x: torch.Tensor, w: CudaLinear, y: torch.Tensor,
                      norm_weight: torch.Tensor | None, eps: float, residual: torch.Tensor | None, silu: bool,
-                     vec_ok: int) -> None:
-    """gemv_mma / gemv_mma_sb launches of <= 8 x rows each (fused norm, residual and SwiGLU all in the kernel)."""
+                     vec_ok: int, pdl: bool) -> None:
+    """gemv_mma / gemv_mma_sb launches of <= 8 x rows each (fused norm, residual and SwiGLU all in the kernel);
+    `residual` has y's row stride."""
     m, k = x.shape
     n = w.out_features
     n_out = y.shape[1]
-    if residual is not None and residual.stride(0) != n_out:
-        residual = residual.contiguous()  # the kernel reads it with y's row stride
-    pdl = backend.pdl and n * w.row_bytes <= kernels.GEMV_PDL_MAX_WEIGHT_BYTES
     grid = (math.ceil(n_out / (kernels.GEMV_MMA_ROWS // 2 if silu else kernels.GEMV_MMA_ROWS)), 1, 1)
+    spec = kernels.gemv_mma_spec(w.fmt, silu)
+    if getattr(backend, "gemv_kernel", "auto") == "mma884":
+        spec["GM_MMA884"] = 1  # the SM70 path on a newer GPU (tests)
+    kernel, smem = ("gemv_mma_sb", kernels.gemv_mma_sb_smem_bytes(w.fmt)) if _mma_superblocks(backend, w) \
+        else ("gemv_mma", 0)
     for r0 in range(0, m, kernels.GEMV_MAX_ROWS):
         rows = min(kernels.GEMV_MAX_ROWS, m - r0)
         xr = x[r0:r0 + rows]
@@ -267,14 +273,7 @@ def _launch_gemv_mma(backend: Any, x: torch.Tensor, w: CudaLinear, y: torch.Tens
                          residual.data_ptr() + r0 * n_out * 2 if residual is not None else None,
                          norm_weight.data_ptr() if norm_weight is not None else None, xr.stride(0), n_out,
                          w.row_bytes, rows, n, k, vec_ok, eps, 0)
-        spec = kernels.gemv_mma_spec(w.fmt, silu)
-        if getattr(backend, "gemv_kernel", "auto") == "mma884":
-            spec["GM_MMA884"] = 1  # the SM70 path on a newer GPU (tests)
-        if _mma_superblocks(backend, w):
-            backend._launch("gemv_mma", "gemv_mma_sb", spec, grid, (32 * kernels.GEMV_MMA_WARPS, 1, 1),
-                            kernels.gemv_mma_sb_smem_bytes(w.fmt), p, pdl)
-        else:
-            backend._launch("gemv_mma", "gemv_mma", spec, grid, (32 * kernels.GEMV_MMA_WARPS, 1, 1), 0, p, pdl)
+        backend._launch("gemv_mma", kernel, spec, grid, (32 * kernels.GEMV_MMA_WARPS, 1, 1), smem, p, pdl)
 
 
 def _gemm(backend: Any, x: torch.Tensor, w: CudaLinear, f16_gemm: str) -> torch.Tensor:

@@ -315,13 +315,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) gemv_q(const GemvParams p) 
     // weights only: issued before the previous kernel ends (PDL), in flight across the wait
     gq_load(cur, p.w, p.w_row_bytes, row0, p.n, warp, lane, warp < nsb);
     pdl_enter();
-    if (p.norm_w != nullptr) {  // fused RMSNorm: x is scaled while it is staged below
-        for (int r = 0; r < p.m; ++r) {
-            const float inv = row_inv_rms(p, r, scratch);
-            if (threadIdx.x == 0) inv_rms[r] = inv;
-        }
-        __syncthreads();
-    }
+    if (p.norm_w != nullptr) rows_inv_rms(p, scratch, inv_rms);  // fused RMSNorm: x is scaled while staged below
     float acc[MROWS];
 #pragma unroll
     for (int r = 0; r < MROWS; ++r) acc[r] = 0.f;

@@ -50,4 +50,13 @@ VOLT_DEVICE float row_inv_rms(const GemvParams& p, int r, float* scratch) {
     return rsqrtf(block_sum(ss, scratch) / (float)p.k + p.eps);
 }
 
+// inv_rms[r] = 1 / rms of x row r for every r < m, in shared memory; block-wide, ends synced.
+VOLT_DEVICE void rows_inv_rms(const GemvParams& p, float* scratch, float* inv_rms) {
+    for (int r = 0; r < p.m; ++r) {
+        const float inv = row_inv_rms(p, r, scratch);
+        if (threadIdx.x == 0) inv_rms[r] = inv;
+    }
+    __syncthreads();
+}
+
 VOLT_DEVICE uint4 ldg16(const void* p) { return __ldg(reinterpret_cast<const uint4*>(p)); }

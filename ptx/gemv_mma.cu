@@ -306,11 +306,7 @@ VOLT_DEVICE int gm_row(const GemvParams& p, int base, int rr) {
 // 1 / rms of x row xr for this lane (1 without the fused norm); block-wide (all threads call it).
 VOLT_DEVICE float gm_inv_rms(const GemvParams& p, float* scratch, float* inv_rms, int xr) {
     if (p.norm_w == nullptr) return 1.f;
-    for (int r = 0; r < p.m; ++r) {
-        const float inv = row_inv_rms(p, r, scratch);
-        if (threadIdx.x == 0) inv_rms[r] = inv;
-    }
-    __syncthreads();
+    rows_inv_rms(p, scratch, inv_rms);
     return xr < p.m ? inv_rms[xr] : 1.f;
 }
 

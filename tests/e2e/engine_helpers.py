@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import contextlib
 
+import pytest
+
 from actors.engine import AsyncEngine
 from voltserve.config import EngineConfig
+from voltserve.errors import EngineDeadError
 from voltserve.request import SamplingParams
 
 
@@ -20,6 +23,17 @@ async def running_engine(loaded, **config):
         yield engine
     finally:
         await engine.stop()
+
+
+async def assert_engine_dead(engine, stream) -> None:
+    """The contract of a dead engine (AsyncEngine or ProcessEngine): the open stream ends in EngineDeadError,
+    the engine reports unhealthy, and a new request is refused with EngineDeadError."""
+    with pytest.raises(EngineDeadError):
+        async for _ in stream:
+            pass
+    assert not engine.is_healthy
+    with pytest.raises(EngineDeadError):
+        engine.add_request([1, 2, 3], SamplingParams(max_tokens=2))
 
 
 def chat_ids(engine, text: str) -> list[int]:

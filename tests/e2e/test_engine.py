@@ -4,7 +4,7 @@ import asyncio
 
 import pytest
 
-from tests.e2e.engine_helpers import chat_ids, complete, running_engine
+from tests.e2e.engine_helpers import assert_engine_dead, chat_ids, complete, running_engine
 from voltserve.errors import EngineDeadError, InvalidRequestError, StepFailedError
 from voltserve.request import FinishReason, SamplingParams
 
@@ -164,12 +164,7 @@ async def test_dead_worker_fails_requests_and_health(smollm2):
         stream = engine.add_request(chat_ids(engine, "Hi"), SamplingParams(max_tokens=4))
         await started.wait()
         engine._worker._task.cancel()
-        with pytest.raises(EngineDeadError):
-            async for _ in stream:
-                pass
-        assert not engine.is_healthy
-        with pytest.raises(EngineDeadError):
-            engine.add_request([1, 2, 3], SamplingParams(max_tokens=4))
+        await assert_engine_dead(engine, stream)
 
 
 async def test_extreme_sampling_values_do_not_break_the_engine(smollm2):

@@ -16,7 +16,7 @@ import pytest
 from actors.engine import AsyncEngine
 from actors.engine_process import ProcessEngine
 from api.app import watch_engine
-from tests.e2e.engine_helpers import complete
+from tests.e2e.engine_helpers import assert_engine_dead, complete
 from tools.make_synthetic_checkpoint import save_hf_dir, synthetic_model
 from voltserve.config import EngineConfig
 from voltserve.errors import EngineDeadError, LoaderError
@@ -72,12 +72,7 @@ async def test_killed_child_fails_streams_and_health(tiny_dir):
                                                                                      max_tokens=None))
         assert (await stream.__anext__()).token_ids
         os.kill(engine.process.pid, signal.SIGKILL)
-        with pytest.raises(EngineDeadError):
-            async for _ in stream:
-                pass
-        assert not engine.is_healthy
-        with pytest.raises(EngineDeadError):
-            engine.add_request([1, 2, 3], SamplingParams(max_tokens=2))
+        await assert_engine_dead(engine, stream)
         died = asyncio.Event()
         await asyncio.wait_for(watch_engine(engine, died.set, interval_s=0.01), 5)
         assert died.is_set()  # the server would shut itself down now

@@ -3,23 +3,29 @@
 // that share one KV head, so each K/V row is read once per group.
 //
 //   out[s, h, :] = softmax(scale * q[s, h] . K[s, 0:seq_len, h / GROUP]) @ V[...]
-// attn_decode:        grid (num_kv_heads, num_seqs, num_splits); block 128 threads;
-//                     dynamic smem = 4 * (GROUP*HEAD_DIM + GROUP*PARTITION + NG*GROUP*HEAD_DIM + 2*GROUP) bytes,
-//                     NG = 128 / (HEAD_DIM/2). A sequence's context is cut into splits of split_len() keys
+// attn_decode:        grid (num_kv_heads, num_seqs, num_splits); block 128 threads; one pass over the split's
+//                     keys with an online softmax, K and V rows loaded together (KV_UNROLL keys in flight per lane);
+//                     dynamic smem = 4 * (GROUP*HEAD_DIM + 4*GROUP*HEAD_DIM + 8*GROUP) bytes (4 = warps), plus
+//                     the split's block-table slice statically.
+//                     A sequence's context is cut into splits of split_len() keys
 //                     (seq_len / num_splits rounded up to 16, clamped to [min_part, PARTITION]): a short context
 //                     still spreads over many blocks, splits past the context exit at once. When one split holds
 //                     the whole context the block writes out directly; otherwise it writes its un-normalised
 //                     partial output, running max and sum to the workspace.
 //                     With `counters`, the last split block of each (sequence, KV head) to arrive merges the
-//                     partials itself (arrival counter, fixed merge order), so decode is one launch.
+//                     partials itself (arrival counter, fixed merge order), so decode is one launch; the host
+//                     passes counters only when num_splits <= 4 * HEAD_DIM (the merge weights reuse smem).
 // attn_decode_reduce: grid (num_kv_heads, num_seqs); block 128 threads; 4 * GROUP * num_splits bytes of dynamic
 //                     smem; merges the used splits (log-sum-exp rescale, the same merge_splits as the in-kernel
 //                     path, so both are bitwise equal) when counters is nullptr; returns at once for sequences
 //                     written directly.
-// Compile-time: HEAD_DIM (multiple of 8, <= 256), GROUP (query heads per KV head), PARTITION (tokens per split).
-// SM70 path: the only path: fp16 K/V loads as 16-byte vectors, fp32 dot products and softmax.
+// Compile-time: HEAD_DIM (multiple of 8, <= 256), GROUP (query heads per KV head), PARTITION (most keys per split),
+// KV_UNROLL (keys per lane per load batch).
+// Two paths for the scores and P @ V, both fp16 K/V loads as 16-byte vectors with fp32 softmax state:
+//   SM80+ (GROUP <= 8, HEAD_DIM % 64 == 0): tensor cores, mma.m16n8k16 fp16 x fp16 -> fp32 (warp_attend_mma).
+//   SM70 (V100) and the rest: CUDA cores, fp32 dot products (-DATTN_SIMT=1 takes it on any GPU).
 // Reference: voltserve.backends.cpu.CpuBackend.attention (query_len == 1 for every sequence).
-#include "common.cuh"
+#include "mma.cuh"
 
 #ifndef HEAD_DIM
 #define HEAD_DIM 64
@@ -34,8 +40,24 @@
 #define NUM_WARPS (NUM_THREADS / 32)
 #define VECS (HEAD_DIM / 8)                                  // 16-byte vectors per K row
 #define TG (VECS <= 1 ? 1 : VECS <= 2 ? 2 : VECS <= 4 ? 4 : VECS <= 8 ? 8 : VECS <= 16 ? 16 : 32)  // lanes per key
-#define PAIRS (HEAD_DIM / 2)
-#define NG (NUM_THREADS / PAIRS)                              // token groups in the P @ V phase
+#define KPW (32 / TG)                                         // keys per warp per 16-byte load
+#ifndef KV_UNROLL
+#define KV_UNROLL (GROUP <= 4 ? 4 : 2)                        // CUDA-core path: keys per lane per load batch
+#endif
+#define KEYS_PER_ITER (NUM_WARPS * KPW * KV_UNROLL)
+// SM80+ scores and P @ V on tensor cores (mma.m16n8k16, 16-key tiles) where the group fits the MMA's 8 columns;
+// else (SM70, GROUP > 8, HEAD_DIM % 64 != 0, or -DATTN_SIMT=1 to test that path on any GPU) on CUDA cores.
+#ifndef ATTN_SIMT
+#define ATTN_SIMT 0
+#endif
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800 && GROUP <= 8 && HEAD_DIM % 64 == 0 && !ATTN_SIMT
+#define ATTN_MMA 1
+#else
+#define ATTN_MMA 0
+#endif
+#ifndef ATTN_MIN_BLOCKS
+#define ATTN_MIN_BLOCKS (ATTN_MMA ? 4 : 1)  // MMA path: <= 128 registers (no spills), 16 warps per SM
+#endif
 static_assert(HEAD_DIM % 8 == 0 && HEAD_DIM <= 256, "HEAD_DIM must be a multiple of 8, at most 256");
 
 struct DecodeParams {
@@ -62,12 +84,6 @@ struct DecodeParams {
     int min_part;                // fewest keys per split (a multiple of 16, <= PARTITION)
 };
 VOLT_CHECK_PARAMS(DecodeParams, VOLT_DECODE_PARAMS_BYTES);
-
-VOLT_DEVICE const half_t* kv_row(const DecodeParams& p, int seq, int kvh, int t) {
-    const int block = p.block_tables[(i64)seq * p.max_blocks + t / p.block_size];
-    const i64 slot = (i64)block * p.block_size + t % p.block_size;
-    return p.kv + (slot * p.num_kv_heads + kvh) * HEAD_DIM;
-}
 
 // Keys per split of one sequence: its context spread evenly over the grid's splits (rounded up to 16, at least
 // min_part), so a short context still fills many blocks when the grid is sized for a long capacity (CUDA graphs).
@@ -109,19 +125,139 @@ VOLT_DEVICE void merge_splits(const DecodeParams& p, int seq, int kvh, int used,
         const int g = i / HEAD_DIM, d = i % HEAD_DIM;
         const float* acc = p.part_acc + (base + (i64)g * p.num_splits) * HEAD_DIM + d;
         float o = 0.f;
-#pragma unroll 4
+#pragma unroll 8
         for (int sp = 0; sp < used; ++sp) o += __ldcg(acc + (i64)sp * HEAD_DIM) * w[g * ws + sp];
         p.out[(row * p.num_heads + kvh * GROUP + g) * HEAD_DIM + d] = f2h(o);
     }
 }
 
-extern "C" __global__ void __launch_bounds__(NUM_THREADS) attn_decode(const DecodeParams p) {
+// Rescale weight of a partial with running max m against the merged max M (0 for an empty partial: m = -inf).
+VOLT_DEVICE float lse_weight(float m, float M) { return m == VOLT_NEG_INF ? 0.f : __expf(m - M); }
+
+#if ATTN_MMA
+// One warp's share of a split on tensor cores: 16-key tiles w, w + NUM_WARPS, ... of the split's n keys. Lane
+// (gid = lane / 4, tig = lane % 4). Online softmax (Milakov & Gimelshein 2018) per head, fp32 state.
+//  S = K q^T: M = 16 keys (rows gid, gid + 8 are keys gid, gid + 8), N = 8 heads (GROUP <= 8, padded with q = 0),
+//    k = HEAD_DIM in 16-wide steps; k slots are a permutation of the dims (a dot product is order-free): at step s
+//    slots (2tig, 2tig+1, 2tig+8, 2tig+9) hold dims tig * HEAD_DIM/4 + 4s + (0..3), so each lane loads its keys'
+//    quarter rows as 16-byte vectors and its q words once.
+//  O^T += V^T P^T: M = 16 dims per tile, N = 8 heads, k = the tile's 16 keys, slots (2tig, 2tig+1, 2tig+8,
+//    2tig+9) = keys 4tig + (0..3); tile (c, j) rows gid / gid + 8 = dims 64c + 8gid + 2j / + 1, so each lane
+//    loads 8-dim vectors of its 4 keys and pairs them across keys with prmt. P goes through 256 bytes of smem
+//    per warp (fp16, as the MMA takes it) from the S layout (keys by gid) to the B layout (keys by tig).
+// Writes the warp's un-normalised output, running max and sum for the group's heads to red / ml.
+template <typename KeyOff>
+VOLT_DEVICE void warp_attend_mma(const DecodeParams& p, const half_t* k_head, const KeyOff& key_off, int n, i64 row,
+                                 int kvh, int warp, int lane, float* red, float* ml) {
+    constexpr int KSTEPS = HEAD_DIM / 16, KVEC = HEAD_DIM / 32, VSETS = HEAD_DIM / 64;
+    __shared__ __align__(16) u32 p_s[NUM_WARPS][8][8];  // [warp][head][16 keys as fp16 pairs]
+    const int gid = lane >> 2, tig = lane & 3;
+    // q^T as B fragments: head gid, dims tig * HEAD_DIM/4 + [0, HEAD_DIM/4) as fp16 pairs (0 for padded heads)
+    u32 qw[HEAD_DIM / 8];
+    {
+        const bool real = gid < GROUP;
+        const half_t* qh = p.q + row * p.q_token_stride + (i64)(kvh * GROUP + (real ? gid : 0)) * p.q_head_stride +
+                           tig * (HEAD_DIM / 4);
+#pragma unroll
+        for (int i = 0; i < HEAD_DIM / 8; ++i) qw[i] = real ? (u32)qh[2 * i] | ((u32)qh[2 * i + 1] << 16) : 0u;
+    }
+    float acc[VSETS * 4][4];
+#pragma unroll
+    for (int i = 0; i < VSETS * 4; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
+    float m[2] = {VOLT_NEG_INF, VOLT_NEG_INF}, l[2] = {0.f, 0.f};  // heads 2tig, 2tig + 1
+    half_t* pw = reinterpret_cast<half_t*>(&p_s[warp][0][0]);
+    for (int t0 = warp * 16; t0 < n; t0 += NUM_WARPS * 16) {
+        uint4 kr[2][KVEC], vr[4][VSETS];
+        const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const int t = t0 + gid + 8 * r;
+            const half_t* kp = t < n ? k_head + key_off(t) + tig * (HEAD_DIM / 4) : nullptr;
+#pragma unroll
+            for (int v = 0; v < KVEC; ++v) kr[r][v] = kp ? __ldg(reinterpret_cast<const uint4*>(kp) + v) : zero;
+        }
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const int t = t0 + 4 * tig + i;
+            const half_t* vp = t < n ? k_head + p.kv_plane + key_off(t) + 8 * gid : nullptr;
+#pragma unroll
+            for (int c = 0; c < VSETS; ++c) vr[i][c] = vp ? __ldg(reinterpret_cast<const uint4*>(vp + 64 * c)) : zero;
+        }
+        // S = K q^T
+        float sc[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+        for (int st = 0; st < KSTEPS; ++st) {
+            const uint4& k0 = kr[0][st / 2];
+            const uint4& k1 = kr[1][st / 2];
+            const u32 a[4] = {st % 2 ? k0.z : k0.x, st % 2 ? k1.z : k1.x, st % 2 ? k0.w : k0.y, st % 2 ? k1.w : k1.y};
+            mma_m16n8k16(sc, a, qw[2 * st], qw[2 * st + 1]);
+        }
+        // online softmax per head (2tig + e): tile max over the 16 keys (lanes with this tig), rescale, exp
+        const bool ok0 = t0 + gid < n, ok1 = t0 + gid + 8 < n;
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            const float s0 = ok0 ? sc[e] * p.scale : VOLT_NEG_INF, s1 = ok1 ? sc[2 + e] * p.scale : VOLT_NEG_INF;
+            float mx = fmaxf(s0, s1);
+#pragma unroll
+            for (int o = 4; o < 32; o <<= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+            const float mn = fmaxf(m[e], mx);  // finite: key t0 is in the context
+            const float r = lse_weight(m[e], mn);
+            m[e] = mn;
+            l[e] *= r;
+#pragma unroll
+            for (int i = 0; i < VSETS * 4; ++i) { acc[i][e] *= r; acc[i][2 + e] *= r; }
+            const float p0 = __expf(s0 - mn), p1 = __expf(s1 - mn);
+            l[e] += p0 + p1;
+            pw[(2 * tig + e) * 16 + gid] = f2h(p0);
+            pw[(2 * tig + e) * 16 + gid + 8] = f2h(p1);
+        }
+        __syncwarp();
+        const uint2 pb = *reinterpret_cast<const uint2*>(&p_s[warp][gid][2 * tig]);  // keys 4tig..4tig+3, head gid
+        __syncwarp();  // the next tile rewrites p_s
+        // O^T += V^T P^T
+#pragma unroll
+        for (int c = 0; c < VSETS; ++c) {
+            const u32 w0[4] = {vr[0][c].x, vr[0][c].y, vr[0][c].z, vr[0][c].w};
+            const u32 w1[4] = {vr[1][c].x, vr[1][c].y, vr[1][c].z, vr[1][c].w};
+            const u32 w2[4] = {vr[2][c].x, vr[2][c].y, vr[2][c].z, vr[2][c].w};
+            const u32 w3[4] = {vr[3][c].x, vr[3][c].y, vr[3][c].z, vr[3][c].w};
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                const u32 a[4] = {prmt(w0[j], w1[j], 0x5410), prmt(w0[j], w1[j], 0x7632), prmt(w2[j], w3[j], 0x5410),
+                                  prmt(w2[j], w3[j], 0x7632)};
+                mma_m16n8k16(acc[c * 4 + j], a, pb.x, pb.y);
+            }
+        }
+    }
+    // the row sums: each lane holds its keys' share; add the 8 lanes of this tig
+#pragma unroll
+    for (int e = 0; e < 2; ++e)
+#pragma unroll
+        for (int o = 4; o < 32; o <<= 1) l[e] += __shfl_xor_sync(0xffffffffu, l[e], o);
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+        const int h = 2 * tig + e;
+        if (h >= GROUP) continue;
+        float* out = red + (warp * GROUP + h) * HEAD_DIM;
+#pragma unroll
+        for (int c = 0; c < VSETS; ++c)
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                out[64 * c + 8 * gid + 2 * j] = acc[c * 4 + j][e];
+                out[64 * c + 8 * gid + 2 * j + 1] = acc[c * 4 + j][2 + e];
+            }
+        if (gid == 0) { ml[(warp * GROUP + h) * 2] = m[e]; ml[(warp * GROUP + h) * 2 + 1] = l[e]; }
+    }
+}
+#endif
+
+extern "C" __global__ void __launch_bounds__(NUM_THREADS, ATTN_MIN_BLOCKS) attn_decode(const DecodeParams p) {
     pdl_enter();
     extern __shared__ float smem[];
     float* q_s = smem;                                  // [GROUP][HEAD_DIM], pre-scaled
-    float* logits = q_s + GROUP * HEAD_DIM;             // [GROUP][PARTITION]
-    float* red = logits + GROUP * PARTITION;            // [NG][GROUP][HEAD_DIM]
-    float* ml = red + NG * GROUP * HEAD_DIM;            // [GROUP][2]
+    float* red = q_s + GROUP * HEAD_DIM;                // [NUM_WARPS][GROUP][HEAD_DIM]; then the merge weights
+    float* ml = red + NUM_WARPS * GROUP * HEAD_DIM;     // [NUM_WARPS][GROUP][2]: each warp's running max, sum
+    __shared__ int tbl_s[PARTITION + 1];                // this split's KV block ids (any block_size >= 1)
     const int kvh = blockIdx.x, seq = blockIdx.y, split = blockIdx.z;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int seq_len = p.seq_lens[seq];
@@ -132,89 +268,146 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS) attn_decode(const Deco
     if (n <= 0) return;  // past this context (the grid is sized for the longest): the reduce never reads it
     const bool direct = seq_len <= plen;  // one split holds the whole context: write out, the reduce skips it
     const i64 row = p.query_start_loc[seq + 1] - 1;
+    const int first_blk = start / p.block_size;
+    // block table slice first, so each key's address is one smem read away (no global load chain per key)
+    for (int i = tid; i <= (start + n - 1) / p.block_size - first_blk; i += NUM_THREADS)
+        tbl_s[i] = p.block_tables[(i64)seq * p.max_blocks + first_blk + i];
+#if !ATTN_MMA
     for (int i = tid; i < GROUP * HEAD_DIM; i += NUM_THREADS) {
         const int g = i / HEAD_DIM, d = i % HEAD_DIM;
         q_s[i] = h2f(p.q[row * p.q_token_stride + (kvh * GROUP + g) * p.q_head_stride + d]) * p.scale;
     }
+#endif
     __syncthreads();
+    const half_t* k_head = p.kv + (i64)kvh * HEAD_DIM;
+    const i64 slot_stride = (i64)p.num_kv_heads * HEAD_DIM;
+    auto key_off = [&](int t) -> i64 {  // element offset of the split's key t in the K (and V) plane
+        const int b = (start + t) / p.block_size;
+        return ((i64)tbl_s[b - first_blk] * p.block_size + (start + t - b * p.block_size)) * slot_stride;
+    };
+#if ATTN_MMA
+    warp_attend_mma(p, k_head, key_off, n, row, kvh, warp, lane, red, ml);
+#else
 
-    // 1) scores: TG lanes share one key, each holding one 16-byte slice of it
+    // One pass with an online softmax (Milakov & Gimelshein 2018): TG lanes share a key, each lane holding one
+    // 16-byte slice (8 dims) of its K and V rows; a warp keeps KV_UNROLL keys' K and V loads in flight per lane
+    // before it computes. Each group of TG lanes ("sub") keeps its own running max / sum per head; the subs, then
+    // the warps, are merged by log-sum-exp in a fixed order (deterministic).
     const int sub = lane / TG, sl = lane % TG;
-    for (int t0 = warp * (32 / TG); t0 < n; t0 += NUM_WARPS * (32 / TG)) {
-        const int t = t0 + sub;
-        float part[GROUP];
+    const int dsl = sl < VECS ? sl : 0;  // idle lanes (HEAD_DIM not a power-of-two multiple of 8) mirror slice 0
+    float m[GROUP], l[GROUP], acc[GROUP][8];
 #pragma unroll
-        for (int g = 0; g < GROUP; ++g) part[g] = 0.f;
-        if (t < n && sl < VECS) {
+    for (int g = 0; g < GROUP; ++g) {
+        m[g] = VOLT_NEG_INF;
+        l[g] = 0.f;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) acc[g][j] = 0.f;
+    }
+    for (int t0 = warp * KPW * KV_UNROLL; t0 < n; t0 += KEYS_PER_ITER) {
+        uint4 kr[KV_UNROLL], vr[KV_UNROLL];
+#pragma unroll
+        for (int u = 0; u < KV_UNROLL; ++u) {
+            const int t = t0 + u * KPW + sub;
+            kr[u] = vr[u] = make_uint4(0u, 0u, 0u, 0u);
+            if (t < n) {  // past the context: never read (its slots may hold anything)
+                const half_t* kp = k_head + key_off(t) + dsl * 8;
+                kr[u] = __ldg(reinterpret_cast<const uint4*>(kp));
+                vr[u] = __ldg(reinterpret_cast<const uint4*>(kp + p.kv_plane));
+            }
+        }
+        float s[KV_UNROLL][GROUP];
+#pragma unroll
+        for (int u = 0; u < KV_UNROLL; ++u) {
             float kf[8];
-            load8(kv_row(p, seq, kvh, start + t) + sl * 8, kf);
+            unpack2(kr[u].x, kf[0], kf[1]);
+            unpack2(kr[u].y, kf[2], kf[3]);
+            unpack2(kr[u].z, kf[4], kf[5]);
+            unpack2(kr[u].w, kf[6], kf[7]);
 #pragma unroll
             for (int g = 0; g < GROUP; ++g) {
-                const float* qg = q_s + g * HEAD_DIM + sl * 8;
+                const float* qg = q_s + g * HEAD_DIM + dsl * 8;
+                float d = 0.f;
+                if (sl < VECS) {
 #pragma unroll
-                for (int j = 0; j < 8; ++j) part[g] += qg[j] * kf[j];
+                    for (int j = 0; j < 8; ++j) d += qg[j] * kf[j];
+                }
+#pragma unroll
+                for (int o = TG / 2; o > 0; o >>= 1) d += __shfl_xor_sync(0xffffffffu, d, o);
+                s[u][g] = t0 + u * KPW + sub < n ? d : VOLT_NEG_INF;
             }
         }
 #pragma unroll
         for (int g = 0; g < GROUP; ++g) {
+            float mx = m[g];
 #pragma unroll
-            for (int o = TG / 2; o > 0; o >>= 1) part[g] += __shfl_xor_sync(0xffffffffu, part[g], o);
-            if (sl == 0 && t < n) logits[g * PARTITION + t] = part[g];
-        }
-    }
-    __syncthreads();
-
-    // 2) softmax numerators over the partition, one warp per query head
-    for (int g = warp; g < GROUP; g += NUM_WARPS) {
-        float m = VOLT_NEG_INF;
-        for (int t = lane; t < n; t += 32) m = fmaxf(m, logits[g * PARTITION + t]);
-        m = warp_max(m);
-        float l = 0.f;
-        for (int t = lane; t < n; t += 32) {
-            const float e = __expf(logits[g * PARTITION + t] - m);
-            logits[g * PARTITION + t] = e;
-            l += e;
-        }
-        l = warp_sum(l);
-        if (lane == 0) { ml[2 * g] = m; ml[2 * g + 1] = l; }
-    }
-    __syncthreads();
-
-    // 3) P @ V: thread owns one pair of dims for every head of the group, NG token groups split the keys
-    const int grp = tid / PAIRS, pr = tid % PAIRS;
-    if (grp < NG) {
-        float acc[GROUP][2];
+            for (int u = 0; u < KV_UNROLL; ++u) mx = fmaxf(mx, s[u][g]);
+            if (mx == VOLT_NEG_INF) continue;  // no key of this sub in the chunk
+            const float sc = lse_weight(m[g], mx);
+            m[g] = mx;
+            l[g] *= sc;
 #pragma unroll
-        for (int g = 0; g < GROUP; ++g) acc[g][0] = acc[g][1] = 0.f;
-        for (int t = grp; t < n; t += NG) {
-            const u32 w = *reinterpret_cast<const u32*>(kv_row(p, seq, kvh, start + t) + p.kv_plane + 2 * pr);
-            float v0, v1;
-            unpack2(w, v0, v1);
+            for (int j = 0; j < 8; ++j) acc[g][j] *= sc;
+#pragma unroll
+            for (int u = 0; u < KV_UNROLL; ++u) s[u][g] = __expf(s[u][g] - mx);  // -inf -> 0
+        }
+#pragma unroll
+        for (int u = 0; u < KV_UNROLL; ++u) {
+            float vf[8];
+            unpack2(vr[u].x, vf[0], vf[1]);
+            unpack2(vr[u].y, vf[2], vf[3]);
+            unpack2(vr[u].z, vf[4], vf[5]);
+            unpack2(vr[u].w, vf[6], vf[7]);
 #pragma unroll
             for (int g = 0; g < GROUP; ++g) {
-                const float e = logits[g * PARTITION + t];
-                acc[g][0] += e * v0;
-                acc[g][1] += e * v1;
+                if (m[g] == VOLT_NEG_INF) continue;
+                l[g] += s[u][g];
+#pragma unroll
+                for (int j = 0; j < 8; ++j) acc[g][j] += s[u][g] * vf[j];
             }
         }
+    }
+    // merge the KPW subs of the warp (lanes sl, sl + TG, ...)
+#pragma unroll
+    for (int o = TG; o < 32; o <<= 1) {
 #pragma unroll
         for (int g = 0; g < GROUP; ++g) {
-            red[(grp * GROUP + g) * HEAD_DIM + 2 * pr] = acc[g][0];
-            red[(grp * GROUP + g) * HEAD_DIM + 2 * pr + 1] = acc[g][1];
+            const float mo = __shfl_xor_sync(0xffffffffu, m[g], o), lo = __shfl_xor_sync(0xffffffffu, l[g], o);
+            const float M = fmaxf(m[g], mo), a = lse_weight(m[g], M), b = lse_weight(mo, M);
+            l[g] = l[g] * a + lo * b;
+            m[g] = M;
+#pragma unroll
+            for (int j = 0; j < 8; ++j) acc[g][j] = acc[g][j] * a + __shfl_xor_sync(0xffffffffu, acc[g][j], o) * b;
         }
     }
+    if (sub == 0 && sl < VECS) {
+#pragma unroll
+        for (int g = 0; g < GROUP; ++g) {
+#pragma unroll
+            for (int j = 0; j < 8; ++j) red[(warp * GROUP + g) * HEAD_DIM + sl * 8 + j] = acc[g][j];
+            if (sl == 0) { ml[(warp * GROUP + g) * 2] = m[g]; ml[(warp * GROUP + g) * 2 + 1] = l[g]; }
+        }
+    }
+#endif  // !ATTN_MMA
     __syncthreads();
+    // merge the warps
     for (int i = tid; i < GROUP * HEAD_DIM; i += NUM_THREADS) {
         const int g = i / HEAD_DIM, d = i % HEAD_DIM;
-        float o = 0.f;
+        float M = VOLT_NEG_INF;
 #pragma unroll
-        for (int r = 0; r < NG; ++r) o += red[r * GROUP * HEAD_DIM + i];
+        for (int r = 0; r < NUM_WARPS; ++r) M = fmaxf(M, ml[(r * GROUP + g) * 2]);
+        float o = 0.f, L = 0.f;
+#pragma unroll
+        for (int r = 0; r < NUM_WARPS; ++r) {
+            const float a = lse_weight(ml[(r * GROUP + g) * 2], M);
+            o += red[r * GROUP * HEAD_DIM + i] * a;
+            L += ml[(r * GROUP + g) * 2 + 1] * a;
+        }
         if (direct) {
-            p.out[(row * p.num_heads + kvh * GROUP + g) * HEAD_DIM + d] = f2h(o / ml[2 * g + 1]);
+            p.out[(row * p.num_heads + kvh * GROUP + g) * HEAD_DIM + d] = f2h(o / L);
         } else {
             const i64 w = ws + (i64)g * p.num_splits;
             p.part_acc[w * HEAD_DIM + d] = o;
-            if (d == 0) { p.part_ml[w * 2] = ml[2 * g]; p.part_ml[w * 2 + 1] = ml[2 * g + 1]; }
+            if (d == 0) { p.part_ml[w * 2] = M; p.part_ml[w * 2 + 1] = L; }
         }
     }
     if (direct || p.counters == nullptr) return;
@@ -228,8 +421,8 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS) attn_decode(const Deco
     __syncthreads();
     if (!s_last) return;
     __threadfence();
-    merge_splits(p, seq, kvh, used, logits, PARTITION);  // scores consumed: reuse their smem (host:
-                                                         // counters only when num_splits <= PARTITION)
+    merge_splits(p, seq, kvh, used, red, NUM_WARPS * HEAD_DIM);  // warp partials consumed: reuse their smem
+                                                                 // (host: counters only when num_splits fits)
     if (tid == 0) *counter = 0;  // ready for the next launch on this stream
 }
 

@@ -26,6 +26,7 @@
 // gemv_mma_sb (below) is SM80+ only (cp.async); its SM70 build is an empty stub the launcher never takes.
 // Reference: voltserve.backends.cpu.CpuBackend.linear.
 #include "gemv_common.cuh"
+#include "mma.cuh"
 
 #ifndef SILU
 #define SILU 0
@@ -71,11 +72,6 @@
 
 VOLT_DEVICE u32 ldg_u16(const u8* p) { return (u32)__ldg(reinterpret_cast<const unsigned short*>(p)); }
 VOLT_DEVICE u32 ldg_u32(const u8* p) { return __ldg(reinterpret_cast<const unsigned int*>(p)); }
-VOLT_DEVICE u32 prmt(u32 a, u32 b, u32 sel) {
-    u32 d;
-    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
-    return d;
-}
 VOLT_DEVICE u32 hsub2(u32 a, u32 b) {
     u32 d;
     asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
@@ -92,23 +88,17 @@ VOLT_DEVICE u32 hfma2(u32 a, u32 b, u32 c) {
     return d;
 }
 
-// acc += A (16 x 16, row) * B (16 x 8, col), fp32 accumulate (SM80+).
+// acc += A (16 x 16, row) * B (16 x 8, col) where this build takes the SM80+ shape (a no-op in the SM70 build).
 VOLT_DEVICE void mma_16816(float (&acc)[4], const u32 (&a)[4], u32 b0, u32 b1) {
 #if GM_M16N8K16
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-        : "+f"(acc[0]), "+f"(acc[1]), "+f"(acc[2]), "+f"(acc[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    mma_m16n8k16(acc, a, b0, b1);
 #endif
 }
 
-// Each quad pair's acc += A (8 x 4, row) * B (4 x 8, col), fp32 accumulate (SM70+: V100's native HMMA shape).
+// Each quad pair's acc += A (8 x 4) * B (4 x 8) where this build takes the SM70 shape (else a no-op).
 VOLT_DEVICE void mma_884(float (&acc)[8], u32 a0, u32 a1, u32 b0, u32 b1) {
 #if !GM_M16N8K16
-    asm("mma.sync.aligned.m8n8k4.row.col.f32.f16.f16.f32 {%0,%1,%2,%3,%4,%5,%6,%7}, {%8,%9}, {%10,%11}, "
-        "{%0,%1,%2,%3,%4,%5,%6,%7};"
-        : "+f"(acc[0]), "+f"(acc[1]), "+f"(acc[2]), "+f"(acc[3]), "+f"(acc[4]), "+f"(acc[5]), "+f"(acc[6]),
-          "+f"(acc[7])
-        : "r"(a0), "r"(a1), "r"(b0), "r"(b1));
+    mma_m8n8k4(acc, a0, a1, b0, b1);
 #endif
 }
 

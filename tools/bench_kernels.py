@@ -14,6 +14,7 @@ Two kinds of rows:
   - `decode_*` rows (`decode_gemv_Q4_0_14336x4096_m1`: out x in): how decode sees the GEMV, a CUDA graph of
     launches replayed over enough distinct copies of the weight (>= 4x the L2) that every launch streams its
     weight from HBM; time per launch = graph time / copies. Bytes = weight + x + y.
+  - `decode_attn_*` rows: paged decode attention, CUDA-graph timed over rotated KV caches the same way.
 """
 
 from __future__ import annotations
@@ -140,6 +141,35 @@ def _decode_fused_cases(be, repeats: int, only: str | None):
             torch.cuda.empty_cache()
 
 
+def _decode_attention_cases(be, repeats: int, only: str | None):
+    """Paged decode attention at Llama-3-8B shapes (32 query / 8 KV heads, head_dim 128, 16-token KV blocks) for
+    (sequences x context) pairs, CUDA-graph timed like the `decode_*` GEMV rows; KV caches are rotated over copies
+    of >= 256 MB so every launch streams its keys and values from HBM. Bytes = K + V + q + out."""
+    from voltserve.backends.base import AttentionMetadata
+
+    nh, kvh, d = 32, 8, 128
+    for num_seqs, ctx in ((16, 4096), (32, 4096), (1, 32768), (1, 512), (8, 512)):
+        name = f"decode_attn_b{num_seqs}_ctx{ctx}"
+        if only and only not in name:
+            continue
+        blocks = math.ceil(ctx / 16)
+        kv_bytes = num_seqs * ctx * 2 * kvh * d * 2
+        copies = max(1, math.ceil(256e6 / kv_bytes))
+        caches = [torch.randn(2, num_seqs * blocks, 16, kvh, d, device="cuda", dtype=torch.float16)
+                  for _ in range(copies)]
+        tables = torch.randperm(num_seqs * blocks, device="cuda").to(torch.int32).view(num_seqs, blocks)
+        meta = AttentionMetadata(torch.arange(num_seqs + 1, device="cuda", dtype=torch.int32),
+                                 torch.full((num_seqs,), ctx, device="cuda", dtype=torch.int32), tables,
+                                 torch.zeros(0, device="cuda", dtype=torch.int64), 1, ctx, [1] * num_seqs,
+                                 [ctx] * num_seqs)
+        q = torch.randn(num_seqs, nh, d, device="cuda", dtype=torch.float16)
+        fns = [(lambda c=c: be.attention(q, c, meta, d ** -0.5)) for c in caches]
+        t = _graph_time(be, fns, repeats) / copies
+        yield name, t, kv_bytes + 2 * num_seqs * nh * d * 2, 4 * num_seqs * nh * ctx * d
+        del caches
+        torch.cuda.empty_cache()
+
+
 def _cases(be):
     from voltserve.backends.base import AttentionMetadata
     from voltserve.backends.cpu import rope_cos_sin
@@ -195,8 +225,6 @@ def _cases(be):
         qq = torch.randn(num_seqs * q_len, NH, D, device=dev, dtype=h)
         return lambda: be.attention(qq, kvc, meta, D ** -0.5)
 
-    yield "attn_decode_b32_ctx4096", attn_case(32, 4096, 1), 32 * 4096 * 2 * KVH * D * 2, 4 * 32 * NH * 4096 * D
-    yield "attn_decode_b1_ctx32768", attn_case(1, 32768, 1), 32768 * 2 * KVH * D * 2, 4 * NH * 32768 * D
     yield "attn_prefill_q2048", attn_case(1, 2048, 2048), 2048 * (2 * KVH + 2 * NH) * D * 2, 2 * NH * 2048 * 2048 * D
     logits = torch.randn(256, 128256, device=dev)
     yield "argmax_logprob_256x128256", lambda: be.sample_greedy(logits), logits.numel() * 4, 0
@@ -230,6 +258,8 @@ def main() -> int:
         if args.only and args.only not in name:
             continue
         add(name, _time(fn, args.repeats), num_bytes, flops)
+    for name, t, num_bytes, flops in _decode_attention_cases(be, args.repeats, args.only):
+        add(name, t, num_bytes, flops)
     choices = args.gemv_kernel.split(",")
     for choice in choices:
         be.gemv_kernel = choice

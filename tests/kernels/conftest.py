@@ -49,3 +49,12 @@ def gemv_choice(request, cuda_backend):
     cuda_backend.gemv_kernel = request.param
     yield request.param
     cuda_backend.gemv_kernel = "auto"
+
+
+@pytest.fixture(params=["auto", "simt"])
+def attn_choice(request, cuda_backend):
+    """Runs a decode-attention test under each `CudaBackend.attn_kernel` choice: the engine's ("auto": tensor
+    cores on SM80+ where the GQA group fits) and the CUDA-core path V100 runs ("simt")."""
+    cuda_backend.attn_kernel = request.param
+    yield request.param
+    cuda_backend.attn_kernel = "auto"

@@ -1,7 +1,8 @@
 """Paged attention (decode split-K and prefill) vs CpuBackend.attention (fp32 SDPA on the same fp16 values).
 
 Bound: max |got - ref| <= 4e-3 * max |ref| (fp16 output rounding; fp32 scores and softmax; __expf).
-Contexts from 1 to 5000+ tokens, batch 1 and 37, GQA groups 1 / 3 / 8, block tables shuffled.
+Contexts from 1 to 5000+ tokens, batch 1 and 37, GQA groups 1 / 3 / 4 / 8, block tables shuffled; decode runs both
+paths of attn_decode (tensor cores on SM80+, and the CUDA-core path V100 runs) through the `attn_choice` fixture.
 """
 
 import math
@@ -60,12 +61,12 @@ def _run(cuda_backend, cpu_backend, seq_lens, query_lens, heads, block_size, see
     return rel_err(got, ref)
 
 
-HEADS = [(9, 3, 64), (8, 1, 128), (4, 4, 64)]
+HEADS = [(9, 3, 64), (8, 1, 128), (4, 4, 64), (32, 8, 128)]  # the last: Llama-3-8B
 
 
-@pytest.mark.parametrize("heads", HEADS)
+@pytest.mark.parametrize("heads", HEADS + [(6, 2, 96)])  # head_dim 96: the CUDA-core path on every GPU
 @pytest.mark.parametrize("num_seqs", [1, 37])
-def test_decode(cuda_backend, cpu_backend, heads, num_seqs):
+def test_decode(cuda_backend, cpu_backend, heads, num_seqs, attn_choice):
     gen = torch.Generator().manual_seed(num_seqs)
     lens = torch.randint(1, 5200, (num_seqs,), generator=gen).tolist()
     lens[0] = 5003 if num_seqs == 1 else 1
@@ -75,11 +76,11 @@ def test_decode(cuda_backend, cpu_backend, heads, num_seqs):
 
 
 @pytest.mark.parametrize("heads", HEADS[:2])
-def test_decode_context_one(cuda_backend, cpu_backend, heads):
+def test_decode_context_one(cuda_backend, cpu_backend, heads, attn_choice):
     assert _run(cuda_backend, cpu_backend, [1], [1], heads, 16, seed=3) <= TOL
 
 
-def test_decode_grid_sized_for_capacity(cuda_backend, cpu_backend):
+def test_decode_grid_sized_for_capacity(cuda_backend, cpu_backend, attn_choice):
     """A graph bucket sizes the split grid for the max context: empty partitions must contribute nothing."""
     assert _run(cuda_backend, cpu_backend, [1, 700, 33], [1, 1, 1], (9, 3, 64), 16, seed=5,
                 max_seq_len=8192) <= TOL
@@ -104,7 +105,7 @@ def test_prefill_batch_37(cuda_backend, cpu_backend):
 
 @pytest.mark.parametrize("heads", HEADS)
 @pytest.mark.parametrize("lens", [[1], [15], [16], [17], [100], [513], [8192], [100, 1, 4000, 31, 2]])
-def test_decode_short_contexts_spread_over_capacity_grid(cuda_backend, cpu_backend, heads, lens):
+def test_decode_short_contexts_spread_over_capacity_grid(cuda_backend, cpu_backend, heads, lens, attn_choice):
     """Graph-sized grids (capacity 8192): each context is spread over the splits (split_len in the kernel);
     boundaries around 16 keys, one direct-write split, splits past the context and the full capacity."""
     assert _run(cuda_backend, cpu_backend, lens, [1] * len(lens), heads, 16, seed=len(lens) + lens[0],
@@ -122,7 +123,7 @@ def test_decode_plan_covers_capacity():
                 assert splits <= max(-(-cap // part), -(-cap // 16), 1)
 
 
-def test_decode_in_kernel_merge_matches_reduce_kernel(cuda_backend):
+def test_decode_in_kernel_merge_matches_reduce_kernel(cuda_backend, attn_choice):
     """The last split block's merge (arrival counters) equals the attn_decode_reduce path bit for bit, repeated
     launches are bitwise equal (fixed merge order), and the counters are back at zero."""
     gen = torch.Generator().manual_seed(9)
@@ -139,3 +140,10 @@ def test_decode_in_kernel_merge_matches_reduce_kernel(cuda_backend):
         assert torch.equal(cuda_backend.attention(q, kv, meta, 0.125), merged[0])
     finally:
         cuda_backend.attn_counters = saved
+
+
+@pytest.mark.parametrize("block_size", [1, 7, 32])
+def test_decode_block_sizes(cuda_backend, cpu_backend, block_size, attn_choice):
+    """KV blocks of any size: a split's block-table slice (staged in shared memory) and each key's slot."""
+    assert _run(cuda_backend, cpu_backend, [700, 1, 5003, 31], [1] * 4, (32, 8, 128), block_size, seed=block_size,
+                max_seq_len=8192) <= TOL

@@ -53,6 +53,11 @@ class CudaBackend:
         self.gemv_kernel = os.environ.get("VOLTSERVE_GEMV_KERNEL", "auto")
         if self.gemv_kernel not in ("auto", "scalar", "mma", "mma884"):
             raise ValueError(f"VOLTSERVE_GEMV_KERNEL={self.gemv_kernel!r}: expected auto, scalar, mma or mma884")
+        # decode attention path (attention_decode.cu): "auto" (tensor cores on SM80+ where the GQA group fits,
+        # else CUDA cores) or "simt" (the CUDA-core path, V100's, on any GPU: tests and A/B runs)
+        self.attn_kernel = os.environ.get("VOLTSERVE_ATTN_KERNEL", "auto")
+        if self.attn_kernel not in ("auto", "simt"):
+            raise ValueError(f"VOLTSERVE_ATTN_KERNEL={self.attn_kernel!r}: expected auto or simt")
         self._device_copies: dict[int, tuple[Any, torch.Tensor]] = {}
         self.num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         # split-K arrival counters of gemm_tc (zero between launches; allocated here, before any graph capture)
@@ -189,14 +194,14 @@ class CudaBackend:
         plane = kv_layer[0].numel()
         if attn.is_decode_only:
             group = num_heads // num_kv_heads
-            spec = kernels.decode_spec(head_dim, group)
+            spec = kernels.decode_spec(head_dim, group, simt=self.attn_kernel == "simt")
             num_splits, min_part = kernels.decode_plan(attn.max_seq_len, num_seqs, num_kv_heads, spec["PARTITION"],
                                                        self.num_sms)
             acc = torch.empty(num_seqs * num_heads * num_splits * head_dim if num_splits > 1 else 1,
                               dtype=torch.float32, device=self.device)
             ml = torch.empty(num_seqs * num_heads * num_splits * 2, dtype=torch.float32, device=self.device)
             # the last split block merges (one launch) while the counters cover every (sequence, KV head)
-            merge_in_kernel = num_splits <= spec["PARTITION"] and \
+            merge_in_kernel = num_splits <= kernels.decode_max_merged_splits(head_dim) and \
                 num_seqs * num_kv_heads <= self.attn_counters.numel()
             p = P.DecodeParams(*common, acc.data_ptr(), ml.data_ptr(),
                                self.attn_counters.data_ptr() if merge_in_kernel else None, q.stride(0), q.stride(1),

@@ -153,32 +153,45 @@ def defines(op: str, **spec: int) -> dict[str, int]:
     return {src.size_define: ctypes.sizeof(src.params), **extra, **spec}
 
 
+DECODE_WARPS = 4  # attn_decode: 128 threads per block (NUM_THREADS in attention_decode.cu)
+DECODE_BLOCKS_PER_SM = 4  # attn_decode: split a context further while the grid has fewer blocks than this per SM
+
+
+DECODE_PARTITION = 512  # attn_decode: most keys per split
+DECODE_MIN_PART = 64  # attn_decode: fewest keys per split while the (KV head, sequence) pairs leave SMs idle
+
+
 def decode_partition(head_dim: int, group: int) -> int:
-    """Keys per split of the decode kernel; smaller for wide GQA groups so shared memory stays small."""
-    return 512 if group * head_dim <= 512 else 256
+    """Most keys per split of the decode kernel (the smem block-table slice holds PARTITION + 1 entries)."""
+    return DECODE_PARTITION
 
 
 def decode_plan(max_seq_len: int, num_seqs: int, num_kv_heads: int, partition: int,
                 num_sms: int) -> tuple[int, int]:
     """(num_splits, min_part) of attn_decode for a grid sized by `max_seq_len` (the capacity under CUDA graphs).
 
-    At least ceil(max_seq_len / partition) splits (each sequence's keys fit); more, up to one per 16 keys, while
-    kv_heads x seqs blocks leave the GPU short of 2 blocks per SM: the kernel spreads each context evenly over the
-    splits (split_len in attention_decode.cu), so short contexts use many blocks. min_part (the fewest keys per
-    split) is 16 when the (KV head, sequence) pairs alone do not fill the SMs, else 64 (fewer partials to merge).
+    At least ceil(max_seq_len / partition) splits (each sequence's keys fit); more, down to min_part keys each,
+    while kv_heads x seqs blocks leave the GPU short of DECODE_BLOCKS_PER_SM blocks per SM: the kernel spreads each
+    context evenly over the splits (split_len in attention_decode.cu), so short contexts use many blocks. min_part
+    (the fewest keys per split, DECODE_MIN_PART) bounds the per-split fixed cost (block-table and q loads, the
+    partial's write and merge), which dominates a split of a few keys.
     """
     base = max(1, -(-max_seq_len // partition))
+    min_part = min(DECODE_MIN_PART, partition)
     busy = num_kv_heads * num_seqs
-    want = min(-(-2 * num_sms // busy), -(-max_seq_len // 16), partition)  # <= partition: merged in-kernel
-    min_part = 16 if busy < num_sms else min(64, partition)
+    want = min(-(-DECODE_BLOCKS_PER_SM * num_sms // busy), -(-max_seq_len // min_part), partition)
     return max(base, want), min_part
 
 
 def decode_smem_bytes(head_dim: int, group: int) -> int:
-    """Dynamic shared memory of attn_decode (mirrors the layout in attention_decode.cu)."""
-    part = decode_partition(head_dim, group)
-    num_groups = 128 // (head_dim // 2)
-    return 4 * (group * head_dim + group * part + num_groups * group * head_dim + 2 * group)
+    """Dynamic shared memory of attn_decode (mirrors the layout in attention_decode.cu): q, the warps' partial
+    outputs and their running max / sum."""
+    return 4 * (group * head_dim + DECODE_WARPS * group * head_dim + DECODE_WARPS * group * 2)
+
+
+def decode_max_merged_splits(head_dim: int) -> int:
+    """Most splits attn_decode merges in-kernel (its merge weights reuse the warps' partial-output smem)."""
+    return DECODE_WARPS * head_dim
 
 
 def prefill_smem_bytes(head_dim: int) -> int:
@@ -186,8 +199,10 @@ def prefill_smem_bytes(head_dim: int) -> int:
     return 4 * 16 * head_dim + 2 * 32 * (head_dim + 2) + 2 * 32 * head_dim
 
 
-def decode_spec(head_dim: int, group: int) -> dict[str, int]:
-    return {"HEAD_DIM": head_dim, "GROUP": group, "PARTITION": decode_partition(head_dim, group)}
+def decode_spec(head_dim: int, group: int, simt: bool = False) -> dict[str, int]:
+    """attn_decode's specialisation; `simt` forces the CUDA-core path (V100's) on SM80+ GPUs."""
+    spec = {"HEAD_DIM": head_dim, "GROUP": group, "PARTITION": decode_partition(head_dim, group)}
+    return {**spec, "ATTN_SIMT": 1} if simt else spec
 
 
 # Specialisations the engine compiles for the model families it serves (head_dim 64 / 128, GQA groups 1-8).

@@ -5,8 +5,8 @@
 //   out[s, h, :] = softmax(scale * q[s, h] . K[s, 0:seq_len, h / GROUP]) @ V[...]
 // attn_decode:        grid (num_kv_heads, num_seqs, num_splits); block 128 threads; one pass over the split's
 //                     keys with an online softmax, K and V rows loaded together (KV_UNROLL keys in flight per lane);
-//                     dynamic smem = 4 * (GROUP*HEAD_DIM + 4*GROUP*HEAD_DIM + 8*GROUP) bytes (4 = warps), plus
-//                     the split's block-table slice statically.
+//                     dynamic smem = 4 * (GROUP*HEAD_DIM + 4*GROUP*HEAD_DIM + 8*GROUP + PARTITION/block_size + 2)
+//                     bytes (4 = warps; the last term: the split's block-table slice).
 //                     A sequence's context is cut into splits of split_len() keys
 //                     (seq_len / num_splits rounded up to 16, clamped to [min_part, PARTITION]): a short context
 //                     still spreads over many blocks, splits past the context exit at once. When one split holds
@@ -34,7 +34,7 @@
 #define GROUP 1
 #endif
 #ifndef PARTITION
-#define PARTITION 512
+#define PARTITION 4096
 #endif
 #define NUM_THREADS 128
 #define NUM_WARPS (NUM_THREADS / 32)
@@ -121,13 +121,22 @@ VOLT_DEVICE void merge_splits(const DecodeParams& p, int seq, int kvh, int used,
     }
     __syncthreads();
     const i64 row = p.query_start_loc[seq + 1] - 1;
-    for (int i = tid; i < GROUP * HEAD_DIM; i += NUM_THREADS) {
-        const int g = i / HEAD_DIM, d = i % HEAD_DIM;
-        const float* acc = p.part_acc + (base + (i64)g * p.num_splits) * HEAD_DIM + d;
-        float o = 0.f;
-#pragma unroll 8
-        for (int sp = 0; sp < used; ++sp) o += __ldcg(acc + (i64)sp * HEAD_DIM) * w[g * ws + sp];
-        p.out[(row * p.num_heads + kvh * GROUP + g) * HEAD_DIM + d] = f2h(o);
+    // 4 outputs per thread (16-byte partial loads), 16 splits' loads in flight: the merge is the launch's tail
+    for (int i = tid; i < GROUP * HEAD_DIM / 4; i += NUM_THREADS) {
+        const int g = 4 * i / HEAD_DIM, d = 4 * i % HEAD_DIM;
+        const float4* acc = reinterpret_cast<const float4*>(p.part_acc + (base + (i64)g * p.num_splits) * HEAD_DIM + d);
+        float o[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll 16
+        for (int sp = 0; sp < used; ++sp) {
+            const float4 a = __ldcg(acc + (i64)sp * (HEAD_DIM / 4));
+            const float e = w[g * ws + sp];
+            o[0] += a.x * e;
+            o[1] += a.y * e;
+            o[2] += a.z * e;
+            o[3] += a.w * e;
+        }
+        *reinterpret_cast<uint2*>(p.out + (row * p.num_heads + kvh * GROUP + g) * HEAD_DIM + d) =
+            make_uint2(pack2(o[0], o[1]), pack2(o[2], o[3]));
     }
 }
 
@@ -139,8 +148,8 @@ VOLT_DEVICE float lse_weight(float m, float M) { return m == VOLT_NEG_INF ? 0.f 
 // (gid = lane / 4, tig = lane % 4). Online softmax (Milakov & Gimelshein 2018) per head, fp32 state.
 //  S = K q^T: M = 16 keys (rows gid, gid + 8 are keys gid, gid + 8), N = 8 heads (GROUP <= 8, padded with q = 0),
 //    k = HEAD_DIM in 16-wide steps; k slots are a permutation of the dims (a dot product is order-free): at step s
-//    slots (2tig, 2tig+1, 2tig+8, 2tig+9) hold dims tig * HEAD_DIM/4 + 4s + (0..3), so each lane loads its keys'
-//    quarter rows as 16-byte vectors and its q words once.
+//    slots (2tig, 2tig+1, 2tig+8, 2tig+9) hold dims 32 (s / 2) + 8 tig + 4 (s % 2) + (0..3), so the 4 lanes of a
+//    key load 64 contiguous bytes of its row per 16-byte vector, and each lane its q words once.
 //  O^T += V^T P^T: M = 16 dims per tile, N = 8 heads, k = the tile's 16 keys, slots (2tig, 2tig+1, 2tig+8,
 //    2tig+9) = keys 4tig + (0..3); tile (c, j) rows gid / gid + 8 = dims 64c + 8gid + 2j / + 1, so each lane
 //    loads 8-dim vectors of its 4 keys and pairs them across keys with prmt. P goes through 256 bytes of smem
@@ -152,14 +161,17 @@ VOLT_DEVICE void warp_attend_mma(const DecodeParams& p, const half_t* k_head, co
     constexpr int KSTEPS = HEAD_DIM / 16, KVEC = HEAD_DIM / 32, VSETS = HEAD_DIM / 64;
     __shared__ __align__(16) u32 p_s[NUM_WARPS][8][8];  // [warp][head][16 keys as fp16 pairs]
     const int gid = lane >> 2, tig = lane & 3;
-    // q^T as B fragments: head gid, dims tig * HEAD_DIM/4 + [0, HEAD_DIM/4) as fp16 pairs (0 for padded heads)
+    // q^T as B fragments: head gid, word i = dims 32 (i / 4) + 8 tig + 2 (i % 4) + (0, 1) (0 for padded heads)
     u32 qw[HEAD_DIM / 8];
     {
         const bool real = gid < GROUP;
         const half_t* qh = p.q + row * p.q_token_stride + (i64)(kvh * GROUP + (real ? gid : 0)) * p.q_head_stride +
-                           tig * (HEAD_DIM / 4);
+                           8 * tig;
 #pragma unroll
-        for (int i = 0; i < HEAD_DIM / 8; ++i) qw[i] = real ? (u32)qh[2 * i] | ((u32)qh[2 * i + 1] << 16) : 0u;
+        for (int i = 0; i < HEAD_DIM / 8; ++i) {
+            const int d = 32 * (i / 4) + 2 * (i % 4);
+            qw[i] = real ? (u32)qh[d] | ((u32)qh[d + 1] << 16) : 0u;
+        }
     }
     float acc[VSETS * 4][4];
 #pragma unroll
@@ -172,9 +184,9 @@ VOLT_DEVICE void warp_attend_mma(const DecodeParams& p, const half_t* k_head, co
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
             const int t = t0 + gid + 8 * r;
-            const half_t* kp = t < n ? k_head + key_off(t) + tig * (HEAD_DIM / 4) : nullptr;
+            const half_t* kp = t < n ? k_head + key_off(t) + 8 * tig : nullptr;
 #pragma unroll
-            for (int v = 0; v < KVEC; ++v) kr[r][v] = kp ? __ldg(reinterpret_cast<const uint4*>(kp) + v) : zero;
+            for (int v = 0; v < KVEC; ++v) kr[r][v] = kp ? __ldg(reinterpret_cast<const uint4*>(kp + 32 * v)) : zero;
         }
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
@@ -257,7 +269,8 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, ATTN_MIN_BLOCKS) attn_
     float* q_s = smem;                                  // [GROUP][HEAD_DIM], pre-scaled
     float* red = q_s + GROUP * HEAD_DIM;                // [NUM_WARPS][GROUP][HEAD_DIM]; then the merge weights
     float* ml = red + NUM_WARPS * GROUP * HEAD_DIM;     // [NUM_WARPS][GROUP][2]: each warp's running max, sum
-    __shared__ int tbl_s[PARTITION + 1];                // this split's KV block ids (any block_size >= 1)
+    int* tbl_s = reinterpret_cast<int*>(ml + NUM_WARPS * GROUP * 2);  // the split's KV block ids:
+                                                                       // PARTITION / block_size + 2 entries
     const int kvh = blockIdx.x, seq = blockIdx.y, split = blockIdx.z;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int seq_len = p.seq_lens[seq];

@@ -143,8 +143,8 @@ def _decode_fused_cases(be, repeats: int, only: str | None):
 
 def _decode_attention_cases(be, repeats: int, only: str | None):
     """Paged decode attention at Llama-3-8B shapes (32 query / 8 KV heads, head_dim 128, 16-token KV blocks) for
-    (sequences x context) pairs, CUDA-graph timed like the `decode_*` GEMV rows; KV caches are rotated over copies
-    of >= 256 MB so every launch streams its keys and values from HBM. Bytes = K + V + q + out."""
+    (sequences x context) pairs, CUDA-graph timed like the `decode_*` GEMV rows; KV caches are rotated over >= 4
+    copies of >= 256 MB in all so every launch streams its keys and values from HBM. Bytes = K + V + q + out."""
     from voltserve.backends.base import AttentionMetadata
 
     nh, kvh, d = 32, 8, 128
@@ -154,7 +154,7 @@ def _decode_attention_cases(be, repeats: int, only: str | None):
             continue
         blocks = math.ceil(ctx / 16)
         kv_bytes = num_seqs * ctx * 2 * kvh * d * 2
-        copies = max(1, math.ceil(256e6 / kv_bytes))
+        copies = max(4, math.ceil(256e6 / kv_bytes))  # >= 4: a one-launch graph would time the launch too
         caches = [torch.randn(2, num_seqs * blocks, 16, kvh, d, device="cuda", dtype=torch.float16)
                   for _ in range(copies)]
         tables = torch.randperm(num_seqs * blocks, device="cuda").to(torch.int32).view(num_seqs, blocks)

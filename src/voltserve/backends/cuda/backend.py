@@ -59,6 +59,7 @@ class CudaBackend:
         if self.attn_kernel not in ("auto", "simt"):
             raise ValueError(f"VOLTSERVE_ATTN_KERNEL={self.attn_kernel!r}: expected auto or simt")
         self._device_copies: dict[int, tuple[Any, torch.Tensor]] = {}
+        self._blocks_per_sm: dict[tuple, int] = {}
         self.num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         # split-K arrival counters of gemm_tc (zero between launches; allocated here, before any graph capture)
         self.gemm_counters = torch.zeros(kernels.GEMM_TC_MAX_COUNTERS, dtype=torch.int32, device=self.device)
@@ -78,6 +79,15 @@ class CudaBackend:
         fn = self.loader.function(op, kernel, spec, smem)
         driver.launch(fn, tuple(grid), tuple(block), smem, self.stream, params, kernel,
                       self.pdl if pdl is None else pdl)
+
+    def _occupancy(self, op: str, kernel: str, spec: dict[str, int], smem: int, threads: int = 128) -> int:
+        """Blocks of `kernel` one SM holds at once (the driver's occupancy calculator), memoised."""
+        key = (op, kernel, tuple(sorted(spec.items())), smem, threads)
+        hit = self._blocks_per_sm.get(key)
+        if hit is None:
+            hit = self._blocks_per_sm[key] = max(1, driver.blocks_per_sm(
+                self.loader.function(op, kernel, spec, smem), threads, smem))
+        return hit
 
     def _on_device(self, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """`t` as a contiguous device tensor of `dtype`; host tensors are copied once and memoised per object."""
@@ -195,8 +205,10 @@ class CudaBackend:
         if attn.is_decode_only:
             group = num_heads // num_kv_heads
             spec = kernels.decode_spec(head_dim, group, simt=self.attn_kernel == "simt")
+            smem = kernels.decode_smem_bytes(head_dim, group, block_size, spec["PARTITION"])
             num_splits, min_part = kernels.decode_plan(attn.max_seq_len, num_seqs, num_kv_heads, spec["PARTITION"],
-                                                       self.num_sms)
+                                                       self.num_sms, self._occupancy("attention_decode",
+                                                                                     "attn_decode", spec, smem))
             acc = torch.empty(num_seqs * num_heads * num_splits * head_dim if num_splits > 1 else 1,
                               dtype=torch.float32, device=self.device)
             ml = torch.empty(num_seqs * num_heads * num_splits * 2, dtype=torch.float32, device=self.device)
@@ -207,7 +219,6 @@ class CudaBackend:
                                self.attn_counters.data_ptr() if merge_in_kernel else None, q.stride(0), q.stride(1),
                                plane, num_seqs, num_heads, num_kv_heads, block_size, tables.shape[1], num_splits,
                                scale, min_part)
-            smem = kernels.decode_smem_bytes(head_dim, group)
             self._launch("attention_decode", "attn_decode", spec, (num_kv_heads, num_seqs, num_splits),
                          (128, 1, 1), smem, p)
             if num_splits > 1 and not merge_in_kernel:

@@ -99,6 +99,14 @@ def get_function(module: Any, name: str) -> Any:
     return check(driver.cuModuleGetFunction(module, name.encode()), f"cuModuleGetFunction({name})")
 
 
+def blocks_per_sm(function: Any, block_threads: int, smem_bytes: int) -> int:
+    """How many blocks of `function` (block_threads threads, smem_bytes of dynamic shared memory) one SM holds at
+    once (cuOccupancyMaxActiveBlocksPerMultiprocessor: registers, shared memory and thread limits)."""
+    driver, _ = bindings()
+    return int(check(driver.cuOccupancyMaxActiveBlocksPerMultiprocessor(function, block_threads, smem_bytes),
+                     "cuOccupancyMaxActiveBlocksPerMultiprocessor"))
+
+
 def set_max_dynamic_smem(function: Any, num_bytes: int) -> None:
     """Opt a kernel into more than 48 KiB of dynamic shared memory (SM70: up to 96 KiB)."""
     driver, _ = bindings()

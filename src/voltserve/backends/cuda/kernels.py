@@ -154,39 +154,39 @@ def defines(op: str, **spec: int) -> dict[str, int]:
 
 
 DECODE_WARPS = 4  # attn_decode: 128 threads per block (NUM_THREADS in attention_decode.cu)
-DECODE_BLOCKS_PER_SM = 4  # attn_decode: split a context further while the grid has fewer blocks than this per SM
-
-
-DECODE_PARTITION = 512  # attn_decode: most keys per split
+DECODE_BLOCKS_PER_SM = 4  # attn_decode: resident blocks per SM where the backend does not ask the driver
+DECODE_PARTITION = 4096  # attn_decode: most keys per split
 DECODE_MIN_PART = 64  # attn_decode: fewest keys per split while the (KV head, sequence) pairs leave SMs idle
 
 
 def decode_partition(head_dim: int, group: int) -> int:
-    """Most keys per split of the decode kernel (the smem block-table slice holds PARTITION + 1 entries)."""
+    """Most keys per split of the decode kernel."""
     return DECODE_PARTITION
 
 
 def decode_plan(max_seq_len: int, num_seqs: int, num_kv_heads: int, partition: int,
-                num_sms: int) -> tuple[int, int]:
+                num_sms: int, blocks_per_sm: int = DECODE_BLOCKS_PER_SM) -> tuple[int, int]:
     """(num_splits, min_part) of attn_decode for a grid sized by `max_seq_len` (the capacity under CUDA graphs).
 
     At least ceil(max_seq_len / partition) splits (each sequence's keys fit); more, down to min_part keys each,
-    while kv_heads x seqs blocks leave the GPU short of DECODE_BLOCKS_PER_SM blocks per SM: the kernel spreads each
-    context evenly over the splits (split_len in attention_decode.cu), so short contexts use many blocks. min_part
-    (the fewest keys per split, DECODE_MIN_PART) bounds the per-split fixed cost (block-table and q loads, the
-    partial's write and merge), which dominates a split of a few keys.
+    while the grid fits in one wave of `blocks_per_sm` (the kernel's occupancy) per SM: a whole number of full waves keeps
+    every SM streaming to the end (a grid of 1.9 waves ran at 0.74 of copy bandwidth where 1 wave of longer
+    splits does better). The kernel spreads each context evenly over the splits (split_len in attention_decode.cu),
+    so short contexts use many blocks. min_part (the fewest keys per split, DECODE_MIN_PART) bounds the per-split
+    fixed cost (block-table and q loads, the partial's write and merge), which dominates a split of a few keys.
     """
     base = max(1, -(-max_seq_len // partition))
     min_part = min(DECODE_MIN_PART, partition)
     busy = num_kv_heads * num_seqs
-    want = min(-(-DECODE_BLOCKS_PER_SM * num_sms // busy), -(-max_seq_len // min_part), partition)
+    want = min(max(1, blocks_per_sm * num_sms // busy), -(-max_seq_len // min_part), partition)
     return max(base, want), min_part
 
 
-def decode_smem_bytes(head_dim: int, group: int) -> int:
+def decode_smem_bytes(head_dim: int, group: int, block_size: int, partition: int) -> int:
     """Dynamic shared memory of attn_decode (mirrors the layout in attention_decode.cu): q, the warps' partial
-    outputs and their running max / sum."""
-    return 4 * (group * head_dim + DECODE_WARPS * group * head_dim + DECODE_WARPS * group * 2)
+    outputs and their running max / sum, the split's block-table slice."""
+    return 4 * (group * head_dim + DECODE_WARPS * group * head_dim + DECODE_WARPS * group * 2 +
+                partition // block_size + 2)
 
 
 def decode_max_merged_splits(head_dim: int) -> int:

@@ -112,17 +112,6 @@ def test_decode_short_contexts_spread_over_capacity_grid(cuda_backend, cpu_backe
                 max_seq_len=8192) <= TOL
 
 
-def test_decode_plan_covers_capacity():
-    from voltserve.backends.cuda import kernels
-
-    for cap in (1, 16, 100, 512, 513, 8192, 32768):
-        for seqs in (1, 8, 64, 256):
-            for kvh, part in ((3, 512), (1, 256), (8, 512)):
-                splits, min_part = kernels.decode_plan(cap, seqs, kvh, part, 132)
-                assert splits * part >= cap and min_part % 16 == 0 and 16 <= min_part <= part
-                assert splits <= max(-(-cap // part), -(-cap // 16), 1)
-
-
 def test_decode_in_kernel_merge_matches_reduce_kernel(cuda_backend, attn_choice):
     """The last split block's merge (arrival counters) equals the attn_decode_reduce path bit for bit, repeated
     launches are bitwise equal (fixed merge order), and the counters are back at zero."""

@@ -7,6 +7,8 @@ the same modules. No cuda-python or torch import here.
 from __future__ import annotations
 
 import ctypes
+import math
+import functools
 from dataclasses import dataclass
 
 from voltserve.backends.cuda import params as P
@@ -156,6 +158,7 @@ def defines(op: str, **spec: int) -> dict[str, int]:
 DECODE_WARPS = 4  # attn_decode: 128 threads per block (NUM_THREADS in attention_decode.cu)
 DECODE_BLOCKS_PER_SM = 4  # attn_decode: resident blocks per SM where the backend does not ask the driver
 DECODE_PARTITION = 4096  # attn_decode: most keys per split
+DECODE_WAVE_FILL = 0.95  # attn_decode: the share of a grid's block slots the split count aims to fill
 DECODE_MIN_PART = 64  # attn_decode: fewest keys per split while the (KV head, sequence) pairs leave SMs idle
 
 
@@ -164,22 +167,33 @@ def decode_partition(head_dim: int, group: int) -> int:
     return DECODE_PARTITION
 
 
+@functools.lru_cache(maxsize=4096)
 def decode_plan(max_seq_len: int, num_seqs: int, num_kv_heads: int, partition: int,
                 num_sms: int, blocks_per_sm: int = DECODE_BLOCKS_PER_SM) -> tuple[int, int]:
     """(num_splits, min_part) of attn_decode for a grid sized by `max_seq_len` (the capacity under CUDA graphs).
 
-    At least ceil(max_seq_len / partition) splits (each sequence's keys fit); more, down to min_part keys each,
-    while the grid fits in one wave of `blocks_per_sm` (the kernel's occupancy) per SM: a whole number of full waves keeps
-    every SM streaming to the end (a grid of 1.9 waves ran at 0.74 of copy bandwidth where 1 wave of longer
-    splits does better). The kernel spreads each context evenly over the splits (split_len in attention_decode.cu),
-    so short contexts use many blocks. min_part (the fewest keys per split, DECODE_MIN_PART) bounds the per-split
-    fixed cost (block-table and q loads, the partial's write and merge), which dominates a split of a few keys.
+    At least ceil(max_seq_len / partition) splits (each sequence's keys fit) and at most one per min_part keys;
+    among those, the fewest whose (KV head, sequence, split) blocks fill >= DECODE_WAVE_FILL of the block slots
+    of the waves they take (`blocks_per_sm`, the kernel's occupancy, x num_sms per wave), else the best-filling
+    (a grid short of one wave: the most splits). A grid of 1.9 waves ran at 0.74 of copy bandwidth where one
+    full wave of longer splits ran at 0.85 (H200, 16 x 4096 keys); more, shorter splits add per-split cost. The kernel spreads
+    each context evenly over the splits (split_len in attention_decode.cu), so short contexts use many blocks.
+    min_part (the fewest keys per split, DECODE_MIN_PART) bounds the per-split fixed cost (block-table and q
+    loads, the partial's write and merge), which dominates a split of a few keys. Memoised: it runs per layer.
     """
     base = max(1, -(-max_seq_len // partition))
     min_part = min(DECODE_MIN_PART, partition)
     busy = num_kv_heads * num_seqs
-    want = min(max(1, blocks_per_sm * num_sms // busy), -(-max_seq_len // min_part), partition)
-    return max(base, want), min_part
+    resident = max(1, blocks_per_sm * num_sms)
+    best, best_fill = base, 0.0
+    for splits in range(base, max(base, min(-(-max_seq_len // min_part), partition)) + 1):
+        waves = busy * splits / resident
+        fill = waves / math.ceil(waves)  # share of the launched waves' block slots that hold work
+        if fill >= DECODE_WAVE_FILL:
+            return splits, min_part
+        if fill > best_fill + 1e-9:
+            best, best_fill = splits, fill
+    return best, min_part
 
 
 def decode_smem_bytes(head_dim: int, group: int, block_size: int, partition: int) -> int:

@@ -1,0 +1,53 @@
+"""attn_decode's split plan (kernels.decode_plan) and shared-memory size: host-side arithmetic, no GPU."""
+
+import pytest
+
+from voltserve.backends.cuda import kernels
+
+
+@pytest.mark.parametrize("cap", [1, 16, 100, 512, 513, 8192, 32768, 262144])
+@pytest.mark.parametrize("seqs", [1, 8, 64, 256])
+@pytest.mark.parametrize("kvh", [1, 3, 8])
+@pytest.mark.parametrize("bps", [1, 3, 4])
+def test_plan_covers_capacity(cap, seqs, kvh, bps):
+    """Every context up to the capacity fits its splits (split_len <= PARTITION), no split is shorter than
+    min_part unless the context is, and the in-kernel merge's limit holds for the engine's head dims."""
+    part = kernels.DECODE_PARTITION
+    splits, min_part = kernels.decode_plan(cap, seqs, kvh, part, 132, bps)
+    assert splits * part >= cap
+    assert min_part == min(kernels.DECODE_MIN_PART, part) and min_part % 16 == 0
+    assert splits <= max(-(-cap // part), -(-cap // min_part), 1)
+
+
+# (capacity, sequences, blocks per SM) -> splits, 8 KV heads, 132 SMs (H200): measured cases of the sweep
+@pytest.mark.parametrize("cap,seqs,bps,want", [
+    (4096, 16, 4, 4),     # 512 blocks: 0.97 of one wave of 528
+    (4096, 32, 4, 2),     # 512 blocks
+    (4096, 32, 3, 3),     # CUDA-core path (3 blocks/SM): 768 blocks = 1.94 waves of 396
+    (32768, 1, 4, 63),    # a short grid spreads one long context: 504 blocks
+    (512, 1, 4, 8),       # short context: as many splits as min_part allows
+    (512, 8, 4, 8),
+    (600, 256, 4, 1),     # 2048 blocks already fill 0.97 of their 4 waves
+])
+def test_plan_fills_waves(cap, seqs, bps, want):
+    assert kernels.decode_plan(cap, seqs, 8, kernels.DECODE_PARTITION, 132, bps)[0] == want
+
+
+def test_plan_is_memoised():
+    """It runs per layer per step: the second call is a cache hit."""
+    kernels.decode_plan.cache_clear()
+    kernels.decode_plan(4096, 16, 8, 4096, 132, 4)
+    kernels.decode_plan(4096, 16, 8, 4096, 132, 4)
+    assert kernels.decode_plan.cache_info().hits == 1
+
+
+def test_smem_holds_the_block_table_slice():
+    """q, 4 warps' partial outputs and max / sum, and PARTITION / block_size + 2 block ids (4 bytes each)."""
+    assert kernels.decode_smem_bytes(128, 4, 16, 4096) == 4 * (512 + 4 * 512 + 4 * 4 * 2 + 256 + 2)
+    assert kernels.decode_smem_bytes(64, 1, 1, 4096) == 4 * (64 + 4 * 64 + 8 + 4096 + 2)
+    assert kernels.decode_max_merged_splits(128) == 512
+
+
+def test_spec_simt_forces_the_cuda_core_path():
+    assert kernels.decode_spec(128, 4) == {"HEAD_DIM": 128, "GROUP": 4, "PARTITION": kernels.DECODE_PARTITION}
+    assert kernels.decode_spec(128, 4, simt=True)["ATTN_SIMT"] == 1

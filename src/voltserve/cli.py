@@ -17,6 +17,7 @@ import sys
 from voltserve import __version__
 from voltserve.config import EngineConfig
 from voltserve.errors import ConfigError
+from voltserve.log_setup import configure_logging
 
 logger = logging.getLogger("voltserve.cli")
 
@@ -62,7 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
         kind = type(f.default)
         extra = {"action": argparse.BooleanOptionalAction} if kind is bool else {"type": kind, "metavar": f.name.upper()}
         serve.add_argument(_flag(f.name), dest=f.name, default=None, help=HELP.get(f.name, f.name), **extra)
-    serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    serve.add_argument("--log-level", default=None, choices=["debug", "info", "warning", "error"],
+                       help="log level of both processes (default: VOLTSERVE_LOG_LEVEL, else info)")
     return parser
 
 
@@ -109,8 +111,10 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the `voltserve` console script."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(level=getattr(args, "log_level", "info").upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        configure_logging(getattr(args, "log_level", None))
+    except ValueError as exc:  # a bad VOLTSERVE_LOG_LEVEL
+        parser.error(str(exc))
     if args.command == "serve":
         return serve(args)
     parser.error(f"unknown command {args.command}")

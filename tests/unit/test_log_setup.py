@@ -1,0 +1,71 @@
+"""voltserve.log_setup: the root handler `hypercorn api:app` and `voltserve serve` install (VOLTSERVE_LOG_LEVEL)."""
+
+import logging
+
+import pytest
+
+from voltserve import cli
+from voltserve.log_setup import configure_logging
+
+
+@pytest.fixture
+def bare_root(monkeypatch):
+    """The root logger as a bare `hypercorn api:app` process has it: no handlers, level WARNING. Cleared when the
+    test body asks (pytest adds its capture handler to the root just before the body runs)."""
+    root = logging.getLogger()
+
+    def clear():
+        monkeypatch.setattr(root, "handlers", [])
+        monkeypatch.setattr(root, "level", logging.WARNING)
+        return root
+
+    yield clear
+    for h in root.handlers:
+        if not type(h).__name__.startswith("LogCapture"):
+            h.close()
+
+
+def test_default_is_info(bare_root, monkeypatch):
+    monkeypatch.delenv("VOLTSERVE_LOG_LEVEL", raising=False)
+    root = bare_root()
+    configure_logging()
+    assert root.level == logging.INFO and len(root.handlers) == 1
+
+
+def test_environment_sets_the_level(bare_root, monkeypatch):
+    monkeypatch.setenv("VOLTSERVE_LOG_LEVEL", "DEBUG")
+    root = bare_root()
+    configure_logging()
+    assert root.level == logging.DEBUG
+
+
+def test_explicit_level_wins_over_environment(bare_root, monkeypatch):
+    monkeypatch.setenv("VOLTSERVE_LOG_LEVEL", "debug")
+    root = bare_root()
+    configure_logging("error")
+    assert root.level == logging.ERROR
+
+
+def test_host_configured_logging_is_left_alone(bare_root):
+    handler = logging.NullHandler()
+    root = bare_root()
+    root.handlers.append(handler)
+    configure_logging("debug")
+    assert root.handlers == [handler] and root.level == logging.WARNING
+
+
+def test_unknown_level_is_a_clear_error(bare_root, monkeypatch):
+    monkeypatch.setenv("VOLTSERVE_LOG_LEVEL", "verbose")
+    root = bare_root()
+    with pytest.raises(ValueError, match="'verbose': expected one of debug, info, warning, error"):
+        configure_logging()
+    assert root.handlers == []
+
+
+def test_cli_rejects_a_bad_environment_level(bare_root, monkeypatch, capsys):
+    monkeypatch.setenv("VOLTSERVE_LOG_LEVEL", "verbose")
+    bare_root()
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["serve"])
+    assert exc.value.code == 2
+    assert "VOLTSERVE_LOG_LEVEL" in capsys.readouterr().err

@@ -264,7 +264,9 @@ VOLT_DEVICE void warp_attend_mma(const DecodeParams& p, const half_t* k_head, co
 #endif
 
 extern "C" __global__ void __launch_bounds__(NUM_THREADS, ATTN_MIN_BLOCKS) attn_decode(const DecodeParams p) {
-    pdl_enter();
+    // Before pdl_enter (the previous kernel, rotary + KV write, may still run): only the step's metadata, which
+    // one host-to-device copy uploads before any kernel of the step and no kernel writes (seq_lens, block tables,
+    // query_start_loc), and L2 prefetches of old keys. q and the cache rows are read after it.
     extern __shared__ float smem[];
     float* q_s = smem;                                  // [GROUP][HEAD_DIM], pre-scaled
     float* red = q_s + GROUP * HEAD_DIM;                // [NUM_WARPS][GROUP][HEAD_DIM]; then the merge weights
@@ -285,6 +287,19 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, ATTN_MIN_BLOCKS) attn_
     // block table slice first, so each key's address is one smem read away (no global load chain per key)
     for (int i = tid; i <= (start + n - 1) / p.block_size - first_blk; i += NUM_THREADS)
         tbl_s[i] = p.block_tables[(i64)seq * p.max_blocks + first_blk + i];
+    __syncthreads();
+    {   // L2 prefetch of this warp's first keys' K and V rows (the newest key, being written, is skipped)
+        constexpr int LINES = (HEAD_DIM * 2 + 127) / 128;  // 128-byte lines per row
+        const int first = ATTN_MMA ? warp * 16 : warp * KPW * KV_UNROLL;
+        const int count = min(ATTN_MMA ? 16 : KPW * KV_UNROLL, n - first - (start + n == seq_len ? 1 : 0));
+        for (int i = lane; i < count * 2 * LINES; i += 32) {
+            const int t = first + i / (2 * LINES), plane = (i / LINES) & 1, line = i % LINES;
+            const int b = (start + t) / p.block_size;
+            const i64 slot = (i64)tbl_s[b - first_blk] * p.block_size + (start + t - b * p.block_size);
+            prefetch_l2(p.kv + plane * p.kv_plane + (slot * p.num_kv_heads + kvh) * HEAD_DIM + line * 64, 128, 0, 1);
+        }
+    }
+    pdl_enter();
 #if !ATTN_MMA
     for (int i = tid; i < GROUP * HEAD_DIM; i += NUM_THREADS) {
         const int g = i / HEAD_DIM, d = i % HEAD_DIM;

@@ -93,7 +93,8 @@ VOLT_DEVICE float block_max(float v, float* scratch) {
 // Programmatic dependent launch (PDL, SM90+). The launcher sets CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
 // on SM90+, so a kernel may start while the previous one in the stream still runs. Contract of every kernel here:
 // call pdl_enter() before the first read of anything an earlier kernel wrote and before the first global write
-// (only constant data such as weights may be touched before it, e.g. prefetched into L2). pdl_enter waits until
+// (only constant data such as weights, and the step's metadata that a host copy uploads before the step's first
+// kernel, may be touched before it, e.g. prefetched into L2). pdl_enter waits until
 // the previous grid has completed and its writes are visible, then lets the next grid launch, so at most two
 // grids overlap and a chain of waits orders every kernel after all earlier ones. Below SM90, and for a launch
 // without the attribute, both instructions are no-ops (PTX ISA 7.8 griddepcontrol).

@@ -4,9 +4,7 @@ Importing this package is cheap: the engine and the model load when serving star
 """
 
 from api.app import create_app
-from voltserve.log_setup import configure_logging
 
-configure_logging()  # VOLTSERVE_LOG_LEVEL (default info), unless the host configured logging
-app = create_app()
+app = create_app(configure_logs=True)  # logging (VOLTSERVE_LOG_LEVEL) is set up when serving starts
 
 __all__ = ["app", "create_app"]

@@ -21,6 +21,7 @@ from api.errors import error_response, unknown_url_response
 from api.state import EXTENSION_KEY, ServerState, random_id, unix_time_s
 from voltserve.config import EngineConfig
 from voltserve.errors import VoltError
+from voltserve.log_setup import configure_logging
 
 logger = logging.getLogger(__name__)
 MAX_BODY_BYTES = 32 * 1024 * 1024
@@ -62,7 +63,8 @@ def _terminate_self() -> None:
 
 
 def create_app(engine: Any = None, config: EngineConfig | None = None, *,
-               new_id: Callable[[str], str] = random_id, clock: Callable[[], int] = unix_time_s) -> Quart:
+               new_id: Callable[[str], str] = random_id, clock: Callable[[], int] = unix_time_s,
+               configure_logs: bool = False) -> Quart:
     """Build the app.
 
     Args:
@@ -71,6 +73,8 @@ def create_app(engine: Any = None, config: EngineConfig | None = None, *,
         config: engine settings; None = `engine.config` if given, else `EngineConfig.from_env()`.
         new_id: prefix -> response id (tests inject a fixed one for byte-exact comparisons).
         clock: -> unix seconds for `created`.
+        configure_logs: when serving starts, first set up logging (`voltserve.log_setup.configure_logging`:
+            VOLTSERVE_LOG_LEVEL, unless the host configured it); `hypercorn api:app` does, an embedding host not.
 
     Raises:
         ConfigError: an environment variable does not parse.
@@ -87,6 +91,8 @@ def create_app(engine: Any = None, config: EngineConfig | None = None, *,
 
     @app.before_serving
     async def start_engine() -> None:
+        if configure_logs:  # first: the engine process copies the root level when it starts
+            configure_logging()
         if state.engine is None:
             state.engine = make_engine(config)
         logger.info("starting engine: %s", config)

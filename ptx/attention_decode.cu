@@ -56,7 +56,8 @@
 #define ATTN_MMA 0
 #endif
 #ifndef ATTN_MIN_BLOCKS
-#define ATTN_MIN_BLOCKS (ATTN_MMA ? 4 : 1)  // MMA path: <= 128 registers (no spills), 16 warps per SM
+// MMA path: <= 128 registers for head_dim <= 128 (no spills, 16 warps per SM); wider heads keep more fragments live
+#define ATTN_MIN_BLOCKS (ATTN_MMA ? (HEAD_DIM <= 128 ? 4 : 2) : 1)
 #endif
 static_assert(HEAD_DIM % 8 == 0 && HEAD_DIM <= 256, "HEAD_DIM must be a multiple of 8, at most 256");
 

@@ -1,8 +1,10 @@
-"""Shared test fixtures: the `gpu` skip rule and the default model, fetched once through our own loader."""
+"""Shared test fixtures: the `gpu` skip rule, the default model (fetched once through our own loader), and the
+VOLTSERVE_* environment restored after every test (the CLI exports its flags there)."""
 
 from __future__ import annotations
 
 import functools
+import os
 import pathlib
 
 import pytest
@@ -23,6 +25,16 @@ def gpu_available() -> bool:
     except Exception:
         return False
     return True
+
+
+@pytest.fixture(autouse=True)
+def _restore_voltserve_env():
+    """`voltserve.cli` exports flags as VOLTSERVE_* variables of this process: undo what a test left behind."""
+    saved = {k: v for k, v in os.environ.items() if k.startswith("VOLTSERVE_")}
+    yield
+    for k in [k for k in os.environ if k.startswith("VOLTSERVE_") and k not in saved]:
+        del os.environ[k]
+    os.environ.update(saved)
 
 
 def pytest_collection_modifyitems(config, items):

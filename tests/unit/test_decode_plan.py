@@ -51,3 +51,7 @@ def test_smem_holds_the_block_table_slice():
 def test_spec_simt_forces_the_cuda_core_path():
     assert kernels.decode_spec(128, 4) == {"HEAD_DIM": 128, "GROUP": 4, "PARTITION": kernels.DECODE_PARTITION}
     assert kernels.decode_spec(128, 4, simt=True)["ATTN_SIMT"] == 1
+
+
+def test_plan_without_sequences():
+    assert kernels.decode_plan(100, 0, 8, 4096, 132, 4) == (1, 64)

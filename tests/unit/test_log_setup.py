@@ -1,6 +1,9 @@
 """voltserve.log_setup: the root handler `hypercorn api:app` and `voltserve serve` install (VOLTSERVE_LOG_LEVEL)."""
 
 import logging
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -69,3 +72,27 @@ def test_cli_rejects_a_bad_environment_level(bare_root, monkeypatch, capsys):
         cli.main(["serve"])
     assert exc.value.code == 2
     assert "VOLTSERVE_LOG_LEVEL" in capsys.readouterr().err
+
+
+def test_importing_api_leaves_logging_alone():
+    """Only serving configures logging: an embedding host that imports `api` keeps its own setup."""
+    code = ("import logging, api; r = logging.getLogger(); "
+            "assert r.handlers == [] and r.level == logging.WARNING, (r.handlers, r.level)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env={**os.environ, "VOLTSERVE_LOG_LEVEL": "debug"})
+    assert out.returncode == 0, out.stderr
+
+
+async def test_app_configures_logging_when_serving_starts(bare_root, monkeypatch):
+    """`hypercorn api:app` (create_app(configure_logs=True)) sets up logging before the engine starts."""
+    from api.app import create_app
+    from tests.api.fake_engine import ScriptedEngine
+    from voltserve.config import EngineConfig
+
+    monkeypatch.setenv("VOLTSERVE_LOG_LEVEL", "debug")
+    engine = ScriptedEngine()
+    engine.config = EngineConfig(model="test-model").validate()
+    app = create_app(engine, configure_logs=True)
+    root = bare_root()
+    async with app.test_app():
+        assert root.level == logging.DEBUG and len(root.handlers) == 1

@@ -196,9 +196,12 @@ class CudaBackend:
         num_seqs = attn.num_seqs
         if num_tokens == 0 or num_seqs == 0:
             return out
-        qsl = self._on_device(attn.query_start_loc, torch.int32)
-        seq_lens = self._on_device(attn.seq_lens, torch.int32)
-        tables = self._on_device(attn.block_tables, torch.int32)
+        meta = (attn.query_start_loc, attn.seq_lens, attn.block_tables)
+        # attn_decode reads the metadata before its PDL wait: fine for host copies, not for a cast kernel just
+        # launched on the device (its writes are visible only after the wait), so such a launch goes without PDL
+        meta_pdl = None if all(t.device != self.device or (t.dtype == torch.int32 and t.is_contiguous())
+                               for t in meta) else False
+        qsl, seq_lens, tables = (self._on_device(t, torch.int32) for t in meta)
         common = (q.data_ptr(), kv_layer.data_ptr(), tables.data_ptr(), seq_lens.data_ptr(), qsl.data_ptr(),
                   out.data_ptr())
         plane = kv_layer[0].numel()
@@ -220,7 +223,7 @@ class CudaBackend:
                                plane, num_seqs, num_heads, num_kv_heads, block_size, tables.shape[1], num_splits,
                                scale, min_part)
             self._launch("attention_decode", "attn_decode", spec, (num_kv_heads, num_seqs, num_splits),
-                         (128, 1, 1), smem, p)
+                         (128, 1, 1), smem, p, meta_pdl)
             if num_splits > 1 and not merge_in_kernel:
                 self._launch("attention_decode", "attn_decode_reduce", spec, (num_kv_heads, num_seqs, 1),
                              (128, 1, 1), 4 * group * num_splits, p)

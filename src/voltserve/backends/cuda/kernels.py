@@ -184,6 +184,8 @@ def decode_plan(max_seq_len: int, num_seqs: int, num_kv_heads: int, partition: i
     base = max(1, -(-max_seq_len // partition))
     min_part = min(DECODE_MIN_PART, partition)
     busy = num_kv_heads * num_seqs
+    if busy <= 0:
+        return base, min_part
     resident = max(1, blocks_per_sm * num_sms)
     best, best_fill = base, 0.0
     for splits in range(base, max(base, min(-(-max_seq_len // min_part), partition)) + 1):

@@ -289,15 +289,19 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, ATTN_MIN_BLOCKS) attn_
     for (int i = tid; i <= (start + n - 1) / p.block_size - first_blk; i += NUM_THREADS)
         tbl_s[i] = p.block_tables[(i64)seq * p.max_blocks + first_blk + i];
     __syncthreads();
+    const half_t* k_head = p.kv + (i64)kvh * HEAD_DIM;
+    const i64 slot_stride = (i64)p.num_kv_heads * HEAD_DIM;
+    auto key_off = [&](int t) -> i64 {  // element offset of the split's key t in the K (and V) plane
+        const int b = (start + t) / p.block_size;
+        return ((i64)tbl_s[b - first_blk] * p.block_size + (start + t - b * p.block_size)) * slot_stride;
+    };
     {   // L2 prefetch of this warp's first keys' K and V rows (the newest key, being written, is skipped)
         constexpr int LINES = (HEAD_DIM * 2 + 127) / 128;  // 128-byte lines per row
         const int first = ATTN_MMA ? warp * 16 : warp * KPW * KV_UNROLL;
         const int count = min(ATTN_MMA ? 16 : KPW * KV_UNROLL, n - first - (start + n == seq_len ? 1 : 0));
         for (int i = lane; i < count * 2 * LINES; i += 32) {
             const int t = first + i / (2 * LINES), plane = (i / LINES) & 1, line = i % LINES;
-            const int b = (start + t) / p.block_size;
-            const i64 slot = (i64)tbl_s[b - first_blk] * p.block_size + (start + t - b * p.block_size);
-            prefetch_l2(p.kv + plane * p.kv_plane + (slot * p.num_kv_heads + kvh) * HEAD_DIM + line * 64, 128, 0, 1);
+            prefetch_l2(k_head + plane * p.kv_plane + key_off(t) + line * 64, 128, 0, 1);
         }
     }
     pdl_enter();
@@ -308,12 +312,6 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, ATTN_MIN_BLOCKS) attn_
     }
 #endif
     __syncthreads();
-    const half_t* k_head = p.kv + (i64)kvh * HEAD_DIM;
-    const i64 slot_stride = (i64)p.num_kv_heads * HEAD_DIM;
-    auto key_off = [&](int t) -> i64 {  // element offset of the split's key t in the K (and V) plane
-        const int b = (start + t) / p.block_size;
-        return ((i64)tbl_s[b - first_blk] * p.block_size + (start + t - b * p.block_size)) * slot_stride;
-    };
 #if ATTN_MMA
     warp_attend_mma(p, k_head, key_off, n, row, kvh, warp, lane, red, ml);
 #else
@@ -348,10 +346,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, ATTN_MIN_BLOCKS) attn_
 #pragma unroll
         for (int u = 0; u < KV_UNROLL; ++u) {
             float kf[8];
-            unpack2(kr[u].x, kf[0], kf[1]);
-            unpack2(kr[u].y, kf[2], kf[3]);
-            unpack2(kr[u].z, kf[4], kf[5]);
-            unpack2(kr[u].w, kf[6], kf[7]);
+            unpack8(kr[u], kf);
 #pragma unroll
             for (int g = 0; g < GROUP; ++g) {
                 const float* qg = q_s + g * HEAD_DIM + dsl * 8;
@@ -382,10 +377,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, ATTN_MIN_BLOCKS) attn_
 #pragma unroll
         for (int u = 0; u < KV_UNROLL; ++u) {
             float vf[8];
-            unpack2(vr[u].x, vf[0], vf[1]);
-            unpack2(vr[u].y, vf[2], vf[3]);
-            unpack2(vr[u].z, vf[4], vf[5]);
-            unpack2(vr[u].w, vf[6], vf[7]);
+            unpack8(vr[u], vf);
 #pragma unroll
             for (int g = 0; g < GROUP; ++g) {
                 if (m[g] == VOLT_NEG_INF) continue;

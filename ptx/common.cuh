@@ -36,13 +36,18 @@ VOLT_DEVICE void unpack2(u32 w, float& lo, float& hi) {
 
 VOLT_DEVICE u32 pack2(float lo, float hi) { return (u32)f2h(lo) | ((u32)f2h(hi) << 16); }
 
-// 8 fp16 values (one 16-byte vector) -> fp32. p must be 16-byte aligned.
-VOLT_DEVICE void load8(const half_t* p, float* out) {
-    uint4 v = *reinterpret_cast<const uint4*>(p);
+// The 8 packed fp16 values of one 16-byte vector -> fp32.
+VOLT_DEVICE void unpack8(const uint4& v, float* out) {
     unpack2(v.x, out[0], out[1]);
     unpack2(v.y, out[2], out[3]);
     unpack2(v.z, out[4], out[5]);
     unpack2(v.w, out[6], out[7]);
+}
+
+// 8 fp16 values (one 16-byte vector) -> fp32. p must be 16-byte aligned.
+VOLT_DEVICE void load8(const half_t* p, float* out) {
+    const uint4 v = *reinterpret_cast<const uint4*>(p);
+    unpack8(v, out);
 }
 
 VOLT_DEVICE void store8(half_t* p, const float* in) {

@@ -1,9 +1,10 @@
 """Logging for voltserve's processes: one stderr handler on the root logger, unless the host set one up.
 
 `voltserve serve` calls `configure_logging(--log-level)`; `hypercorn api:app` (api/__init__.py's app, when
-serving starts, not at import) calls it with `VOLTSERVE_LOG_LEVEL` (default info). Without it a bare hypercorn server dropped every voltserve INFO line
-(engine ready, KV pool size, `--gpu-busy-log-interval` windows): Python's root logger defaults to WARNING and
-hypercorn configures only its own loggers. The engine process copies the API process's root level.
+serving starts, not at import) calls it with `VOLTSERVE_LOG_LEVEL` (default info). Without it a bare hypercorn
+server dropped every voltserve INFO line (engine ready, KV pool size, `--gpu-busy-log-interval` windows):
+Python's root logger defaults to WARNING and hypercorn configures only its own loggers. The engine process
+copies the API process's root level.
 """
 
 from __future__ import annotations

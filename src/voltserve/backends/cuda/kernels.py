@@ -7,8 +7,8 @@ the same modules. No cuda-python or torch import here.
 from __future__ import annotations
 
 import ctypes
-import math
 import functools
+import math
 from dataclasses import dataclass
 
 from voltserve.backends.cuda import params as P
@@ -162,11 +162,6 @@ DECODE_WAVE_FILL = 0.95  # attn_decode: the share of a grid's block slots the sp
 DECODE_MIN_PART = 64  # attn_decode: fewest keys per split while the (KV head, sequence) pairs leave SMs idle
 
 
-def decode_partition(head_dim: int, group: int) -> int:
-    """Most keys per split of the decode kernel."""
-    return DECODE_PARTITION
-
-
 @functools.lru_cache(maxsize=4096)
 def decode_plan(max_seq_len: int, num_seqs: int, num_kv_heads: int, partition: int,
                 num_sms: int, blocks_per_sm: int = DECODE_BLOCKS_PER_SM) -> tuple[int, int]:
@@ -176,8 +171,9 @@ def decode_plan(max_seq_len: int, num_seqs: int, num_kv_heads: int, partition: i
     among those, the fewest whose (KV head, sequence, split) blocks fill >= DECODE_WAVE_FILL of the block slots
     of the waves they take (`blocks_per_sm`, the kernel's occupancy, x num_sms per wave), else the best-filling
     (a grid short of one wave: the most splits). A grid of 1.9 waves ran at 0.74 of copy bandwidth where one
-    full wave of longer splits ran at 0.85 (H200, 16 x 4096 keys); more, shorter splits add per-split cost. The kernel spreads
-    each context evenly over the splits (split_len in attention_decode.cu), so short contexts use many blocks.
+    full wave of longer splits ran at 0.85 (H200, 16 x 4096 keys); more, shorter splits add per-split cost. The
+    kernel spreads each context evenly over the splits (split_len in attention_decode.cu), so short contexts use
+    many blocks.
     min_part (the fewest keys per split, DECODE_MIN_PART) bounds the per-split fixed cost (block-table and q
     loads, the partial's write and merge), which dominates a split of a few keys. Memoised: it runs per layer.
     """
@@ -217,7 +213,7 @@ def prefill_smem_bytes(head_dim: int) -> int:
 
 def decode_spec(head_dim: int, group: int, simt: bool = False) -> dict[str, int]:
     """attn_decode's specialisation; `simt` forces the CUDA-core path (V100's) on SM80+ GPUs."""
-    spec = {"HEAD_DIM": head_dim, "GROUP": group, "PARTITION": decode_partition(head_dim, group)}
+    spec = {"HEAD_DIM": head_dim, "GROUP": group, "PARTITION": DECODE_PARTITION}
     return {**spec, "ATTN_SIMT": 1} if simt else spec
 
 

@@ -59,4 +59,53 @@ VOLT_DEVICE void rows_inv_rms(const GemvParams& p, float* scratch, float* inv_rm
     __syncthreads();
 }
 
+#define GEMV_NORM_SCRATCH (8 * 32)  // floats of rows_inv_rms's scratch: [x row][warp]
+
+// rows_inv_rms in one pass over x for all rows (their loads in flight together, one barrier pair) instead of
+// a pass per row, whose m dependent L2 round trips and 2m barriers come before every block's first product.
+// The same sums as row_inv_rms bit for bit (same per-thread order, same warp and cross-warp reductions).
+// scratch: GEMV_NORM_SCRATCH floats.
+VOLT_DEVICE void rows_inv_rms_one_pass(const GemvParams& p, float* scratch, float* inv_rms) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, num_warps = blockDim.x >> 5;
+    float ss[8];
+#pragma unroll
+    for (int r = 0; r < 8; ++r) ss[r] = 0.f;
+    if (p.vec_ok) {
+        for (int j = threadIdx.x * 8; j < p.k; j += blockDim.x * 8) {
+            uint4 raw[8];  // packed: 4 registers a row while the loads are in flight
+#pragma unroll
+            for (int r = 0; r < 8; ++r)
+                if (r < p.m) raw[r] = *reinterpret_cast<const uint4*>(p.x + r * p.x_stride + j);
+#pragma unroll
+            for (int r = 0; r < 8; ++r)
+                if (r < p.m) {
+                    float v[8];
+                    unpack8(raw[r], v);
+#pragma unroll
+                    for (int e = 0; e < 8; ++e) ss[r] += v[e] * v[e];
+                }
+        }
+    } else {
+        for (int j = threadIdx.x; j < p.k; j += blockDim.x) {
+#pragma unroll
+            for (int r = 0; r < 8; ++r)
+                if (r < p.m) {
+                    const float v = h2f(p.x[r * p.x_stride + j]);
+                    ss[r] += v * v;
+                }
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < 8; ++r) {
+        const float v = warp_sum(ss[r]);
+        if (lane == 0 && r < p.m) scratch[r * 32 + warp] = v;
+    }
+    __syncthreads();
+    if (warp < p.m) {  // warp r sums row r's per-warp partials (block_sum's cross-warp step)
+        const float v = warp_sum(lane < num_warps ? scratch[warp * 32 + lane] : 0.f);
+        if (lane == 0) inv_rms[warp] = rsqrtf(v / (float)p.k + p.eps);
+    }
+    __syncthreads();
+}
+
 VOLT_DEVICE uint4 ldg16(const void* p) { return __ldg(reinterpret_cast<const uint4*>(p)); }

@@ -34,6 +34,14 @@
 #ifndef GM_MMA884
 #define GM_MMA884 0
 #endif
+// 1: the fused norm's 1 / rms in one pass over all x rows (rows_inv_rms_one_pass), the launcher's build for
+// norm launches of >= 2 rows (H200, Llama-3-8B, m = 8: RMSNorm + qkv 28.3 -> 23.3 us, + gate_up + SwiGLU
+// 107 -> 86 us). 0: a pass per row (m = 1 and launches without a norm). Compiled into the build that serves m = 1
+// and the unfused launches, the one-pass code measured 10-25% slower there (o_proj 11.5 -> 13.9 us, down 32.5
+// -> 40.4 us, qkv m = 1 19.2 -> 21.3 us: the main loop's schedule moved), so it has a build of its own.
+#ifndef GM_NORM_ONE_PASS
+#define GM_NORM_ONE_PASS 0
+#endif
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800 && !GM_MMA884
 #define GM_M16N8K16 1
 #else
@@ -296,7 +304,11 @@ VOLT_DEVICE int gm_row(const GemvParams& p, int base, int rr) {
 // 1 / rms of x row xr for this lane (1 without the fused norm); block-wide (all threads call it).
 VOLT_DEVICE float gm_inv_rms(const GemvParams& p, float* scratch, float* inv_rms, int xr) {
     if (p.norm_w == nullptr) return 1.f;
+#if GM_NORM_ONE_PASS
+    rows_inv_rms_one_pass(p, scratch, inv_rms);
+#else
     rows_inv_rms(p, scratch, inv_rms);
+#endif
     return xr < p.m ? inv_rms[xr] : 1.f;
 }
 
@@ -359,7 +371,7 @@ VOLT_DEVICE void gm_epilogue(const GemvParams& p, GmAcc& acc, float (*red)[32][8
 extern "C" __global__ void __launch_bounds__(32 * GM_WARPS, GM_MIN_BLOCKS) gemv_mma(const GemvParams p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 700
     __shared__ float red[GM_WARPS][32][8];  // the warps' partial sums [block row][x row]
-    __shared__ float scratch[32];
+    __shared__ float scratch[GM_NORM_ONE_PASS ? GEMV_NORM_SCRATCH : 32];
     __shared__ float inv_rms[8];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, t = gm_slot(lane), xr = gm_x_row(lane);
     const int base = blockIdx.x * (SILU ? 16 : 32);  // first output feature of the block
@@ -500,7 +512,7 @@ extern "C" __global__ void __launch_bounds__(32 * GM_WARPS, SB_MIN_BLOCKS) gemv_
 #if GM_M16N8K16 && WTYPE != WTYPE_F16
     extern __shared__ uint4 sb_smem[];  // [GM_WARPS][SB_STAGES][32 rows][SB_PITCH bytes]
     __shared__ float red[GM_WARPS][32][8];
-    __shared__ float scratch[32];
+    __shared__ float scratch[GM_NORM_ONE_PASS ? GEMV_NORM_SCRATCH : 32];
     __shared__ float inv_rms[8];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, t = gm_slot(lane), xr = gm_x_row(lane);
     const int base = blockIdx.x * (SILU ? 16 : 32);

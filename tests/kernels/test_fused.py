@@ -76,3 +76,22 @@ def test_norm_linear_large_x_falls_back(cuda_backend, cpu_backend, gemv_choice):
     norm_w = torch.rand(4096, generator=gen) + 0.5
     got = cuda_backend.norm_linear(x.cuda(), cuda_backend.prepare_norm(norm_w), 1e-6, w)
     assert rel_err(got, cpu_backend.norm_linear(x.float(), norm_w, 1e-6, weight)) <= TOL
+
+
+@pytest.mark.parametrize("fmt", ["F16", "Q4_1"])
+def test_norm_rows_bitwise(cuda_backend, fmt):
+    """The fused norm's 1/rms is one pass over all x rows from m = 2 and a pass per row at m = 1, with the same
+    sums bit for bit: every row of a gemv_mma launch equals that row alone and inside any other launch."""
+    cuda_backend.gemv_kernel = "mma"
+    try:
+        gen = torch.Generator().manual_seed(11)
+        k = 4096
+        weight, w = make_linear(cuda_backend, fmt, 64, k, gen)
+        x = (torch.randn(8, k, generator=gen) * 3).half().cuda()
+        norm_w = cuda_backend.prepare_norm(torch.rand(k, generator=gen) + 0.5)
+        full = cuda_backend.norm_linear(x, norm_w, 1e-5, w)
+        for m in range(1, 8):
+            assert torch.equal(cuda_backend.norm_linear(x[:m].contiguous(), norm_w, 1e-5, w), full[:m]), m
+        assert torch.equal(cuda_backend.norm_linear(x[5:6].contiguous(), norm_w, 1e-5, w), full[5:6])
+    finally:
+        cuda_backend.gemv_kernel = "auto"

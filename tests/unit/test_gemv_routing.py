@@ -100,3 +100,17 @@ def test_sm90_shapes_mma_cannot_take():
         buf = torch.zeros(w.data.numel() + 2, dtype=torch.uint8)
         w.data = buf[2:].view(64, w.row_bytes)
         assert (gemv_kernel_name(_backend(90, "mma"), w, 8) == "gemv_mma") == takes, fmt  # not _sb: unaligned
+
+
+def test_gemv_mma_norm_one_pass_build():
+    """The one-pass 1/rms has a build of its own (GM_NORM_ONE_PASS), compiled ahead of time for every format
+    next to the per-row build that m = 1 and unfused launches keep."""
+    from voltserve.backends.cuda import kernels
+
+    assert kernels.gemv_mma_spec("F16", False) == {"WTYPE": kernels.WTYPES["F16"], "SILU": 0}
+    assert kernels.gemv_mma_spec("F16", True, norm_one_pass=True)["GM_NORM_ONE_PASS"] == 1
+    built = [spec for op, spec in kernels.engine_specializations() if op == "gemv_mma"]
+    for fmt in kernels.WTYPES:
+        for silu in (False, True):
+            assert kernels.gemv_mma_spec(fmt, silu) in built
+            assert kernels.gemv_mma_spec(fmt, silu, norm_one_pass=True) in built

@@ -33,14 +33,18 @@ GEMV_MMA_ROWS = 32         # gemv_mma: output features per block (SwiGLU: 16, ea
 GEMV_MMA_WARPS = 8         # gemv_mma(_sb): warps per block; they split k
 
 
-GEMV_MMA_STATIC_SMEM = 4 * (GEMV_MMA_WARPS * 32 * 8 + 32 + 8)  # gemv_mma(_sb): red + scratch + inv_rms
+# gemv_mma(_sb)'s static smem, at most: red + scratch (GM_NORM_ONE_PASS build) + inv_rms
+GEMV_MMA_STATIC_SMEM = 4 * (GEMV_MMA_WARPS * 32 * 8 + 8 * 32 + 8)
 
 
-def gemv_mma_spec(fmt: str, silu: bool) -> dict[str, int]:
-    """The -D set of gemv_mma.cu for a weight format; quant builds also get GM_SB_SMEM, which the .cu checks
-    against its own stage layout (a drift between gemv_mma_sb_smem_bytes and SB_PITCH / SB_STAGES fails to
-    compile)."""
+def gemv_mma_spec(fmt: str, silu: bool, norm_one_pass: bool = False) -> dict[str, int]:
+    """The -D set of gemv_mma.cu for a weight format; `norm_one_pass`: the build whose fused RMSNorm takes 1/rms
+    of all x rows in one pass (GM_NORM_ONE_PASS, for norm launches of >= 2 rows). Quant builds also get
+    GM_SB_SMEM, which the .cu checks against its own stage layout (a drift between gemv_mma_sb_smem_bytes and
+    SB_PITCH / SB_STAGES fails to compile)."""
     spec = {"WTYPE": WTYPES[fmt], "SILU": int(silu)}
+    if norm_one_pass:
+        spec["GM_NORM_ONE_PASS"] = 1
     if fmt != "F16":
         spec["GM_SB_SMEM"] = gemv_mma_sb_smem_bytes(fmt)
     return spec
@@ -230,7 +234,7 @@ def engine_specializations() -> list[tuple[str, dict[str, int]]]:
     specs += [("attention_prefill", {"HEAD_DIM": d}) for d in ENGINE_HEAD_DIMS]
     specs += [("gemv", {"WTYPE": w, "MROWS": m}) for w in WTYPES.values() for m in GEMV_ROW_BUCKETS]
     specs += [("gemv", {"WTYPE": w, "MROWS": m, "SILU": 1}) for w in WTYPES.values() for m in GEMV_ROW_BUCKETS]
-    specs += [("gemv_mma", gemv_mma_spec(f, bool(s))) for f in WTYPES for s in (0, 1)]
+    specs += [("gemv_mma", gemv_mma_spec(f, bool(s), bool(o))) for f in WTYPES for s in (0, 1) for o in (0, 1)]
     specs += [("gemm_tiled", {"WTYPE": w}) for w in WTYPES.values()]
     specs += [("gemm_tc", {"WTYPE": w, "BN": bn}) for w in (1, 2, 3) for bn in GEMM_TC_BNS]
     specs += [("sampling", {"LOGITS_F16": f}) for f in (0, 1)]

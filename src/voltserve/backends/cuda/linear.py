@@ -261,7 +261,7 @@ def _launch_gemv_mma(backend: Any, x: torch.Tensor, w: CudaLinear, y: torch.Tens
     n = w.out_features
     n_out = y.shape[1]
     grid = (math.ceil(n_out / (kernels.GEMV_MMA_ROWS // 2 if silu else kernels.GEMV_MMA_ROWS)), 1, 1)
-    spec = kernels.gemv_mma_spec(w.fmt, silu)
+    spec = kernels.gemv_mma_spec(w.fmt, silu, norm_one_pass=norm_weight is not None and m >= 2)
     if getattr(backend, "gemv_kernel", "auto") == "mma884":
         spec["GM_MMA884"] = 1  # the SM70 path on a newer GPU (tests)
     kernel, smem = ("gemv_mma_sb", kernels.gemv_mma_sb_smem_bytes(w.fmt)) if _mma_superblocks(backend, w) \

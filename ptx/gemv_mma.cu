@@ -10,11 +10,12 @@
 //     row r8 = lane % 4 + 4 * (lane / 16) of each 8-row group and k slot q of every chunk; the four quad pairs'
 //     partial sums are added with two fixed xor shuffles.
 //
-// Layout: block = 8 warps, 32 output rows (SILU: 16 gate rows + the 16 matching up rows); the warps split k
-// into 8 equal ranges of 32-wide chunks (one GGUF block, or 64 bytes of an fp16 row). Each lane loads its 4
-// rows' k slot of a chunk (fp16: 16 bytes; Q4: the block's scale words and 4 bytes of nibbles; Q8_0: 8 int8)
-// straight into registers; the fragment's k slots are a permutation of the chunk's 32 elements (a dot product
-// is order-free up to rounding, and the x fragment uses the same permutation), so every load is a contiguous
+// Layout: block = 8 warps, GM_TILE_ROWS (32, or 16 where the launcher finds that pays: linear.gemv_mma_tile)
+// weight rows (SILU: half gate rows + the matching up rows); the warps split k into 8 equal ranges of 32-wide
+// chunks (one GGUF block, or 64 bytes of an fp16 row). Each lane loads its GM_ROWS rows' k slot of a chunk
+// (fp16: 16 bytes; Q4: the block's scale words and 4 bytes of nibbles; Q8_0: 8 int8) straight into registers;
+// the fragment's k slots are a permutation of the chunk's 32 elements (a dot product is order-free up to
+// rounding, and the x fragment uses the same permutation), so every load is a contiguous
 // piece of a row and no shared memory or ldmatrix is needed. The 8 warps' fp32 partial tiles are summed in
 // fixed order in shared memory, so results are deterministic and each output row is bitwise independent of
 // the other rows of x.
@@ -55,12 +56,24 @@
 #ifndef GM_MIN_BLOCKS
 #define GM_MIN_BLOCKS 2
 #endif
-#define GM_ROWS 4  // weight rows per lane: m16n8k16 tiles 0, 1 x rows g, g + 8; m8n8k4 8-row groups 0..3
+#ifndef GM_TILE_ROWS
+#define GM_TILE_ROWS 32  // weight rows per block: 32 or 16
+#endif
+#if GM_TILE_ROWS == 32
+#define GM_TILE_SHIFT 5
+#elif GM_TILE_ROWS == 16
+#define GM_TILE_SHIFT 4
+#else
+#error "GM_TILE_ROWS must be 32 or 16"
+#endif
+#define GM_OUT_SHIFT (SILU ? GM_TILE_SHIFT - 1 : GM_TILE_SHIFT)  // log2 of the block's output features
+#define GM_OUT_ROWS (1 << GM_OUT_SHIFT)
+#define GM_ROWS (GM_TILE_ROWS / 8)  // weight rows per lane: rows g, g + 8 of each 16-row tile; one per 8-row group
 #if GM_M16N8K16
-#define GM_NACC 2  // accumulator fragments per lane: one per 16-row tile (4 floats) / per 8-row group (8 floats)
+#define GM_NACC (GM_TILE_ROWS / 16)  // accumulator fragments per lane: one per 16-row tile (4 floats)
 #define GM_ACC 4
 #else
-#define GM_NACC 4
+#define GM_NACC (GM_TILE_ROWS / 8)   // ... one per 8-row group (8 floats)
 #define GM_ACC 8
 #endif
 #if WTYPE == WTYPE_F16
@@ -74,7 +87,7 @@
 #if GM_M16N8K16
 #define GM_UNROLL 2     // chunks per load group; two groups in flight per warp (double-buffered registers)
 #else
-#define GM_UNROLL 1     // m8n8k4 holds 32 accumulators per lane; V100's 900 GB/s needs less in flight
+#define GM_UNROLL (32 / GM_TILE_ROWS)  // m8n8k4: 32 accumulators per lane (32-row tiles); V100 needs less in flight
 #endif
 #endif
 
@@ -270,7 +283,7 @@ VOLT_DEVICE void mma_chunk(GmAcc& acc, const u32 (&raw)[GM_ROWS][GM_RAW], u32 (&
         x_pairs(xw, j, b0, b1);
 #if GM_M16N8K16
 #pragma unroll
-        for (int i = 0; i < 2; ++i) {
+        for (int i = 0; i < GM_NACC; ++i) {
             u32 w0[2], w1[2];
             row_pairs(raw[2 * i], j, w0);
             row_pairs(raw[2 * i + 1], j, w1);
@@ -295,10 +308,12 @@ VOLT_DEVICE void mma_group(GmAcc& acc, const GmRaw& raw, GmX& xw, const float* n
         if (c + u < c_end) mma_chunk(acc, raw[u], xw[u], norm_w, inv, x_row, c + u, t);
 }
 
-// Weight row of this block's row rr (0..31): rows past the end are clamped to a valid row (not stored).
+// Weight row of this block's row rr (0..GM_TILE_ROWS - 1): rows past the end are clamped to a valid row (not
+// stored). SILU: the first half of the tile are gate rows, the second half the matching up rows.
 VOLT_DEVICE int gm_row(const GemvParams& p, int base, int rr) {
     const int n_out = SILU ? p.n / 2 : p.n;
-    return SILU ? min(base + (rr & 15), n_out - 1) + (rr >> 4) * n_out : min(base + rr, p.n - 1);
+    return SILU ? min(base + (rr & (GM_OUT_ROWS - 1)), n_out - 1) + (rr >> GM_OUT_SHIFT) * n_out
+                : min(base + rr, p.n - 1);
 }
 
 // 1 / rms of x row xr for this lane (1 without the fused norm); block-wide (all threads call it).
@@ -316,13 +331,13 @@ VOLT_DEVICE float gm_inv_rms(const GemvParams& p, float* scratch, float* inv_rms
 // red[warp][block row][x row]. m16n8k16 C fragment: acc[i] = (row g, x rows 2t, 2t+1), (row g + 8, same) of
 // tile i; m8n8k4 (per quad pair): acc[rs][e] = (row (lane & 1) + 4 (lane / 16) + (e & 2) of group rs,
 // x row (lane & 2) + (e & 1) + (e & 4)), summed over the quad pairs first (xor 4, then xor 8).
-VOLT_DEVICE void gm_epilogue(const GemvParams& p, GmAcc& acc, float (*red)[32][8], int base) {
+VOLT_DEVICE void gm_epilogue(const GemvParams& p, GmAcc& acc, float (*red)[GM_TILE_ROWS][8], int base) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int n_out = SILU ? p.n / 2 : p.n;
 #if GM_M16N8K16
     const int g = lane >> 2, t = lane & 3;
 #pragma unroll
-    for (int i = 0; i < 2; ++i) {
+    for (int i = 0; i < GM_NACC; ++i) {
         red[warp][16 * i + g][2 * t] = acc[i][0];
         red[warp][16 * i + g][2 * t + 1] = acc[i][1];
         red[warp][16 * i + g + 8][2 * t] = acc[i][2];
@@ -342,13 +357,13 @@ VOLT_DEVICE void gm_epilogue(const GemvParams& p, GmAcc& acc, float (*red)[32][8
 #endif
     __syncthreads();
 #if SILU
-    for (int idx = threadIdx.x; idx < 128; idx += blockDim.x) {  // 8 x rows x 16 outputs
-        const int r = idx >> 4, row = idx & 15, out = base + row;
+    for (int idx = threadIdx.x; idx < 8 * GM_OUT_ROWS; idx += blockDim.x) {  // 8 x rows x the block's outputs
+        const int r = idx >> GM_OUT_SHIFT, row = idx & (GM_OUT_ROWS - 1), out = base + row;
         float gate = 0.f, up = 0.f;
 #pragma unroll
         for (int w = 0; w < GM_WARPS; ++w) {  // fixed order
             gate += red[w][row][r];
-            up += red[w][16 + row][r];
+            up += red[w][GM_OUT_ROWS + row][r];
         }
         if (r < p.m && out < n_out) {
             const float gh = round_h(gate), uh = round_h(up);
@@ -356,8 +371,8 @@ VOLT_DEVICE void gm_epilogue(const GemvParams& p, GmAcc& acc, float (*red)[32][8
         }
     }
 #else
-    for (int idx = threadIdx.x; idx < 256; idx += blockDim.x) {  // 8 x rows x 32 outputs
-        const int r = idx >> 5, row = idx & 31, out = base + row;
+    for (int idx = threadIdx.x; idx < 8 * GM_OUT_ROWS; idx += blockDim.x) {  // 8 x rows x the block's outputs
+        const int r = idx >> GM_OUT_SHIFT, row = idx & (GM_OUT_ROWS - 1), out = base + row;
         if (r < p.m && out < n_out) {
             float v = 0.f;
 #pragma unroll
@@ -370,11 +385,11 @@ VOLT_DEVICE void gm_epilogue(const GemvParams& p, GmAcc& acc, float (*red)[32][8
 
 extern "C" __global__ void __launch_bounds__(32 * GM_WARPS, GM_MIN_BLOCKS) gemv_mma(const GemvParams p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 700
-    __shared__ float red[GM_WARPS][32][8];  // the warps' partial sums [block row][x row]
+    __shared__ float red[GM_WARPS][GM_TILE_ROWS][8];  // the warps' partial sums [block row][x row]
     __shared__ float scratch[GM_NORM_ONE_PASS ? GEMV_NORM_SCRATCH : 32];
     __shared__ float inv_rms[8];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, t = gm_slot(lane), xr = gm_x_row(lane);
-    const int base = blockIdx.x * (SILU ? 16 : 32);  // first output feature of the block
+    const int base = blockIdx.x * GM_OUT_ROWS;  // first output feature of the block
     const u8* rows[GM_ROWS];
 #pragma unroll
     for (int rs = 0; rs < GM_ROWS; ++rs) rows[rs] = p.w + (i64)gm_row(p, base, gm_block_row(rs, lane)) * p.w_row_bytes;
@@ -509,7 +524,7 @@ VOLT_DEVICE void sb_step(GmAcc& acc, u8* stages, const GemvParams& p, u32 (&xc)[
 #define SB_MIN_BLOCKS 1  // fp16: the kernel is an empty stub
 #endif
 extern "C" __global__ void __launch_bounds__(32 * GM_WARPS, SB_MIN_BLOCKS) gemv_mma_sb(const GemvParams p) {
-#if GM_M16N8K16 && WTYPE != WTYPE_F16
+#if GM_M16N8K16 && WTYPE != WTYPE_F16 && GM_TILE_ROWS == 32
     extern __shared__ uint4 sb_smem[];  // [GM_WARPS][SB_STAGES][32 rows][SB_PITCH bytes]
     __shared__ float red[GM_WARPS][32][8];
     __shared__ float scratch[GM_NORM_ONE_PASS ? GEMV_NORM_SCRATCH : 32];
@@ -537,7 +552,7 @@ extern "C" __global__ void __launch_bounds__(32 * GM_WARPS, SB_MIN_BLOCKS) gemv_
     }
     gm_epilogue(p, acc, red, base);
 #else
-    pdl_enter();  // fp16, SM < 80 or GM_MMA884: never launched (linear._mma_superblocks)
+    pdl_enter();  // fp16, SM < 80, GM_MMA884 or 16-row tiles: never launched (linear._mma_superblocks)
 #if WTYPE != WTYPE_F16
     __trap();     // a launch here would leave y unwritten: fail loudly instead
 #endif

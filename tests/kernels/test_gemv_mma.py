@@ -15,15 +15,16 @@ pytestmark = pytest.mark.gpu
 TOL = 3e-3
 
 
-@pytest.fixture(params=["mma", "mma884"])
+@pytest.fixture(params=[("mma", 32), ("mma", 16), ("mma884", 32), ("mma884", 16)], ids=lambda p: f"{p[0]}-t{p[1]}")
 def mma_backend(request, cuda_backend):
     """The backend with gemv_mma forced on: its SM80 path (m16n8k16, gemv_mma_sb for quant superblocks) and its
-    SM70 path (m8n8k4, what a V100 runs), which newer GPUs execute too."""
-    if request.param == "mma" and cuda_backend.loader.arch < 80:
+    SM70 path (m8n8k4, what a V100 runs), which newer GPUs execute too; each with 32- and 16-row blocks."""
+    kernel, tile = request.param
+    if kernel == "mma" and cuda_backend.loader.arch < 80:
         pytest.skip("the m16n8k16 path needs SM80+")
-    cuda_backend.gemv_kernel = request.param
+    cuda_backend.gemv_kernel, cuda_backend.gemv_mma_tile = kernel, tile
     yield cuda_backend
-    cuda_backend.gemv_kernel = "auto"
+    cuda_backend.gemv_kernel, cuda_backend.gemv_mma_tile = "auto", 0
 
 
 @pytest.mark.parametrize("fmt", ["F16", "Q4_0", "Q4_1", "Q8_0"])
@@ -49,7 +50,7 @@ def test_llama_shapes(mma_backend, cpu_backend, fmt, nk):
 @pytest.mark.parametrize("fmt", ["F16", "Q4_1"])
 @pytest.mark.parametrize("n", [1, 15, 17, 45])
 def test_partial_tiles(mma_backend, cpu_backend, fmt, n):
-    """n not a multiple of the 32-row block (and SwiGLU's 16): every output is written (the allocator is
+    """n not a multiple of the block's rows (32 or 16; SwiGLU: half of them): every output is written (the allocator is
     NaN-poisoned, so a missed row shows as NaN) and correct."""
     gen = torch.Generator().manual_seed(n)
     k = 96

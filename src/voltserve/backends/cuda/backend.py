@@ -53,6 +53,8 @@ class CudaBackend:
         self.gemv_kernel = os.environ.get("VOLTSERVE_GEMV_KERNEL", "auto")
         if self.gemv_kernel not in ("auto", "scalar", "mma", "mma884"):
             raise ValueError(f"VOLTSERVE_GEMV_KERNEL={self.gemv_kernel!r}: expected auto, scalar, mma or mma884")
+        # gemv_mma block height: 0 = per weight (linear.gemv_mma_tile), 16 or 32 forces one (tests, A/B runs)
+        self.gemv_mma_tile = 0
         # decode attention path (attention_decode.cu): "auto" (tensor cores on SM80+ where the GQA group fits,
         # else CUDA cores) or "simt" (the CUDA-core path, V100's, on any GPU: tests and A/B runs)
         self.attn_kernel = os.environ.get("VOLTSERVE_ATTN_KERNEL", "auto")

@@ -29,7 +29,7 @@ GEMV_NORM_BLOCKS_PER_SM = 16  # gemv grid with a fused RMSNorm: each block norma
 GEMV_MMA_MIN_ARCH = 70     # gemv_mma: mma.sync.m8n8k4 on SM70, m16n8k16 on SM80+
 GEMV_MMA_SB_MIN_ARCH = 80  # gemv_mma_sb: cp.async and m16n8k16
 GEMV_MMA_CHUNK = 32        # gemv_mma needs k % 32 == 0 (whole GGUF blocks / 64-byte pieces of fp16 rows)
-GEMV_MMA_ROWS = 32         # gemv_mma: output features per block (SwiGLU: 16, each a gate row and an up row)
+GEMV_MMA_TILES = (32, 16)  # gemv_mma: weight rows per block (SwiGLU: half gate rows, half the matching up rows)
 GEMV_MMA_WARPS = 8         # gemv_mma(_sb): warps per block; they split k
 
 
@@ -37,17 +37,51 @@ GEMV_MMA_WARPS = 8         # gemv_mma(_sb): warps per block; they split k
 GEMV_MMA_STATIC_SMEM = 4 * (GEMV_MMA_WARPS * 32 * 8 + 8 * 32 + 8)
 
 
-def gemv_mma_spec(fmt: str, silu: bool, norm_one_pass: bool = False) -> dict[str, int]:
+def gemv_mma_spec(fmt: str, silu: bool, norm_one_pass: bool = False,
+                  tile_rows: int = GEMV_MMA_TILES[0]) -> dict[str, int]:
     """The -D set of gemv_mma.cu for a weight format; `norm_one_pass`: the build whose fused RMSNorm takes 1/rms
-    of all x rows in one pass (GM_NORM_ONE_PASS, for norm launches of >= 2 rows). Quant builds also get
-    GM_SB_SMEM, which the .cu checks against its own stage layout (a drift between gemv_mma_sb_smem_bytes and
-    SB_PITCH / SB_STAGES fails to compile)."""
+    of all x rows in one pass (GM_NORM_ONE_PASS, for norm launches of >= 2 rows); `tile_rows`: weight rows per
+    block (GEMV_MMA_TILES; gemv_mma_sb has 32-row tiles only). Quant builds also get GM_SB_SMEM, which the .cu
+    checks against its own stage layout (a drift between gemv_mma_sb_smem_bytes and SB_PITCH / SB_STAGES fails
+    to compile).
+
+    Raises:
+        ValueError: `tile_rows` not in GEMV_MMA_TILES.
+    """
+    if tile_rows not in GEMV_MMA_TILES:
+        raise ValueError(f"gemv_mma tile_rows must be one of {GEMV_MMA_TILES}, got {tile_rows}")
     spec = {"WTYPE": WTYPES[fmt], "SILU": int(silu)}
     if norm_one_pass:
         spec["GM_NORM_ONE_PASS"] = 1
+    if tile_rows != GEMV_MMA_TILES[0]:
+        spec["GM_TILE_ROWS"] = tile_rows
     if fmt != "F16":
         spec["GM_SB_SMEM"] = gemv_mma_sb_smem_bytes(fmt)
     return spec
+
+
+def gemv_mma_tile_rows(weight_rows: int, weight_bytes: int, num_sms: int, blocks_per_sm: int) -> int:
+    """gemv_mma's block height for a weight of `weight_rows` rows ([gate; up] for SwiGLU: both halves) and
+    `weight_bytes` bytes: 16 when the weight streams long enough to be bandwidth-bound (> GEMV_PDL_MAX_WEIGHT_BYTES,
+    the launches that go without PDL) and its 16-row blocks all fit on the GPU at once (`num_sms` x
+    `blocks_per_sm`, the 16-row kernel's occupancy), else 32.
+
+    Measured on the H200 (132 SMs, 2 blocks per SM), same process against the 32-row kernel: fp16 4096x4096
+    m = 2 / 8 11.9 -> 10.7 / 12.3 -> 11.2 us, 4096x14336 + residual 32.1 -> 31.3 / 32.6 -> 32.0 us; Llama-3-8B
+    steps at 2 / 8 sequences 5.25 -> 5.18 / 5.61 -> 5.55 ms. Where the 16-row blocks need a second wave they
+    lose (6144-row qkv 19.4 -> 25.2 us, 28672-row gate_up 77 -> 85 us). On the default model's small weights
+    (PDL launches) the single kernels got faster (Q4_1 576x576 m = 8 2.2 -> 1.6 us) but the 8-sequence step
+    slower (10,370 -> 9,830 tok/s), so they keep 32. Resident warps, not balance, pay: 16-row blocks at 3 per SM
+    (all resident, the same per-SM imbalance as 32-row) measured the same as 32-row on qkv.
+
+    Raises:
+        ValueError: `num_sms` or `blocks_per_sm` < 1.
+    """
+    if num_sms < 1 or blocks_per_sm < 1:
+        raise ValueError(f"num_sms and blocks_per_sm must be >= 1, got {num_sms}, {blocks_per_sm}")
+    if weight_bytes <= GEMV_PDL_MAX_WEIGHT_BYTES:
+        return 32
+    return 16 if math.ceil(weight_rows / 16) <= num_sms * blocks_per_sm else 32
 
 
 def gemv_mma_sb_smem_bytes(fmt: str) -> int:
@@ -234,7 +268,8 @@ def engine_specializations() -> list[tuple[str, dict[str, int]]]:
     specs += [("attention_prefill", {"HEAD_DIM": d}) for d in ENGINE_HEAD_DIMS]
     specs += [("gemv", {"WTYPE": w, "MROWS": m}) for w in WTYPES.values() for m in GEMV_ROW_BUCKETS]
     specs += [("gemv", {"WTYPE": w, "MROWS": m, "SILU": 1}) for w in WTYPES.values() for m in GEMV_ROW_BUCKETS]
-    specs += [("gemv_mma", gemv_mma_spec(f, bool(s), bool(o))) for f in WTYPES for s in (0, 1) for o in (0, 1)]
+    specs += [("gemv_mma", gemv_mma_spec(f, bool(s), bool(o), t))
+              for f in WTYPES for s in (0, 1) for o in (0, 1) for t in GEMV_MMA_TILES]
     specs += [("gemm_tiled", {"WTYPE": w}) for w in WTYPES.values()]
     specs += [("gemm_tc", {"WTYPE": w, "BN": bn}) for w in (1, 2, 3) for bn in GEMM_TC_BNS]
     specs += [("sampling", {"LOGITS_F16": f}) for f in (0, 1)]

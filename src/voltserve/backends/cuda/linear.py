@@ -252,6 +252,17 @@ def _mma_superblocks(backend: Any, w: CudaLinear) -> bool:
     return backend.loader.compile_arch >= kernels.GEMV_MMA_SB_MIN_ARCH and smem <= backend.loader.max_smem_optin
 
 
+def gemv_mma_tile(backend: Any, w: CudaLinear, silu: bool, one_pass: bool) -> int:
+    """gemv_mma's block height for `w` on this device (kernels.gemv_mma_tile_rows at the 16-row build's
+    occupancy); `backend.gemv_mma_tile` (0 = per weight, 16 or 32) forces one (tests, A/B runs)."""
+    forced = getattr(backend, "gemv_mma_tile", 0)
+    if forced:
+        return forced
+    spec = kernels.gemv_mma_spec(w.fmt, silu, one_pass, 16)
+    per_sm = backend._occupancy("gemv_mma", "gemv_mma", spec, 0, 32 * kernels.GEMV_MMA_WARPS)
+    return kernels.gemv_mma_tile_rows(w.out_features, w.out_features * w.row_bytes, backend.num_sms, per_sm)
+
+
 def _launch_gemv_mma(backend: Any, x: torch.Tensor, w: CudaLinear, y: torch.Tensor,
                      norm_weight: torch.Tensor | None, eps: float, residual: torch.Tensor | None, silu: bool,
                      vec_ok: int, pdl: bool) -> None:
@@ -260,12 +271,15 @@ def _launch_gemv_mma(backend: Any, x: torch.Tensor, w: CudaLinear, y: torch.Tens
     m, k = x.shape
     n = w.out_features
     n_out = y.shape[1]
-    grid = (math.ceil(n_out / (kernels.GEMV_MMA_ROWS // 2 if silu else kernels.GEMV_MMA_ROWS)), 1, 1)
-    spec = kernels.gemv_mma_spec(w.fmt, silu, norm_one_pass=norm_weight is not None and m >= 2)
+    one_pass = norm_weight is not None and m >= 2
+    if _mma_superblocks(backend, w):
+        kernel, smem, tile = "gemv_mma_sb", kernels.gemv_mma_sb_smem_bytes(w.fmt), kernels.GEMV_MMA_TILES[0]
+    else:
+        kernel, smem, tile = "gemv_mma", 0, gemv_mma_tile(backend, w, silu, one_pass)
+    grid = (math.ceil(n_out / (tile // 2 if silu else tile)), 1, 1)
+    spec = kernels.gemv_mma_spec(w.fmt, silu, one_pass, tile)
     if getattr(backend, "gemv_kernel", "auto") == "mma884":
         spec["GM_MMA884"] = 1  # the SM70 path on a newer GPU (tests)
-    kernel, smem = ("gemv_mma_sb", kernels.gemv_mma_sb_smem_bytes(w.fmt)) if _mma_superblocks(backend, w) \
-        else ("gemv_mma", 0)
     for r0 in range(0, m, kernels.GEMV_MAX_ROWS):
         rows = min(kernels.GEMV_MAX_ROWS, m - r0)
         xr = x[r0:r0 + rows]

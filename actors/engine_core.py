@@ -18,7 +18,8 @@ from multiprocessing.connection import Connection
 
 from actors.core_outputs import OutputForwarder
 from actors.engine_ipc import (AbortMsg, AddMsg, EngineDiedMsg, EngineStartMsg, ReadyMsg, StartFailedMsg,
-                               StopMsg, portable_error)
+                               StopMsg, portable_error, watch_readable)
+from voltserve import event_loop
 from voltserve.config import EngineConfig
 from voltserve.errors import EngineDeadError
 
@@ -41,6 +42,7 @@ def main() -> None:
     try:
         sys.path[:0] = [p for p in conn.recv() if p not in sys.path]  # before unpickling what may need it
         start: EngineStartMsg = conn.recv()
+        event_loop.resolve(start.config.event_loop)  # "uvloop" without uvloop: a start error, reported
     except EOFError:  # the API process went away before it sent the start message
         sys.exit(0)
     except Exception as exc:  # e.g. an engine_factory that does not unpickle here
@@ -48,7 +50,7 @@ def main() -> None:
         sys.exit(1)
     logging.basicConfig(level=start.log_level,
                         format="%(asctime)s %(levelname)s %(name)s [engine process]: %(message)s")
-    sys.exit(asyncio.run(EngineCore(start.config, conn, start.engine_factory).run()))
+    sys.exit(event_loop.run(EngineCore(start.config, conn, start.engine_factory).run(), start.config.event_loop))
 
 
 class EngineCore:
@@ -76,10 +78,11 @@ class EngineCore:
             await self.engine.stop()
             return 1
         engine = self.engine
+        # before the sender thread writes anything: no write may meet the socket while add_reader flips its mode
+        watch_readable(loop, self.conn, self._on_readable)
         self.forwarder = OutputForwarder(self.conn.send, engine.kv_stats)
         self.forwarder.send(ReadyMsg(engine.model_config, engine.tokenizer, engine.chat_template,
                                      engine.max_model_len, engine.kv_stats()))
-        loop.add_reader(self.conn.fileno(), self._on_readable)
         try:
             return await self._done
         finally:

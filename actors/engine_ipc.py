@@ -11,8 +11,12 @@ a tuple pickles several times faster than a dataclass.
 
 from __future__ import annotations
 
+import asyncio
+import os
 import pickle
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
 from typing import Any
 
 from voltserve.config import EngineConfig, ModelConfig
@@ -21,6 +25,17 @@ from voltserve.request import RequestOutput, SamplingParams
 # (request_id, index, token_ids, text, logprobs, finish_reason, stop_reason, num_prompt_tokens,
 #  num_cached_tokens, num_output_tokens): RequestOutput(*t) rebuilds it
 OutputTuple = tuple
+
+
+def watch_readable(loop: asyncio.AbstractEventLoop, conn: Connection, callback: Callable[[], None]) -> None:
+    """`loop.add_reader(conn, callback)`, keeping the socket blocking: both processes read and write whole
+    messages with blocking `recv`/`send` (the sender thread too). uvloop's add_reader switches the descriptor to
+    non-blocking (libuv's `uv_poll_init`; asyncio's loop leaves it alone), and a message larger than the socket
+    buffer, such as `ReadyMsg` with a real tokenizer, then fails half-way with BlockingIOError."""
+    fd = conn.fileno()
+    blocking = os.get_blocking(fd)
+    loop.add_reader(fd, callback)
+    os.set_blocking(fd, blocking)
 
 
 def output_to_tuple(out: RequestOutput) -> OutputTuple:

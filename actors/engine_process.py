@@ -28,7 +28,7 @@ from multiprocessing.connection import Connection
 
 from actors.engine_core import ENTRY
 from actors.engine_ipc import (AbortMsg, AddMsg, EngineDiedMsg, EngineStartMsg, ReadyMsg, StartFailedMsg,
-                               StepOutputsMsg, StopMsg)
+                               StepOutputsMsg, StopMsg, watch_readable)
 from actors.stream import RequestStream, generate_outputs
 from voltserve.config import EngineConfig
 from voltserve.errors import EngineDeadError
@@ -97,7 +97,7 @@ class ProcessEngine:
         self._conn.send(sys.path)
         self._conn.send(EngineStartMsg(self.config, logging.getLogger().getEffectiveLevel(), self._engine_factory))
         self._ready = loop.create_future()
-        loop.add_reader(self._conn.fileno(), self._on_readable)
+        watch_readable(loop, self._conn, self._on_readable)
         try:
             ready: ReadyMsg = await self._ready
         except BaseException as exc:

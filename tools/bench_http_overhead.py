@@ -34,6 +34,11 @@ preparation), e.g. `--step-ms 2.17 --step-python-ms 0.15` for the H200's 2.32 ms
 `--client raw` replaces httpx by a minimal HTTP/1.1 client (~1/3 of its CPU per token), so that on a small machine
 more of the cores go to the server.
 
+`--loop auto|uvloop|asyncio` is the event loop of the server, the engine process and the `--offline` run, as
+`voltserve serve --event-loop` (auto, the default: uvloop when installed; `asyncio` is what the tool measured
+before uvloop became the default). `--keep-alive S` sets the server's `--sse-keep-alive-interval`
+(`tools/voltserve.service` runs with 15).
+
 `--engine scripted` uses `tests/api/fake_engine.py:ScriptedEngine` (zero delay) instead: its per-request
 generators skip the scheduler actor's path.
 """
@@ -219,7 +224,8 @@ def _process_cpu_s(pid: int) -> float:
 
 
 def _serve(port: int, engine_kind: str, profile: str | None, ready, step_ms: float = 0.0,
-           engine_process: bool = False, step_python_ms: float = 0.0) -> None:
+           engine_process: bool = False, step_python_ms: float = 0.0, loop: str = "auto",
+           keep_alive_s: float = 0.0) -> None:
     sys.path[:0] = [ROOT, os.path.join(ROOT, "src")]
     import cProfile
 
@@ -227,6 +233,7 @@ def _serve(port: int, engine_kind: str, profile: str | None, ready, step_ms: flo
     from hypercorn.config import Config
 
     from api import create_app
+    from voltserve import event_loop
     from voltserve.config import EngineConfig
 
     async def main() -> None:
@@ -241,12 +248,12 @@ def _serve(port: int, engine_kind: str, profile: str | None, ready, step_ms: flo
             from actors.engine_process import ProcessEngine
             from tools.bench_http_overhead import make_step_engine as factory  # by a name the child can import
 
-            engine = ProcessEngine(EngineConfig(model=MODEL).validate(),
+            engine = ProcessEngine(EngineConfig(model=MODEL, event_loop=loop).validate(),
                                    engine_factory=functools.partial(factory, step_ms / 1000,
                                                                     step_python_ms / 1000))
         else:
             engine = StepEngine(step_s=step_ms / 1000, python_s=step_python_ms / 1000)
-        app = create_app(engine)
+        app = create_app(engine, EngineConfig(model=MODEL, sse_keep_alive_interval=keep_alive_s).validate())
         profiler = cProfile.Profile() if profile else None
         marks: list[float] = []
 
@@ -280,7 +287,7 @@ def _serve(port: int, engine_kind: str, profile: str | None, ready, step_ms: flo
         ready.set()
         await serve(app, config, shutdown_trigger=stop.wait)
 
-    asyncio.run(main())
+    event_loop.run(main(), loop)
 
 
 # ---- client side ----------------------------------------------------------------------------------------------
@@ -432,6 +439,11 @@ def main() -> None:
                          "`hypercorn api:app` runs the engine by default")
     ap.add_argument("--offline", action="store_true",
                     help="also run the step engine without HTTP (same load, median of --repeat): the denominator")
+    ap.add_argument("--loop", choices=("auto", "asyncio", "uvloop"), default="auto",
+                    help="event loop of the server, the engine process and the --offline run, as `voltserve serve "
+                         "--event-loop` (auto: uvloop when installed)")
+    ap.add_argument("--keep-alive", type=float, default=0.0, metavar="S",
+                    help="the server's --sse-keep-alive-interval (0 = off, the default; tools/voltserve.service sets 15)")
     ap.add_argument("--client", choices=("httpx", "raw"), default="httpx",
                     help="raw: a minimal HTTP/1.1 client (much less client CPU per chunk than httpx)")
     args = ap.parse_args()
@@ -443,7 +455,8 @@ def main() -> None:
     ready = ctx.Event()
     # not daemonic: with --engine-process the server starts a process of its own
     server = ctx.Process(target=_serve, args=(port, args.engine, args.profile, ready, args.step_ms,
-                                              args.engine_process, args.step_python_ms))
+                                              args.engine_process, args.step_python_ms, args.loop,
+                                              args.keep_alive))
     server.start()
     try:
         ready.wait(60)
@@ -467,7 +480,10 @@ def main() -> None:
     summary = {k: statistics.median(r[k] for r in runs) for k in keys}
     if args.offline:
         sys.path[:0] = [ROOT, os.path.join(ROOT, "src")]
-        offline = [asyncio.run(_offline(args.concurrency, args.max_tokens, args.step_ms, args.step_python_ms))
+        from voltserve import event_loop
+
+        offline = [event_loop.run(_offline(args.concurrency, args.max_tokens, args.step_ms, args.step_python_ms),
+                                  args.loop)
                    for _ in range(args.repeat)]
         summary["offline_tok_s"] = statistics.median(offline)
         summary["http_over_offline"] = round(summary["tok_s"] / summary["offline_tok_s"], 3)

@@ -8,13 +8,12 @@ same settings whether it is started here or by `hypercorn api:app`: flag > envir
 from __future__ import annotations
 
 import argparse
-import asyncio
 import dataclasses
 import logging
 import os
 import sys
 
-from voltserve import __version__
+from voltserve import __version__, event_loop
 from voltserve.config import EngineConfig
 from voltserve.errors import ConfigError
 from voltserve.log_setup import configure_logging
@@ -44,6 +43,7 @@ HELP = {
     "pdl": "programmatic dependent launch on SM90+ GPUs (kernels overlap their start with the previous one)",
     "gpu_busy_log_interval": "seconds between log lines with the GPU's busy share of wall time (CUDA); 0 = off",
     "engine_process": "run the engine in its own process, apart from HTTP (default on)",
+    "event_loop": "event loop of the server and the engine process: auto (uvloop when installed), uvloop, asyncio",
 }
 
 
@@ -87,6 +87,7 @@ def serve(args: argparse.Namespace) -> int:
     os.environ.setdefault("VOLTSERVE_EXIT_ON_ENGINE_DEATH", "1")  # a dead engine ends the process (exit 1)
     try:
         config = EngineConfig.from_env()  # fail fast, before the model loads
+        loop_name = event_loop.resolve(config.event_loop)  # fails when uvloop is asked for but missing
     except ConfigError as exc:
         logger.error("bad configuration: %s", exc)
         return 2
@@ -96,8 +97,9 @@ def serve(args: argparse.Namespace) -> int:
     hconfig.bind = [f"[{config.host}]:{config.port}" if ":" in config.host else f"{config.host}:{config.port}"]
     hconfig.accesslog = logging.getLogger("hypercorn.access")
     hconfig.errorlog = logging.getLogger("hypercorn.error")
-    logger.info("voltserve %s: serving %s on http://%s", __version__, config.model, hconfig.bind[0])
-    asyncio.run(hypercorn_serve(api.app, hconfig))
+    logger.info("voltserve %s: serving %s on http://%s (%s event loop)", __version__, config.model, hconfig.bind[0],
+                loop_name)
+    event_loop.run(hypercorn_serve(api.app, hconfig), config.event_loop)
     from api.state import EXTENSION_KEY
 
     engine = api.app.extensions[EXTENSION_KEY].engine

@@ -10,6 +10,7 @@ import os
 from dataclasses import dataclass, field
 
 from voltserve.errors import ConfigError
+from voltserve.event_loop import KINDS as EVENT_LOOPS
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
@@ -102,6 +103,9 @@ class EngineConfig:
         engine_process: the HTTP server runs the engine (scheduler, worker, detokenization) in a child process
             (`actors.engine_process.ProcessEngine`), so HTTP work does not slow the engine's steps; off = in the
             server's own process and event loop (`actors.engine.AsyncEngine`). Read by the API only.
+        event_loop: the event loop of `voltserve serve` and of the engine process (`voltserve.event_loop`):
+            "auto" (uvloop when installed, else asyncio's), "uvloop" or "asyncio". `hypercorn api:app` runs the
+            API process on the loop its `-k` option names.
     """
 
     model: str = DEFAULT_MODEL
@@ -127,6 +131,7 @@ class EngineConfig:
     gpu_busy_log_interval: float = 0.0
     exit_on_engine_death: bool = False
     engine_process: bool = True
+    event_loop: str = "auto"
 
     def validate(self) -> "EngineConfig":
         """Check ranges; raises ConfigError naming the setting. Returns self."""
@@ -145,6 +150,8 @@ class EngineConfig:
             raise ConfigError("gpu_busy_log_interval must be >= 0")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ConfigError("gpu_memory_utilization must be in (0, 1]")
+        if self.event_loop not in EVENT_LOOPS:
+            raise ConfigError(f"event_loop must be one of {', '.join(EVENT_LOOPS)}, not {self.event_loop!r}")
         if self.weight_format not in ("auto", "float"):
             raise ConfigError(f"weight_format must be auto or float, not {self.weight_format!r}")
         if not self.served_model_name:

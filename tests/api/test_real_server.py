@@ -1,5 +1,5 @@
-"""The default model behind a real `hypercorn api:app` on loopback, driven by the `openai` SDK (slow). The engine
-runs in its own process (`engine_process`, the server's default).
+"""The default model behind a real `hypercorn -k uvloop api:app` on loopback, driven by the `openai` SDK (slow).
+The engine runs in its own process (`engine_process`, the server's default).
 
 Replays the streaming cases S3 (UTF-8), S4 (stop strings), S5 (usage, n=2) of ../shared/cases/api-behaviour.md.
 """
@@ -38,8 +38,10 @@ def server_url(smollm2_gguf, tmp_path_factory):
            "VOLTSERVE_NUM_KV_BLOCKS": "512", "VOLTSERVE_API_KEY": ""}
     log_path = tmp_path_factory.mktemp("server") / "hypercorn.log"
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "hypercorn", "api:app", "--bind", f"127.0.0.1:{port}"],
-                                cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+        # as README and tools/voltserve.service run it: the API process on uvloop (the engine process follows
+        # VOLTSERVE_EVENT_LOOP, auto = uvloop too)
+        proc = subprocess.Popen([sys.executable, "-m", "hypercorn", "-k", "uvloop", "api:app",
+                                 "--bind", f"127.0.0.1:{port}"], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 240

@@ -2,7 +2,8 @@
 
 `put` never blocks; when the consumer falls behind, consecutive deltas of one sequence merge into one.
 A producer that puts into many streams at once can defer the consumers' wake-up (`put(out, wake=False)`, then
-`wake()`), e.g. until it has handed the next model step to the worker thread.
+`wake()`), e.g. until it has handed the next model step to the worker thread. `interrupt()` wakes a waiting
+consumer with no delta (None), which is how an SSE response notices an idle stream.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ from collections.abc import AsyncIterator, Callable
 
 from voltserve.errors import EngineDeadError, VoltError
 from voltserve.request import RequestOutput
+
+_INTERRUPTED = object()  # a waiter's result when `interrupt()` woke it
 
 
 def _merge(into: RequestOutput, new: RequestOutput) -> None:
@@ -87,6 +90,15 @@ class RequestStream:
             if not waiter.done():
                 waiter.set_result(None)
 
+    def interrupt(self) -> None:
+        """If the consumer waits for a delta, its `__anext__` returns None instead (nothing is lost: deltas put
+        later come with the next call); a no-op otherwise. The SSE keep-alive uses it to write a comment on an
+        idle stream without a task or a timer per delta (`api.sse.IdleTimer`)."""
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            self._waiter = None
+            waiter.set_result(_INTERRUPTED)
+
     def fail(self, exc: BaseException) -> None:
         """End the stream with an error: a VoltError is raised to the consumer as is, anything else as
         EngineDeadError."""
@@ -100,7 +112,8 @@ class RequestStream:
     def __aiter__(self):
         return self
 
-    async def __anext__(self) -> RequestOutput:
+    async def __anext__(self) -> RequestOutput | None:
+        """The next delta (deltas of one sequence merged while they waited); None only after `interrupt()`."""
         pending = self._pending
         while not pending:
             if self._error is not None:
@@ -112,7 +125,8 @@ class RequestStream:
             waiter = self._waiter
             if waiter is None or waiter.done():  # done: a cancelled wait of an earlier call
                 waiter = self._waiter = asyncio.get_running_loop().create_future()
-            await waiter
+            if await waiter is _INTERRUPTED and not pending:
+                return None
         return pending.pop(0)
 
 

@@ -68,8 +68,9 @@ async def chat_completions():
     response_id, created = state.new_id("chatcmpl-"), state.clock()
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        events = _stream_events(engine, stream, req, params, response_id, created, include_usage)
-        return sse_response(events, state.config.sse_keep_alive_interval, stream)
+        events = _stream_events(engine, stream, req, params, response_id, created, include_usage,
+                                state.config.sse_keep_alive_interval)
+        return sse_response(events, stream)
     results, counter = await collect(stream)
     choices = [
         ChatChoice(index=i, message=AssistantMessage(content=seq.text), finish_reason=seq.finish_reason,
@@ -80,7 +81,7 @@ async def chat_completions():
                                                 choices=choices, usage=counter.usage()))
 
 
-def _stream_events(engine, stream, req, params, response_id, created, include_usage):
+def _stream_events(engine, stream, req, params, response_id, created, include_usage, keep_alive_s=0.0):
     """Chunks: a role delta per choice, content deltas, a finish chunk per choice, usage, [DONE].
 
     Without logprobs a chunk is assembled from bytes: the head and tail that pydantic renders once per request
@@ -110,4 +111,5 @@ def _stream_events(engine, stream, req, params, response_id, created, include_us
 
     roles = [chunk([ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))])
              for i in range(params.n)]
-    return drive_stream(stream, choice_chunk, (lambda usage: chunk([], usage)) if include_usage else None, roles)
+    return drive_stream(stream, choice_chunk, (lambda usage: chunk([], usage)) if include_usage else None, roles,
+                        keep_alive_s)

@@ -139,22 +139,20 @@ def json_response(model: BaseModel, status: int = 200) -> Response:
     return Response(orjson.dumps(model.model_dump(mode="json")), status=status, content_type="application/json")
 
 
-def sse_response(events: AsyncIterator[bytes], keep_alive_s: float, stream=None) -> Response:
+def sse_response(events: AsyncIterator[bytes], stream=None) -> Response:
     """A `text/event-stream` response without Quart's 60 s response timeout (it would cut long streams).
 
     Args:
-        events: the SSE byte chunks.
-        keep_alive_s: seconds of silence before a keep-alive comment; 0 = none.
+        events: the SSE byte chunks (keep-alive comments included: `drive_stream` adds them).
         stream: the engine stream behind `events`; if the response is dropped before `events` ever runs (the client
             left before the first byte), its `finally` cannot abort the request, so the request is aborted when
             `events` is garbage-collected unfinished.
     """
     if stream is not None:
         weakref.finalize(events, lambda: None if stream.finished else stream.abort())
-    # Without keep-alive the generator is the body itself: Quart closes it (running its `finally`) when the
-    # response ends or the client leaves, and no wrapper sits on the per-chunk path.
-    body = sse.with_keep_alive(events, keep_alive_s) if keep_alive_s > 0 else events
-    response = Response(body, content_type="text/event-stream")
+    # The generator is the body itself: Quart closes it (running its `finally`) when the response ends or the
+    # client leaves, and no wrapper sits on the per-chunk path.
+    response = Response(events, content_type="text/event-stream")
     response.headers["Cache-Control"] = "no-cache"
     response.timeout = None
     return response
@@ -211,8 +209,8 @@ def finish_json(out: RequestOutput) -> bytes:
 
 
 async def drive_stream(stream, choice_chunk: Callable[[RequestOutput, list[TokenLogprob]], bytes],
-                       usage_chunk: Callable[[Usage], bytes] | None, first: Iterable[bytes] = ()
-                       ) -> AsyncIterator[bytes]:
+                       usage_chunk: Callable[[Usage], bytes] | None, first: Iterable[bytes] = (),
+                       keep_alive_s: float = 0.0) -> AsyncIterator[bytes]:
     """The SSE body of a streamed request, shared by every OpenAI endpoint.
 
     Args:
@@ -220,6 +218,8 @@ async def drive_stream(stream, choice_chunk: Callable[[RequestOutput, list[Token
         choice_chunk: (delta, its logprobs, held back since the last chunk) -> one framed chunk.
         usage_chunk: usage -> the final usage chunk; None when the client did not ask for usage.
         first: chunks sent before any token (e.g. chat's role deltas).
+        keep_alive_s: seconds of silence before a `: keep-alive` comment; 0 = none. A RequestStream is woken by
+            an `sse.IdleTimer` (`interrupt()`); another source (test doubles) goes through `sse.with_keep_alive`.
     Yields:
         Framed events, then `data: [DONE]`. Deltas with no text and no finish (bytes of a split character) are
         held, their logprobs joining the next chunk. An engine error after the status went out is sent in-band;
@@ -229,10 +229,19 @@ async def drive_stream(stream, choice_chunk: Callable[[RequestOutput, list[Token
     add = counter.add
     held: dict[int, list[TokenLogprob]] = {}
     finished = False
+    timer, outputs = None, stream
+    if keep_alive_s > 0:
+        if hasattr(stream, "interrupt"):
+            timer = sse.IdleTimer(keep_alive_s, stream.interrupt)
+        else:
+            outputs = sse.with_keep_alive(stream, keep_alive_s, marker=None)
     try:
         for event in first:
             yield event
-        async for out in stream:  # the per-token path: keep it lean
+        async for out in outputs:  # the per-token path: keep it lean
+            if out is None:  # idle for keep_alive_s
+                yield sse.KEEP_ALIVE
+                continue
             add(out)
             logprobs = out.logprobs
             if not out.text and out.finish_reason is None:
@@ -244,6 +253,8 @@ async def drive_stream(stream, choice_chunk: Callable[[RequestOutput, list[Token
                 pending = logprobs or []  # read-only for choice_chunk: no copy per token
             elif logprobs:
                 pending.extend(logprobs)
+            if timer is not None:
+                timer.touch()
             yield choice_chunk(out, pending)
         finished = True
         if usage_chunk is not None:
@@ -255,6 +266,10 @@ async def drive_stream(stream, choice_chunk: Callable[[RequestOutput, list[Token
         kind, message, param = describe(exc)
         yield sse.frame(openai_payload(message, kind, param))
     finally:
+        if timer is not None:
+            timer.close()
+        elif outputs is not stream:
+            await outputs.aclose()  # its pending __anext__ task
         if not finished:  # client disconnected
             stream.abort()
     yield sse.DONE

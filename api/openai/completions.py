@@ -100,8 +100,9 @@ async def completions():
     builder = _LogprobsBuilder(engine.tokenizer)
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        events = _stream_events(stream, req, params, builder, response_id, created, include_usage)
-        return sse_response(events, state.config.sse_keep_alive_interval, stream)
+        events = _stream_events(stream, req, params, builder, response_id, created, include_usage,
+                                state.config.sse_keep_alive_interval)
+        return sse_response(events, stream)
     results, counter = await collect(stream)
     choices = [
         CompletionChoice(index=i, text=seq.text, finish_reason=seq.finish_reason,
@@ -112,7 +113,7 @@ async def completions():
                                             usage=counter.usage()))
 
 
-def _stream_events(stream, req, params, builder, response_id, created, include_usage):
+def _stream_events(stream, req, params, builder, response_id, created, include_usage, keep_alive_s=0.0):
     """Chunks: text deltas (the last per choice with finish_reason), usage when asked, [DONE].
 
     Without logprobs a chunk is assembled from bytes around the text, as chat's are (`chunk_frame_parts`).
@@ -135,4 +136,5 @@ def _stream_events(stream, req, params, builder, response_id, created, include_u
         return b"".join((pre, orjson.dumps(out.text), b',"logprobs":null,"finish_reason":', finish_json(out),
                          b"}", tail))
 
-    return drive_stream(stream, choice_chunk, (lambda usage: chunk([], usage)) if include_usage else None)
+    return drive_stream(stream, choice_chunk, (lambda usage: chunk([], usage)) if include_usage else None,
+                        keep_alive_s=keep_alive_s)

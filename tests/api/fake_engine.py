@@ -165,3 +165,30 @@ class ScriptedEngine:
 
     def kv_stats(self) -> dict:
         return {"num_blocks": 16, "num_free_blocks": 16, "num_running": 0, "num_waiting": 0}
+
+
+class StreamedEngine(ScriptedEngine):
+    """ScriptedEngine whose requests come through a real `actors.stream.RequestStream` (fed by a task), as
+    AsyncEngine's and ProcessEngine's do: the consumer side (merging, `interrupt()`) is the real one."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._feeders: set[asyncio.Task] = set()
+
+    def add_request(self, prompt_token_ids, params, request_id=None):
+        from actors.stream import RequestStream
+
+        scripted = super().add_request(prompt_token_ids, params, request_id)
+        stream = RequestStream(scripted.request_id, params.n, self.abort)
+
+        async def feed() -> None:
+            try:
+                async for out in scripted:
+                    stream.put(out)
+            except Exception as exc:
+                stream.fail(exc)
+
+        task = asyncio.get_running_loop().create_task(feed())
+        self._feeders.add(task)
+        task.add_done_callback(self._feeders.discard)
+        return stream

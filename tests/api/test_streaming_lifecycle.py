@@ -122,7 +122,7 @@ async def test_response_dropped_before_first_byte_aborts_request():
         finally:
             stream.abort()
 
-    response = sse_response(events(), 0, stream)
+    response = sse_response(events(), stream)
     del response
     gc.collect()
     assert engine.aborted == [stream.request_id]

@@ -55,13 +55,19 @@ class OutputForwarder:
 
     Args:
         send: writes one message to the API process (multiprocessing Connection.send); called on the sender
-            thread only. OSError / EOFError (the API process is gone) stop the sending quietly.
+            thread only.
         kv_stats: -> the engine's current kv_stats(), attached to every StepOutputsMsg.
+        on_send_error: called (on the sender thread) with the exception when a write fails, after which nothing
+            more is sent: the API process is gone (EOFError, BrokenPipeError, ConnectionResetError; see
+            `api_gone`), or a message could not be pickled or written. The engine process must then exit, or
+            the API process would wait forever for outputs that never come.
     """
 
-    def __init__(self, send: Callable[[object], None], kv_stats: Callable[[], dict]):
+    def __init__(self, send: Callable[[object], None], kv_stats: Callable[[], dict],
+                 on_send_error: Callable[[BaseException], None] | None = None):
         self._send = send
         self._kv_stats = kv_stats
+        self._on_send_error = on_send_error
         self.outputs: list[tuple] = []
         self.failures: list[tuple[str, BaseException]] = []
         self._flush_scheduled = False
@@ -110,9 +116,19 @@ class OutputForwarder:
                     return
                 try:
                     self._send(msg)
-                except (OSError, EOFError):
-                    logger.warning("the API process is gone; dropping engine outputs")
+                except Exception as exc:
+                    if api_gone(exc):
+                        logger.warning("the API process is gone; dropping engine outputs")
+                    else:
+                        logger.exception("sending engine outputs to the API process failed")
+                    if self._on_send_error is not None:
+                        self._on_send_error(exc)
                     return
+
+
+def api_gone(exc: BaseException) -> bool:
+    """Whether a failed write to the API process means that process has closed its end (not our fault)."""
+    return isinstance(exc, (EOFError, BrokenPipeError, ConnectionResetError))
 
 
 def _coalesce(batch: list) -> list:

@@ -3,8 +3,10 @@
 `main` is what `actors.engine_process.ProcessEngine` runs in a new interpreter (`ENTRY`). It loads the model,
 answers `ReadyMsg` (or `StartFailedMsg`), then serves `AddMsg` / `AbortMsg` from its socket and streams every
 step's outputs back through `core_outputs.OutputForwarder`. It exits when told to stop
-(`StopMsg`, exit code 0), when the API process goes away (EOF on the socket, 0) or when the engine dies
-(`EngineDiedMsg`, then exit code 1). Detokenization and stop strings run here, in the scheduler actor.
+(`StopMsg`, exit code 0), when the API process goes away (EOF on the socket, 0), when the engine dies
+(`EngineDiedMsg`, then exit code 1) or when writing outputs to the API process fails for another reason (1:
+the API process sees the exit and fails its streams instead of waiting for outputs that never come).
+Detokenization and stop strings run here, in the scheduler actor.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import sys
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 
-from actors.core_outputs import OutputForwarder
+from actors.core_outputs import OutputForwarder, api_gone
 from actors.engine_ipc import (AbortMsg, AddMsg, EngineDiedMsg, EngineStartMsg, ReadyMsg, StartFailedMsg,
                                StopMsg, portable_error, watch_readable)
 from voltserve import event_loop
@@ -80,7 +82,9 @@ class EngineCore:
         engine = self.engine
         # before the sender thread writes anything: no write may meet the socket while add_reader flips its mode
         watch_readable(loop, self.conn, self._on_readable)
-        self.forwarder = OutputForwarder(self.conn.send, engine.kv_stats)
+        self.forwarder = OutputForwarder(
+            self.conn.send, engine.kv_stats,
+            on_send_error=lambda exc: loop.call_soon_threadsafe(self._finish, 0 if api_gone(exc) else 1))
         self.forwarder.send(ReadyMsg(engine.model_config, engine.tokenizer, engine.chat_template,
                                      engine.max_model_len, engine.kv_stats()))
         try:

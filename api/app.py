@@ -36,11 +36,18 @@ def _blueprints():
     return [health, chat, completions, models]
 
 
-async def watch_engine(engine: Any, on_death: Callable[[], None], interval_s: float = 1.0) -> None:
+async def watch_engine(engine: Any, on_death: Callable[[], None], interval_s: float = 1.0,
+                       stop: asyncio.Event | None = None) -> None:
     """Call `on_death` once when a started engine stops being healthy without being asked to stop (case E1:
-    a dead engine must not leave a process that answers 503 forever)."""
+    a dead engine must not leave a process that answers 503 forever). Returns at once when `stop` is set (the
+    app's shutdown_event: Quart waits up to 5 s for its background tasks before the after-serving hooks)."""
+    stop = stop or asyncio.Event()
     while engine.is_healthy:
-        await asyncio.sleep(interval_s)
+        try:
+            await asyncio.wait_for(stop.wait(), interval_s)
+            return  # the server is shutting down
+        except TimeoutError:
+            pass
     if not getattr(engine, "_stopped", False):
         logger.critical("the engine is dead; shutting the server down so its supervisor can restart it")
         on_death()
@@ -99,7 +106,7 @@ def create_app(engine: Any = None, config: EngineConfig | None = None, *,
         await state.engine.start()
         logger.info("serving %r (max_model_len=%d)", config.served_model_name, state.engine.max_model_len)
         if config.exit_on_engine_death:
-            app.add_background_task(watch_engine, state.engine, _terminate_self)
+            app.add_background_task(watch_engine, state.engine, _terminate_self, stop=app.shutdown_event)
 
     @app.after_serving
     async def stop_engine() -> None:

@@ -146,3 +146,19 @@ async def test_E1_watcher_ends_the_server_once_the_engine_dies():
     stopped.healthy, stopped._stopped = False, True
     await watch_engine(stopped, lambda: deaths.append(2), interval_s=0.01)
     assert deaths == [1]
+
+
+async def test_E1_watcher_returns_at_shutdown():
+    """The watcher ends as soon as the server shuts down (Quart waits up to 5 s for background tasks first:
+    Ctrl-C on `voltserve serve` took 5.5 s), without calling on_death."""
+    from api.app import watch_engine
+
+    engine = ScriptedEngine()
+    deaths = []
+    stop = asyncio.Event()
+    watcher = asyncio.create_task(watch_engine(engine, lambda: deaths.append(1), interval_s=60, stop=stop))
+    await asyncio.sleep(0.02)
+    assert not watcher.done()
+    stop.set()
+    await asyncio.wait_for(watcher, 1)
+    assert deaths == []

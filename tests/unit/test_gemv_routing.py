@@ -116,34 +116,42 @@ def test_gemv_mma_norm_one_pass_build():
             assert kernels.gemv_mma_spec(fmt, silu, norm_one_pass=True) in built
 
 
-@pytest.mark.parametrize("rows,row_bytes,sms,per_sm,tile", [
-    (4096, 8192, 132, 2, 16),      # Llama-3-8B fp16 o_proj on an H200: 32 MB, 256 blocks of 16 <= 264 resident
-    (4096, 28672, 132, 2, 16),     # down (4096x14336)
-    (6144, 8192, 132, 2, 32),      # qkv: 384 blocks of 16 would need a second wave (measured 25.2 vs 19.4 us)
-    (6144, 8192, 132, 3, 16),      # ... unless 3 fit per SM
-    (28672, 8192, 132, 2, 32),     # gate_up [gate; up]: many waves either way
-    (4224, 8192, 132, 2, 16),      # exactly 264 blocks of 16: one wave
-    (4240, 8192, 132, 2, 32),      # 265 blocks: one too many
-    (576, 360, 132, 2, 32),        # the default model's Q4_1 o_proj: 207 KB, a PDL launch -> 32
-    (2048, 8192, 132, 2, 32),      # exactly 16 MB: still a PDL launch -> 32
-    (2049, 8192, 132, 2, 16),      # just over
+@pytest.mark.parametrize("rows,row_bytes,arch,sms,per_sm,tile", [
+    (4096, 8192, 90, 132, 2, 16),      # Llama-3-8B fp16 o_proj on an H200: 32 MB, 256 blocks of 16 <= 264
+    (4096, 28672, 90, 132, 2, 16),     # down (4096x14336)
+    (6144, 8192, 90, 132, 2, 32),      # qkv: 384 blocks of 16 would need a second wave (25.2 vs 19.4 us)
+    (6144, 8192, 90, 132, 3, 16),      # ... unless 3 fit per SM
+    (28672, 8192, 90, 132, 2, 32),     # gate_up [gate; up]: many waves either way
+    (4224, 8192, 90, 132, 2, 16),      # exactly 264 blocks of 16: one wave
+    (4240, 8192, 90, 132, 2, 32),      # 265 blocks: one too many
+    (2048, 8192, 90, 132, 2, 32),      # exactly 16 MB: a PDL launch -> 32
+    (2049, 8192, 90, 132, 2, 16),      # just over
+    (4096, 8192, 80, 108, 2, 32),      # A100: 256 blocks of 16 > 108 x 2 resident
+    (2048, 8192, 80, 108, 2, 32),      # 16 MB on an A100: a PDL launch
+    (4096, 8192, 70, 80, 4, 32),       # V100 (m8n8k4 path): not measured there, keeps 32
 ])
-def test_gemv_mma_tile_rows(rows, row_bytes, sms, per_sm, tile):
-    """gemv_mma takes 16-row blocks for weights larger than GEMV_PDL_MAX_WEIGHT_BYTES whose 16-row blocks all
-    fit on the GPU at once, else 32-row ones."""
+def test_gemv_mma_tile_rows(rows, row_bytes, arch, sms, per_sm, tile):
+    """gemv_mma takes 16-row blocks on SM80+ for weights larger than GEMV_PDL_MAX_WEIGHT_BYTES whose 16-row
+    blocks all fit on the GPU at once, else 32-row ones."""
     from voltserve.backends.cuda import kernels
 
     assert kernels.GEMV_PDL_MAX_WEIGHT_BYTES == 16 << 20
-    assert kernels.gemv_mma_tile_rows(rows, rows * row_bytes, sms, per_sm) == tile
+    assert kernels.gemv_mma_tile_rows(rows, rows * row_bytes, arch, sms, lambda: per_sm) == tile
 
 
-def test_gemv_mma_tile_rows_rejects_bad_input():
+def test_gemv_mma_tile_rows_asks_occupancy_only_when_needed():
+    """The occupancy query compiles the 16-row build: small weights and SM70 never ask for it."""
     from voltserve.backends.cuda import kernels
 
+    def never():
+        raise AssertionError("occupancy asked")
+
+    assert kernels.gemv_mma_tile_rows(576, 576 * 360, 90, 132, never) == 32
+    assert kernels.gemv_mma_tile_rows(4096, 32 << 20, 70, 80, never) == 32
     with pytest.raises(ValueError, match="num_sms"):
-        kernels.gemv_mma_tile_rows(4096, 32 << 20, 0, 2)
+        kernels.gemv_mma_tile_rows(4096, 32 << 20, 90, 0, lambda: 2)
     with pytest.raises(ValueError, match="blocks_per_sm"):
-        kernels.gemv_mma_tile_rows(4096, 32 << 20, 132, 0)
+        kernels.gemv_mma_tile_rows(4096, 32 << 20, 90, 132, lambda: 0)
     with pytest.raises(ValueError, match="tile_rows"):
         kernels.gemv_mma_spec("F16", False, tile_rows=8)
     assert "GM_TILE_ROWS" not in kernels.gemv_mma_spec("F16", False, tile_rows=32)
@@ -151,7 +159,8 @@ def test_gemv_mma_tile_rows_rejects_bad_input():
 
 
 def test_gemv_mma_tile_launcher_choice():
-    """linear.gemv_mma_tile: a forced height wins; else the rule at the 16-row build's occupancy."""
+    """linear.gemv_mma_tile: a forced height wins; else the rule, at the 16-row build's occupancy; the SM70
+    path forced on a newer GPU ("mma884") keeps 32 as a V100 would."""
     from voltserve.backends.cuda.linear import gemv_mma_tile
 
     asked = []
@@ -160,10 +169,13 @@ def test_gemv_mma_tile_launcher_choice():
         asked.append((op, kernel, spec.get("GM_TILE_ROWS"), threads))
         return 2
 
-    be = SimpleNamespace(gemv_mma_tile=0, num_sms=132, _occupancy=occupancy)
+    be = SimpleNamespace(gemv_mma_tile=0, gemv_kernel="auto", num_sms=132, _occupancy=occupancy,
+                         loader=SimpleNamespace(compile_arch=90))
     assert gemv_mma_tile(be, _linear("F16", 4096, 4096), False, False) == 16
-    assert asked[-1] == ("gemv_mma", "gemv_mma", 16, 256)
+    assert asked == [("gemv_mma", "gemv_mma", 16, 256)]
     assert gemv_mma_tile(be, _linear("F16", 6144, 4096), False, True) == 32
-    assert gemv_mma_tile(be, _linear("Q4_1", 576, 576), False, False) == 32
+    assert gemv_mma_tile(be, _linear("Q4_1", 576, 576), False, False) == 32 and len(asked) == 2
+    be.gemv_kernel = "mma884"
+    assert gemv_mma_tile(be, _linear("F16", 4096, 4096), False, False) == 32
     be.gemv_mma_tile = 16
     assert gemv_mma_tile(be, _linear("Q4_1", 576, 576), False, False) == 16

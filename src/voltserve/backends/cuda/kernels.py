@@ -9,6 +9,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from voltserve.backends.cuda import params as P
@@ -60,11 +61,13 @@ def gemv_mma_spec(fmt: str, silu: bool, norm_one_pass: bool = False,
     return spec
 
 
-def gemv_mma_tile_rows(weight_rows: int, weight_bytes: int, num_sms: int, blocks_per_sm: int) -> int:
+def gemv_mma_tile_rows(weight_rows: int, weight_bytes: int, arch: int, num_sms: int,
+                       blocks_per_sm: Callable[[], int]) -> int:
     """gemv_mma's block height for a weight of `weight_rows` rows ([gate; up] for SwiGLU: both halves) and
-    `weight_bytes` bytes: 16 when the weight streams long enough to be bandwidth-bound (> GEMV_PDL_MAX_WEIGHT_BYTES,
-    the launches that go without PDL) and its 16-row blocks all fit on the GPU at once (`num_sms` x
-    `blocks_per_sm`, the 16-row kernel's occupancy), else 32.
+    `weight_bytes` bytes on an SM `arch` GPU: 16 on SM80+ (the m16n8k16 path, where it was measured) when the
+    weight streams long enough to be bandwidth-bound (> GEMV_PDL_MAX_WEIGHT_BYTES, the launches without PDL)
+    and its 16-row blocks all fit on the GPU at once (`num_sms` x `blocks_per_sm()`, the 16-row build's
+    occupancy, asked only then: it compiles that build), else 32.
 
     Measured on the H200 (132 SMs, 2 blocks per SM), same process against the 32-row kernel: fp16 4096x4096
     m = 2 / 8 11.9 -> 10.7 / 12.3 -> 11.2 us, 4096x14336 + residual 32.1 -> 31.3 / 32.6 -> 32.0 us; Llama-3-8B
@@ -72,16 +75,20 @@ def gemv_mma_tile_rows(weight_rows: int, weight_bytes: int, num_sms: int, blocks
     lose (6144-row qkv 19.4 -> 25.2 us, 28672-row gate_up 77 -> 85 us). On the default model's small weights
     (PDL launches) the single kernels got faster (Q4_1 576x576 m = 8 2.2 -> 1.6 us) but the 8-sequence step
     slower (10,370 -> 9,830 tok/s), so they keep 32. Resident warps, not balance, pay: 16-row blocks at 3 per SM
-    (all resident, the same per-SM imbalance as 32-row) measured the same as 32-row on qkv.
+    (all resident, the same per-SM imbalance as 32-row) measured the same as 32-row on qkv. SM70 (V100, m8n8k4)
+    keeps 32: not measured there.
 
     Raises:
-        ValueError: `num_sms` or `blocks_per_sm` < 1.
+        ValueError: `num_sms` or `blocks_per_sm()` < 1.
     """
-    if num_sms < 1 or blocks_per_sm < 1:
-        raise ValueError(f"num_sms and blocks_per_sm must be >= 1, got {num_sms}, {blocks_per_sm}")
-    if weight_bytes <= GEMV_PDL_MAX_WEIGHT_BYTES:
+    if num_sms < 1:
+        raise ValueError(f"num_sms must be >= 1, got {num_sms}")
+    if arch < GEMV_MMA_SB_MIN_ARCH or weight_bytes <= GEMV_PDL_MAX_WEIGHT_BYTES:
         return 32
-    return 16 if math.ceil(weight_rows / 16) <= num_sms * blocks_per_sm else 32
+    per_sm = blocks_per_sm()
+    if per_sm < 1:
+        raise ValueError(f"blocks_per_sm must be >= 1, got {per_sm}")
+    return 16 if math.ceil(weight_rows / 16) <= num_sms * per_sm else 32
 
 
 def gemv_mma_sb_smem_bytes(fmt: str) -> int:

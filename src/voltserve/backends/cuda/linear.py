@@ -253,14 +253,17 @@ def _mma_superblocks(backend: Any, w: CudaLinear) -> bool:
 
 
 def gemv_mma_tile(backend: Any, w: CudaLinear, silu: bool, one_pass: bool) -> int:
-    """gemv_mma's block height for `w` on this device (kernels.gemv_mma_tile_rows at the 16-row build's
-    occupancy); `backend.gemv_mma_tile` (0 = per weight, 16 or 32) forces one (tests, A/B runs)."""
+    """gemv_mma's block height for `w` on this device (kernels.gemv_mma_tile_rows; the 16-row build's occupancy
+    is asked only where the rule needs it); `backend.gemv_mma_tile` (0 = per weight, 16 or 32) forces one
+    (tests, A/B runs). The SM70 path forced on a newer GPU ("mma884") keeps 32 unless forced, as on a V100."""
     forced = getattr(backend, "gemv_mma_tile", 0)
     if forced:
         return forced
+    arch = 70 if getattr(backend, "gemv_kernel", "auto") == "mma884" else backend.loader.compile_arch
     spec = kernels.gemv_mma_spec(w.fmt, silu, one_pass, 16)
-    per_sm = backend._occupancy("gemv_mma", "gemv_mma", spec, 0, 32 * kernels.GEMV_MMA_WARPS)
-    return kernels.gemv_mma_tile_rows(w.out_features, w.out_features * w.row_bytes, backend.num_sms, per_sm)
+    return kernels.gemv_mma_tile_rows(
+        w.out_features, w.out_features * w.row_bytes, arch, backend.num_sms,
+        lambda: backend._occupancy("gemv_mma", "gemv_mma", spec, 0, 32 * kernels.GEMV_MMA_WARPS))
 
 
 def _launch_gemv_mma(backend: Any, x: torch.Tensor, w: CudaLinear, y: torch.Tensor,

@@ -36,8 +36,8 @@
 #define GM_MMA884 0
 #endif
 // 1: the fused norm's 1 / rms in one pass over all x rows (rows_inv_rms_one_pass), the launcher's build for
-// norm launches of >= 2 rows (H200, Llama-3-8B, m = 8: RMSNorm + qkv 28.3 -> 23.3 us, + gate_up + SwiGLU
-// 107 -> 86 us). 0: a pass per row (m = 1 and launches without a norm). Compiled into the build that serves m = 1
+// norm launches of >= 2 rows (H200, Llama-3-8B, m = 8: RMSNorm + qkv 28.4 -> 21.8 us, + gate_up + SwiGLU
+// 109.7 -> 84.2 us). 0: a pass per row (m = 1 and launches without a norm). Compiled into the build that serves m = 1
 // and the unfused launches, the one-pass code measured 10-25% slower there (o_proj 11.5 -> 13.9 us, down 32.5
 // -> 40.4 us, qkv m = 1 19.2 -> 21.3 us: the main loop's schedule moved), so it has a build of its own.
 #ifndef GM_NORM_ONE_PASS
@@ -526,11 +526,11 @@ VOLT_DEVICE void sb_step(GmAcc& acc, u8* stages, const GemvParams& p, u32 (&xc)[
 extern "C" __global__ void __launch_bounds__(32 * GM_WARPS, SB_MIN_BLOCKS) gemv_mma_sb(const GemvParams p) {
 #if GM_M16N8K16 && WTYPE != WTYPE_F16 && GM_TILE_ROWS == 32
     extern __shared__ uint4 sb_smem[];  // [GM_WARPS][SB_STAGES][32 rows][SB_PITCH bytes]
-    __shared__ float red[GM_WARPS][32][8];
+    __shared__ float red[GM_WARPS][GM_TILE_ROWS][8];
     __shared__ float scratch[GM_NORM_ONE_PASS ? GEMV_NORM_SCRATCH : 32];
     __shared__ float inv_rms[8];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, t = gm_slot(lane), xr = gm_x_row(lane);
-    const int base = blockIdx.x * (SILU ? 16 : 32);
+    const int base = blockIdx.x * GM_OUT_ROWS;
     u8* stages = reinterpret_cast<u8*>(sb_smem) + warp * SB_STAGES * SB_STAGE;
     const int nsb = p.k / 256;
     const int per = (nsb + GM_WARPS - 1) / GM_WARPS;

@@ -260,10 +260,10 @@ def gemv_mma_tile(backend: Any, w: CudaLinear, silu: bool, one_pass: bool) -> in
     if forced:
         return forced
     arch = 70 if getattr(backend, "gemv_kernel", "auto") == "mma884" else backend.loader.compile_arch
-    spec = kernels.gemv_mma_spec(w.fmt, silu, one_pass, 16)
     return kernels.gemv_mma_tile_rows(
         w.out_features, w.out_features * w.row_bytes, arch, backend.num_sms,
-        lambda: backend._occupancy("gemv_mma", "gemv_mma", spec, 0, 32 * kernels.GEMV_MMA_WARPS))
+        lambda: backend._occupancy("gemv_mma", "gemv_mma", kernels.gemv_mma_spec(w.fmt, silu, one_pass, 16), 0,
+                                   32 * kernels.GEMV_MMA_WARPS))
 
 
 def _launch_gemv_mma(backend: Any, x: torch.Tensor, w: CudaLinear, y: torch.Tensor,

@@ -10,7 +10,7 @@ import os
 from dataclasses import dataclass, field
 
 from voltserve.errors import ConfigError
-from voltserve.event_loop import KINDS as EVENT_LOOPS
+from voltserve.event_loop import check_kind as check_event_loop
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
@@ -150,8 +150,7 @@ class EngineConfig:
             raise ConfigError("gpu_busy_log_interval must be >= 0")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ConfigError("gpu_memory_utilization must be in (0, 1]")
-        if self.event_loop not in EVENT_LOOPS:
-            raise ConfigError(f"event_loop must be one of {', '.join(EVENT_LOOPS)}, not {self.event_loop!r}")
+        check_event_loop(self.event_loop)
         if self.weight_format not in ("auto", "float"):
             raise ConfigError(f"weight_format must be auto or float, not {self.weight_format!r}")
         if not self.served_model_name:

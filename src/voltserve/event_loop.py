@@ -20,14 +20,19 @@ from voltserve.errors import ConfigError
 KINDS = ("auto", "uvloop", "asyncio")
 
 
+def check_kind(kind: str) -> None:
+    """Raises ConfigError unless `kind` is one of KINDS (whether uvloop is installed is not checked here)."""
+    if kind not in KINDS:
+        raise ConfigError(f"event_loop must be one of {', '.join(KINDS)}, not {kind!r}")
+
+
 def loop_factory(kind: str = "auto") -> Callable[[], asyncio.AbstractEventLoop] | None:
     """The `loop_factory` for `asyncio.Runner` of an event-loop kind; None means asyncio's default loop.
 
     Raises:
         ConfigError: an unknown kind, or "uvloop" when uvloop is not installed.
     """
-    if kind not in KINDS:
-        raise ConfigError(f"event_loop must be one of {', '.join(KINDS)}, not {kind!r}")
+    check_kind(kind)
     if kind == "asyncio":
         return None
     try:

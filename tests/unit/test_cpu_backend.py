@@ -67,3 +67,25 @@ def test_attention_same_for_whole_chunked_and_batched():
     scores = scores.masked_fill(torch.ones(10, 10).triu(1).bool(), float("-inf"))
     ref = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
     assert torch.allclose(whole, ref, atol=1e-5)
+
+
+def test_attention_row_does_not_depend_on_its_neighbours_lengths():
+    """A decode row of 57 keys (default model heads: 3 KV heads, group 3, head dim 64) is bitwise the same alone,
+    next to a 300-key neighbour, and as the last row of its sequence's prefill. Padding it to the neighbour's
+    length changed its softmax and P @ V sums on AVX-512 CPUs (concurrent greedy streams differed from
+    sequential ones)."""
+    torch.manual_seed(1)
+    backend = CpuBackend(torch.float32)
+    kv = torch.randn(2, 40, 16, 3, 64)
+    q = torch.randn(57, 9, 64)
+    table = torch.arange(4, dtype=torch.int32)[None]
+    tables = torch.cat([torch.cat([table, table.new_full((1, 15), -1)], 1),
+                        torch.arange(20, 39, dtype=torch.int32)[None]])
+    alone = backend.attention(q[56:], kv, _meta([1], [57], table), 0.125)
+    batched = backend.attention(torch.cat([q[56:], q[:1]]), kv, _meta([1, 1], [57, 300], tables), 0.125)
+    prefill = backend.attention(q, kv, _meta([57], [57], table), 0.125)
+    assert torch.equal(batched[:1], alone) and torch.equal(prefill[56:], alone)
+    k = kv[0, :4].flatten(0, 1)[:57].repeat_interleave(3, dim=1)
+    v = kv[1, :4].flatten(0, 1)[:57].repeat_interleave(3, dim=1)
+    ref = torch.einsum("hk,khd->hd", (torch.einsum("hd,khd->hk", q[56], k) * 0.125).softmax(-1), v)
+    assert torch.allclose(alone[0], ref, atol=1e-5)

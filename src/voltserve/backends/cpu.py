@@ -96,30 +96,48 @@ class CpuBackend:
         flat[1, slot_mapping] = v.to(kv_layer.dtype)
 
     def attention(self, q, kv_layer, attn: AttentionMetadata, scale):
-        """Every query token is one row of the same batched math (decode and prefill alike), so a token's output
-        does not depend on how its sequence was chunked or batched (see `_attend`)."""
+        """Every query token is one row of the same batched math (decode and prefill alike), over a key span that
+        depends only on its own number of keys (`key_span`), so a token's output does not depend on how its
+        sequence was chunked or batched (see `_attend`)."""
         num_tokens, num_heads, head_dim = q.shape
-        num_kv_heads = kv_layer.shape[3]
+        num_kv_heads, block_size = kv_layer.shape[3], kv_layer.shape[2]
         qg = q.view(num_tokens, num_kv_heads, num_heads // num_kv_heads, head_dim)
-        if attn.is_decode_only:
-            max_blocks = -(-attn.max_seq_len // kv_layer.shape[2])
-            k, v = _gather_kv(kv_layer, attn.block_tables[:, :max_blocks])
-            return _attend(qg, k, v, attn.seq_lens.cpu().long(), scale).view_as(q)
         out = torch.empty_like(q)
+        tables = attn.block_tables
+        decodes: dict[int, list[tuple[int, int, int]]] = {}  # span -> (token row, sequence, keys)
         start = 0
         for i, (q_len, seq_len) in enumerate(zip(attn.query_lens_cpu, attn.seq_lens_cpu)):
-            k, v = _gather_kv(kv_layer, attn.block_tables[i:i + 1, :-(-seq_len // kv_layer.shape[2])])
-            # token j of the chunk sits at position seq_len - q_len + j and sees keys 0..that position
-            lens = torch.arange(seq_len - q_len + 1, seq_len + 1)
-            group = max(1, 2**22 // max(1, k[0].numel()))  # bound the expanded K/V copies to ~16 MiB
-            for g in range(0, q_len, group):
-                rows = slice(g, min(g + group, q_len))
-                n = rows.stop - rows.start
-                o = _attend(qg[start + rows.start:start + rows.stop], k.expand(n, -1, -1, -1),
-                            v.expand(n, -1, -1, -1), lens[rows], scale)
-                out[start + rows.start:start + rows.stop] = o.view(n, num_heads, head_dim)
+            if q_len == 1:
+                decodes.setdefault(key_span(seq_len), []).append((start, i, seq_len))
+            elif q_len > 1:
+                self._attend_chunk(qg, out, start, q_len, seq_len, kv_layer, tables[i:i + 1], scale)
             start += q_len
+        # one-token rows (decodes) of all sequences, batched per span: gathered K/V rows are each their own
+        for span, rows in decodes.items():
+            idx = torch.tensor([r for r, _, _ in rows])
+            k, v = _gather_kv(kv_layer, _span_tables(tables[[s for _, s, _ in rows]], span, block_size))
+            lens = torch.tensor([n for _, _, n in rows])
+            out[idx] = _attend(qg[idx], k[:, :, :span], v[:, :, :span], lens, scale).view(len(rows), num_heads,
+                                                                                          head_dim)
         return out
+
+    @staticmethod
+    def _attend_chunk(qg, out, start, q_len, seq_len, kv_layer, table, scale) -> None:
+        """The q_len >= 2 query rows of one sequence (token j sits at position seq_len - q_len + j and sees keys
+        0..that position); rows of one span share the sequence's K/V."""
+        num_heads, head_dim = out.shape[1], out.shape[2]
+        block_size = kv_layer.shape[2]
+        lens = torch.arange(seq_len - q_len + 1, seq_len + 1)
+        k, v = _gather_kv(kv_layer, _span_tables(table, key_span(seq_len), block_size))
+        j = 0
+        while j < q_len:
+            span = key_span(int(lens[j]))
+            end = j + 1
+            while end < q_len and key_span(int(lens[end])) == span:
+                end += 1
+            o = _attend(qg[start + j:start + end], k[:, :, :span], v[:, :, :span], lens[j:end], scale)
+            out[start + j:start + end] = o.view(end - j, num_heads, head_dim)
+            j = end
 
     def silu_and_mul(self, x):
         inner = x.shape[-1] // 2
@@ -129,11 +147,35 @@ class CpuBackend:
         return torch.zeros(num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim, dtype=self.dtype)
 
 
+# A query row attends over a key span (its own keys, the rest masked) that depends on its number of keys alone:
+# the softmax and P @ V reductions of a row then have a length no other row of the step can change. Padding a row
+# to the longest context of the step instead changed its sums with the vector kernels of AVX-512 CPUs (a batched
+# decode's greedy tokens differed from the same request run alone). Powers of two keep a step's decode rows in a
+# few span groups (one gather and one batched product each) for at most 2x the keys.
+MIN_KEY_SPAN = 64
+
+
+def key_span(num_keys: int) -> int:
+    """The key span of a query row that sees `num_keys` keys: the next power of two, at least MIN_KEY_SPAN."""
+    return max(MIN_KEY_SPAN, 1 << (num_keys - 1).bit_length())
+
+
+def _span_tables(tables: torch.Tensor, span: int, block_size: int) -> torch.Tensor:
+    """The first blocks of `tables` [rows, max_blocks] int32 that cover `span` keys, padded with -1 columns
+    where the table is narrower (`_gather_kv` reads block 0 there; those keys are masked)."""
+    need = -(-span // block_size)
+    if need <= tables.shape[1]:
+        return tables[:, :need]
+    return torch.cat([tables, tables.new_full((tables.shape[0], need - tables.shape[1]), -1)], dim=1)
+
+
 def _gather_kv(kv_layer: torch.Tensor, tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """tables [rows, blocks] int32 (-1 padded) -> K, V [rows, kv_heads, blocks * block_size, head_dim]."""
-    tables = tables.long().clamp_min(0)  # padded entries are masked by length later
-    k = kv_layer[0, tables].flatten(1, 2).transpose(1, 2)
-    v = kv_layer[1, tables].flatten(1, 2).transpose(1, 2)
+    """tables [rows, blocks] int32 (-1 padded) -> K, V [rows, kv_heads, blocks * block_size, head_dim], contiguous."""
+    rows, blocks = tables.shape
+    ids = tables.long().clamp_min(0).flatten()  # padded entries are masked by length later
+    num_blocks, block_size, kv_heads, head_dim = kv_layer.shape[1:]
+    k, v = (kv_layer[i].view(num_blocks, -1).index_select(0, ids)
+            .view(rows, blocks * block_size, kv_heads, head_dim).transpose(1, 2).contiguous() for i in (0, 1))
     return k, v
 
 
@@ -142,16 +184,29 @@ def _attend(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: torch.Tens
 
     Args:
         qg: [rows, kv_heads, group, head_dim] queries, grouped by the KV head they share (GQA).
-        k, v: [rows, kv_heads, ctx, head_dim].
+        k, v: [rows, kv_heads, ctx, head_dim] contiguous, or [1, kv_heads, ctx, head_dim]: one sequence's K/V
+            shared by all rows (its prefill chunk).
         lens: [rows] int64, valid keys per row (<= ctx).
     Returns:
-        [rows, kv_heads, group, head_dim] in qg's dtype. Matmul shapes depend only on ctx, whose padding adds
-        exact zeros, so a row's result is the same whatever else is in the batch.
+        [rows, kv_heads, group, head_dim] in qg's dtype. Each row's products are matrices of their own whose shapes
+        depend only on ctx, and the callers pass ctx = `key_span` of the row's own keys, so a row's result is the
+        same whatever else is in the batch.
     """
-    scores = torch.matmul(qg.to(k.dtype), k.transpose(-1, -2)).float() * scale
-    ctx = torch.arange(k.shape[2])
-    scores.masked_fill_((ctx[None, :] >= lens[:, None])[:, None, None, :], float("-inf"))
-    return torch.matmul(torch.softmax(scores, -1).to(v.dtype), v).to(qg.dtype)
+    rows, kv_heads = qg.shape[0], qg.shape[1]
+    mask = (torch.arange(k.shape[2])[None, :] >= lens[:, None])[:, None, None, :]
+    if k.shape[0] == rows:
+        scores = torch.matmul(qg.to(k.dtype), k.transpose(-1, -2)).float() * scale
+        scores.masked_fill_(mask, float("-inf"))
+        return torch.matmul(torch.softmax(scores, -1).to(v.dtype), v).to(qg.dtype)
+    # shared K/V: one bmm per KV head over K/V expanded to the rows, each row's product on its own (torch.matmul
+    # would fold the rows into one GEMM, whose sums then depend on the row count)
+    out = torch.empty(qg.shape, dtype=qg.dtype)
+    for h in range(kv_heads):
+        kh, vh = k[:, h].expand(rows, -1, -1), v[:, h].expand(rows, -1, -1)
+        scores = torch.bmm(qg[:, h].to(k.dtype), kh.transpose(1, 2)).float() * scale
+        scores.masked_fill_(mask[:, 0], float("-inf"))
+        out[:, h] = torch.bmm(torch.softmax(scores, -1).to(v.dtype), vh).to(qg.dtype)
+    return out
 
 
 LINEAR_ROW_CHUNK = 4

@@ -124,7 +124,7 @@ class CpuBackend:
     @staticmethod
     def _attend_chunk(qg, out, start, q_len, seq_len, kv_layer, table, scale) -> None:
         """The q_len >= 2 query rows of one sequence (token j sits at position seq_len - q_len + j and sees keys
-        0..that position); rows of one span share the sequence's K/V."""
+        0..that position); rows of one span share the sequence's K/V, their scores ~16 MiB at a time."""
         num_heads, head_dim = out.shape[1], out.shape[2]
         block_size = kv_layer.shape[2]
         lens = torch.arange(seq_len - q_len + 1, seq_len + 1)
@@ -132,9 +132,8 @@ class CpuBackend:
         j = 0
         while j < q_len:
             span = key_span(int(lens[j]))
-            end = j + 1
-            while end < q_len and key_span(int(lens[end])) == span:
-                end += 1
+            # lens grow by one a row: rows up to `span` keys share the span
+            end = min(q_len, j + span - int(lens[j]) + 1, j + max(1, 2**22 // (num_heads * span)))
             o = _attend(qg[start + j:start + end], k[:, :, :span], v[:, :, :span], lens[j:end], scale)
             out[start + j:start + end] = o.view(end - j, num_heads, head_dim)
             j = end

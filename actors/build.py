@@ -109,9 +109,10 @@ def build_runner(config: EngineConfig, loaded=None) -> BuiltEngine:
                 num_blocks * config.block_size, num_blocks * block_bytes / 2**20, device)
     graphs = None
     if device == "cuda" and not config.enforce_eager:
-        from voltserve.graphs import DecodeGraphs
+        from voltserve.graphs import StepGraphs, prefill_buckets
 
-        graphs = DecodeGraphs(model, backend, kv_cache, config.max_num_seqs, max_model_len)
+        mixed = prefill_buckets(config.max_num_batched_tokens) if config.mixed_graphs else []
+        graphs = StepGraphs(model, backend, kv_cache, config.max_num_seqs, max_model_len, mixed)
         graphs.capture()
     tokenizer = loaded.tokenizer
     eos = tuple(cfg.eos_token_ids) or tuple(tokenizer.eos_token_ids)

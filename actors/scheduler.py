@@ -70,7 +70,8 @@ class SchedulerActor(Actor):
             messages = self.pending()
             if not messages and handle is None and not self.scheduler.has_work():
                 self._emit_deferred()  # no next step to overlap with
-                messages = [await self.next_message()]
+                # with whatever arrived together with it: requests sent at once start in one step
+                messages = [await self.next_message()] + self.pending()
             for msg, fut in messages:
                 if isinstance(msg, _Stop):
                     self._emit_deferred()

@@ -40,11 +40,12 @@ struct PrefillParams {
     int block_size;
     int max_blocks;
     float scale;
+    int min_query_len;           // sequences with fewer query tokens are left alone (a mixed step's decodes,
+                                 // which attn_decode computed)
 };
 VOLT_CHECK_PARAMS(PrefillParams, VOLT_PREFILL_PARAMS_BYTES);
 
 extern "C" __global__ void __launch_bounds__(NUM_THREADS) attn_prefill(const PrefillParams p) {
-    pdl_enter();
     extern __shared__ float smem[];
     float* q_s = smem;                                                   // [BQ][HEAD_DIM]
     half_t* k_s = reinterpret_cast<half_t*>(q_s + BQ * HEAD_DIM);        // [BK][KS]
@@ -52,10 +53,16 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS) attn_prefill(const Pre
     const int h = blockIdx.y, seq = blockIdx.z;
     const int kvh = h / (p.num_heads / p.num_kv_heads);
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    // the metadata is a host upload (the launcher turns PDL off otherwise): blocks without rows leave before
+    // the PDL wait (most of a mixed CUDA graph's grid, sized for its capacity), block 0 after it, so the grid
+    // still completes only after the previous one
     const int q_begin = p.query_start_loc[seq];
     const int q_len = p.query_start_loc[seq + 1] - q_begin;
     const int q0 = blockIdx.x * BQ;
-    if (q0 >= q_len) return;
+    const bool idle = q0 >= q_len || q_len < p.min_query_len;
+    if (idle && (blockIdx.x | blockIdx.y | blockIdx.z) != 0) return;
+    pdl_enter();
+    if (idle) return;
     const int seq_len = p.seq_lens[seq];
     const int ctx = seq_len - q_len;                                     // cached tokens before this step
     const int num_keys = min(seq_len, ctx + min(q0 + BQ, q_len));        // causal bound for the whole block

@@ -14,9 +14,10 @@ _ids = itertools.count()
 
 
 def make_scheduler(num_blocks=64, block_size=4, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256,
-                   eos=(0,), prefix_caching=True) -> Scheduler:
+                   eos=(0,), prefix_caching=True, ahead_prefill_tokens=0, ahead_admissible=None) -> Scheduler:
     pool = BlockPool(num_blocks, block_size, prefix_caching)
-    return Scheduler(pool, max_num_seqs, max_num_batched_tokens, max_model_len, eos)
+    return Scheduler(pool, max_num_seqs, max_num_batched_tokens, max_model_len, eos, ahead_prefill_tokens,
+                     ahead_admissible)
 
 
 def make_seq(prompt, max_tokens=8, request_id=None, **params) -> Sequence:
@@ -39,16 +40,21 @@ def next_token(input_id: int, position: int) -> int:
 
 class FakeAsyncRunner:
     """launch/collect like voltserve.runner.ModelRunner, with a 'model' that makes each token from the input id it
-    is given (`next_token`): decode steps run 'asynchronously' (their ids stay on the fake device until collect,
-    and a fed step reads them from there, never from the sequences); prefill and mixed steps run at once.
+    is given (`next_token`): decode steps (with mixed=True: any step whose every entry samples, as mixed CUDA
+    graphs allow) run 'asynchronously' (their ids stay on the fake device until collect, and a fed step reads the
+    ids of its first entries from there, never from the sequences); other steps run at once.
 
     Args:
         eos_at: prompt length -> output index at which such a sequence samples EOS (id 0).
+        mixed: steps with prefill entries run asynchronously too.
     """
 
-    def __init__(self, eos_at=None):
+    def __init__(self, eos_at=None, mixed=False):
         self.eos_at = eos_at or {}  # prompt length -> output index that samples EOS
+        self.mixed = mixed
         self.fed = 0
+        self.fed_with_prefill = 0  # fed steps that also started a new sequence
+        self.fed_after_finish = 0  # fed steps without a sequence of the feeding step that finished
 
     def _token(self, e, input_id):
         seq = e.seq
@@ -57,17 +63,29 @@ class FakeAsyncRunner:
         return next_token(input_id, e.start + e.num_new - 1)
 
     def launch(self, plan, feed=None):
+        entries = plan.entries
+        is_async = all(e.sample for e in entries) and (self.mixed or all(e.num_new == 1 for e in entries))
         if feed is not None:
-            assert [e.seq for e in feed.plan.entries] == [e.seq for e in plan.entries]
+            rows = {e.seq.seq_id: i for i, e in enumerate(feed.plan.entries)}
+            k = 0
+            while k < len(entries) and entries[k].seq.seq_id in rows:
+                k += 1
+            assert is_async and k and all(e.num_new == 1 for e in entries[:k])
+            assert not any(e.seq.seq_id in rows for e in entries[k:])
             self.fed += 1
-            inputs = feed.ids_dev  # the previous step's ids, never read from the sequences
-        elif all(e.num_new == 1 and e.sample for e in plan.entries):
-            inputs = [e.seq.token_at(e.start) for e in plan.entries]
+            self.fed_with_prefill += len(entries) > k
+            self.fed_after_finish += k < len(rows)
+            # the previous step's ids (of the sequences still running), never read from the sequences; the rest
+            # from the host
+            inputs = [feed.ids_dev[rows[e.seq.seq_id]] for e in entries[:k]] + \
+                [e.seq.token_at(e.start + e.num_new - 1) for e in entries[k:]]
+        elif is_async:
+            inputs = [e.seq.token_at(e.start + e.num_new - 1) for e in entries]
         else:
             sampled = {e.seq.seq_id: self._token(e, e.seq.token_at(e.start + e.num_new - 1))
-                       for e in plan.entries if e.sample}
+                       for e in entries if e.sample}
             return StepHandle(plan, result=(sampled, {}))
-        return StepHandle(plan, ids_dev=[self._token(e, i) for e, i in zip(plan.entries, inputs)])
+        return StepHandle(plan, ids_dev=[self._token(e, i) for e, i in zip(entries, inputs)])
 
     def collect(self, handle):
         if handle.result is not None:

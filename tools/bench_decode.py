@@ -4,11 +4,15 @@ Each point prefills `batch` sequences of `--prompt-len` tokens, then times `--st
 `--repeats`). For the 8B-shape synthetic model it also prints the batch-1 roofline: (weight bytes + KV bytes read
 per step) / the device-to-device copy bandwidth (`bench_kernels.copy_bandwidth`, measured before anything is
 loaded) (issue 4, target 3). `--gemv-kernel scalar,auto` repeats every point per decode-GEMV choice
-(`VOLTSERVE_GEMV_KERNEL`), `--pdl` and `--async-scheduling` likewise.
+(`VOLTSERVE_GEMV_KERNEL`), `--pdl`, `--mixed-graphs` and `--async-scheduling` likewise. `--churn GEN_LEN` adds
+the serving steady state (`time_churn`: sequences of GEN_LEN tokens replaced by new --prompt-len requests as
+they finish, so new prefills share steps with the others' decodes).
 
     python tools/bench_decode.py --model smollm2-135m-instruct --device cuda --out decode.json
     python tools/bench_decode.py --synthetic llama3-8b --device cuda --batch 1,8 --gemv-kernel scalar,auto
     python tools/bench_decode.py --device cuda --batch 1 --prefill 512 --repeats 5   # adds pp512
+    python tools/bench_decode.py --device cuda --batch 64 --graphs on --churn 256 --prompt-len 40 --steps 256 \
+        --mixed-graphs on,off
 """
 
 from __future__ import annotations
@@ -39,11 +43,13 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def _scheduler(built, batch: int, prompt_len: int, max_tokens: int) -> Scheduler:
-    """A scheduler (no prefix caching) holding `batch` greedy sequences of distinct `prompt_len`-token prompts."""
+def _scheduler(built, batch: int, prompt_len: int, max_tokens: int, max_num_seqs: int = 0) -> Scheduler:
+    """A scheduler (no prefix caching) holding `batch` greedy sequences of distinct `prompt_len`-token prompts,
+    running at most max(batch, max_num_seqs) at once."""
     cfg = built.model_config
     pool = BlockPool(built.num_blocks, built.runner.block_size, enable_prefix_caching=False)
-    sched = Scheduler(pool, batch, batch * prompt_len, prompt_len + max_tokens, ())
+    sched = Scheduler(pool, max(batch, max_num_seqs), max(2048, batch * prompt_len), prompt_len + max_tokens, (),
+                      *built.runner.ahead_admission())
     for i in range(batch):
         prompt = [(7 * i + j) % min(cfg.vocab_size, 250) + 1 for j in range(prompt_len)]
         sched.add(Sequence(i, f"r{i}", 0, prompt, SamplingParams(temperature=0, ignore_eos=True), max_tokens))
@@ -63,6 +69,42 @@ def time_decode(built, batch: int, prompt_len: int, steps: int, device: str, pip
     return (time.perf_counter() - start) / steps
 
 
+def time_churn(built, batch: int, prompt_len: int, gen_len: int, steps: int, device: str) -> tuple[float, float]:
+    """Steady state of a server at `batch` streams: every sequence generates `gen_len` tokens and is replaced by a
+    new `prompt_len`-token request when it finishes; the first `batch` have staggered lengths (gen_len * (i + 1) /
+    batch), so about batch / gen_len requests start in each step and their prefills share steps with the others'
+    decodes (mixed steps), as under HTTP clients that drift apart. Returns (seconds per step, output tokens/s) over
+    `steps` steps after one gen_len-long warm-up."""
+    sched = _scheduler(built, 0, prompt_len, gen_len, max_num_seqs=batch)
+    cfg = built.model_config
+    next_id = [0]
+
+    def add(max_tokens: int) -> None:
+        i = next_id[0]
+        next_id[0] += 1
+        prompt = [(7 * i + j) % min(cfg.vocab_size, 250) + 1 for j in range(prompt_len)]
+        sched.add(Sequence(i, f"r{i}", 0, prompt, SamplingParams(temperature=0, ignore_eos=True), max_tokens))
+
+    tokens = [0]
+
+    def on_update(touched, _logprobs) -> None:
+        tokens[0] += len(touched)
+        for seq in touched:
+            if seq.is_finished:
+                add(gen_len)
+
+    for i in range(batch):
+        add(max(1, gen_len * (i + 1) // batch))
+    run_steps(sched, built.runner, gen_len, True, on_update)  # warm-up: reach the staggered steady state
+    _sync(device)
+    tokens[0] = 0
+    start = time.perf_counter()
+    done = run_steps(sched, built.runner, steps, True, on_update)
+    _sync(device)
+    elapsed = time.perf_counter() - start
+    return elapsed / done, tokens[0] / elapsed
+
+
 def time_prefill(built, prompt_len: int, device: str) -> float:
     """Seconds for one sequence's whole-prompt prefill of `prompt_len` tokens (llama.cpp's ppN, N = prompt_len),
     including sampling its first token."""
@@ -77,13 +119,17 @@ def time_prefill(built, prompt_len: int, device: str) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description="decode tokens/s, batch sweep, graphs on/off")
     parser.add_argument("--model", default="smollm2-135m-instruct")
-    parser.add_argument("--synthetic", choices=["llama3-8b", "tiny"], help="random weights made on the device")
+    parser.add_argument("--synthetic", choices=["llama3-8b", "smollm2-135m", "tiny"],
+                        help="random weights made on the device")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--batch", default="1,8,32,64")
     parser.add_argument("--graphs", default="on,off")
     parser.add_argument("--pdl", default="on", help="programmatic dependent launch (SM90+): on, off or on,off")
     parser.add_argument("--gemv-kernel", default="auto",
                         help="decode GEMV kernels (VOLTSERVE_GEMV_KERNEL): auto, scalar, mma or a list like scalar,mma")
+    parser.add_argument("--mixed-graphs", default="on",
+                        help="CUDA graphs for mixed prefill + decode steps (EngineConfig.mixed_graphs): on, off or "
+                             "on,off")
     parser.add_argument("--async-scheduling", default="on",
                         help="plan each decode step before the previous one's tokens are known: on, off or on,off")
     parser.add_argument("--prompt-len", type=int, default=128)
@@ -91,6 +137,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--prefill", type=int, default=0,
                         help="also time a single-sequence prefill of this many tokens (pp512: --prefill 512)")
+    parser.add_argument("--churn", type=int, default=0, metavar="GEN_LEN",
+                        help="also time the serving steady state: each sequence generates GEN_LEN tokens, then a new "
+                             "--prompt-len request takes its place (mixed prefill + decode steps; `time_churn`)")
     parser.add_argument("--out", type=pathlib.Path)
     args = parser.parse_args()
     batches = [int(b) for b in args.batch.split(",")]
@@ -110,18 +159,21 @@ def main() -> None:
 
         loaded = synthetic_model(args.synthetic, device=args.device,
                                  dtype=torch.float16 if args.device == "cuda" else torch.float32)
-    runs = [(g, pdl, gk) for g in args.graphs.split(",") for pdl in args.pdl.split(",")
-            for gk in args.gemv_kernel.split(",")]
+    runs = [(g, pdl, gk, mixed) for g in args.graphs.split(",") for pdl in args.pdl.split(",")
+            for gk in args.gemv_kernel.split(",") for mixed in args.mixed_graphs.split(",")]
     modes = args.async_scheduling.split(",")
-    for graphs, pdl, gemv_kernel in runs:
+    for graphs, pdl, gemv_kernel, mixed in runs:
         if args.device != "cuda" and (graphs == "on" or pdl == "off"):
             continue
+        if graphs == "off" and mixed == "off" and "on" in args.mixed_graphs.split(","):
+            continue  # the same run as mixed "on"
         os.environ["VOLTSERVE_GEMV_KERNEL"] = gemv_kernel
+        decode_len = max(args.steps, args.churn)
         config = EngineConfig(model=args.model, device=args.device, max_num_seqs=max(batches),
-                              max_model_len=max(args.prompt_len + args.steps + 16, args.prefill + 16),
-                              enforce_eager=graphs == "off", pdl=pdl == "on",
+                              max_model_len=max(args.prompt_len + decode_len + 16, args.prefill + 16),
+                              enforce_eager=graphs == "off", pdl=pdl == "on", mixed_graphs=mixed == "on",
                               max_num_batched_tokens=max(2048, args.prefill),
-                              num_kv_blocks=max(batches) * (-(-(max(args.prompt_len + args.steps, args.prefill) + 16)
+                              num_kv_blocks=max(batches) * (-(-(max(args.prompt_len + decode_len, args.prefill) + 16)
                                                                // 16)))
         built = build_runner(config, loaded)
         for batch in batches:
@@ -132,6 +184,15 @@ def main() -> None:
                 point = {"graphs": graphs, "pdl": pdl, "gemv": gemv_kernel, "async": mode, "batch": batch,
                          "step_ms": step_s * 1e3,
                          "tokens_per_s": batch / step_s}
+                results["points"].append(point)
+                print(json.dumps(point), flush=True)
+            if args.churn:
+                runs_ = [time_churn(built, batch, args.prompt_len, args.churn, args.steps, args.device)
+                         for _ in range(args.repeats)]
+                step_s, tok_s = statistics.median(r[0] for r in runs_), statistics.median(r[1] for r in runs_)
+                point = {"graphs": graphs, "mixed_graphs": mixed, "pdl": pdl, "gemv": gemv_kernel, "batch": batch,
+                         "churn_gen_len": args.churn,
+                         "prompt_len": args.prompt_len, "step_ms": step_s * 1e3, "tokens_per_s": tok_s}
                 results["points"].append(point)
                 print(json.dumps(point), flush=True)
         if args.prefill:

@@ -23,6 +23,9 @@ SHAPES = {
     # Llama-3-8B (Meta, 2024): the shapes of the roofline target
     "llama3-8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,
                       num_kv_heads=8, head_dim=128, rope_theta=500000.0, max_position_embeddings=8192),
+    # SmolLM2-135M (the default model) as fp16: GPU benchmarks of its step shapes without the GGUF
+    "smollm2-135m": dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,
+                         num_kv_heads=3, head_dim=64, rope_theta=100000.0, max_position_embeddings=8192),
     "tiny": dict(vocab_size=320, hidden_size=64, intermediate_size=160, num_layers=2, num_heads=4, num_kv_heads=2,
                  head_dim=16, rope_theta=10000.0, max_position_embeddings=512),
 }

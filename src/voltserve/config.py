@@ -93,7 +93,9 @@ class EngineConfig:
         num_threads: torch intra-op threads on the CPU backend; 0 = torch's default.
         weight_format: "auto" (int4 kernels for Q4 GGUF weights on the CPU when available), "float".
         gpu_memory_utilization: fraction of the GPU's memory the engine may use (weights, activations, KV pool).
-        enforce_eager: run decode steps eagerly instead of replaying CUDA graphs.
+        enforce_eager: run every step eagerly instead of replaying CUDA graphs.
+        mixed_graphs: also capture CUDA graphs of mixed steps (new requests' prefills of up to 512 tokens next to
+            the running sequences' decodes, `voltserve.graphs`); off = such steps run eagerly.
         pdl: programmatic dependent launch on SM90+ GPUs: each kernel launches while the previous one finishes
             and prefetches its weights meanwhile (ptx/common.cuh `pdl_enter`); no effect below SM90.
         gpu_busy_log_interval: seconds between log lines giving the share of wall time the GPU spent on steps
@@ -127,6 +129,7 @@ class EngineConfig:
     weight_format: str = "auto"
     gpu_memory_utilization: float = 0.9
     enforce_eager: bool = False
+    mixed_graphs: bool = True
     pdl: bool = True
     gpu_busy_log_interval: float = 0.0
     exit_on_engine_death: bool = False

@@ -1,13 +1,20 @@
-"""CUDA graphs for decode steps: one graph per batch-size bucket, replayed with padded static inputs.
+"""CUDA graphs for decode and mixed (prefill + decode) steps, replayed with padded static inputs.
 
-Each graph is captured largest bucket first into one shared memory pool (nano-vllm's shape). Padded rows write
-no KV (slot -1) and attend to one key of block 0; their logits are dropped. Steps with more sequences than the
-largest bucket, and prefill steps, run eagerly.
+Decode graphs: one per batch-size bucket b (one token per sequence, the decode attention kernel). Mixed graphs:
+one per (b, P): up to b sequences holding up to b + P tokens, no sequence more than P of them; attention runs the
+decode kernel for every sequence's last token and the varlen (prefill) kernel for sequences of >= 2 tokens
+(`AttentionMetadata.split_decode`). A new request's prefill then shares a graph-replayed step with the running
+sequences' decodes instead of making the whole step eager; under many streaming clients a request starts every
+few steps (bench_decode.py --churn). Every graph is captured largest first into one shared memory pool (nano-vllm's
+shape). Padded tokens write no KV (slot -1); each padded sequence has one padded token and one key of block 0;
+their logits are dropped. Steps beyond the largest buckets run eagerly.
 """
 
 from __future__ import annotations
 
 import logging
+from collections import Counter
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -15,6 +22,11 @@ import torch
 from voltserve.backends.base import AttentionMetadata, StepInputs
 
 logger = logging.getLogger(__name__)
+
+# Query-token capacities P of the mixed graphs (capped by the step's token budget): short chat prompts, and up
+# to one step's budget. More P buckets cost capture time and graph memory; a prefill above the largest runs
+# eagerly, where launching costs less than the step computes.
+MIXED_PREFILL_TOKENS = (64, 512)
 
 
 def batch_buckets(max_num_seqs: int) -> list[int]:
@@ -26,47 +38,73 @@ def batch_buckets(max_num_seqs: int) -> list[int]:
     return buckets + [max_num_seqs]
 
 
+def prefill_buckets(max_num_batched_tokens: int) -> list[int]:
+    """The mixed graphs' query-token capacities for a step budget of `max_num_batched_tokens` tokens."""
+    return sorted({min(p, max_num_batched_tokens) for p in MIXED_PREFILL_TOKENS if max_num_batched_tokens > 1})
+
+
+@dataclass(frozen=True)
+class GraphKey:
+    """A captured graph: `seqs` sequence slots; prefill = 0 for a decode graph (one token per slot), else the
+    mixed graph's query-token capacity P (seqs + P token slots, at most P per sequence)."""
+
+    seqs: int
+    prefill: int = 0
+
+    @property
+    def tokens(self) -> int:
+        return self.seqs + self.prefill if self.prefill else self.seqs
+
+
 class PackedStepInputs:
-    """The host side of a decode graph's static inputs: one int32 buffer holding ids, positions and slots (int64
-    as word pairs), seq_lens, then the block tables [rows, max_blocks], so that one copy uploads a step.
+    """The host side of a graph's static inputs: one int32 buffer holding, per token, ids, positions and slots
+    (int64 as word pairs), per sequence the logits rows (int64), seq_lens and query_start_loc, then the block
+    tables [seqs, max_blocks] last, so that one copy of a prefix uploads a step.
 
     Args:
-        rows: largest batch (bucket) it holds.
+        tokens: token slots (the largest graph's).
+        seqs: sequence slots.
         max_blocks: block-table width.
         block_size: tokens per KV block (for slot numbers).
         pin: page-lock the buffer (needs CUDA); False for tests on the CPU.
     Attributes:
-        buffer: the int32 host tensor; `words(b)` of it is what a bucket of b rows uses.
+        buffer: the int32 host tensor; `words(b)` of it is what a graph of b sequence slots reads.
     """
 
-    def __init__(self, rows: int, max_blocks: int, block_size: int, pin: bool = True):
-        self.rows, self.max_blocks, self.block_size = rows, max_blocks, block_size
-        n = rows
-        self.off_pos, self.off_slot, self.off_lens, self.off_tab = 2 * n, 4 * n, 6 * n, 7 * n
-        buffer = torch.zeros(self.off_tab + n * max_blocks, dtype=torch.int32)
+    def __init__(self, tokens: int, seqs: int, max_blocks: int, block_size: int, pin: bool = True):
+        self.tokens, self.seqs, self.max_blocks, self.block_size = tokens, seqs, max_blocks, block_size
+        t, s = tokens, seqs
+        self.off_pos, self.off_slot, self.off_logits = 2 * t, 4 * t, 6 * t
+        self.off_lens, self.off_qsl, self.off_tab = 6 * t + 2 * s, 6 * t + 3 * s, 6 * t + 4 * s + 1
+        buffer = torch.zeros(self.off_tab + s * max_blocks, dtype=torch.int32)
         self.buffer = buffer.pin_memory() if pin else buffer
         h = self.buffer.numpy()
         self.ids = h[:self.off_pos].view(np.int64)
         self.positions = h[self.off_pos:self.off_slot].view(np.int64)
-        self.slots = h[self.off_slot:self.off_lens].view(np.int64)
-        self.seq_lens = h[self.off_lens:self.off_tab]
-        self.tables = h[self.off_tab:].reshape(n, max_blocks)
+        self.slots = h[self.off_slot:self.off_logits].view(np.int64)
+        self.logits_rows = h[self.off_logits:self.off_lens].view(np.int64)
+        self.seq_lens = h[self.off_lens:self.off_qsl]
+        self.query_start = h[self.off_qsl:self.off_tab]
+        self.tables = h[self.off_tab:].reshape(s, max_blocks)
         self.slots[:] = -1
         self.seq_lens[:] = 1
+        self.logits_rows[:] = np.arange(s)
+        self.query_start[:] = np.minimum(np.arange(s + 1), t)
 
-    def words(self, b: int) -> int:
-        """int32 words a bucket of b rows reads (the block tables come last)."""
-        return self.off_tab + b * self.max_blocks
+    def words(self, seqs: int) -> int:
+        """int32 words a graph of `seqs` sequence slots reads (the block tables come last)."""
+        return self.off_tab + seqs * self.max_blocks
 
-    def fill_from_plan(self, entries, ids: bool = True) -> None:
-        """Rows 0..len(entries) from the scheduler's entries (`voltserve.scheduler.ScheduledSeq`, one decode token
-        each), read straight from the sequences: no StepInputs on the step's critical path. ids=False leaves the
-        input ids out (a step planned ahead: they come from the previous step's output on the device)."""
+    def fill_from_plan(self, entries, fed: int = 0) -> None:
+        """Decode rows 0..len(entries) from the scheduler's entries (`voltserve.scheduler.ScheduledSeq`, one token
+        each), read straight from the sequences: no StepInputs on the step's critical path. The input ids of the
+        first `fed` rows are left out (a step planned ahead: they come from the previous step's output on the
+        device). Token i is sequence i's, so query_start and the logits rows keep their initial arange."""
         n, bs = len(entries), self.block_size
         positions, slots = [], []
         tables = self.tables
-        if ids:
-            self.ids[:n] = [e.seq.token_at(e.start) for e in entries]
+        if fed < n:
+            self.ids[fed:n] = [e.seq.token_at(e.start) for e in entries[fed:]]
         for i, e in enumerate(entries):
             seq, pos = e.seq, e.start
             blocks = seq.block_ids
@@ -78,20 +116,98 @@ class PackedStepInputs:
         self.seq_lens[:n] = self.positions[:n] + 1
 
     def pad(self, n: int, b: int) -> None:
-        """Rows n..b are padding: no KV write (slot -1), one key of block 0."""
+        """Decode rows n..b are padding: no KV write (slot -1), one key of block 0."""
         self.slots[n:b] = -1
         self.seq_lens[n:b] = 1
         self.tables[n:b, 0] = 0
 
+    def fill_mixed(self, entries, fed: int = 0) -> int:
+        """Any step's tokens, in plan order, as `ModelRunner.prepare` lays them out; one logits row per entry
+        (its last token). The ids of the first `fed` entries (one token each, at token slots 0..fed) are left out:
+        they come from the previous step's output on the device. Returns the number of tokens."""
+        bs = self.block_size
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        starts = [0]
+        tables = self.tables
+        for i, e in enumerate(entries):
+            seq, start, n = e.seq, e.start, e.num_new
+            blocks = seq.block_ids
+            if n == 1:
+                ids.append(seq.token_at(start) if i >= fed else 0)
+                positions.append(start)
+                slots.append(blocks[start // bs] * bs + start % bs)
+            else:
+                ids.extend(seq.token_ids()[start:start + n])
+                positions.extend(range(start, start + n))
+                slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, start + n))
+            starts.append(starts[-1] + n)
+            self.seq_lens[i] = start + n
+            tables[i, :len(blocks)] = blocks
+        t, k = starts[-1], len(entries)
+        if fed:
+            self.ids[fed:t] = ids[fed:]
+        else:
+            self.ids[:t] = ids
+        self.positions[:t] = positions
+        self.slots[:t] = slots
+        self.query_start[:k + 1] = starts
+        self.logits_rows[:k] = self.query_start[1:k + 1] - 1
+        return t
 
-class DecodeGraphs:
-    """Captured decode steps of `model` over `kv_cache`.
+    def pad_mixed(self, n: int, seqs: int, num_tokens: int, tokens: int) -> None:
+        """Sequence slots n..seqs and token slots num_tokens..tokens are padding: each padded sequence has one
+        query token of its own (the decode kernel writes a row per sequence) and one key of block 0; no token
+        writes KV. Needs seqs - n <= tokens - num_tokens."""
+        self.seq_lens[n:seqs] = 1
+        self.tables[n:seqs, 0] = 0
+        self.query_start[n + 1:seqs + 1] = np.arange(num_tokens + 1, num_tokens + 1 + seqs - n)
+        self.logits_rows[n:seqs] = self.query_start[n + 1:seqs + 1] - 1
+        self.ids[num_tokens:tokens] = 0
+        self.positions[num_tokens:tokens] = 0
+        self.slots[num_tokens:tokens] = -1
 
-    The static inputs of every bucket are views into one int32 device buffer laid out as `PackedStepInputs`; a
-    step fills a pinned host mirror (`self.host`) and uploads the used prefix in one copy; there are two mirrors,
-    used in turn, so a step can be filled while the previous step's upload may still be pending (asynchronous
-    scheduling keeps two steps in flight; the runner syncs on step N-1 before it fills step N+1). Each graph also runs
-    the greedy argmax of its logits.
+
+class _GraphInputs:
+    """One device buffer of static inputs (`PackedStepInputs` layout) and its two pinned host mirrors, used in
+    turn, so a step can be filled while the previous step's upload may still be pending (asynchronous
+    scheduling keeps two steps in flight; the runner syncs on step N-1 before it fills step N+1)."""
+
+    def __init__(self, tokens: int, seqs: int, max_blocks: int, block_size: int, device: torch.device):
+        pin = torch.device(device).type == "cuda"
+        self._hosts = [PackedStepInputs(tokens, seqs, max_blocks, block_size, pin) for _ in range(2)]
+        self.host = self._hosts[0]  # the mirror the next step fills
+        h = self.host
+        self.dev = d = torch.zeros_like(h.buffer, device=device)
+        self.input_ids = d[:h.off_pos].view(torch.int64)
+        self.positions = d[h.off_pos:h.off_slot].view(torch.int64)
+        self.slot_mapping = d[h.off_slot:h.off_logits].view(torch.int64)
+        self.logits_rows = d[h.off_logits:h.off_lens].view(torch.int64)
+        self.seq_lens = d[h.off_lens:h.off_qsl]
+        self.query_start = d[h.off_qsl:h.off_tab]
+        self.block_tables = d[h.off_tab:].view(seqs, max_blocks)
+        d.copy_(h.buffer)
+
+    def static_step(self, key: GraphKey, max_model_len: int) -> StepInputs:
+        b, t = key.seqs, key.tokens
+        q = key.prefill or 1
+        attn = AttentionMetadata(self.query_start[:b + 1], self.seq_lens[:b], self.block_tables[:b],
+                                 self.slot_mapping[:t], q, max_model_len, [q] * b, [1] * b,
+                                 split_decode=bool(key.prefill))
+        return StepInputs(self.input_ids[:t], self.positions[:t], attn, self.logits_rows[:b])
+
+    def upload(self, seqs: int) -> None:
+        end = self.host.words(seqs)
+        self.dev[:end].copy_(self.host.buffer[:end], non_blocking=True)
+        self.host = self._hosts[self.host is self._hosts[0]]  # the next step fills the other mirror
+
+
+class StepGraphs:
+    """Captured decode and mixed steps of `model` over `kv_cache`.
+
+    Each graph also runs the greedy argmax of its logits. `plan_key` picks a step's graph; `fill` writes the
+    step into a pinned host mirror; `replay` uploads the used prefix in one copy and replays.
 
     Args:
         model: has forward(StepInputs, kv_cache) -> logits [rows, vocab].
@@ -99,77 +215,104 @@ class DecodeGraphs:
         kv_cache: [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim].
         max_num_seqs: largest bucket.
         max_model_len: longest context; sizes the block tables and the attention split grid.
+        prefill_tokens: the mixed graphs' query-token capacities P (`prefill_buckets`); empty = decode graphs
+            only.
     """
 
-    def __init__(self, model, backend, kv_cache: torch.Tensor, max_num_seqs: int, max_model_len: int):
+    def __init__(self, model, backend, kv_cache: torch.Tensor, max_num_seqs: int, max_model_len: int,
+                 prefill_tokens: tuple[int, ...] | list[int] = ()):
         self.model, self.backend, self.kv_cache = model, backend, kv_cache
         self.buckets = batch_buckets(max_num_seqs)
+        self.prefill_buckets = sorted(prefill_tokens)
         self.max_model_len = max_model_len
         block_size = kv_cache.shape[3]
         n, dev = self.buckets[-1], backend.device
         self.max_blocks = -(-max_model_len // block_size)
-        self._hosts = [PackedStepInputs(n, self.max_blocks, block_size) for _ in range(2)]
-        self.host = self._hosts[0]  # the mirror the next step fills
-        self._dev = torch.zeros_like(self.host.buffer, device=dev)
-        h = self.host
-        d = self._dev
-        self.input_ids = d[:h.off_pos].view(torch.int64)
-        self.positions = d[h.off_pos:h.off_slot].view(torch.int64)
-        self.slot_mapping = d[h.off_slot:h.off_lens].view(torch.int64)
-        self.seq_lens = d[h.off_lens:h.off_tab]
-        self.block_tables = d[h.off_tab:].view(n, self.max_blocks)
-        self._dev.copy_(h.buffer)
-        self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=dev)
-        self.logits_indices = torch.arange(n, dtype=torch.int64, device=dev)
-        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self._logits: dict[int, torch.Tensor] = {}
-        self._greedy: dict[int, torch.Tensor] = {}
+        self._decode = _GraphInputs(n, n, self.max_blocks, block_size, dev)
+        self._mixed = None
+        if self.prefill_buckets:
+            self._mixed = _GraphInputs(n + self.prefill_buckets[-1], n, self.max_blocks, block_size, dev)
+        self._graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}
+        self._logits: dict[GraphKey, torch.Tensor] = {}
+        self._greedy: dict[GraphKey, torch.Tensor] = {}
+        self.replays: Counter[GraphKey] = Counter()  # replays per graph (tests, diagnostics)
 
-    def _static_step(self, b: int) -> StepInputs:
-        attn = AttentionMetadata(self.query_start_loc[:b + 1], self.seq_lens[:b], self.block_tables[:b],
-                                 self.slot_mapping[:b], 1, self.max_model_len, [1] * b, [1] * b)
-        return StepInputs(self.input_ids[:b], self.positions[:b], attn, self.logits_indices[:b])
+    @property
+    def host(self) -> PackedStepInputs:
+        """The decode graphs' host mirror the next decode step fills."""
+        return self._decode.host
+
+    def _inputs(self, key: GraphKey) -> _GraphInputs:
+        return self._mixed if key.prefill else self._decode
+
+    def keys(self) -> list[GraphKey]:
+        """Every graph, largest first (the capture order)."""
+        mixed = [GraphKey(b, p) for p in reversed(self.prefill_buckets) for b in reversed(self.buckets)]
+        return mixed + [GraphKey(b) for b in reversed(self.buckets)]
 
     @torch.inference_mode()
     def capture(self) -> None:
-        """Capture every bucket (largest first, one pool). Runs each step eagerly once first (loads modules)."""
+        """Capture every graph (largest first, one pool). Runs each step eagerly once first (loads modules)."""
         pool = torch.cuda.graph_pool_handle()
-        for b in reversed(self.buckets):
-            step = self._static_step(b)
+        for key in self.keys():
+            step = self._inputs(key).static_step(key, self.max_model_len)
             self.backend.sample_greedy(self.model.forward(step, self.kv_cache))
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
                 self.backend.refresh_stream()
-                self._logits[b] = self.model.forward(step, self.kv_cache)
-                self._greedy[b] = self.backend.sample_greedy(self._logits[b])[0]
+                self._logits[key] = self.model.forward(step, self.kv_cache)
+                self._greedy[key] = self.backend.sample_greedy(self._logits[key])[0]
             self.backend.refresh_stream()
-            self._graphs[b] = graph
+            self._graphs[key] = graph
         torch.cuda.synchronize()
-        logger.info("captured decode CUDA graphs for batch sizes %s", self.buckets)
+        logger.info("captured decode CUDA graphs for batch sizes %s, mixed prefill + decode graphs for up to %s "
+                    "query tokens", self.buckets, self.prefill_buckets or "no")
 
-    def can_run_plan(self, entries) -> bool:
-        """Whether `host.fill_from_plan` + `replay` take these plan entries: one sampled decode token each, within the
-        largest bucket."""
-        return bool(self._graphs) and len(entries) <= self.buckets[-1] and \
-            all(e.num_new == 1 and e.sample for e in entries)
+    def plan_key(self, entries) -> GraphKey | None:
+        """The smallest graph that runs these plan entries, or None (run the step eagerly)."""
+        if not self._graphs or not entries or len(entries) > self.buckets[-1]:
+            return None
+        n = len(entries)
+        b = next(x for x in self.buckets if x >= n)
+        if all(e.num_new == 1 for e in entries):
+            return GraphKey(b)
+        longest = max(e.num_new for e in entries)
+        extra = sum(e.num_new for e in entries) - n  # tokens beyond one per sequence (padded sequences get one)
+        p = next((x for x in self.prefill_buckets if x >= longest and x >= extra), None)
+        return GraphKey(b, p) if p is not None else None
 
-    def replay(self, n: int, ids_from: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Upload rows 0..n of `self.host` (filled by the caller; padding added here) and replay the bucket of n
-        sequences. ids_from: [n] int64 device ids to use as the input ids instead of the host's (the previous
-        step's greedy output, copied after the upload and before the replay overwrites it).
+    def fill(self, key: GraphKey, entries, fed: int = 0) -> None:
+        """Write a step of `entries` (which `plan_key` gave `key`) into its host mirror; the first `fed` entries'
+        ids are left out (`replay(ids_from=)` supplies them)."""
+        inputs = self._inputs(key)
+        if key.prefill:
+            num_tokens = inputs.host.fill_mixed(entries, fed)
+            inputs.host.pad_mixed(len(entries), key.seqs, num_tokens, key.tokens)
+        else:
+            inputs.host.fill_from_plan(entries, fed)
+            if key.seqs > len(entries):
+                inputs.host.pad(len(entries), key.seqs)
+
+    def replay(self, n: int, ids_from: torch.Tensor | None = None,
+               key: GraphKey | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Upload the step `fill` wrote (padded there; a decode step filled through `host.fill_from_plan` is
+        padded here) and replay its graph. n: the step's sequences. key: the graph (`plan_key`); None = the
+        decode bucket of n. ids_from: [k] int64 device ids for token slots 0..k (the previous step's sampled
+        output, copied after the upload and before the replay overwrites it).
 
         Returns:
-            (logits [n, vocab], greedy ids [n] int64): views of the graph's outputs, valid until the bucket's
-            next replay.
+            (logits [n, vocab], greedy ids [n] int64): one row per sequence (its last token), views of the
+            graph's outputs, valid until the graph's next replay.
         """
-        b = next(x for x in self.buckets if x >= n)
-        if b > n:
-            self.host.pad(n, b)
-        end = self.host.words(b)
-        self._dev[:end].copy_(self.host.buffer[:end], non_blocking=True)
-        self.host = self._hosts[self.host is self._hosts[0]]  # the next step fills the other mirror
+        if key is None:
+            key = GraphKey(next(x for x in self.buckets if x >= n))
+            if key.seqs > n:
+                self.host.pad(n, key.seqs)
+        inputs = self._inputs(key)
+        inputs.upload(key.seqs)
         if ids_from is not None:
-            self.input_ids[:n].copy_(ids_from)
-        self._graphs[b].replay()
-        return self._logits[b][:n], self._greedy[b][:n]
+            inputs.input_ids[:ids_from.shape[0]].copy_(ids_from)
+        self._graphs[key].replay()
+        self.replays[key] += 1
+        return self._logits[key][:n], self._greedy[key][:n]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -12,6 +13,7 @@ from voltserve.backends.base import AttentionMetadata, Backend, StepInputs
 from voltserve.request import MAX_LOGPROBS, TokenLogprob
 from voltserve.sampling import SampleRow, sample
 from voltserve.scheduler import StepPlan
+from voltserve.sequence import Sequence
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +62,7 @@ class ModelRunner:
         self.model = model
         self.backend = backend
         self.kv_cache = kv_cache
-        self.graphs = graphs  # voltserve.graphs.DecodeGraphs, or None to run every step eagerly
+        self.graphs = graphs  # voltserve.graphs.StepGraphs, or None to run every step eagerly
         self.busy_meter = None  # voltserve.gpu_busy.GpuBusyMeter (CUDA only), or None
         self._timer = None  # the meter's StepTimer of the step `execute` runs
         self._ids_host: list[torch.Tensor | None] = [None, None]  # pinned sampled ids of two steps in flight
@@ -116,6 +118,7 @@ class ModelRunner:
             max_seq_len=max(seq_lens),
             query_lens_cpu=query_lens,
             seq_lens_cpu=seq_lens,
+            split_decode=1 in query_lens and max(query_lens) > 1,
         )
         return StepInputs(
             input_ids=torch.from_numpy(np.array(ids, dtype=np.int64)),
@@ -132,11 +135,11 @@ class ModelRunner:
         a = step.attn
         attn = AttentionMetadata(a.query_start_loc.to(dev), a.seq_lens.to(dev), a.block_tables.to(dev),
                                  a.slot_mapping.to(dev), a.max_query_len, a.max_seq_len, a.query_lens_cpu,
-                                 a.seq_lens_cpu)
+                                 a.seq_lens_cpu, a.split_decode)
         return StepInputs(step.input_ids.to(dev), step.positions.to(dev), attn, step.logits_indices.to(dev))
 
     def forward(self, step: StepInputs) -> torch.Tensor:
-        """Run a prepared step eagerly (decode steps a graph bucket takes replay it instead: `execute`).
+        """Run a prepared step eagerly (steps a captured graph takes replay it instead: `execute`).
 
         Returns:
             logits [num_logits, vocab] in the backend dtype.
@@ -167,13 +170,22 @@ class ModelRunner:
 
     # -- asynchronous scheduling: launch a step, plan the next, then collect ----------------------------------
 
+    def ahead_admission(self) -> tuple[int, Callable[[Sequence], bool] | None]:
+        """What a step planned ahead may start (`Scheduler(ahead_prefill_tokens=, ahead_admissible=)`): prompts
+        of up to the largest mixed graph's query tokens in all, of sequences the device samples (`launch` runs
+        such a step asynchronously); (0, None) without mixed graphs."""
+        g = self.graphs
+        if g is None or not g.prefill_buckets:
+            return 0, None
+        return g.prefill_buckets[-1], _device_sampleable if hasattr(self.backend, "sample") else _plain_greedy
+
     def async_sampler(self, plan: StepPlan) -> str | None:
         """How `launch` runs `plan` asynchronously (so a step planned ahead can be fed from it), or None when it
-        runs it at once: a decode step of a captured graph bucket whose rows the device samples without host
-        state, "greedy" (the graph's own argmax) or "device" (`CudaBackend.sample`: no penalties, no min_tokens
-        masking due)."""
+        runs it at once: a step of a captured graph (decode or mixed, `StepGraphs.plan_key`) whose every entry
+        samples, on the device and without host state, "greedy" (the graph's own argmax) or "device"
+        (`CudaBackend.sample`: no penalties, no min_tokens masking due)."""
         g = self.graphs
-        if g is None or not g.can_run_plan(plan.entries):
+        if g is None or not all(e.sample for e in plan.entries) or g.plan_key(plan.entries) is None:
             return None
         if all(_plain_greedy(e.seq) for e in plan.entries):
             return "greedy"
@@ -188,9 +200,10 @@ class ModelRunner:
         Args:
             plan: the step; run asynchronously when `async_sampler(plan)` names a sampler, else at once
                 (`execute`).
-            feed: an asynchronous step just launched whose sampled ids are this step's input ids (`plan` comes
-                from `Scheduler.schedule_ahead` of feed's plan: same sequences in the same order). The ids go
-                device to device; the host never sees them before this step starts.
+            feed: an asynchronous step just launched whose sampled ids are the input ids of this step's first
+                entries (`plan` comes from `Scheduler.schedule_ahead` of feed's plan: feed's sequences in the same
+                order, less those that finished, one decode token each, then any sequences it admitted). The ids
+                go device to device; the host never sees them before this step starts.
         Raises:
             ValueError: `feed` is given but this step cannot run asynchronously or its rows differ.
         """
@@ -199,17 +212,31 @@ class ModelRunner:
             return StepHandle(plan, result=self.execute(plan))
         entries = plan.entries
         n = len(entries)
-        if feed is not None and (feed.ids_dev is None or sampler is None
-                                 or [e.seq for e in feed.plan.entries] != [e.seq for e in entries]):
-            raise ValueError("a fed step must be a graph-bucket decode of the feeding step's sequences")
+        fed, ids_from = 0, None
+        if feed is not None:
+            rows = {e.seq.seq_id: i for i, e in enumerate(feed.plan.entries)}
+            while fed < n and entries[fed].seq.seq_id in rows:
+                fed += 1
+            src = [rows[e.seq.seq_id] for e in entries[:fed]]
+            if feed.ids_dev is None or sampler is None or not fed or any(e.num_new != 1 for e in entries[:fed]) \
+                    or any(e.seq.seq_id in rows for e in entries[fed:]):
+                raise ValueError("a fed step must be a graph step whose first entries decode sequences of the "
+                                 "feeding step")
+            ids_from = feed.ids_dev
+            if src != list(range(len(rows))):  # some finished meanwhile: gather the ids of the others
+                # the index goes up from pinned memory without a host sync (a pageable copy would wait for the
+                # step in flight); the caching host allocator keeps the buffer until the copy is done
+                index = torch.tensor(src, dtype=torch.int64).pin_memory().to(ids_from.device, non_blocking=True)
+                ids_from = ids_from[index]
         seqs = [e.seq for e in entries]
         offsets = [s.philox_offset for s in seqs]
         for s in seqs:  # one Philox counter per sampled token, as in execute
             s.philox_offset += 1
         g = self.graphs
-        g.host.fill_from_plan(entries, ids=feed is None)
+        key = g.plan_key(entries)
+        g.fill(key, entries, fed)
         timer = self.busy_meter.begin() if self.busy_meter is not None else None
-        logits, ids = g.replay(n, ids_from=feed.ids_dev if feed is not None else None)
+        logits, ids = g.replay(n, ids_from=ids_from, key=key)
         extras_dev = None
         if sampler == "device":
             ids, lp, top_ids, top_lps = self._launch_device_sampler(logits, seqs, offsets)
@@ -246,10 +273,14 @@ class ModelRunner:
         return sampled, _token_logprobs(seqs, tokens, *handle.extras_host)
 
     def _execute(self, plan: StepPlan) -> tuple[dict[int, int], dict[int, TokenLogprob]]:
-        if self.graphs is not None and self.graphs.can_run_plan(plan.entries):
-            self.graphs.host.fill_from_plan(plan.entries)  # decode: no StepInputs on the host path
+        key = self.graphs.plan_key(plan.entries) if self.graphs is not None else None
+        if key is not None:
+            self.graphs.fill(key, plan.entries)  # no StepInputs on the graph path
             self._begin_timer()
-            logits, greedy_ids = self.graphs.replay(len(plan.entries))
+            logits, greedy_ids = self.graphs.replay(len(plan.entries), key=key)
+            if not all(e.sample for e in plan.entries):  # the graph has a logits row per entry
+                rows = torch.tensor([i for i, e in enumerate(plan.entries) if e.sample], device=logits.device)
+                logits, greedy_ids = logits[rows], greedy_ids[rows]
         else:
             step = self.prepare(plan)
             self._begin_timer()

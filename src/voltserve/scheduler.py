@@ -13,6 +13,7 @@ the queue.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from voltserve.kv_cache import BlockPool, hash_block
@@ -57,10 +58,15 @@ class Scheduler:
         max_num_batched_tokens: token budget of one step.
         max_model_len: context window; a sequence reaching it finishes with "length".
         eos_token_ids: ids that end a sequence unless `ignore_eos`.
+        ahead_prefill_tokens: most prompt tokens `schedule_ahead` admits into a step planned ahead (the runner's
+            largest mixed graph; 0 = no admission there: a waiting request waits for a synchronous step).
+        ahead_admissible: whether a waiting sequence may start in a step planned ahead (the runner samples it on
+            the device); None = any.
     """
 
     def __init__(self, pool: BlockPool, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
-                 eos_token_ids: tuple[int, ...]):
+                 eos_token_ids: tuple[int, ...], ahead_prefill_tokens: int = 0,
+                 ahead_admissible: Callable[[Sequence], bool] | None = None):
         self.pool = pool
         self.block_size = pool.block_size
         self.max_num_seqs = max_num_seqs
@@ -70,6 +76,8 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.ahead_prefill_tokens = ahead_prefill_tokens
+        self.ahead_admissible = ahead_admissible
 
     # -- queue management ---------------------------------------------------------------------------------
 
@@ -117,11 +125,26 @@ class Scheduler:
             budget -= num_new
             i += 1
         # 2) waiting sequences, FIFO; none after a preemption (the pool is short)
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
+        if not preempted:
+            self._admit(entries, budget)
+        return StepPlan(entries)
+
+    def _admit(self, entries: list[ScheduledSeq], budget: int, whole_prompts: int = 0) -> bool:
+        """Start waiting sequences, FIFO, while the token budget, `max_num_seqs` and free KV blocks allow, appending
+        their entries. whole_prompts > 0 (a step planned ahead): only sequences whose whole remaining prompt fits,
+        at most that many prompt tokens in all, and `ahead_admissible` ones. Returns False when such a limit (not
+        the budget, the slots or the pool) stopped the first waiting sequence."""
+        ahead = whole_prompts > 0
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             if not seq.block_ids:
                 self._match_prefix(seq)
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            remaining = seq.num_tokens - seq.num_computed_tokens
+            if ahead and (remaining > min(budget, whole_prompts)
+                                  or (self.ahead_admissible is not None and not self.ahead_admissible(seq))):
+                self._release(seq)  # as before the call: schedule() matches it again
+                return False
+            num_new = min(remaining, budget)
             if not self._grow(seq, seq.num_computed_tokens + num_new):
                 self._release(seq)
                 break
@@ -130,37 +153,49 @@ class Scheduler:
             self.running.append(seq)
             entries.append(self._entry(seq, num_new))
             budget -= num_new
-        return StepPlan(entries)
+            whole_prompts -= num_new
+        return True
 
     def schedule_ahead(self, plan: StepPlan) -> StepPlan | None:
         """The step after `plan`, chosen before `plan`'s tokens are known (asynchronous scheduling): the same
         sequences in the same order, each decoding the token `plan` samples for it, so the device can read those
-        ids from `plan`'s output and the host never holds the device up.
+        ids from `plan`'s output and the host never holds the device up; then, with `ahead_prefill_tokens` set,
+        waiting sequences admitted as `schedule()` would, whole prompts only.
 
-        Returns None unless that is exactly what `schedule()` would choose once `plan` is applied: every running
-        sequence decodes one sampled token in `plan`, none waits for admission while a slot is free, the context
-        has room for one more token, and the blocks it needs are free (no preemption ahead). A sequence that
-        finishes with `plan`'s token (EOS, stop, max_tokens) still computes the step ahead; `update` then skips
-        it, and its blocks, freed by that finish, are only reused by steps that run after this one.
+        Returns None unless that is what `schedule()` would choose once `plan` is applied: every running
+        sequence (the sequences of `plan` but those finished already, in the same order) samples in `plan` (a
+        decode token or its prompt's last chunk), the context has room for one more token, and the blocks it
+        needs are free (no preemption ahead); and no waiting request would be admitted by
+        `schedule()` but not here (its prompt too long for one chunk or for `ahead_prefill_tokens`, or not
+        `ahead_admissible`). A sequence that finishes with `plan`'s token (EOS, stop, max_tokens) still computes
+        the step ahead; `update` then skips it, and its blocks, freed by that finish, are only reused by steps that
+        run after this one (its slot too: admission here counts it as running).
         Call `update(plan, ...)` before `update` of the returned plan, and no `schedule()` in between.
         """
-        entries = plan.entries
+        # a sequence that finished while `plan` ran (aborted, or by the token of the step before) is dropped:
+        # its blocks are free again and may go to a sequence admitted below
+        entries = [e for e in plan.entries if e.seq.status is not SequenceStatus.FINISHED]
         if not entries or len(entries) != len(self.running) or len(entries) > self.max_num_batched_tokens:
             return None
-        if self.waiting and len(self.running) < self.max_num_seqs:
-            return None  # schedule() would admit (or try to admit) a waiting sequence
         need = 0
         for e, seq in zip(entries, self.running):
-            if e.seq is not seq or e.num_new != 1 or not e.sample or seq.num_computed_tokens != e.start:
+            if e.seq is not seq or not e.sample or seq.num_computed_tokens != e.start:
                 return None
-            if e.start + 2 > self.max_model_len:
+            if e.start + e.num_new + 1 > self.max_model_len:
                 return None
-            need += self._blocks_needed(seq, e.start + 2)
+            need += self._blocks_needed(seq, e.start + e.num_new + 1)
         if need > self.pool.num_free:
             return None
+        room = self.waiting and len(self.running) < self.max_num_seqs
+        if room and not self.ahead_prefill_tokens:
+            return None  # schedule() would admit (or try to admit) a waiting sequence
         for e in entries:
-            self._grow(e.seq, e.start + 2)
-        return StepPlan([ScheduledSeq(e.seq, e.start + 1, 1, True) for e in entries])
+            self._grow(e.seq, e.start + e.num_new + 1)
+        ahead = [ScheduledSeq(e.seq, e.start + e.num_new, 1, True) for e in entries]
+        if room and not self._admit(ahead, self.max_num_batched_tokens - len(ahead), self.ahead_prefill_tokens) \
+                and len(ahead) == len(entries):
+            return None  # the head of the queue needs schedule(); the blocks grown above serve that step too
+        return StepPlan(ahead)
 
     def update(self, plan: StepPlan, sampled: dict[int, int]) -> list[Sequence]:
         """Apply a finished step.

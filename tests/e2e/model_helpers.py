@@ -33,27 +33,36 @@ def greedy(model, backend, prompt_ids: list[int], num_tokens: int, graphs_factor
 
 
 def generate(model, backend, prompts: list[list[int]], num_tokens: int, graphs_factory=None,
-             pipelined: bool = False, **params) -> list[tuple[list[int], list]]:
-    """(tokens, logprobs) of num_tokens tokens (EOS ignored) per prompt, all in one batch, with SamplingParams
-    `params` (a seed makes it reproducible: Philox key seed + prompt index)."""
+             pipelined: bool = False, arrive_every: int = 0, **params) -> list[tuple[list[int], list]]:
+    """(tokens, logprobs) of num_tokens tokens (EOS ignored) per prompt, with SamplingParams `params` (a seed
+    makes it reproducible: Philox key seed + prompt index). All prompts start in one batch, or with
+    arrive_every = k prompt i arrives after k * i steps were applied (its prefill shares steps with the others'
+    decodes). The scheduler admits into steps planned ahead what the runner allows (`ahead_admission`)."""
     cfg = model.config
     kv = backend.allocate_kv_cache(cfg.num_layers, 64, 16, cfg.num_kv_heads, cfg.head_dim)
-    sched = Scheduler(BlockPool(64, 16), 4, 512, 512, (2,))
+    graphs = graphs_factory(kv) if graphs_factory else None
+    runner = ModelRunner(model, backend, kv, (2,), seed=0, graphs=graphs)
+    sched = Scheduler(BlockPool(64, 16), 4, 512, 512, (2,), *runner.ahead_admission())
     seqs = []
     for i, ids in enumerate(prompts):
         sp = SamplingParams(ignore_eos=True, **params)
-        seq = Sequence(i, f"r{i}", 0, list(ids), sp, num_tokens, philox_seed=(sp.seed or 0) + i)
-        sched.add(seq)
-        seqs.append(seq)
-    graphs = graphs_factory(kv) if graphs_factory else None
-    runner = ModelRunner(model, backend, kv, (2,), seed=0, graphs=graphs)
+        seqs.append(Sequence(i, f"r{i}", 0, list(ids), sp, num_tokens, philox_seed=(sp.seed or 0) + i))
     logprobs = {s.seq_id: [] for s in seqs}
+    pending = list(seqs)
+    applied = [0]  # steps applied so far
+
+    def arrive() -> None:
+        while pending and applied[0] >= arrive_every * (len(seqs) - len(pending)):
+            sched.add(pending.pop(0))
 
     def keep(touched, lps):  # a step ahead of a sequence that just finished is dropped, its logprobs too
         for seq in touched:
             if seq.seq_id in lps:
                 logprobs[seq.seq_id].append(lps[seq.seq_id])
+        applied[0] += 1
+        arrive()
 
+    arrive()
     if pipelined:
         run_steps(sched, runner, pipelined=True, on_update=keep)
     else:
@@ -61,4 +70,5 @@ def generate(model, backend, prompts: list[list[int]], num_tokens: int, graphs_f
             plan = sched.schedule()
             sampled, lps = runner.execute(plan)
             keep(sched.update(plan, sampled), lps)
+    assert not pending, "a prompt arrived after the others had finished"
     return [(s.output_ids, logprobs[s.seq_id]) for s in seqs]

@@ -48,7 +48,7 @@ def test_16_greedy_tokens_match_cpu_backend(gpu, cpu, smollm2_tokenizer, prompt)
 
 
 def test_graph_replay_equals_eager(gpu, smollm2_tokenizer):
-    from voltserve.graphs import DecodeGraphs
+    from voltserve.graphs import StepGraphs
 
     model, backend = gpu
     ids = smollm2_tokenizer.encode(PROMPTS[0])
@@ -56,7 +56,7 @@ def test_graph_replay_equals_eager(gpu, smollm2_tokenizer):
     graphs = []
 
     def factory(kv):
-        g = DecodeGraphs(model, backend, kv, max_num_seqs=4, max_model_len=512)
+        g = StepGraphs(model, backend, kv, max_num_seqs=4, max_model_len=512)
         g.capture()
         graphs.append(g)
         return g
@@ -67,16 +67,41 @@ def test_graph_replay_equals_eager(gpu, smollm2_tokenizer):
     assert greedy(model, backend, ids, 24, graphs_factory=factory, pipelined=True) == eager
 
 
+def test_mixed_graphs_and_admission_ahead_equal_eager(gpu, smollm2_tokenizer):
+    """Requests arriving while others decode: their prefills replay mixed graphs next to the decodes, and the
+    pipelined loop starts them in steps planned ahead (fed decodes + prefill in one graph): the greedy tokens
+    equal the eager loop's."""
+    from voltserve.graphs import GraphKey, StepGraphs
+
+    model, backend = gpu
+    prompts = [smollm2_tokenizer.encode(p) for p in PROMPTS]
+    graphs = []
+
+    def factory(kv):
+        g = StepGraphs(model, backend, kv, max_num_seqs=4, max_model_len=512, prefill_tokens=(8, 64))
+        g.capture()
+        graphs.append(g)
+        return g
+
+    eager = generate(model, backend, prompts, 20, arrive_every=3, temperature=0)
+    assert generate(model, backend, prompts, 20, factory, arrive_every=3, temperature=0) == eager
+    assert generate(model, backend, prompts, 20, factory, pipelined=True, arrive_every=3, temperature=0) == eager
+    for g in graphs:  # one mixed replay per prompt (the first one alone), decode graphs for the rest
+        assert sum(n for k, n in g.replays.items() if k.prefill) == 3, g.replays
+        assert sum(n for k, n in g.replays.items() if not k.prefill) >= 20 + 2, g.replays
+        assert g.replays[GraphKey(1, 8)] + g.replays[GraphKey(1, 64)] == 1, g.replays
+
+
 def test_async_scheduling_samples_like_the_synchronous_loop(gpu, smollm2_tokenizer):
     """Seeded temperature sampling with logprobs, 3 sequences in a graph bucket of 4: the pipelined loop (device
     sampler ids fed to the next step on the device) gives the synchronous loop's tokens and logprobs."""
-    from voltserve.graphs import DecodeGraphs
+    from voltserve.graphs import StepGraphs
 
     model, backend = gpu
     prompts = [smollm2_tokenizer.encode(p) for p in PROMPTS]
 
     def factory(kv):
-        g = DecodeGraphs(model, backend, kv, max_num_seqs=4, max_model_len=512)
+        g = StepGraphs(model, backend, kv, max_num_seqs=4, max_model_len=512)
         g.capture()
         return g
 
@@ -95,7 +120,7 @@ def test_pdl_changes_no_value(gpu, smollm2, smollm2_tokenizer):
     """PDL only moves when kernels start (SM90+): prefill logits are bitwise equal with it off, and so are the
     greedy tokens of graph-replayed decode steps."""
     from voltserve.backends.cuda.backend import CudaBackend
-    from voltserve.graphs import DecodeGraphs
+    from voltserve.graphs import StepGraphs
 
     model, backend = gpu
     if not backend.pdl:
@@ -107,7 +132,7 @@ def test_pdl_changes_no_value(gpu, smollm2, smollm2_tokenizer):
 
     def factory(m, b):
         def make(kv):
-            g = DecodeGraphs(m, b, kv, max_num_seqs=2, max_model_len=512)
+            g = StepGraphs(m, b, kv, max_num_seqs=2, max_model_len=512)
             g.capture()
             return g
         return make

@@ -39,13 +39,14 @@ def _make_case(seq_lens, query_lens, num_kv_heads, head_dim, block_size, gen):
     return kv, attn
 
 
-def _to_cuda(attn: AttentionMetadata, max_seq_len=None) -> AttentionMetadata:
+def _to_cuda(attn: AttentionMetadata, max_seq_len=None, split_decode=False, max_query_len=None) -> AttentionMetadata:
     return AttentionMetadata(attn.query_start_loc.cuda(), attn.seq_lens.cuda(), attn.block_tables.cuda(),
-                             attn.slot_mapping.cuda(), attn.max_query_len, max_seq_len or attn.max_seq_len,
-                             attn.query_lens_cpu, attn.seq_lens_cpu)
+                             attn.slot_mapping.cuda(), max_query_len or attn.max_query_len,
+                             max_seq_len or attn.max_seq_len, attn.query_lens_cpu, attn.seq_lens_cpu, split_decode)
 
 
-def _run(cuda_backend, cpu_backend, seq_lens, query_lens, heads, block_size, seed, max_seq_len=None):
+def _run(cuda_backend, cpu_backend, seq_lens, query_lens, heads, block_size, seed, max_seq_len=None,
+         split_decode=False, max_query_len=None):
     num_heads, num_kv_heads, head_dim = heads
     gen = torch.Generator().manual_seed(seed)
     kv, attn = _make_case(seq_lens, query_lens, num_kv_heads, head_dim, block_size, gen)
@@ -57,7 +58,7 @@ def _run(cuda_backend, cpu_backend, seq_lens, query_lens, heads, block_size, see
     # query_len == 1); the GPU keeps the NaN, so a kernel that reads past a context shows up as NaN output
     ref = cpu_backend.attention(q.float(), kv.float().nan_to_num(), attn, scale)
     qd = qwide.cuda()[:, :num_heads * head_dim].view(num_tokens, num_heads, head_dim)
-    got = cuda_backend.attention(qd, kv.cuda(), _to_cuda(attn, max_seq_len), scale)
+    got = cuda_backend.attention(qd, kv.cuda(), _to_cuda(attn, max_seq_len, split_decode, max_query_len), scale)
     return rel_err(got, ref)
 
 
@@ -88,19 +89,33 @@ def test_decode_grid_sized_for_capacity(cuda_backend, cpu_backend, attn_choice):
 
 @pytest.mark.parametrize("heads", HEADS)
 @pytest.mark.parametrize("block_size", [16, 32])
-def test_prefill_chunked_and_prefix_hits(cuda_backend, cpu_backend, heads, block_size):
+@pytest.mark.parametrize("split_decode", [False, True])
+def test_prefill_chunked_and_prefix_hits(cuda_backend, cpu_backend, heads, block_size, split_decode):
     # (context after the step, new tokens): full prefill, chunk after a 5000-token prefix, 1-token query, decode
-    # rows mixed in, odd lengths everywhere
+    # rows mixed in, odd lengths everywhere; split_decode: the 1-token rows through attn_decode
     seq_lens = [37, 5077, 301, 1, 900, 19]
     query_lens = [37, 77, 1, 1, 300, 18]
-    assert _run(cuda_backend, cpu_backend, seq_lens, query_lens, heads, block_size, seed=11) <= TOL
+    assert _run(cuda_backend, cpu_backend, seq_lens, query_lens, heads, block_size, seed=11,
+                split_decode=split_decode) <= TOL
 
 
-def test_prefill_batch_37(cuda_backend, cpu_backend):
+@pytest.mark.parametrize("split_decode", [False, True])
+def test_prefill_batch_37(cuda_backend, cpu_backend, split_decode):
     gen = torch.Generator().manual_seed(37)
     query_lens = torch.randint(1, 60, (37,), generator=gen).tolist()
+    query_lens[::3] = [1] * len(query_lens[::3])  # decodes among the prefills
     seq_lens = [q + int(c) for q, c in zip(query_lens, torch.randint(0, 400, (37,), generator=gen))]
-    assert _run(cuda_backend, cpu_backend, seq_lens, query_lens, (9, 3, 64), 16, seed=37) <= TOL
+    assert _run(cuda_backend, cpu_backend, seq_lens, query_lens, (9, 3, 64), 16, seed=37,
+                split_decode=split_decode) <= TOL
+
+
+def test_mixed_graph_grid(cuda_backend, cpu_backend, attn_choice):
+    """A mixed CUDA graph's launch: grids sized for 64 query tokens and an 8192-token context, decodes through
+    attn_decode, prefills (one after a cached prefix) through attn_prefill, padded sequences of one token."""
+    seq_lens = [700, 40, 1, 300, 129, 1, 1]
+    query_lens = [1, 40, 1, 23, 1, 1, 1]
+    assert _run(cuda_backend, cpu_backend, seq_lens, query_lens, (9, 3, 64), 16, seed=8, max_seq_len=8192,
+                split_decode=True, max_query_len=64) <= TOL
 
 
 @pytest.mark.parametrize("heads", HEADS)

@@ -28,7 +28,7 @@ def _decode_plan(prompt_lens):
 def test_fill_from_plan_equals_prepare():
     plan = _decode_plan((5, 17, 33))  # 1, 2 and 3 KV blocks; decode positions 5, 17, 33
     assert all(e.num_new == 1 and e.sample for e in plan.entries)
-    fast = PackedStepInputs(4, 8, 16, pin=False)
+    fast = PackedStepInputs(4, 4, 8, 16, pin=False)
     fast.fill_from_plan(plan.entries)
     step = ModelRunner(None, _HostBackend(), torch.zeros(1, 2, 64, 16, 1, 8), (2,), seed=0).prepare(plan)
     assert fast.ids[:3].tolist() == [101, 102, 103]
@@ -45,10 +45,82 @@ def test_fill_from_plan_equals_prepare():
 
 
 def test_pad_and_words():
-    host = PackedStepInputs(4, 8, 16, pin=False)
+    host = PackedStepInputs(4, 4, 8, 16, pin=False)
     host.fill_from_plan(_decode_plan((20, 3)).entries)
     host.pad(2, 4)
     assert host.slots.tolist()[2:] == [-1, -1] and host.seq_lens.tolist()[2:] == [1, 1]
     assert host.tables[2:, 0].tolist() == [0, 0]
-    assert host.words(2) == 7 * 4 + 2 * 8  # ids/positions/slots (2 words each) + lens for 4 rows, then 2 tables
+    # ids/positions/slots (2 words each) of 4 tokens, logits rows (2 words), lens and 5 query starts of 4
+    # sequences, then 2 tables
+    assert host.words(2) == 6 * 4 + 4 * 4 + 1 + 2 * 8
+    assert host.query_start.tolist() == [0, 1, 2, 3, 4] and host.logits_rows.tolist() == [0, 1, 2, 3]
     assert host.buffer.dtype == torch.int32 and host.buffer.numel() == host.words(4)
+
+
+def _mixed_plan():
+    """Two sequences decoding (prompts of 5 and 17 tokens, one token sampled), then a new 20-token prompt and a
+    9-token one whose first 6 tokens are computed already (a chunk in progress)."""
+    sched = Scheduler(BlockPool(64, 16), 8, 512, 512, (2,))
+    a, b = (Sequence(i, f"r{i}", 0, list(range(10, 10 + n)), SamplingParams(temperature=0), 8)
+            for i, n in enumerate((5, 17)))
+    for seq in (a, b):
+        sched.add(seq)
+    plan = sched.schedule()
+    sched.update(plan, {0: 101, 1: 102})
+    c = Sequence(2, "r2", 0, list(range(200, 220)), SamplingParams(temperature=0), 8)
+    d = Sequence(3, "r3", 0, list(range(300, 309)), SamplingParams(temperature=0), 8)
+    sched.add(c)
+    sched.add(d)
+    plan = sched.schedule()
+    return plan
+
+
+def test_fill_mixed_equals_prepare():
+    plan = _mixed_plan()
+    assert [(e.start, e.num_new) for e in plan.entries] == [(5, 1), (17, 1), (0, 20), (0, 9)]
+    host = PackedStepInputs(2 * 4 + 32, 4, 8, 16, pin=False)
+    fed = PackedStepInputs(2 * 4 + 32, 4, 8, 16, pin=False)
+    assert host.fill_mixed(plan.entries) == 31
+    assert fed.fill_mixed(plan.entries, fed=2) == 31
+    step = ModelRunner(None, _HostBackend(), torch.zeros(1, 2, 64, 16, 1, 8), (2,), seed=0).prepare(plan)
+    assert host.ids[:31].tolist() == step.input_ids.tolist()
+    assert fed.ids[:2].tolist() == [0, 0] and fed.ids[2:31].tolist() == step.input_ids[2:].tolist()
+    assert host.positions[:31].tolist() == step.positions.tolist()
+    assert host.slots[:31].tolist() == step.attn.slot_mapping.tolist()
+    assert host.seq_lens[:4].tolist() == step.attn.seq_lens.tolist() == [6, 18, 20, 9]
+    assert host.query_start[:5].tolist() == step.attn.query_start_loc.tolist() == [0, 1, 2, 22, 31]
+    assert host.logits_rows[:4].tolist() == step.logits_indices.tolist() == [0, 1, 21, 30]
+    for i, e in enumerate(plan.entries):
+        assert host.tables[i, :len(e.seq.block_ids)].tolist() == e.seq.block_ids
+    host.pad_mixed(4, 4, 31, 40)
+    assert host.slots[31:40].tolist() == [-1] * 9 and host.query_start[:5].tolist() == [0, 1, 2, 22, 31]
+    host.pad_mixed(2, 4, 2, 40)  # the decodes alone in a graph of 4 sequences: two padded ones, a token each
+    assert host.query_start[:5].tolist() == [0, 1, 2, 3, 4] and host.seq_lens[2:4].tolist() == [1, 1]
+    assert host.logits_rows[2:4].tolist() == [2, 3] and host.tables[2:4, 0].tolist() == [0, 0]
+    assert host.slots[2:40].tolist() == [-1] * 38
+
+
+def test_plan_key_picks_the_smallest_graph():
+    from voltserve.graphs import GraphKey, StepGraphs
+
+    class _Backend:
+        device = torch.device("cpu")
+
+    g = StepGraphs(None, _Backend(), torch.zeros(1, 2, 64, 16, 1, 8), 4, 512, prefill_tokens=(8, 64))
+    assert g.plan_key(_mixed_plan().entries) is None  # not captured
+    g._graphs = dict.fromkeys(g.keys())
+    assert g.keys()[0] == GraphKey(4, 64) and g.keys()[-1] == GraphKey(1) and len(g.keys()) == 3 * 2 + 3
+    plan = _mixed_plan()
+    assert g.plan_key(plan.entries) == GraphKey(4, 64)  # 31 tokens, the longest 20
+    ent = type(plan.entries[0])
+    c, d = plan.entries[2].seq, plan.entries[3].seq
+    assert g.plan_key(plan.entries[:1] + [ent(c, 0, 5, True), ent(d, 0, 5, True)]) == GraphKey(4, 8)
+    assert g.plan_key(plan.entries[:1] + [ent(c, 0, 6, True), ent(d, 0, 5, True)]) == \
+        GraphKey(4, 64)  # 9 tokens beyond one per sequence
+    assert g.plan_key(plan.entries[:2]) == GraphKey(2)
+    assert g.plan_key(plan.entries[3:]) == GraphKey(1, 64)  # 9 tokens > 8
+    assert g.plan_key(plan.entries[:1] + plan.entries[3:]) == GraphKey(2, 64)
+    e = plan.entries[2]
+    assert g.plan_key([type(e)(e.seq, 0, 65, True)]) is None  # longer than the largest P: eager
+    assert g.plan_key([plan.entries[0]] * 5) is None  # more sequences than the largest bucket
+    assert GraphKey(4, 64).tokens == 68 and GraphKey(4).tokens == 4

@@ -168,16 +168,21 @@ def test_schedule_ahead_plans_the_next_decode_and_its_block():
     a = make_seq([1, 2, 3], max_tokens=5)
     s.add(a)
     plan = s.schedule()  # prefill of 3 tokens, samples position 3
-    assert s.schedule_ahead(plan) is None  # not a decode step
+    ahead = s.schedule_ahead(plan)  # a prompt's last chunk samples: its first decode can be planned ahead
+    assert [(e.seq, e.start, e.num_new, e.sample) for e in ahead.entries] == [(a, 3, 1, True)]
     s.update(plan, {a.seq_id: 7})
-    plan = s.schedule()
-    assert [(e.start, e.num_new) for e in plan.entries] == [(3, 1)] and len(a.block_ids) == 1
+    plan = ahead
+    assert len(a.block_ids) == 1
     ahead = s.schedule_ahead(plan)
     assert [(e.seq, e.start, e.num_new, e.sample) for e in ahead.entries] == [(a, 4, 1, True)]
     assert len(a.block_ids) == 2  # position 4 opens the second block before position 3's token is known
     s.update(plan, {a.seq_id: 8})
     s.update(ahead, {a.seq_id: 9})
     assert a.output_ids == [7, 8, 9] and a.num_computed_tokens == 5
+    # a chunk that does not sample (the prompt goes on) has no token to feed
+    s2 = make_scheduler(block_size=4, max_num_batched_tokens=4)
+    s2.add(make_seq(range(1, 10)))
+    assert s2.schedule_ahead(s2.schedule()) is None
 
 
 def test_schedule_ahead_declines_when_schedule_would_differ():
@@ -214,3 +219,65 @@ def test_schedule_ahead_never_preempts():
     plan = s.schedule()
     assert [(e.start, e.num_new) for e in plan.entries] == [(7, 1)]
     assert s.schedule_ahead(plan) is None and s.num_preemptions == 0 and len(a.block_ids) == 2
+
+
+def test_schedule_ahead_admits_whole_prompts_after_the_fed_decodes():
+    s = make_scheduler(block_size=4, max_num_batched_tokens=16, ahead_prefill_tokens=6)
+    a = make_seq([1, 2, 3], max_tokens=10)
+    s.add(a)
+    run_step(s)
+    plan = s.schedule()
+    b, c = make_seq([4, 5, 6, 7, 8]), make_seq([9, 10])
+    s.add(b)
+    s.add(c)
+    ahead = s.schedule_ahead(plan)  # b (5 tokens) fits the 6 prompt tokens allowed; c would make 7: it waits
+    assert [(e.seq, e.start, e.num_new, e.sample) for e in ahead.entries] == [(a, 4, 1, True), (b, 0, 5, True)]
+    assert list(s.waiting) == [c] and s.running == [a, b] and len(b.block_ids) == 2
+    s.update(plan, {a.seq_id: 7})
+    ahead2 = s.schedule_ahead(ahead)
+    assert [(e.seq, e.start, e.num_new) for e in ahead2.entries] == [(a, 5, 1), (b, 5, 1), (c, 0, 2)]
+    s.update(ahead, {a.seq_id: 7, b.seq_id: 7})
+    s.update(ahead2, {a.seq_id: 7, b.seq_id: 7, c.seq_id: 7})
+    assert [len(q.output_ids) for q in (a, b, c)] == [4, 2, 1]
+
+
+def test_schedule_ahead_leaves_to_schedule_what_it_cannot_admit():
+    def ahead_with(waiting, **kw):
+        s = make_scheduler(block_size=4, max_num_batched_tokens=16, ahead_prefill_tokens=6, **kw)
+        a = make_seq([1, 2, 3], max_tokens=10)
+        s.add(a)
+        run_step(s)
+        plan = s.schedule()
+        s.add(waiting)
+        return s, s.schedule_ahead(plan)
+
+    s, ahead = ahead_with(make_seq(range(1, 9)))  # 8 prompt tokens > 6: schedule() chunks or admits it
+    assert ahead is None and s.pool.num_free == s.pool.num_blocks - 1 - 1  # a's block and its next one
+    _, ahead = ahead_with(make_seq([4, 5], temperature=0.5), ahead_admissible=lambda seq: seq.params.is_greedy)
+    assert ahead is None  # the runner cannot sample it on the device
+    s, ahead = ahead_with(make_seq([4, 5]), num_blocks=2)  # no free block for it: schedule() could not admit it
+    assert [e.num_new for e in ahead.entries] == [1] and len(s.waiting) == 1 and s.pool.num_free == 0
+    s.pool.check_invariants()
+
+
+def test_schedule_ahead_drops_a_sequence_that_finished_meanwhile():
+    s = make_scheduler(block_size=4, max_num_batched_tokens=16, ahead_prefill_tokens=8, max_num_seqs=2)
+    a, b = make_seq([1, 2, 3], max_tokens=2), make_seq([4, 5, 6], max_tokens=9)
+    s.add(a)
+    s.add(b)
+    plan = s.schedule()
+    ahead = s.schedule_ahead(plan)
+    s.update(plan, {a.seq_id: 7, b.seq_id: 7})
+    c = make_seq([8, 9])
+    s.add(c)  # waits: a still holds its slot until its second token is applied
+    ahead2 = s.schedule_ahead(ahead)
+    assert [e.seq for e in ahead2.entries] == [a, b] and list(s.waiting) == [c]
+    s.update(ahead, {a.seq_id: 7, b.seq_id: 7})
+    assert a.finish_reason is FinishReason.LENGTH and a.block_ids == []
+    # a computes ahead2 but is done: the step after it goes on with b, and c takes a's slot
+    ahead3 = s.schedule_ahead(ahead2)
+    assert [(e.seq, e.num_new) for e in ahead3.entries] == [(b, 1), (c, 2)]
+    assert s.update(ahead2, {a.seq_id: 7, b.seq_id: 7}) == [b]
+    s.update(ahead3, {b.seq_id: 7, c.seq_id: 7})
+    assert len(b.output_ids) == 4 and c.output_ids == [7]
+    s.pool.check_invariants()

@@ -27,6 +27,9 @@ class AttentionMetadata:
         max_query_len: max of the query lengths (1 for a decode-only step).
         max_seq_len: max of seq_lens.
         query_lens_cpu / seq_lens_cpu: the same lengths as Python lists (host-side loops, no device sync).
+        split_decode: a step mixing decodes with prefills: a backend may run the sequences with one query token
+            through its decode kernel and the others through its prefill kernel (values are the same either
+            way, up to rounding).
     """
 
     query_start_loc: torch.Tensor
@@ -37,6 +40,7 @@ class AttentionMetadata:
     max_seq_len: int
     query_lens_cpu: list[int]
     seq_lens_cpu: list[int]
+    split_decode: bool = False
 
     @property
     def num_seqs(self) -> int:

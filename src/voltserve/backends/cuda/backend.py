@@ -199,43 +199,54 @@ class CudaBackend:
         if num_tokens == 0 or num_seqs == 0:
             return out
         meta = (attn.query_start_loc, attn.seq_lens, attn.block_tables)
-        # attn_decode reads the metadata before its PDL wait: fine for host copies, not for a cast kernel just
-        # launched on the device (its writes are visible only after the wait), so such a launch goes without PDL
+        # attn_decode and attn_prefill read the metadata before their PDL wait: fine for host copies, not for a
+        # cast kernel just launched on the device (its writes are visible only after the wait), so such a launch
+        # goes without PDL
         meta_pdl = None if all(t.device != self.device or (t.dtype == torch.int32 and t.is_contiguous())
                                for t in meta) else False
         qsl, seq_lens, tables = (self._on_device(t, torch.int32) for t in meta)
         common = (q.data_ptr(), kv_layer.data_ptr(), tables.data_ptr(), seq_lens.data_ptr(), qsl.data_ptr(),
                   out.data_ptr())
         plane = kv_layer[0].numel()
-        if attn.is_decode_only:
-            group = num_heads // num_kv_heads
-            spec = kernels.decode_spec(head_dim, group, simt=self.attn_kernel == "simt")
-            smem = kernels.decode_smem_bytes(head_dim, group, block_size, spec["PARTITION"])
-            num_splits, min_part = kernels.decode_plan(attn.max_seq_len, num_seqs, num_kv_heads, spec["PARTITION"],
-                                                       self.num_sms, self._occupancy("attention_decode",
-                                                                                     "attn_decode", spec, smem))
-            acc = torch.empty(num_seqs * num_heads * num_splits * head_dim if num_splits > 1 else 1,
-                              dtype=torch.float32, device=self.device)
-            ml = torch.empty(num_seqs * num_heads * num_splits * 2, dtype=torch.float32, device=self.device)
-            # the last split block merges (one launch) while the counters cover every (sequence, KV head)
-            merge_in_kernel = num_splits <= kernels.decode_max_merged_splits(head_dim) and \
-                num_seqs * num_kv_heads <= self.attn_counters.numel()
-            p = P.DecodeParams(*common, acc.data_ptr(), ml.data_ptr(),
-                               self.attn_counters.data_ptr() if merge_in_kernel else None, q.stride(0), q.stride(1),
-                               plane, num_seqs, num_heads, num_kv_heads, block_size, tables.shape[1], num_splits,
-                               scale, min_part)
-            self._launch("attention_decode", "attn_decode", spec, (num_kv_heads, num_seqs, num_splits),
-                         (128, 1, 1), smem, p, meta_pdl)
-            if num_splits > 1 and not merge_in_kernel:
-                self._launch("attention_decode", "attn_decode_reduce", spec, (num_kv_heads, num_seqs, 1),
-                             (128, 1, 1), 4 * group * num_splits, p)
-            return out
+        if attn.is_decode_only or attn.split_decode:
+            # a mixed step: attn_decode computes the last query row of every sequence (a decode's only one),
+            # then attn_prefill overwrites the rows of the sequences with >= 2 query tokens
+            self._attention_decode(q, attn, scale, common, plane, num_kv_heads, block_size, tables.shape[1],
+                                   meta_pdl)
+            if attn.is_decode_only:
+                return out
         p = P.PrefillParams(*common, q.stride(0), q.stride(1), plane, num_seqs, num_heads, num_kv_heads, block_size,
-                            tables.shape[1], scale)
+                            tables.shape[1], scale, 2 if attn.split_decode else 0)
         grid = (math.ceil(attn.max_query_len / 16), num_heads, num_seqs)
         self._launch("attention_prefill", "attn_prefill", {"HEAD_DIM": head_dim}, grid, (128, 1, 1),
-                     kernels.prefill_smem_bytes(head_dim), p)
+                     kernels.prefill_smem_bytes(head_dim), p, meta_pdl)
         return out
+
+    def _attention_decode(self, q, attn: AttentionMetadata, scale, common, plane, num_kv_heads, block_size,
+                          max_blocks, meta_pdl) -> None:
+        """attn_decode (+ its split reduce) for the last query row of each of the step's sequences."""
+        num_seqs, num_heads, head_dim = attn.num_seqs, q.shape[1], q.shape[2]
+        group = num_heads // num_kv_heads
+        spec = kernels.decode_spec(head_dim, group, simt=self.attn_kernel == "simt")
+        smem = kernels.decode_smem_bytes(head_dim, group, block_size, spec["PARTITION"])
+        num_splits, min_part = kernels.decode_plan(attn.max_seq_len, num_seqs, num_kv_heads, spec["PARTITION"],
+                                                   self.num_sms, self._occupancy("attention_decode",
+                                                                                 "attn_decode", spec, smem))
+        acc = torch.empty(num_seqs * num_heads * num_splits * head_dim if num_splits > 1 else 1,
+                          dtype=torch.float32, device=self.device)
+        ml = torch.empty(num_seqs * num_heads * num_splits * 2, dtype=torch.float32, device=self.device)
+        # the last split block merges (one launch) while the counters cover every (sequence, KV head)
+        merge_in_kernel = num_splits <= kernels.decode_max_merged_splits(head_dim) and \
+            num_seqs * num_kv_heads <= self.attn_counters.numel()
+        p = P.DecodeParams(*common, acc.data_ptr(), ml.data_ptr(),
+                           self.attn_counters.data_ptr() if merge_in_kernel else None, q.stride(0), q.stride(1),
+                           plane, num_seqs, num_heads, num_kv_heads, block_size, max_blocks, num_splits,
+                           scale, min_part)
+        self._launch("attention_decode", "attn_decode", spec, (num_kv_heads, num_seqs, num_splits),
+                     (128, 1, 1), smem, p, meta_pdl)
+        if num_splits > 1 and not merge_in_kernel:
+            self._launch("attention_decode", "attn_decode_reduce", spec, (num_kv_heads, num_seqs, 1),
+                         (128, 1, 1), 4 * group * num_splits, p)
 
     def silu_and_mul(self, x):
         _check_rows(x, "x")

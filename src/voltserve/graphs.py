@@ -78,18 +78,20 @@ class PackedStepInputs:
         self.off_lens, self.off_qsl, self.off_tab = 6 * t + 2 * s, 6 * t + 3 * s, 6 * t + 4 * s + 1
         buffer = torch.zeros(self.off_tab + s * max_blocks, dtype=torch.int32)
         self.buffer = buffer.pin_memory() if pin else buffer
-        h = self.buffer.numpy()
-        self.ids = h[:self.off_pos].view(np.int64)
-        self.positions = h[self.off_pos:self.off_slot].view(np.int64)
-        self.slots = h[self.off_slot:self.off_logits].view(np.int64)
-        self.logits_rows = h[self.off_logits:self.off_lens].view(np.int64)
-        self.seq_lens = h[self.off_lens:self.off_qsl]
-        self.query_start = h[self.off_qsl:self.off_tab]
-        self.tables = h[self.off_tab:].reshape(s, max_blocks)
+        (self.ids, self.positions, self.slots, self.logits_rows, self.seq_lens, self.query_start,
+         self.tables) = self.fields(self.buffer.numpy(), np.int64)
         self.slots[:] = -1
         self.seq_lens[:] = 1
         self.logits_rows[:] = np.arange(s)
         self.query_start[:] = np.minimum(np.arange(s + 1), t)
+
+    def fields(self, buf, int64):
+        """Views of `buf` (this layout's int32 words, numpy or torch): (ids, positions, slots, logits rows) viewed
+        as `int64`, then seq_lens, query_start and the block tables [seqs, max_blocks] as int32."""
+        bounds = (0, self.off_pos, self.off_slot, self.off_logits, self.off_lens)
+        wide = [buf[a:b].view(int64) for a, b in zip(bounds, bounds[1:])]
+        return (*wide, buf[self.off_lens:self.off_qsl], buf[self.off_qsl:self.off_tab],
+                buf[self.off_tab:].reshape(self.seqs, self.max_blocks))
 
     def words(self, seqs: int) -> int:
         """int32 words a graph of `seqs` sequence slots reads (the block tables come last)."""
@@ -179,15 +181,10 @@ class _GraphInputs:
         self._hosts = [PackedStepInputs(tokens, seqs, max_blocks, block_size, pin) for _ in range(2)]
         self.host = self._hosts[0]  # the mirror the next step fills
         h = self.host
-        self.dev = d = torch.zeros_like(h.buffer, device=device)
-        self.input_ids = d[:h.off_pos].view(torch.int64)
-        self.positions = d[h.off_pos:h.off_slot].view(torch.int64)
-        self.slot_mapping = d[h.off_slot:h.off_logits].view(torch.int64)
-        self.logits_rows = d[h.off_logits:h.off_lens].view(torch.int64)
-        self.seq_lens = d[h.off_lens:h.off_qsl]
-        self.query_start = d[h.off_qsl:h.off_tab]
-        self.block_tables = d[h.off_tab:].view(seqs, max_blocks)
-        d.copy_(h.buffer)
+        self.dev = torch.zeros_like(h.buffer, device=device)
+        (self.input_ids, self.positions, self.slot_mapping, self.logits_rows, self.seq_lens, self.query_start,
+         self.block_tables) = h.fields(self.dev, torch.int64)
+        self.dev.copy_(h.buffer)
 
     def static_step(self, key: GraphKey, max_model_len: int) -> StepInputs:
         b, t = key.seqs, key.tokens

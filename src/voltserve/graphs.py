@@ -174,13 +174,16 @@ class PackedStepInputs:
 class _GraphInputs:
     """One device buffer of static inputs (`PackedStepInputs` layout) and its two pinned host mirrors, used in
     turn, so a step can be filled while the previous step's upload may still be pending (asynchronous
-    scheduling keeps two steps in flight; the runner syncs on step N-1 before it fills step N+1)."""
+    scheduling keeps two steps in flight). Each mirror's upload records a CUDA event that `writable` waits for
+    before the mirror is filled again: the runner does not wait for every step (one that samples nothing, e.g. a
+    long prompt's chunks, is never collected), so two uploads may be pending at once."""
 
     def __init__(self, tokens: int, seqs: int, max_blocks: int, block_size: int, device: torch.device):
         pin = torch.device(device).type == "cuda"
         self._hosts = [PackedStepInputs(tokens, seqs, max_blocks, block_size, pin) for _ in range(2)]
-        self.host = self._hosts[0]  # the mirror the next step fills
-        h = self.host
+        self._uploaded: list[torch.cuda.Event | None] = [None, None]  # per mirror, after its last upload
+        self._turn = 0  # the mirror the next step fills
+        self.host = h = self._hosts[0]
         self.dev = torch.zeros_like(h.buffer, device=device)
         (self.input_ids, self.positions, self.slot_mapping, self.logits_rows, self.seq_lens, self.query_start,
          self.block_tables) = h.fields(self.dev, torch.int64)
@@ -194,10 +197,23 @@ class _GraphInputs:
                                  split_decode=bool(key.prefill))
         return StepInputs(self.input_ids[:t], self.positions[:t], attn, self.logits_rows[:b])
 
+    def writable(self) -> PackedStepInputs:
+        """The mirror the next step fills, once its previous upload has read it."""
+        done = self._uploaded[self._turn]
+        if done is not None:
+            done.synchronize()
+        return self._hosts[self._turn]
+
     def upload(self, seqs: int) -> None:
-        end = self.host.words(seqs)
-        self.dev[:end].copy_(self.host.buffer[:end], non_blocking=True)
-        self.host = self._hosts[self.host is self._hosts[0]]  # the next step fills the other mirror
+        """Copy the prefix a graph of `seqs` sequence slots reads from the mirror `writable` gave, then turn to
+        the other mirror."""
+        host = self._hosts[self._turn]
+        end = host.words(seqs)
+        self.dev[:end].copy_(host.buffer[:end], non_blocking=True)
+        if self.dev.is_cuda:
+            done = self._uploaded[self._turn] = self._uploaded[self._turn] or torch.cuda.Event()
+            done.record()
+        self._turn ^= 1
 
 
 class StepGraphs:
@@ -233,11 +249,6 @@ class StepGraphs:
         self._logits: dict[GraphKey, torch.Tensor] = {}
         self._greedy: dict[GraphKey, torch.Tensor] = {}
         self.replays: Counter[GraphKey] = Counter()  # replays per graph (tests, diagnostics)
-
-    @property
-    def host(self) -> PackedStepInputs:
-        """The decode graphs' host mirror the next decode step fills."""
-        return self._decode.host
 
     def _inputs(self, key: GraphKey) -> _GraphInputs:
         return self._mixed if key.prefill else self._decode
@@ -280,32 +291,27 @@ class StepGraphs:
         return GraphKey(b, p) if p is not None else None
 
     def fill(self, key: GraphKey, entries, fed: int = 0) -> None:
-        """Write a step of `entries` (which `plan_key` gave `key`) into its host mirror; the first `fed` entries'
-        ids are left out (`replay(ids_from=)` supplies them)."""
-        inputs = self._inputs(key)
+        """Write a step of `entries` (which `plan_key` gave `key`) into its host mirror, padded to the graph; the
+        first `fed` entries' ids are left out (`replay(ids_from=)` supplies them)."""
+        host = self._inputs(key).writable()
         if key.prefill:
-            num_tokens = inputs.host.fill_mixed(entries, fed)
-            inputs.host.pad_mixed(len(entries), key.seqs, num_tokens, key.tokens)
+            num_tokens = host.fill_mixed(entries, fed)
+            host.pad_mixed(len(entries), key.seqs, num_tokens, key.tokens)
         else:
-            inputs.host.fill_from_plan(entries, fed)
+            host.fill_from_plan(entries, fed)
             if key.seqs > len(entries):
-                inputs.host.pad(len(entries), key.seqs)
+                host.pad(len(entries), key.seqs)
 
-    def replay(self, n: int, ids_from: torch.Tensor | None = None,
-               key: GraphKey | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Upload the step `fill` wrote (padded there; a decode step filled through `host.fill_from_plan` is
-        padded here) and replay its graph. n: the step's sequences. key: the graph (`plan_key`); None = the
-        decode bucket of n. ids_from: [k] int64 device ids for token slots 0..k (the previous step's sampled
-        output, copied after the upload and before the replay overwrites it).
+    def replay(self, key: GraphKey, n: int,
+               ids_from: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Upload the step `fill` wrote and replay its graph. key: the graph (`plan_key`); n: the step's sequences.
+        ids_from: [k] int64 device ids for token slots 0..k (the previous step's sampled output, copied after the
+        upload and before the replay overwrites it).
 
         Returns:
             (logits [n, vocab], greedy ids [n] int64): one row per sequence (its last token), views of the
             graph's outputs, valid until the graph's next replay.
         """
-        if key is None:
-            key = GraphKey(next(x for x in self.buckets if x >= n))
-            if key.seqs > n:
-                self.host.pad(n, key.seqs)
         inputs = self._inputs(key)
         inputs.upload(key.seqs)
         if ids_from is not None:

@@ -236,7 +236,7 @@ class ModelRunner:
         key = g.plan_key(entries)
         g.fill(key, entries, fed)
         timer = self.busy_meter.begin() if self.busy_meter is not None else None
-        logits, ids = g.replay(n, ids_from=ids_from, key=key)
+        logits, ids = g.replay(key, n, ids_from=ids_from)
         extras_dev = None
         if sampler == "device":
             ids, lp, top_ids, top_lps = self._launch_device_sampler(logits, seqs, offsets)
@@ -277,10 +277,11 @@ class ModelRunner:
         if key is not None:
             self.graphs.fill(key, plan.entries)  # no StepInputs on the graph path
             self._begin_timer()
-            logits, greedy_ids = self.graphs.replay(len(plan.entries), key=key)
-            if not all(e.sample for e in plan.entries):  # the graph has a logits row per entry
-                rows = torch.tensor([i for i, e in enumerate(plan.entries) if e.sample], device=logits.device)
-                logits, greedy_ids = logits[rows], greedy_ids[rows]
+            logits, greedy_ids = self.graphs.replay(key, len(plan.entries))
+            rows = [i for i, e in enumerate(plan.entries) if e.sample]
+            if rows and len(rows) < len(plan.entries):  # the graph has a logits row per entry
+                index = torch.tensor(rows, dtype=torch.int64, device=logits.device)
+                logits, greedy_ids = logits[index], greedy_ids[index]
         else:
             step = self.prepare(plan)
             self._begin_timer()

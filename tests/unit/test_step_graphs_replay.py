@@ -1,0 +1,162 @@
+"""StepGraphs' host side end to end on the CPU: plan_key, fill / pad, the two pinned mirrors, the fed ids of steps
+planned ahead and the admissions into them, with a "graph" that runs the CPU model on exactly the static inputs a
+captured graph would read (`_CpuReplayGraphs`). Greedy tokens must equal the eager loop's: the CPU backend is
+batch invariant, so padding and mixed batching change no value."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tools.make_synthetic_checkpoint import synthetic_model
+from voltserve.backends.base import AttentionMetadata, StepInputs
+from voltserve.backends.cpu import CpuBackend
+from voltserve.graphs import StepGraphs
+from voltserve.kv_cache import BlockPool
+from voltserve.models.llama import LlamaModel
+from voltserve.offline import run_steps
+from voltserve.request import SamplingParams
+from voltserve.runner import ModelRunner
+from voltserve.scheduler import Scheduler
+from voltserve.sequence import Sequence
+
+EOS = 9999  # outside the vocabulary: lengths are set by max_tokens
+
+
+class _Event:
+    """torch.cuda.Event stand-in: CPU work is done when it is launched."""
+
+    def record(self) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+
+class _CpuReplayGraphs(StepGraphs):
+    """Every graph "captured" (no CUDA); a replay uploads the host mirror like the real one, then runs the model
+    eagerly on the device buffer's views, as the graph's kernels would read them."""
+
+    def capture(self) -> None:
+        self._graphs = dict.fromkeys(self.keys())
+
+    @torch.inference_mode()
+    def replay(self, key, n, ids_from=None):
+        inputs = self._inputs(key)
+        inputs.upload(key.seqs)
+        if ids_from is not None:
+            inputs.input_ids[:ids_from.shape[0]].copy_(ids_from)
+        b, t = key.seqs, key.tokens
+        qsl = inputs.query_start[:b + 1].clone()
+        query_lens = (qsl[1:] - qsl[:-1]).tolist()
+        seq_lens = inputs.seq_lens[:b].clone()
+        assert int(qsl[b]) <= t
+        attn = AttentionMetadata(qsl, seq_lens, inputs.block_tables[:b].clone(), inputs.slot_mapping[:t].clone(),
+                                 max(query_lens), int(seq_lens.max()), query_lens, seq_lens.tolist(),
+                                 bool(key.prefill))
+        step = StepInputs(inputs.input_ids[:t].clone(), inputs.positions[:t].clone(), attn,
+                          inputs.logits_rows[:b].clone())
+        logits = self.model.forward(step, self.kv_cache)
+        self.replays[key] += 1
+        return logits[:n], logits.argmax(-1)[:n]
+
+
+@pytest.fixture(scope="module")
+def model():
+    loaded = synthetic_model("tiny", seed=0)
+    for name, w in loaded.tensors.items():
+        if "norm" not in name:
+            loaded.tensors[name] = w * 40  # sharp logits: distinct tokens, no near-ties
+    return LlamaModel(loaded.config, loaded.tensors, CpuBackend())
+
+
+@pytest.fixture(autouse=True)
+def _no_cuda(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "Event", _Event)
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: self)
+
+
+def _generate(model, mode, prompts, arrivals, max_tokens, max_seqs=4, budget=64, prefill=(8, 64), num_blocks=64):
+    """Output ids per prompt; prompt i is added once `arrivals[i]` steps were applied. mode: eager (no graphs),
+    sync (graphs, one step at a time) or pipelined (graphs, steps planned ahead)."""
+    cfg, backend = model.config, model.backend
+    kv = backend.allocate_kv_cache(cfg.num_layers, num_blocks, 4, cfg.num_kv_heads, cfg.head_dim)
+    graphs = None
+    if mode != "eager":
+        graphs = _CpuReplayGraphs(model, backend, kv, max_seqs, 256, [min(p, budget) for p in prefill])
+        graphs.capture()
+    runner = ModelRunner(model, backend, kv, (EOS,), seed=0, graphs=graphs)
+    launch, admitted_ahead = runner.launch, [0]
+
+    def counting_launch(plan, feed=None):  # steps planned ahead that also start a new sequence
+        if feed is not None:
+            fed = {e.seq.seq_id for e in feed.plan.entries}
+            admitted_ahead[0] += any(e.seq.seq_id not in fed for e in plan.entries)
+        return launch(plan, feed)
+
+    runner.launch = counting_launch
+    sched = Scheduler(BlockPool(num_blocks, 4), max_seqs, budget, 256, (EOS,), *runner.ahead_admission())
+    seqs = [Sequence(i, f"r{i}", 0, list(p), SamplingParams(temperature=0, ignore_eos=True), m)
+            for i, (p, m) in enumerate(zip(prompts, max_tokens))]
+    pending = sorted(zip(arrivals, range(len(seqs))))
+    applied = [0]
+
+    def arrive(*_):
+        while pending and pending[0][0] <= applied[0]:
+            sched.add(seqs[pending.pop(0)[1]])
+
+    def on_update(*_):
+        applied[0] += 1
+        arrive()
+
+    arrive()
+    while sched.has_work() or pending:
+        if not sched.has_work():  # idle until the next arrival
+            on_update()
+        elif mode == "pipelined":
+            run_steps(sched, runner, pipelined=True, on_update=on_update)
+        else:
+            plan = sched.schedule()
+            sched.update(plan, runner.execute(plan)[0])
+            on_update()
+    sched.pool.check_invariants()
+    assert sched.pool.num_free == sched.pool.num_blocks
+    return [s.output_ids for s in seqs], graphs, admitted_ahead[0]
+
+
+def test_a_long_prompt_alone_replays_chunks_that_sample_nothing(model):
+    """A 100-token prompt under a 32-token budget: three chunks that sample nothing, each a mixed graph step of
+    one sequence (whose logits rows hold no sampled row), then its last chunk; then decodes."""
+    prompt = [list(range(1, 101))]
+    eager, _, _ = _generate(model, "eager", prompt, [0], [6], budget=32, prefill=(8, 32))
+    for mode in ("sync", "pipelined"):
+        out, graphs, _ = _generate(model, mode, prompt, [0], [6], budget=32, prefill=(8, 32))
+        assert out == eager and len(eager[0]) == 6
+        assert sum(n for k, n in graphs.replays.items() if k.prefill) == 4  # 32 + 32 + 32 + 4 tokens
+
+
+def test_arrivals_during_decode_equal_the_eager_loop(model):
+    """Random prompts (1-70 tokens) arriving while others decode, pools and budgets that force chunking, queueing
+    and finishes while steps run ahead (8 cases): eager, synchronous graphs and pipelined graphs give the same
+    tokens, mixed graphs replay in every case, and the pipelined loop starts requests in steps planned ahead."""
+    gen = torch.Generator().manual_seed(0)
+
+    def pick(choices):
+        return choices[int(torch.randint(len(choices), (1,), generator=gen))]
+
+    admitted = []
+    for _ in range(8):
+        n = pick([3, 5, 8])
+        prompts = [torch.randint(1, 300, (pick([1, 2, 3, 7, 9, 20, 40, 70]),), generator=gen).tolist()
+                   for _ in range(n)]
+        arrivals = sorted(torch.randint(0, 30, (n,), generator=gen).tolist())
+        max_tokens = torch.randint(1, 20, (n,), generator=gen).tolist()
+        kw = dict(max_seqs=pick([2, 3, 4]), budget=pick([16, 32, 64]), num_blocks=pick([40, 48, 64]))
+        eager, _, _ = _generate(model, "eager", prompts, arrivals, max_tokens, **kw)
+        sync, _, _ = _generate(model, "sync", prompts, arrivals, max_tokens, **kw)
+        pipelined, graphs, admitted_ahead = _generate(model, "pipelined", prompts, arrivals, max_tokens, **kw)
+        assert sync == eager and pipelined == eager, (prompts, arrivals, max_tokens, kw)
+        assert [len(o) for o in eager] == max_tokens
+        assert any(k.prefill for k in graphs.replays)
+        admitted.append(admitted_ahead)
+    assert sum(admitted) >= 8, admitted

@@ -13,6 +13,8 @@ they finish, so new prefills share steps with the others' decodes).
     python tools/bench_decode.py --device cuda --batch 1 --prefill 512 --repeats 5   # adds pp512
     python tools/bench_decode.py --device cuda --batch 64 --graphs on --churn 256 --prompt-len 40 --steps 256 \
         --mixed-graphs on,off
+    python tools/bench_decode.py --synthetic llama3-8b --device cuda --batch 1 --graphs on \
+        --env "VOLTSERVE_FUSE_NORM=auto|off"   # any backend knob read from the environment, A/B in one process
 """
 
 from __future__ import annotations
@@ -116,6 +118,21 @@ def time_prefill(built, prompt_len: int, device: str) -> float:
     return time.perf_counter() - start
 
 
+def env_settings(specs: list[str]) -> list[dict[str, str]]:
+    """Every combination of the `--env NAME=V1|V2` values, as {NAME: value} dicts ([{}] without any).
+
+    Raises:
+        SystemExit: a spec without '=' or without a value.
+    """
+    combos: list[dict[str, str]] = [{}]
+    for spec in specs:
+        name, sep, values = spec.partition("=")
+        if not sep or not name or not values:
+            raise SystemExit(f"--env {spec!r}: expected NAME=V1|V2")
+        combos = [{**c, name: v} for c in combos for v in values.split("|")]
+    return combos
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description="decode tokens/s, batch sweep, graphs on/off")
     parser.add_argument("--model", default="smollm2-135m-instruct")
@@ -132,6 +149,9 @@ def main() -> None:
                              "on,off")
     parser.add_argument("--async-scheduling", default="on",
                         help="plan each decode step before the previous one's tokens are known: on, off or on,off")
+    parser.add_argument("--env", action="append", default=[], metavar="NAME=V1|V2",
+                        help="repeat every point per value of this environment variable (read when the engine is "
+                             "built, e.g. VOLTSERVE_FUSE_NORM=auto|off); '-' leaves it unset; may be repeated")
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
@@ -159,10 +179,16 @@ def main() -> None:
 
         loaded = synthetic_model(args.synthetic, device=args.device,
                                  dtype=torch.float16 if args.device == "cuda" else torch.float32)
-    runs = [(g, pdl, gk, mixed) for g in args.graphs.split(",") for pdl in args.pdl.split(",")
-            for gk in args.gemv_kernel.split(",") for mixed in args.mixed_graphs.split(",")]
+    runs = [(g, pdl, gk, mixed, env) for g in args.graphs.split(",") for pdl in args.pdl.split(",")
+            for gk in args.gemv_kernel.split(",") for mixed in args.mixed_graphs.split(",")
+            for env in env_settings(args.env)]
     modes = args.async_scheduling.split(",")
-    for graphs, pdl, gemv_kernel, mixed in runs:
+    for graphs, pdl, gemv_kernel, mixed, env in runs:
+        for name, value in env.items():
+            if value == "-":
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
         if args.device != "cuda" and (graphs == "on" or pdl == "off"):
             continue
         if graphs == "off" and mixed == "off" and "on" in args.mixed_graphs.split(","):
@@ -181,7 +207,7 @@ def main() -> None:
                 times = [time_decode(built, batch, args.prompt_len, args.steps, args.device, mode == "on")
                          for _ in range(args.repeats)]
                 step_s = statistics.median(times)
-                point = {"graphs": graphs, "pdl": pdl, "gemv": gemv_kernel, "async": mode, "batch": batch,
+                point = {"graphs": graphs, "pdl": pdl, "gemv": gemv_kernel, **env, "async": mode, "batch": batch,
                          "step_ms": step_s * 1e3,
                          "tokens_per_s": batch / step_s}
                 results["points"].append(point)
@@ -190,7 +216,8 @@ def main() -> None:
                 runs_ = [time_churn(built, batch, args.prompt_len, args.churn, args.steps, args.device)
                          for _ in range(args.repeats)]
                 step_s, tok_s = statistics.median(r[0] for r in runs_), statistics.median(r[1] for r in runs_)
-                point = {"graphs": graphs, "mixed_graphs": mixed, "pdl": pdl, "gemv": gemv_kernel, "batch": batch,
+                point = {"graphs": graphs, "mixed_graphs": mixed, "pdl": pdl, "gemv": gemv_kernel, **env,
+                         "batch": batch,
                          "churn_gen_len": args.churn,
                          "prompt_len": args.prompt_len, "step_ms": step_s * 1e3, "tokens_per_s": tok_s}
                 results["points"].append(point)
@@ -198,7 +225,7 @@ def main() -> None:
         if args.prefill:
             time_prefill(built, args.prefill, args.device)  # warm-up: kernels load, allocator grows
             pre_s = statistics.median(time_prefill(built, args.prefill, args.device) for _ in range(args.repeats))
-            point = {"graphs": graphs, "pdl": pdl, "gemv": gemv_kernel, "prefill_tokens": args.prefill,
+            point = {"graphs": graphs, "pdl": pdl, "gemv": gemv_kernel, **env, "prefill_tokens": args.prefill,
                      "prefill_ms": pre_s * 1e3,
                      "prefill_tokens_per_s": args.prefill / pre_s}
             results["points"].append(point)

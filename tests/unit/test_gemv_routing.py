@@ -179,3 +179,32 @@ def test_gemv_mma_tile_launcher_choice():
     assert gemv_mma_tile(be, _linear("F16", 4096, 4096), False, False) == 32
     be.gemv_mma_tile = 16
     assert gemv_mma_tile(be, _linear("Q4_1", 576, 576), False, False) == 16
+
+
+def test_bench_decode_env_sweep():
+    """`bench_decode.py --env NAME=V1|V2` crosses every value of every variable; '-' is a value (unset)."""
+    from tools.bench_decode import env_settings
+
+    assert env_settings([]) == [{}]
+    assert env_settings(["A=1|-", "B=x|y"]) == [{"A": "1", "B": "x"}, {"A": "1", "B": "y"},
+                                                 {"A": "-", "B": "x"}, {"A": "-", "B": "y"}]
+    for bad in ("A", "=1", "A="):
+        with pytest.raises(SystemExit):
+            env_settings([bad])
+
+
+@pytest.mark.parametrize("fmt", ["F16", "Q4_1"])
+@pytest.mark.parametrize("rows", [1, 2, 8, 15])
+def test_fused_norm_rule(fmt, rows):
+    """"auto" takes a separate rms_norm launch only for fp16 weights over GEMV_NORM_FUSED_MAX_BYTES at >= 2 rows
+    (measured at the 8B shapes); "on" / "off" force it either way."""
+    from voltserve.backends.cuda.linear import GEMV_NORM_FUSED_MAX_BYTES, fuses_norm
+
+    small, big = _linear(fmt, 1024, 4096), _linear(fmt, 6144, 4096)
+    assert small.out_features * small.row_bytes <= GEMV_NORM_FUSED_MAX_BYTES
+    assert (big.out_features * big.row_bytes > GEMV_NORM_FUSED_MAX_BYTES) == (fmt == "F16")
+    auto = SimpleNamespace(fuse_norm="auto")
+    assert fuses_norm(auto, small, rows)
+    assert fuses_norm(auto, big, rows) == (fmt != "F16" or rows == 1)
+    for choice in ("on", "off"):
+        assert fuses_norm(SimpleNamespace(fuse_norm=choice), big, rows) == (choice == "on")

@@ -53,8 +53,16 @@ class CudaBackend:
         self.gemv_kernel = os.environ.get("VOLTSERVE_GEMV_KERNEL", "auto")
         if self.gemv_kernel not in ("auto", "scalar", "mma", "mma884"):
             raise ValueError(f"VOLTSERVE_GEMV_KERNEL={self.gemv_kernel!r}: expected auto, scalar, mma or mma884")
-        # gemv_mma block height: 0 = per weight (linear.gemv_mma_tile), 16 or 32 forces one (tests, A/B runs)
-        self.gemv_mma_tile = 0
+        # gemv_mma block height: 0 = per weight (linear.gemv_mma_tile), 16 or 32 forces one (tests, A/B runs:
+        # VOLTSERVE_GEMV_MMA_TILE)
+        self.gemv_mma_tile = int(os.environ.get("VOLTSERVE_GEMV_MMA_TILE", "0"))
+        if self.gemv_mma_tile not in (0, 16, 32):
+            raise ValueError(f"VOLTSERVE_GEMV_MMA_TILE={self.gemv_mma_tile}: expected 0, 16 or 32")
+        # the RMSNorm before a decode GEMV: fused into it where that measured faster ("auto", linear.fuses_norm),
+        # always where the kernel can ("on"), or always its own kernel first ("off"); VOLTSERVE_FUSE_NORM for A/B
+        self.fuse_norm = os.environ.get("VOLTSERVE_FUSE_NORM", "auto")
+        if self.fuse_norm not in ("auto", "on", "off"):
+            raise ValueError(f"VOLTSERVE_FUSE_NORM={self.fuse_norm!r}: expected auto, on or off")
         # decode attention path (attention_decode.cu): "auto" (tensor cores on SM80+ where the GQA group fits,
         # else CUDA cores) or "simt" (the CUDA-core path, V100's, on any GPU: tests and A/B runs)
         self.attn_kernel = os.environ.get("VOLTSERVE_ATTN_KERNEL", "auto")

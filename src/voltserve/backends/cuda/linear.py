@@ -34,6 +34,11 @@ GEMV_MMA_SM70_MIN_ROWS = 3
 # faster: Q4_1 28672x4096 0.40 vs 0.33, fp16 0.80 vs 0.75): gemv_mma_sb on quant superblocks (Q4_1 4096x4096
 # 0.34 vs 0.23, qkv + norm 0.26 vs 0.21), and gemv_mma for fp16 with the fused RMSNorm (qkv: 0.62 vs 0.51).
 GEMV_MMA_M1_MIN_BYTES = 4 << 20
+# fp16 weights above this size take their RMSNorm as a separate rms_norm launch at 2-15 x rows: Llama-3-8B shapes
+# (qkv 48 MB, gate_up 235 MB), H200, 8 sequences: 5.41-5.47 ms per step vs 5.70-5.75 fused (gemv_mma's one-pass
+# norm prologue in every block); at 1 row the two measured within 1% (4.87-4.95 ms), so 1 row keeps the fusion.
+# Quant weights keep it (not measured). The default model's weights are all far below (< 4 MB).
+GEMV_NORM_FUSED_MAX_BYTES = 16 << 20
 
 
 def _quant_upload(quant: Any, device: torch.device) -> tuple[str, torch.Tensor, int]:
@@ -140,6 +145,9 @@ def launch_linear(backend: Any, x: torch.Tensor, w: CudaLinear, *, norm_weight: 
     n_out = n // 2 if silu else n
     if residual is not None and (residual.shape != (m, n_out) or residual.stride(1) != 1):
         raise ValueError(f"residual {tuple(residual.shape)} does not match the output [{m}, {n_out}]")
+    if norm_weight is not None and m < kernels.GEMM_MIN_ROWS and not fuses_norm(backend, w, m):
+        x, _ = backend.rms_norm(x, norm_weight, eps)
+        norm_weight = None
     if w.fmt != "F16" and (x.stride(0) % 8 or x.data_ptr() % 16):
         x = x.contiguous()  # the quant paths read x as 16-byte vectors
     vec_ok = int(k % 8 == 0 and x.stride(0) % 8 == 0 and x.data_ptr() % 16 == 0)
@@ -195,6 +203,19 @@ def launch_linear(backend: Any, x: torch.Tensor, w: CudaLinear, *, norm_weight: 
             backend._launch("gemv", "gemv", spec, (groups, 1, 1), (128, 1, 1), bucket * k * 2 if fuse_norm else 0,
                             p, pdl)
     return y
+
+
+def fuses_norm(backend: Any, w: CudaLinear, rows: int) -> bool:
+    """Whether a decode GEMV of `rows` (< GEMM_MIN_ROWS) x rows on `w` takes the RMSNorm before it into its
+    prologue (`backend.fuse_norm` "auto"), rather than after an `rms_norm` launch of its own.
+
+    "auto" fuses except for fp16 weights over GEMV_NORM_FUSED_MAX_BYTES at >= 2 rows, where the norm pass inside
+    every block of gemv_mma cost more than the extra launch.
+    """
+    choice = getattr(backend, "fuse_norm", "auto")
+    if choice != "auto":
+        return choice == "on"
+    return not (w.fmt == "F16" and rows >= 2 and w.out_features * w.row_bytes > GEMV_NORM_FUSED_MAX_BYTES)
 
 
 def gemv_mma_ok(backend: Any, w: CudaLinear, rows: int, vec_ok: int, norm: bool = False,

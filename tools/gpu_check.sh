@@ -3,7 +3,9 @@
 # benchmarks of issue 4 with CUDA graphs for mixed steps on and off, every log and JSON under $OUT (8 files).
 #
 # Preconditions on that machine (its image lacks some packages and the 98 MB default GGUF exceeds one transfer):
-#   here:  ../shared/tools/gpu-wheels quart hypercorn orjson gguf pydantic          (-> .whl/)
+#   here:  ../shared/tools/gpu-wheels quart hypercorn orjson gguf pydantic          (-> .whl/), plus
+#          pytest-asyncio and pytest-timeout (tests/e2e/test_process_engine.py imports pytest_asyncio; the image
+#          lacks both): python3 -m pip download --no-deps -d .whl pytest-asyncio==1.5.0 pytest-timeout==2.4.0
 #          split -n 2 -d ~/.cache/voltserve/SmolLM2-135M-Instruct.Q4_1.gguf .gguf-parts/part.
 #          sha256sum ~/.cache/voltserve/SmolLM2-135M-Instruct.Q4_1.gguf | cut -d' ' -f1 > .gguf-parts/sha256
 #   call 1 (carry .whl, .gguf-parts/part.00): mkdir -p /root/stage && cp .gguf-parts/part.00 /root/stage/ &&
@@ -17,6 +19,9 @@
 export PYTHONPATH=/tmp/site:$PWD/src:$PWD PYTHONUNBUFFERED=1
 test -d /tmp/site/quart || { echo "no wheels under /tmp/site: run call 1 first (the machine went cold?)"; exit 3; }
 L=$OUT/checks.log B=$OUT/bench.jsonl S=$OUT/server.log
+one_line() {  # a JSON report file as one line ("null" when the run wrote none)
+  python3 -c 'import json, sys; print(json.dumps(json.load(open(sys.argv[1]))))' "$1" 2>/dev/null || echo null
+}
 nvidia-smi --query-gpu=name,driver_version --format=csv >> "$L" 2>&1
 timeout 200 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_attention.py tests/kernels/test_graph_capture.py >> "$L" 2>&1
 echo "kernel tests rc=$?" >> "$L"
@@ -32,20 +37,20 @@ http() {  # $1 = VOLTSERVE_MIXED_GRAPHS (1/0): 2 HTTP runs of 64 streams, then t
     rm -f /tmp/h.json
     timeout 60 python3 tools/bench_serving.py --base-url http://127.0.0.1:8011 --processes 4 --concurrency 64 \
       --num-requests 640 --max-tokens 256 --out /tmp/h.json >> "$L" 2>&1
-    echo "{\"http_mixed_graphs\": $1, \"run\": $r, \"report\": $(cat /tmp/h.json 2>/dev/null || echo null)}" >> "$B"
+    echo "{\"http_mixed_graphs\": $1, \"run\": $r, \"report\": $(one_line /tmp/h.json)}" >> "$B"
   done
   kill $pid; wait $pid
   rm -f /tmp/o.json
   VOLTSERVE_MIXED_GRAPHS=$1 VOLTSERVE_DEVICE=cuda timeout 90 python3 tools/bench_serving.py \
     --offline smollm2-135m-instruct --concurrency 64 --num-requests 640 --max-tokens 256 --out /tmp/o.json >> "$L" 2>&1
-  echo "{\"offline_mixed_graphs\": $1, \"report\": $(cat /tmp/o.json 2>/dev/null || echo null)}" >> "$B"
+  echo "{\"offline_mixed_graphs\": $1, \"report\": $(one_line /tmp/o.json)}" >> "$B"
 }
 
 bench() {  # $1 = name, rest = bench_decode.py arguments
   local name=$1; shift
   rm -f /tmp/d.json
   timeout 120 python3 tools/bench_decode.py --device cuda --graphs on --mixed-graphs on,off "$@" --out /tmp/d.json >> "$L" 2>&1
-  echo "{\"$name\": $(cat /tmp/d.json 2>/dev/null || echo null)}" >> "$B"
+  echo "{\"$name\": $(one_line /tmp/d.json)}" >> "$B"
 }
 
 http 1

@@ -13,7 +13,8 @@
 // launch) sums the partials in fixed order z = 0 .. splits-1, so the result is bitwise deterministic whatever the
 // arrival order (graph replay == eager). `counters` needs ceil(n/BN) * ceil(m/64) zeroed ints, owned by one
 // stream at a time.
-// Compile-time: WTYPE (quant.cuh; quant formats only, fp16 weights take cuBLAS or gemm_tiled), BN (32 or 64).
+// Compile-time: WTYPE (quant.cuh; quant formats only, fp16 weights take cuBLAS or gemm_tiled), BN (32 or 64),
+// WREPACK (1: the rows are repacked, quant.cuh / voltserve.backends.cuda.repack; k % 256 == 0).
 // Requirements: k % 32 == 0, x rows 16-byte aligned (x_stride % 8 == 0), w 4-byte aligned.
 // SM70 path: the same code (WMMA m16n16k16 exists on SM70); fp32 accumulation, weights rounded once to fp16.
 // Reference: voltserve.backends.cpu.CpuBackend.linear.
@@ -32,7 +33,7 @@ static_assert(WTYPE != WTYPE_F16, "gemm_tc is for quantized weights");
 
 struct GemmTcParams {
     const half_t* x;   // [m, k] fp16, row stride x_stride
-    const u8* w;       // [n, w_row_bytes] GGUF blocks
+    const u8* w;       // [n, w_row_bytes] GGUF blocks (WREPACK: repacked rows)
     half_t* y;         // [m, n] fp16, row stride y_stride
     float* part;       // [splits, tiles, 64, BN] fp32 workspace (splits > 1), tiles = grid x * grid y
     int* counters;     // [ceil(n/BN) * ceil(m/64)] zeroed arrival counters (splits > 1)
@@ -115,6 +116,35 @@ VOLT_DEVICE void load_raw8(const u8* blk, int j0, bool ok, Raw8& r) {
 #endif
 }
 
+#if WREPACK
+// load_raw8 for repacked rows (quant.cuh): elements [j0, j0 + 8) of block b of `row` (nb blocks per row).
+VOLT_DEVICE void load_raw8_rp(const u8* row, int nb, int b, int j0, bool ok, Raw8& r) {
+    r.d = r.mn = 0;
+    r.q[0] = r.q[1] = r.q[2] = r.q[3] = 0;
+    if (!ok) return;
+#if WTYPE == WTYPE_Q4_1
+    const u32 dm = *reinterpret_cast<const u32*>(row + (i64)b * 4);
+    r.d = (half_t)(dm & 0xffffu);
+    r.mn = (half_t)(dm >> 16);
+#else
+    r.d = *reinterpret_cast<const half_t*>(row + (i64)b * 2);
+#endif
+#if WTYPE == WTYPE_Q8_0
+    const u32* q = reinterpret_cast<const u32*>(row + rp_piece_off(nb, b, j0 / 8));  // the 8 int8 of slot j0 / 8
+    const u32 lo = q[0], hi = q[1];
+#else
+    // quant bytes (j0 & 15) .. + 7 are slots (j0 & 15) / 4 and the next one, 16 bytes apart
+    const int t = (j0 & 15) / 4;
+    const u32 lo = *reinterpret_cast<const u32*>(row + rp_piece_off(nb, b, t));
+    const u32 hi = *reinterpret_cast<const u32*>(row + rp_piece_off(nb, b, t + 1));
+#endif
+    r.q[0] = lo & 0xffffu;
+    r.q[1] = lo >> 16;
+    r.q[2] = hi & 0xffffu;
+    r.q[3] = hi >> 16;
+}
+#endif
+
 VOLT_DEVICE uint4 convert_raw8(const Raw8& r, int j0) {
     const float d = h2f(r.d);
     float w[8];
@@ -179,7 +209,11 @@ extern "C" __global__ void __launch_bounds__(NT) gemm_tc(const GemmTcParams p) {
             const int v = tid + i * NT, r = v / (KC / 8), c = (v % (KC / 8)) * 8;
             const int gn = n0 + r, kk = kb + c;
             const bool ok = gn < p.n && kk < kend;
+#if WREPACK
+            load_raw8_rp(p.w + (i64)(ok ? gn : 0) * p.w_row_bytes, p.k / 32, kk / 32, kk % 32, ok, wr[i]);
+#else
             load_raw8(p.w + (i64)(ok ? gn : 0) * p.w_row_bytes + (i64)(kk / 32) * BLOCK_BYTES, kk % 32, ok, wr[i]);
+#endif
         }
     };
 

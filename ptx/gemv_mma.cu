@@ -24,6 +24,10 @@
 // Requirements (the launcher checks): k % 32 == 0, m <= 8, x rows 16-byte aligned (vec_ok); fp16 W rows
 // 16-byte aligned; Q4_1 rows 4-byte aligned; Q4_0 / Q8_0 2-byte aligned.
 // Quant weights are rounded once to fp16 (d * q + m in one fp16 fma), as gemm_tc does.
+// WREPACK (quant only): repacked rows (quant.cuh), k % 256 == 0: a load group is one 16-byte quant load and one
+// scale load per row (GGUF's 18 / 20 / 34-byte blocks allow only 2-4 byte loads), then the same words as
+// load_raw; each warp's k range is rounded to whole groups, so where that changes no range (k / 32 / 8 a
+// multiple of the group), results equal the GGUF layout's bit for bit.
 // gemv_mma_sb (below) is SM80+ only (cp.async); its SM70 build is an empty stub the launcher never takes.
 // Reference: voltserve.backends.cpu.CpuBackend.linear.
 #include "gemv_common.cuh"
@@ -82,6 +86,9 @@
 #define GM_RAW 3        // d, 8 int8
 #else
 #define GM_RAW 2        // d (and m), 8 nibbles
+#endif
+#if WREPACK && WTYPE != WTYPE_F16
+#define GM_UNROLL RP_GROUP  // one load group = one 16-byte quant load (and one scale load) per row
 #endif
 #ifndef GM_UNROLL
 #if GM_M16N8K16
@@ -248,16 +255,52 @@ typedef u32 GmRaw[GM_UNROLL][GM_ROWS][GM_RAW];
 typedef u32 GmX[GM_UNROLL][4];
 typedef float GmAcc[GM_NACC][GM_ACC];
 
+#if WREPACK && WTYPE != WTYPE_F16
+// Repacked rows: the raw words of chunks [c, c + RP_GROUP) (c a multiple of RP_GROUP) of one row, the same words
+// load_raw gives for GGUF blocks, from one 16-byte quant load and one 4-16 byte scale load.
+VOLT_DEVICE void load_raw_group(u32 (&r)[GM_UNROLL][GM_RAW], const u8* row, int nb, int c, int t) {
+    const uint4 q = ldg16(row + rp_piece_off(nb, c, t));
+#if WTYPE == WTYPE_Q4_1
+    const uint4 sc = ldg16(row + (i64)c * 4);
+    r[0][0] = sc.x; r[1][0] = sc.y; r[2][0] = sc.z; r[3][0] = sc.w;
+    r[0][1] = q.x; r[1][1] = q.y; r[2][1] = q.z; r[3][1] = q.w;
+#elif WTYPE == WTYPE_Q4_0
+    const uint2 sc = __ldg(reinterpret_cast<const uint2*>(row + (i64)c * 2));
+    r[0][0] = sc.x & 0xffffu; r[1][0] = sc.x >> 16; r[2][0] = sc.y & 0xffffu; r[3][0] = sc.y >> 16;
+    r[0][1] = q.x; r[1][1] = q.y; r[2][1] = q.z; r[3][1] = q.w;
+#else  // Q8_0: two blocks of 8 int8 each
+    const u32 sc = ldg_u32(row + (i64)c * 2);
+    r[0][0] = sc & 0xffffu; r[1][0] = sc >> 16;
+    r[0][1] = q.x; r[0][2] = q.y; r[1][1] = q.z; r[1][2] = q.w;
+#endif
+}
+#endif
+
 // Issue the loads of chunks [c, c + GM_UNROLL) (chunks past c_end: none): this lane's raw weight words and,
 // for x rows < m, its x words (zeros otherwise: the zero columns of B).
 VOLT_DEVICE void load_group(GmRaw& raw, GmX& xw, const u8* const (&rows)[GM_ROWS], const half_t* xrow,
-                            bool x_row, int c, int c_end, int t) {
+                            bool x_row, int c, int c_end, int t, int nb) {
+#if WREPACK && WTYPE != WTYPE_F16
+    if (c < c_end) {  // c_end is a multiple of the group (gemv_mma's per-warp ranges)
+        u32 g[GM_UNROLL][GM_RAW];
+#pragma unroll
+        for (int rs = 0; rs < GM_ROWS; ++rs) {
+            load_raw_group(g, rows[rs], nb, c, t);
+#pragma unroll
+            for (int u = 0; u < GM_UNROLL; ++u)
+#pragma unroll
+                for (int e = 0; e < GM_RAW; ++e) raw[u][rs][e] = g[u][e];
+        }
+    }
+#endif
 #pragma unroll
     for (int u = 0; u < GM_UNROLL; ++u) {
+#if !(WREPACK && WTYPE != WTYPE_F16)
         if (c + u < c_end) {
 #pragma unroll
             for (int rs = 0; rs < GM_ROWS; ++rs) load_raw(raw[u][rs], rows[rs], c + u, t);
         }
+#endif
 #pragma unroll
         for (int e = 0; e < 4; ++e) xw[u][e] = 0u;
         if (x_row && c + u < c_end) load_x(xw[u], xrow, c + u, t);
@@ -394,14 +437,18 @@ extern "C" __global__ void __launch_bounds__(32 * GM_WARPS, GM_MIN_BLOCKS) gemv_
 #pragma unroll
     for (int rs = 0; rs < GM_ROWS; ++rs) rows[rs] = p.w + (i64)gm_row(p, base, gm_block_row(rs, lane)) * p.w_row_bytes;
     const int nc = p.k / 32;
+#if WREPACK && WTYPE != WTYPE_F16
+    const int per = ((nc + GM_WARPS - 1) / GM_WARPS + GM_UNROLL - 1) / GM_UNROLL * GM_UNROLL;  // whole groups
+#else
     const int per = (nc + GM_WARPS - 1) / GM_WARPS;
+#endif
     const int c_begin = min(nc, warp * per), c_end = min(nc, c_begin + per);
     const bool x_row = xr < p.m;  // x rows past m are the zero columns of B
     const half_t* xrow = p.x + (x_row ? xr : 0) * p.x_stride;
     GmRaw raw0, raw1;
     GmX xw0, xw1;
     // the first group's weights: in flight across the PDL wait and the norm pass (x only after the wait)
-    load_group(raw0, xw0, rows, xrow, false, c_begin, c_end, t);
+    load_group(raw0, xw0, rows, xrow, false, c_begin, c_end, t, nc);
     pdl_enter();
 #pragma unroll
     for (int u = 0; u < GM_UNROLL; ++u)
@@ -410,10 +457,10 @@ extern "C" __global__ void __launch_bounds__(32 * GM_WARPS, GM_MIN_BLOCKS) gemv_
     GmAcc acc = {};
     // two register buffers: the next group's loads are issued before this group's MMAs
     for (int c = c_begin; c < c_end; c += 2 * GM_UNROLL) {
-        load_group(raw1, xw1, rows, xrow, x_row, c + GM_UNROLL, c_end, t);
+        load_group(raw1, xw1, rows, xrow, x_row, c + GM_UNROLL, c_end, t, nc);
         mma_group(acc, raw0, xw0, p.norm_w, inv, x_row, c, c_end, t);
         if (c + GM_UNROLL >= c_end) break;
-        load_group(raw0, xw0, rows, xrow, x_row, c + 2 * GM_UNROLL, c_end, t);
+        load_group(raw0, xw0, rows, xrow, x_row, c + 2 * GM_UNROLL, c_end, t, nc);
         mma_group(acc, raw1, xw1, p.norm_w, inv, x_row, c + GM_UNROLL, c_end, t);
     }
     gm_epilogue(p, acc, red, base);
@@ -524,7 +571,7 @@ VOLT_DEVICE void sb_step(GmAcc& acc, u8* stages, const GemvParams& p, u32 (&xc)[
 #define SB_MIN_BLOCKS 1  // fp16: the kernel is an empty stub
 #endif
 extern "C" __global__ void __launch_bounds__(32 * GM_WARPS, SB_MIN_BLOCKS) gemv_mma_sb(const GemvParams p) {
-#if GM_M16N8K16 && WTYPE != WTYPE_F16 && GM_TILE_ROWS == 32
+#if GM_M16N8K16 && WTYPE != WTYPE_F16 && GM_TILE_ROWS == 32 && !WREPACK
     extern __shared__ uint4 sb_smem[];  // [GM_WARPS][SB_STAGES][32 rows][SB_PITCH bytes]
     __shared__ float red[GM_WARPS][GM_TILE_ROWS][8];
     __shared__ float scratch[GM_NORM_ONE_PASS ? GEMV_NORM_SCRATCH : 32];
@@ -552,7 +599,7 @@ extern "C" __global__ void __launch_bounds__(32 * GM_WARPS, SB_MIN_BLOCKS) gemv_
     }
     gm_epilogue(p, acc, red, base);
 #else
-    pdl_enter();  // fp16, SM < 80, GM_MMA884 or 16-row tiles: never launched (linear._mma_superblocks)
+    pdl_enter();  // fp16, SM < 80, GM_MMA884, 16-row tiles or repacked rows: never launched (linear._mma_superblocks)
 #if WTYPE != WTYPE_F16
     __trap();     // a launch here would leave y unwritten: fail loudly instead
 #endif

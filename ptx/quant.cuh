@@ -26,6 +26,29 @@
 #define BLOCK_BYTES 64   // fp16: 32 weights
 #endif
 
+// WREPACK = 1: the weight rows are "repacked" (voltserve/backends/cuda/repack.py): [nb scales][64-byte quant
+// groups], k % 256 == 0. Only gemv_mma and gemm_tc read that layout (the launcher routes such weights to them).
+#ifndef WREPACK
+#define WREPACK 0
+#endif
+#if WREPACK && WTYPE != WTYPE_F16
+#if WTYPE == WTYPE_Q4_1
+#define RP_SCALE_BYTES 4   // d | m << 16
+#else
+#define RP_SCALE_BYTES 2   // fp16 d
+#endif
+#if WTYPE == WTYPE_Q8_0
+#define RP_PIECE 8         // bytes of one k slot (of 4) of a block's quants
+#else
+#define RP_PIECE 4
+#endif
+#define RP_GROUP (16 / RP_PIECE)  // blocks per 64-byte quant group: one 16-byte load per slot
+// Byte offset in a repacked row of slot t's piece of block b (nb blocks per row).
+VOLT_DEVICE i64 rp_piece_off(int nb, int b, int t) {
+    return (i64)nb * RP_SCALE_BYTES + (i64)(b / RP_GROUP) * 64 + 16 * t + RP_PIECE * (b % RP_GROUP);
+}
+#endif
+
 // Dequantize elements [j0, j0 + 8) of one 32-weight block (j0 in {0, 8, 16, 24}) into w[8].
 VOLT_DEVICE void dequant8(const u8* blk, int j0, float* w) {
 #if WTYPE == WTYPE_F16

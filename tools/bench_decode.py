@@ -138,6 +138,8 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--synthetic", choices=["llama3-8b", "smollm2-135m", "tiny"],
                         help="random weights made on the device")
+    parser.add_argument("--synthetic-qtype", choices=["Q4_0", "Q4_1", "Q8_0"],
+                        help="the synthetic model's decoder linears as random GGUF blocks of this type")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--batch", default="1,8,32,64")
     parser.add_argument("--graphs", default="on,off")
@@ -178,7 +180,8 @@ def main() -> None:
         from tools.make_synthetic_checkpoint import synthetic_model
 
         loaded = synthetic_model(args.synthetic, device=args.device,
-                                 dtype=torch.float16 if args.device == "cuda" else torch.float32)
+                                 dtype=torch.float16 if args.device == "cuda" else torch.float32,
+                                 qtype=args.synthetic_qtype)
     runs = [(g, pdl, gk, mixed, env) for g in args.graphs.split(",") for pdl in args.pdl.split(",")
             for gk in args.gemv_kernel.split(",") for mixed in args.mixed_graphs.split(",")
             for env in env_settings(args.env)]
@@ -237,7 +240,8 @@ def main() -> None:
         results["copy_bandwidth_gbs"] = copy_bw
         if loaded is not None:
             cfg = loaded.config
-            weight_bytes = sum(t.numel() * 2 for n, t in loaded.tensors.items() if n != "model.embed_tokens.weight")
+            weight_bytes = sum(loaded.quantized[n].data.nbytes if n in loaded.quantized else t.numel() * 2
+                               for n, t in loaded.tensors.items() if n != "model.embed_tokens.weight")
             kv_bytes = cfg.num_layers * 2 * (args.prompt_len + args.steps // 2) * cfg.num_kv_heads * cfg.head_dim * 2
             roof_s = (weight_bytes + kv_bytes) / (copy_bw * 1e9)
             results["batch1_roofline_ms"] = roof_s * 1e3

@@ -71,7 +71,7 @@ def _graph_time(be, fns, repeats: int) -> float:
     return t
 
 
-def _rotated_weights(be, fmt: str, out_f: int, in_f: int, gen: torch.Generator):
+def _rotated_weights(be, fmt: str, out_f: int, in_f: int, gen: torch.Generator, swiglu: bool = False):
     """(weight, copies of it filling >= 256 MB (>= 4x the L2), weight bytes, number of copies): replaying one
     launch per copy streams every launch's weight from HBM."""
     from dataclasses import replace
@@ -83,7 +83,7 @@ def _rotated_weights(be, fmt: str, out_f: int, in_f: int, gen: torch.Generator):
         lin = be.prepare_linear(torch.randn(out_f, in_f, generator=gen) * 0.02)
     else:
         quant, deq = make_quant(fmt, out_f, in_f, gen)
-        lin = be.prepare_linear(deq, quant)
+        lin = be.prepare_linear(deq, quant, swiglu=swiglu)
     wbytes = lin.data.numel() * lin.data.element_size()
     copies = max(4, math.ceil(256e6 / wbytes))
     return lin, [lin] + [replace(lin, data=lin.data.clone()) for _ in range(copies - 1)], wbytes, copies
@@ -121,7 +121,7 @@ def _decode_fused_cases(be, repeats: int, only: str | None):
             names = [f"decode_{kind}_{part}_{fmt}_{out_f}x{in_f}_m1" for kind in ("fused", "unfused")]
             if only and not any(only in n for n in names):
                 continue
-            lin, lins, wbytes, copies = _rotated_weights(be, fmt, out_f, in_f, gen)
+            lin, lins, wbytes, copies = _rotated_weights(be, fmt, out_f, in_f, gen, swiglu=part == "gate_up")
             x = torch.randn(1, in_f, device="cuda", dtype=torch.float16)
             res = torch.randn(1, out_f, device="cuda", dtype=torch.float16)
             if part == "down":

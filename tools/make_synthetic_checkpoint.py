@@ -12,11 +12,13 @@ import json
 import pathlib
 import sys
 
+import numpy as np
 import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))  # run from a checkout
 
-from loaders.model import LoadedModel  # noqa: E402
+from loaders.model import LoadedModel, QuantizedTensor  # noqa: E402
+from voltserve.quant import BLOCK_BYTES  # noqa: E402
 from voltserve.config import ModelConfig  # noqa: E402
 
 SHAPES = {
@@ -48,12 +50,18 @@ def byte_tokenizer(vocab_size: int):
 
 
 def synthetic_model(shape: str = "tiny", device: str = "cpu", dtype: torch.dtype = torch.float32,
-                    seed: int = 0) -> LoadedModel:
+                    seed: int = 0, qtype: str | None = None) -> LoadedModel:
     """A LoadedModel with N(0, 0.02) weights and unit norms.
 
     Args:
         shape: a key of SHAPES.
         device / dtype: where the tensors are made ("cuda" + float16 for the 8B shapes: ~16 GB).
+        qtype: "Q4_0", "Q4_1" or "Q8_0": the decoder's linears come as random GGUF blocks (`quant_blocks`) in
+            `quantized`, for GPU benchmarks of quantized models; their `tensors` entries are then zero-stride
+            placeholders of the right shape (no dequantized values: the CPU backend cannot run such a model).
+            Embedding and lm_head stay dense.
+    Raises:
+        ValueError: an unknown qtype.
     """
     dims = SHAPES[shape]
     cfg = ModelConfig(architecture="llama", tie_word_embeddings=False, bos_token_id=256, eos_token_ids=(EOS_ID,),
@@ -66,19 +74,43 @@ def synthetic_model(shape: str = "tiny", device: str = "cpu", dtype: torch.dtype
     h, i, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
     t = {"model.embed_tokens.weight": rand(cfg.vocab_size, h), "lm_head.weight": rand(cfg.vocab_size, h),
          "model.norm.weight": torch.ones(h, device=device, dtype=dtype)}
+    if qtype is not None and qtype not in BLOCK_BYTES:
+        raise ValueError(f"qtype must be one of {sorted(BLOCK_BYTES)}, got {qtype!r}")
+    rng = np.random.default_rng(seed)
+    quantized: dict[str, QuantizedTensor] = {}
+
+    def linear(name, rows, cols):
+        if qtype is None:
+            t[name] = rand(rows, cols)
+            return
+        t[name] = torch.zeros(1, 1, device=device, dtype=dtype).expand(rows, cols)
+        quantized[name] = QuantizedTensor(qtype, (rows, cols), quant_blocks(qtype, rows, cols, rng))
+
     for n in range(cfg.num_layers):
         p = f"model.layers.{n}."
-        t[p + "self_attn.q_proj.weight"] = rand(cfg.num_heads * d, h)
-        t[p + "self_attn.k_proj.weight"] = rand(cfg.num_kv_heads * d, h)
-        t[p + "self_attn.v_proj.weight"] = rand(cfg.num_kv_heads * d, h)
-        t[p + "self_attn.o_proj.weight"] = rand(h, cfg.num_heads * d)
-        t[p + "mlp.gate_proj.weight"] = rand(i, h)
-        t[p + "mlp.up_proj.weight"] = rand(i, h)
-        t[p + "mlp.down_proj.weight"] = rand(h, i)
+        linear(p + "self_attn.q_proj.weight", cfg.num_heads * d, h)
+        linear(p + "self_attn.k_proj.weight", cfg.num_kv_heads * d, h)
+        linear(p + "self_attn.v_proj.weight", cfg.num_kv_heads * d, h)
+        linear(p + "self_attn.o_proj.weight", h, cfg.num_heads * d)
+        linear(p + "mlp.gate_proj.weight", i, h)
+        linear(p + "mlp.up_proj.weight", i, h)
+        linear(p + "mlp.down_proj.weight", h, i)
         t[p + "input_layernorm.weight"] = torch.ones(h, device=device, dtype=dtype)
         t[p + "post_attention_layernorm.weight"] = torch.ones(h, device=device, dtype=dtype)
     return LoadedModel(config=cfg, tensors=t, tokenizer=byte_tokenizer(cfg.vocab_size), chat_template=None,
-                       source=f"synthetic:{shape}")
+                       source=f"synthetic:{shape}" + (f"-{qtype}" if qtype else ""), quantized=quantized)
+
+
+def quant_blocks(qtype: str, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
+    """[rows, cols / 32 * block_bytes] uint8 GGUF blocks (voltserve.quant): random quants, and scales that keep
+    a product with a unit-RMS x near unit RMS (Q4_1's m centres the nibbles on zero)."""
+    bb = BLOCK_BYTES[qtype]
+    blocks = rng.integers(0, 256, size=(rows, cols // 32, bb), dtype=np.uint8)
+    step = 1.0 / (np.sqrt(cols) * (4.6 if qtype != "Q8_0" else 74.0))  # q's std: 4.6 (nibbles), 74 (int8)
+    blocks[:, :, 0:2] = np.frombuffer(np.float16(step).tobytes(), dtype=np.uint8)
+    if qtype == "Q4_1":
+        blocks[:, :, 2:4] = np.frombuffer(np.float16(-7.5 * step).tobytes(), dtype=np.uint8)
+    return blocks.reshape(rows, cols // 32 * bb)
 
 
 def save_hf_dir(model: LoadedModel, out: pathlib.Path) -> None:

@@ -17,7 +17,11 @@ def cuda_backend():
         pytest.skip("needs an NVIDIA GPU and cuda-python (cuda.bindings)")
     from voltserve.backends.cuda.backend import CudaBackend
 
-    return CudaBackend(0)
+    backend = CudaBackend(0)
+    # the GGUF-layout kernels are under test here; the repacked layout has tests of its own
+    # (test_repacked.py sets quant_repack itself)
+    backend.quant_repack = "off"
+    return backend
 
 
 @pytest.fixture(scope="session")

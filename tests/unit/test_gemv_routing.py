@@ -208,3 +208,30 @@ def test_fused_norm_rule(fmt, rows):
     assert fuses_norm(auto, big, rows) == (fmt != "F16" or rows == 1)
     for choice in ("on", "off"):
         assert fuses_norm(SimpleNamespace(fuse_norm=choice), big, rows) == (choice == "on")
+
+
+def test_repack_policy_and_routing():
+    """Which quant weights are stored repacked (linear.repack_wanted) and that they always run gemv_mma (never
+    gemv_mma_sb, gemv_q or gemv, which read GGUF blocks), whatever `gemv_kernel` asks."""
+    from voltserve.backends.cuda.linear import repack_wanted
+
+    big, small = 4096 * 4096 // 2, 1 << 20
+    assert repack_wanted("auto", 90, "Q4_1", 4096, big) and repack_wanted("auto", 80, "Q8_0", 4096, big)
+    assert not repack_wanted("auto", 90, "Q4_1", 4096, small)      # launch-bound: stays GGUF
+    assert not repack_wanted("auto", 70, "Q4_1", 4096, big)        # SM70: only when asked ("on")
+    assert repack_wanted("on", 70, "Q4_1", 4096, small)
+    assert not repack_wanted("on", 60, "Q4_1", 4096, big)          # no tensor cores
+    assert not repack_wanted("auto", 90, "Q4_1", 576, big)         # k % 256 != 0
+    assert not repack_wanted("auto", 90, "F16", 4096, big) and not repack_wanted("off", 90, "Q4_0", 4096, big)
+    assert not repack_wanted("auto", 90, "Q4_1", 4096, big, swiglu=True)  # the scalar gemv's SwiGLU is faster
+    assert repack_wanted("on", 90, "Q4_1", 4096, big, swiglu=True)
+    assert not repack_wanted("auto", 90, "Q8_0", 14336, big) and repack_wanted("on", 90, "Q8_0", 14336, big)
+    for fmt in ("Q4_0", "Q4_1", "Q8_0"):
+        w = _linear(fmt, 4096, 4096)
+        w.layout = "repacked"
+        for arch in (70, 90):
+            for choice in ("auto", "scalar", "mma"):
+                for rows in (1, 3, 8):
+                    assert gemv_kernel_name(_backend(arch, choice), w, rows, silu=rows == 1) == "gemv_mma"
+        with pytest.raises(ValueError, match="16-byte aligned"):
+            gemv_kernel_name(_backend(90), w, 1, vec_ok=0)

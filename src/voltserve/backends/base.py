@@ -78,13 +78,15 @@ class Backend(Protocol):
     device: torch.device
     dtype: torch.dtype
 
-    def prepare_linear(self, weight: torch.Tensor, quant: Any | None = None) -> Any:
+    def prepare_linear(self, weight: torch.Tensor, quant: Any | None = None, swiglu: bool = False) -> Any:
         """Turn a checkpoint weight into this backend's linear operand.
 
         Args:
             weight: [out_features, in_features] fp32, CPU (dequantized reference values).
             quant: the raw quantized tensor (loaders.gguf.QuantizedTensor) when the checkpoint had one,
                 so a backend can run on the packed blocks instead of `weight`.
+            swiglu: the weight is a fused [gate; up] pair that `norm_linear(..., silu=True)` will read (a backend
+                may store it in the layout its SwiGLU kernel reads best).
         """
 
     def prepare_embedding(self, weight: torch.Tensor, quant: Any | None = None) -> Any:

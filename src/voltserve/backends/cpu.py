@@ -33,7 +33,7 @@ class CpuBackend:
 
     # -- weights -------------------------------------------------------------------------------------------
 
-    def prepare_linear(self, weight: torch.Tensor, quant: Any | None = None) -> Any:
+    def prepare_linear(self, weight: torch.Tensor, quant: Any | None = None, swiglu: bool = False) -> Any:
         if self.use_int4 and quant is not None:
             from voltserve.backends.cpu_int4 import Int4Linear, supports
 

@@ -33,13 +33,14 @@ class LlamaLayer:
     down: Any  # backend linear, out = hidden_size
 
 
-def _fuse(tensors: dict, quantized: dict, names: list[str], backend: Backend):
-    """Concatenate linears along out_features and hand them to the backend (quantized blocks too, if all are)."""
+def _fuse(tensors: dict, quantized: dict, names: list[str], backend: Backend, swiglu: bool = False):
+    """Concatenate linears along out_features and hand them to the backend (quantized blocks too, if all are);
+    `swiglu`: the pair is [gate; up] (Backend.prepare_linear)."""
     weight = torch.cat([tensors[n] for n in names], dim=0)
     quant = None
     if quantized and all(n in quantized for n in names):
         quant = concat_rows([quantized[n] for n in names])
-    return backend.prepare_linear(weight, quant)
+    return backend.prepare_linear(weight, quant, swiglu=swiglu)
 
 
 class LlamaModel:
@@ -76,7 +77,8 @@ class LlamaModel:
                 qkv=_fuse(tensors, quantized, [p + f"self_attn.{n}_proj.weight" for n in "qkv"], backend),
                 o_proj=_fuse(tensors, quantized, [p + "self_attn.o_proj.weight"], backend),
                 post_norm=norm(p + "post_attention_layernorm.weight"),
-                gate_up=_fuse(tensors, quantized, [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"], backend),
+                gate_up=_fuse(tensors, quantized, [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"], backend,
+                              swiglu=True),
                 down=_fuse(tensors, quantized, [p + "mlp.down_proj.weight"], backend),
             ))
         positions = max_positions or config.max_position_embeddings

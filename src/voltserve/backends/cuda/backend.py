@@ -20,12 +20,13 @@ import os
 import weakref
 from typing import Any
 
+import numpy as np
 import torch
 
 from voltserve.backends.base import AttentionMetadata
 from voltserve.backends.cuda import driver, kernels
 from voltserve.backends.cuda import params as P
-from voltserve.backends.cuda.linear import CudaEmbedding, CudaLinear, launch_linear
+from voltserve.backends.cuda.linear import CudaEmbedding, CudaLinear, launch_linear, repack_wanted
 from voltserve.backends.cuda.module import KernelLoader
 
 
@@ -58,6 +59,11 @@ class CudaBackend:
         self.gemv_mma_tile = int(os.environ.get("VOLTSERVE_GEMV_MMA_TILE", "0"))
         if self.gemv_mma_tile not in (0, 16, 32):
             raise ValueError(f"VOLTSERVE_GEMV_MMA_TILE={self.gemv_mma_tile}: expected 0, 16 or 32")
+        # quant weights stored repacked for 16-byte loads (linear.repack_wanted): "auto", "on" or "off";
+        # VOLTSERVE_QUANT_REPACK for A/B runs (read when weights are prepared)
+        self.quant_repack = os.environ.get("VOLTSERVE_QUANT_REPACK", "auto")
+        if self.quant_repack not in ("auto", "on", "off"):
+            raise ValueError(f"VOLTSERVE_QUANT_REPACK={self.quant_repack!r}: expected auto, on or off")
         # the RMSNorm before a decode GEMV: fused into it where that measured faster ("auto", linear.fuses_norm),
         # always where the kernel can ("on"), or always its own kernel first ("off"); VOLTSERVE_FUSE_NORM for A/B
         self.fuse_norm = os.environ.get("VOLTSERVE_FUSE_NORM", "auto")
@@ -112,8 +118,10 @@ class CudaBackend:
 
     # -- weights -------------------------------------------------------------------------------------------
 
-    def prepare_linear(self, weight: torch.Tensor, quant: Any | None = None) -> CudaLinear:
-        return CudaLinear.upload(weight, quant, self.device)
+    def prepare_linear(self, weight: torch.Tensor, quant: Any | None = None, swiglu: bool = False) -> CudaLinear:
+        repack = quant is not None and repack_wanted(self.quant_repack, self.loader.compile_arch, quant.qtype,
+                                                     weight.shape[1], int(np.asarray(quant.data).nbytes), swiglu)
+        return CudaLinear.upload(weight, quant, self.device, repack=repack)
 
     def prepare_embedding(self, weight: torch.Tensor, quant: Any | None = None) -> CudaEmbedding:
         return CudaEmbedding.upload(weight, quant, self.device)

@@ -39,15 +39,16 @@ GEMV_MMA_STATIC_SMEM = 4 * (GEMV_MMA_WARPS * 32 * 8 + 8 * 32 + 8)
 
 
 def gemv_mma_spec(fmt: str, silu: bool, norm_one_pass: bool = False,
-                  tile_rows: int = GEMV_MMA_TILES[0]) -> dict[str, int]:
+                  tile_rows: int = GEMV_MMA_TILES[0], repacked: bool = False) -> dict[str, int]:
     """The -D set of gemv_mma.cu for a weight format; `norm_one_pass`: the build whose fused RMSNorm takes 1/rms
     of all x rows in one pass (GM_NORM_ONE_PASS, for norm launches of >= 2 rows); `tile_rows`: weight rows per
     block (GEMV_MMA_TILES; gemv_mma_sb has 32-row tiles only). Quant builds also get GM_SB_SMEM, which the .cu
     checks against its own stage layout (a drift between gemv_mma_sb_smem_bytes and SB_PITCH / SB_STAGES fails
-    to compile).
+    to compile). `repacked`: the build for repacked quant rows (WREPACK, backends/cuda/repack.py; its
+    gemv_mma_sb is a stub, so it has no GM_SB_SMEM).
 
     Raises:
-        ValueError: `tile_rows` not in GEMV_MMA_TILES.
+        ValueError: `tile_rows` not in GEMV_MMA_TILES, or `repacked` with fp16.
     """
     if tile_rows not in GEMV_MMA_TILES:
         raise ValueError(f"gemv_mma tile_rows must be one of {GEMV_MMA_TILES}, got {tile_rows}")
@@ -56,7 +57,11 @@ def gemv_mma_spec(fmt: str, silu: bool, norm_one_pass: bool = False,
         spec["GM_NORM_ONE_PASS"] = 1
     if tile_rows != GEMV_MMA_TILES[0]:
         spec["GM_TILE_ROWS"] = tile_rows
-    if fmt != "F16":
+    if repacked:
+        if fmt == "F16":
+            raise ValueError("fp16 weights have no repacked layout")
+        spec["WREPACK"] = 1
+    elif fmt != "F16":
         spec["GM_SB_SMEM"] = gemv_mma_sb_smem_bytes(fmt)
     return spec
 
@@ -278,7 +283,10 @@ def engine_specializations() -> list[tuple[str, dict[str, int]]]:
     specs += [("gemv_mma", gemv_mma_spec(f, bool(s), bool(o), t))
               for f in WTYPES for s in (0, 1) for o in (0, 1) for t in GEMV_MMA_TILES]
     specs += [("gemm_tiled", {"WTYPE": w}) for w in WTYPES.values()]
-    specs += [("gemm_tc", {"WTYPE": w, "BN": bn}) for w in (1, 2, 3) for bn in GEMM_TC_BNS]
+    specs += [("gemv_mma", gemv_mma_spec(f, bool(s), bool(o), t, repacked=True))
+              for f in WTYPES if f != "F16" for s in (0, 1) for o in (0, 1) for t in GEMV_MMA_TILES]
+    specs += [("gemm_tc", {"WTYPE": w, "BN": bn, **r}) for w in (1, 2, 3) for bn in GEMM_TC_BNS
+              for r in ({}, {"WREPACK": 1})]
     specs += [("sampling", {"LOGITS_F16": f}) for f in (0, 1)]
     specs += [("sample_topk_topp", {"LOGITS_F16": f}) for f in (0, 1)]
     return specs

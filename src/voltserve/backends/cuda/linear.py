@@ -12,6 +12,8 @@ import torch.nn.functional as F
 
 from voltserve.backends.cuda import kernels
 from voltserve.backends.cuda import params as P
+from voltserve.backends.cuda.repack import FORMATS as REPACK_FORMATS
+from voltserve.backends.cuda.repack import REPACK_K_MULTIPLE, repack_rows
 
 
 # gemv_q (x staged in smem, shared by 32 rows) from this row bucket up (m >= 3); below it the warp-per-row
@@ -39,6 +41,29 @@ GEMV_MMA_M1_MIN_BYTES = 4 << 20
 # norm prologue in every block); at 1 row the two measured within 1% (4.87-4.95 ms), so 1 row keeps the fusion.
 # Quant weights keep it (not measured). The default model's weights are all far below (< 4 MB).
 GEMV_NORM_FUSED_MAX_BYTES = 16 << 20
+# Q8_0 weights wider than this stay GGUF under VOLTSERVE_QUANT_REPACK=auto (repack_wanted)
+REPACK_Q8_0_MAX_K = 4096
+
+
+def can_repack(fmt: str, in_features: int) -> bool:
+    """Whether rows of this format and width have a repacked layout (repack.py: Q4_0/Q4_1/Q8_0, k % 256 == 0)."""
+    return fmt in REPACK_FORMATS and in_features % REPACK_K_MULTIPLE == 0
+
+
+def repack_wanted(choice: str, arch: int, fmt: str, in_features: int, weight_bytes: int,
+                  swiglu: bool = False) -> bool:
+    """Whether a quant weight is stored repacked (`CudaBackend.quant_repack`, VOLTSERVE_QUANT_REPACK): "off"
+    never, "on" wherever `can_repack` (SM70+, where gemv_mma runs), "auto" where it measured faster (H200,
+    Llama-3-8B shapes, docs/performance.md): SM80+, weights of >= GEMV_MMA_M1_MIN_BYTES (the default model's
+    small, launch-bound weights stay GGUF), not a SwiGLU pair (`swiglu`: at m = 1 the GGUF pair runs the scalar
+    gemv's fused SwiGLU, 44.1 us vs gemv_mma's 53.4 us on 28672x4096 Q4_1), and Q8_0 only up to k = 4096
+    (4096x14336 Q8_0: 27.2 us GGUF through gemv_mma_sb vs 30.1 us repacked)."""
+    if choice == "off" or arch < kernels.GEMV_MMA_MIN_ARCH or not can_repack(fmt, in_features):
+        return False
+    if choice == "on":
+        return True
+    return (arch >= kernels.GEMV_MMA_SB_MIN_ARCH and weight_bytes >= GEMV_MMA_M1_MIN_BYTES and not swiglu
+            and (fmt != "Q8_0" or in_features <= REPACK_Q8_0_MAX_K))
 
 
 def _quant_upload(quant: Any, device: torch.device) -> tuple[str, torch.Tensor, int]:
@@ -60,6 +85,8 @@ class CudaLinear:
             the GGUF blocks of each row as stored in the file.
         out_features, in_features: logical shape.
         row_bytes: bytes of one weight row.
+        layout: quant rows as GGUF stores them ("gguf"), or "repacked" (backends/cuda/repack.py) for 16-byte
+            loads: then only gemv_mma and gemm_tc read them (launch_linear routes there).
     """
 
     fmt: str
@@ -67,13 +94,19 @@ class CudaLinear:
     out_features: int
     in_features: int
     row_bytes: int
+    layout: str = "gguf"
 
     @classmethod
-    def upload(cls, weight: torch.Tensor, quant: Any | None, device: torch.device) -> "CudaLinear":
-        """fp16 copy of `weight`, or the raw blocks of `quant` when its type has a kernel (Q4_0/Q4_1/Q8_0)."""
+    def upload(cls, weight: torch.Tensor, quant: Any | None, device: torch.device,
+               repack: bool = False) -> "CudaLinear":
+        """fp16 copy of `weight`, or the raw blocks of `quant` when its type has a kernel (Q4_0/Q4_1/Q8_0);
+        `repack`: quant rows that `can_repack` are stored repacked (on the device, no host copy)."""
         out_features, in_features = weight.shape
         if quant is not None and quant.qtype in kernels.QUANT_BLOCK_BYTES and in_features % 32 == 0:
             fmt, data, row_bytes = _quant_upload(quant, device)
+            if repack and can_repack(fmt, in_features):
+                return cls(fmt, repack_rows(data, fmt, in_features), out_features, in_features, row_bytes,
+                           "repacked")
             return cls(fmt, data, out_features, in_features, row_bytes)
         data = weight.detach().to(device, torch.float16).contiguous()
         return cls("F16", data, out_features, in_features, in_features * 2)
@@ -115,7 +148,8 @@ def _launch_gemm_tc(backend: Any, x: torch.Tensor, w: CudaLinear, y: torch.Tenso
                        counters.data_ptr() if counters is not None else None, x.stride(0), n, w.row_bytes, m, n, k,
                        k_split, splits, 0)
     grid = (math.ceil(n / bn), math.ceil(m / kernels.GEMM_TC_BM), splits)
-    backend._launch("gemm_tc", "gemm_tc", {"WTYPE": wtype, "BN": bn}, grid, (128, 1, 1), 0, p)
+    spec = {"WTYPE": wtype, "BN": bn, **({"WREPACK": 1} if w.layout == "repacked" else {})}
+    backend._launch("gemm_tc", "gemm_tc", spec, grid, (128, 1, 1), 0, p)
 
 
 def launch_linear(backend: Any, x: torch.Tensor, w: CudaLinear, *, norm_weight: torch.Tensor | None = None,
@@ -149,7 +183,8 @@ def launch_linear(backend: Any, x: torch.Tensor, w: CudaLinear, *, norm_weight: 
         x, _ = backend.rms_norm(x, norm_weight, eps)
         norm_weight = None
     if w.fmt != "F16" and (x.stride(0) % 8 or x.data_ptr() % 16):
-        x = x.contiguous()  # the quant paths read x as 16-byte vectors
+        # the quant paths read x as 16-byte vectors (a clone: contiguous() keeps a misaligned contiguous view)
+        x = x.clone(memory_format=torch.contiguous_format)
     vec_ok = int(k % 8 == 0 and x.stride(0) % 8 == 0 and x.data_ptr() % 16 == 0)
     use_mma = m < kernels.GEMM_MIN_ROWS and gemv_mma_ok(backend, w, min(m, kernels.GEMV_MAX_ROWS), vec_ok,
                                                         norm_weight is not None, silu)
@@ -228,6 +263,10 @@ def gemv_mma_ok(backend: Any, w: CudaLinear, rows: int, vec_ok: int, norm: bool 
     "scalar", "mma", "mma884": the SM70 m8n8k4 path on any arch) forces a choice (benchmarks, A/B tests)."""
     choice = getattr(backend, "gemv_kernel", "auto")
     arch = backend.loader.compile_arch  # the __CUDA_ARCH__ the kernels are built for
+    if w.layout == "repacked":  # no other decode GEMV reads that layout
+        if not vec_ok:
+            raise ValueError("repacked quant rows need x rows 16-byte aligned with k % 8 == 0")
+        return True
     if choice == "scalar" or arch < kernels.GEMV_MMA_MIN_ARCH or not vec_ok:
         return False
     if choice == "auto" and 73 <= arch < kernels.GEMV_MMA_SB_MIN_ARCH:
@@ -267,7 +306,7 @@ def _mma_superblocks(backend: Any, w: CudaLinear) -> bool:
     """gemv_mma_sb (16-byte cp.async copies of whole 256-weight superblocks, SM80+) instead of gemv_mma's
     per-fragment loads: quant rows of whole, 16-byte-aligned superblocks, on a device whose blocks may opt into
     the stages' shared memory (Q8_0 needs 212 KB: SM90 has 227 KB, A100 163 KB, SM86/89 99 KB)."""
-    if not _whole_superblocks(w) or getattr(backend, "gemv_kernel", "auto") == "mma884":
+    if not _whole_superblocks(w) or w.layout == "repacked" or getattr(backend, "gemv_kernel", "auto") == "mma884":
         return False
     smem = kernels.gemv_mma_sb_smem_bytes(w.fmt) + kernels.GEMV_MMA_STATIC_SMEM
     return backend.loader.compile_arch >= kernels.GEMV_MMA_SB_MIN_ARCH and smem <= backend.loader.max_smem_optin
@@ -283,7 +322,8 @@ def gemv_mma_tile(backend: Any, w: CudaLinear, silu: bool, one_pass: bool) -> in
     arch = 70 if getattr(backend, "gemv_kernel", "auto") == "mma884" else backend.loader.compile_arch
     return kernels.gemv_mma_tile_rows(
         w.out_features, w.out_features * w.row_bytes, arch, backend.num_sms,
-        lambda: backend._occupancy("gemv_mma", "gemv_mma", kernels.gemv_mma_spec(w.fmt, silu, one_pass, 16), 0,
+        lambda: backend._occupancy("gemv_mma", "gemv_mma",
+                                   kernels.gemv_mma_spec(w.fmt, silu, one_pass, 16, w.layout == "repacked"), 0,
                                    32 * kernels.GEMV_MMA_WARPS))
 
 
@@ -301,7 +341,7 @@ def _launch_gemv_mma(backend: Any, x: torch.Tensor, w: CudaLinear, y: torch.Tens
     else:
         kernel, smem, tile = "gemv_mma", 0, gemv_mma_tile(backend, w, silu, one_pass)
     grid = (math.ceil(n_out / (tile // 2 if silu else tile)), 1, 1)
-    spec = kernels.gemv_mma_spec(w.fmt, silu, one_pass, tile)
+    spec = kernels.gemv_mma_spec(w.fmt, silu, one_pass, tile, w.layout == "repacked")
     if getattr(backend, "gemv_kernel", "auto") == "mma884":
         spec["GM_MMA884"] = 1  # the SM70 path on a newer GPU (tests)
     for r0 in range(0, m, kernels.GEMV_MAX_ROWS):
@@ -323,7 +363,7 @@ def _gemm(backend: Any, x: torch.Tensor, w: CudaLinear, f16_gemm: str) -> torch.
         return F.linear(x, w.data)
     y = torch.empty(m, n, dtype=torch.float16, device=x.device)
     wtype = kernels.WTYPES[w.fmt]
-    if w.fmt != "F16" and w.data.data_ptr() % 4 == 0:
+    if w.fmt != "F16" and (w.data.data_ptr() % 4 == 0 or w.layout == "repacked"):
         _launch_gemm_tc(backend, x, w, y, wtype)
         return y
     p = P.GemmParams(x.data_ptr(), w.data.data_ptr(), y.data_ptr(), x.stride(0), n, w.row_bytes, m, n, k, 0)

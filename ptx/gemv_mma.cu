@@ -88,6 +88,10 @@
 #define GM_RAW 2        // d (and m), 8 nibbles
 #endif
 #if WREPACK && WTYPE != WTYPE_F16
+#if defined(GM_UNROLL) && GM_UNROLL != RP_GROUP
+#error "repacked rows load whole groups: GM_UNROLL must equal RP_GROUP (4 for Q4, 2 for Q8_0)"
+#endif
+#undef GM_UNROLL
 #define GM_UNROLL RP_GROUP  // one load group = one 16-byte quant load (and one scale load) per row
 #endif
 #ifndef GM_UNROLL

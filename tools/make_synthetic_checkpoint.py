@@ -30,6 +30,9 @@ SHAPES = {
                          num_kv_heads=3, head_dim=64, rope_theta=100000.0, max_position_embeddings=8192),
     "tiny": dict(vocab_size=320, hidden_size=64, intermediate_size=160, num_layers=2, num_heads=4, num_kv_heads=2,
                  head_dim=16, rope_theta=10000.0, max_position_embeddings=512),
+    # small, with every linear's in_features % 256 == 0 (repacked quant rows; tests/e2e/test_gpu_model.py)
+    "small256": dict(vocab_size=320, hidden_size=256, intermediate_size=512, num_layers=2, num_heads=4,
+                     num_kv_heads=2, head_dim=64, rope_theta=10000.0, max_position_embeddings=512),
 }
 EOS_ID = 257
 
@@ -57,9 +60,9 @@ def synthetic_model(shape: str = "tiny", device: str = "cpu", dtype: torch.dtype
         shape: a key of SHAPES.
         device / dtype: where the tensors are made ("cuda" + float16 for the 8B shapes: ~16 GB).
         qtype: "Q4_0", "Q4_1" or "Q8_0": the decoder's linears come as random GGUF blocks (`quant_blocks`) in
-            `quantized`, for GPU benchmarks of quantized models; their `tensors` entries are then zero-stride
-            placeholders of the right shape (no dequantized values: the CPU backend cannot run such a model).
-            Embedding and lm_head stay dense.
+            `quantized`, for GPU benchmarks and tests of quantized models; their `tensors` entries are then
+            zero-stride placeholders of the right shape (no dequantized values: the CPU backend would run the
+            model with all-zero linears). Embedding and lm_head stay dense.
     Raises:
         ValueError: an unknown qtype.
     """

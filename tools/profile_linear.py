@@ -33,7 +33,7 @@ def main() -> None:
     parser.add_argument("--launches", type=int, default=10)
     args = parser.parse_args()
 
-    sys.path.insert(0, "tests/kernels")
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "tests" / "kernels"))
     from kutils import make_quant
 
     from voltserve.backends.cuda.backend import CudaBackend
@@ -51,7 +51,9 @@ def main() -> None:
     res = torch.randn(args.rows, n, device="cuda", dtype=torch.float16) if args.residual else None
     for _ in range(args.launches):
         if args.norm or args.silu:
-            be.norm_linear(x, norm, 1e-5, w, silu=args.silu)
+            y = be.norm_linear(x, norm, 1e-5, w, silu=args.silu)
+            if res is not None:  # norm_linear takes no residual: the add runs as its own op
+                y = y + res[:, :y.shape[1]]
         else:
             be.linear(x, w, residual=res)
     torch.cuda.synchronize()

@@ -1,5 +1,5 @@
-"""Repacked quant rows (backends/cuda/repack.py) through gemv_mma (m <= 15: both MMA paths, 32- and 16-row
-blocks, the fused RMSNorm / SwiGLU / residual) and gemm_tc (m >= 16), against CpuBackend on the dequantized fp32
+"""Repacked quant rows (backends/cuda/repack.py) through gemv_mma (m <= 16: both MMA paths, 32- and 16-row
+blocks, the fused RMSNorm / SwiGLU / residual) and gemm_tc (m >= 17), against CpuBackend on the dequantized fp32
 weights, and against the same weights in the GGUF layout.
 
 Bounds: as tests/kernels/test_gemv_mma.py (3e-3 of max |ref|; 4e-3 with the fused norm + SwiGLU) and
@@ -20,13 +20,15 @@ FORMATS = ["Q4_0", "Q4_1", "Q8_0"]
 @pytest.fixture(params=[("mma", 32), ("mma", 16), ("mma884", 32)], ids=lambda p: f"{p[0]}-t{p[1]}")
 def rp_backend(request, cuda_backend):
     """The backend storing quant weights repacked, with gemv_mma's SM80 path (m16n8k16; 32- and 16-row blocks)
-    or its SM70 path (m8n8k4, what a V100 runs)."""
+    or its m8n8k4 path (never taken with repacked rows in production, where SM70 keeps GGUF rows; tested for the
+    layout's bitwise equality with GGUF rows on one kernel)."""
     kernel, tile = request.param
-    if kernel == "mma" and cuda_backend.loader.arch < 80:
-        pytest.skip("the m16n8k16 path needs SM80+")
+    if cuda_backend.loader.arch < 80:
+        pytest.skip("repacked rows are SM80+ (linear.repack_wanted)")
+    saved = cuda_backend.gemv_kernel, cuda_backend.gemv_mma_tile, cuda_backend.quant_repack
     cuda_backend.gemv_kernel, cuda_backend.gemv_mma_tile, cuda_backend.quant_repack = kernel, tile, "on"
     yield cuda_backend
-    cuda_backend.gemv_kernel, cuda_backend.gemv_mma_tile, cuda_backend.quant_repack = "auto", 0, "off"
+    cuda_backend.gemv_kernel, cuda_backend.gemv_mma_tile, cuda_backend.quant_repack = saved
 
 
 def _pair(backend, fmt, n, k, seed):

@@ -218,18 +218,19 @@ def test_repack_policy_and_routing():
     big, small = 4096 * 4096 // 2, 1 << 20
     assert repack_wanted("auto", 90, "Q4_1", 4096, big) and repack_wanted("auto", 80, "Q8_0", 4096, big)
     assert not repack_wanted("auto", 90, "Q4_1", 4096, small)      # launch-bound: stays GGUF
-    assert not repack_wanted("auto", 70, "Q4_1", 4096, big)        # SM70: only when asked ("on")
-    assert repack_wanted("on", 70, "Q4_1", 4096, small)
-    assert not repack_wanted("on", 60, "Q4_1", 4096, big)          # no tensor cores
+    assert not repack_wanted("auto", 70, "Q4_1", 4096, big)        # SM70 / Turing: never (unmeasured; spills)
+    assert not repack_wanted("on", 70, "Q4_1", 4096, big) and not repack_wanted("on", 75, "Q4_1", 4096, big)
+    assert repack_wanted("on", 80, "Q4_1", 4096, small)
     assert not repack_wanted("auto", 90, "Q4_1", 576, big)         # k % 256 != 0
     assert not repack_wanted("auto", 90, "F16", 4096, big) and not repack_wanted("off", 90, "Q4_0", 4096, big)
     assert not repack_wanted("auto", 90, "Q4_1", 4096, big, swiglu=True)  # the scalar gemv's SwiGLU is faster
     assert repack_wanted("on", 90, "Q4_1", 4096, big, swiglu=True)
     assert not repack_wanted("auto", 90, "Q8_0", 14336, big) and repack_wanted("on", 90, "Q8_0", 14336, big)
+    assert repack_wanted("auto", 86, "Q8_0", 14336, big, superblocks=False)  # no gemv_mma_sb there to prefer
     for fmt in ("Q4_0", "Q4_1", "Q8_0"):
         w = _linear(fmt, 4096, 4096)
         w.layout = "repacked"
-        for arch in (70, 90):
+        for arch in (80, 90):
             for choice in ("auto", "scalar", "mma"):
                 for rows in (1, 3, 8):
                     assert gemv_kernel_name(_backend(arch, choice), w, rows, silu=rows == 1) == "gemv_mma"

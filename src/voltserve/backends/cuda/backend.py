@@ -20,13 +20,12 @@ import os
 import weakref
 from typing import Any
 
-import numpy as np
 import torch
 
 from voltserve.backends.base import AttentionMetadata
 from voltserve.backends.cuda import driver, kernels
 from voltserve.backends.cuda import params as P
-from voltserve.backends.cuda.linear import CudaEmbedding, CudaLinear, launch_linear, repack_wanted
+from voltserve.backends.cuda.linear import CudaEmbedding, CudaLinear, gemv_mma_sb_fits, launch_linear, repack_wanted
 from voltserve.backends.cuda.module import KernelLoader
 
 
@@ -48,7 +47,8 @@ class CudaBackend:
         self.loader = KernelLoader(device_index)
         self.pdl = pdl and self.loader.arch >= 90
         # decode GEMV kernel choice (linear.gemv_mma_ok): "auto" (tensor-core gemv_mma / gemv_mma_sb where they
-        # measured faster), "scalar" (gemv / gemv_q everywhere), "mma" (gemv_mma wherever its shape rules allow),
+        # measured faster), "scalar" (gemv / gemv_q everywhere; weights prepared under it stay GGUF, since only
+        # gemv_mma reads repacked rows), "mma" (gemv_mma wherever its shape rules allow),
         # "mma884" (as "mma" with the SM70 m8n8k4 path, to test it on newer GPUs); VOLTSERVE_GEMV_KERNEL sets it
         # for A/B runs (tools/bench_decode.py --gemv-kernel)
         self.gemv_kernel = os.environ.get("VOLTSERVE_GEMV_KERNEL", "auto")
@@ -119,8 +119,9 @@ class CudaBackend:
     # -- weights -------------------------------------------------------------------------------------------
 
     def prepare_linear(self, weight: torch.Tensor, quant: Any | None = None, swiglu: bool = False) -> CudaLinear:
-        repack = quant is not None and repack_wanted(self.quant_repack, self.loader.compile_arch, quant.qtype,
-                                                     weight.shape[1], int(np.asarray(quant.data).nbytes), swiglu)
+        repack = quant is not None and self.gemv_kernel != "scalar" and repack_wanted(
+            self.quant_repack, self.loader.compile_arch, quant.qtype, weight.shape[1], int(quant.data.nbytes),
+            swiglu, superblocks=gemv_mma_sb_fits(self, quant.qtype))
         return CudaLinear.upload(weight, quant, self.device, repack=repack)
 
     def prepare_embedding(self, weight: torch.Tensor, quant: Any | None = None) -> CudaEmbedding:

@@ -36,7 +36,7 @@ GEMV_MMA_SM70_MIN_ROWS = 3
 # faster: Q4_1 28672x4096 0.40 vs 0.33, fp16 0.80 vs 0.75): gemv_mma_sb on quant superblocks (Q4_1 4096x4096
 # 0.34 vs 0.23, qkv + norm 0.26 vs 0.21), and gemv_mma for fp16 with the fused RMSNorm (qkv: 0.62 vs 0.51).
 GEMV_MMA_M1_MIN_BYTES = 4 << 20
-# fp16 weights above this size take their RMSNorm as a separate rms_norm launch at 2-15 x rows: Llama-3-8B shapes
+# fp16 weights above this size take their RMSNorm as a separate rms_norm launch at 2-16 x rows: Llama-3-8B shapes
 # (qkv 48 MB, gate_up 235 MB), H200, 8 sequences: 5.41-5.47 ms per step vs 5.70-5.75 fused (gemv_mma's one-pass
 # norm prologue in every block); at 1 row the two measured within 1% (4.87-4.95 ms), so 1 row keeps the fusion.
 # Quant weights keep it (not measured). The default model's weights are all far below (< 4 MB).
@@ -51,28 +51,34 @@ def can_repack(fmt: str, in_features: int) -> bool:
 
 
 def repack_wanted(choice: str, arch: int, fmt: str, in_features: int, weight_bytes: int,
-                  swiglu: bool = False) -> bool:
-    """Whether a quant weight is stored repacked (`CudaBackend.quant_repack`, VOLTSERVE_QUANT_REPACK): "off"
-    never, "on" wherever `can_repack` (SM70+, where gemv_mma runs), "auto" where it measured faster (H200,
-    Llama-3-8B shapes, docs/performance.md): SM80+, weights of >= GEMV_MMA_M1_MIN_BYTES (the default model's
+                  swiglu: bool = False, superblocks: bool = True) -> bool:
+    """Whether a quant weight is stored repacked (`CudaBackend.quant_repack`, VOLTSERVE_QUANT_REPACK).
+
+    Only on SM80+ (gemv_mma's m16n8k16 path; its SM70 m8n8k4 build with repacked rows spills registers and was
+    never measured) and where `can_repack`. "off": never; "on": always there; "auto": where it measured faster
+    (H200, Llama-3-8B shapes, docs/performance.md): weights of >= GEMV_MMA_M1_MIN_BYTES (the default model's
     small, launch-bound weights stay GGUF), not a SwiGLU pair (`swiglu`: at m = 1 the GGUF pair runs the scalar
-    gemv's fused SwiGLU, 44.1 us vs gemv_mma's 53.4 us on 28672x4096 Q4_1), and Q8_0 only up to k = 4096
-    (4096x14336 Q8_0: 27.2 us GGUF through gemv_mma_sb vs 30.1 us repacked)."""
-    if choice == "off" or arch < kernels.GEMV_MMA_MIN_ARCH or not can_repack(fmt, in_features):
+    gemv's fused SwiGLU, 44.1 us vs gemv_mma's 53.4 us on 28672x4096 Q4_1), and Q8_0 wider than k = 4096 only
+    where the GGUF rows could not take gemv_mma_sb instead (`superblocks`: its shared memory fits; 4096x14336
+    Q8_0: 27.2 us through gemv_mma_sb vs 30.1 us repacked on the H200)."""
+    if choice == "off" or arch < kernels.GEMV_MMA_SB_MIN_ARCH or not can_repack(fmt, in_features):
         return False
     if choice == "on":
         return True
-    return (arch >= kernels.GEMV_MMA_SB_MIN_ARCH and weight_bytes >= GEMV_MMA_M1_MIN_BYTES and not swiglu
-            and (fmt != "Q8_0" or in_features <= REPACK_Q8_0_MAX_K))
+    return (weight_bytes >= GEMV_MMA_M1_MIN_BYTES and not swiglu
+            and (fmt != "Q8_0" or in_features <= REPACK_Q8_0_MAX_K or not superblocks))
 
 
-def _quant_upload(quant: Any, device: torch.device) -> tuple[str, torch.Tensor, int]:
+def _quant_upload(quant: Any, device: torch.device, repack: bool = False) -> tuple[str, torch.Tensor, int]:
     data = np.ascontiguousarray(quant.data, dtype=np.uint8)
     rows, cols = quant.shape
     row_bytes = cols // 32 * kernels.QUANT_BLOCK_BYTES[quant.qtype]
     if data.shape != (rows, row_bytes):
         raise ValueError(f"{quant.qtype} data {data.shape} does not match shape {quant.shape}")
-    return quant.qtype, torch.from_numpy(data).to(device), row_bytes
+    host = torch.from_numpy(data)
+    if repack:  # on the host: the device never holds both layouts
+        host = repack_rows(host, quant.qtype, cols)
+    return quant.qtype, host.to(device), row_bytes
 
 
 @dataclass
@@ -82,7 +88,7 @@ class CudaLinear:
     Attributes:
         fmt: "F16", "Q4_0", "Q4_1" or "Q8_0".
         data: F16: [out_features, in_features] fp16; quant: [out_features, in_features / 32 * block_bytes] uint8,
-            the GGUF blocks of each row as stored in the file.
+            the GGUF blocks of each row as stored in the file, or the same bytes repacked (`layout`).
         out_features, in_features: logical shape.
         row_bytes: bytes of one weight row.
         layout: quant rows as GGUF stores them ("gguf"), or "repacked" (backends/cuda/repack.py) for 16-byte
@@ -100,14 +106,12 @@ class CudaLinear:
     def upload(cls, weight: torch.Tensor, quant: Any | None, device: torch.device,
                repack: bool = False) -> "CudaLinear":
         """fp16 copy of `weight`, or the raw blocks of `quant` when its type has a kernel (Q4_0/Q4_1/Q8_0);
-        `repack`: quant rows that `can_repack` are stored repacked (on the device, no host copy)."""
+        `repack`: quant rows that `can_repack` are stored repacked (rearranged on the host before the copy)."""
         out_features, in_features = weight.shape
         if quant is not None and quant.qtype in kernels.QUANT_BLOCK_BYTES and in_features % 32 == 0:
-            fmt, data, row_bytes = _quant_upload(quant, device)
-            if repack and can_repack(fmt, in_features):
-                return cls(fmt, repack_rows(data, fmt, in_features), out_features, in_features, row_bytes,
-                           "repacked")
-            return cls(fmt, data, out_features, in_features, row_bytes)
+            repack = repack and can_repack(quant.qtype, in_features)
+            fmt, data, row_bytes = _quant_upload(quant, device, repack)
+            return cls(fmt, data, out_features, in_features, row_bytes, "repacked" if repack else "gguf")
         data = weight.detach().to(device, torch.float16).contiguous()
         return cls("F16", data, out_features, in_features, in_features * 2)
 
@@ -260,12 +264,17 @@ def gemv_mma_ok(backend: Any, w: CudaLinear, rows: int, vec_ok: int, norm: bool 
     kernel's loads, and at least GEMV_MMA_MIN_ROWS[fmt] rows (SM70: also >= GEMV_MMA_SM70_MIN_ROWS; SM80+: also
     m = 1, without SwiGLU, on weights of
     >= GEMV_MMA_M1_MIN_BYTES: quant superblocks, and fp16 with a fused norm). `backend.gemv_kernel` ("auto",
-    "scalar", "mma", "mma884": the SM70 m8n8k4 path on any arch) forces a choice (benchmarks, A/B tests)."""
+    "scalar", "mma", "mma884": the SM70 m8n8k4 path on any arch) forces a choice (benchmarks, A/B tests).
+    Repacked rows (`CudaLinear.layout`) always run gemv_mma: no other decode GEMV reads them (the backend does
+    not repack under "scalar").
+
+    Raises:
+        ValueError: repacked rows with x or the weight not 16-byte aligned."""
     choice = getattr(backend, "gemv_kernel", "auto")
     arch = backend.loader.compile_arch  # the __CUDA_ARCH__ the kernels are built for
     if w.layout == "repacked":  # no other decode GEMV reads that layout
-        if not vec_ok:
-            raise ValueError("repacked quant rows need x rows 16-byte aligned with k % 8 == 0")
+        if not vec_ok or w.data.data_ptr() % 16:
+            raise ValueError("repacked quant rows need x rows and the weight 16-byte aligned (k % 8 == 0)")
         return True
     if choice == "scalar" or arch < kernels.GEMV_MMA_MIN_ARCH or not vec_ok:
         return False
@@ -308,7 +317,13 @@ def _mma_superblocks(backend: Any, w: CudaLinear) -> bool:
     the stages' shared memory (Q8_0 needs 212 KB: SM90 has 227 KB, A100 163 KB, SM86/89 99 KB)."""
     if not _whole_superblocks(w) or w.layout == "repacked" or getattr(backend, "gemv_kernel", "auto") == "mma884":
         return False
-    smem = kernels.gemv_mma_sb_smem_bytes(w.fmt) + kernels.GEMV_MMA_STATIC_SMEM
+    return gemv_mma_sb_fits(backend, w.fmt)
+
+
+def gemv_mma_sb_fits(backend: Any, fmt: str) -> bool:
+    """Whether this device runs gemv_mma_sb for quant format `fmt`: SM80+ and its stages' shared memory within the
+    blocks' opt-in limit."""
+    smem = kernels.gemv_mma_sb_smem_bytes(fmt) + kernels.GEMV_MMA_STATIC_SMEM
     return backend.loader.compile_arch >= kernels.GEMV_MMA_SB_MIN_ARCH and smem <= backend.loader.max_smem_optin
 
 
@@ -363,7 +378,9 @@ def _gemm(backend: Any, x: torch.Tensor, w: CudaLinear, f16_gemm: str) -> torch.
         return F.linear(x, w.data)
     y = torch.empty(m, n, dtype=torch.float16, device=x.device)
     wtype = kernels.WTYPES[w.fmt]
-    if w.fmt != "F16" and (w.data.data_ptr() % 4 == 0 or w.layout == "repacked"):
+    if w.layout == "repacked" and w.data.data_ptr() % 16:
+        raise ValueError("repacked quant rows must start 16-byte aligned")
+    if w.fmt != "F16" and w.data.data_ptr() % 4 == 0:
         _launch_gemm_tc(backend, x, w, y, wtype)
         return y
     p = P.GemmParams(x.data_ptr(), w.data.data_ptr(), y.data_ptr(), x.stride(0), n, w.row_bytes, m, n, k, 0)

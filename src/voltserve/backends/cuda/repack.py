@@ -1,7 +1,7 @@
 """GGUF Q4_0 / Q4_1 / Q8_0 weight rows rearranged at load time for 16-byte loads ("repacked" rows).
 
-A GGUF row is k / 32 blocks of 18 / 20 / 34 bytes (scale words, then the quants; ggml-common.h), so no block
-but every eighth starts 16-byte aligned, and a tensor-core GEMV lane that takes one k slot of a block (a quarter:
+A GGUF row is k / 32 blocks of 18 / 20 / 34 bytes (scale words, then the quants; ggml-common.h), so only every
+eighth block (every fourth for Q4_1) starts 16-byte aligned, and a tensor-core GEMV lane that takes one k slot of a block (a quarter:
 4 bytes of nibbles or 8 int8) issues a 2-4 byte load per block and row (~0.3 of the copy bandwidth on an H200,
 bound by load wavefronts, docs/performance.md). A repacked row holds the same bytes in another order:
 
@@ -11,7 +11,7 @@ bound by load wavefronts, docs/performance.md). A repacked row holds the same by
         (its quants' bytes P*t .. P*t + P-1, P = 4 for Q4, 8 for Q8_0) sits at 16 * t + P * (b % G)
 
 so the lane of slot t reads its piece of G blocks with one 16-byte load, and 4 scales (2 for Q8_0) with one.
-Needs k % 256 == 0 (whole groups; the quant groups start 16-byte aligned). The GEMV / GEMM kernels read this
+Needs k % 256 == 0 (whole groups; the quant groups start 16-byte aligned). gemv_mma and gemm_tc read this
 layout when compiled with WREPACK=1 (ptx/quant.cuh); the CPU backend never sees it.
 """
 

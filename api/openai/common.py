@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import weakref
 
 from collections.abc import AsyncIterator, Callable, Iterable
@@ -9,7 +10,8 @@ from dataclasses import dataclass, field
 
 import orjson
 from pydantic import BaseModel
-from quart import Response
+from quart import Response, request
+from werkzeug.exceptions import RequestTimeout
 
 from api import sse
 from api.openai.protocol import PromptTokensDetails, SamplingFields, Usage
@@ -65,6 +67,33 @@ def add_request(engine, prompt_ids: list[int], params: SamplingParams, *, prompt
     except ContextLengthError as exc:
         exc.param = prompt_param if len(prompt_ids) >= engine.max_model_len else max_tokens_param
         raise
+
+
+# Prompts up to this many characters are rendered and tokenized on the event loop (~0.1-1.5 ms with the default
+# model's tokenizer): a trip through `asyncio.to_thread` costs a short request far more under streaming load, since
+# the thread waits for the GIL (up to the 5 ms switch interval, several times) and then for a loop turn. Longer
+# prompts still go to a thread: the tokenizer releases the GIL, so the loop keeps streaming meanwhile.
+INLINE_PROMPT_CHARS = 1024
+
+
+async def prompt_work(size: int, fn: Callable, *args):
+    """`fn(*args)`: inline when `size` (the prompt's characters) is at most INLINE_PROMPT_CHARS, else in
+    `asyncio.to_thread`. For rendering and tokenizing a request's prompt."""
+    if size <= INLINE_PROMPT_CHARS:
+        return fn(*args)
+    return await asyncio.to_thread(fn, *args)
+
+
+async def request_body() -> bytes:
+    """The current request's body, as `quart.request.get_data()` returns it (same BODY_TIMEOUT, RequestTimeout
+    and MAX_CONTENT_LENGTH checks). On Python 3.11, get_data's `asyncio.wait_for` wraps the body in a task: three
+    loop turns even when the body came with the headers, which under streaming load is milliseconds of TTFT;
+    `asyncio.timeout` needs none."""
+    try:
+        async with asyncio.timeout(request.body_timeout):
+            return await request.body
+    except TimeoutError as exc:
+        raise RequestTimeout() from exc
 
 
 def token_text(tokenizer, token_id: int) -> str:

@@ -11,6 +11,8 @@ process, so they run on another core) each send `--requests` requests of `--max-
 - `server_cpu_us_per_tok`: the server process's CPU time (user + sys) per streamed token during the load: the
   API's per-token cost, which on a real server is spent on the same event loop that drives the engine.
 - `chunks_per_tok`: SSE content chunks per token (< 1 when the loop fell behind and deltas merged).
+- `writes_per_tok` (`--client raw`): HTTP body chunks per token, i.e. the server's writes (below
+  `chunks_per_tok` where several events went out in one write).
 - `client_cpu_us_per_tok`: the clients' cost, to check they were not the bottleneck.
 
     .venv/bin/python tools/bench_http_overhead.py --concurrency 64 --max-tokens 256 --repeat 3
@@ -323,7 +325,7 @@ async def _one(client, max_tokens: int) -> tuple[int, int, float | None]:
             if ttft is None and _has_content(data):
                 ttft = time.perf_counter() - t0
             buf += data
-    return (*_count(bytes(buf)), ttft)
+    return (*_count(bytes(buf)), ttft, 0)
 
 
 class _RawConnection:
@@ -354,13 +356,15 @@ class _RawConnection:
         if not head.startswith(b"HTTP/1.1 200") or b"transfer-encoding: chunked" not in head.lower():
             raise RuntimeError(f"unexpected response head {head[:200]!r}")
         buf = bytearray()
+        writes = 1  # the terminating zero-size chunk
         while size := int((await reader.readuntil(b"\r\n"))[:-2], 16):  # chunked transfer coding (RFC 9112)
             data = (await reader.readexactly(size + 2))[:-2]
             if ttft is None and _has_content(data):
                 ttft = time.perf_counter() - t0
             buf += data
+            writes += 1
         await reader.readuntil(b"\r\n")
-        return (*_count(bytes(buf)), ttft)
+        return (*_count(bytes(buf)), ttft, writes)
 
     def close(self) -> None:
         if self._writer is not None:
@@ -381,12 +385,14 @@ async def _round(base_url: str, concurrency: int, requests: int, max_tokens: int
         cpu0, t0 = sum(os.times()[:2]), time.perf_counter()
 
         ttfts: list[float] = []
+        writes: list[int] = []
 
         async def worker(i: int) -> tuple[int, int]:
             tokens = chunks = 0
             for _ in range(requests):
-                t, c, ttft = await (raw[i].one(max_tokens) if raw else _one(client, max_tokens))
+                t, c, ttft, w = await (raw[i].one(max_tokens) if raw else _one(client, max_tokens))
                 tokens, chunks = tokens + t, chunks + c
+                writes.append(w)
                 ttfts.append(ttft)
             return tokens, chunks
 
@@ -405,6 +411,7 @@ async def _round(base_url: str, concurrency: int, requests: int, max_tokens: int
         "engine_process_cpu_us_per_tok": round((after["engine_cpu_s"] - before["engine_cpu_s"]) / tokens * 1e6, 2),
         "client_cpu_us_per_tok": round(cpu / tokens * 1e6, 2),
         "chunks_per_tok": round(chunks / tokens, 3),
+        "writes_per_tok": round(sum(writes) / tokens, 3) if raw else None,
         "ttft_p50_ms": _ms(statistics.median(ttfts)), "ttft_p90_ms": _ms(_p90(ttfts)),
         "tokens": tokens, "wall_s": round(wall, 3), "engine_steps": steps,
         # share of the load's wall time the modelled device spent in steps (the issue's "GPU busy")
@@ -509,7 +516,8 @@ def main() -> None:
         server.terminate()
         server.join(5)
     keys = ("tok_s", "server_cpu_us_per_tok", "engine_process_cpu_us_per_tok", "client_cpu_us_per_tok",
-            "chunks_per_tok", "ttft_p50_ms", "ttft_p90_ms") + (("device_busy",) if args.step_ms else ())
+            "chunks_per_tok", "ttft_p50_ms", "ttft_p90_ms") + (("device_busy",) if args.step_ms else ()) + (
+                ("writes_per_tok",) if args.client == "raw" else ())
     summary = {k: statistics.median(r[k] for r in runs) for k in keys}
     if args.offline:
         sys.path[:0] = [ROOT, os.path.join(ROOT, "src")]

@@ -109,6 +109,12 @@ class RequestStream:
     def abort(self) -> None:
         self._abort(self.request_id)
 
+    def pop_ready(self) -> RequestOutput | None:
+        """The next delta if one is already here, else None, without waiting (errors and the end of the stream
+        are `__anext__`'s to report): lets a consumer put every delta of a wake-up into one write."""
+        pending = self._pending
+        return pending.pop(0) if pending else None
+
     def __aiter__(self):
         return self
 

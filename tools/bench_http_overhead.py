@@ -11,6 +11,8 @@ process, so they run on another core) each send `--requests` requests of `--max-
 - `server_cpu_us_per_tok`: the server process's CPU time (user + sys) per streamed token during the load: the
   API's per-token cost, which on a real server is spent on the same event loop that drives the engine.
 - `chunks_per_tok`: SSE content chunks per token (< 1 when the loop fell behind and deltas merged).
+- `writes_per_tok` (`--client raw`): HTTP body chunks per token, i.e. the server's writes (below
+  `chunks_per_tok` where several events went out in one write).
 - `client_cpu_us_per_tok`: the clients' cost, to check they were not the bottleneck.
 
     .venv/bin/python tools/bench_http_overhead.py --concurrency 64 --max-tokens 256 --repeat 3
@@ -307,15 +309,23 @@ def _count(buf: bytes) -> tuple[int, int]:
     return usage["completion_tokens"], buf.count(b'"content":"') - 1  # minus the role chunk's content ""
 
 
-async def _one(client, max_tokens: int) -> tuple[int, int]:
-    """One streamed chat request through httpx -> (completion tokens, content chunks)."""
+def _has_content(data: bytes) -> bool:
+    """True when `data` holds a content delta with text (the role chunk's `"content":""` does not count)."""
+    return data.count(b'"content":"') > data.count(b'"content":""')
+
+
+async def _one(client, max_tokens: int) -> tuple[int, int, float | None]:
+    """One streamed chat request through httpx -> (completion tokens, content chunks, TTFT in s)."""
     buf = bytearray()
+    t0, ttft = time.perf_counter(), None
     async with client.stream("POST", "/v1/chat/completions", json=_chat_body(max_tokens)) as response:
         if response.status_code != 200:
             raise RuntimeError(f"HTTP {response.status_code}: {(await response.aread())[:200]!r}")
         async for data in response.aiter_raw():
+            if ttft is None and _has_content(data):
+                ttft = time.perf_counter() - t0
             buf += data
-    return _count(bytes(buf))
+    return (*_count(bytes(buf)), ttft, 0)
 
 
 class _RawConnection:
@@ -332,11 +342,13 @@ class _RawConnection:
         self._reader: asyncio.StreamReader | None = None
         self._writer: asyncio.StreamWriter | None = None
 
-    async def one(self, max_tokens: int) -> tuple[int, int]:
-        """One streamed chat request -> (completion tokens, content chunks)."""
+    async def one(self, max_tokens: int) -> tuple[int, int, float | None]:
+        """One streamed chat request -> (completion tokens, content chunks, TTFT in s: request written -> first
+        content delta read, as `tools/bench_serving.py` times it)."""
         if self._writer is None:
             self._reader, self._writer = await asyncio.open_connection(self._host, self._port)
         body = json.dumps(_chat_body(max_tokens)).encode()
+        t0, ttft = time.perf_counter(), None
         self._writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n"
                            b"Content-Length: %d\r\n\r\n%s" % (self._host.encode(), len(body), body))
         reader = self._reader
@@ -344,10 +356,15 @@ class _RawConnection:
         if not head.startswith(b"HTTP/1.1 200") or b"transfer-encoding: chunked" not in head.lower():
             raise RuntimeError(f"unexpected response head {head[:200]!r}")
         buf = bytearray()
+        writes = 1  # the terminating zero-size chunk
         while size := int((await reader.readuntil(b"\r\n"))[:-2], 16):  # chunked transfer coding (RFC 9112)
-            buf += (await reader.readexactly(size + 2))[:-2]
+            data = (await reader.readexactly(size + 2))[:-2]
+            if ttft is None and _has_content(data):
+                ttft = time.perf_counter() - t0
+            buf += data
+            writes += 1
         await reader.readuntil(b"\r\n")
-        return _count(bytes(buf))
+        return (*_count(bytes(buf)), ttft, writes)
 
     def close(self) -> None:
         if self._writer is not None:
@@ -367,11 +384,16 @@ async def _round(base_url: str, concurrency: int, requests: int, max_tokens: int
         before = (await client.get("/bench/mark")).json()
         cpu0, t0 = sum(os.times()[:2]), time.perf_counter()
 
+        ttfts: list[float] = []
+        writes: list[int] = []
+
         async def worker(i: int) -> tuple[int, int]:
             tokens = chunks = 0
             for _ in range(requests):
-                t, c = await (raw[i].one(max_tokens) if raw else _one(client, max_tokens))
+                t, c, ttft, w = await (raw[i].one(max_tokens) if raw else _one(client, max_tokens))
                 tokens, chunks = tokens + t, chunks + c
+                writes.append(w)
+                ttfts.append(ttft)
             return tokens, chunks
 
         results = await asyncio.gather(*(worker(i) for i in range(concurrency)))
@@ -389,30 +411,48 @@ async def _round(base_url: str, concurrency: int, requests: int, max_tokens: int
         "engine_process_cpu_us_per_tok": round((after["engine_cpu_s"] - before["engine_cpu_s"]) / tokens * 1e6, 2),
         "client_cpu_us_per_tok": round(cpu / tokens * 1e6, 2),
         "chunks_per_tok": round(chunks / tokens, 3),
+        "writes_per_tok": round(sum(writes) / tokens, 3) if raw else None,
+        "ttft_p50_ms": _ms(statistics.median(ttfts)), "ttft_p90_ms": _ms(_p90(ttfts)),
         "tokens": tokens, "wall_s": round(wall, 3), "engine_steps": steps,
         # share of the load's wall time the modelled device spent in steps (the issue's "GPU busy")
         "device_busy": None if not steps or not step_ms else round(steps * step_ms / 1000 / wall, 3),
     }
 
 
-async def _offline(concurrency: int, max_tokens: int, step_ms: float, step_python_ms: float) -> float:
-    """tok/s of the step engine alone (no HTTP: the consumers drain the streams in this process), the figure the
-    HTTP runs are compared with."""
+def _ms(seconds: float) -> float:
+    return round(seconds * 1000, 2)
+
+
+def _p90(values: list[float]) -> float:
+    return sorted(values)[int(0.9 * (len(values) - 1))]
+
+
+async def _offline(concurrency: int, max_tokens: int, step_ms: float, step_python_ms: float,
+                   requests: int = 1) -> dict:
+    """The step engine alone (no HTTP: `concurrency` consumers in this process, each draining `requests` streams
+    one after the other, as the HTTP clients do), the figures the HTTP runs are compared with: tok/s and TTFT
+    (add_request -> first delta with text)."""
     from voltserve.request import SamplingParams
 
     engine = StepEngine(step_s=step_ms / 1000, python_s=step_python_ms / 1000)
     await engine.start()
+    ttfts: list[float] = []
 
-    async def drain(stream) -> None:
-        async for _ in stream:
-            pass
+    async def client() -> None:
+        for _ in range(requests):
+            start, first = time.perf_counter(), True
+            async for out in engine.add_request([65, 66], params):
+                if first and out.text:
+                    ttfts.append(time.perf_counter() - start)
+                    first = False
 
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     t0 = time.perf_counter()
-    await asyncio.gather(*(drain(engine.add_request([65, 66], params)) for _ in range(concurrency)))
+    await asyncio.gather(*(client() for _ in range(concurrency)))
     wall = time.perf_counter() - t0
     await engine.stop()
-    return round(concurrency * max_tokens / wall, 1)
+    return {"tok_s": round(concurrency * requests * max_tokens / wall, 1),
+            "ttft_p50_ms": _ms(statistics.median(ttfts)), "ttft_p90_ms": _ms(_p90(ttfts))}
 
 
 def _free_port() -> int:
@@ -476,18 +516,24 @@ def main() -> None:
         server.terminate()
         server.join(5)
     keys = ("tok_s", "server_cpu_us_per_tok", "engine_process_cpu_us_per_tok", "client_cpu_us_per_tok",
-            "chunks_per_tok") + (("device_busy",) if args.step_ms else ())
+            "chunks_per_tok", "ttft_p50_ms", "ttft_p90_ms") + (("device_busy",) if args.step_ms else ()) + (
+                ("writes_per_tok",) if args.client == "raw" else ())
     summary = {k: statistics.median(r[k] for r in runs) for k in keys}
     if args.offline:
         sys.path[:0] = [ROOT, os.path.join(ROOT, "src")]
         from voltserve import event_loop
 
-        offline = [event_loop.run(_offline(args.concurrency, args.max_tokens, args.step_ms, args.step_python_ms),
-                                  args.loop)
+        offline = [event_loop.run(_offline(args.concurrency, args.max_tokens, args.step_ms, args.step_python_ms,
+                                           args.requests), args.loop)
                    for _ in range(args.repeat)]
-        summary["offline_tok_s"] = statistics.median(offline)
+        summary["offline_tok_s"] = statistics.median(r["tok_s"] for r in offline)
+        summary["offline_ttft_p50_ms"] = statistics.median(r["ttft_p50_ms"] for r in offline)
+        summary["offline_ttft_p90_ms"] = statistics.median(r["ttft_p90_ms"] for r in offline)
         summary["http_over_offline"] = round(summary["tok_s"] / summary["offline_tok_s"], 3)
-    print(json.dumps({"config": vars(args), "median": summary, "runs": runs}, indent=1))
+    report = {"config": vars(args), "median": summary, "runs": runs}
+    if args.offline:
+        report["offline_runs"] = offline
+    print(json.dumps(report, indent=1))
 
 
 if __name__ == "__main__":

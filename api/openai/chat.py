@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import orjson
-from quart import Blueprint, request
+from quart import Blueprint
 
 from api.openai.chat_prompt import chat_prompt_ids
 from api.openai.common import (
-    ChunkFrames, add_request, collect, drive_stream, finish_json, json_response, sampling_params,
-    sse_response, token_text,
+    ChunkFrames, add_request, collect, drive_stream, finish_json, json_response, request_body,
+    sampling_params, sse_response, token_text,
 )
 from api.openai.protocol import (
     AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
@@ -57,7 +57,7 @@ def _logprobs(tokenizer, logprobs: list[TokenLogprob]) -> ChatLogprobs:
 async def chat_completions():
     """Create a chat completion; `stream: true` answers with server-sent events."""
     state = get_state()
-    req = parse_request(ChatCompletionRequest, await request.get_data())
+    req = parse_request(ChatCompletionRequest, await request_body())
     state.check_model(req.model)
     params = _params(req)
     engine = state.ready_engine()

@@ -6,10 +6,10 @@ placeholders, and the rendered prompt is tokenized with special-token parsing on
 
 from __future__ import annotations
 
-import asyncio
 import re
 import secrets
 
+from api.openai.common import INLINE_PROMPT_CHARS, prompt_work
 from api.openai.protocol import ChatCompletionRequest
 from voltserve.errors import InvalidRequestError, VoltError
 
@@ -126,7 +126,7 @@ def _render_and_encode(engine, req: ChatCompletionRequest, messages: list[dict])
 
 
 async def chat_prompt_ids(engine, req: ChatCompletionRequest) -> list[int]:
-    """Render and tokenize the request's messages off the event loop.
+    """Render and tokenize the request's messages (off the event loop unless they are short: `prompt_work`).
 
     Returns:
         [num_prompt_tokens] token ids, ending with the assistant generation prompt.
@@ -135,4 +135,7 @@ async def chat_prompt_ids(engine, req: ChatCompletionRequest) -> list[int]:
         InvalidRequestError: see `template_messages`; the template refused the conversation.
     """
     messages = template_messages(req)
-    return await asyncio.to_thread(_render_and_encode, engine, req, messages)
+    # tools and earlier tool calls are rendered into the prompt too, uncounted here: such requests take the thread
+    uncounted = req.tools or any("tool_calls" in m for m in messages)
+    size = sum(len(m["content"]) for m in messages) + (INLINE_PROMPT_CHARS + 1 if uncounted else 0)
+    return await prompt_work(size, _render_and_encode, engine, req, messages)

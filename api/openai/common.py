@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import weakref
 
 from collections.abc import AsyncIterator, Callable, Iterable
@@ -9,7 +10,8 @@ from dataclasses import dataclass, field
 
 import orjson
 from pydantic import BaseModel
-from quart import Response
+from quart import Response, request
+from werkzeug.exceptions import RequestTimeout
 
 from api import sse
 from api.openai.protocol import PromptTokensDetails, SamplingFields, Usage
@@ -65,6 +67,33 @@ def add_request(engine, prompt_ids: list[int], params: SamplingParams, *, prompt
     except ContextLengthError as exc:
         exc.param = prompt_param if len(prompt_ids) >= engine.max_model_len else max_tokens_param
         raise
+
+
+# Prompts up to this many characters are rendered and tokenized on the event loop (~0.1-1.5 ms with the default
+# model's tokenizer): a trip through `asyncio.to_thread` costs a short request far more under streaming load, since
+# the thread waits for the GIL (up to the 5 ms switch interval, several times) and then for a loop turn. Longer
+# prompts still go to a thread: the tokenizer releases the GIL, so the loop keeps streaming meanwhile.
+INLINE_PROMPT_CHARS = 1024
+
+
+async def prompt_work(size: int, fn: Callable, *args):
+    """`fn(*args)`: inline when `size` (the prompt's characters) is at most INLINE_PROMPT_CHARS, else in
+    `asyncio.to_thread`. For rendering and tokenizing a request's prompt."""
+    if size <= INLINE_PROMPT_CHARS:
+        return fn(*args)
+    return await asyncio.to_thread(fn, *args)
+
+
+async def request_body() -> bytes:
+    """The current request's body, as `quart.request.get_data()` returns it (same BODY_TIMEOUT, RequestTimeout
+    and MAX_CONTENT_LENGTH checks). On Python 3.11, get_data's `asyncio.wait_for` wraps the body in a task: three
+    loop turns even when the body came with the headers, which under streaming load is milliseconds of TTFT;
+    `asyncio.timeout` needs none."""
+    try:
+        async with asyncio.timeout(request.body_timeout):
+            return await request.body
+    except TimeoutError as exc:
+        raise RequestTimeout() from exc
 
 
 def token_text(tokenizer, token_id: int) -> str:
@@ -224,6 +253,11 @@ async def drive_stream(stream, choice_chunk: Callable[[RequestOutput, list[Token
         Framed events, then `data: [DONE]`. Deltas with no text and no finish (bytes of a split character) are
         held, their logprobs joining the next chunk. An engine error after the status went out is sent in-band;
         a client that leaves mid-stream has its request aborted (its KV blocks freed).
+
+        Events that are ready together go out as one body chunk (one write through the HTTP server, whose cost
+        is per write, not per byte): every delta a RequestStream holds when its consumer wakes (`pop_ready`),
+        and the last deltas with the usage chunk and `[DONE]`. The bytes on the wire are the events' bytes in
+        order, exactly as one write per event would send them.
     """
     counter = UsageCounter()
     add = counter.add
@@ -235,6 +269,9 @@ async def drive_stream(stream, choice_chunk: Callable[[RequestOutput, list[Token
             timer = sse.IdleTimer(keep_alive_s, stream.interrupt)
         else:
             outputs = sse.with_keep_alive(stream, keep_alive_s, marker=None)
+    # a RequestStream hands over what else it holds without waiting; other sources (test doubles) one by one
+    pop_ready = getattr(stream, "pop_ready", None) if outputs is stream else None
+    tail: list[bytes] = []  # events that go out with [DONE]
     try:
         for event in first:
             yield event
@@ -242,29 +279,38 @@ async def drive_stream(stream, choice_chunk: Callable[[RequestOutput, list[Token
             if out is None:  # idle for keep_alive_s
                 yield sse.KEEP_ALIVE
                 continue
-            add(out)
-            logprobs = out.logprobs
-            if not out.text and out.finish_reason is None:
-                if logprobs:
-                    held.setdefault(out.index, []).extend(logprobs)
+            parts = []
+            while out is not None:
+                add(out)
+                logprobs = out.logprobs
+                if not out.text and out.finish_reason is None:
+                    if logprobs:
+                        held.setdefault(out.index, []).extend(logprobs)
+                else:
+                    pending = held.pop(out.index, None) if held else None
+                    if pending is None:
+                        pending = logprobs or []  # read-only for choice_chunk: no copy per token
+                    elif logprobs:
+                        pending.extend(logprobs)
+                    parts.append(choice_chunk(out, pending))
+                out = pop_ready() if pop_ready is not None else None
+            if not parts:
                 continue
-            pending = held.pop(out.index, None) if held else None
-            if pending is None:
-                pending = logprobs or []  # read-only for choice_chunk: no copy per token
-            elif logprobs:
-                pending.extend(logprobs)
             if timer is not None:
                 timer.touch()
-            yield choice_chunk(out, pending)
+            if pop_ready is not None and stream.finished:  # nothing follows but usage and [DONE]
+                tail = parts
+                break
+            yield parts[0] if len(parts) == 1 else b"".join(parts)
         finished = True
         if usage_chunk is not None:
-            yield usage_chunk(counter.usage())
+            tail.append(usage_chunk(counter.usage()))
     except VoltError as exc:  # the status is already sent: report the error in-band
         from api.errors import describe, openai_payload
 
         finished = True
         kind, message, param = describe(exc)
-        yield sse.frame(openai_payload(message, kind, param))
+        tail.append(sse.frame(openai_payload(message, kind, param)))
     finally:
         if timer is not None:
             timer.close()
@@ -272,4 +318,5 @@ async def drive_stream(stream, choice_chunk: Callable[[RequestOutput, list[Token
             await outputs.aclose()  # its pending __anext__ task
         if not finished:  # client disconnected
             stream.abort()
-    yield sse.DONE
+    tail.append(sse.DONE)
+    yield b"".join(tail)

@@ -8,14 +8,12 @@ token in the choice's text, counting token texts as the logprobs show them.
 
 from __future__ import annotations
 
-import asyncio
-
 import orjson
-from quart import Blueprint, request
+from quart import Blueprint
 
 from api.openai.common import (
-    ChunkFrames, add_request, collect, drive_stream, finish_json, json_response, sampling_params,
-    sse_response, token_text,
+    ChunkFrames, add_request, collect, drive_stream, finish_json, json_response, prompt_work, request_body,
+    sampling_params, sse_response, token_text,
 )
 from api.openai.protocol import (
     CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse, parse_request,
@@ -39,6 +37,13 @@ def _params(req: CompletionRequest) -> SamplingParams:
         raise InvalidRequestError("best_of must equal n (or be left out)", param="best_of")
     max_tokens = DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens
     return sampling_params(req, max_tokens=max_tokens, max_tokens_param="max_tokens", logprobs=req.logprobs)
+
+
+def _prompt_size(prompt) -> int:
+    """Characters (or token ids) of a prompt in any accepted shape, for `prompt_work`."""
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
+    return len(prompt) if isinstance(prompt, (str, list)) else 0
 
 
 def _prompt_ids(tokenizer, prompt) -> list[int]:
@@ -90,11 +95,11 @@ class _LogprobsBuilder:
 async def completions():
     """Create a text completion; `stream: true` answers with server-sent events."""
     state = get_state()
-    req = parse_request(CompletionRequest, await request.get_data())
+    req = parse_request(CompletionRequest, await request_body())
     state.check_model(req.model)
     params = _params(req)
     engine = state.ready_engine()
-    prompt_ids = await asyncio.to_thread(_prompt_ids, engine.tokenizer, req.prompt)
+    prompt_ids = await prompt_work(_prompt_size(req.prompt), _prompt_ids, engine.tokenizer, req.prompt)
     stream = add_request(engine, prompt_ids, params, prompt_param="prompt", max_tokens_param="max_tokens")
     response_id, created = state.new_id("cmpl-"), state.clock()
     builder = _LogprobsBuilder(engine.tokenizer)

@@ -87,7 +87,7 @@
 #else
 #define GM_RAW 2        // d (and m), 8 nibbles
 #endif
-#if WREPACK && WTYPE != WTYPE_F16
+#if WREPACK
 #if defined(GM_UNROLL) && GM_UNROLL != RP_GROUP
 #error "repacked rows load whole groups: GM_UNROLL must equal RP_GROUP (4 for Q4, 2 for Q8_0)"
 #endif
@@ -259,7 +259,7 @@ typedef u32 GmRaw[GM_UNROLL][GM_ROWS][GM_RAW];
 typedef u32 GmX[GM_UNROLL][4];
 typedef float GmAcc[GM_NACC][GM_ACC];
 
-#if WREPACK && WTYPE != WTYPE_F16
+#if WREPACK
 // Repacked rows: the raw words of chunks [c, c + RP_GROUP) (c a multiple of RP_GROUP) of one row, the same words
 // load_raw gives for GGUF blocks, from one 16-byte quant load and one 4-16 byte scale load.
 VOLT_DEVICE void load_raw_group(u32 (&r)[GM_UNROLL][GM_RAW], const u8* row, int nb, int c, int t) {
@@ -284,7 +284,7 @@ VOLT_DEVICE void load_raw_group(u32 (&r)[GM_UNROLL][GM_RAW], const u8* row, int 
 // for x rows < m, its x words (zeros otherwise: the zero columns of B).
 VOLT_DEVICE void load_group(GmRaw& raw, GmX& xw, const u8* const (&rows)[GM_ROWS], const half_t* xrow,
                             bool x_row, int c, int c_end, int t, int nb) {
-#if WREPACK && WTYPE != WTYPE_F16
+#if WREPACK
     if (c < c_end) {  // c_end is a multiple of the group (gemv_mma's per-warp ranges)
         u32 g[GM_UNROLL][GM_RAW];
 #pragma unroll
@@ -299,7 +299,7 @@ VOLT_DEVICE void load_group(GmRaw& raw, GmX& xw, const u8* const (&rows)[GM_ROWS
 #endif
 #pragma unroll
     for (int u = 0; u < GM_UNROLL; ++u) {
-#if !(WREPACK && WTYPE != WTYPE_F16)
+#if !WREPACK
         if (c + u < c_end) {
 #pragma unroll
             for (int rs = 0; rs < GM_ROWS; ++rs) load_raw(raw[u][rs], rows[rs], c + u, t);
@@ -441,7 +441,7 @@ extern "C" __global__ void __launch_bounds__(32 * GM_WARPS, GM_MIN_BLOCKS) gemv_
 #pragma unroll
     for (int rs = 0; rs < GM_ROWS; ++rs) rows[rs] = p.w + (i64)gm_row(p, base, gm_block_row(rs, lane)) * p.w_row_bytes;
     const int nc = p.k / 32;
-#if WREPACK && WTYPE != WTYPE_F16
+#if WREPACK
     const int per = ((nc + GM_WARPS - 1) / GM_WARPS + GM_UNROLL - 1) / GM_UNROLL * GM_UNROLL;  // whole groups
 #else
     const int per = (nc + GM_WARPS - 1) / GM_WARPS;

@@ -31,7 +31,10 @@
 #ifndef WREPACK
 #define WREPACK 0
 #endif
-#if WREPACK && WTYPE != WTYPE_F16
+#if WREPACK && WTYPE == WTYPE_F16
+#error "fp16 rows have no repacked layout"
+#endif
+#if WREPACK
 #if WTYPE == WTYPE_Q4_1
 #define RP_SCALE_BYTES 4   // d | m << 16
 #else

@@ -236,3 +236,17 @@ def test_repack_policy_and_routing():
                     assert gemv_kernel_name(_backend(arch, choice), w, rows, silu=rows == 1) == "gemv_mma"
         with pytest.raises(ValueError, match="16-byte aligned"):
             gemv_kernel_name(_backend(90), w, 1, vec_ok=0)
+
+
+def test_backend_knobs_read_from_the_environment(monkeypatch):
+    """The CUDA backend's A/B knobs (VOLTSERVE_GEMV_KERNEL, ...): the first choice when unset, a listed value as
+    given, anything else refused with the variable named."""
+    from voltserve.backends.cuda.backend import _env_choice
+
+    monkeypatch.delenv("VOLTSERVE_FUSE_NORM", raising=False)
+    assert _env_choice("VOLTSERVE_FUSE_NORM", ("auto", "on", "off")) == "auto"
+    monkeypatch.setenv("VOLTSERVE_FUSE_NORM", "off")
+    assert _env_choice("VOLTSERVE_FUSE_NORM", ("auto", "on", "off")) == "off"
+    monkeypatch.setenv("VOLTSERVE_GEMV_MMA_TILE", "24")
+    with pytest.raises(ValueError, match=r"VOLTSERVE_GEMV_MMA_TILE='24': expected 0, 16 or 32"):
+        _env_choice("VOLTSERVE_GEMV_MMA_TILE", ("0", "16", "32"))

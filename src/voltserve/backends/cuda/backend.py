@@ -29,6 +29,18 @@ from voltserve.backends.cuda.linear import CudaEmbedding, CudaLinear, gemv_mma_s
 from voltserve.backends.cuda.module import KernelLoader
 
 
+def _env_choice(name: str, choices: tuple[str, ...]) -> str:
+    """The value of environment variable `name`, one of `choices` (the first when unset): the backend's A/B knobs.
+
+    Raises:
+        ValueError: any other value.
+    """
+    value = os.environ.get(name, choices[0])
+    if value not in choices:
+        raise ValueError(f"{name}={value!r}: expected {', '.join(choices[:-1])} or {choices[-1]}")
+    return value
+
+
 class CudaBackend:
     """Backend ops on one CUDA device. See `voltserve.backends.base.Backend` for each op's contract.
 
@@ -51,29 +63,19 @@ class CudaBackend:
         # gemv_mma reads repacked rows), "mma" (gemv_mma wherever its shape rules allow),
         # "mma884" (as "mma" with the SM70 m8n8k4 path, to test it on newer GPUs); VOLTSERVE_GEMV_KERNEL sets it
         # for A/B runs (tools/bench_decode.py --gemv-kernel)
-        self.gemv_kernel = os.environ.get("VOLTSERVE_GEMV_KERNEL", "auto")
-        if self.gemv_kernel not in ("auto", "scalar", "mma", "mma884"):
-            raise ValueError(f"VOLTSERVE_GEMV_KERNEL={self.gemv_kernel!r}: expected auto, scalar, mma or mma884")
+        self.gemv_kernel = _env_choice("VOLTSERVE_GEMV_KERNEL", ("auto", "scalar", "mma", "mma884"))
         # gemv_mma block height: 0 = per weight (linear.gemv_mma_tile), 16 or 32 forces one (tests, A/B runs:
         # VOLTSERVE_GEMV_MMA_TILE)
-        self.gemv_mma_tile = int(os.environ.get("VOLTSERVE_GEMV_MMA_TILE", "0"))
-        if self.gemv_mma_tile not in (0, 16, 32):
-            raise ValueError(f"VOLTSERVE_GEMV_MMA_TILE={self.gemv_mma_tile}: expected 0, 16 or 32")
+        self.gemv_mma_tile = int(_env_choice("VOLTSERVE_GEMV_MMA_TILE", ("0", "16", "32")))
         # quant weights stored repacked for 16-byte loads (linear.repack_wanted): "auto", "on" or "off";
         # VOLTSERVE_QUANT_REPACK for A/B runs (read when weights are prepared)
-        self.quant_repack = os.environ.get("VOLTSERVE_QUANT_REPACK", "auto")
-        if self.quant_repack not in ("auto", "on", "off"):
-            raise ValueError(f"VOLTSERVE_QUANT_REPACK={self.quant_repack!r}: expected auto, on or off")
+        self.quant_repack = _env_choice("VOLTSERVE_QUANT_REPACK", ("auto", "on", "off"))
         # the RMSNorm before a decode GEMV: fused into it where that measured faster ("auto", linear.fuses_norm),
         # always where the kernel can ("on"), or always its own kernel first ("off"); VOLTSERVE_FUSE_NORM for A/B
-        self.fuse_norm = os.environ.get("VOLTSERVE_FUSE_NORM", "auto")
-        if self.fuse_norm not in ("auto", "on", "off"):
-            raise ValueError(f"VOLTSERVE_FUSE_NORM={self.fuse_norm!r}: expected auto, on or off")
+        self.fuse_norm = _env_choice("VOLTSERVE_FUSE_NORM", ("auto", "on", "off"))
         # decode attention path (attention_decode.cu): "auto" (tensor cores on SM80+ where the GQA group fits,
         # else CUDA cores) or "simt" (the CUDA-core path, V100's, on any GPU: tests and A/B runs)
-        self.attn_kernel = os.environ.get("VOLTSERVE_ATTN_KERNEL", "auto")
-        if self.attn_kernel not in ("auto", "simt"):
-            raise ValueError(f"VOLTSERVE_ATTN_KERNEL={self.attn_kernel!r}: expected auto or simt")
+        self.attn_kernel = _env_choice("VOLTSERVE_ATTN_KERNEL", ("auto", "simt"))
         self._device_copies: dict[int, tuple[Any, torch.Tensor]] = {}
         self._blocks_per_sm: dict[tuple, int] = {}
         self.num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count

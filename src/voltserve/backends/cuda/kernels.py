@@ -280,11 +280,10 @@ def engine_specializations() -> list[tuple[str, dict[str, int]]]:
     specs += [("attention_prefill", {"HEAD_DIM": d}) for d in ENGINE_HEAD_DIMS]
     specs += [("gemv", {"WTYPE": w, "MROWS": m}) for w in WTYPES.values() for m in GEMV_ROW_BUCKETS]
     specs += [("gemv", {"WTYPE": w, "MROWS": m, "SILU": 1}) for w in WTYPES.values() for m in GEMV_ROW_BUCKETS]
-    specs += [("gemv_mma", gemv_mma_spec(f, bool(s), bool(o), t))
-              for f in WTYPES for s in (0, 1) for o in (0, 1) for t in GEMV_MMA_TILES]
+    specs += [("gemv_mma", gemv_mma_spec(f, bool(s), bool(o), t, r))
+              for r in (False, True) for f in WTYPES if not (r and f == "F16")
+              for s in (0, 1) for o in (0, 1) for t in GEMV_MMA_TILES]
     specs += [("gemm_tiled", {"WTYPE": w}) for w in WTYPES.values()]
-    specs += [("gemv_mma", gemv_mma_spec(f, bool(s), bool(o), t, repacked=True))
-              for f in WTYPES if f != "F16" for s in (0, 1) for o in (0, 1) for t in GEMV_MMA_TILES]
     specs += [("gemm_tc", {"WTYPE": w, "BN": bn, **r}) for w in (1, 2, 3) for bn in GEMM_TC_BNS
               for r in ({}, {"WREPACK": 1})]
     specs += [("sampling", {"LOGITS_F16": f}) for f in (0, 1)]

@@ -39,23 +39,25 @@ def _params(req: CompletionRequest) -> SamplingParams:
     return sampling_params(req, max_tokens=max_tokens, max_tokens_param="max_tokens", logprobs=req.logprobs)
 
 
-def _prompt_size(prompt) -> int:
-    """Characters (or token ids) of a prompt in any accepted shape, for `prompt_work`."""
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]
-    return len(prompt) if isinstance(prompt, (str, list)) else 0
-
-
-def _prompt_ids(tokenizer, prompt) -> list[int]:
-    """A string, a token-id list, or a one-element list of either -> token ids.
+def _single_prompt(prompt):
+    """The request's one prompt: a string or a token-id list, unwrapped from a one-element list of either.
 
     Raises:
-        InvalidRequestError: an empty prompt, several prompts, or ids outside the vocabulary.
+        InvalidRequestError: several prompts.
     """
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
         if len(prompt) != 1:
             raise InvalidRequestError("only one prompt per request is supported", param="prompt")
         prompt = prompt[0]
+    return prompt
+
+
+def _prompt_ids(tokenizer, prompt) -> list[int]:
+    """One prompt (`_single_prompt`: a string or a token-id list) -> token ids.
+
+    Raises:
+        InvalidRequestError: an empty prompt, or ids outside the vocabulary.
+    """
     if isinstance(prompt, str):
         if not prompt:
             raise InvalidRequestError("prompt must not be empty", param="prompt")
@@ -99,7 +101,8 @@ async def completions():
     state.check_model(req.model)
     params = _params(req)
     engine = state.ready_engine()
-    prompt_ids = await prompt_work(_prompt_size(req.prompt), _prompt_ids, engine.tokenizer, req.prompt)
+    prompt = _single_prompt(req.prompt)
+    prompt_ids = await prompt_work(len(prompt), _prompt_ids, engine.tokenizer, prompt)
     stream = add_request(engine, prompt_ids, params, prompt_param="prompt", max_tokens_param="max_tokens")
     response_id, created = state.new_id("cmpl-"), state.clock()
     builder = _LogprobsBuilder(engine.tokenizer)

@@ -205,34 +205,29 @@ def main() -> None:
                               num_kv_blocks=max(batches) * (-(-(max(args.prompt_len + decode_len, args.prefill) + 16)
                                                                // 16)))
         built = build_runner(config, loaded)
+        run = {"graphs": graphs, "pdl": pdl, "gemv": gemv_kernel, **env}
+
+        def emit(**fields) -> None:
+            point = {**run, **fields}
+            results["points"].append(point)
+            print(json.dumps(point), flush=True)
+
         for batch in batches:
             for mode in modes:
                 times = [time_decode(built, batch, args.prompt_len, args.steps, args.device, mode == "on")
                          for _ in range(args.repeats)]
                 step_s = statistics.median(times)
-                point = {"graphs": graphs, "pdl": pdl, "gemv": gemv_kernel, **env, "async": mode, "batch": batch,
-                         "step_ms": step_s * 1e3,
-                         "tokens_per_s": batch / step_s}
-                results["points"].append(point)
-                print(json.dumps(point), flush=True)
+                emit(**{"async": mode}, batch=batch, step_ms=step_s * 1e3, tokens_per_s=batch / step_s)
             if args.churn:
                 runs_ = [time_churn(built, batch, args.prompt_len, args.churn, args.steps, args.device)
                          for _ in range(args.repeats)]
                 step_s, tok_s = statistics.median(r[0] for r in runs_), statistics.median(r[1] for r in runs_)
-                point = {"graphs": graphs, "mixed_graphs": mixed, "pdl": pdl, "gemv": gemv_kernel, **env,
-                         "batch": batch,
-                         "churn_gen_len": args.churn,
-                         "prompt_len": args.prompt_len, "step_ms": step_s * 1e3, "tokens_per_s": tok_s}
-                results["points"].append(point)
-                print(json.dumps(point), flush=True)
+                emit(mixed_graphs=mixed, batch=batch, churn_gen_len=args.churn, prompt_len=args.prompt_len,
+                     step_ms=step_s * 1e3, tokens_per_s=tok_s)
         if args.prefill:
             time_prefill(built, args.prefill, args.device)  # warm-up: kernels load, allocator grows
             pre_s = statistics.median(time_prefill(built, args.prefill, args.device) for _ in range(args.repeats))
-            point = {"graphs": graphs, "pdl": pdl, "gemv": gemv_kernel, **env, "prefill_tokens": args.prefill,
-                     "prefill_ms": pre_s * 1e3,
-                     "prefill_tokens_per_s": args.prefill / pre_s}
-            results["points"].append(point)
-            print(json.dumps(point), flush=True)
+            emit(prefill_tokens=args.prefill, prefill_ms=pre_s * 1e3, prefill_tokens_per_s=args.prefill / pre_s)
         del built
         if args.device == "cuda":
             torch.cuda.empty_cache()

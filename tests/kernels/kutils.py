@@ -1,6 +1,8 @@
-"""Helpers of the kernel tests: allocator poisoning, GGUF block makers, error metrics."""
+"""Helpers of the kernel tests: allocator poisoning, GGUF block makers, error metrics, backend settings."""
 
 from __future__ import annotations
+
+import contextlib
 
 import numpy as np
 import torch
@@ -66,3 +68,72 @@ def make_linear(backend, fmt: str, n: int, k: int, gen: torch.Generator, scale: 
         return weight, backend.prepare_linear(weight)
     quant, weight = make_quant(fmt, n, k, gen)
     return weight, backend.prepare_linear(weight, quant)
+
+
+def decode_blocks(quant) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """The fields of a QuantizedTensor's GGUF blocks (Q4_0 / Q4_1 / Q8_0).
+
+    Returns:
+        (d [rows, nb] fp32, m [rows, nb] fp32 or None (Q4_1 only), q [rows, nb, 32] int64: the raw quants,
+        nibbles 0..15 for Q4, -128..127 for Q8_0, in element order).
+    """
+    rows, cols = quant.shape
+    nb = cols // 32
+    raw = torch.from_numpy(np.ascontiguousarray(quant.data)).view(rows, nb, QUANT_BLOCK_BYTES[quant.qtype])
+    d = raw[..., :2].contiguous().view(torch.float16).float().reshape(rows, nb)
+    if quant.qtype == "Q8_0":
+        return d, None, raw[..., 2:].contiguous().view(torch.int8).long()
+    mins = raw[..., 2:4].contiguous().view(torch.float16).float().reshape(rows, nb) if quant.qtype == "Q4_1" else None
+    packed = raw[..., 4 if quant.qtype == "Q4_1" else 2:].long()
+    return d, mins, torch.cat([packed & 15, packed >> 4], dim=2)
+
+
+def quantize_q8_1(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [m, k] quantized per 32 elements as gemv_s8.cu does (llama.cpp's Q8_1): amax = max |x|,
+    q = rint(x * (127 / amax)) (0 where amax = 0), d = amax / 127, all in fp32 as the kernel computes them.
+
+    Returns:
+        (q [m, k / 32, 32] int64, d [m, k / 32] fp32, sum of q [m, k / 32] int64).
+    """
+    m, k = x.shape
+    xb = x.float().reshape(m, k // 32, 32)
+    amax = xb.abs().amax(dim=2)
+    inv = torch.where(amax > 0, torch.tensor(127.0) / amax, torch.zeros_like(amax))
+    q = torch.round(xb * inv[..., None]).long()  # round half to even, as cvt.rni
+    return q, amax / 127.0, q.sum(dim=2)
+
+
+def s8_reference(x: torch.Tensor, quant) -> torch.Tensor:
+    """What gemv_s8 computes, in fp64 from exact integer block sums: x quantized by `quantize_q8_1`, each block
+    of each row adding d_w * d_x * sum(q_w q_x) (Q4_0: with q_w - 8; Q4_1: plus m_w * d_x * sum(q_x)).
+    Differs from the kernel only by its fp32 accumulation and fp16 output rounding.
+
+    Args:
+        x: [m, k] (fp16 values), CPU.
+        quant: the weight's QuantizedTensor ([n, k]).
+    Returns:
+        [m, n] fp64.
+    """
+    dw, mw, qw = decode_blocks(quant)
+    qx, dx, sx = quantize_q8_1(x)
+    dots = torch.einsum("rbj,nbj->rnb", qx.double(), qw.double())  # exact: |sum| < 2^53
+    if quant.qtype == "Q4_0":
+        dots = dots - 8.0 * sx.double()[:, None, :]
+    dx = dx.double()[:, None, :]
+    y = (dw.double()[None] * dx * dots)
+    if mw is not None:
+        y = y + mw.double()[None] * dx * sx.double()[:, None, :]
+    return y.sum(dim=2)
+
+
+@contextlib.contextmanager
+def backend_settings(backend, **settings):
+    """Set attributes of the backend (gemv_kernel="mma", quant_repack="on", ...) for the block; restored after."""
+    saved = {name: getattr(backend, name) for name in settings}
+    for name, value in settings.items():
+        setattr(backend, name, value)
+    try:
+        yield backend
+    finally:
+        for name, value in saved.items():
+            setattr(backend, name, value)

@@ -10,7 +10,7 @@ its outputs are bitwise equal.
 
 import pytest
 import torch
-from tests.kernels.kutils import make_quant, rel_err
+from tests.kernels.kutils import backend_settings, make_quant, rel_err
 
 pytestmark = pytest.mark.gpu
 TOL = 3e-3
@@ -25,10 +25,8 @@ def rp_backend(request, cuda_backend):
     kernel, tile = request.param
     if cuda_backend.loader.arch < 80:
         pytest.skip("repacked rows are SM80+ (linear.repack_wanted)")
-    saved = cuda_backend.gemv_kernel, cuda_backend.gemv_mma_tile, cuda_backend.quant_repack
-    cuda_backend.gemv_kernel, cuda_backend.gemv_mma_tile, cuda_backend.quant_repack = kernel, tile, "on"
-    yield cuda_backend
-    cuda_backend.gemv_kernel, cuda_backend.gemv_mma_tile, cuda_backend.quant_repack = saved
+    with backend_settings(cuda_backend, gemv_kernel=kernel, gemv_mma_tile=tile, quant_repack="on"):
+        yield cuda_backend
 
 
 def _pair(backend, fmt, n, k, seed):

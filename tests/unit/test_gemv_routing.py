@@ -211,9 +211,10 @@ def test_fused_norm_rule(fmt, rows):
 
 
 def test_repack_policy_and_routing():
-    """Which quant weights are stored repacked (linear.repack_wanted) and that they always run gemv_mma (never
-    gemv_mma_sb, gemv_q or gemv, which read GGUF blocks), whatever `gemv_kernel` asks."""
-    from voltserve.backends.cuda.linear import repack_wanted
+    """Which quant weights are stored repacked (linear.repack_wanted) and that they always run gemv_s8 or gemv_mma
+    (never gemv_mma_sb, gemv_q or gemv, which read GGUF blocks), whatever `gemv_kernel` asks: gemv_s8 under
+    "auto" on SM80+, gemv_mma under the forced choices or with gemv_s8 off."""
+    from voltserve.backends.cuda.linear import GEMV_S8_AUTO_FORMATS, repack_wanted
 
     big, small = 4096 * 4096 // 2, 1 << 20
     assert repack_wanted("auto", 90, "Q4_1", 4096, big) and repack_wanted("auto", 80, "Q8_0", 4096, big)
@@ -227,13 +228,22 @@ def test_repack_policy_and_routing():
     assert repack_wanted("on", 90, "Q4_1", 4096, big, swiglu=True)
     assert not repack_wanted("auto", 90, "Q8_0", 14336, big) and repack_wanted("on", 90, "Q8_0", 14336, big)
     assert repack_wanted("auto", 86, "Q8_0", 14336, big, superblocks=False)  # no gemv_mma_sb there to prefer
+    # with gemv_s8: every weight of >= 4 MB, SwiGLU pairs and wide Q8_0 too
+    assert repack_wanted("auto", 90, "Q4_1", 4096, big, swiglu=True, s8=True)
+    assert not repack_wanted("auto", 90, "Q8_0", 14336, big, s8=True)  # Q8_0: gemv_s8 measured slower, old rule
+    assert not repack_wanted("auto", 90, "Q4_1", 4096, small, s8=True)
     for fmt in ("Q4_0", "Q4_1", "Q8_0"):
         w = _linear(fmt, 4096, 4096)
         w.layout = "repacked"
         for arch in (80, 90):
             for choice in ("auto", "scalar", "mma"):
                 for rows in (1, 3, 8):
-                    assert gemv_kernel_name(_backend(arch, choice), w, rows, silu=rows == 1) == "gemv_mma"
+                    s8 = choice == "auto" and rows <= 1 and fmt in GEMV_S8_AUTO_FORMATS
+                    want = "gemv_s8" if s8 else "gemv_mma"
+                    assert gemv_kernel_name(_backend(arch, choice), w, rows, silu=rows == 1) == want
+                    off = _backend(arch, choice)
+                    off.gemv_s8 = "off"
+                    assert gemv_kernel_name(off, w, rows) == "gemv_mma"
         with pytest.raises(ValueError, match="16-byte aligned"):
             gemv_kernel_name(_backend(90), w, 1, vec_ok=0)
 
@@ -250,3 +260,50 @@ def test_backend_knobs_read_from_the_environment(monkeypatch):
     monkeypatch.setenv("VOLTSERVE_GEMV_MMA_TILE", "24")
     with pytest.raises(ValueError, match=r"VOLTSERVE_GEMV_MMA_TILE='24': expected 0, 16 or 32"):
         _env_choice("VOLTSERVE_GEMV_MMA_TILE", ("0", "16", "32"))
+
+
+@pytest.mark.parametrize("arch,smem_kb,rows,k,takes", [
+    (90, 227, 8, 14336, True),    # Llama-3-8B down_proj at 8 rows: 143 KB + the static 9 KB
+    (86, 99, 8, 14336, False),    # SM86 / 89: 99 KB opt-in -> gemv_mma
+    (86, 99, 4, 14336, True),     # 71 KB
+    (86, 99, 8, 4096, True),
+    (75, 64, 1, 4096, False),     # no int8 mma.m16n8k32 below SM80
+])
+def test_gemv_s8_fits(arch, smem_kb, rows, k, takes):
+    """gemv_s8 keeps x quantized in shared memory (kernels.gemv_s8_smem_bytes): launches whose copy does not fit
+    the device's opt-in limit run gemv_mma; "on" forces it under any gemv_kernel but never past the limit."""
+    from voltserve.backends.cuda import kernels
+
+    w = _linear("Q4_1", 4096, k)
+    w.layout = "repacked"
+    be = _backend(arch, smem_kb=smem_kb)
+    be.gemv_s8 = "on"
+    assert (gemv_kernel_name(be, w, rows) == "gemv_s8") == takes
+    be.gemv_s8 = "auto"  # where it measured faster: 1 row, or 2 rows of k <= 8192 (rows * k <= 16384)
+    assert (gemv_kernel_name(be, w, 1) == "gemv_s8") == (arch >= 80)
+    assert (gemv_kernel_name(be, w, 2) == "gemv_s8") == (arch >= 80 and k <= 8192)
+    assert gemv_kernel_name(be, w, 3) == "gemv_mma"
+    forced = _backend(arch, "mma", smem_kb=smem_kb)
+    forced.gemv_s8 = "on"
+    assert (gemv_kernel_name(forced, w, rows) == "gemv_s8") == takes
+    nb = k // 32
+    assert kernels.gemv_s8_smem_bytes(1, k) == nb * 32 + 16 + nb * 8
+    assert kernels.gemv_s8_smem_bytes(rows, k) == (rows * (nb * 32 + 16) + nb * 64 if rows > 1 else nb * 40 + 16)
+
+
+def test_gemv_s8_specs_are_built():
+    """Every gemv_s8 build a launch may ask for is compiled ahead of time (tools/build_ptx.py): S8_M1 for one row,
+    the general build with and without the one-pass 1/rms; fp16 has none."""
+    from voltserve.backends.cuda import kernels
+
+    built = [spec for op, spec in kernels.engine_specializations() if op == "gemv_s8"]
+    for fmt in ("Q4_0", "Q4_1", "Q8_0"):
+        for silu in (False, True):
+            for rows in range(1, 9):
+                for one_pass in (False, True):
+                    assert kernels.gemv_s8_spec(fmt, silu, rows, one_pass) in built
+    assert kernels.gemv_s8_spec("Q4_1", False, 1, True) == {"WTYPE": 2, "SILU": 0, "S8_M1": 1}
+    with pytest.raises(ValueError, match="quant weights"):
+        kernels.gemv_s8_spec("F16", False, 1)
+    with pytest.raises(ValueError, match="1..8"):
+        kernels.gemv_s8_spec("Q8_0", False, 9)

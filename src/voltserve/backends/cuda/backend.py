@@ -25,7 +25,8 @@ import torch
 from voltserve.backends.base import AttentionMetadata
 from voltserve.backends.cuda import driver, kernels
 from voltserve.backends.cuda import params as P
-from voltserve.backends.cuda.linear import CudaEmbedding, CudaLinear, gemv_mma_sb_fits, launch_linear, repack_wanted
+from voltserve.backends.cuda.linear import (CudaEmbedding, CudaLinear, gemv_mma_sb_fits, gemv_s8_enabled, launch_linear,
+                                           repack_wanted)
 from voltserve.backends.cuda.module import KernelLoader
 
 
@@ -70,6 +71,14 @@ class CudaBackend:
         # quant weights stored repacked for 16-byte loads (linear.repack_wanted): "auto", "on" or "off";
         # VOLTSERVE_QUANT_REPACK for A/B runs (read when weights are prepared)
         self.quant_repack = _env_choice("VOLTSERVE_QUANT_REPACK", ("auto", "on", "off"))
+        # decode GEMV on repacked quant rows through int8 MMAs (gemv_s8, x quantized per 32 like llama.cpp's Q8_1):
+        # "auto" (linear.gemv_s8_ok; also repacks SwiGLU pairs and wide Q8_0), "on" (wherever it fits, even under
+        # a forced gemv_kernel) or "off" (gemv_mma); VOLTSERVE_GEMV_S8 for A/B runs (read when weights are prepared
+        # and at each launch)
+        self.gemv_s8 = _env_choice("VOLTSERVE_GEMV_S8", ("auto", "on", "off"))
+        # gemv_s8's grid: "persistent" (the blocks the GPU holds at once, looping over the tiles) or "full" (one
+        # block per tile); VOLTSERVE_GEMV_S8_GRID for A/B runs
+        self.gemv_s8_grid = _env_choice("VOLTSERVE_GEMV_S8_GRID", ("persistent", "full"))
         # the RMSNorm before a decode GEMV: fused into it where that measured faster ("auto", linear.fuses_norm),
         # always where the kernel can ("on"), or always its own kernel first ("off"); VOLTSERVE_FUSE_NORM for A/B
         self.fuse_norm = _env_choice("VOLTSERVE_FUSE_NORM", ("auto", "on", "off"))
@@ -123,7 +132,7 @@ class CudaBackend:
     def prepare_linear(self, weight: torch.Tensor, quant: Any | None = None, swiglu: bool = False) -> CudaLinear:
         repack = quant is not None and self.gemv_kernel != "scalar" and repack_wanted(
             self.quant_repack, self.loader.compile_arch, quant.qtype, weight.shape[1], int(quant.data.nbytes),
-            swiglu, superblocks=gemv_mma_sb_fits(self, quant.qtype))
+            swiglu, superblocks=gemv_mma_sb_fits(self, quant.qtype), s8=gemv_s8_enabled(self))
         return CudaLinear.upload(weight, quant, self.device, repack=repack)
 
     def prepare_embedding(self, weight: torch.Tensor, quant: Any | None = None) -> CudaEmbedding:

@@ -107,6 +107,13 @@ def blocks_per_sm(function: Any, block_threads: int, smem_bytes: int) -> int:
                      "cuOccupancyMaxActiveBlocksPerMultiprocessor"))
 
 
+def static_smem_bytes(function: Any) -> int:
+    """Bytes of a kernel's static (`__shared__`) shared memory (CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES)."""
+    driver, _ = bindings()
+    attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES
+    return int(check(driver.cuFuncGetAttribute(attr, function), "cuFuncGetAttribute"))
+
+
 def set_max_dynamic_smem(function: Any, num_bytes: int) -> None:
     """Opt a kernel into more than 48 KiB of dynamic shared memory (SM70: up to 96 KiB)."""
     driver, _ = bindings()

@@ -96,6 +96,35 @@ def gemv_mma_tile_rows(weight_rows: int, weight_bytes: int, arch: int, num_sms: 
     return 16 if math.ceil(weight_rows / 16) <= num_sms * per_sm else 32
 
 
+GEMV_S8_MIN_ARCH = 80  # gemv_s8: mma.m16n8k32 on int8
+
+
+def gemv_s8_spec(fmt: str, silu: bool, rows: int, norm_one_pass: bool = False) -> dict[str, int]:
+    """The -D set of gemv_s8.cu (repacked quant rows, int8 MMAs) for a launch of `rows` x rows: S8_M1 for one
+    row, else GM_NORM_ONE_PASS with `norm_one_pass` (as gemv_mma_spec).
+
+    Raises:
+        ValueError: fp16 weights (no int8 path) or `rows` outside 1..GEMV_MAX_ROWS.
+    """
+    if fmt not in QUANT_BLOCK_BYTES:
+        raise ValueError(f"gemv_s8 takes quant weights, got {fmt}")
+    if not 1 <= rows <= GEMV_MAX_ROWS:
+        raise ValueError(f"gemv_s8 launches take 1..{GEMV_MAX_ROWS} x rows, got {rows}")
+    spec = {"WTYPE": WTYPES[fmt], "SILU": int(silu)}
+    if rows == 1:
+        spec["S8_M1"] = 1
+    elif norm_one_pass:
+        spec["GM_NORM_ONE_PASS"] = 1
+    return spec
+
+
+def gemv_s8_smem_bytes(rows: int, k: int) -> int:
+    """Dynamic shared memory of gemv_s8 (mirrors gemv_s8.cu): x quantized to int8, `rows` rows of k + 16 bytes,
+    then the per-32 scales (d, s) as fp32 pairs, [k / 32] for one row and [k / 32][8] otherwise."""
+    nb = k // 32
+    return rows * (nb * 32 + 16) + nb * 8 * (1 if rows == 1 else 8)
+
+
 def gemv_mma_sb_smem_bytes(fmt: str) -> int:
     """Dynamic shared memory of gemv_mma_sb: per warp SB_STAGES (Q8_0: 3, Q4: 2) stages of 32 rows x one
     256-weight superblock (row pitch padded so the fragment reads are conflict-free; mirrors SB_PITCH and
@@ -189,6 +218,7 @@ SOURCES = {
                                       "VOLT_PREFILL_PARAMS_BYTES"),
     "gemv": KernelSource("gemv.cu", ("gemv", "gemv_q"), P.GemvParams, "VOLT_GEMV_PARAMS_BYTES"),
     "gemv_mma": KernelSource("gemv_mma.cu", ("gemv_mma", "gemv_mma_sb"), P.GemvParams, "VOLT_GEMV_PARAMS_BYTES"),
+    "gemv_s8": KernelSource("gemv_s8.cu", ("gemv_s8",), P.GemvParams, "VOLT_GEMV_PARAMS_BYTES"),
     "gemm_tiled": KernelSource("gemm_tiled.cu", ("gemm_tiled",), P.GemmParams, "VOLT_GEMM_PARAMS_BYTES"),
     "gemm_tc": KernelSource("gemm_tc.cu", ("gemm_tc",), P.GemmTcParams, "VOLT_GEMM_TC_PARAMS_BYTES"),
     "sampling": KernelSource("sampling.cu", ("argmax_logprob",), P.ArgmaxParams, "VOLT_ARGMAX_PARAMS_BYTES"),
@@ -283,6 +313,8 @@ def engine_specializations() -> list[tuple[str, dict[str, int]]]:
     specs += [("gemv_mma", gemv_mma_spec(f, bool(s), bool(o), t, r))
               for r in (False, True) for f in WTYPES if not (r and f == "F16")
               for s in (0, 1) for o in (0, 1) for t in GEMV_MMA_TILES]
+    specs += [("gemv_s8", gemv_s8_spec(f, bool(s), r, o)) for f in QUANT_BLOCK_BYTES for s in (0, 1)
+              for r, o in ((1, False), (8, False), (8, True))]
     specs += [("gemm_tiled", {"WTYPE": w}) for w in WTYPES.values()]
     specs += [("gemm_tc", {"WTYPE": w, "BN": bn, **r}) for w in (1, 2, 3) for bn in GEMM_TC_BNS
               for r in ({}, {"WREPACK": 1})]

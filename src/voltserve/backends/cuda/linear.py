@@ -45,13 +45,26 @@ GEMV_NORM_FUSED_MAX_BYTES = 16 << 20
 REPACK_Q8_0_MAX_K = 4096
 
 
+# gemv_s8 (int8 MMAs on repacked rows, x quantized per 32 like llama.cpp's Q8_1) replaces gemv_mma under
+# VOLTSERVE_GEMV_S8=auto for launches of at most GEMV_S8_AUTO_MAX_ROWS x rows and GEMV_S8_AUTO_MAX_X x elements
+# (rows * k: every block quantizes all of x), on GEMV_S8_AUTO_FORMATS (gemv_s8_ok). H200, bench_kernels.py
+# decode_gemv rows, gemv_mma -> gemv_s8 with the persistent grid (docs/performance.md), Q4_1: m = 1 14336x4096
+# 21.1 -> 16.3 us, 4096x4096 7.1 -> 6.1, 4096x14336 20.9 -> 20.9, fused RMSNorm + qkv 13.5 -> 8.6, RMSNorm +
+# gate_up + SwiGLU (the GGUF pair's scalar gemv before) 44.3 -> 29.2; m = 2 14336x4096 21.3 -> 17.8, 4096x4096
+# 7.1 -> 6.9 but 4096x14336 20.9 -> 25.5; m = 8 24.1 -> 25.9, 22.2 -> 49.3. Q8_0 lost at m = 1 too (9.3 -> 10.1,
+# 26.5 -> 27.3 us).
+GEMV_S8_AUTO_MAX_ROWS = 2
+GEMV_S8_AUTO_MAX_X = 16384
+GEMV_S8_AUTO_FORMATS = ("Q4_0", "Q4_1")
+
+
 def can_repack(fmt: str, in_features: int) -> bool:
     """Whether rows of this format and width have a repacked layout (repack.py: Q4_0/Q4_1/Q8_0, k % 256 == 0)."""
     return fmt in REPACK_FORMATS and in_features % REPACK_K_MULTIPLE == 0
 
 
 def repack_wanted(choice: str, arch: int, fmt: str, in_features: int, weight_bytes: int,
-                  swiglu: bool = False, superblocks: bool = True) -> bool:
+                  swiglu: bool = False, superblocks: bool = True, s8: bool = False) -> bool:
     """Whether a quant weight is stored repacked (`CudaBackend.quant_repack`, VOLTSERVE_QUANT_REPACK).
 
     Only on SM80+ (gemv_mma's m16n8k16 path; its SM70 m8n8k4 build with repacked rows spills registers and was
@@ -60,11 +73,15 @@ def repack_wanted(choice: str, arch: int, fmt: str, in_features: int, weight_byt
     small, launch-bound weights stay GGUF), not a SwiGLU pair (`swiglu`: at m = 1 the GGUF pair runs the scalar
     gemv's fused SwiGLU, 44.1 us vs gemv_mma's 53.4 us on 28672x4096 Q4_1), and Q8_0 wider than k = 4096 only
     where the GGUF rows could not take gemv_mma_sb instead (`superblocks`: its shared memory fits; 4096x14336
-    Q8_0: 27.2 us through gemv_mma_sb vs 30.1 us repacked on the H200)."""
+    Q8_0: 27.2 us through gemv_mma_sb vs 30.1 us repacked on the H200). `s8`: the backend runs gemv_s8 on
+    repacked rows at one x row (`gemv_s8_enabled`), whose int8 MMAs beat the GGUF pair's scalar SwiGLU at m = 1
+    (38.3 vs 44.8 us), so then every Q4_0 / Q4_1 weight of >= GEMV_MMA_M1_MIN_BYTES is repacked."""
     if choice == "off" or arch < kernels.GEMV_MMA_SB_MIN_ARCH or not can_repack(fmt, in_features):
         return False
     if choice == "on":
         return True
+    if s8 and fmt in GEMV_S8_AUTO_FORMATS:
+        return weight_bytes >= GEMV_MMA_M1_MIN_BYTES
     return (weight_bytes >= GEMV_MMA_M1_MIN_BYTES and not swiglu
             and (fmt != "Q8_0" or in_features <= REPACK_Q8_0_MAX_K or not superblocks))
 
@@ -296,10 +313,12 @@ def gemv_mma_ok(backend: Any, w: CudaLinear, rows: int, vec_ok: int, norm: bool 
 
 def gemv_kernel_name(backend: Any, w: CudaLinear, rows: int, vec_ok: int = 1, norm: bool = False,
                      silu: bool = False) -> str:
-    """The kernel a GEMV launch of `rows` (1..8) x rows on `w` runs: "gemv_mma_sb", "gemv_mma", "gemv_q" or
-    "gemv". Rows of launches that run the same kernel are bitwise equal whatever the other rows (tests rely on
+    """The kernel a GEMV launch of `rows` (1..8) x rows on `w` runs: "gemv_s8", "gemv_mma_sb", "gemv_mma",
+    "gemv_q" or "gemv". Rows of launches that run the same kernel are bitwise equal whatever the other rows (tests rely on
     it). A call of 9..16 rows runs both its launches with the kernel of its first (min(m, 8) rows)."""
     if gemv_mma_ok(backend, w, rows, vec_ok, norm, silu):
+        if gemv_s8_ok(backend, w, rows):
+            return "gemv_s8"
         return "gemv_mma_sb" if _mma_superblocks(backend, w) else "gemv_mma"
     bucket = next(b for b in kernels.GEMV_ROW_BUCKETS if b >= rows)
     return "gemv_q" if _whole_superblocks(w) and bucket >= GEMV_Q_MIN_ROWS else "gemv"
@@ -351,6 +370,9 @@ def _launch_gemv_mma(backend: Any, x: torch.Tensor, w: CudaLinear, y: torch.Tens
     n = w.out_features
     n_out = y.shape[1]
     one_pass = norm_weight is not None and m >= 2
+    if gemv_s8_ok(backend, w, min(m, kernels.GEMV_MAX_ROWS)):
+        _launch_gemv_s8(backend, x, w, y, norm_weight, eps, residual, silu, vec_ok, pdl, one_pass)
+        return
     if _mma_superblocks(backend, w):
         kernel, smem, tile = "gemv_mma_sb", kernels.gemv_mma_sb_smem_bytes(w.fmt), kernels.GEMV_MMA_TILES[0]
     else:
@@ -367,6 +389,55 @@ def _launch_gemv_mma(backend: Any, x: torch.Tensor, w: CudaLinear, y: torch.Tens
                          norm_weight.data_ptr() if norm_weight is not None else None, xr.stride(0), n_out,
                          w.row_bytes, rows, n, k, vec_ok, eps, 0)
         backend._launch("gemv_mma", kernel, spec, grid, (32 * kernels.GEMV_MMA_WARPS, 1, 1), smem, p, pdl)
+
+
+def gemv_s8_enabled(backend: Any) -> bool:
+    """Whether this backend may run gemv_s8 at all: SM80+ (int8 mma.m16n8k32), `backend.gemv_s8` not "off",
+    and the decode GEMV choice "auto" (the forced choices "mma" / "mma884" pin gemv_mma) unless gemv_s8 is "on"."""
+    choice = getattr(backend, "gemv_s8", "auto")
+    if choice == "off" or backend.loader.compile_arch < kernels.GEMV_S8_MIN_ARCH:
+        return False
+    return choice == "on" or getattr(backend, "gemv_kernel", "auto") == "auto"
+
+
+def gemv_s8_ok(backend: Any, w: CudaLinear, rows: int) -> bool:
+    """Whether a GEMV launch of `rows` (1..8) x rows on repacked rows `w` runs gemv_s8 (ptx/gemv_s8.cu) instead
+    of gemv_mma: `gemv_s8_enabled`, under "auto" at most GEMV_S8_AUTO_MAX_ROWS rows and GEMV_S8_AUTO_MAX_X
+    elements of x, of a format in GEMV_S8_AUTO_FORMATS (where it measured faster), and x's int8 copy within the
+    blocks' opt-in shared memory (Llama-3-8B's down_proj at 8 rows: 143 KB; SM86/89 allow 99 KB)."""
+    if w.layout != "repacked" or not gemv_s8_enabled(backend):
+        return False
+    if getattr(backend, "gemv_s8", "auto") == "auto" and (
+            rows > GEMV_S8_AUTO_MAX_ROWS or rows * w.in_features > GEMV_S8_AUTO_MAX_X
+            or w.fmt not in GEMV_S8_AUTO_FORMATS):
+        return False
+    smem = kernels.gemv_s8_smem_bytes(rows, w.in_features) + kernels.GEMV_MMA_STATIC_SMEM
+    return smem <= backend.loader.max_smem_optin
+
+
+def _launch_gemv_s8(backend: Any, x: torch.Tensor, w: CudaLinear, y: torch.Tensor,
+                    norm_weight: torch.Tensor | None, eps: float, residual: torch.Tensor | None, silu: bool,
+                    vec_ok: int, pdl: bool, one_pass: bool) -> None:
+    """gemv_s8 launches of <= 8 x rows each (fusions as gemv_mma); `residual` has y's row stride. The grid:
+    one block per tile, or under `backend.gemv_s8_grid` "persistent" at most the blocks the GPU holds at once,
+    each looping over tiles (x quantized once per block instead of once per tile)."""
+    m, k = x.shape
+    n_out = y.shape[1]
+    tile = kernels.GEMV_MMA_TILES[0]
+    tiles = math.ceil(n_out / (tile // 2 if silu else tile))
+    for r0 in range(0, m, kernels.GEMV_MAX_ROWS):
+        rows = min(kernels.GEMV_MAX_ROWS, m - r0)
+        xr = x[r0:r0 + rows]
+        spec, smem = kernels.gemv_s8_spec(w.fmt, silu, rows, one_pass), kernels.gemv_s8_smem_bytes(rows, k)
+        grid = tiles
+        if getattr(backend, "gemv_s8_grid", "persistent") == "persistent":
+            grid = min(tiles, backend.num_sms * backend._occupancy("gemv_s8", "gemv_s8", spec, smem,
+                                                                  32 * kernels.GEMV_MMA_WARPS))
+        p = P.GemvParams(xr.data_ptr(), w.data.data_ptr(), y.data_ptr() + r0 * n_out * 2,
+                         residual.data_ptr() + r0 * n_out * 2 if residual is not None else None,
+                         norm_weight.data_ptr() if norm_weight is not None else None, xr.stride(0), n_out,
+                         w.row_bytes, rows, w.out_features, k, vec_ok, eps, 0)
+        backend._launch("gemv_s8", "gemv_s8", spec, (grid, 1, 1), (32 * kernels.GEMV_MMA_WARPS, 1, 1), smem, p, pdl)
 
 
 def _gemm(backend: Any, x: torch.Tensor, w: CudaLinear, f16_gemm: str) -> torch.Tensor:

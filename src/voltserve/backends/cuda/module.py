@@ -36,6 +36,7 @@ class KernelLoader:
         self._modules: dict[tuple, Any] = {}
         self._functions: dict[tuple, Any] = {}
         self._smem_set: dict[tuple, int] = {}
+        self._static: dict[tuple, int] = {}  # static shared memory per function
 
     def function(self, op: str, kernel: str, spec: dict[str, int] | None = None, smem_bytes: int = 0) -> Any:
         """The CUfunction `kernel` of `op`'s source compiled with `spec`, ready for `smem_bytes` of dynamic smem.
@@ -50,10 +51,18 @@ class KernelLoader:
             module = self._module(op, spec or {})
             fn = driver.get_function(module, kernel)
             self._functions[key] = fn
-        if smem_bytes > _DEFAULT_MAX_SMEM and self._smem_set.get(key, 0) < smem_bytes:
+        # the opt-in is needed once static + dynamic shared memory pass 48 KiB
+        if smem_bytes and self._smem_set.get(key, 0) < smem_bytes and \
+                smem_bytes + self._static_smem(key, fn) > _DEFAULT_MAX_SMEM:
             driver.set_max_dynamic_smem(fn, smem_bytes)
             self._smem_set[key] = smem_bytes
         return fn
+
+    def _static_smem(self, key: tuple, fn: Any) -> int:
+        hit = self._static.get(key)
+        if hit is None:
+            hit = self._static[key] = driver.static_smem_bytes(fn)
+        return hit
 
     def _module(self, op: str, spec: dict[str, int]) -> Any:
         key = (op, tuple(sorted(spec.items())))

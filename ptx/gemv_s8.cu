@@ -1,0 +1,247 @@
+// gemv_s8.cu: decode GEMV y[m, n] = sum_k x[m, k] * W[n, k] for m <= 8 on int8 tensor cores (SM80+), W in
+// repacked Q4_0 / Q4_1 / Q8_0 rows (backends/cuda/repack.py, WREPACK=1).
+//
+// Why: gemv_mma dequantizes every weight to fp16 before its MMA and is issue-bound on quant rows at 0.3-0.6 of
+// the copy bandwidth (H200, Nsight Compute: ~6 weights per warp instruction, docs/performance.md). Here a word of
+// 8 nibbles becomes two MMA operands with three logic ops, and one mma.m16n8k32 takes 16 rows x one 32-weight
+// block: the integer products need no conversion, only one fp32 scaling of each block's exact int32 sums.
+//
+// x is quantized per 32 elements as llama.cpp's Q8_1 (ggml-common.h block_q8_1; MMVQ kernels): per x row r and
+// block b, d = max|x| / 127, q = rint(x * (127 / max|x|)) in [-127, 127] (0 for an all-zero block), and
+// s = d * sum(q). With the weights' (d_w, m_w, q_w), each block adds
+//     Q4_0: d_w * (d * sum(q_w q) - 8 s)     Q4_1: d_w * d * sum(q_w q) + m_w * s     Q8_0: d_w * d * sum(q_w q)
+// to an fp32 accumulator (xs stores -8 s for Q4_0). The weights are exact (gemv_mma rounds d * q + m to fp16);
+// x carries the 8-bit rounding, ~0.4% of a block's max per element, which is what bounds this kernel's error
+// (tests/kernels/test_gemv_s8.py states the bound and also checks the int8 sums exactly against a CPU emulation).
+//
+// Every block quantizes all m rows of x into shared memory once, after pdl_enter (with the fused RMSNorm first:
+// x * inv * w rounded to fp16 as rms_norm stores it), then streams its 32 weight rows exactly as gemv_mma does on
+// repacked rows (gemv_mma.cuh: lane rows g, g + 8 of two 16-row tiles, load_rows_group's 16-byte loads, 8 warps
+// splitting k in whole load groups, two groups in flight, the first issued before pdl_enter) and ends in
+// gm_epilogue (fixed-order reduction of the warps' tiles; the residual and SwiGLU fusions). The MMA's k slots:
+// A word 0 (rows g, g + 8) and B word 0 are the same 4 elements of the block, A word 2 and B word 1 the other 4
+// of the lane's slot t: Q4 low nibbles of quant bytes 4t..4t+3 (elements 4t..4t+3) and high nibbles (16 + 4t..),
+// Q8_0 quant bytes 8t..8t+3 and 8t+4..8t+7. x's bytes are stored in that order, per row grouped as the weights'
+// load groups ([group][slot t][block of the group][2 words]), so a lane reads a group's B words with one or two
+// 16-byte loads.
+// S8_M1: the build for m = 1 (x scales [nb] read by every lane; only C column 0 is scaled); else [nb][8] and
+// each lane reads the scales of its columns 2t, 2t + 1. Columns past m multiply zeros and are never stored.
+// Dynamic shared memory: kernels.gemv_s8_smem_bytes (xq [m][nb * 32 + 16] bytes, then xs float2).
+// Requirements (the launcher checks): repacked rows (k % 256 == 0, 16-byte aligned), x rows 16-byte aligned.
+// Reference: voltserve.backends.cpu.CpuBackend.linear (fp32, unquantized x).
+#ifndef WREPACK
+#define WREPACK 1
+#endif
+#include "gemv_mma.cuh"
+
+#ifndef S8_M1
+#define S8_M1 0
+#endif
+#define S8_COLS (S8_M1 ? 1 : 8)  // x scales per block in smem
+
+VOLT_DEVICE int s8_pitch(int nb) { return nb * 32 + 16; }  // bytes of one quantized x row (+16: fewer bank conflicts)
+
+VOLT_DEVICE int cvt_rni(float v) {
+    int i;
+    asm("cvt.rni.s32.f32 %0, %1;" : "=r"(i) : "f"(v));
+    return i;
+}
+VOLT_DEVICE u32 pack_s8x4(const int* q) {
+    return (u32)(q[0] & 0xff) | (u32)(q[1] & 0xff) << 8 | (u32)(q[2] & 0xff) << 16 | (u32)(q[3] & 0xff) << 24;
+}
+
+#ifndef S8_QBATCH
+#define S8_QBATCH 4  // quarters per thread whose loads are issued together (the prologue is L2-latency-bound)
+#endif
+
+// Quantize quarter idx (8 elements: quarter qq of block b of x row r) from its loaded values xv (fp16) and, with
+// the fused norm, norm_w's 8 values; the 4 quarters of a block are adjacent lanes (quad shuffles).
+VOLT_DEVICE void s8_quantize_quarter(const GemvParams& p, const float* inv_rms, u8* xq, float2* xs, int idx,
+                                     uint4 xv, float4 nw0, float4 nw1) {
+    const int nb = p.k / 32;
+    const int r = idx / (nb * 4), b = (idx >> 2) - r * nb, qq = idx & 3;
+    float v[8];
+    unpack8(xv, v);
+    if (p.norm_w != nullptr) {
+        const float inv = inv_rms[r];
+        const float nw[8] = {nw0.x, nw0.y, nw0.z, nw0.w, nw1.x, nw1.y, nw1.z, nw1.w};
+#pragma unroll
+        for (int e = 0; e < 8; ++e) v[e] = round_h(v[e] * inv * nw[e]);
+    }
+    float amax = 0.f;
+#pragma unroll
+    for (int e = 0; e < 8; ++e) amax = fmaxf(amax, fabsf(v[e]));
+    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
+    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
+    const float id = amax > 0.f ? 127.f / amax : 0.f;
+    int q[8], sum = 0;
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+        q[e] = cvt_rni(v[e] * id);
+        sum += q[e];
+    }
+    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+    sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+#if WREPACK
+    u8* row = xq + r * s8_pitch(nb) + (b / RP_GROUP) * (32 * RP_GROUP) + (b % RP_GROUP) * 8;  // + slot * 8 * RP_GROUP
+#if WTYPE == WTYPE_Q8_0
+    // elements 8qq..8qq+3 -> slot qq word 0, 8qq+4..8qq+7 -> word 1
+    *reinterpret_cast<uint2*>(row + qq * 8 * RP_GROUP) = make_uint2(pack_s8x4(q), pack_s8x4(q + 4));
+#else
+    // elements 8qq..8qq+7 = slots 2 (qq & 1) and 2 (qq & 1) + 1 of word qq >> 1 (high nibbles: word 1)
+    const int slot = 2 * (qq & 1), w = 4 * (qq >> 1);
+    *reinterpret_cast<u32*>(row + slot * 8 * RP_GROUP + w) = pack_s8x4(q);
+    *reinterpret_cast<u32*>(row + (slot + 1) * 8 * RP_GROUP + w) = pack_s8x4(q + 4);
+#endif
+#endif
+    if (qq == 0) {
+        const float d = amax / 127.f, s = d * (float)sum;
+        xs[b * S8_COLS + r] = make_float2(d, WTYPE == WTYPE_Q4_0 ? -8.f * s : s);
+    }
+}
+
+// Quantize the m rows of x (normalized first with norm_w, inv_rms[r] = 1 / rms of row r) into xq / xs, S8_QBATCH
+// quarters per thread at a time, their loads issued before any is used. Block-wide.
+VOLT_DEVICE void s8_quantize_x(const GemvParams& p, const float* inv_rms, u8* xq, float2* xs) {
+    const int nb = p.k / 32;
+    const int total = p.m * nb * 4;  // a multiple of 32 (nb % 8 == 0): each warp's quarters are all in or all out
+    const bool norm = p.norm_w != nullptr;
+    for (int i0 = threadIdx.x; i0 < total; i0 += S8_QBATCH * blockDim.x) {
+        uint4 xv[S8_QBATCH];
+        float4 nw[S8_QBATCH][2];
+#pragma unroll
+        for (int j = 0; j < S8_QBATCH; ++j) {
+            const int idx = i0 + j * blockDim.x;
+            if (idx < total) {
+                const int r = idx / (nb * 4), e0 = ((idx >> 2) - r * nb) * 32 + 8 * (idx & 3);
+                xv[j] = *reinterpret_cast<const uint4*>(p.x + r * p.x_stride + e0);
+                if (norm) {
+                    nw[j][0] = *reinterpret_cast<const float4*>(p.norm_w + e0);
+                    nw[j][1] = *reinterpret_cast<const float4*>(p.norm_w + e0 + 4);
+                }
+            }
+        }
+#pragma unroll
+        for (int j = 0; j < S8_QBATCH; ++j) {
+            const int idx = i0 + j * blockDim.x;
+            if (idx < total) s8_quantize_quarter(p, inv_rms, xq, xs, idx, xv[j], nw[j][0], nw[j][1]);
+        }
+    }
+}
+
+// acc (rows g, g + 8 x columns 2t, 2t + 1 of one 16-row tile) += the scaled int32 sums ci of one block.
+// w0 / w1: the scale words of rows g / g + 8; (dx, sx): x scales of column 2t (.x, .y) and 2t + 1 (.z, .w).
+VOLT_DEVICE void s8_scale(float (&acc)[4], const int (&ci)[4], u32 w0, u32 w1, float4 xsc) {
+    const float dw0 = h2f((half_t)(w0 & 0xffffu)), dw1 = h2f((half_t)(w1 & 0xffffu));
+#if WTYPE == WTYPE_Q4_1
+    const float mw0 = h2f((half_t)(w0 >> 16)), mw1 = h2f((half_t)(w1 >> 16));
+#endif
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+        if (S8_M1 && (e & 1)) continue;  // column 2t + 1 >= 1 = m
+        const float dw = e < 2 ? dw0 : dw1;
+        const float dx = e & 1 ? xsc.z : xsc.x, sx = e & 1 ? xsc.w : xsc.y;
+        const float c = (float)ci[e];  // exact: |sum| < 2^24
+#if WTYPE == WTYPE_Q8_0
+        acc[e] = fmaf(dw, dx * c, acc[e]);
+#elif WTYPE == WTYPE_Q4_0
+        acc[e] = fmaf(dw, fmaf(dx, c, sx), acc[e]);  // sx = -8 s
+#else
+        const float mw = e < 2 ? mw0 : mw1;
+        acc[e] = fmaf(dw, dx * c, fmaf(mw, sx, acc[e]));
+#endif
+    }
+}
+
+// acc += the products of blocks [c, c + RP_GROUP) (raw: this lane's words of them; xrow: its quantized x row).
+VOLT_DEVICE void s8_group(GmAcc& acc, const GmRaw& raw, const u8* xrow, const float2* xs, bool x_row, int c, int t) {
+#if WREPACK && GM_M16N8K16
+    u32 xb[RP_GROUP][2];
+    if (x_row) {
+        const uint4* src = reinterpret_cast<const uint4*>(xrow + (c / RP_GROUP) * (32 * RP_GROUP) + t * (8 * RP_GROUP));
+#pragma unroll
+        for (int i = 0; i < RP_GROUP / 2; ++i) {
+            const uint4 v = src[i];
+            xb[2 * i][0] = v.x; xb[2 * i][1] = v.y; xb[2 * i + 1][0] = v.z; xb[2 * i + 1][1] = v.w;
+        }
+    } else {
+#pragma unroll
+        for (int u = 0; u < RP_GROUP; ++u) xb[u][0] = xb[u][1] = 0u;
+    }
+#pragma unroll
+    for (int u = 0; u < RP_GROUP; ++u) {
+#if S8_M1
+        const float2 s1 = xs[c + u];
+        const float4 xsc = make_float4(s1.x, s1.y, 0.f, 0.f);
+#else
+        const float4 xsc = *reinterpret_cast<const float4*>(xs + (c + u) * 8 + 2 * t);
+#endif
+#pragma unroll
+        for (int i = 0; i < GM_NACC; ++i) {
+            const u32 q0 = raw[u][2 * i][1], q1 = raw[u][2 * i + 1][1];  // rows g, g + 8
+#if WTYPE == WTYPE_Q8_0
+            const u32 a[4] = {q0, q1, raw[u][2 * i][2], raw[u][2 * i + 1][2]};
+#else
+            const u32 a[4] = {q0 & 0x0F0F0F0Fu, q1 & 0x0F0F0F0Fu, (q0 >> 4) & 0x0F0F0F0Fu, (q1 >> 4) & 0x0F0F0F0Fu};
+#endif
+            int ci[4] = {0, 0, 0, 0};
+            mma_m16n8k32_i8<WTYPE != WTYPE_Q8_0>(ci, a, xb[u][0], xb[u][1]);
+            s8_scale(acc[i], ci, raw[u][2 * i][0], raw[u][2 * i + 1][0], xsc);
+        }
+    }
+#endif
+}
+
+// This lane's weight rows of the tile whose first output feature is `base` (gemv_mma's rows per lane).
+VOLT_DEVICE void s8_tile_rows(const u8* (&rows)[GM_ROWS], const GemvParams& p, int base, int lane) {
+#pragma unroll
+    for (int rs = 0; rs < GM_ROWS; ++rs) rows[rs] = p.w + (i64)gm_row(p, base, gm_block_row(rs, lane)) * p.w_row_bytes;
+}
+
+// Grid: one block per 32-row tile (SILU: 16 gate + 16 up rows), or fewer blocks that loop over the tiles
+// (kernels.gemv_s8_grid: the tiles of a large weight would otherwise quantize x once per tile).
+extern "C" __global__ void __launch_bounds__(32 * GM_WARPS, GM_MIN_BLOCKS) gemv_s8(const GemvParams p) {
+#if GM_M16N8K16 && WREPACK && WTYPE != WTYPE_F16 && GM_TILE_ROWS == 32
+    extern __shared__ uint4 s8_smem[];  // xq [m][s8_pitch], then xs [nb][S8_COLS] float2
+    __shared__ float red[GM_WARPS][GM_TILE_ROWS][8];
+    __shared__ float scratch[GM_NORM_ONE_PASS ? GEMV_NORM_SCRATCH : 32];
+    __shared__ float inv_rms[8];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, t = gm_slot(lane), xr = gm_x_row(lane);
+    const u8* rows[GM_ROWS];
+    const int n_out = SILU ? p.n / 2 : p.n, tiles = (n_out + GM_OUT_ROWS - 1) / GM_OUT_ROWS;
+    int tile = blockIdx.x;
+    s8_tile_rows(rows, p, tile * GM_OUT_ROWS, lane);
+    const int nb = p.k / 32;
+    const int per = ((nb + GM_WARPS - 1) / GM_WARPS + RP_GROUP - 1) / RP_GROUP * RP_GROUP;  // whole groups
+    const int c_begin = min(nb, warp * per), c_end = min(nb, c_begin + per);
+    u8* xq = reinterpret_cast<u8*>(s8_smem);
+    float2* xs = reinterpret_cast<float2*>(xq + p.m * s8_pitch(nb));
+    GmRaw raw0, raw1;
+    load_rows_group(raw0, rows, nb, c_begin, c_end, t);  // in flight across the PDL wait and x's quantization
+    pdl_enter();
+    gm_inv_rms(p, scratch, inv_rms, xr);
+    s8_quantize_x(p, inv_rms, xq, xs);
+    __syncthreads();
+    const bool x_row = xr < p.m;
+    const u8* xrow = xq + (x_row ? xr : 0) * s8_pitch(nb);
+    for (; tile < tiles; tile += gridDim.x) {  // a grid short of the tiles: x is quantized once per block
+        GmAcc acc = {};
+        for (int c = c_begin; c < c_end; c += 2 * RP_GROUP) {  // two register buffers, as gemv_mma
+            load_rows_group(raw1, rows, nb, c + RP_GROUP, c_end, t);
+            s8_group(acc, raw0, xrow, xs, x_row, c, t);
+            if (c + RP_GROUP >= c_end) break;
+            load_rows_group(raw0, rows, nb, c + 2 * RP_GROUP, c_end, t);
+            s8_group(acc, raw1, xrow, xs, x_row, c + RP_GROUP, t);
+        }
+        if (tile + gridDim.x < tiles) {  // the next tile's first group in flight during this one's epilogue
+            s8_tile_rows(rows, p, (tile + gridDim.x) * GM_OUT_ROWS, lane);
+            load_rows_group(raw0, rows, nb, c_begin, c_end, t);
+        }
+        gm_epilogue(p, acc, red, tile * GM_OUT_ROWS);
+        __syncthreads();  // red is written again by the next tile
+    }
+#else
+    pdl_enter();  // SM < 80, fp16 or 16-row tiles: never launched (linear.gemv_s8_ok)
+    __trap();     // a launch here would leave y unwritten: fail loudly instead
+#endif
+}

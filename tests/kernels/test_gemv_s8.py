@@ -1,0 +1,144 @@
+"""gemv_s8 (ptx/gemv_s8.cu): decode GEMV on repacked Q4_0 / Q4_1 / Q8_0 rows through int8 MMAs, x quantized per
+32 elements like llama.cpp's Q8_1.
+
+Bounds (max |got - ref| / max |ref|):
+  - EMU_TOL = 1e-3 against `kutils.s8_reference` (the same int8 x, exact integer block sums in fp64): what is
+    left is the kernel's fp32 accumulation and fp16 output rounding (<= 4.9e-4), so a wrong fragment, slot or
+    scale shows as an O(1) error.
+  - S8_TOL = 1.5e-2 against CpuBackend's fp32 product with unquantized x: x's 8-bit rounding (~0.4% of each
+    block's max per element) measured 0.37-0.68% on these shapes on the CPU; 2e-2 where the fused RMSNorm and
+    SwiGLU compound it (silu(gate) * up carries both products' errors).
+"""
+
+import pytest
+import torch
+from tests.kernels.kutils import backend_settings, make_quant, rel_err, s8_reference
+
+pytestmark = pytest.mark.gpu
+EMU_TOL = 1e-3
+S8_TOL = 1.5e-2
+FORMATS = ["Q4_0", "Q4_1", "Q8_0"]
+
+
+@pytest.fixture
+def s8_backend(cuda_backend):
+    """The backend storing quant weights repacked and routing every launch that fits to gemv_s8 ("on": the
+    engine's "auto" takes it at one x row of Q4_0 / Q4_1 only, linear.gemv_s8_ok)."""
+    if cuda_backend.loader.arch < 80:
+        pytest.skip("gemv_s8 is SM80+ (int8 mma.m16n8k32)")
+    with backend_settings(cuda_backend, gemv_kernel="auto", quant_repack="on", gemv_s8="on",
+                          gemv_s8_grid="persistent"):
+        yield cuda_backend
+
+
+def _weight(backend, fmt, n, k, seed):
+    gen = torch.Generator().manual_seed(seed)
+    quant, weight = make_quant(fmt, n, k, gen)
+    lin = backend.prepare_linear(weight, quant)
+    assert lin.layout == "repacked"
+    return quant, weight, lin
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("nk", [(4096, 4096), (1024, 14336), (45, 256), (70, 768)])
+def test_gemv(s8_backend, cpu_backend, fmt, nk):
+    """m = 1..8 (m = 1 is its own build, S8_M1), partial tiles (45, 70 rows), k ranges of one load group
+    (256: one block per warp), 16 rows as two launches; every m's rows equal the m = 8 launch's bit for bit."""
+    from voltserve.backends.cuda.linear import gemv_kernel_name
+
+    n, k = nk
+    quant, weight, lin = _weight(s8_backend, fmt, n, k, n + k)
+    for m in (1, 2, 8):
+        assert gemv_kernel_name(s8_backend, lin, m) == "gemv_s8"
+    x = torch.randn(8, k, generator=torch.Generator().manual_seed(k)).half()
+    full = s8_backend.linear(x.cuda(), lin)
+    assert rel_err(full, s8_reference(x, quant)) <= EMU_TOL
+    assert rel_err(full, cpu_backend.linear(x.float(), weight)) <= S8_TOL
+    for m in (1, 2, 5):
+        got = s8_backend.linear(x[:m].cuda(), lin)
+        assert torch.equal(got, full[:m]), m
+    twice = s8_backend.linear(torch.cat([x, x[:1]]).cuda(), lin)  # 9 rows: launches of 8 and 1
+    assert torch.equal(twice[:8], full) and torch.equal(twice[8:], full[:1])
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_zero_and_large_blocks(s8_backend, fmt):
+    """An all-zero x block (d = 0: no NaN from 0 / 0) and blocks of very different magnitudes (each block has its
+    own scale) in one row."""
+    k, n = 1024, 64
+    quant, _, lin = _weight(s8_backend, fmt, n, k, 11)
+    x = torch.randn(2, k, generator=torch.Generator().manual_seed(12)).half()
+    x[:, 64:96] = 0
+    x[0, 96:128] *= 1000
+    x[1, 128:160] *= 1e-3
+    got = s8_backend.linear(x.cuda(), lin)
+    assert torch.isfinite(got.float()).all()
+    assert rel_err(got, s8_reference(x, quant)) <= EMU_TOL
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_fused_norm_swiglu_residual(s8_backend, cpu_backend, fmt):
+    """The decoder block's fusions: RMSNorm + [gate; up] + SwiGLU at m = 1 and 8 (the one-pass 1/rms build), and
+    a product + residual."""
+    from voltserve.backends.cuda.linear import gemv_kernel_name
+
+    k, inner = 2048, 3 * 32 + 5
+    quant, weight, lin = _weight(s8_backend, fmt, 2 * inner, k, 7)
+    assert gemv_kernel_name(s8_backend, lin, 1, norm=True, silu=True) == "gemv_s8"
+    gen = torch.Generator().manual_seed(8)
+    norm = torch.rand(k, generator=gen) + 0.5
+    nd = s8_backend.prepare_norm(norm)
+    for m in (1, 8):
+        x = torch.randn(m, k, generator=gen).half()
+        got = s8_backend.norm_linear(x.cuda(), nd, 1e-5, lin, silu=True)
+        ref = cpu_backend.norm_linear(x.float(), norm, 1e-5, weight, silu=True)
+        assert got.shape == (m, inner) and rel_err(got, ref) <= 2e-2, m
+        normed = s8_backend.rms_norm(x.cuda(), nd, 1e-5)[0]
+        plain = s8_backend.linear(normed, lin)
+        assert rel_err(s8_backend.norm_linear(x.cuda(), nd, 1e-5, lin), plain) <= EMU_TOL, m
+        res = torch.randn(m, 2 * inner, generator=gen).half()
+        got = s8_backend.linear(x.cuda(), lin, residual=res.cuda())
+        assert rel_err(got, s8_reference(x, quant) + res.double()) <= EMU_TOL, m
+
+
+def test_choices_pin_gemv_mma(s8_backend, cpu_backend):
+    """gemv_s8 "off", or a forced gemv_kernel ("mma", "mma884"), run gemv_mma on the same repacked rows; "on"
+    takes gemv_s8 even then. Both agree with the fp32 reference within gemv_s8's bound."""
+    from voltserve.backends.cuda.linear import gemv_kernel_name
+
+    quant, weight, lin = _weight(s8_backend, "Q4_1", 256, 4096, 5)
+    x = torch.randn(4, 4096, generator=torch.Generator().manual_seed(6)).half()
+    s8 = s8_backend.linear(x.cuda(), lin)
+    s8_backend.gemv_s8 = "off"
+    assert gemv_kernel_name(s8_backend, lin, 4) == "gemv_mma"
+    mma = s8_backend.linear(x.cuda(), lin)
+    s8_backend.gemv_s8 = "auto"
+    assert gemv_kernel_name(s8_backend, lin, 1) == "gemv_s8" and gemv_kernel_name(s8_backend, lin, 4) == "gemv_mma"
+    s8_backend.gemv_kernel = "mma"
+    assert gemv_kernel_name(s8_backend, lin, 1) == "gemv_mma"
+    s8_backend.gemv_s8 = "on"
+    assert gemv_kernel_name(s8_backend, lin, 4) == "gemv_s8"
+    assert torch.equal(s8_backend.linear(x.cuda(), lin), s8)
+    ref = cpu_backend.linear(x.float(), weight)
+    assert rel_err(mma, ref) <= 3e-3 and rel_err(s8, ref) <= S8_TOL
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_persistent_grid_equals_full(s8_backend, fmt):
+    """More tiles than the GPU holds blocks at once (20,000 rows: 625 tiles; SwiGLU 1,250): the persistent grid's
+    blocks loop over tiles with x quantized once, bit for bit the one-block-per-tile grid's outputs."""
+    from voltserve.backends.cuda.linear import launch_linear
+
+    k, n = 512, 20000
+    quant, _, lin = _weight(s8_backend, fmt, n, k, 21)
+    x = torch.randn(3, k, generator=torch.Generator().manual_seed(22)).half().cuda()
+    res = torch.randn(3, n, generator=torch.Generator().manual_seed(23)).half().cuda()
+    got = {}
+    for grid in ("persistent", "full"):
+        s8_backend.gemv_s8_grid = grid
+        got[grid] = [s8_backend.linear(x[:m], lin, residual=res[:m]) for m in (1, 3)]
+        got[grid].append(launch_linear(s8_backend, x[:1], lin, silu=True))
+    for a, b in zip(got["persistent"], got["full"]):
+        assert torch.equal(a, b)
+    ref = s8_reference(x.cpu(), quant)
+    assert rel_err(got["persistent"][1].double().cpu() - res.double().cpu(), ref) <= EMU_TOL

@@ -1,4 +1,4 @@
-// gemv_common.cuh: what the decode GEMV kernels (gemv.cu, gemv_mma.cu) share: their params struct, the fused
+// gemv_common.cuh: what the decode GEMV kernels (gemv.cu, gemv_mma.cu, gemv_s8.cu) share: their params struct, the fused
 // epilogue value and the fused RMSNorm's 1 / rms.
 #pragma once
 #include "quant.cuh"

@@ -30,7 +30,7 @@
 // scale load per row (GGUF's 18 / 20 / 34-byte blocks allow only 2-4 byte loads), then the same words as
 // load_raw; each warp's k range is rounded to whole groups, so where that changes no range (k / 32 / 8 a
 // multiple of the group), results equal the GGUF layout's bit for bit.
-// gemv_mma_sb (gemv_mma.cu) is SM80+ only (cp.async); its SM70 build is an empty stub the launcher never takes.
+// gemv_mma_sb (gemv_mma.cu) is SM80+ only (cp.async); its SM70 build is a trapping stub the launcher never takes.
 // Reference: voltserve.backends.cpu.CpuBackend.linear.
 #pragma once
 #include "gemv_common.cuh"

@@ -19,13 +19,14 @@
 // repacked rows (gemv_mma.cuh: lane rows g, g + 8 of two 16-row tiles, load_rows_group's 16-byte loads, 8 warps
 // splitting k in whole load groups, two groups in flight, the first issued before pdl_enter) and ends in
 // gm_epilogue (fixed-order reduction of the warps' tiles; the residual and SwiGLU fusions). The MMA's k slots:
-// A word 0 (rows g, g + 8) and B word 0 are the same 4 elements of the block, A word 2 and B word 1 the other 4
-// of the lane's slot t: Q4 low nibbles of quant bytes 4t..4t+3 (elements 4t..4t+3) and high nibbles (16 + 4t..),
+// A words 0 / 1 (rows g / g + 8) pair with B word 0 (the same 4 elements of the block), A words 2 / 3 with B
+// word 1 (the other 4 of the lane's slot t): Q4 low nibbles of quant bytes 4t..4t+3 (elements 4t..4t+3) and high nibbles (16 + 4t..),
 // Q8_0 quant bytes 8t..8t+3 and 8t+4..8t+7. x's bytes are stored in that order, per row grouped as the weights'
 // load groups ([group][slot t][block of the group][2 words]), so a lane reads a group's B words with one or two
 // 16-byte loads.
 // S8_M1: the build for m = 1 (x scales [nb] read by every lane; only C column 0 is scaled); else [nb][8] and
-// each lane reads the scales of its columns 2t, 2t + 1. Columns past m multiply zeros and are never stored.
+// each lane reads the scales of its columns 2t, 2t + 1. Columns past m: their int32 sums are 0 (zero B columns)
+// and their scales unwritten smem, so their accumulators hold garbage that gm_epilogue never stores (r < m).
 // Dynamic shared memory: kernels.gemv_s8_smem_bytes (xq [m][nb * 32 + 16] bytes, then xs float2).
 // Requirements (the launcher checks): repacked rows (k % 256 == 0, 16-byte aligned), x rows 16-byte aligned.
 // Reference: voltserve.backends.cpu.CpuBackend.linear (fp32, unquantized x).
@@ -46,6 +47,8 @@ VOLT_DEVICE int cvt_rni(float v) {
     asm("cvt.rni.s32.f32 %0, %1;" : "=r"(i) : "f"(v));
     return i;
 }
+// max that keeps a NaN (fmaxf drops it): a NaN in x makes its block's d NaN, so y is NaN as with gemv_mma
+VOLT_DEVICE float max_nan(float a, float b) { return (b > a || b != b) ? b : a; }
 VOLT_DEVICE u32 pack_s8x4(const int* q) {
     return (u32)(q[0] & 0xff) | (u32)(q[1] & 0xff) << 8 | (u32)(q[2] & 0xff) << 16 | (u32)(q[3] & 0xff) << 24;
 }
@@ -70,9 +73,9 @@ VOLT_DEVICE void s8_quantize_quarter(const GemvParams& p, const float* inv_rms, 
     }
     float amax = 0.f;
 #pragma unroll
-    for (int e = 0; e < 8; ++e) amax = fmaxf(amax, fabsf(v[e]));
-    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
-    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
+    for (int e = 0; e < 8; ++e) amax = max_nan(amax, fabsf(v[e]));
+    amax = max_nan(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
+    amax = max_nan(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
     const float id = amax > 0.f ? 127.f / amax : 0.f;
     int q[8], sum = 0;
 #pragma unroll
@@ -140,13 +143,16 @@ VOLT_DEVICE void s8_scale(float (&acc)[4], const int (&ci)[4], u32 w0, u32 w1, f
     for (int e = 0; e < 4; ++e) {
         if (S8_M1 && (e & 1)) continue;  // column 2t + 1 >= 1 = m
         const float dw = e < 2 ? dw0 : dw1;
-        const float dx = e & 1 ? xsc.z : xsc.x, sx = e & 1 ? xsc.w : xsc.y;
+        const float dx = e & 1 ? xsc.z : xsc.x;
         const float c = (float)ci[e];  // exact: |sum| < 2^24
 #if WTYPE == WTYPE_Q8_0
         acc[e] = fmaf(dw, dx * c, acc[e]);
-#elif WTYPE == WTYPE_Q4_0
-        acc[e] = fmaf(dw, fmaf(dx, c, sx), acc[e]);  // sx = -8 s
 #else
+        const float sx = e & 1 ? xsc.w : xsc.y;
+#endif
+#if WTYPE == WTYPE_Q4_0
+        acc[e] = fmaf(dw, fmaf(dx, c, sx), acc[e]);  // sx = -8 s
+#elif WTYPE == WTYPE_Q4_1
         const float mw = e < 2 ? mw0 : mw1;
         acc[e] = fmaf(dw, dx * c, fmaf(mw, sx, acc[e]));
 #endif

@@ -76,6 +76,17 @@ def test_zero_and_large_blocks(s8_backend, fmt):
     assert rel_err(got, s8_reference(x, quant)) <= EMU_TOL
 
 
+def test_nan_in_x_reaches_y(s8_backend):
+    """A NaN in x makes its row's outputs NaN (as gemv_mma's fp16 products do), not a silent 0 from the int8
+    rounding; the other rows stay finite."""
+    quant, _, lin = _weight(s8_backend, "Q4_1", 64, 512, 13)
+    x = torch.randn(2, 512, generator=torch.Generator().manual_seed(14)).half()
+    x[1, 100] = float("nan")
+    got = s8_backend.linear(x.cuda(), lin).float().cpu()
+    assert torch.isnan(got[1]).all() and torch.isfinite(got[0]).all()
+    assert rel_err(got[:1], s8_reference(x[:1], quant)) <= EMU_TOL
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_fused_norm_swiglu_residual(s8_backend, cpu_backend, fmt):
     """The decoder block's fusions: RMSNorm + [gate; up] + SwiGLU at m = 1 and 8 (the one-pass 1/rms build), and

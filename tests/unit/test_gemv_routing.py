@@ -228,10 +228,11 @@ def test_repack_policy_and_routing():
     assert repack_wanted("on", 90, "Q4_1", 4096, big, swiglu=True)
     assert not repack_wanted("auto", 90, "Q8_0", 14336, big) and repack_wanted("on", 90, "Q8_0", 14336, big)
     assert repack_wanted("auto", 86, "Q8_0", 14336, big, superblocks=False)  # no gemv_mma_sb there to prefer
-    # with gemv_s8: every weight of >= 4 MB, SwiGLU pairs and wide Q8_0 too
+    # with gemv_s8: every Q4 weight of >= 4 MB whose one-row launches it takes (k <= 16384), SwiGLU pairs too
     assert repack_wanted("auto", 90, "Q4_1", 4096, big, swiglu=True, s8=True)
     assert not repack_wanted("auto", 90, "Q8_0", 14336, big, s8=True)  # Q8_0: gemv_s8 measured slower, old rule
     assert not repack_wanted("auto", 90, "Q4_1", 4096, small, s8=True)
+    assert not repack_wanted("auto", 90, "Q4_1", 16640, big, swiglu=True, s8=True)  # gemv_mma at m = 1: old rule
     for fmt in ("Q4_0", "Q4_1", "Q8_0"):
         w = _linear(fmt, 4096, 4096)
         w.layout = "repacked"

@@ -75,12 +75,13 @@ def repack_wanted(choice: str, arch: int, fmt: str, in_features: int, weight_byt
     where the GGUF rows could not take gemv_mma_sb instead (`superblocks`: its shared memory fits; 4096x14336
     Q8_0: 27.2 us through gemv_mma_sb vs 30.1 us repacked on the H200). `s8`: the backend runs gemv_s8 on
     repacked rows at one x row (`gemv_s8_enabled`), whose int8 MMAs beat the GGUF pair's scalar SwiGLU at m = 1
-    (38.3 vs 44.8 us), so then every Q4_0 / Q4_1 weight of >= GEMV_MMA_M1_MIN_BYTES is repacked."""
+    (29.2 vs 44.3 us on 28672x4096 Q4_1), so then every Q4_0 / Q4_1 weight of >= GEMV_MMA_M1_MIN_BYTES whose
+    one-row launches gemv_s8 takes (k <= GEMV_S8_AUTO_MAX_X) is repacked; wider ones keep the rule above."""
     if choice == "off" or arch < kernels.GEMV_MMA_SB_MIN_ARCH or not can_repack(fmt, in_features):
         return False
     if choice == "on":
         return True
-    if s8 and fmt in GEMV_S8_AUTO_FORMATS:
+    if s8 and fmt in GEMV_S8_AUTO_FORMATS and in_features <= GEMV_S8_AUTO_MAX_X:
         return weight_bytes >= GEMV_MMA_M1_MIN_BYTES
     return (weight_bytes >= GEMV_MMA_M1_MIN_BYTES and not swiglu
             and (fmt != "Q8_0" or in_features <= REPACK_Q8_0_MAX_K or not superblocks))

@@ -19,6 +19,7 @@ struct GemvParams {
     float eps;             // RMSNorm epsilon (norm_w only)
     int prefetch_bytes;    // gemv, SM90+: leading bytes of each warp's first weight row(s) prefetched into L2
                            // before pdl_enter (the launcher bounds the total so the prefetch cannot thrash L2)
+    u8* xq;                // gemv_s8 with S8_XG: x quantized once per launch (quantize_s8 writes, gemv_s8 reads)
 };
 VOLT_CHECK_PARAMS(GemvParams, VOLT_GEMV_PARAMS_BYTES);
 

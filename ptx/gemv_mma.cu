@@ -74,18 +74,6 @@ extern "C" __global__ void __launch_bounds__(32 * GM_WARPS, GM_MIN_BLOCKS) gemv_
 static_assert(GM_SB_SMEM == GM_WARPS * SB_STAGES * SB_STAGE, "gemv_mma_sb_smem_bytes drifted from the stage layout");
 #endif
 
-VOLT_DEVICE void cp_async16(void* smem, const void* gmem) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-    u32 s;
-    asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(s) : "l"(smem));
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(s), "l"(gmem) : "memory");
-#endif
-}
-VOLT_DEVICE void cp_async_commit() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-    asm volatile("cp.async.commit_group;" ::: "memory");
-#endif
-}
 // At step i a thread has committed SB_STAGES + i groups (SB_STAGES - 1 in the prologue, one per step); superblock
 // s_begin + i is group i, so at most SB_STAGES - 1 newer groups may stay in flight.
 VOLT_DEVICE void cp_async_wait_oldest() {

@@ -258,6 +258,20 @@ VOLT_DEVICE int gm_slot(int lane) {
 #endif
 }
 
+// 16-byte global -> shared copies that bypass registers (SM80+ cp.async; gemv_mma_sb's stages, gemv_s8's x).
+VOLT_DEVICE void cp_async16(void* smem, const void* gmem) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    u32 s;
+    asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(s) : "l"(smem));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(s), "l"(gmem) : "memory");
+#endif
+}
+VOLT_DEVICE void cp_async_commit() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.commit_group;" ::: "memory");
+#endif
+}
+
 typedef u32 GmRaw[GM_UNROLL][GM_ROWS][GM_RAW];
 typedef u32 GmX[GM_UNROLL][4];
 typedef float GmAcc[GM_NACC][GM_ACC];

@@ -14,8 +14,11 @@
 // x carries the 8-bit rounding, ~0.4% of a block's max per element, which is what bounds this kernel's error
 // (tests/kernels/test_gemv_s8.py states the bound and also checks the int8 sums exactly against a CPU emulation).
 //
-// Every block quantizes all m rows of x into shared memory once, after pdl_enter (with the fused RMSNorm first:
-// x * inv * w rounded to fp16 as rms_norm stores it), then streams its 32 weight rows exactly as gemv_mma does on
+// x reaches shared memory in one of two ways: every block quantizes all m rows itself after pdl_enter (with the
+// fused RMSNorm first: x * inv * w rounded to fp16 as rms_norm stores it), or (S8_XG) a quantize_s8 launch
+// quantizes them once into p.xq and every block copies that with cp.async: the per-block quantization costs
+// issue slots in proportion to m * k (at m = 8 it made the kernel 2x slower than gemv_mma), the extra launch a
+// fixed ~1-2 us (linear.gemv_s8_x_per_launch picks). Then each block streams its 32 weight rows as gemv_mma does on
 // repacked rows (gemv_mma.cuh: lane rows g, g + 8 of two 16-row tiles, load_rows_group's 16-byte loads, 8 warps
 // splitting k in whole load groups, two groups in flight, the first issued before pdl_enter) and ends in
 // gm_epilogue (fixed-order reduction of the warps' tiles; the residual and SwiGLU fusions). The MMA's k slots:
@@ -27,7 +30,8 @@
 // S8_M1: the build for m = 1 (x scales [nb] read by every lane; only C column 0 is scaled); else [nb][8] and
 // each lane reads the scales of its columns 2t, 2t + 1. Columns past m: their int32 sums are 0 (zero B columns)
 // and their scales unwritten smem, so their accumulators hold garbage that gm_epilogue never stores (r < m).
-// Dynamic shared memory: kernels.gemv_s8_smem_bytes (xq [m][nb * 32 + 16] bytes, then xs float2).
+// Dynamic shared memory: kernels.gemv_s8_smem_bytes (xq [m][nb * 32 + 16] bytes, then xs float2); p.xq of an
+// S8_XG launch holds the same bytes.
 // Requirements (the launcher checks): repacked rows (k % 256 == 0, 16-byte aligned), x rows 16-byte aligned.
 // Reference: voltserve.backends.cpu.CpuBackend.linear (fp32, unquantized x).
 #ifndef WREPACK
@@ -37,6 +41,9 @@
 
 #ifndef S8_M1
 #define S8_M1 0
+#endif
+#ifndef S8_XG
+#define S8_XG 0  // 1: x quantized once per launch by quantize_s8 into p.xq; gemv_s8 copies it into smem
 #endif
 #define S8_COLS (S8_M1 ? 1 : 8)  // x scales per block in smem
 
@@ -198,6 +205,48 @@ VOLT_DEVICE void s8_group(GmAcc& acc, const GmRaw& raw, const u8* xrow, const fl
 #endif
 }
 
+// S8_XG: copy the launch's quantized x (quantize_s8's output, the smem layout) into smem with cp.async.
+VOLT_DEVICE void s8_copy_x(const GemvParams& p, u8* xq) {
+    const int nb = p.k / 32, bytes = p.m * s8_pitch(nb) + nb * 8 * S8_COLS;  // kernels.gemv_s8_smem_bytes
+    for (int off = threadIdx.x * 16; off < bytes; off += blockDim.x * 16) cp_async16(xq + off, p.xq + off);
+    cp_async_commit();
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.wait_all;" ::: "memory");
+#endif
+}
+
+// quantize_s8 (S8_XG builds): x quantized once per launch into p.xq in gemv_s8's smem layout (xq rows, then xs),
+// instead of by every gemv_s8 block. Grid (ceil(nb * 4 / 256), m): each block takes 256 quarters (8 elements) of
+// x row blockIdx.y, normalized first with the row's 1 / rms (a block pass over the row) when norm_w is set.
+extern "C" __global__ void __launch_bounds__(256) quantize_s8(const GemvParams p) {
+#if GM_M16N8K16 && WREPACK && WTYPE != WTYPE_F16
+    __shared__ float scratch[32];
+    __shared__ float inv_rms[8];
+    pdl_enter();
+    const int r = blockIdx.y, nb = p.k / 32;
+    if (p.norm_w != nullptr) {
+        const float inv = row_inv_rms(p, r, scratch);
+        if (threadIdx.x == 0) inv_rms[r] = inv;
+        __syncthreads();
+    }
+    const int q = blockIdx.x * blockDim.x + threadIdx.x;  // quarter of row r
+    if (q < nb * 4) {  // warp-uniform: nb * 4 % 32 == 0
+        const int e0 = (q >> 2) * 32 + 8 * (q & 3);
+        const uint4 xv = *reinterpret_cast<const uint4*>(p.x + r * p.x_stride + e0);
+        float4 nw0 = make_float4(0.f, 0.f, 0.f, 0.f), nw1 = nw0;
+        if (p.norm_w != nullptr) {
+            nw0 = *reinterpret_cast<const float4*>(p.norm_w + e0);
+            nw1 = *reinterpret_cast<const float4*>(p.norm_w + e0 + 4);
+        }
+        s8_quantize_quarter(p, inv_rms, p.xq, reinterpret_cast<float2*>(p.xq + p.m * s8_pitch(nb)), r * nb * 4 + q,
+                            xv, nw0, nw1);
+    }
+#else
+    pdl_enter();  // never launched below SM80 (linear.gemv_s8_ok)
+    __trap();
+#endif
+}
+
 // This lane's weight rows of the tile whose first output feature is `base` (gemv_mma's rows per lane).
 VOLT_DEVICE void s8_tile_rows(const u8* (&rows)[GM_ROWS], const GemvParams& p, int base, int lane) {
 #pragma unroll
@@ -210,8 +259,10 @@ extern "C" __global__ void __launch_bounds__(32 * GM_WARPS, GM_MIN_BLOCKS) gemv_
 #if GM_M16N8K16 && WREPACK && WTYPE != WTYPE_F16 && GM_TILE_ROWS == 32
     extern __shared__ uint4 s8_smem[];  // xq [m][s8_pitch], then xs [nb][S8_COLS] float2
     __shared__ float red[GM_WARPS][GM_TILE_ROWS][8];
+#if !S8_XG
     __shared__ float scratch[GM_NORM_ONE_PASS ? GEMV_NORM_SCRATCH : 32];
     __shared__ float inv_rms[8];
+#endif
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, t = gm_slot(lane), xr = gm_x_row(lane);
     const u8* rows[GM_ROWS];
     const int n_out = SILU ? p.n / 2 : p.n, tiles = (n_out + GM_OUT_ROWS - 1) / GM_OUT_ROWS;
@@ -225,8 +276,12 @@ extern "C" __global__ void __launch_bounds__(32 * GM_WARPS, GM_MIN_BLOCKS) gemv_
     GmRaw raw0, raw1;
     load_rows_group(raw0, rows, nb, c_begin, c_end, t);  // in flight across the PDL wait and x's quantization
     pdl_enter();
+#if S8_XG
+    s8_copy_x(p, xq);
+#else
     gm_inv_rms(p, scratch, inv_rms, xr);
     s8_quantize_x(p, inv_rms, xq, xs);
+#endif
     __syncthreads();
     const bool x_row = xr < p.m;
     const u8* xrow = xq + (x_row ? xr : 0) * s8_pitch(nb);

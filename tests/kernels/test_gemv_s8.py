@@ -20,14 +20,15 @@ S8_TOL = 1.5e-2
 FORMATS = ["Q4_0", "Q4_1", "Q8_0"]
 
 
-@pytest.fixture
-def s8_backend(cuda_backend):
+@pytest.fixture(params=["block", "launch"])
+def s8_backend(request, cuda_backend):
     """The backend storing quant weights repacked and routing every launch that fits to gemv_s8 ("on": the
-    engine's "auto" takes it at one x row of Q4_0 / Q4_1 only, linear.gemv_s8_ok)."""
+    engine's "auto" takes Q4_0 / Q4_1 only, linear.gemv_s8_ok), with x quantized by every
+    block ("block") or once per launch by quantize_s8 ("launch")."""
     if cuda_backend.loader.arch < 80:
         pytest.skip("gemv_s8 is SM80+ (int8 mma.m16n8k32)")
     with backend_settings(cuda_backend, gemv_kernel="auto", quant_repack="on", gemv_s8="on",
-                          gemv_s8_grid="persistent"):
+                          gemv_s8_grid="persistent", gemv_s8_x=request.param):
         yield cuda_backend
 
 
@@ -124,7 +125,7 @@ def test_choices_pin_gemv_mma(s8_backend, cpu_backend):
     assert gemv_kernel_name(s8_backend, lin, 4) == "gemv_mma"
     mma = s8_backend.linear(x.cuda(), lin)
     s8_backend.gemv_s8 = "auto"
-    assert gemv_kernel_name(s8_backend, lin, 1) == "gemv_s8" and gemv_kernel_name(s8_backend, lin, 4) == "gemv_mma"
+    assert gemv_kernel_name(s8_backend, lin, 1) == "gemv_s8" and gemv_kernel_name(s8_backend, lin, 4) == "gemv_s8"
     s8_backend.gemv_kernel = "mma"
     assert gemv_kernel_name(s8_backend, lin, 1) == "gemv_mma"
     s8_backend.gemv_s8 = "on"
@@ -153,3 +154,23 @@ def test_persistent_grid_equals_full(s8_backend, fmt):
         assert torch.equal(a, b)
     ref = s8_reference(x.cpu(), quant)
     assert rel_err(got["persistent"][1].double().cpu() - res.double().cpu(), ref) <= EMU_TOL
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_x_per_launch_equals_per_block(s8_backend, fmt):
+    """x quantized once by quantize_s8 equals every block's own quantization bit for bit (same values, same
+    order), with the fused RMSNorm and SwiGLU too, at 1, 2 and 8 rows."""
+    from voltserve.backends.cuda.linear import launch_linear
+
+    k, n = 4096, 512
+    _, _, lin = _weight(s8_backend, fmt, n, k, 31)
+    gen = torch.Generator().manual_seed(32)
+    x = torch.randn(8, k, generator=gen).half().cuda()
+    nd = s8_backend.prepare_norm(torch.rand(k, generator=gen) + 0.5)
+    got = {}
+    for mode in ("block", "launch"):
+        s8_backend.gemv_s8_x = mode
+        got[mode] = [launch_linear(s8_backend, x[:m], lin, norm_weight=nd, eps=1e-5, silu=silu)
+                     for m in (1, 2, 8) for silu in (False, True)]
+    for a, b in zip(got["block"], got["launch"]):
+        assert torch.equal(a, b)

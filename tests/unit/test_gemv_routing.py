@@ -228,18 +228,18 @@ def test_repack_policy_and_routing():
     assert repack_wanted("on", 90, "Q4_1", 4096, big, swiglu=True)
     assert not repack_wanted("auto", 90, "Q8_0", 14336, big) and repack_wanted("on", 90, "Q8_0", 14336, big)
     assert repack_wanted("auto", 86, "Q8_0", 14336, big, superblocks=False)  # no gemv_mma_sb there to prefer
-    # with gemv_s8: every Q4 weight of >= 4 MB whose one-row launches it takes (k <= 16384), SwiGLU pairs too
+    # with gemv_s8: every Q4 weight of >= 4 MB, SwiGLU pairs too
     assert repack_wanted("auto", 90, "Q4_1", 4096, big, swiglu=True, s8=True)
     assert not repack_wanted("auto", 90, "Q8_0", 14336, big, s8=True)  # Q8_0: gemv_s8 measured slower, old rule
     assert not repack_wanted("auto", 90, "Q4_1", 4096, small, s8=True)
-    assert not repack_wanted("auto", 90, "Q4_1", 16640, big, swiglu=True, s8=True)  # gemv_mma at m = 1: old rule
+    assert repack_wanted("auto", 90, "Q4_1", 16640, big, swiglu=True, s8=True)
     for fmt in ("Q4_0", "Q4_1", "Q8_0"):
         w = _linear(fmt, 4096, 4096)
         w.layout = "repacked"
         for arch in (80, 90):
             for choice in ("auto", "scalar", "mma"):
                 for rows in (1, 3, 8):
-                    s8 = choice == "auto" and rows <= 1 and fmt in GEMV_S8_AUTO_FORMATS
+                    s8 = choice == "auto" and fmt in GEMV_S8_AUTO_FORMATS
                     want = "gemv_s8" if s8 else "gemv_mma"
                     assert gemv_kernel_name(_backend(arch, choice), w, rows, silu=rows == 1) == want
                     off = _backend(arch, choice)
@@ -280,10 +280,11 @@ def test_gemv_s8_fits(arch, smem_kb, rows, k, takes):
     be = _backend(arch, smem_kb=smem_kb)
     be.gemv_s8 = "on"
     assert (gemv_kernel_name(be, w, rows) == "gemv_s8") == takes
-    be.gemv_s8 = "auto"  # where it measured faster: 1 row, or 2 rows of k <= 8192 (rows * k <= 16384)
-    assert (gemv_kernel_name(be, w, 1) == "gemv_s8") == (arch >= 80)
-    assert (gemv_kernel_name(be, w, 2) == "gemv_s8") == (arch >= 80 and k <= 8192)
-    assert gemv_kernel_name(be, w, 3) == "gemv_mma"
+    be.gemv_s8 = "auto"  # Q4: every row count whose x fits
+    assert (gemv_kernel_name(be, w, rows) == "gemv_s8") == takes
+    q8 = _linear("Q8_0", 4096, k)
+    q8.layout = "repacked"
+    assert gemv_kernel_name(be, q8, 1) == "gemv_mma"  # Q8_0: gemv_mma under auto
     forced = _backend(arch, "mma", smem_kb=smem_kb)
     forced.gemv_s8 = "on"
     assert (gemv_kernel_name(forced, w, rows) == "gemv_s8") == takes
@@ -302,9 +303,27 @@ def test_gemv_s8_specs_are_built():
         for silu in (False, True):
             for rows in range(1, 9):
                 for one_pass in (False, True):
-                    assert kernels.gemv_s8_spec(fmt, silu, rows, one_pass) in built
+                    for per_launch in (False, True):
+                        assert kernels.gemv_s8_spec(fmt, silu, rows, one_pass, per_launch) in built
     assert kernels.gemv_s8_spec("Q4_1", False, 1, True) == {"WTYPE": 2, "SILU": 0, "S8_M1": 1}
+    for rows in (1, 8):  # x quantized per launch: the norm is quantize_s8's, no one-pass build
+        for silu in (False, True):
+            assert kernels.gemv_s8_spec("Q4_0", silu, rows, True, True) in built
+            assert kernels.gemv_s8_spec("Q4_0", silu, rows, True, True).get("GM_NORM_ONE_PASS") is None
     with pytest.raises(ValueError, match="quant weights"):
         kernels.gemv_s8_spec("F16", False, 1)
     with pytest.raises(ValueError, match="1..8"):
         kernels.gemv_s8_spec("Q8_0", False, 9)
+
+
+def test_gemv_s8_x_per_launch_rule():
+    """x is quantized once per launch (quantize_s8) under "auto" for >= 2 rows or one row wider than
+    GEMV_S8_BLOCK_MAX_X; "block" / "launch" force either."""
+    from voltserve.backends.cuda.linear import GEMV_S8_BLOCK_MAX_X, gemv_s8_x_per_launch
+
+    auto = SimpleNamespace(gemv_s8_x="auto")
+    assert not gemv_s8_x_per_launch(auto, 1, GEMV_S8_BLOCK_MAX_X)
+    assert gemv_s8_x_per_launch(auto, 1, GEMV_S8_BLOCK_MAX_X + 256) and gemv_s8_x_per_launch(auto, 2, 256)
+    assert not gemv_s8_x_per_launch(auto, 1, 14336)  # Llama-3-8B down_proj at batch 1
+    assert not gemv_s8_x_per_launch(SimpleNamespace(gemv_s8_x="block"), 8, 14336)
+    assert gemv_s8_x_per_launch(SimpleNamespace(gemv_s8_x="launch"), 1, 256)

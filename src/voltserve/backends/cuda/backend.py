@@ -79,6 +79,9 @@ class CudaBackend:
         # gemv_s8's grid: "persistent" (the blocks the GPU holds at once, looping over the tiles) or "full" (one
         # block per tile); VOLTSERVE_GEMV_S8_GRID for A/B runs
         self.gemv_s8_grid = _env_choice("VOLTSERVE_GEMV_S8_GRID", ("persistent", "full"))
+        # where gemv_s8 quantizes x: "auto" (linear.gemv_s8_x_per_launch), "block" (every block, in its prologue)
+        # or "launch" (once, by a quantize_s8 launch before it); VOLTSERVE_GEMV_S8_X for A/B runs
+        self.gemv_s8_x = _env_choice("VOLTSERVE_GEMV_S8_X", ("auto", "block", "launch"))
         # the RMSNorm before a decode GEMV: fused into it where that measured faster ("auto", linear.fuses_norm),
         # always where the kernel can ("on"), or always its own kernel first ("off"); VOLTSERVE_FUSE_NORM for A/B
         self.fuse_norm = _env_choice("VOLTSERVE_FUSE_NORM", ("auto", "on", "off"))

@@ -99,9 +99,11 @@ def gemv_mma_tile_rows(weight_rows: int, weight_bytes: int, arch: int, num_sms: 
 GEMV_S8_MIN_ARCH = 80  # gemv_s8: mma.m16n8k32 on int8
 
 
-def gemv_s8_spec(fmt: str, silu: bool, rows: int, norm_one_pass: bool = False) -> dict[str, int]:
+def gemv_s8_spec(fmt: str, silu: bool, rows: int, norm_one_pass: bool = False,
+                 x_per_launch: bool = False) -> dict[str, int]:
     """The -D set of gemv_s8.cu (repacked quant rows, int8 MMAs) for a launch of `rows` x rows: S8_M1 for one
-    row, else GM_NORM_ONE_PASS with `norm_one_pass` (as gemv_mma_spec).
+    row, else GM_NORM_ONE_PASS with `norm_one_pass` (as gemv_mma_spec); `x_per_launch`: S8_XG, x quantized once
+    by quantize_s8 (which then applies the norm: no one-pass build).
 
     Raises:
         ValueError: fp16 weights (no int8 path) or `rows` outside 1..GEMV_MAX_ROWS.
@@ -113,7 +115,9 @@ def gemv_s8_spec(fmt: str, silu: bool, rows: int, norm_one_pass: bool = False) -
     spec = {"WTYPE": WTYPES[fmt], "SILU": int(silu)}
     if rows == 1:
         spec["S8_M1"] = 1
-    elif norm_one_pass:
+    if x_per_launch:
+        spec["S8_XG"] = 1
+    elif norm_one_pass and rows > 1:
         spec["GM_NORM_ONE_PASS"] = 1
     return spec
 
@@ -218,7 +222,7 @@ SOURCES = {
                                       "VOLT_PREFILL_PARAMS_BYTES"),
     "gemv": KernelSource("gemv.cu", ("gemv", "gemv_q"), P.GemvParams, "VOLT_GEMV_PARAMS_BYTES"),
     "gemv_mma": KernelSource("gemv_mma.cu", ("gemv_mma", "gemv_mma_sb"), P.GemvParams, "VOLT_GEMV_PARAMS_BYTES"),
-    "gemv_s8": KernelSource("gemv_s8.cu", ("gemv_s8",), P.GemvParams, "VOLT_GEMV_PARAMS_BYTES"),
+    "gemv_s8": KernelSource("gemv_s8.cu", ("gemv_s8", "quantize_s8"), P.GemvParams, "VOLT_GEMV_PARAMS_BYTES"),
     "gemm_tiled": KernelSource("gemm_tiled.cu", ("gemm_tiled",), P.GemmParams, "VOLT_GEMM_PARAMS_BYTES"),
     "gemm_tc": KernelSource("gemm_tc.cu", ("gemm_tc",), P.GemmTcParams, "VOLT_GEMM_TC_PARAMS_BYTES"),
     "sampling": KernelSource("sampling.cu", ("argmax_logprob",), P.ArgmaxParams, "VOLT_ARGMAX_PARAMS_BYTES"),
@@ -313,8 +317,9 @@ def engine_specializations() -> list[tuple[str, dict[str, int]]]:
     specs += [("gemv_mma", gemv_mma_spec(f, bool(s), bool(o), t, r))
               for r in (False, True) for f in WTYPES if not (r and f == "F16")
               for s in (0, 1) for o in (0, 1) for t in GEMV_MMA_TILES]
-    specs += [("gemv_s8", gemv_s8_spec(f, bool(s), r, o)) for f in QUANT_BLOCK_BYTES for s in (0, 1)
-              for r, o in ((1, False), (8, False), (8, True))]
+    specs += [("gemv_s8", gemv_s8_spec(f, bool(s), r, o, g)) for f in QUANT_BLOCK_BYTES for s in (0, 1)
+              for r, o, g in ((1, False, False), (8, False, False), (8, True, False), (1, False, True),
+                              (8, False, True))]
     specs += [("gemm_tiled", {"WTYPE": w}) for w in WTYPES.values()]
     specs += [("gemm_tc", {"WTYPE": w, "BN": bn, **r}) for w in (1, 2, 3) for bn in GEMM_TC_BNS
               for r in ({}, {"WREPACK": 1})]

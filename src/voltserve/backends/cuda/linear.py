@@ -46,16 +46,17 @@ REPACK_Q8_0_MAX_K = 4096
 
 
 # gemv_s8 (int8 MMAs on repacked rows, x quantized per 32 like llama.cpp's Q8_1) replaces gemv_mma under
-# VOLTSERVE_GEMV_S8=auto for launches of at most GEMV_S8_AUTO_MAX_ROWS x rows and GEMV_S8_AUTO_MAX_X x elements
-# (rows * k: every block quantizes all of x), on GEMV_S8_AUTO_FORMATS (gemv_s8_ok). H200, bench_kernels.py
-# decode_gemv rows, gemv_mma -> gemv_s8 with the persistent grid (docs/performance.md), Q4_1: m = 1 14336x4096
-# 21.1 -> 16.3 us, 4096x4096 7.1 -> 6.1, 4096x14336 20.9 -> 20.9, fused RMSNorm + qkv 13.5 -> 8.6, RMSNorm +
-# gate_up + SwiGLU (the GGUF pair's scalar gemv before) 44.3 -> 29.2; m = 2 14336x4096 21.3 -> 17.8, 4096x4096
-# 7.1 -> 6.9 but 4096x14336 20.9 -> 25.5; m = 8 24.1 -> 25.9, 22.2 -> 49.3. Q8_0 lost at m = 1 too (9.3 -> 10.1,
-# 26.5 -> 27.3 us).
-GEMV_S8_AUTO_MAX_ROWS = 2
-GEMV_S8_AUTO_MAX_X = 16384
+# VOLTSERVE_GEMV_S8=auto on GEMV_S8_AUTO_FORMATS (gemv_s8_ok), with x quantized by every block at one x row of
+# k <= GEMV_S8_BLOCK_MAX_X and once per launch (quantize_s8) otherwise (gemv_s8_x_per_launch). H200,
+# bench_kernels.py decode_gemv rows, gemv_mma -> gemv_s8 (docs/performance.md), Q4_1: m = 1 (x per block)
+# 14336x4096 21.7 -> 16.4 us, 4096x4096 7.2 -> 6.2, 4096x14336 21.9 -> 20.7, fused RMSNorm + qkv 13.7 -> 8.9,
+# RMSNorm + gate_up + SwiGLU (the GGUF pair's scalar gemv before) 45.1 -> 29.0; m = 8 (x per launch) 14336x4096
+# 24.4 -> 18.1, 4096x14336 23.6 -> 19.4, 4096x4096 8.5 -> 8.5. Q8_0 gained nowhere by more than ~5% and lost up
+# to 15% on 4096x4096, so it keeps gemv_mma / gemv_mma_sb.
 GEMV_S8_AUTO_FORMATS = ("Q4_0", "Q4_1")
+# one-row gemv_s8 launches of k <= this quantize x in every block (an extra launch measured 1.7% slower per 8B
+# step at batch 1: 2.755 vs 2.709 ms); wider ones (not measured) and all launches of >= 2 rows take quantize_s8
+GEMV_S8_BLOCK_MAX_X = 16384
 
 
 def can_repack(fmt: str, in_features: int) -> bool:
@@ -75,13 +76,13 @@ def repack_wanted(choice: str, arch: int, fmt: str, in_features: int, weight_byt
     where the GGUF rows could not take gemv_mma_sb instead (`superblocks`: its shared memory fits; 4096x14336
     Q8_0: 27.2 us through gemv_mma_sb vs 30.1 us repacked on the H200). `s8`: the backend runs gemv_s8 on
     repacked rows at one x row (`gemv_s8_enabled`), whose int8 MMAs beat the GGUF pair's scalar SwiGLU at m = 1
-    (29.2 vs 44.3 us on 28672x4096 Q4_1), so then every Q4_0 / Q4_1 weight of >= GEMV_MMA_M1_MIN_BYTES whose
-    one-row launches gemv_s8 takes (k <= GEMV_S8_AUTO_MAX_X) is repacked; wider ones keep the rule above."""
+    (29.0 vs 45.1 us on 28672x4096 Q4_1), so then every Q4_0 / Q4_1 weight of >= GEMV_MMA_M1_MIN_BYTES is
+    repacked."""
     if choice == "off" or arch < kernels.GEMV_MMA_SB_MIN_ARCH or not can_repack(fmt, in_features):
         return False
     if choice == "on":
         return True
-    if s8 and fmt in GEMV_S8_AUTO_FORMATS and in_features <= GEMV_S8_AUTO_MAX_X:
+    if s8 and fmt in GEMV_S8_AUTO_FORMATS:
         return weight_bytes >= GEMV_MMA_M1_MIN_BYTES
     return (weight_bytes >= GEMV_MMA_M1_MIN_BYTES and not swiglu
             and (fmt != "Q8_0" or in_features <= REPACK_Q8_0_MAX_K or not superblocks))
@@ -403,17 +404,26 @@ def gemv_s8_enabled(backend: Any) -> bool:
 
 def gemv_s8_ok(backend: Any, w: CudaLinear, rows: int) -> bool:
     """Whether a GEMV launch of `rows` (1..8) x rows on repacked rows `w` runs gemv_s8 (ptx/gemv_s8.cu) instead
-    of gemv_mma: `gemv_s8_enabled`, under "auto" at most GEMV_S8_AUTO_MAX_ROWS rows and GEMV_S8_AUTO_MAX_X
-    elements of x, of a format in GEMV_S8_AUTO_FORMATS (where it measured faster), and x's int8 copy within the
+    of gemv_mma: `gemv_s8_enabled`, under "auto" a format in GEMV_S8_AUTO_FORMATS (where it measured faster),
+    and x's int8 copy within the
     blocks' opt-in shared memory (Llama-3-8B's down_proj at 8 rows: 143 KB; SM86/89 allow 99 KB)."""
     if w.layout != "repacked" or not gemv_s8_enabled(backend):
         return False
-    if getattr(backend, "gemv_s8", "auto") == "auto" and (
-            rows > GEMV_S8_AUTO_MAX_ROWS or rows * w.in_features > GEMV_S8_AUTO_MAX_X
-            or w.fmt not in GEMV_S8_AUTO_FORMATS):
+    if getattr(backend, "gemv_s8", "auto") == "auto" and w.fmt not in GEMV_S8_AUTO_FORMATS:
         return False
     smem = kernels.gemv_s8_smem_bytes(rows, w.in_features) + kernels.GEMV_MMA_STATIC_SMEM
     return smem <= backend.loader.max_smem_optin
+
+
+def gemv_s8_x_per_launch(backend: Any, rows: int, k: int) -> bool:
+    """Whether a gemv_s8 launch of `rows` x rows of width k has x quantized once by a quantize_s8 launch before
+    it (S8_XG) rather than by every block: `backend.gemv_s8_x` "launch" / "block" force it; "auto" for >= 2
+    rows or k > GEMV_S8_BLOCK_MAX_X (every block's quantization then costs more than the extra launch: Q4_1
+    4096x14336 at m = 8 51.3 us per block vs 19.4 us per launch)."""
+    choice = getattr(backend, "gemv_s8_x", "auto")
+    if choice != "auto":
+        return choice == "launch"
+    return rows > 1 or k > GEMV_S8_BLOCK_MAX_X
 
 
 def _launch_gemv_s8(backend: Any, x: torch.Tensor, w: CudaLinear, y: torch.Tensor,
@@ -429,15 +439,25 @@ def _launch_gemv_s8(backend: Any, x: torch.Tensor, w: CudaLinear, y: torch.Tenso
     for r0 in range(0, m, kernels.GEMV_MAX_ROWS):
         rows = min(kernels.GEMV_MAX_ROWS, m - r0)
         xr = x[r0:r0 + rows]
-        spec, smem = kernels.gemv_s8_spec(w.fmt, silu, rows, one_pass), kernels.gemv_s8_smem_bytes(rows, k)
+        per_launch = gemv_s8_x_per_launch(backend, rows, k)
+        spec = kernels.gemv_s8_spec(w.fmt, silu, rows, one_pass, per_launch)
+        smem = kernels.gemv_s8_smem_bytes(rows, k)
+        xq, norm = None, norm_weight
+        if per_launch:  # x quantized once (the norm with it) into a workspace the GEMV's blocks copy
+            xq = torch.empty(smem, dtype=torch.uint8, device=x.device)
+            q = P.GemvParams(xr.data_ptr(), None, None, None, norm.data_ptr() if norm is not None else None,
+                             xr.stride(0), 0, 0, rows, 0, k, vec_ok, eps, 0, xq.data_ptr())
+            backend._launch("gemv_s8", "quantize_s8", spec, (math.ceil(k // 32 * 4 / 256), rows, 1), (256, 1, 1),
+                            0, q)
+            norm = None
         grid = tiles
         if getattr(backend, "gemv_s8_grid", "persistent") == "persistent":
             grid = min(tiles, backend.num_sms * backend._occupancy("gemv_s8", "gemv_s8", spec, smem,
                                                                   32 * kernels.GEMV_MMA_WARPS))
         p = P.GemvParams(xr.data_ptr(), w.data.data_ptr(), y.data_ptr() + r0 * n_out * 2,
                          residual.data_ptr() + r0 * n_out * 2 if residual is not None else None,
-                         norm_weight.data_ptr() if norm_weight is not None else None, xr.stride(0), n_out,
-                         w.row_bytes, rows, w.out_features, k, vec_ok, eps, 0)
+                         norm.data_ptr() if norm is not None else None, xr.stride(0), n_out,
+                         w.row_bytes, rows, w.out_features, k, vec_ok, eps, 0, xq.data_ptr() if xq is not None else None)
         backend._launch("gemv_s8", "gemv_s8", spec, (grid, 1, 1), (32 * kernels.GEMV_MMA_WARPS, 1, 1), smem, p, pdl)
 
 

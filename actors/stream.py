@@ -47,10 +47,16 @@ class RequestStream:
         self._waiter: asyncio.Future | None = None  # the consumer's wait for the next put (an Event, leaner)
         self._unfinished = set(range(num_seqs))
         self._error: BaseException | None = None
+        self._aborted = False
 
     @property
     def finished(self) -> bool:
         return not self._unfinished and not self._pending
+
+    @property
+    def done(self) -> bool:
+        """Nothing more will reach the consumer: every delta taken, the stream failed, or it was aborted."""
+        return self._aborted or self._error is not None or self.finished
 
     @property
     def all_seqs_finished(self) -> bool:
@@ -107,6 +113,7 @@ class RequestStream:
             self.wake()
 
     def abort(self) -> None:
+        self._aborted = True
         self._abort(self.request_id)
 
     def pop_ready(self) -> RequestOutput | None:

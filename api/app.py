@@ -65,6 +65,23 @@ def make_engine(config: EngineConfig) -> Any:
     return AsyncEngine(config)
 
 
+async def drain_on_signal(state: ServerState, timeout_s: float,
+                          signals: tuple[int, ...] = (signal.SIGINT, signal.SIGTERM)) -> None:
+    """hypercorn's shutdown trigger under `voltserve serve`: wait for one of `signals`, then drain the requests in
+    flight (`ServerState.drain`: up to `timeout_s` s; a second signal ends them at once) before hypercorn closes
+    the connections, so open streams end with an error event and `[DONE]` instead of a cut connection."""
+    loop = asyncio.get_running_loop()
+    stop, hurry = asyncio.Event(), asyncio.Event()
+
+    def on_signal() -> None:
+        (hurry if stop.is_set() else stop).set()
+
+    for sig in signals:
+        loop.add_signal_handler(sig, on_signal)
+    await stop.wait()
+    await state.drain(timeout_s, hurry)
+
+
 def _terminate_self() -> None:
     os.kill(os.getpid(), signal.SIGTERM)  # hypercorn's handler shuts down gracefully; after_serving runs
 

@@ -46,6 +46,7 @@ ERROR_TABLE: dict[type[BaseException], ErrorKind] = {
     E.QueueFullError: ErrorKind(503, "server_error", "overloaded_error", "queue_full"),
     E.RequestAbortedError: ErrorKind(503, "server_error", "api_error", "request_aborted"),
     E.EngineDeadError: ErrorKind(503, "server_error", "api_error", "engine_dead"),
+    E.ServerShuttingDownError: ErrorKind(503, "server_error", "overloaded_error", "server_shutting_down"),
     E.StepFailedError: ErrorKind(500, "server_error", "api_error", "step_failed"),
 }
 INTERNAL = ErrorKind(500, "server_error", "api_error")

@@ -1,9 +1,12 @@
-"""What every route needs from the app: the engine, the config, id and clock sources."""
+"""What every route needs from the app: the engine, the config, id and clock sources, and the graceful drain."""
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import time
 import uuid
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -11,9 +14,11 @@ from typing import Any
 from quart import current_app
 
 from voltserve.config import EngineConfig
-from voltserve.errors import EngineDeadError, InvalidRequestError, ModelNotFoundError
+from voltserve.errors import EngineDeadError, InvalidRequestError, ModelNotFoundError, ServerShuttingDownError
 
 EXTENSION_KEY = "voltserve"
+logger = logging.getLogger(__name__)
+DRAIN_POLL_S = 0.05
 
 
 def random_id(prefix: str) -> str:
@@ -36,6 +41,8 @@ class ServerState:
         new_id: prefix -> unique response id; injectable so tests can compare exact bytes.
         clock: -> unix seconds for `created`; injectable for the same reason.
         started_s: when the app was created (the model card's `created`).
+        draining: set by `drain`: the server is shutting down and takes no new requests.
+        streams: the engine streams of the requests in flight (`track`), weakly held.
     """
 
     engine: Any
@@ -43,16 +50,58 @@ class ServerState:
     new_id: Callable[[str], str] = random_id
     clock: Callable[[], int] = unix_time_s
     started_s: int = field(default_factory=unix_time_s)
+    draining: bool = False
+    streams: weakref.WeakSet = field(default_factory=weakref.WeakSet)
 
     def ready_engine(self) -> Any:
         """The engine, when it can take requests.
 
         Raises:
+            ServerShuttingDownError: `drain` began (503: clients retry elsewhere).
             EngineDeadError: not started yet, stopped, or an actor died.
         """
+        if self.draining:
+            raise ServerShuttingDownError("the server is shutting down")
         if self.engine is None or not self.engine.is_healthy:
             raise EngineDeadError("the engine is not running")
         return self.engine
+
+    def track(self, stream: Any) -> Any:
+        """Note a request's engine stream as in flight (for `drain`); returns it."""
+        self.streams.add(stream)
+        return stream
+
+    def open_streams(self) -> list[Any]:
+        """The tracked streams whose consumer may still get something (`RequestStream.done` false)."""
+        return [s for s in list(self.streams) if not getattr(s, "done", getattr(s, "finished", True))]
+
+    async def drain(self, timeout_s: float, hurry: asyncio.Event | None = None) -> int:
+        """Graceful shutdown: stop taking requests (`ready_engine` raises, so new ones and /health get 503), let
+        the ones in flight finish for up to `timeout_s` seconds, then end the rest with ServerShuttingDownError
+        (a stream sends it as an in-band error event and `[DONE]`, a non-streamed request answers 503) and abort
+        them in the engine (their KV blocks freed). The server's own shutdown follows (`voltserve serve`).
+        `hurry` set (a second signal) ends the wait at once.
+
+        Returns:
+            how many requests were ended early.
+        """
+        self.draining = True
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + max(0.0, timeout_s)
+        open_ = self.open_streams()
+        if open_:
+            logger.info("shutting down: %d request(s) in flight get up to %g s to finish", len(open_), timeout_s)
+        while open_ and loop.time() < deadline and not (hurry is not None and hurry.is_set()):
+            await asyncio.sleep(min(DRAIN_POLL_S, max(0.0, deadline - loop.time())))
+            open_ = self.open_streams()
+        for stream in open_:
+            fail = getattr(stream, "fail", None)
+            if fail is not None:
+                fail(ServerShuttingDownError("the server is shutting down"))
+            stream.abort()
+        if open_:
+            logger.warning("shutting down: ended %d request(s) still running after %g s", len(open_), timeout_s)
+        return len(open_)
 
     def check_model(self, name: str) -> None:
         """Raises ModelNotFoundError (404) unless `name` is the served model name (empty -> 400)."""

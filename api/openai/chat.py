@@ -64,7 +64,8 @@ async def chat_completions():
     prompt_ids = await chat_prompt_ids(engine, req)
     # Validation (context length, params) raises here, before any byte of a stream is sent.
     max_tokens_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-    stream = add_request(engine, prompt_ids, params, prompt_param="messages", max_tokens_param=max_tokens_param)
+    stream = state.track(add_request(engine, prompt_ids, params, prompt_param="messages",
+                                     max_tokens_param=max_tokens_param))
     response_id, created = state.new_id("chatcmpl-"), state.clock()
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)

@@ -103,7 +103,7 @@ async def completions():
     engine = state.ready_engine()
     prompt = _single_prompt(req.prompt)
     prompt_ids = await prompt_work(len(prompt), _prompt_ids, engine.tokenizer, prompt)
-    stream = add_request(engine, prompt_ids, params, prompt_param="prompt", max_tokens_param="max_tokens")
+    stream = state.track(add_request(engine, prompt_ids, params, prompt_param="prompt", max_tokens_param="max_tokens"))
     response_id, created = state.new_id("cmpl-"), state.clock()
     builder = _LogprobsBuilder(engine.tokenizer)
     if req.stream:

@@ -45,6 +45,7 @@ HELP = {
     "gpu_busy_log_interval": "seconds between log lines with the GPU's busy share of wall time (CUDA); 0 = off",
     "engine_process": "run the engine in its own process, apart from HTTP (default on)",
     "event_loop": "event loop of the server and the engine process: auto (uvloop when installed), uvloop, asyncio",
+    "shutdown_timeout": "seconds open requests may finish after SIGINT/SIGTERM before they are ended (new ones: 503)",
 }
 
 
@@ -80,7 +81,8 @@ def _export_env(args: argparse.Namespace) -> None:
 
 
 def serve(args: argparse.Namespace) -> int:
-    """Run hypercorn on `api:app` until SIGINT/SIGTERM. Returns the exit status."""
+    """Run hypercorn on `api:app` until SIGINT/SIGTERM, then drain the requests in flight for up to
+    `--shutdown-timeout` s (`api.app.drain_on_signal`). Returns the exit status."""
     from hypercorn.asyncio import serve as hypercorn_serve
     from hypercorn.config import Config as HypercornConfig
 
@@ -100,10 +102,14 @@ def serve(args: argparse.Namespace) -> int:
     hconfig.errorlog = logging.getLogger("hypercorn.error")
     logger.info("voltserve %s: serving %s on http://%s (%s event loop)", __version__, config.model, hconfig.bind[0],
                 loop_name)
-    event_loop.run(hypercorn_serve(api.app, hconfig), config.event_loop)
+    from api.app import drain_on_signal
     from api.state import EXTENSION_KEY
 
-    engine = api.app.extensions[EXTENSION_KEY].engine
+    state = api.app.extensions[EXTENSION_KEY]
+    event_loop.run(hypercorn_serve(api.app, hconfig,
+                                   shutdown_trigger=lambda: drain_on_signal(state, config.shutdown_timeout)),
+                   config.event_loop)
+    engine = state.engine
     if engine is not None and getattr(engine, "_dead", None) is not None:
         logger.error("exiting with status 1: the engine died (%r)", engine._dead)
         return 1

@@ -108,6 +108,10 @@ class EngineConfig:
         event_loop: the event loop of `voltserve serve` and of the engine process (`voltserve.event_loop`):
             "auto" (uvloop when installed, else asyncio's), "uvloop" or "asyncio". `hypercorn api:app` runs the
             API process on the loop its `-k` option names.
+        shutdown_timeout: seconds `voltserve serve` lets open requests finish after SIGINT / SIGTERM (new ones
+            get 503, /health turns 503) before it ends the rest: streams with an in-band error event and
+            `[DONE]`, others with a 503 (`api.state.ServerState.drain`). A bare `hypercorn api:app` instead
+            waits its `--graceful-timeout` and then closes the connections.
     """
 
     model: str = DEFAULT_MODEL
@@ -135,6 +139,7 @@ class EngineConfig:
     exit_on_engine_death: bool = False
     engine_process: bool = True
     event_loop: str = "auto"
+    shutdown_timeout: float = 30.0
 
     def validate(self) -> "EngineConfig":
         """Check ranges; raises ConfigError naming the setting. Returns self."""
@@ -151,6 +156,8 @@ class EngineConfig:
             raise ConfigError("sse_keep_alive_interval must be >= 0")
         if self.gpu_busy_log_interval < 0:
             raise ConfigError("gpu_busy_log_interval must be >= 0")
+        if self.shutdown_timeout < 0:
+            raise ConfigError("shutdown_timeout must be >= 0")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ConfigError("gpu_memory_utilization must be in (0, 1]")
         check_event_loop(self.event_loop)

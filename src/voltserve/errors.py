@@ -53,6 +53,10 @@ class RequestAbortedError(VoltError):
     """The request was aborted before it finished (client gone, server stopping)."""
 
 
+class ServerShuttingDownError(VoltError):
+    """The server is shutting down: it takes no new requests and ended this one after its grace period."""
+
+
 class StepFailedError(VoltError):
     """The engine step running this request raised; the request is failed, the engine keeps serving."""
 

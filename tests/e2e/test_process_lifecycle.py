@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -131,3 +132,54 @@ def test_child_exits_when_the_api_process_dies(tiny_dir):
     while not _gone(child_pid) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert _gone(child_pid)  # EOF on its socket ended it
+
+
+@pytest.mark.slow
+def test_sigterm_to_voltserve_serve_ends_open_streams_cleanly(tiny_dir):
+    """`voltserve serve` on SIGTERM (systemd stop): a stream still running after --shutdown-timeout ends with the
+    shutdown error event and [DONE] (not a cut connection), the server exits 0 with its engine process reaped,
+    and nothing is logged as a traceback."""
+    import httpx
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "VOLTSERVE_API_KEY": "", "VOLTSERVE_LOG_LEVEL": "info"}
+    proc = subprocess.Popen([sys.executable, "-m", "voltserve.cli", "serve", str(tiny_dir), "--device", "cpu",
+                             "--port", str(port), "--max-model-len", "4096", "--num-kv-blocks", "256",
+                             "--shutdown-timeout", "0.5"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, proc.stdout.read().decode()[-3000:]
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "server not healthy after 120 s"
+            time.sleep(0.2)
+        body = b""
+        request = {"model": str(tiny_dir), "prompt": "hello", "max_tokens": 3000, "ignore_eos": True,
+                   "stream": True}
+        with httpx.stream("POST", url + "/v1/completions", json=request, timeout=30) as response:
+            assert response.status_code == 200
+            for chunk in response.iter_raw():
+                if not body:
+                    proc.send_signal(signal.SIGTERM)  # mid-stream, after the first tokens
+                body += chunk
+        assert proc.wait(timeout=30) == 0
+        log = proc.stdout.read().decode()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    events = body.split(b"\n\n")
+    assert events[-3] == (b'data: {"error":{"message":"the server is shutting down","type":"server_error",'
+                          b'"param":null,"code":"server_shutting_down"}}'), body[-400:]
+    assert body.endswith(b"data: [DONE]\n\n")
+    assert len(events) > 4  # tokens were streamed before the cut
+    assert "ended 1 request(s) still running after 0.5 s" in log
+    assert "Traceback" not in log and "CancelledError" not in log, log[-3000:]

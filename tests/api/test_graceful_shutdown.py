@@ -1,0 +1,102 @@
+"""Graceful shutdown (`ServerState.drain`, `api.app.drain_on_signal`, what `voltserve serve` does on SIGINT /
+SIGTERM): new requests and /health get 503 at once, requests in flight finish within the grace period, and the
+ones still running after it end cleanly: a stream with an in-band error event and `[DONE]`, a non-streamed
+request with a 503, both aborted in the engine (no KV block held)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+
+import orjson
+from tests.api.conftest import chat_body
+from tests.api.fake_engine import StreamedEngine
+
+from api.app import drain_on_signal
+from api.state import EXTENSION_KEY
+
+SHUTDOWN_EVENT = (b'data: {"error":{"message":"the server is shutting down","type":"server_error","param":null,'
+                  b'"code":"server_shutting_down"}}')
+SHUTDOWN_JSON = {"error": {"message": "the server is shutting down", "type": "server_error", "param": None,
+                           "code": "server_shutting_down"}}
+
+
+def _state(client):
+    return client.app.extensions[EXTENSION_KEY]
+
+
+async def _wait_for(predicate, timeout_s: float = 2.0) -> None:
+    for _ in range(int(timeout_s / 0.01)):
+        if predicate():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("condition not reached")
+
+
+async def test_requests_in_flight_finish_within_the_grace_period(serve):
+    """A stream that ends within the timeout is untouched (its normal chunks and [DONE]); meanwhile new requests
+    and /health answer 503 in the OpenAI error shape, with Retry-After."""
+    async with serve(StreamedEngine(scripts=["abcd"], delay_s=0.05)) as (client, engine):
+        state = _state(client)
+        reply = asyncio.create_task(client.post("/v1/chat/completions", json=chat_body(stream=True)))
+        await _wait_for(lambda: engine.requests)
+        drain = asyncio.create_task(state.drain(5.0))
+        await _wait_for(lambda: state.draining)
+        refused = await client.post("/v1/chat/completions", json=chat_body())
+        health = await client.get("/health")
+        body = await (await reply).get_data()
+        assert await drain == 0
+    assert refused.status_code == 503 and refused.headers["Retry-After"] == "1"
+    assert orjson.loads(await refused.get_data()) == SHUTDOWN_JSON
+    assert health.status_code == 503
+    assert b"server_shutting_down" not in body and body.endswith(b"data: [DONE]\n\n")
+    assert b'"finish_reason":"stop"' in body
+    assert engine.aborted == [] and len(engine.requests) == 1
+
+
+async def test_requests_past_the_grace_period_end_with_an_error_event(serve):
+    """Still running at the deadline: the stream gets the shutdown error event then [DONE] (byte-exact), the
+    non-streamed request a 503, and both are aborted in the engine."""
+    async with serve(StreamedEngine(scripts=["x" * 200], delay_s=0.02)) as (client, engine):
+        state = _state(client)
+        streamed = asyncio.create_task(client.post("/v1/chat/completions", json=chat_body(stream=True)))
+        plain = asyncio.create_task(client.post("/v1/chat/completions", json=chat_body()))
+        await _wait_for(lambda: len(engine.requests) == 2)
+        assert await state.drain(0.1) == 2
+        stream_reply, plain_reply = await streamed, await plain
+        body = await stream_reply.get_data()
+        assert stream_reply.status_code == 200
+        events = body.split(b"\n\n")
+        assert events[-3] == SHUTDOWN_EVENT and body.endswith(b"data: [DONE]\n\n")
+        assert plain_reply.status_code == 503
+        assert orjson.loads(await plain_reply.get_data()) == SHUTDOWN_JSON
+        assert set(engine.aborted) == {rid for _, _, rid in engine.requests}  # abort is idempotent
+        assert state.open_streams() == []
+
+
+async def test_second_signal_ends_the_wait_at_once(serve):
+    """drain_on_signal: the first SIGTERM starts the drain (timeout 60 s), a second one ends it now."""
+    async with serve(StreamedEngine(scripts=["x" * 200], delay_s=0.02)) as (client, engine):
+        state = _state(client)
+        streamed = asyncio.create_task(client.post("/v1/chat/completions", json=chat_body(stream=True)))
+        await _wait_for(lambda: engine.requests)
+        trigger = asyncio.create_task(drain_on_signal(state, 60.0, signals=(signal.SIGUSR1,)))
+        await asyncio.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGUSR1)
+        await _wait_for(lambda: state.draining)
+        assert not trigger.done()
+        os.kill(os.getpid(), signal.SIGUSR1)
+        await asyncio.wait_for(trigger, 2.0)
+        asyncio.get_running_loop().remove_signal_handler(signal.SIGUSR1)
+        body = await (await streamed).get_data()
+    assert body.split(b"\n\n")[-3] == SHUTDOWN_EVENT
+    assert set(engine.aborted) == {engine.requests[0][2]}
+
+
+async def test_idle_server_drains_at_once(serve):
+    async with serve(StreamedEngine()) as (client, _):
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        assert await _state(client).drain(30.0) == 0
+        assert loop.time() - start < 0.5

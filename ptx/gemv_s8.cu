@@ -23,10 +23,10 @@
 // splitting k in whole load groups, two groups in flight, the first issued before pdl_enter) and ends in
 // gm_epilogue (fixed-order reduction of the warps' tiles; the residual and SwiGLU fusions). The MMA's k slots:
 // A words 0 / 1 (rows g / g + 8) pair with B word 0 (the same 4 elements of the block), A words 2 / 3 with B
-// word 1 (the other 4 of the lane's slot t): Q4 low nibbles of quant bytes 4t..4t+3 (elements 4t..4t+3) and high nibbles (16 + 4t..),
-// Q8_0 quant bytes 8t..8t+3 and 8t+4..8t+7. x's bytes are stored in that order, per row grouped as the weights'
-// load groups ([group][slot t][block of the group][2 words]), so a lane reads a group's B words with one or two
-// 16-byte loads.
+// word 1 (the other 4 of the lane's slot t): Q4 low nibbles of quant bytes 4t..4t+3 (elements 4t..4t+3) and
+// high nibbles (16 + 4t..), Q8_0 quant bytes 8t..8t+3 and 8t+4..8t+7. x's bytes are stored in that order, per
+// row grouped as the weights' load groups ([group][slot t][block of the group][2 words]), so a lane reads a
+// group's B words with one or two 16-byte loads.
 // S8_M1: the build for m = 1 (x scales [nb] read by every lane; only C column 0 is scaled); else [nb][8] and
 // each lane reads the scales of its columns 2t, 2t + 1. Columns past m: their int32 sums are 0 (zero B columns)
 // and their scales unwritten smem, so their accumulators hold garbage that gm_epilogue never stores (r < m).
@@ -254,7 +254,7 @@ VOLT_DEVICE void s8_tile_rows(const u8* (&rows)[GM_ROWS], const GemvParams& p, i
 }
 
 // Grid: one block per 32-row tile (SILU: 16 gate + 16 up rows), or fewer blocks that loop over the tiles
-// (kernels.gemv_s8_grid: the tiles of a large weight would otherwise quantize x once per tile).
+// (backend.gemv_s8_grid "persistent": x is then quantized, or copied, once per block instead of once per tile).
 extern "C" __global__ void __launch_bounds__(32 * GM_WARPS, GM_MIN_BLOCKS) gemv_s8(const GemvParams p) {
 #if GM_M16N8K16 && WREPACK && WTYPE != WTYPE_F16 && GM_TILE_ROWS == 32
     extern __shared__ uint4 s8_smem[];  // xq [m][s8_pitch], then xs [nb][S8_COLS] float2
@@ -274,7 +274,7 @@ extern "C" __global__ void __launch_bounds__(32 * GM_WARPS, GM_MIN_BLOCKS) gemv_
     u8* xq = reinterpret_cast<u8*>(s8_smem);
     float2* xs = reinterpret_cast<float2*>(xq + p.m * s8_pitch(nb));
     GmRaw raw0, raw1;
-    load_rows_group(raw0, rows, nb, c_begin, c_end, t);  // in flight across the PDL wait and x's quantization
+    load_rows_group(raw0, rows, nb, c_begin, c_end, t);  // in flight across the PDL wait and x's quantization / copy
     pdl_enter();
 #if S8_XG
     s8_copy_x(p, xq);
@@ -285,7 +285,7 @@ extern "C" __global__ void __launch_bounds__(32 * GM_WARPS, GM_MIN_BLOCKS) gemv_
     __syncthreads();
     const bool x_row = xr < p.m;
     const u8* xrow = xq + (x_row ? xr : 0) * s8_pitch(nb);
-    for (; tile < tiles; tile += gridDim.x) {  // a grid short of the tiles: x is quantized once per block
+    for (; tile < tiles; tile += gridDim.x) {  // a grid short of the tiles: x is in smem once per block
         GmAcc acc = {};
         for (int c = c_begin; c < c_end; c += 2 * RP_GROUP) {  // two register buffers, as gemv_mma
             load_rows_group(raw1, rows, nb, c + RP_GROUP, c_end, t);

@@ -20,11 +20,12 @@ S8_TOL = 1.5e-2
 FORMATS = ["Q4_0", "Q4_1", "Q8_0"]
 
 
-@pytest.fixture(params=["block", "launch"])
+@pytest.fixture(params=["block", "launch", "auto"])
 def s8_backend(request, cuda_backend):
     """The backend storing quant weights repacked and routing every launch that fits to gemv_s8 ("on": the
     engine's "auto" takes Q4_0 / Q4_1 only, linear.gemv_s8_ok), with x quantized by every
-    block ("block") or once per launch by quantize_s8 ("launch")."""
+    block ("block"), once per launch by quantize_s8 ("launch") or as the engine picks ("auto": per block at one
+    row, per launch from two, so 9 rows are a launch of each)."""
     if cuda_backend.loader.arch < 80:
         pytest.skip("gemv_s8 is SM80+ (int8 mma.m16n8k32)")
     with backend_settings(cuda_backend, gemv_kernel="auto", quant_repack="on", gemv_s8="on",
@@ -173,4 +174,34 @@ def test_x_per_launch_equals_per_block(s8_backend, fmt):
         got[mode] = [launch_linear(s8_backend, x[:m], lin, norm_weight=nd, eps=1e-5, silu=silu)
                      for m in (1, 2, 8) for silu in (False, True)]
     for a, b in zip(got["block"], got["launch"]):
+        assert torch.equal(a, b)
+
+
+def test_graph_replay_equals_eager(s8_backend):
+    """gemv_s8 captured in a CUDA graph (quantize_s8's workspace from torch's graph pool when x is quantized per
+    launch) replays bit for bit what eager launches compute, at 1, 2, 8 and 9 rows, fused norm + SwiGLU too."""
+    from voltserve.backends.cuda.linear import launch_linear
+
+    k, n = 4096, 256
+    _, _, lin = _weight(s8_backend, "Q4_1", n, k, 41)
+    gen = torch.Generator().manual_seed(42)
+    x = torch.randn(9, k, generator=gen).half().cuda()
+    nd = s8_backend.prepare_norm(torch.rand(k, generator=gen) + 0.5)
+
+    def step():
+        return [launch_linear(s8_backend, x[:m], lin, norm_weight=nd if m % 2 else None, eps=1e-5, silu=m == 2)
+                for m in (1, 2, 8, 9)]
+
+    step()  # loads every module before capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        s8_backend.refresh_stream()
+        captured = step()
+    s8_backend.refresh_stream()
+    x.copy_(torch.randn(9, k, generator=gen).half())
+    eager = step()
+    graph.replay()
+    torch.cuda.synchronize()
+    for a, b in zip(captured, eager):
         assert torch.equal(a, b)

@@ -25,8 +25,8 @@ import torch
 from voltserve.backends.base import AttentionMetadata
 from voltserve.backends.cuda import driver, kernels
 from voltserve.backends.cuda import params as P
-from voltserve.backends.cuda.linear import (CudaEmbedding, CudaLinear, gemv_mma_sb_fits, gemv_s8_enabled, launch_linear,
-                                           repack_wanted)
+from voltserve.backends.cuda.linear import (CudaEmbedding, CudaLinear, gemv_mma_sb_fits, gemv_s8_enabled, gemv_s8_fits,
+                                           launch_linear, repack_wanted)
 from voltserve.backends.cuda.module import KernelLoader
 
 
@@ -135,7 +135,8 @@ class CudaBackend:
     def prepare_linear(self, weight: torch.Tensor, quant: Any | None = None, swiglu: bool = False) -> CudaLinear:
         repack = quant is not None and self.gemv_kernel != "scalar" and repack_wanted(
             self.quant_repack, self.loader.compile_arch, quant.qtype, weight.shape[1], int(quant.data.nbytes),
-            swiglu, superblocks=gemv_mma_sb_fits(self, quant.qtype), s8=gemv_s8_enabled(self))
+            swiglu, superblocks=gemv_mma_sb_fits(self, quant.qtype),
+            s8=gemv_s8_enabled(self) and gemv_s8_fits(self, kernels.GEMV_MAX_ROWS, weight.shape[1]))
         return CudaLinear.upload(weight, quant, self.device, repack=repack)
 
     def prepare_embedding(self, weight: torch.Tensor, quant: Any | None = None) -> CudaEmbedding:

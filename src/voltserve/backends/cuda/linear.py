@@ -74,10 +74,10 @@ def repack_wanted(choice: str, arch: int, fmt: str, in_features: int, weight_byt
     small, launch-bound weights stay GGUF), not a SwiGLU pair (`swiglu`: at m = 1 the GGUF pair runs the scalar
     gemv's fused SwiGLU, 44.1 us vs gemv_mma's 53.4 us on 28672x4096 Q4_1), and Q8_0 wider than k = 4096 only
     where the GGUF rows could not take gemv_mma_sb instead (`superblocks`: its shared memory fits; 4096x14336
-    Q8_0: 27.2 us through gemv_mma_sb vs 30.1 us repacked on the H200). `s8`: the backend runs gemv_s8 on
-    repacked rows at one x row (`gemv_s8_enabled`), whose int8 MMAs beat the GGUF pair's scalar SwiGLU at m = 1
-    (29.0 vs 45.1 us on 28672x4096 Q4_1), so then every Q4_0 / Q4_1 weight of >= GEMV_MMA_M1_MIN_BYTES is
-    repacked."""
+    Q8_0: 27.2 us through gemv_mma_sb vs 30.1 us repacked on the H200). `s8`: the backend runs gemv_s8 on this
+    weight's repacked rows at every row count (`gemv_s8_enabled` and `gemv_s8_fits` at 8 rows), whose int8
+    MMAs beat the GGUF pair's scalar SwiGLU at m = 1 (29.0 vs 45.1 us on 28672x4096 Q4_1), so then every
+    Q4_0 / Q4_1 weight of >= GEMV_MMA_M1_MIN_BYTES is repacked."""
     if choice == "off" or arch < kernels.GEMV_MMA_SB_MIN_ARCH or not can_repack(fmt, in_features):
         return False
     if choice == "on":
@@ -405,13 +405,18 @@ def gemv_s8_enabled(backend: Any) -> bool:
 def gemv_s8_ok(backend: Any, w: CudaLinear, rows: int) -> bool:
     """Whether a GEMV launch of `rows` (1..8) x rows on repacked rows `w` runs gemv_s8 (ptx/gemv_s8.cu) instead
     of gemv_mma: `gemv_s8_enabled`, under "auto" a format in GEMV_S8_AUTO_FORMATS (where it measured faster),
-    and x's int8 copy within the
-    blocks' opt-in shared memory (Llama-3-8B's down_proj at 8 rows: 143 KB; SM86/89 allow 99 KB)."""
+    and `gemv_s8_fits`."""
     if w.layout != "repacked" or not gemv_s8_enabled(backend):
         return False
     if getattr(backend, "gemv_s8", "auto") == "auto" and w.fmt not in GEMV_S8_AUTO_FORMATS:
         return False
-    smem = kernels.gemv_s8_smem_bytes(rows, w.in_features) + kernels.GEMV_MMA_STATIC_SMEM
+    return gemv_s8_fits(backend, rows, w.in_features)
+
+
+def gemv_s8_fits(backend: Any, rows: int, k: int) -> bool:
+    """Whether x's int8 copy for `rows` x rows of width k fits the blocks' opt-in shared memory (Llama-3-8B's
+    down_proj at 8 rows: 143 KB; SM86/89 allow 99 KB, A100 163 KB)."""
+    smem = kernels.gemv_s8_smem_bytes(rows, k) + kernels.GEMV_MMA_STATIC_SMEM
     return smem <= backend.loader.max_smem_optin
 
 
@@ -447,8 +452,7 @@ def _launch_gemv_s8(backend: Any, x: torch.Tensor, w: CudaLinear, y: torch.Tenso
             xq = torch.empty(smem, dtype=torch.uint8, device=x.device)
             q = P.GemvParams(xr.data_ptr(), None, None, None, norm.data_ptr() if norm is not None else None,
                              xr.stride(0), 0, 0, rows, 0, k, vec_ok, eps, 0, xq.data_ptr())
-            backend._launch("gemv_s8", "quantize_s8", spec, (math.ceil(k // 32 * 4 / 256), rows, 1), (256, 1, 1),
-                            0, q)
+            backend._launch("gemv_s8", "quantize_s8", spec, (-(-k // 2048), rows, 1), (256, 1, 1), 0, q)
             norm = None
         grid = tiles
         if getattr(backend, "gemv_s8_grid", "persistent") == "persistent":
@@ -457,7 +461,8 @@ def _launch_gemv_s8(backend: Any, x: torch.Tensor, w: CudaLinear, y: torch.Tenso
         p = P.GemvParams(xr.data_ptr(), w.data.data_ptr(), y.data_ptr() + r0 * n_out * 2,
                          residual.data_ptr() + r0 * n_out * 2 if residual is not None else None,
                          norm.data_ptr() if norm is not None else None, xr.stride(0), n_out,
-                         w.row_bytes, rows, w.out_features, k, vec_ok, eps, 0, xq.data_ptr() if xq is not None else None)
+                         w.row_bytes, rows, w.out_features, k, vec_ok, eps, 0,
+                         xq.data_ptr() if xq is not None else None)
         backend._launch("gemv_s8", "gemv_s8", spec, (grid, 1, 1), (32 * kernels.GEMV_MMA_WARPS, 1, 1), smem, p, pdl)
 
 

@@ -18,6 +18,7 @@ from werkzeug.exceptions import HTTPException
 
 from api.auth import check_api_key
 from api.errors import error_response, unknown_url_response
+from api.metrics import ServerMetrics, engine_stats
 from api.state import EXTENSION_KEY, ServerState, random_id, unix_time_s
 from voltserve.config import EngineConfig
 from voltserve.errors import VoltError
@@ -31,9 +32,10 @@ def _blueprints():
     from api.health import bp as health
     from api.openai.chat import bp as chat
     from api.openai.completions import bp as completions
+    from api.metrics import bp as metrics
     from api.openai.models import bp as models
 
-    return [health, chat, completions, models]
+    return [health, metrics, chat, completions, models]
 
 
 async def watch_engine(engine: Any, on_death: Callable[[], None], interval_s: float = 1.0,
@@ -109,6 +111,7 @@ def create_app(engine: Any = None, config: EngineConfig | None = None, *,
     app.config["MAX_CONTENT_LENGTH"] = MAX_BODY_BYTES
     app.config["RESPONSE_TIMEOUT"] = None  # streams may outlive Quart's 60 s default
     state = ServerState(engine=engine, config=config, new_id=new_id, clock=clock)
+    state.metrics = ServerMetrics(config.served_model_name, lambda: engine_stats(state.engine))
     app.extensions[EXTENSION_KEY] = state
     for bp in _blueprints():
         app.register_blueprint(bp)

@@ -41,6 +41,7 @@ class ServerState:
         new_id: prefix -> unique response id; injectable so tests can compare exact bytes.
         clock: -> unix seconds for `created`; injectable for the same reason.
         started_s: when the app was created (the model card's `created`).
+        metrics: the app's Prometheus metrics (`api.metrics`; made in `create_app`).
         draining: set by `drain`: the server is shutting down and takes no new requests.
         streams: the engine streams of the requests in flight (`track`), weakly held.
     """
@@ -50,6 +51,7 @@ class ServerState:
     new_id: Callable[[str], str] = random_id
     clock: Callable[[], int] = unix_time_s
     started_s: int = field(default_factory=unix_time_s)
+    metrics: Any = None
     draining: bool = False
     streams: weakref.WeakSet = field(default_factory=weakref.WeakSet)
 

@@ -57,6 +57,7 @@ def _logprobs(tokenizer, logprobs: list[TokenLogprob]) -> ChatLogprobs:
 async def chat_completions():
     """Create a chat completion; `stream: true` answers with server-sent events."""
     state = get_state()
+    stats = state.metrics.request()
     req = parse_request(ChatCompletionRequest, await request_body())
     state.check_model(req.model)
     params = _params(req)
@@ -70,9 +71,9 @@ async def chat_completions():
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         events = _stream_events(engine, stream, req, params, response_id, created, include_usage,
-                                state.config.sse_keep_alive_interval)
+                                state.config.sse_keep_alive_interval, stats)
         return sse_response(events, stream)
-    results, counter = await collect(stream)
+    results, counter = await collect(stream, stats)
     choices = [
         ChatChoice(index=i, message=AssistantMessage(content=seq.text), finish_reason=seq.finish_reason,
                    logprobs=_logprobs(engine.tokenizer, seq.logprobs) if params.logprobs is not None else None)
@@ -82,7 +83,8 @@ async def chat_completions():
                                                 choices=choices, usage=counter.usage()))
 
 
-def _stream_events(engine, stream, req, params, response_id, created, include_usage, keep_alive_s=0.0):
+def _stream_events(engine, stream, req, params, response_id, created, include_usage, keep_alive_s=0.0,
+                   stats=None):
     """Chunks: a role delta per choice, content deltas, a finish chunk per choice, usage, [DONE].
 
     Without logprobs a chunk is assembled from bytes: the head and tail that pydantic renders once per request
@@ -113,4 +115,4 @@ def _stream_events(engine, stream, req, params, response_id, created, include_us
     roles = [chunk([ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))])
              for i in range(params.n)]
     return drive_stream(stream, choice_chunk, (lambda usage: chunk([], usage)) if include_usage else None, roles,
-                        keep_alive_s)
+                        keep_alive_s, stats)

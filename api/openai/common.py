@@ -125,11 +125,19 @@ class UsageCounter:
         self.prompt_tokens = 0
         self.cached_tokens = 0
         self.output_tokens: dict[int, int] = {}
+        self.finish_reason: str | None = None  # of the last sequence to finish
 
     def add(self, out: RequestOutput) -> None:
         self.prompt_tokens = out.num_prompt_tokens
         self.cached_tokens = max(self.cached_tokens, out.num_cached_tokens)
         self.output_tokens[out.index] = out.num_output_tokens
+        if out.finish_reason is not None:
+            self.finish_reason = out.finish_reason.value
+
+    def record(self, stats) -> None:
+        """Report the finished request to its `api.metrics.RequestStats` (None: none)."""
+        if stats is not None:
+            stats.finished(self.prompt_tokens, sum(self.output_tokens.values()), self.finish_reason)
 
     def usage(self) -> Usage:
         completion = sum(self.output_tokens.values())
@@ -138,8 +146,9 @@ class UsageCounter:
                      prompt_tokens_details=PromptTokensDetails(cached_tokens=self.cached_tokens))
 
 
-async def collect(stream) -> tuple[dict[int, SequenceResult], UsageCounter]:
+async def collect(stream, stats=None) -> tuple[dict[int, SequenceResult], UsageCounter]:
     """Drain a RequestStream into one SequenceResult per choice index; aborts the request if cancelled.
+    `stats`: the request's `api.metrics.RequestStats` (first output, then finished or failed), or None.
 
     Raises:
         EngineDeadError: the engine died mid-request.
@@ -149,6 +158,8 @@ async def collect(stream) -> tuple[dict[int, SequenceResult], UsageCounter]:
     finished = False
     try:
         async for out in stream:
+            if stats is not None and not results:
+                stats.first_token()
             seq = results.setdefault(out.index, SequenceResult())
             seq.text += out.text
             seq.token_ids.extend(out.token_ids)
@@ -157,8 +168,15 @@ async def collect(stream) -> tuple[dict[int, SequenceResult], UsageCounter]:
                 seq.finish_reason = out.finish_reason.value
             counter.add(out)
         finished = True
+        counter.record(stats)
+    except VoltError as exc:
+        if stats is not None:
+            stats.failed(_error_code(exc))
+        raise
     finally:
         if not finished:  # client gone (handler cancelled) or engine error: free the request's KV blocks
+            if stats is not None:
+                stats.failed("client_gone")  # no-op after an engine error
             stream.abort()
     return results, counter
 
@@ -239,7 +257,7 @@ def finish_json(out: RequestOutput) -> bytes:
 
 async def drive_stream(stream, choice_chunk: Callable[[RequestOutput, list[TokenLogprob]], bytes],
                        usage_chunk: Callable[[Usage], bytes] | None, first: Iterable[bytes] = (),
-                       keep_alive_s: float = 0.0) -> AsyncIterator[bytes]:
+                       keep_alive_s: float = 0.0, stats=None) -> AsyncIterator[bytes]:
     """The SSE body of a streamed request, shared by every OpenAI endpoint.
 
     Args:
@@ -249,6 +267,7 @@ async def drive_stream(stream, choice_chunk: Callable[[RequestOutput, list[Token
         first: chunks sent before any token (e.g. chat's role deltas).
         keep_alive_s: seconds of silence before a `: keep-alive` comment; 0 = none. A RequestStream is woken by
             an `sse.IdleTimer` (`interrupt()`); another source (test doubles) goes through `sse.with_keep_alive`.
+        stats: the request's `api.metrics.RequestStats` (first output written, then finished or failed), or None.
     Yields:
         Framed events, then `data: [DONE]`. Deltas with no text and no finish (bytes of a split character) are
         held, their logprobs joining the next chunk. An engine error after the status went out is sent in-band;
@@ -272,6 +291,7 @@ async def drive_stream(stream, choice_chunk: Callable[[RequestOutput, list[Token
     # a RequestStream hands over what else it holds without waiting; other sources (test doubles) one by one
     pop_ready = getattr(stream, "pop_ready", None) if outputs is stream else None
     tail: list[bytes] = []  # events that go out with [DONE]
+    first_out = stats  # cleared once the first output is written
     try:
         for event in first:
             yield event
@@ -296,6 +316,9 @@ async def drive_stream(stream, choice_chunk: Callable[[RequestOutput, list[Token
                 out = pop_ready() if pop_ready is not None else None
             if not parts:
                 continue
+            if first_out is not None:
+                first_out.first_token()
+                first_out = None
             if timer is not None:
                 timer.touch()
             if pop_ready is not None and stream.finished:  # nothing follows but usage and [DONE]
@@ -303,6 +326,7 @@ async def drive_stream(stream, choice_chunk: Callable[[RequestOutput, list[Token
                 break
             yield parts[0] if len(parts) == 1 else b"".join(parts)
         finished = True
+        counter.record(stats)
         if usage_chunk is not None:
             tail.append(usage_chunk(counter.usage()))
     except VoltError as exc:  # the status is already sent: report the error in-band
@@ -310,6 +334,8 @@ async def drive_stream(stream, choice_chunk: Callable[[RequestOutput, list[Token
 
         finished = True
         kind, message, param = describe(exc)
+        if stats is not None:
+            stats.failed(_error_code(exc))
         tail.append(sse.frame(openai_payload(message, kind, param)))
     finally:
         if timer is not None:
@@ -317,6 +343,16 @@ async def drive_stream(stream, choice_chunk: Callable[[RequestOutput, list[Token
         elif outputs is not stream:
             await outputs.aclose()  # its pending __anext__ task
         if not finished:  # client disconnected
+            if stats is not None:
+                stats.failed("client_gone")
             stream.abort()
     tail.append(sse.DONE)
     yield b"".join(tail)
+
+
+def _error_code(exc: BaseException) -> str:
+    """The OpenAI `error.code` (else `error.type`) an exception is reported with: the metrics' failure reason."""
+    from api.errors import kind_of
+
+    kind = kind_of(exc)
+    return kind.code or kind.openai_type

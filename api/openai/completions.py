@@ -97,6 +97,7 @@ class _LogprobsBuilder:
 async def completions():
     """Create a text completion; `stream: true` answers with server-sent events."""
     state = get_state()
+    stats = state.metrics.request()
     req = parse_request(CompletionRequest, await request_body())
     state.check_model(req.model)
     params = _params(req)
@@ -109,9 +110,9 @@ async def completions():
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         events = _stream_events(stream, req, params, builder, response_id, created, include_usage,
-                                state.config.sse_keep_alive_interval)
+                                state.config.sse_keep_alive_interval, stats)
         return sse_response(events, stream)
-    results, counter = await collect(stream)
+    results, counter = await collect(stream, stats)
     choices = [
         CompletionChoice(index=i, text=seq.text, finish_reason=seq.finish_reason,
                          logprobs=builder.build(i, seq.logprobs) if params.logprobs is not None else None)
@@ -121,7 +122,8 @@ async def completions():
                                             usage=counter.usage()))
 
 
-def _stream_events(stream, req, params, builder, response_id, created, include_usage, keep_alive_s=0.0):
+def _stream_events(stream, req, params, builder, response_id, created, include_usage, keep_alive_s=0.0,
+                   stats=None):
     """Chunks: text deltas (the last per choice with finish_reason), usage when asked, [DONE].
 
     Without logprobs a chunk is assembled from bytes around the text, as chat's are (`chunk_frame_parts`).
@@ -145,4 +147,4 @@ def _stream_events(stream, req, params, builder, response_id, created, include_u
                          b"}", tail))
 
     return drive_stream(stream, choice_chunk, (lambda usage: chunk([], usage)) if include_usage else None,
-                        keep_alive_s=keep_alive_s)
+                        keep_alive_s=keep_alive_s, stats=stats)

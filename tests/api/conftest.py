@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 
+import orjson
 import pytest
 
 from api import create_app
@@ -35,3 +36,20 @@ def serve():
 def chat_body(**extra) -> dict:
     """A valid chat request, with `extra` fields merged in."""
     return {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], **extra}
+
+
+async def leave_mid_stream(client, body: dict, chunks: int = 2) -> bytes:
+    """POST a streamed chat request, read `chunks` body chunks, then disconnect as a client that leaves.
+
+    Returns:
+        the first chunk read.
+    """
+    async with client.request("/v1/chat/completions", method="POST",
+                              headers={"content-type": "application/json"}) as connection:
+        await connection.send(orjson.dumps(body))
+        await connection.send_complete()
+        first = await connection.receive()
+        for _ in range(chunks - 1):
+            await connection.receive()
+        await connection.disconnect()
+    return first

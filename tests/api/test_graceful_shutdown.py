@@ -73,6 +73,9 @@ async def test_requests_past_the_grace_period_end_with_an_error_event(serve):
         assert orjson.loads(await plain_reply.get_data()) == SHUTDOWN_JSON
         assert set(engine.aborted) == {rid for _, _, rid in engine.requests}  # abort is idempotent
         assert state.open_streams() == []
+        metrics = (await (await client.get("/metrics")).get_data()).decode()  # still served while draining
+    assert ('voltserve:request_failure_total{model_name="test-model",reason="server_shutting_down"} 2.0'
+            in metrics.splitlines())
 
 
 async def test_second_signal_ends_the_wait_at_once(serve):

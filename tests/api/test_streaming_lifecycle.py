@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 
 import orjson
-from tests.api.conftest import MODEL, chat_body
+from tests.api.conftest import MODEL, chat_body, leave_mid_stream
 from tests.api.fake_engine import ScriptedEngine
 from voltserve.request import SamplingParams
 
@@ -58,14 +58,8 @@ async def test_keep_alive_does_not_close_source():
 async def test_client_disconnect_aborts_request(serve):
     engine = ScriptedEngine(scripts=["x" * 200], delay_s=0.02)
     async with serve(engine) as (client, _):
-        async with client.request("/v1/chat/completions", method="POST",
-                                  headers={"content-type": "application/json"}) as connection:
-            await connection.send(orjson.dumps(chat_body(stream=True)))
-            await connection.send_complete()
-            first = await connection.receive()
-            assert first.startswith(b"data: ")
-            await connection.receive()
-            await connection.disconnect()
+        first = await leave_mid_stream(client, chat_body(stream=True))
+        assert first.startswith(b"data: ")
         (_, _, request_id), = engine.requests
         for _ in range(50):  # the cancelled generator's finally runs on the next loop turns
             if engine.aborted:

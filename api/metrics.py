@@ -1,0 +1,151 @@
+"""GET /metrics: the server's request and engine figures in the Prometheus text format (prometheus-client).
+
+Names follow vLLM's (`vllm:time_to_first_token_seconds`, ...) with the `voltserve:` prefix, so dashboards and
+alerts written for it carry over; every series has a `model_name` label (the served model name).
+
+- counters: `voltserve:request_success_total{finished_reason}` (requests whose every sequence finished: stop,
+  length, ...; the reason of the last sequence to finish), `voltserve:request_failure_total{reason}` (requests
+  ended early after they were admitted: `client_gone`, or the error code sent in-band / as the 5xx status:
+  `engine_dead`, `step_failed`, `server_shutting_down`, ...), `voltserve:prompt_tokens_total`,
+  `voltserve:generation_tokens_total` (both counted for finished requests).
+- histograms (seconds, measured in the API process from the handler's start): `time_to_first_token_seconds`
+  (TTFT: until the first output is written, or received for a non-streamed request),
+  `time_per_output_token_seconds` (TPOT: (last - first output) / (output tokens - 1), the tokens of all the
+  request's sequences, for requests of >= 2 output tokens) and `e2e_request_latency_seconds`.
+- gauges, read from the engine at scrape time (`engine.kv_stats()`): `num_requests_running`,
+  `num_requests_waiting`, `kv_cache_usage_perc` (share of KV blocks in use, 0..1).
+
+The per-request cost is a clock read at the first and at the last output and a few counter updates; nothing per
+token. GET /metrics needs the API key when one is set, as every route but /health.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from quart import Blueprint, Response
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+# TTFT / e2e buckets (s): from a launch-bound small model's milliseconds to long queued prompts
+LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
+                   80.0)
+TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5,
+                1.0, 2.5)
+
+
+class _EngineGauges:
+    """Collector of the engine's queue and KV-pool gauges, read when Prometheus scrapes."""
+
+    def __init__(self, stats: Callable[[], dict | None], model_name: str):
+        self._stats, self._model = stats, model_name
+
+    def collect(self):
+        stats = self._stats() or {}
+        blocks = stats.get("num_blocks", 0)
+        used = (blocks - stats.get("num_free_blocks", 0)) / blocks if blocks else 0.0
+        for name, doc, value in (
+                ("voltserve:num_requests_running", "Requests in the engine's running batch.",
+                 stats.get("num_running", 0)),
+                ("voltserve:num_requests_waiting", "Requests queued for admission.", stats.get("num_waiting", 0)),
+                ("voltserve:kv_cache_usage_perc", "Share of the KV pool's blocks in use (0..1).", used)):
+            gauge = GaugeMetricFamily(name, doc, labels=["model_name"])
+            gauge.add_metric([self._model], float(value))
+            yield gauge
+
+
+class ServerMetrics:
+    """The metrics of one app, in a registry of its own (several apps in one process, as in tests, stay apart).
+
+    Args:
+        model_name: the `model_name` label.
+        engine_stats: -> `engine.kv_stats()` of the running engine, or None before it runs.
+    """
+
+    def __init__(self, model_name: str, engine_stats: Callable[[], dict | None]):
+        self.registry = CollectorRegistry()
+        self.model_name = model_name
+        reg, label = self.registry, ["model_name"]
+        self.success = Counter("voltserve:request_success", "Finished requests, by finish reason.",
+                               label + ["finished_reason"], registry=reg)
+        self.failure = Counter("voltserve:request_failure", "Admitted requests that ended early, by reason.",
+                               label + ["reason"], registry=reg)
+        self.prompt_tokens = Counter("voltserve:prompt_tokens", "Prompt tokens of finished requests.", label,
+                                     registry=reg)
+        self.generation_tokens = Counter("voltserve:generation_tokens", "Output tokens of finished requests.",
+                                         label, registry=reg)
+        self.ttft = Histogram("voltserve:time_to_first_token_seconds", "Time to the first output token (TTFT).",
+                              label, buckets=LATENCY_BUCKETS, registry=reg)
+        self.tpot = Histogram("voltserve:time_per_output_token_seconds", "Time per output token after the first.",
+                              label, buckets=TPOT_BUCKETS, registry=reg)
+        self.e2e = Histogram("voltserve:e2e_request_latency_seconds", "Time from the request to its last token.",
+                             label, buckets=LATENCY_BUCKETS, registry=reg)
+        reg.register(_EngineGauges(engine_stats, model_name))
+
+    def request(self) -> "RequestStats":
+        """A timer for one request, started now."""
+        return RequestStats(self)
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition of every metric."""
+        return generate_latest(self.registry)
+
+
+class RequestStats:
+    """One request's timings: `first_token()` when its first output goes out, then `finished(...)` or
+    `failed(...)` once (later calls are ignored)."""
+
+    __slots__ = ("_metrics", "_start", "_first", "_done")
+
+    def __init__(self, metrics: ServerMetrics):
+        self._metrics = metrics
+        self._start = time.perf_counter()
+        self._first: float | None = None
+        self._done = False
+
+    def first_token(self) -> None:
+        if self._first is None:
+            self._first = time.perf_counter()
+
+    def finished(self, prompt_tokens: int, output_tokens: int, finish_reason: str | None) -> None:
+        """Every sequence finished; `output_tokens` over all of them, `finish_reason` that of the last."""
+        if self._done:
+            return
+        self._done = True
+        now, m = time.perf_counter(), self._metrics
+        name = m.model_name
+        m.success.labels(name, finish_reason or "unknown").inc()
+        m.prompt_tokens.labels(name).inc(prompt_tokens)
+        m.generation_tokens.labels(name).inc(output_tokens)
+        m.e2e.labels(name).observe(now - self._start)
+        if self._first is not None:
+            m.ttft.labels(name).observe(self._first - self._start)
+            if output_tokens > 1:
+                m.tpot.labels(name).observe((now - self._first) / (output_tokens - 1))
+
+    def failed(self, reason: str) -> None:
+        if self._done:
+            return
+        self._done = True
+        self._metrics.failure.labels(self._metrics.model_name, reason).inc()
+
+
+def engine_stats(engine: Any) -> dict | None:
+    """`engine.kv_stats()` when the engine runs, else None (the gauges then read 0)."""
+    if engine is None or not getattr(engine, "is_healthy", False):
+        return None
+    return engine.kv_stats()
+
+
+bp = Blueprint("metrics", __name__)
+
+
+@bp.get("/metrics")
+async def metrics():
+    """The Prometheus text exposition of this server's metrics."""
+    from api.state import get_state
+
+    return Response(get_state().metrics.render(), content_type=CONTENT_TYPE)

@@ -1,0 +1,84 @@
+"""GET /metrics (api/metrics.py): the Prometheus exposition after real requests through the app (token counts
+equal to the responses' usage, one TTFT / TPOT / e2e observation per finished request, failures by reason) and
+the engine gauges read at scrape time."""
+
+from __future__ import annotations
+
+import asyncio
+
+import orjson
+from prometheus_client.parser import text_string_to_metric_families
+from tests.api.conftest import MODEL, chat_body, leave_mid_stream
+from tests.api.fake_engine import ScriptedEngine
+
+
+async def _scrape(client, **headers) -> dict[tuple[str, tuple], float]:
+    """{(sample name, sorted labels): value} of one GET /metrics."""
+    response = await client.get("/metrics", headers=headers)
+    assert response.status_code == 200
+    assert response.headers["content-type"] == "text/plain; version=0.0.4; charset=utf-8"
+    text = (await response.get_data()).decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def _m(**labels) -> tuple:
+    return tuple(sorted({"model_name": MODEL, **labels}.items()))
+
+
+async def test_finished_requests_are_counted(serve):
+    async with serve(ScriptedEngine(scripts=["Hello, world!"])) as (client, _):
+        streamed = await client.post("/v1/chat/completions",
+                                     json=chat_body(stream=True, stream_options={"include_usage": True}))
+        body = await streamed.get_data()
+        usage_a = orjson.loads(body.split(b"\n\n")[-3][len(b"data: "):])["usage"]
+        plain = await client.post("/v1/completions", json={"model": MODEL, "prompt": "abc", "max_tokens": 4})
+        usage_b = orjson.loads(await plain.get_data())["usage"]
+        metrics = await _scrape(client)
+    assert metrics[("voltserve:request_success_total", _m(finished_reason="stop"))] == 1
+    assert metrics[("voltserve:request_success_total", _m(finished_reason="length"))] == 1
+    assert metrics[("voltserve:prompt_tokens_total", _m())] == usage_a["prompt_tokens"] + usage_b["prompt_tokens"]
+    assert metrics[("voltserve:generation_tokens_total", _m())] == (usage_a["completion_tokens"]
+                                                                     + usage_b["completion_tokens"])
+    for name in ("time_to_first_token_seconds", "time_per_output_token_seconds", "e2e_request_latency_seconds"):
+        assert metrics[(f"voltserve:{name}_count", _m())] == 2, name
+        assert metrics[(f"voltserve:{name}_sum", _m())] >= 0
+    assert metrics[("voltserve:num_requests_running", _m())] == 0
+    assert metrics[("voltserve:kv_cache_usage_perc", _m())] == 0
+
+
+async def test_failures_by_reason(serve):
+    """A client that leaves mid-stream, and an engine that dies under a stream (in-band engine_dead error)."""
+    engine = ScriptedEngine(scripts=["x" * 200], delay_s=0.02)
+    async with serve(engine) as (client, _):
+        await leave_mid_stream(client, chat_body(stream=True))
+        for _ in range(100):
+            if engine.aborted:
+                break
+            await asyncio.sleep(0.01)
+
+        async def kill():
+            await asyncio.sleep(0.1)
+            engine.healthy = False
+
+        killer = asyncio.create_task(kill())
+        dead = await client.post("/v1/chat/completions", json=chat_body(stream=True))
+        assert b'"code":"engine_dead"' in await dead.get_data()
+        await killer
+        metrics = await _scrape(client)
+    assert metrics[("voltserve:request_failure_total", _m(reason="client_gone"))] == 1
+    assert metrics[("voltserve:request_failure_total", _m(reason="engine_dead"))] == 1
+    assert ("voltserve:request_success_total", _m(finished_reason="stop")) not in metrics
+    assert ("voltserve:e2e_request_latency_seconds_count", _m()) not in metrics  # no finished request
+
+
+async def test_engine_gauges_and_api_key(serve):
+    """The gauges read engine.kv_stats() when scraped; with an API key /metrics needs it (unlike /health)."""
+    engine = ScriptedEngine()
+    engine.kv_stats = lambda: {"num_blocks": 200, "num_free_blocks": 150, "num_running": 3, "num_waiting": 2}
+    async with serve(engine, api_key="k") as (client, _):
+        assert (await client.get("/metrics")).status_code == 401
+        metrics = await _scrape(client, authorization="Bearer k")
+    assert metrics[("voltserve:num_requests_running", _m())] == 3
+    assert metrics[("voltserve:num_requests_waiting", _m())] == 2
+    assert metrics[("voltserve:kv_cache_usage_perc", _m())] == 0.25

@@ -89,7 +89,8 @@ class ServerState:
         """
         self.draining = True
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + max(0.0, timeout_s)
+        start = loop.time()
+        deadline = start + max(0.0, timeout_s)
         open_ = self.open_streams()
         if open_:
             logger.info("shutting down: %d request(s) in flight get up to %g s to finish", len(open_), timeout_s)
@@ -102,7 +103,8 @@ class ServerState:
                 fail(ServerShuttingDownError("the server is shutting down"))
             stream.abort()
         if open_:
-            logger.warning("shutting down: ended %d request(s) still running after %g s", len(open_), timeout_s)
+            logger.warning("shutting down: ended %d request(s) still running after %.1f s", len(open_),
+                           loop.time() - start)
         return len(open_)
 
     def check_model(self, name: str) -> None:

@@ -43,6 +43,8 @@ HELP = {
     "mixed_graphs": "also replay CUDA graphs for steps mixing prefills (<= 512 tokens) with decodes",
     "pdl": "programmatic dependent launch on SM90+ GPUs (kernels overlap their start with the previous one)",
     "gpu_busy_log_interval": "seconds between log lines with the GPU's busy share of wall time (CUDA); 0 = off",
+    "exit_on_engine_death": "shut the server down (exit 1) when the engine dies, so a supervisor restarts it "
+                            "(default on here)",
     "engine_process": "run the engine in its own process, apart from HTTP (default on)",
     "event_loop": "event loop of the server and the engine process: auto (uvloop when installed), uvloop, asyncio",
     "shutdown_timeout": "seconds open requests may finish after SIGINT/SIGTERM before they are ended (new ones: 503)",

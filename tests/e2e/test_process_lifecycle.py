@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -181,5 +182,5 @@ def test_sigterm_to_voltserve_serve_ends_open_streams_cleanly(tiny_dir):
                           b'"param":null,"code":"server_shutting_down"}}'), body[-400:]
     assert body.endswith(b"data: [DONE]\n\n")
     assert len(events) > 4  # tokens were streamed before the cut
-    assert "ended 1 request(s) still running after 0.5 s" in log
+    assert re.search(r"ended 1 request\(s\) still running after 0\.\d s", log), log[-3000:]
     assert "Traceback" not in log and "CancelledError" not in log, log[-3000:]

@@ -70,7 +70,10 @@ class RequestStream:
             out: the delta; it is merged into a pending delta of the same sequence if the consumer has not taken
                 that one yet.
             wake: wake the waiting consumer now; False leaves that to a later `wake()` (which must follow).
+        A failed stream takes nothing more (the abort's final delta must not end it as a normal finish).
         """
+        if self._error is not None:
+            return
         pending = self._pending
         if pending:
             for prev in reversed(pending):

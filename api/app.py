@@ -67,25 +67,38 @@ def make_engine(config: EngineConfig) -> Any:
     return AsyncEngine(config)
 
 
-async def drain_on_signal(state: ServerState, timeout_s: float,
-                          signals: tuple[int, ...] = (signal.SIGINT, signal.SIGTERM)) -> None:
-    """hypercorn's shutdown trigger under `voltserve serve`: wait for one of `signals`, then drain the requests in
-    flight (`ServerState.drain`: up to `timeout_s` s; a second signal ends them at once) before hypercorn closes
-    the connections, so open streams end with an error event and `[DONE]` instead of a cut connection."""
-    loop = asyncio.get_running_loop()
-    stop, hurry = asyncio.Event(), asyncio.Event()
+class SignalDrain:
+    """The signal handling of `voltserve serve`: `trigger` is hypercorn's shutdown trigger. It waits for one of
+    `signals`, then drains the requests in flight (`ServerState.drain`: up to `timeout_s` s; a second signal ends
+    them at once) before hypercorn closes the connections, so open streams end with an error event and `[DONE]`
+    instead of a cut connection. The handlers are installed at construction, before hypercorn starts the app
+    (a signal while the model loads then shuts down once it is up, as hypercorn's own handlers would, instead of
+    killing the process), and removed after the drain (a further signal gets the default action, e.g. to end an
+    engine stop that hangs). Call it on the running loop."""
 
-    def on_signal() -> None:
-        (hurry if stop.is_set() else stop).set()
+    def __init__(self, state: ServerState, timeout_s: float,
+                 signals: tuple[int, ...] = (signal.SIGINT, signal.SIGTERM)):
+        self._state, self._timeout_s, self._signals = state, timeout_s, signals
+        self._loop = asyncio.get_running_loop()
+        self.stop, self.hurry = asyncio.Event(), asyncio.Event()
+        for sig in signals:
+            self._loop.add_signal_handler(sig, self._on_signal)
 
-    for sig in signals:
-        loop.add_signal_handler(sig, on_signal)
-    await stop.wait()
-    await state.drain(timeout_s, hurry)
+    def _on_signal(self) -> None:
+        (self.hurry if self.stop.is_set() else self.stop).set()
+
+    async def trigger(self) -> None:
+        await self.stop.wait()
+        try:
+            await self._state.drain(self._timeout_s, self.hurry)
+        finally:
+            for sig in self._signals:
+                self._loop.remove_signal_handler(sig)
 
 
 def _terminate_self() -> None:
-    os.kill(os.getpid(), signal.SIGTERM)  # hypercorn's handler shuts down gracefully; after_serving runs
+    # the server's SIGTERM handler (hypercorn's, or voltserve serve's SignalDrain) shuts down; after_serving runs
+    os.kill(os.getpid(), signal.SIGTERM)
 
 
 def create_app(engine: Any = None, config: EngineConfig | None = None, *,

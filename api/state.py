@@ -69,7 +69,16 @@ class ServerState:
         return self.engine
 
     def track(self, stream: Any) -> Any:
-        """Note a request's engine stream as in flight (for `drain`); returns it."""
+        """Note a request's engine stream as in flight (for `drain`); returns it. Call it right after
+        `add_request`, with no await in between (so a drain cannot miss it).
+
+        Raises:
+            ServerShuttingDownError: `drain` began while the handler awaited (tokenization): the request is
+                aborted at once, and answers 503 like one that arrived during the drain.
+        """
+        if self.draining:
+            stream.abort()
+            raise ServerShuttingDownError("the server is shutting down")
         self.streams.add(stream)
         return stream
 

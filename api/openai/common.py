@@ -137,7 +137,8 @@ class UsageCounter:
     def record(self, stats) -> None:
         """Report the finished request to its `api.metrics.RequestStats` (None: none)."""
         if stats is not None:
-            stats.finished(self.prompt_tokens, sum(self.output_tokens.values()), self.finish_reason)
+            outputs = self.output_tokens.values()
+            stats.finished(self.prompt_tokens, sum(outputs), max(outputs, default=0), self.finish_reason)
 
     def usage(self) -> Usage:
         completion = sum(self.output_tokens.values())
@@ -172,6 +173,10 @@ async def collect(stream, stats=None) -> tuple[dict[int, SequenceResult], UsageC
     except VoltError as exc:
         if stats is not None:
             stats.failed(_error_code(exc))
+        raise
+    except Exception:
+        if stats is not None:
+            stats.failed("internal_error")
         raise
     finally:
         if not finished:  # client gone (handler cancelled) or engine error: free the request's KV blocks
@@ -337,6 +342,10 @@ async def drive_stream(stream, choice_chunk: Callable[[RequestOutput, list[Token
         if stats is not None:
             stats.failed(_error_code(exc))
         tail.append(sse.frame(openai_payload(message, kind, param)))
+    except Exception:
+        if stats is not None:
+            stats.failed("internal_error")
+        raise
     finally:
         if timer is not None:
             timer.close()

@@ -84,7 +84,7 @@ def _export_env(args: argparse.Namespace) -> None:
 
 def serve(args: argparse.Namespace) -> int:
     """Run hypercorn on `api:app` until SIGINT/SIGTERM, then drain the requests in flight for up to
-    `--shutdown-timeout` s (`api.app.drain_on_signal`). Returns the exit status."""
+    `--shutdown-timeout` s (`api.app.SignalDrain`). Returns the exit status."""
     from hypercorn.asyncio import serve as hypercorn_serve
     from hypercorn.config import Config as HypercornConfig
 
@@ -104,13 +104,16 @@ def serve(args: argparse.Namespace) -> int:
     hconfig.errorlog = logging.getLogger("hypercorn.error")
     logger.info("voltserve %s: serving %s on http://%s (%s event loop)", __version__, config.model, hconfig.bind[0],
                 loop_name)
-    from api.app import drain_on_signal
+    from api.app import SignalDrain
     from api.state import EXTENSION_KEY
 
     state = api.app.extensions[EXTENSION_KEY]
-    event_loop.run(hypercorn_serve(api.app, hconfig,
-                                   shutdown_trigger=lambda: drain_on_signal(state, config.shutdown_timeout)),
-                   config.event_loop)
+
+    async def run() -> None:
+        drain = SignalDrain(state, config.shutdown_timeout)  # before the app (and the model) starts
+        await hypercorn_serve(api.app, hconfig, shutdown_trigger=drain.trigger)
+
+    event_loop.run(run(), config.event_loop)
     engine = state.engine
     if engine is not None and getattr(engine, "_dead", None) is not None:
         logger.error("exiting with status 1: the engine died (%r)", engine._dead)

@@ -79,7 +79,7 @@ class EngineConfig:
         model: model spec: the alias `smollm2-135m-instruct`, a `.gguf` path or a Hugging Face directory.
         served_model_name: the name clients send as `model` (defaults to `model`).
         device: "cpu" or "cuda" ("auto" picks cuda when a GPU is present).
-        dtype: compute dtype on the CPU backend: "float32" (reference) or "bfloat16".
+        dtype: compute dtype on the CPU backend: "float32" (reference), "bfloat16" or "float16".
         max_model_len: context window in tokens (prompt + output); 0 = the model's own.
         max_num_seqs: most sequences in one step.
         max_num_batched_tokens: token budget of one step (prefill chunks + decodes).

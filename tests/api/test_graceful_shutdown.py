@@ -1,4 +1,4 @@
-"""Graceful shutdown (`ServerState.drain`, `api.app.drain_on_signal`, what `voltserve serve` does on SIGINT /
+"""Graceful shutdown (`ServerState.drain`, `api.app.SignalDrain`, what `voltserve serve` does on SIGINT /
 SIGTERM): new requests and /health get 503 at once, requests in flight finish within the grace period, and the
 ones still running after it end cleanly: a stream with an in-band error event and `[DONE]`, a non-streamed
 request with a 503, both aborted in the engine (no KV block held)."""
@@ -10,11 +10,15 @@ import os
 import signal
 
 import orjson
+import pytest
 from tests.api.conftest import chat_body
 from tests.api.fake_engine import StreamedEngine
 
-from api.app import drain_on_signal
+from actors.stream import RequestStream
+from api.app import SignalDrain
 from api.state import EXTENSION_KEY
+from voltserve.errors import ServerShuttingDownError
+from voltserve.request import FinishReason, RequestOutput, SamplingParams
 
 SHUTDOWN_EVENT = (b'data: {"error":{"message":"the server is shutting down","type":"server_error","param":null,'
                   b'"code":"server_shutting_down"}}')
@@ -79,19 +83,21 @@ async def test_requests_past_the_grace_period_end_with_an_error_event(serve):
 
 
 async def test_second_signal_ends_the_wait_at_once(serve):
-    """drain_on_signal: the first SIGTERM starts the drain (timeout 60 s), a second one ends it now."""
+    """SignalDrain: the first signal starts the drain (timeout 60 s), a second one ends it now; then the
+    handlers are gone (a third signal would get the default action)."""
     async with serve(StreamedEngine(scripts=["x" * 200], delay_s=0.02)) as (client, engine):
         state = _state(client)
         streamed = asyncio.create_task(client.post("/v1/chat/completions", json=chat_body(stream=True)))
         await _wait_for(lambda: engine.requests)
-        trigger = asyncio.create_task(drain_on_signal(state, 60.0, signals=(signal.SIGUSR1,)))
+        drain = SignalDrain(state, 60.0, signals=(signal.SIGUSR1,))
+        trigger = asyncio.create_task(drain.trigger())
         await asyncio.sleep(0.05)
         os.kill(os.getpid(), signal.SIGUSR1)
         await _wait_for(lambda: state.draining)
         assert not trigger.done()
         os.kill(os.getpid(), signal.SIGUSR1)
         await asyncio.wait_for(trigger, 2.0)
-        asyncio.get_running_loop().remove_signal_handler(signal.SIGUSR1)
+        assert not asyncio.get_running_loop().remove_signal_handler(signal.SIGUSR1)  # already removed
         body = await (await streamed).get_data()
     assert body.split(b"\n\n")[-3] == SHUTDOWN_EVENT
     assert set(engine.aborted) == {engine.requests[0][2]}
@@ -103,3 +109,28 @@ async def test_idle_server_drains_at_once(serve):
         start = loop.time()
         assert await _state(client).drain(30.0) == 0
         assert loop.time() - start < 0.5
+
+
+async def test_request_admitted_while_draining_is_refused(serve):
+    """A handler that passed ready_engine() before the drain began and awaited (tokenization) meanwhile: its
+    request is aborted as it is admitted and answers 503, so no stream the drain missed outlives it."""
+    async with serve(StreamedEngine(scripts=["x" * 200], delay_s=0.02)) as (client, engine):
+        state = _state(client)
+        stream = engine.add_request([1, 2, 3], SamplingParams(max_tokens=50))
+        assert await state.drain(5.0) == 0
+        with pytest.raises(ServerShuttingDownError):
+            state.track(stream)
+        assert engine.aborted == [stream.request_id]
+
+
+async def test_failed_stream_takes_no_final_delta():
+    """After fail() (the drain's cut), the engine's abort delta must not end the stream as a normal finish: the
+    consumer gets the error."""
+    stream = RequestStream("r", 1, lambda rid: None)
+    stream.put(RequestOutput("r", 0, [5], "a", None, None, num_prompt_tokens=3, num_output_tokens=1))
+    stream.fail(ServerShuttingDownError("the server is shutting down"))
+    stream.put(RequestOutput("r", 0, [], "", None, FinishReason.ABORT, num_prompt_tokens=3, num_output_tokens=1))
+    assert (await stream.__anext__()).text == "a"
+    with pytest.raises(ServerShuttingDownError):
+        await stream.__anext__()
+    assert stream.done and not stream.finished

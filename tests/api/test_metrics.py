@@ -69,7 +69,7 @@ async def test_failures_by_reason(serve):
     assert metrics[("voltserve:request_failure_total", _m(reason="client_gone"))] == 1
     assert metrics[("voltserve:request_failure_total", _m(reason="engine_dead"))] == 1
     assert ("voltserve:request_success_total", _m(finished_reason="stop")) not in metrics
-    assert ("voltserve:e2e_request_latency_seconds_count", _m()) not in metrics  # no finished request
+    assert metrics[("voltserve:e2e_request_latency_seconds_count", _m())] == 0  # no finished request
 
 
 async def test_engine_gauges_and_api_key(serve):
@@ -82,3 +82,23 @@ async def test_engine_gauges_and_api_key(serve):
     assert metrics[("voltserve:num_requests_running", _m())] == 3
     assert metrics[("voltserve:num_requests_waiting", _m())] == 2
     assert metrics[("voltserve:kv_cache_usage_perc", _m())] == 0.25
+
+
+def test_tpot_uses_the_longest_sequence():
+    """n > 1 sequences decode side by side: TPOT divides by the longest sequence's tokens - 1, not their sum;
+    no `_created` series."""
+    from api.metrics import ServerMetrics
+
+    metrics = ServerMetrics(MODEL, lambda: None)
+    stats = metrics.request()
+    stats.first_token()
+    stats._first -= 1.0  # 1 s between the first output and the end
+    stats.finished(prompt_tokens=4, output_tokens=30, longest=11, finish_reason="length")
+    stats.failed("client_gone")  # after finished: ignored
+    text = metrics.render().decode()
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for family in text_string_to_metric_families(text) for s in family.samples}
+    assert 0.1 <= samples[("voltserve:time_per_output_token_seconds_sum", _m())] < 0.11
+    assert samples[("voltserve:generation_tokens_total", _m())] == 30
+    assert ("voltserve:request_failure_total", _m(reason="client_gone")) not in samples
+    assert "_created" not in text

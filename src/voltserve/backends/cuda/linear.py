@@ -250,10 +250,7 @@ def launch_linear(backend: Any, x: torch.Tensor, w: CudaLinear, *, norm_weight: 
             groups = min(groups, backend.num_sms * kernels.GEMV_NORM_BLOCKS_PER_SM)
         prefetch = kernels.gemv_prefetch_bytes(min(n_out, groups * 4) * (2 if silu else 1), w.row_bytes) \
             if pdl and not use_q else 0
-        p = P.GemvParams(xr.data_ptr(), w.data.data_ptr(), y.data_ptr() + r0 * n_out * 2,
-                         residual.data_ptr() + r0 * n_out * 2 if residual is not None else None,
-                         norm_weight.data_ptr() if fuse_norm else None, xr.stride(0), n_out, w.row_bytes, rows, n,
-                         k, vec_ok, eps, prefetch)
+        p = _gemv_params(xr, r0, w, y, residual, norm_weight if fuse_norm else None, eps, vec_ok, prefetch)
         if use_q:
             backend._launch("gemv", "gemv_q", spec, (math.ceil(n / 32), 1, 1), (32 * kernels.GEMV_Q_WARPS, 1, 1),
                             kernels.gemv_q_smem_bytes(bucket, w.fmt), p, pdl)
@@ -363,13 +360,25 @@ def gemv_mma_tile(backend: Any, w: CudaLinear, silu: bool, one_pass: bool) -> in
                                    32 * kernels.GEMV_MMA_WARPS))
 
 
+def _gemv_params(xr: torch.Tensor, r0: int, w: CudaLinear, y: torch.Tensor, residual: torch.Tensor | None,
+                 norm_weight: torch.Tensor | None, eps: float, vec_ok: int, prefetch: int = 0,
+                 xq: torch.Tensor | None = None) -> P.GemvParams:
+    """GemvParams of the decode-GEMV launch for x rows `xr` = rows [r0, r0 + len(xr)) of the call: y's (and the
+    residual's, same row stride) rows from r0 on; `norm_weight` for a fused RMSNorm, `xq` gemv_s8's quantized x."""
+    n_out = y.shape[1]
+    return P.GemvParams(xr.data_ptr(), w.data.data_ptr(), y.data_ptr() + r0 * n_out * 2,
+                        residual.data_ptr() + r0 * n_out * 2 if residual is not None else None,
+                        norm_weight.data_ptr() if norm_weight is not None else None, xr.stride(0), n_out,
+                        w.row_bytes, xr.shape[0], w.out_features, w.in_features, vec_ok, eps, prefetch,
+                        xq.data_ptr() if xq is not None else None)
+
+
 def _launch_gemv_mma(backend: Any, x: torch.Tensor, w: CudaLinear, y: torch.Tensor,
                      norm_weight: torch.Tensor | None, eps: float, residual: torch.Tensor | None, silu: bool,
                      vec_ok: int, pdl: bool) -> None:
     """gemv_mma / gemv_mma_sb launches of <= 8 x rows each (fused norm, residual and SwiGLU all in the kernel);
     `residual` has y's row stride."""
-    m, k = x.shape
-    n = w.out_features
+    m = x.shape[0]
     n_out = y.shape[1]
     one_pass = norm_weight is not None and m >= 2
     if gemv_s8_ok(backend, w, min(m, kernels.GEMV_MAX_ROWS)):
@@ -385,11 +394,7 @@ def _launch_gemv_mma(backend: Any, x: torch.Tensor, w: CudaLinear, y: torch.Tens
         spec["GM_MMA884"] = 1  # the SM70 path on a newer GPU (tests)
     for r0 in range(0, m, kernels.GEMV_MAX_ROWS):
         rows = min(kernels.GEMV_MAX_ROWS, m - r0)
-        xr = x[r0:r0 + rows]
-        p = P.GemvParams(xr.data_ptr(), w.data.data_ptr(), y.data_ptr() + r0 * n_out * 2,
-                         residual.data_ptr() + r0 * n_out * 2 if residual is not None else None,
-                         norm_weight.data_ptr() if norm_weight is not None else None, xr.stride(0), n_out,
-                         w.row_bytes, rows, n, k, vec_ok, eps, 0)
+        p = _gemv_params(x[r0:r0 + rows], r0, w, y, residual, norm_weight, eps, vec_ok)
         backend._launch("gemv_mma", kernel, spec, grid, (32 * kernels.GEMV_MMA_WARPS, 1, 1), smem, p, pdl)
 
 
@@ -458,11 +463,7 @@ def _launch_gemv_s8(backend: Any, x: torch.Tensor, w: CudaLinear, y: torch.Tenso
         if getattr(backend, "gemv_s8_grid", "persistent") == "persistent":
             grid = min(tiles, backend.num_sms * backend._occupancy("gemv_s8", "gemv_s8", spec, smem,
                                                                   32 * kernels.GEMV_MMA_WARPS))
-        p = P.GemvParams(xr.data_ptr(), w.data.data_ptr(), y.data_ptr() + r0 * n_out * 2,
-                         residual.data_ptr() + r0 * n_out * 2 if residual is not None else None,
-                         norm.data_ptr() if norm is not None else None, xr.stride(0), n_out,
-                         w.row_bytes, rows, w.out_features, k, vec_ok, eps, 0,
-                         xq.data_ptr() if xq is not None else None)
+        p = _gemv_params(xr, r0, w, y, residual, norm, eps, vec_ok, xq=xq)
         backend._launch("gemv_s8", "gemv_s8", spec, (grid, 1, 1), (32 * kernels.GEMV_MMA_WARPS, 1, 1), smem, p, pdl)
 
 

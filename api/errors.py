@@ -36,6 +36,11 @@ class ErrorKind:
     anthropic_type: str
     code: str | None = None
 
+    @property
+    def reason(self) -> str:
+        """What a request ended by this error is counted under (`/metrics`): the OpenAI code, else its type."""
+        return self.code or self.openai_type
+
 
 # Most specific classes first: lookup walks the exception's MRO.
 ERROR_TABLE: dict[type[BaseException], ErrorKind] = {

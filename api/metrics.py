@@ -74,21 +74,18 @@ class ServerMetrics:
                                label + ["finished_reason"], registry=reg)
         self.failure = Counter("voltserve:request_failure", "Admitted requests that ended early, by reason.",
                                label + ["reason"], registry=reg)
+        # the series with the model's label only, bound to it once
         self.prompt_tokens = Counter("voltserve:prompt_tokens", "Prompt tokens of finished requests.", label,
-                                     registry=reg)
+                                     registry=reg).labels(model_name)
         self.generation_tokens = Counter("voltserve:generation_tokens", "Output tokens of finished requests.",
-                                         label, registry=reg)
+                                         label, registry=reg).labels(model_name)
         self.ttft = Histogram("voltserve:time_to_first_token_seconds", "Time to the first output token (TTFT).",
-                              label, buckets=LATENCY_BUCKETS, registry=reg)
+                              label, buckets=LATENCY_BUCKETS, registry=reg).labels(model_name)
         self.tpot = Histogram("voltserve:time_per_output_token_seconds", "Time per output token after the first.",
-                              label, buckets=TPOT_BUCKETS, registry=reg)
+                              label, buckets=TPOT_BUCKETS, registry=reg).labels(model_name)
         self.e2e = Histogram("voltserve:e2e_request_latency_seconds", "Time from the request to its last token.",
-                             label, buckets=LATENCY_BUCKETS, registry=reg)
+                             label, buckets=LATENCY_BUCKETS, registry=reg).labels(model_name)
         reg.register(_EngineGauges(engine_stats, model_name))
-        # the children of the model's label, bound once
-        self.prompt_tokens_m = self.prompt_tokens.labels(model_name)
-        self.generation_tokens_m = self.generation_tokens.labels(model_name)
-        self.ttft_m, self.tpot_m, self.e2e_m = (h.labels(model_name) for h in (self.ttft, self.tpot, self.e2e))
 
     def request(self) -> "RequestStats":
         """A timer for one request, started now."""
@@ -123,19 +120,37 @@ class RequestStats:
         self._done = True
         now, m = time.perf_counter(), self._metrics
         m.success.labels(m.model_name, finish_reason or "unknown").inc()
-        m.prompt_tokens_m.inc(prompt_tokens)
-        m.generation_tokens_m.inc(output_tokens)
-        m.e2e_m.observe(now - self._start)
+        m.prompt_tokens.inc(prompt_tokens)
+        m.generation_tokens.inc(output_tokens)
+        m.e2e.observe(now - self._start)
         if self._first is not None:
-            m.ttft_m.observe(self._first - self._start)
+            m.ttft.observe(self._first - self._start)
             if longest > 1:
-                m.tpot_m.observe((now - self._first) / (longest - 1))
+                m.tpot.observe((now - self._first) / (longest - 1))
 
     def failed(self, reason: str) -> None:
         if self._done:
             return
         self._done = True
         self._metrics.failure.labels(self._metrics.model_name, reason).inc()
+
+
+class _NoStats:
+    """A RequestStats that records nothing: the default of the stream drivers' callers without metrics."""
+
+    __slots__ = ()
+
+    def first_token(self) -> None:
+        pass
+
+    def finished(self, prompt_tokens: int, output_tokens: int, longest: int, finish_reason: str | None) -> None:
+        pass
+
+    def failed(self, reason: str) -> None:
+        pass
+
+
+NO_STATS = _NoStats()
 
 
 def engine_stats(engine: Any) -> dict | None:

@@ -84,7 +84,7 @@ class ServerState:
 
     def open_streams(self) -> list[Any]:
         """The tracked streams whose consumer may still get something (`RequestStream.done` false)."""
-        return [s for s in list(self.streams) if not getattr(s, "done", getattr(s, "finished", True))]
+        return [s for s in list(self.streams) if not s.done]
 
     async def drain(self, timeout_s: float, hurry: asyncio.Event | None = None) -> int:
         """Graceful shutdown: stop taking requests (`ready_engine` raises, so new ones and /health get 503), let
@@ -107,9 +107,7 @@ class ServerState:
             await asyncio.sleep(min(DRAIN_POLL_S, max(0.0, deadline - loop.time())))
             open_ = self.open_streams()
         for stream in open_:
-            fail = getattr(stream, "fail", None)
-            if fail is not None:
-                fail(ServerShuttingDownError("the server is shutting down"))
+            stream.fail(ServerShuttingDownError("the server is shutting down"))
             stream.abort()
         if open_:
             logger.warning("shutting down: ended %d request(s) still running after %.1f s", len(open_),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import orjson
 from quart import Blueprint
 
+from api.metrics import NO_STATS
 from api.openai.chat_prompt import chat_prompt_ids
 from api.openai.common import (
     ChunkFrames, add_request, collect, drive_stream, finish_json, json_response, request_body,
@@ -84,7 +85,7 @@ async def chat_completions():
 
 
 def _stream_events(engine, stream, req, params, response_id, created, include_usage, keep_alive_s=0.0,
-                   stats=None):
+                   stats=NO_STATS):
     """Chunks: a role delta per choice, content deltas, a finish chunk per choice, usage, [DONE].
 
     Without logprobs a chunk is assembled from bytes: the head and tail that pydantic renders once per request

@@ -14,6 +14,8 @@ from quart import Response, request
 from werkzeug.exceptions import RequestTimeout
 
 from api import sse
+from api.errors import describe, kind_of, openai_payload
+from api.metrics import NO_STATS
 from api.openai.protocol import PromptTokensDetails, SamplingFields, Usage
 from voltserve.errors import ContextLengthError, InvalidRequestError, VoltError
 from voltserve.request import RequestOutput, SamplingParams, TokenLogprob
@@ -135,10 +137,9 @@ class UsageCounter:
             self.finish_reason = out.finish_reason.value
 
     def record(self, stats) -> None:
-        """Report the finished request to its `api.metrics.RequestStats` (None: none)."""
-        if stats is not None:
-            outputs = self.output_tokens.values()
-            stats.finished(self.prompt_tokens, sum(outputs), max(outputs, default=0), self.finish_reason)
+        """Report the finished request to its `api.metrics.RequestStats`."""
+        outputs = self.output_tokens.values()
+        stats.finished(self.prompt_tokens, sum(outputs), max(outputs, default=0), self.finish_reason)
 
     def usage(self) -> Usage:
         completion = sum(self.output_tokens.values())
@@ -147,9 +148,9 @@ class UsageCounter:
                      prompt_tokens_details=PromptTokensDetails(cached_tokens=self.cached_tokens))
 
 
-async def collect(stream, stats=None) -> tuple[dict[int, SequenceResult], UsageCounter]:
+async def collect(stream, stats=NO_STATS) -> tuple[dict[int, SequenceResult], UsageCounter]:
     """Drain a RequestStream into one SequenceResult per choice index; aborts the request if cancelled.
-    `stats`: the request's `api.metrics.RequestStats` (first output, then finished or failed), or None.
+    `stats`: the request's `api.metrics.RequestStats` (first output, then finished or failed).
 
     Raises:
         EngineDeadError: the engine died mid-request.
@@ -159,7 +160,7 @@ async def collect(stream, stats=None) -> tuple[dict[int, SequenceResult], UsageC
     finished = False
     try:
         async for out in stream:
-            if stats is not None and not results:
+            if not results:
                 stats.first_token()
             seq = results.setdefault(out.index, SequenceResult())
             seq.text += out.text
@@ -171,17 +172,14 @@ async def collect(stream, stats=None) -> tuple[dict[int, SequenceResult], UsageC
         finished = True
         counter.record(stats)
     except VoltError as exc:
-        if stats is not None:
-            stats.failed(_error_code(exc))
+        stats.failed(kind_of(exc).reason)
         raise
     except Exception:
-        if stats is not None:
-            stats.failed("internal_error")
+        stats.failed("internal_error")
         raise
     finally:
         if not finished:  # client gone (handler cancelled) or engine error: free the request's KV blocks
-            if stats is not None:
-                stats.failed("client_gone")  # no-op after an engine error
+            stats.failed("client_gone")  # no-op after an error
             stream.abort()
     return results, counter
 
@@ -262,7 +260,7 @@ def finish_json(out: RequestOutput) -> bytes:
 
 async def drive_stream(stream, choice_chunk: Callable[[RequestOutput, list[TokenLogprob]], bytes],
                        usage_chunk: Callable[[Usage], bytes] | None, first: Iterable[bytes] = (),
-                       keep_alive_s: float = 0.0, stats=None) -> AsyncIterator[bytes]:
+                       keep_alive_s: float = 0.0, stats=NO_STATS) -> AsyncIterator[bytes]:
     """The SSE body of a streamed request, shared by every OpenAI endpoint.
 
     Args:
@@ -272,7 +270,7 @@ async def drive_stream(stream, choice_chunk: Callable[[RequestOutput, list[Token
         first: chunks sent before any token (e.g. chat's role deltas).
         keep_alive_s: seconds of silence before a `: keep-alive` comment; 0 = none. A RequestStream is woken by
             an `sse.IdleTimer` (`interrupt()`); another source (test doubles) goes through `sse.with_keep_alive`.
-        stats: the request's `api.metrics.RequestStats` (first output written, then finished or failed), or None.
+        stats: the request's `api.metrics.RequestStats` (first output written, then finished or failed).
     Yields:
         Framed events, then `data: [DONE]`. Deltas with no text and no finish (bytes of a split character) are
         held, their logprobs joining the next chunk. An engine error after the status went out is sent in-band;
@@ -335,16 +333,12 @@ async def drive_stream(stream, choice_chunk: Callable[[RequestOutput, list[Token
         if usage_chunk is not None:
             tail.append(usage_chunk(counter.usage()))
     except VoltError as exc:  # the status is already sent: report the error in-band
-        from api.errors import describe, openai_payload
-
         finished = True
         kind, message, param = describe(exc)
-        if stats is not None:
-            stats.failed(_error_code(exc))
+        stats.failed(kind.reason)
         tail.append(sse.frame(openai_payload(message, kind, param)))
     except Exception:
-        if stats is not None:
-            stats.failed("internal_error")
+        stats.failed("internal_error")
         raise
     finally:
         if timer is not None:
@@ -352,16 +346,8 @@ async def drive_stream(stream, choice_chunk: Callable[[RequestOutput, list[Token
         elif outputs is not stream:
             await outputs.aclose()  # its pending __anext__ task
         if not finished:  # client disconnected
-            if stats is not None:
-                stats.failed("client_gone")
+            stats.failed("client_gone")
             stream.abort()
     tail.append(sse.DONE)
     yield b"".join(tail)
 
-
-def _error_code(exc: BaseException) -> str:
-    """The OpenAI `error.code` (else `error.type`) an exception is reported with: the metrics' failure reason."""
-    from api.errors import kind_of
-
-    kind = kind_of(exc)
-    return kind.code or kind.openai_type

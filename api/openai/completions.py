@@ -11,6 +11,7 @@ from __future__ import annotations
 import orjson
 from quart import Blueprint
 
+from api.metrics import NO_STATS
 from api.openai.common import (
     ChunkFrames, add_request, collect, drive_stream, finish_json, json_response, prompt_work, request_body,
     sampling_params, sse_response, token_text,
@@ -123,7 +124,7 @@ async def completions():
 
 
 def _stream_events(stream, req, params, builder, response_id, created, include_usage, keep_alive_s=0.0,
-                   stats=None):
+                   stats=NO_STATS):
     """Chunks: text deltas (the last per choice with finish_reason), usage when asked, [DONE].
 
     Without logprobs a chunk is assembled from bytes around the text, as chat's are (`chunk_frame_parts`).

@@ -65,6 +65,17 @@ class ScriptedStream:
     def __init__(self, engine: "ScriptedEngine", request_id: str, prompt_len: int, params: SamplingParams):
         self.engine, self.request_id, self.prompt_len, self.params = engine, request_id, prompt_len, params
         self.finished = False  # every sequence delivered its last delta (as RequestStream.finished)
+        self.error: BaseException | None = None
+
+    @property
+    def done(self) -> bool:
+        """As RequestStream.done: finished, failed or aborted."""
+        return self.finished or self.error is not None or self.request_id in self.engine.aborted
+
+    def fail(self, exc: BaseException) -> None:
+        """As RequestStream.fail: the consumer gets `exc` instead of the next delta."""
+        if self.error is None and not self.finished:
+            self.error = exc
 
     def abort(self) -> None:
         self.engine.abort(self.request_id)
@@ -91,6 +102,8 @@ class ScriptedStream:
             for i in range(p.n):
                 if i in done:
                     continue
+                if self.error is not None:
+                    raise self.error
                 if self.request_id in e.aborted or not e.is_healthy:
                     if not e.is_healthy:
                         raise EngineDeadError("scripted engine died")

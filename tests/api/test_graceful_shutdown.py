@@ -12,7 +12,7 @@ import signal
 import orjson
 import pytest
 from tests.api.conftest import chat_body
-from tests.api.fake_engine import StreamedEngine
+from tests.api.fake_engine import ScriptedEngine, StreamedEngine
 
 from actors.stream import RequestStream
 from api.app import SignalDrain
@@ -59,10 +59,12 @@ async def test_requests_in_flight_finish_within_the_grace_period(serve):
     assert engine.aborted == [] and len(engine.requests) == 1
 
 
-async def test_requests_past_the_grace_period_end_with_an_error_event(serve):
+@pytest.mark.parametrize("engine_cls", [StreamedEngine, ScriptedEngine])
+async def test_requests_past_the_grace_period_end_with_an_error_event(serve, engine_cls):
     """Still running at the deadline: the stream gets the shutdown error event then [DONE] (byte-exact), the
-    non-streamed request a 503, and both are aborted in the engine."""
-    async with serve(StreamedEngine(scripts=["x" * 200], delay_s=0.02)) as (client, engine):
+    non-streamed request a 503, and both are aborted in the engine (a real RequestStream, and the test double's
+    stream that other API tests use)."""
+    async with serve(engine_cls(scripts=["x" * 200], delay_s=0.02)) as (client, engine):
         state = _state(client)
         streamed = asyncio.create_task(client.post("/v1/chat/completions", json=chat_body(stream=True)))
         plain = asyncio.create_task(client.post("/v1/chat/completions", json=chat_body()))

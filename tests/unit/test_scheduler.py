@@ -185,12 +185,17 @@ def test_schedule_ahead_plans_the_next_decode_and_its_block():
     assert s2.schedule_ahead(s2.schedule()) is None
 
 
+def _decoding(s, prompt, max_tokens=10):
+    """A sequence added to scheduler `s` and prefilled (token 7 sampled), and the plan of its first decode."""
+    seq = make_seq(prompt, max_tokens=max_tokens)
+    s.add(seq)
+    run_step(s)
+    return seq, s.schedule()
+
+
 def test_schedule_ahead_declines_when_schedule_would_differ():
     s = make_scheduler(block_size=4, max_num_seqs=2, max_model_len=8)
-    a = make_seq([1, 2, 3], max_tokens=10)
-    s.add(a)
-    run_step(s)
-    plan = s.schedule()
+    a, plan = _decoding(s, [1, 2, 3])
     s.add(make_seq([4, 5]))  # a waiting request and a free slot: the next step admits it
     assert s.schedule_ahead(plan) is None
     s.update(plan, {a.seq_id: 7})
@@ -200,10 +205,7 @@ def test_schedule_ahead_declines_when_schedule_would_differ():
     assert s.schedule_ahead(plan) is not None  # the waiting one cannot be admitted anyway
     # the step ahead of a sequence's last position runs (its token is dropped): LENGTH as in the synchronous loop
     s2 = make_scheduler(block_size=4, max_model_len=5)
-    b = make_seq([1, 2, 3], max_tokens=10)
-    s2.add(b)
-    run_step(s2)
-    plan = s2.schedule()
+    b, plan = _decoding(s2, [1, 2, 3])
     ahead = s2.schedule_ahead(plan)
     assert [e.start for e in ahead.entries] == [4]
     s2.update(plan, {b.seq_id: 7})
@@ -213,20 +215,14 @@ def test_schedule_ahead_declines_when_schedule_would_differ():
 
 def test_schedule_ahead_never_preempts():
     s = make_scheduler(num_blocks=2, block_size=4)
-    a = make_seq([1, 2, 3, 4, 5, 6, 7], max_tokens=10)  # 2 blocks after prefill, position 8 needs a third
-    s.add(a)
-    run_step(s)
-    plan = s.schedule()
+    a, plan = _decoding(s, [1, 2, 3, 4, 5, 6, 7])  # 2 blocks after prefill, position 8 needs a third
     assert [(e.start, e.num_new) for e in plan.entries] == [(7, 1)]
     assert s.schedule_ahead(plan) is None and s.num_preemptions == 0 and len(a.block_ids) == 2
 
 
 def test_schedule_ahead_admits_whole_prompts_after_the_fed_decodes():
     s = make_scheduler(block_size=4, max_num_batched_tokens=16, ahead_prefill_tokens=6)
-    a = make_seq([1, 2, 3], max_tokens=10)
-    s.add(a)
-    run_step(s)
-    plan = s.schedule()
+    a, plan = _decoding(s, [1, 2, 3])
     b, c = make_seq([4, 5, 6, 7, 8]), make_seq([9, 10])
     s.add(b)
     s.add(c)
@@ -244,10 +240,7 @@ def test_schedule_ahead_admits_whole_prompts_after_the_fed_decodes():
 def test_schedule_ahead_leaves_to_schedule_what_it_cannot_admit():
     def ahead_with(waiting, **kw):
         s = make_scheduler(block_size=4, max_num_batched_tokens=16, ahead_prefill_tokens=6, **kw)
-        a = make_seq([1, 2, 3], max_tokens=10)
-        s.add(a)
-        run_step(s)
-        plan = s.schedule()
+        _, plan = _decoding(s, [1, 2, 3])
         s.add(waiting)
         return s, s.schedule_ahead(plan)
 

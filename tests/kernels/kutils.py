@@ -137,3 +137,18 @@ def backend_settings(backend, **settings):
     finally:
         for name, value in saved.items():
             setattr(backend, name, value)
+
+
+def capture(backend, fn):
+    """Capture `fn()` in a CUDA graph on torch's current stream (the backend launches on it while capturing, and
+    on the stream it had once done). Warm `fn` up before: kernels load, the allocator grows.
+
+    Returns:
+        (the torch.cuda.CUDAGraph, what `fn` returned: tensors in the graph's memory, written by each replay).
+    """
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        backend.refresh_stream()
+        out = fn()
+    backend.refresh_stream()
+    return graph, out

@@ -9,7 +9,7 @@ kernel) are CPU unit tests in tests/unit/test_gemv_routing.py.
 
 import pytest
 import torch
-from tests.kernels.kutils import make_linear, rel_err
+from tests.kernels.kutils import capture, make_linear, rel_err
 
 pytestmark = pytest.mark.gpu
 TOL = 3e-3
@@ -120,11 +120,7 @@ def test_graph_replay_bitwise(mma_backend):
     x = torch.randn(4, 4096, generator=gen).half().cuda()
     first = mma_backend.norm_linear(x, norm, 1e-5, w, silu=True)
     assert torch.equal(mma_backend.norm_linear(x, norm, 1e-5, w, silu=True), first)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        mma_backend.refresh_stream()
-        captured = mma_backend.norm_linear(x, norm, 1e-5, w, silu=True)
-    mma_backend.refresh_stream()
+    graph, captured = capture(mma_backend, lambda: mma_backend.norm_linear(x, norm, 1e-5, w, silu=True))
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(captured, first)

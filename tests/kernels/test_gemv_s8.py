@@ -12,7 +12,7 @@ Bounds (max |got - ref| / max |ref|):
 
 import pytest
 import torch
-from tests.kernels.kutils import backend_settings, make_quant, rel_err, s8_reference
+from tests.kernels.kutils import backend_settings, capture, make_quant, rel_err, s8_reference
 
 pytestmark = pytest.mark.gpu
 EMU_TOL = 1e-3
@@ -194,11 +194,7 @@ def test_graph_replay_equals_eager(s8_backend):
 
     step()  # loads every module before capture
     torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        s8_backend.refresh_stream()
-        captured = step()
-    s8_backend.refresh_stream()
+    graph, captured = capture(s8_backend, step)
     x.copy_(torch.randn(9, k, generator=gen).half())
     eager = step()
     graph.replay()

@@ -4,7 +4,7 @@ import math
 
 import pytest
 import torch
-from tests.kernels.kutils import make_quant
+from tests.kernels.kutils import capture, make_quant
 
 from voltserve.backends.base import AttentionMetadata
 
@@ -37,11 +37,7 @@ def test_decode_step_graph_replay_matches_eager(cuda_backend):
 
     eager = step()  # also loads every module before capture
     torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        be.refresh_stream()
-        captured = step()
-    be.refresh_stream()
+    graph, captured = capture(be, step)
     x.copy_(torch.randn(num_seqs, hidden, device="cuda").half())
     eager2 = step()
     graph.replay()

@@ -6,7 +6,7 @@ Bound: max |got - ref| <= 3e-3 * max |ref| (fp32 accumulation; one fp16 output r
 
 import pytest
 import torch
-from tests.kernels.kutils import make_quant, rel_err
+from tests.kernels.kutils import capture, make_quant, rel_err
 
 from voltserve.backends.cuda.linear import launch_linear
 
@@ -116,11 +116,7 @@ def test_gemm_tc_deterministic_and_graph_replay(cuda_backend, m, nk):
     first = cuda_backend.linear(x, w)
     for _ in range(3):
         assert torch.equal(cuda_backend.linear(x, w), first)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        cuda_backend.refresh_stream()
-        captured = cuda_backend.linear(x, w)
-    cuda_backend.refresh_stream()
+    graph, captured = capture(cuda_backend, lambda: cuda_backend.linear(x, w))
     for _ in range(2):
         graph.replay()
         torch.cuda.synchronize()

@@ -1,0 +1,50 @@
+"""tools/profile_step.py's timeline arithmetic on a hand-made trace (the GPU part runs on the device only)."""
+
+import json
+
+import pytest
+
+from tools.profile_step import kernel_events, layer_table, split_steps
+
+
+def _step(t0: float, pdl_overlap: float = 0.0) -> list[tuple[str, float, float]]:
+    """One step: embedding, 2 layers of (gemv_a 10 us, attn 3 us), tail argmax; 1 us gaps, except that
+    attn starts `pdl_overlap` us before gemv_a ends."""
+    out, t = [("embedding_f16", t0, 2.0)], t0 + 2.0
+    for _ in range(2):
+        out.append(("gemv_a", t + 1.0, 10.0))
+        t += 11.0
+        start = t - pdl_overlap
+        out.append(("attn_decode", start, t + 3.0 - start))
+        t += 3.0
+    out.append(("argmax_logprob", t + 1.0, 2.0))
+    return out
+
+
+def test_layer_table_shares_add_up_to_the_step():
+    steps = split_steps(_step(0.0) + _step(100.0) + _step(200.0), "embedding")
+    assert [len(s) for s in steps] == [6, 6, 6]
+    table = layer_table(steps, num_layers=2, gemv_bytes=[40_000_000], copy_gbs=4000.0)
+    assert table["kernels_per_layer"] == 2 and table["steps"] == 2  # the last step may be cut: dropped
+    assert table["tail_kernels"] == ["argmax_logprob"]
+    gemv, attn = table["layer"]
+    assert gemv["kernel"] == "gemv_a" and gemv["share_us"] == 11.0 and gemv["gap_us"] == 1.0
+    assert gemv["ideal_us"] == pytest.approx(10.0) and gemv["fraction"] == pytest.approx(10.0 / 11.0)
+    assert attn["share_us"] == 3.0 and attn["ideal_us"] is None
+    assert table["head_us"] + 2 * table["layer_us"] + table["tail_us"] == pytest.approx(table["step_span_us"])
+
+
+def test_early_start_is_a_negative_gap_and_shares_stay_end_to_end():
+    steps = split_steps(_step(0.0, pdl_overlap=4.0) * 1 + _step(100.0, pdl_overlap=4.0) + _step(200.0), "embedding")
+    attn = layer_table(steps, 2, [1], 4000.0)["layer"][1]
+    assert attn["gap_us"] == -4.0 and attn["dur_us"] == 7.0 and attn["share_us"] == 3.0
+
+
+def test_kernel_events_reads_only_kernels_sorted(tmp_path):
+    trace = tmp_path / "t.json"
+    trace.write_text(json.dumps({"traceEvents": [
+        {"cat": "kernel", "name": "b", "ts": 5, "dur": 1},
+        {"cat": "cuda_runtime", "name": "cudaGraphLaunch", "ts": 0, "dur": 9},
+        {"cat": "kernel", "name": "a", "ts": 2, "dur": 2},
+        {"cat": "gpu_memcpy", "name": "Memcpy HtoD", "ts": 1, "dur": 1}]}))
+    assert kernel_events(str(trace)) == [("a", 2.0, 2.0), ("b", 5.0, 1.0)]

@@ -173,9 +173,13 @@ class CudaBackend:
             res_out = torch.empty_like(out)
         if num_tokens == 0:
             return out, res_out
+        # the 16-byte path: every row (x, residual, the outputs: contiguous here) and the weight 16-byte aligned
+        vec_ok = hidden % 8 == 0 and w.data_ptr() % 16 == 0 and all(
+            t.data_ptr() % 16 == 0 and t.stride(0) % 8 == 0 for t in (x, out, res_out)
+            + ((residual,) if residual is not None else ()))
         p = P.RmsNormParams(x.data_ptr(), residual.data_ptr() if residual is not None else None, w.data_ptr(),
                             out.data_ptr(), res_out.data_ptr(), x.stride(0),
-                            residual.stride(0) if residual is not None else 0, num_tokens, hidden, eps, 0)
+                            residual.stride(0) if residual is not None else 0, num_tokens, hidden, eps, int(vec_ok))
         self._launch("rmsnorm", "rms_norm", None, (num_tokens, 1, 1), (256, 1, 1), 0, p)
         return out, res_out
 

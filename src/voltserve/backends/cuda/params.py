@@ -25,7 +25,7 @@ EmbeddingParams = _struct("EmbeddingParams", [
 
 RmsNormParams = _struct("RmsNormParams", [
     ("x", P), ("residual", P), ("weight", P), ("out", P), ("residual_out", P), ("x_stride", I64),
-    ("residual_stride", I64), ("num_tokens", I32), ("hidden", I32), ("eps", F32), ("pad_", I32)])
+    ("residual_stride", I64), ("num_tokens", I32), ("hidden", I32), ("eps", F32), ("vec_ok", I32)])
 
 RopeKvParams = _struct("RopeKvParams", [
     ("q", P), ("k", P), ("v", P), ("q_out", P), ("kv", P), ("positions", P), ("slot_mapping", P), ("cos_sin", P),

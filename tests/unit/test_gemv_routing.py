@@ -194,20 +194,19 @@ def test_bench_decode_env_sweep():
 
 
 @pytest.mark.parametrize("fmt", ["F16", "Q4_1"])
-@pytest.mark.parametrize("rows", [1, 2, 8, 15])
-def test_fused_norm_rule(fmt, rows):
-    """"auto" takes a separate rms_norm launch only for fp16 weights over GEMV_NORM_FUSED_MAX_BYTES at >= 2 rows
-    (measured at the 8B shapes); "on" / "off" force it either way."""
+def test_fused_norm_rule(fmt):
+    """"auto" takes a separate rms_norm launch only for fp16 weights over GEMV_NORM_FUSED_MAX_BYTES, at every row
+    count (measured at the 8B shapes); "on" / "off" force it either way."""
     from voltserve.backends.cuda.linear import GEMV_NORM_FUSED_MAX_BYTES, fuses_norm
 
     small, big = _linear(fmt, 1024, 4096), _linear(fmt, 6144, 4096)
     assert small.out_features * small.row_bytes <= GEMV_NORM_FUSED_MAX_BYTES
     assert (big.out_features * big.row_bytes > GEMV_NORM_FUSED_MAX_BYTES) == (fmt == "F16")
     auto = SimpleNamespace(fuse_norm="auto")
-    assert fuses_norm(auto, small, rows)
-    assert fuses_norm(auto, big, rows) == (fmt != "F16" or rows == 1)
+    assert fuses_norm(auto, small)
+    assert fuses_norm(auto, big) == (fmt != "F16")
     for choice in ("on", "off"):
-        assert fuses_norm(SimpleNamespace(fuse_norm=choice), big, rows) == (choice == "on")
+        assert fuses_norm(SimpleNamespace(fuse_norm=choice), big) == (choice == "on")
 
 
 def test_repack_policy_and_routing():
@@ -327,3 +326,25 @@ def test_gemv_s8_x_per_launch_rule():
     assert not gemv_s8_x_per_launch(auto, 1, 14336)  # Llama-3-8B down_proj at batch 1
     assert not gemv_s8_x_per_launch(SimpleNamespace(gemv_s8_x="block"), 8, 14336)
     assert gemv_s8_x_per_launch(SimpleNamespace(gemv_s8_x="launch"), 1, 256)
+
+
+def test_gemv_pdl_rule():
+    """"auto": PDL for every decode GEMV except a large one right after another large GEMV (the launch before
+    it streamed > GEMV_PDL_MAX_WEIGHT_BYTES); "small": only small weights (the rule before); "on" / "off";
+    never without the backend's PDL (pre-SM90, --no-pdl)."""
+    from voltserve.backends.cuda.kernels import GEMV_PDL_MAX_WEIGHT_BYTES
+    from voltserve.backends.cuda.linear import gemv_pdl
+
+    small, big = _linear("F16", 1024, 4096), _linear("F16", 6144, 4096)
+    big_bytes = big.out_features * big.row_bytes
+    assert small.out_features * small.row_bytes <= GEMV_PDL_MAX_WEIGHT_BYTES < big_bytes
+
+    def backend(choice, last, pdl=True):
+        return SimpleNamespace(pdl=pdl, gemv_pdl=choice, last_launch_weight_bytes=last)
+
+    for last in (0, 1 << 20, big_bytes):
+        assert gemv_pdl(backend("auto", last), small)
+        assert gemv_pdl(backend("auto", last), big) == (last <= GEMV_PDL_MAX_WEIGHT_BYTES)
+        assert gemv_pdl(backend("small", last), small) and not gemv_pdl(backend("small", last), big)
+        assert gemv_pdl(backend("on", last), big) and not gemv_pdl(backend("off", last), small)
+        assert not gemv_pdl(backend("auto", last, pdl=False), small)

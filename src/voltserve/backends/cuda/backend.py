@@ -88,6 +88,15 @@ class CudaBackend:
         # decode attention path (attention_decode.cu): "auto" (tensor cores on SM80+ where the GQA group fits,
         # else CUDA cores) or "simt" (the CUDA-core path, V100's, on any GPU: tests and A/B runs)
         self.attn_kernel = _env_choice("VOLTSERVE_ATTN_KERNEL", ("auto", "simt"))
+        # attn_decode's fewest keys per split (kernels.decode_plan's min_part); VOLTSERVE_ATTN_MIN_PART for A/B runs
+        self.attn_min_part = int(_env_choice("VOLTSERVE_ATTN_MIN_PART", (str(kernels.DECODE_MIN_PART), "32", "128",
+                                                                         "256", "512", "1024")))
+        # programmatic dependent launch of decode GEMVs (linear.gemv_pdl): "auto" (all but a large GEMV right
+        # after another), "small" (only weights of at most kernels.GEMV_PDL_MAX_WEIGHT_BYTES), "on" (every GEMV)
+        # or "off" (none); VOLTSERVE_GEMV_PDL for A/B runs
+        self.gemv_pdl = _env_choice("VOLTSERVE_GEMV_PDL", ("auto", "small", "on", "off"))
+        # weight bytes the last launch streamed (a decode GEMV's; 0 after any other kernel): linear.gemv_pdl
+        self.last_launch_weight_bytes = 0
         self._device_copies: dict[int, tuple[Any, torch.Tensor]] = {}
         self._blocks_per_sm: dict[tuple, int] = {}
         self.num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
@@ -109,6 +118,7 @@ class CudaBackend:
         fn = self.loader.function(op, kernel, spec, smem)
         driver.launch(fn, tuple(grid), tuple(block), smem, self.stream, params, kernel,
                       self.pdl if pdl is None else pdl)
+        self.last_launch_weight_bytes = 0  # launch_linear sets it after a GEMV
 
     def _occupancy(self, op: str, kernel: str, spec: dict[str, int], smem: int, threads: int = 128) -> int:
         """Blocks of `kernel` one SM holds at once (the driver's occupancy calculator), memoised."""
@@ -267,7 +277,8 @@ class CudaBackend:
         smem = kernels.decode_smem_bytes(head_dim, group, block_size, spec["PARTITION"])
         num_splits, min_part = kernels.decode_plan(attn.max_seq_len, num_seqs, num_kv_heads, spec["PARTITION"],
                                                    self.num_sms, self._occupancy("attention_decode",
-                                                                                 "attn_decode", spec, smem))
+                                                                                 "attn_decode", spec, smem),
+                                                   self.attn_min_part)
         acc = torch.empty(num_seqs * num_heads * num_splits * head_dim if num_splits > 1 else 1,
                           dtype=torch.float32, device=self.device)
         ml = torch.empty(num_seqs * num_heads * num_splits * 2, dtype=torch.float32, device=self.device)

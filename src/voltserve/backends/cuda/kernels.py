@@ -248,7 +248,8 @@ DECODE_MIN_PART = 64  # attn_decode: fewest keys per split while the (KV head, s
 
 @functools.lru_cache(maxsize=4096)
 def decode_plan(max_seq_len: int, num_seqs: int, num_kv_heads: int, partition: int,
-                num_sms: int, blocks_per_sm: int = DECODE_BLOCKS_PER_SM) -> tuple[int, int]:
+                num_sms: int, blocks_per_sm: int = DECODE_BLOCKS_PER_SM,
+                min_part: int = DECODE_MIN_PART) -> tuple[int, int]:
     """(num_splits, min_part) of attn_decode for a grid sized by `max_seq_len` (the capacity under CUDA graphs).
 
     At least ceil(max_seq_len / partition) splits (each sequence's keys fit) and at most one per min_part keys;
@@ -258,11 +259,12 @@ def decode_plan(max_seq_len: int, num_seqs: int, num_kv_heads: int, partition: i
     full wave of longer splits ran at 0.85 (H200, 16 x 4096 keys); more, shorter splits add per-split cost. The
     kernel spreads each context evenly over the splits (split_len in attention_decode.cu), so short contexts use
     many blocks.
-    min_part (the fewest keys per split, DECODE_MIN_PART) bounds the per-split fixed cost (block-table and q
-    loads, the partial's write and merge), which dominates a split of a few keys. Memoised: it runs per layer.
+    min_part (the fewest keys per split, DECODE_MIN_PART unless given; a multiple of 16) bounds the per-split
+    fixed cost (block-table and q loads, the partial's write and merge), which dominates a split of a few keys.
+    Memoised: it runs per layer.
     """
     base = max(1, -(-max_seq_len // partition))
-    min_part = min(DECODE_MIN_PART, partition)
+    min_part = min(min_part, partition)
     busy = num_kv_heads * num_seqs
     if busy <= 0:
         return base, min_part

@@ -36,10 +36,12 @@ GEMV_MMA_SM70_MIN_ROWS = 3
 # faster: Q4_1 28672x4096 0.40 vs 0.33, fp16 0.80 vs 0.75): gemv_mma_sb on quant superblocks (Q4_1 4096x4096
 # 0.34 vs 0.23, qkv + norm 0.26 vs 0.21), and gemv_mma for fp16 with the fused RMSNorm (qkv: 0.62 vs 0.51).
 GEMV_MMA_M1_MIN_BYTES = 4 << 20
-# fp16 weights above this size take their RMSNorm as a separate rms_norm launch at 2-16 x rows: Llama-3-8B shapes
-# (qkv 48 MB, gate_up 235 MB), H200, 8 sequences: 5.41-5.47 ms per step vs 5.70-5.75 fused (gemv_mma's one-pass
-# norm prologue in every block); at 1 row the two measured within 1% (4.87-4.95 ms), so 1 row keeps the fusion.
-# Quant weights keep it (not measured). The default model's weights are all far below (< 4 MB).
+# fp16 weights above this size take their RMSNorm as a separate rms_norm launch (every row count): the norm pass
+# in every block of the fused GEMV costs more than the launch. Llama-3-8B shapes (qkv 48 MB, gate_up 235 MB,
+# lm_head 1 GB), H200, tools/profile_step.py: at 1 row qkv 18.2 -> 2.4 + 12.9 us, gate_up + SwiGLU 71.3 -> 1.7 +
+# 55.7 us, the step 4.87 -> 4.29 ms (bench_decode.py); at 8 rows 5.66 -> 4.83 ms (with the 16-byte rms_norm;
+# the old 2-byte one took ~10 us a launch, which had made the two equal at 1 row). Quant weights keep the fusion
+# (8B Q4_1, 1 row: unfused layers 76.1 vs 74.0 us). The default model's weights are all far below (< 4 MB).
 GEMV_NORM_FUSED_MAX_BYTES = 16 << 20
 # Q8_0 weights wider than this stay GGUF under VOLTSERVE_QUANT_REPACK=auto (repack_wanted)
 REPACK_Q8_0_MAX_K = 4096
@@ -202,7 +204,7 @@ def launch_linear(backend: Any, x: torch.Tensor, w: CudaLinear, *, norm_weight: 
     n_out = n // 2 if silu else n
     if residual is not None and (residual.shape != (m, n_out) or residual.stride(1) != 1):
         raise ValueError(f"residual {tuple(residual.shape)} does not match the output [{m}, {n_out}]")
-    if norm_weight is not None and m < kernels.GEMM_MIN_ROWS and not fuses_norm(backend, w, m):
+    if norm_weight is not None and m < kernels.GEMM_MIN_ROWS and not fuses_norm(backend, w):
         x, _ = backend.rms_norm(x, norm_weight, eps)
         norm_weight = None
     if w.fmt != "F16" and (x.stride(0) % 8 or x.data_ptr() % 16):
@@ -227,13 +229,12 @@ def launch_linear(backend: Any, x: torch.Tensor, w: CudaLinear, *, norm_weight: 
     y = torch.empty(m, n_out, dtype=torch.float16, device=x.device)
     if m == 0 or n == 0:
         return y
-    # PDL only where the launch latency it hides matters: a GEMV streaming many MB is bandwidth-bound, and
-    # early-launched waiting blocks measured slower there (8B shapes, H200: 5.60 vs 5.36 ms per step)
-    pdl = backend.pdl and n * w.row_bytes <= kernels.GEMV_PDL_MAX_WEIGHT_BYTES
+    pdl = gemv_pdl(backend, w)
     if residual is not None and residual.stride(0) != n_out:
         residual = residual.contiguous()  # the kernels read it with y's row stride
     if use_mma:
         _launch_gemv_mma(backend, x, w, y, norm_weight, eps, residual, silu, vec_ok, pdl)
+        backend.last_launch_weight_bytes = w.out_features * w.row_bytes
         return y
     wtype = kernels.WTYPES[w.fmt]
     for r0 in range(0, m, kernels.GEMV_MAX_ROWS):
@@ -257,20 +258,41 @@ def launch_linear(backend: Any, x: torch.Tensor, w: CudaLinear, *, norm_weight: 
         else:
             backend._launch("gemv", "gemv", spec, (groups, 1, 1), (128, 1, 1), bucket * k * 2 if fuse_norm else 0,
                             p, pdl)
+    backend.last_launch_weight_bytes = w.out_features * w.row_bytes
     return y
 
 
-def fuses_norm(backend: Any, w: CudaLinear, rows: int) -> bool:
-    """Whether a decode GEMV of `rows` (< GEMM_MIN_ROWS) x rows on `w` takes the RMSNorm before it into its
-    prologue (`backend.fuse_norm` "auto"), rather than after an `rms_norm` launch of its own.
+def gemv_pdl(backend: Any, w: CudaLinear) -> bool:
+    """Whether a decode GEMV on `w` launches with programmatic dependent launch (`backend.pdl`, SM90+).
 
-    "auto" fuses except for fp16 weights over GEMV_NORM_FUSED_MAX_BYTES at >= 2 rows, where the norm pass inside
-    every block of gemv_mma cost more than the extra launch.
+    `backend.gemv_pdl` "auto": every GEMV but one whose weight and the previous launch's
+    (`backend.last_launch_weight_bytes`) both exceed GEMV_PDL_MAX_WEIGHT_BYTES. After a short kernel (rms_norm,
+    attention) the early start hides the launch and the first loads; after a large GEMV, the dependent's blocks
+    take the SM slots the primary frees first, unevenly (8B shapes, H200, the unfused norm: down_proj after
+    gate_up 31.3 us with PDL vs 29.3 without, qkv / o_proj / gate_up after rms_norm or attention 1.3 / 1.5 /
+    0.5 us faster with it; tools/profile_step.py). "small": PDL only for weights of at most
+    GEMV_PDL_MAX_WEIGHT_BYTES (the rule before). "on" / "off": every GEMV / none (A/B runs)."""
+    choice = getattr(backend, "gemv_pdl", "auto")
+    if not backend.pdl or choice == "off":
+        return False
+    small = w.out_features * w.row_bytes <= kernels.GEMV_PDL_MAX_WEIGHT_BYTES
+    if choice == "small":
+        return small
+    return choice == "on" or small or getattr(backend, "last_launch_weight_bytes", 0) <= \
+        kernels.GEMV_PDL_MAX_WEIGHT_BYTES
+
+
+def fuses_norm(backend: Any, w: CudaLinear) -> bool:
+    """Whether a decode GEMV (< GEMM_MIN_ROWS x rows) on `w` takes the RMSNorm before it into its prologue
+    (`backend.fuse_norm` "auto"), rather than after an `rms_norm` launch of its own.
+
+    "auto" fuses except for fp16 weights over GEMV_NORM_FUSED_MAX_BYTES, where the norm pass inside every block
+    of the GEMV cost more than the extra launch (at every row count).
     """
     choice = getattr(backend, "fuse_norm", "auto")
     if choice != "auto":
         return choice == "on"
-    return not (w.fmt == "F16" and rows >= 2 and w.out_features * w.row_bytes > GEMV_NORM_FUSED_MAX_BYTES)
+    return not (w.fmt == "F16" and w.out_features * w.row_bytes > GEMV_NORM_FUSED_MAX_BYTES)
 
 
 def gemv_mma_ok(backend: Any, w: CudaLinear, rows: int, vec_ok: int, norm: bool = False,

@@ -50,14 +50,17 @@ VOLT_DEVICE void load8(const half_t* p, float* out) {
     unpack8(v, out);
 }
 
-VOLT_DEVICE void store8(half_t* p, const float* in) {
+// 8 fp32 values -> one 16-byte vector of packed fp16.
+VOLT_DEVICE uint4 pack8(const float* in) {
     uint4 v;
     v.x = pack2(in[0], in[1]);
     v.y = pack2(in[2], in[3]);
     v.z = pack2(in[4], in[5]);
     v.w = pack2(in[6], in[7]);
-    *reinterpret_cast<uint4*>(p) = v;
+    return v;
 }
+
+VOLT_DEVICE void store8(half_t* p, const float* in) { *reinterpret_cast<uint4*>(p) = pack8(in); }
 
 VOLT_DEVICE float warp_sum(float v) {
 #pragma unroll

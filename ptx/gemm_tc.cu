@@ -168,12 +168,7 @@ VOLT_DEVICE uint4 convert_raw8(const Raw8& r, int j0) {
         w[2 * i + 1] = d * (float)(high ? b1 >> 4 : b1 & 15) + mn;
     }
 #endif
-    uint4 v;
-    v.x = pack2(w[0], w[1]);
-    v.y = pack2(w[2], w[3]);
-    v.z = pack2(w[4], w[5]);
-    v.w = pack2(w[6], w[7]);
-    return v;
+    return pack8(w);
 }
 
 #define A_VECS (BM * KC / 8 / NT)  // 16-byte x vectors per thread per chunk (4)

@@ -44,24 +44,17 @@ VOLT_DEVICE uint4 rn_sum8(const uint4& xv, bool add, const uint4& rv, float& sum
     }
 #pragma unroll
     for (int e = 0; e < 8; ++e) sum_sq += s[e] * s[e];
-    uint4 out;
-    out.x = pack2(s[0], s[1]);
-    out.y = pack2(s[2], s[3]);
-    out.z = pack2(s[4], s[5]);
-    out.w = pack2(s[6], s[7]);
-    return out;
+    return pack8(s);
 }
 
 // fp16(s * inv_rms * w) of 8 elements (rms_norm's order: (s * inv) * w).
 VOLT_DEVICE uint4 rn_scale8(const uint4& sv, float inv_rms, const float4& w0, const float4& w1) {
     float s[8];
     unpack8(sv, s);
-    uint4 out;
-    out.x = pack2(s[0] * inv_rms * w0.x, s[1] * inv_rms * w0.y);
-    out.y = pack2(s[2] * inv_rms * w0.z, s[3] * inv_rms * w0.w);
-    out.z = pack2(s[4] * inv_rms * w1.x, s[5] * inv_rms * w1.y);
-    out.w = pack2(s[6] * inv_rms * w1.z, s[7] * inv_rms * w1.w);
-    return out;
+    const float w[8] = {w0.x, w0.y, w0.z, w0.w, w1.x, w1.y, w1.z, w1.w};
+#pragma unroll
+    for (int e = 0; e < 8; ++e) s[e] = s[e] * inv_rms * w[e];
+    return pack8(s);
 }
 
 VOLT_DEVICE float4 ldg_f4(const float* p) { return __ldg(reinterpret_cast<const float4*>(p)); }

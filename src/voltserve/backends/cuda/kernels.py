@@ -70,7 +70,7 @@ def gemv_mma_tile_rows(weight_rows: int, weight_bytes: int, arch: int, num_sms: 
                        blocks_per_sm: Callable[[], int]) -> int:
     """gemv_mma's block height for a weight of `weight_rows` rows ([gate; up] for SwiGLU: both halves) and
     `weight_bytes` bytes on an SM `arch` GPU: 16 on SM80+ (the m16n8k16 path, where it was measured) when the
-    weight streams long enough to be bandwidth-bound (> GEMV_PDL_MAX_WEIGHT_BYTES, the launches without PDL)
+    weight streams long enough to be bandwidth-bound (> GEMV_PDL_MAX_WEIGHT_BYTES)
     and its 16-row blocks all fit on the GPU at once (`num_sms` x `blocks_per_sm()`, the 16-row build's
     occupancy, asked only then: it compiles that build), else 32.
 
@@ -172,7 +172,9 @@ def gemm_tc_plan(m: int, n: int, k: int, num_sms: int) -> tuple[int, int, int]:
 
 
 GEMV_PREFETCH_L2_BYTES = 8 << 20  # gemv under PDL: L2 prefetch of the first weight rows, all warps together
-GEMV_PDL_MAX_WEIGHT_BYTES = 16 << 20  # larger GEMVs (~4 us of HBM and up) launch without PDL
+# GEMVs over this (~4 us of HBM and up) are bandwidth-bound: no PDL right after another one (linear.gemv_pdl),
+# 16-row gemv_mma tiles where they fit one wave (gemv_mma_tile_rows)
+GEMV_PDL_MAX_WEIGHT_BYTES = 16 << 20
 
 
 def gemv_prefetch_bytes(first_rows: int, row_bytes: int) -> int:

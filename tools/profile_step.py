@@ -48,6 +48,21 @@ def split_steps(kernels: list[tuple[str, float, float]], first_kernel: str) -> l
     return steps
 
 
+def layer_period(names: list[str], num_layers: int) -> int:
+    """Kernels per decoder layer: the largest P with `num_layers` repeats of the same P kernel names at the start
+    of `names` (the step after its embedding; the tail after the layers may be longer than one layer). The
+    largest: a layer may repeat a kernel name within itself (two launches of one GEMV), and a multiple of the
+    true period would need a tail as long as all the layers.
+
+    Raises:
+        ValueError: no such period (the step is not `num_layers` equal layers and a tail).
+    """
+    for period in range(len(names) // num_layers, 0, -1):
+        if all(names[i] == names[i % period] for i in range(period * num_layers)):
+            return period
+    raise ValueError(f"no layer pattern repeating {num_layers} times in {len(names)} kernels")
+
+
 def layer_table(steps: list[list[tuple[str, float, float]]], num_layers: int,
                 gemv_bytes: list[int], copy_gbs: float) -> dict:
     """Per-position medians of one decoder layer's kernels over all layers and full steps, plus the step's
@@ -57,8 +72,8 @@ def layer_table(steps: list[list[tuple[str, float, float]]], num_layers: int,
     common = max(set(counts), key=counts.count)
     full = [s for s in steps[:-1] if len(s) == common] or steps
     n = len(full[0])
-    per_layer = (n - 1) // num_layers
     head = 1  # the embedding
+    per_layer = layer_period([k[0] for k in full[0][head:]], num_layers)
     tail = n - head - per_layer * num_layers
     shares: dict[int, list[float]] = {}
     durs: dict[int, list[float]] = {}
@@ -83,7 +98,9 @@ def layer_table(steps: list[list[tuple[str, float, float]]], num_layers: int,
                 durs.setdefault(pos, []).append(dur)
                 gaps.setdefault(pos, []).append(gap)
     rows = []
-    weights = iter(gemv_bytes)
+    # one GEMV launch per weight (up to 8 x rows); with more, a weight's launches are not told apart: no ideal
+    one_each = sum(names[pos].startswith("gemv") for pos in range(per_layer)) == len(gemv_bytes)
+    weights = iter(gemv_bytes if one_each else [])
     for pos in range(per_layer):
         name = names[pos]
         ideal = None

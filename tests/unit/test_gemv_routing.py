@@ -348,3 +348,29 @@ def test_gemv_pdl_rule():
         assert gemv_pdl(backend("small", last), small) and not gemv_pdl(backend("small", last), big)
         assert gemv_pdl(backend("on", last), big) and not gemv_pdl(backend("off", last), small)
         assert not gemv_pdl(backend("auto", last, pdl=False), small)
+
+
+def test_gemv_pdl_is_decided_per_launch():
+    """A 12-row call on a large fp16 weight is two 8-row gemv_mma launches: the first may start early after a
+    short kernel, the second follows the first (a large GEMV) and does not; after a large GEMV neither does.
+    Every GEMV launch records its weight bytes for the next decision."""
+    from voltserve.backends.cuda.linear import launch_linear
+
+    big = _linear("F16", 6144, 4096)
+    launches = []
+
+    def record(op, kernel, spec, grid, block, smem, params, pdl=None):
+        launches.append((kernel, pdl))
+        backend.last_launch_weight_bytes = 0  # as CudaBackend._launch does
+
+    backend = SimpleNamespace(pdl=True, gemv_pdl="auto", gemv_kernel="auto", gemv_mma_tile=0, gemv_s8="auto",
+                              fuse_norm="auto", num_sms=132, last_launch_weight_bytes=0, _launch=record,
+                              _occupancy=lambda *a, **k: 2,
+                              loader=SimpleNamespace(compile_arch=90, max_smem_optin=227 * 1024))
+    x = torch.zeros(12, 4096, dtype=torch.float16)
+    launch_linear(backend, x, big)
+    assert launches == [("gemv_mma", True), ("gemv_mma", False)]
+    assert backend.last_launch_weight_bytes == 6144 * 4096 * 2
+    launches.clear()
+    launch_linear(backend, x, big)  # right after the large GEMV above
+    assert launches == [("gemv_mma", False), ("gemv_mma", False)]

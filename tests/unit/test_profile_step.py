@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from tools.profile_step import kernel_events, layer_table, split_steps
+from tools.profile_step import kernel_events, layer_period, layer_table, split_steps
 
 
 def _step(t0: float, pdl_overlap: float = 0.0) -> list[tuple[str, float, float]]:
@@ -48,3 +48,26 @@ def test_kernel_events_reads_only_kernels_sorted(tmp_path):
         {"cat": "kernel", "name": "a", "ts": 2, "dur": 2},
         {"cat": "gpu_memcpy", "name": "Memcpy HtoD", "ts": 1, "dur": 1}]}))
     assert kernel_events(str(trace)) == [("a", 2.0, 2.0), ("b", 5.0, 1.0)]
+
+
+def test_layer_period_with_a_tail_longer_than_the_layers():
+    """2 layers of (gemv, attn) and a 3-kernel tail: the period is 2, not (n - 1) // layers = 3; a layer that
+    repeats a name in itself (two launches of one GEMV) keeps its whole period."""
+    names = ["gemv", "attn", "gemv", "attn", "rms_norm", "gemv", "argmax"]
+    assert layer_period(names, 2) == 2
+    assert layer_period(["gemv", "gemv", "attn"] * 2 + ["argmax"], 2) == 3
+    with pytest.raises(ValueError):
+        layer_period(["a", "b", "c"], 2)
+
+
+def test_prefill_step_is_skipped_and_two_launches_a_weight_get_no_ideal():
+    prefill = [("embedding_f16", 0.0, 5.0)] + [("gemm", 5.0 + i, 1.0) for i in range(7)]
+    decode = [s for t0 in (100.0, 200.0, 300.0) for s in _step(t0)]
+    table = layer_table(split_steps(prefill + decode, "embedding"), 2, [40_000_000], 4000.0)
+    assert table["steps"] == 2 and table["kernels_per_layer"] == 2  # the 8-kernel prefill step is not counted
+    double = [("embedding_f16", 0.0, 1.0)] + [(n, 1.0 + i, 1.0) for i, n in enumerate(["gemv", "gemv", "attn"] * 2)]
+    double += [("argmax", 9.0, 1.0)]
+    steps = split_steps(double + [(n, t + 20.0, d) for n, t, d in double] * 1 + [("embedding_f16", 99.0, 1.0)],
+                        "embedding")
+    rows = layer_table(steps, 2, [40_000_000], 4000.0)["layer"]
+    assert [r["kernel"] for r in rows] == ["gemv", "gemv", "attn"] and all(r["ideal_us"] is None for r in rows)

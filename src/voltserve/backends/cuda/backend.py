@@ -183,8 +183,9 @@ class CudaBackend:
             res_out = torch.empty_like(out)
         if num_tokens == 0:
             return out, res_out
-        # the 16-byte path: every row (x, residual, the outputs: contiguous here) and the weight 16-byte aligned
-        vec_ok = hidden % 8 == 0 and w.data_ptr() % 16 == 0 and all(
+        # the 16-byte path: every row (x, residual, the outputs: contiguous here) and the weight 16-byte aligned;
+        # not for hidden 0 (its clamped weight index would read past an empty weight)
+        vec_ok = hidden > 0 and hidden % 8 == 0 and w.data_ptr() % 16 == 0 and all(
             t.data_ptr() % 16 == 0 and t.stride(0) % 8 == 0 for t in (x, out, res_out)
             + ((residual,) if residual is not None else ()))
         p = P.RmsNormParams(x.data_ptr(), residual.data_ptr() if residual is not None else None, w.data_ptr(),

@@ -210,6 +210,7 @@ def launch_linear(backend: Any, x: torch.Tensor, w: CudaLinear, *, norm_weight: 
     if w.fmt != "F16" and (x.stride(0) % 8 or x.data_ptr() % 16):
         # the quant paths read x as 16-byte vectors (a clone: contiguous() keeps a misaligned contiguous view)
         x = x.clone(memory_format=torch.contiguous_format)
+        backend.last_launch_weight_bytes = 0  # the copy kernel is the launch before the GEMV (gemv_pdl)
     vec_ok = int(k % 8 == 0 and x.stride(0) % 8 == 0 and x.data_ptr() % 16 == 0)
     use_mma = m < kernels.GEMM_MIN_ROWS and gemv_mma_ok(backend, w, min(m, kernels.GEMV_MAX_ROWS), vec_ok,
                                                         norm_weight is not None, silu)
@@ -229,12 +230,10 @@ def launch_linear(backend: Any, x: torch.Tensor, w: CudaLinear, *, norm_weight: 
     y = torch.empty(m, n_out, dtype=torch.float16, device=x.device)
     if m == 0 or n == 0:
         return y
-    pdl = gemv_pdl(backend, w)
     if residual is not None and residual.stride(0) != n_out:
         residual = residual.contiguous()  # the kernels read it with y's row stride
     if use_mma:
-        _launch_gemv_mma(backend, x, w, y, norm_weight, eps, residual, silu, vec_ok, pdl)
-        backend.last_launch_weight_bytes = w.out_features * w.row_bytes
+        _launch_gemv_mma(backend, x, w, y, norm_weight, eps, residual, silu, vec_ok)
         return y
     wtype = kernels.WTYPES[w.fmt]
     for r0 in range(0, m, kernels.GEMV_MAX_ROWS):
@@ -245,6 +244,7 @@ def launch_linear(backend: Any, x: torch.Tensor, w: CudaLinear, *, norm_weight: 
         fuse_norm = norm_weight is not None and (use_q or bucket * k * 2 <= kernels.GEMV_NORM_MAX_SMEM)
         if norm_weight is not None and not fuse_norm:
             xr, _ = backend.rms_norm(xr, norm_weight, eps)
+        pdl = gemv_pdl(backend, w)  # per launch: it depends on the launch right before
         spec = {"WTYPE": wtype, "MROWS": bucket, **({"SILU": 1} if silu else {})}
         groups = math.ceil(n_out / 4)
         if fuse_norm and not use_q:  # each block normalizes x once: fewer blocks, grid-stride over the features
@@ -258,8 +258,13 @@ def launch_linear(backend: Any, x: torch.Tensor, w: CudaLinear, *, norm_weight: 
         else:
             backend._launch("gemv", "gemv", spec, (groups, 1, 1), (128, 1, 1), bucket * k * 2 if fuse_norm else 0,
                             p, pdl)
-    backend.last_launch_weight_bytes = w.out_features * w.row_bytes
+        launched_gemv(backend, w)
     return y
+
+
+def launched_gemv(backend: Any, w: CudaLinear) -> None:
+    """Record that the last launch streamed `w` (for the next gemv_pdl decision; `CudaBackend._launch` resets it)."""
+    backend.last_launch_weight_bytes = w.out_features * w.row_bytes
 
 
 def gemv_pdl(backend: Any, w: CudaLinear) -> bool:
@@ -270,7 +275,9 @@ def gemv_pdl(backend: Any, w: CudaLinear) -> bool:
     attention) the early start hides the launch and the first loads; after a large GEMV, the dependent's blocks
     take the SM slots the primary frees first, unevenly (8B shapes, H200, the unfused norm: down_proj after
     gate_up 31.3 us with PDL vs 29.3 without, qkv / o_proj / gate_up after rms_norm or attention 1.3 / 1.5 /
-    0.5 us faster with it; tools/profile_step.py). "small": PDL only for weights of at most
+    0.5 us faster with it; tools/profile_step.py). Decided per launch, against the launch right before it (a
+    call's second 8-row launch follows its first); gemv_s8's quantize_s8 + gemv_s8 pair counts as one launch,
+    decided before quantize_s8. "small": PDL only for weights of at most
     GEMV_PDL_MAX_WEIGHT_BYTES (the rule before). "on" / "off": every GEMV / none (A/B runs)."""
     choice = getattr(backend, "gemv_pdl", "auto")
     if not backend.pdl or choice == "off":
@@ -397,14 +404,14 @@ def _gemv_params(xr: torch.Tensor, r0: int, w: CudaLinear, y: torch.Tensor, resi
 
 def _launch_gemv_mma(backend: Any, x: torch.Tensor, w: CudaLinear, y: torch.Tensor,
                      norm_weight: torch.Tensor | None, eps: float, residual: torch.Tensor | None, silu: bool,
-                     vec_ok: int, pdl: bool) -> None:
+                     vec_ok: int) -> None:
     """gemv_mma / gemv_mma_sb launches of <= 8 x rows each (fused norm, residual and SwiGLU all in the kernel);
     `residual` has y's row stride."""
     m = x.shape[0]
     n_out = y.shape[1]
     one_pass = norm_weight is not None and m >= 2
     if gemv_s8_ok(backend, w, min(m, kernels.GEMV_MAX_ROWS)):
-        _launch_gemv_s8(backend, x, w, y, norm_weight, eps, residual, silu, vec_ok, pdl, one_pass)
+        _launch_gemv_s8(backend, x, w, y, norm_weight, eps, residual, silu, vec_ok, one_pass)
         return
     if _mma_superblocks(backend, w):
         kernel, smem, tile = "gemv_mma_sb", kernels.gemv_mma_sb_smem_bytes(w.fmt), kernels.GEMV_MMA_TILES[0]
@@ -417,7 +424,9 @@ def _launch_gemv_mma(backend: Any, x: torch.Tensor, w: CudaLinear, y: torch.Tens
     for r0 in range(0, m, kernels.GEMV_MAX_ROWS):
         rows = min(kernels.GEMV_MAX_ROWS, m - r0)
         p = _gemv_params(x[r0:r0 + rows], r0, w, y, residual, norm_weight, eps, vec_ok)
-        backend._launch("gemv_mma", kernel, spec, grid, (32 * kernels.GEMV_MMA_WARPS, 1, 1), smem, p, pdl)
+        backend._launch("gemv_mma", kernel, spec, grid, (32 * kernels.GEMV_MMA_WARPS, 1, 1), smem, p,
+                        gemv_pdl(backend, w))
+        launched_gemv(backend, w)
 
 
 def gemv_s8_enabled(backend: Any) -> bool:
@@ -460,7 +469,7 @@ def gemv_s8_x_per_launch(backend: Any, rows: int, k: int) -> bool:
 
 def _launch_gemv_s8(backend: Any, x: torch.Tensor, w: CudaLinear, y: torch.Tensor,
                     norm_weight: torch.Tensor | None, eps: float, residual: torch.Tensor | None, silu: bool,
-                    vec_ok: int, pdl: bool, one_pass: bool) -> None:
+                    vec_ok: int, one_pass: bool) -> None:
     """gemv_s8 launches of <= 8 x rows each (fusions as gemv_mma); `residual` has y's row stride. The grid:
     one block per tile, or under `backend.gemv_s8_grid` "persistent" at most the blocks the GPU holds at once,
     each looping over tiles (x quantized once per block instead of once per tile)."""
@@ -472,6 +481,7 @@ def _launch_gemv_s8(backend: Any, x: torch.Tensor, w: CudaLinear, y: torch.Tenso
         rows = min(kernels.GEMV_MAX_ROWS, m - r0)
         xr = x[r0:r0 + rows]
         per_launch = gemv_s8_x_per_launch(backend, rows, k)
+        pdl = gemv_pdl(backend, w)  # against the launch before quantize_s8: the pair counts as one GEMV
         spec = kernels.gemv_s8_spec(w.fmt, silu, rows, one_pass, per_launch)
         smem = kernels.gemv_s8_smem_bytes(rows, k)
         xq, norm = None, norm_weight
@@ -487,6 +497,7 @@ def _launch_gemv_s8(backend: Any, x: torch.Tensor, w: CudaLinear, y: torch.Tenso
                                                                   32 * kernels.GEMV_MMA_WARPS))
         p = _gemv_params(xr, r0, w, y, residual, norm, eps, vec_ok, xq=xq)
         backend._launch("gemv_s8", "gemv_s8", spec, (grid, 1, 1), (32 * kernels.GEMV_MMA_WARPS, 1, 1), smem, p, pdl)
+        launched_gemv(backend, w)
 
 
 def _gemm(backend: Any, x: torch.Tensor, w: CudaLinear, f16_gemm: str) -> torch.Tensor:

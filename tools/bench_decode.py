@@ -133,6 +133,16 @@ def env_settings(specs: list[str]) -> list[dict[str, str]]:
     return combos
 
 
+def apply_env(env: dict[str, str]) -> None:
+    """Set each variable of one `env_settings` combination ('-': unset it), before the engine that reads it is
+    built."""
+    for name, value in env.items():
+        if value == "-":
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description="decode tokens/s, batch sweep, graphs on/off")
     parser.add_argument("--model", default="smollm2-135m-instruct")
@@ -187,11 +197,7 @@ def main() -> None:
             for env in env_settings(args.env)]
     modes = args.async_scheduling.split(",")
     for graphs, pdl, gemv_kernel, mixed, env in runs:
-        for name, value in env.items():
-            if value == "-":
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
+        apply_env(env)
         if args.device != "cuda" and (graphs == "on" or pdl == "off"):
             continue
         if graphs == "off" and mixed == "off" and "on" in args.mixed_graphs.split(","):

@@ -55,14 +55,6 @@ def copy_bandwidth(repeats: int) -> float:
     return 2 * src.numel() * 2 / t
 
 
-def read_bandwidth(repeats: int) -> float:
-    """Bytes read per second by torch's sum over a 1 GiB fp16 buffer (a read-only stream, for comparison with
-    the copy ceiling, which counts a read and a write per byte)."""
-    src = torch.empty(1 << 29, dtype=torch.float16, device="cuda").uniform_()
-    t = _time(lambda: src.sum(dtype=torch.float32), repeats)
-    return src.numel() * 2 / t
-
-
 def _graph_time(be, fns, repeats: int) -> float:
     """Median seconds of one replay of a CUDA graph that calls each of `fns` once (captured on torch's stream)."""
     for fn in fns:  # compile / load kernels, warm the allocator

@@ -25,7 +25,7 @@ import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
-from tools.bench_decode import env_settings, time_decode  # noqa: E402
+from tools.bench_decode import apply_env, env_settings, time_decode  # noqa: E402
 
 
 def kernel_events(trace_path: str) -> list[tuple[str, float, float]]:
@@ -133,26 +133,20 @@ def main() -> None:
     parser.add_argument("--out", type=pathlib.Path)
     args = parser.parse_args()
     from actors.build import build_runner
-    from tools.bench_kernels import copy_bandwidth, read_bandwidth
+    from tools.bench_kernels import copy_bandwidth
     from voltserve.config import EngineConfig
 
     copy_gbs = copy_bandwidth(10) / 1e9
-    read_gbs = read_bandwidth(10) / 1e9
     loaded = None
     if args.synthetic:
         from tools.make_synthetic_checkpoint import synthetic_model
 
         loaded = synthetic_model(args.synthetic, device="cuda", dtype=torch.float16, qtype=args.synthetic_qtype)
     report = {"device": torch.cuda.get_device_name(), "model": args.synthetic or args.model,
-              "command": " ".join(sys.argv), "copy_bandwidth_gbs": copy_gbs, "read_bandwidth_gbs": read_gbs,
-              "runs": []}
-    print(f"copy {copy_gbs:.0f} GB/s (read + write), read-only {read_gbs:.0f} GB/s")
+              "command": " ".join(sys.argv), "copy_bandwidth_gbs": copy_gbs, "runs": []}
+    print(f"copy {copy_gbs:.0f} GB/s (read + write)")
     for env in env_settings(args.env):
-        for name, value in env.items():
-            if value == "-":
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
+        apply_env(env)
         steps = args.steps
         config = EngineConfig(model=args.model, device="cuda", max_num_seqs=args.batch,
                               max_model_len=args.prompt_len + 3 * steps + 32,

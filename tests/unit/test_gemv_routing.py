@@ -5,6 +5,7 @@ an empty stub), and the shapes the mma kernels cannot take (k % 32, unaligned x 
 gemv_q.
 """
 
+import os
 from types import SimpleNamespace
 
 import pytest
@@ -181,9 +182,16 @@ def test_gemv_mma_tile_launcher_choice():
     assert gemv_mma_tile(be, _linear("Q4_1", 576, 576), False, False) == 16
 
 
-def test_bench_decode_env_sweep():
-    """`bench_decode.py --env NAME=V1|V2` crosses every value of every variable; '-' is a value (unset)."""
-    from tools.bench_decode import env_settings
+def test_bench_decode_env_sweep(monkeypatch):
+    """`bench_decode.py --env NAME=V1|V2` crosses every value of every variable; '-' is a value (unset), which
+    apply_env removes from the environment."""
+    from tools.bench_decode import apply_env, env_settings
+
+    monkeypatch.setenv("VOLTSERVE_TEST_B", "old")
+    monkeypatch.delenv("VOLTSERVE_TEST_A", raising=False)
+    apply_env({"VOLTSERVE_TEST_A": "1", "VOLTSERVE_TEST_B": "-"})
+    assert os.environ["VOLTSERVE_TEST_A"] == "1" and "VOLTSERVE_TEST_B" not in os.environ
+    monkeypatch.delenv("VOLTSERVE_TEST_A")
 
     assert env_settings([]) == [{}]
     assert env_settings(["A=1|-", "B=x|y"]) == [{"A": "1", "B": "x"}, {"A": "1", "B": "y"},

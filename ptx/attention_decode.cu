@@ -14,8 +14,9 @@
 //                     partial output, running max and sum to the workspace.
 //                     With `counters`, the last split block of each (sequence, KV head) to arrive merges the
 //                     partials itself (arrival counter, fixed merge order), so decode is one launch; the host
-//                     passes counters only when num_splits <= 4 * HEAD_DIM (the merge weights reuse smem).
-// attn_decode_reduce: grid (num_kv_heads, num_seqs); block 128 threads; 4 * GROUP * num_splits bytes of dynamic
+//                     passes counters only when num_splits <= 2 * HEAD_DIM (the merge's maxima and sums reuse
+//                     the warps' smem).
+// attn_decode_reduce: grid (num_kv_heads, num_seqs); block 128 threads; 8 * GROUP * num_splits bytes of dynamic
 //                     smem; merges the used splits (log-sum-exp rescale, the same merge_splits as the in-kernel
 //                     path, so both are bitwise equal) when counters is nullptr; returns at once for sequences
 //                     written directly.
@@ -94,16 +95,36 @@ VOLT_DEVICE int split_len(const DecodeParams& p, int seq_len) {
     return min(PARTITION, max(p.min_part, per));
 }
 
+// Splits whose partial outputs merge_splits loads in the same round trip as their (max, sum) pairs.
+#define MERGE_REG_SPLITS 8
+#define MERGE_ITEMS (GROUP * HEAD_DIM / 4)                              // 4 outputs per item
+#define MERGE_ITEMS_PER_THREAD ((MERGE_ITEMS + NUM_THREADS - 1) / NUM_THREADS)
+
 // out[seq, kvh * GROUP + g] for the group's heads from their `used` split partials (log-sum-exp rescale), by
-// the whole block: the split weights exp(m_s - M) / L go to smem `w` ([GROUP][ws] floats, used <= ws) in
-// parallel, then each output element sums its splits in fixed order (deterministic). Partials
-// written by other blocks are read past L1 (ld.global.cg): L1 is not coherent. Needs all threads (barriers).
-VOLT_DEVICE void merge_splits(const DecodeParams& p, int seq, int kvh, int used, float* w, int ws) {
+// the whole block. One dependent global round trip: the (max, sum) pairs (8-byte loads, to smem `w`: maxima
+// [GROUP][ws], then sums [GROUP][ws], used <= ws) and each thread's 16-byte partial outputs of the first
+// MERGE_REG_SPLITS splits (registers) are loaded together; then the split weights exp(m_s - M) / L, then each
+// output sums its splits in fixed order (deterministic; later splits are loaded then). Partials written by other
+// blocks are read past L1 (ld.global.cg): L1 is not coherent. Needs all threads (barriers); `row`: the
+// sequence's query row.
+VOLT_DEVICE void merge_splits(const DecodeParams& p, int seq, int kvh, int used, float* w, int ws, i64 row) {
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const i64 base = ((i64)seq * p.num_heads + kvh * GROUP) * p.num_splits;  // head g adds g * num_splits
+    float* wl = w + GROUP * ws;
     for (int i = tid; i < GROUP * used; i += NUM_THREADS) {
         const int g = i / used, sp = i % used;
-        w[g * ws + sp] = __ldcg(p.part_ml + (base + (i64)g * p.num_splits + sp) * 2);
+        const float2 ml = __ldcg(reinterpret_cast<const float2*>(p.part_ml) + base + (i64)g * p.num_splits + sp);
+        w[g * ws + sp] = ml.x;
+        wl[g * ws + sp] = ml.y;
+    }
+    float4 pre[MERGE_ITEMS_PER_THREAD][MERGE_REG_SPLITS];
+#pragma unroll
+    for (int it = 0; it < MERGE_ITEMS_PER_THREAD; ++it) {
+        const int i = tid + it * NUM_THREADS, g = 4 * i / HEAD_DIM, d = 4 * i % HEAD_DIM;
+        const float4* acc = reinterpret_cast<const float4*>(p.part_acc + (base + (i64)g * p.num_splits) * HEAD_DIM + d);
+#pragma unroll
+        for (int sp = 0; sp < MERGE_REG_SPLITS; ++sp)
+            if (i < MERGE_ITEMS && sp < used) pre[it][sp] = __ldcg(acc + (i64)sp * (HEAD_DIM / 4));
     }
     __syncthreads();
     for (int g = warp; g < GROUP; g += NUM_WARPS) {
@@ -114,21 +135,30 @@ VOLT_DEVICE void merge_splits(const DecodeParams& p, int seq, int kvh, int used,
         for (int sp = lane; sp < used; sp += 32) {
             const float e = __expf(w[g * ws + sp] - m);
             w[g * ws + sp] = e;
-            l += __ldcg(p.part_ml + (base + (i64)g * p.num_splits + sp) * 2 + 1) * e;
+            l += wl[g * ws + sp] * e;
         }
         l = warp_sum(l);
         __syncwarp();
         for (int sp = lane; sp < used; sp += 32) w[g * ws + sp] /= l;
     }
     __syncthreads();
-    const i64 row = p.query_start_loc[seq + 1] - 1;
-    // 4 outputs per thread (16-byte partial loads), 16 splits' loads in flight: the merge is the launch's tail
-    for (int i = tid; i < GROUP * HEAD_DIM / 4; i += NUM_THREADS) {
-        const int g = 4 * i / HEAD_DIM, d = 4 * i % HEAD_DIM;
-        const float4* acc = reinterpret_cast<const float4*>(p.part_acc + (base + (i64)g * p.num_splits) * HEAD_DIM + d);
+#pragma unroll
+    for (int it = 0; it < MERGE_ITEMS_PER_THREAD; ++it) {
+        const int i = tid + it * NUM_THREADS, g = 4 * i / HEAD_DIM, d = 4 * i % HEAD_DIM;
+        if (i >= MERGE_ITEMS) break;
         float o[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+        for (int sp = 0; sp < MERGE_REG_SPLITS; ++sp) {
+            if (sp >= used) break;
+            const float e = w[g * ws + sp];
+            o[0] += pre[it][sp].x * e;
+            o[1] += pre[it][sp].y * e;
+            o[2] += pre[it][sp].z * e;
+            o[3] += pre[it][sp].w * e;
+        }
+        const float4* acc = reinterpret_cast<const float4*>(p.part_acc + (base + (i64)g * p.num_splits) * HEAD_DIM + d);
 #pragma unroll 16
-        for (int sp = 0; sp < used; ++sp) {
+        for (int sp = MERGE_REG_SPLITS; sp < used; ++sp) {
             const float4 a = __ldcg(acc + (i64)sp * (HEAD_DIM / 4));
             const float e = w[g * ws + sp];
             o[0] += a.x * e;
@@ -434,25 +464,25 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, ATTN_MIN_BLOCKS) attn_
     if (direct || p.counters == nullptr) return;
     // the last of this (sequence, KV head)'s splits to finish merges them (no reduce launch)
     __shared__ int s_last;
-    __threadfence();
-    __syncthreads();
+    __syncthreads();  // every thread's partial stores before thread 0's release
     const int used = min(p.num_splits, (seq_len + plen - 1) / plen);
     int* counter = p.counters + seq * p.num_kv_heads + kvh;
-    if (tid == 0) s_last = atomicAdd(counter, 1) == used - 1;
-    __syncthreads();
+    if (tid == 0) s_last = arrive_acq_rel(counter) == used - 1;
+    __syncthreads();  // after thread 0's acquire: the other splits' partials are visible to the whole block
     if (!s_last) return;
-    __threadfence();
-    merge_splits(p, seq, kvh, used, red, NUM_WARPS * HEAD_DIM);  // warp partials consumed: reuse their smem
-                                                                 // (host: counters only when num_splits fits)
+    // warp partials consumed: their smem holds the merge's maxima and sums (host: counters only when num_splits
+    // fits, kernels.decode_max_merged_splits)
+    merge_splits(p, seq, kvh, used, red, NUM_WARPS * HEAD_DIM / 2, row);
     if (tid == 0) *counter = 0;  // ready for the next launch on this stream
 }
 
 extern "C" __global__ void __launch_bounds__(NUM_THREADS) attn_decode_reduce(const DecodeParams p) {
     pdl_enter();
-    extern __shared__ float w[];  // [GROUP][num_splits]
+    extern __shared__ float w[];  // [2][GROUP][num_splits]: maxima (then weights), sums
     const int kvh = blockIdx.x, seq = blockIdx.y;
     const int seq_len = p.seq_lens[seq];
     const int plen = split_len(p, seq_len);
     if (seq_len <= plen) return;  // attn_decode wrote this output directly (one split)
-    merge_splits(p, seq, kvh, min(p.num_splits, (seq_len + plen - 1) / plen), w, p.num_splits);
+    merge_splits(p, seq, kvh, min(p.num_splits, (seq_len + plen - 1) / plen), w, p.num_splits,
+                 p.query_start_loc[seq + 1] - 1);
 }

@@ -123,6 +123,17 @@ VOLT_DEVICE void prefetch_l2(const void* p, i64 bytes, int tid, int stride) {
 #endif
 }
 
+// Split-K arrival by thread 0 after a __syncthreads that follows every thread's partial stores: *counter += 1
+// with acquire-release semantics at GPU scope; returns the old value. The release (cumulative over the block's
+// stores ordered before it by the barrier) publishes this block's partials; the acquire, with a barrier after it,
+// makes the other blocks' partials visible to this block (PTX ISA, memory consistency model: release and
+// acquire patterns). Replaces a __threadfence (fence.sc.gpu) in every thread on both sides.
+VOLT_DEVICE int arrive_acq_rel(int* counter) {
+    int old;
+    asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], 1;" : "=r"(old) : "l"(counter) : "memory");
+    return old;
+}
+
 // Params structs are checked against their Python ctypes mirror: the launcher passes
 // -DVOLT_<NAME>_BYTES=<ctypes.sizeof(mirror)>, so a drifting layout fails to compile (even on CI).
 #define VOLT_CHECK_PARAMS(T, BYTES) static_assert(sizeof(T) == (BYTES), #T " drifted from its Python mirror")

@@ -45,7 +45,7 @@ def test_smem_holds_the_block_table_slice():
     """q, 4 warps' partial outputs and max / sum, and PARTITION / block_size + 2 block ids (4 bytes each)."""
     assert kernels.decode_smem_bytes(128, 4, 16, 4096) == 4 * (512 + 4 * 512 + 4 * 4 * 2 + 256 + 2)
     assert kernels.decode_smem_bytes(64, 1, 1, 4096) == 4 * (64 + 4 * 64 + 8 + 4096 + 2)
-    assert kernels.decode_max_merged_splits(128) == 512
+    assert kernels.decode_max_merged_splits(128) == 256
 
 
 def test_spec_simt_forces_the_cuda_core_path():

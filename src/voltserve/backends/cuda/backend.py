@@ -294,7 +294,7 @@ class CudaBackend:
                      (128, 1, 1), smem, p, meta_pdl)
         if num_splits > 1 and not merge_in_kernel:
             self._launch("attention_decode", "attn_decode_reduce", spec, (num_kv_heads, num_seqs, 1),
-                         (128, 1, 1), 4 * group * num_splits, p)
+                         (128, 1, 1), 8 * group * num_splits, p)
 
     def silu_and_mul(self, x):
         _check_rows(x, "x")

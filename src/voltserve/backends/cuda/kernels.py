@@ -290,8 +290,9 @@ def decode_smem_bytes(head_dim: int, group: int, block_size: int, partition: int
 
 
 def decode_max_merged_splits(head_dim: int) -> int:
-    """Most splits attn_decode merges in-kernel (its merge weights reuse the warps' partial-output smem)."""
-    return DECODE_WARPS * head_dim
+    """Most splits attn_decode merges in-kernel (the merge's split maxima and sums reuse the warps' partial-output
+    smem: 2 floats per split and head)."""
+    return DECODE_WARPS * head_dim // 2
 
 
 def prefill_smem_bytes(head_dim: int) -> int:

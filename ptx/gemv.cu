@@ -5,6 +5,8 @@
 // each x row first (1/rms recomputed per block from x: k fp32 squares, cheap next to the weight stream), `res`
 // adds a residual to the output; compile-time SILU (gemv only) computes SwiGLU (Shazeer 2020) of a [gate; up]
 // weight. Each fused value keeps the unfused ops' fp16 roundings (the normalized x, the linear output).
+// Compile-time NORM_POST (gemv, fp16): the norm weight is folded into W, each warp sums x^2 over the x it
+// multiplies anyway, and 1/rms scales its outputs (no prologue, no barrier; gemv_common.cuh).
 // SM70 path: the only path, fp32 accumulation, 16-byte `__ldg` loads, no cp.async / ldmatrix / mma. On SM90+
 // both kernels touch their first weights before pdl_enter() (common.cuh): gemv prefetches into L2, gemv_q loads.
 // Reference: voltserve.backends.cpu.CpuBackend.linear. Every output is one fixed-order sum (no atomics).
@@ -30,6 +32,12 @@
 #ifndef SILU
 #define SILU 0  // gemv only: out[i] = silu(W[i] . x) * (W[n/2 + i] . x), W = [gate; up] (SwiGLU)
 #endif
+#ifndef NORM_POST
+#define NORM_POST 0  // gemv, fp16: the RMSNorm with its weight folded into W; 1/rms scales the outputs (gemv_common.cuh)
+#endif
+#if NORM_POST && WTYPE != WTYPE_F16
+#error "NORM_POST is built for fp16 weights only (the norm weight is folded into fp16 rows)"
+#endif
 
 // xs[r][j] = fp16(x[r, j] * inv_rms_r * norm_w[j]) (what rms_norm stores), rows r < m; block-wide, ends synced.
 VOLT_DEVICE void norm_rows_to_smem(const GemvParams& p, half_t* xs, float* scratch) {
@@ -54,14 +62,17 @@ VOLT_DEVICE void norm_rows_to_smem(const GemvParams& p, half_t* xs, float* scrat
     __syncthreads();
 }
 
-// acc[q][r] = lane's partial of W[wrow_q] . x[r] for NR weight rows (loads of both rows in flight together).
+// acc[q][r] = lane's partial of W[wrow_q] . x[r] for NR weight rows (loads of both rows in flight together);
+// NORM_POST: ss[r] = the lane's partial sum of x[r]^2 over the same elements.
 template <int NR>
 VOLT_DEVICE void gemv_rows(const half_t* x, i64 x_stride, int vec_ok, const u8* const* wrows, int m, int k,
-                           int lane, float (&acc)[NR][MROWS]) {
+                           int lane, float (&acc)[NR][MROWS], float (&ss)[MROWS]) {
 #pragma unroll
     for (int q = 0; q < NR; ++q)
 #pragma unroll
         for (int r = 0; r < MROWS; ++r) acc[q][r] = 0.f;
+#pragma unroll
+    for (int r = 0; r < MROWS; ++r) ss[r] = 0.f;
 #if WTYPE == WTYPE_F16
     int k_vec = 0;
     if (vec_ok) {
@@ -79,11 +90,23 @@ VOLT_DEVICE void gemv_rows(const half_t* x, i64 x_stride, int vec_ok, const u8* 
                     for (int q = 0; q < NR; ++q)
 #pragma unroll
                         for (int j = 0; j < 8; ++j) acc[q][r] += w[q][j] * xv[j];
+#if NORM_POST
+#pragma unroll
+                    for (int j = 0; j < 8; ++j) ss[r] += xv[j] * xv[j];
+#endif
                 }
             }
         }
     }
     for (int kk = k_vec + lane; kk < k; kk += 32) {
+#if NORM_POST
+#pragma unroll
+        for (int r = 0; r < MROWS; ++r)
+            if (r < m) {
+                const float xe = h2f(x[r * x_stride + kk]);
+                ss[r] += xe * xe;
+            }
+#endif
 #pragma unroll
         for (int q = 0; q < NR; ++q) {
             const float w = h2f(reinterpret_cast<const half_t*>(wrows[q])[kk]);
@@ -146,19 +169,27 @@ extern "C" __global__ void __launch_bounds__(128) gemv(const GemvParams p) {
     for (int row = blockIdx.x * 4 + warp; row < n_out; row += gridDim.x * 4) {
 #if SILU
         const u8* wrows[2] = {p.w + (i64)row * p.w_row_bytes, p.w + (i64)(row + n_out) * p.w_row_bytes};
-        float acc[2][MROWS];
-        gemv_rows<2>(x, x_stride, vec_ok, wrows, p.m, p.k, lane, acc);
+        float acc[2][MROWS], ss[MROWS];
+        gemv_rows<2>(x, x_stride, vec_ok, wrows, p.m, p.k, lane, acc, ss);
 #else
         const u8* wrows[1] = {p.w + (i64)row * p.w_row_bytes};
-        float acc[1][MROWS];
-        gemv_rows<1>(x, x_stride, vec_ok, wrows, p.m, p.k, lane, acc);
+        float acc[1][MROWS], ss[MROWS];
+        gemv_rows<1>(x, x_stride, vec_ok, wrows, p.m, p.k, lane, acc, ss);
 #endif
 #pragma unroll
         for (int r = 0; r < MROWS; ++r) {
             if (r < p.m) {
                 float v = warp_sum(acc[0][r]);
+#if NORM_POST
+                const float inv = post_inv_rms(p, warp_sum(ss[r]));
+                v *= inv;
+#endif
 #if SILU
+#if NORM_POST
+                const float g = round_h(v), u = round_h(warp_sum(acc[1][r]) * inv);
+#else
                 const float g = round_h(v), u = round_h(warp_sum(acc[1][r]));
+#endif
                 v = g / (1.f + __expf(-g)) * u;
 #endif
                 v = gemv_out(p, r, row, v);

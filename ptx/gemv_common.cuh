@@ -109,4 +109,11 @@ VOLT_DEVICE void rows_inv_rms_one_pass(const GemvParams& p, float* scratch, floa
     __syncthreads();
 }
 
+// NORM_POST builds (gemv, fp16): the RMSNorm before the GEMV with its weight folded into W at load time
+// (W' = W diag(g), CudaLinear.norm_folded), so rms_norm(x) . W = (x . W') / rms(x): each warp sums x^2 over the
+// x it multiplies anyway and scales its outputs by 1 / rms. No prologue pass over x and no separate rms_norm
+// launch; the products differ from rms_norm -> linear by the fp16 rounding of W' instead of the normalized x.
+// 1 / rms of an x row from its fp32 sum of squares.
+VOLT_DEVICE float post_inv_rms(const GemvParams& p, float sum_sq) { return rsqrtf(sum_sq / (float)p.k + p.eps); }
+
 VOLT_DEVICE uint4 ldg16(const void* p) { return __ldg(reinterpret_cast<const uint4*>(p)); }

@@ -185,7 +185,6 @@ def test_repacked_quant_rows_serve_like_gguf_rows(s8, bound):
     3e-2 of max |logit|), and with repacked rows graph replay equals eager."""
     from tools.make_synthetic_checkpoint import synthetic_model
     from voltserve.backends.cuda.backend import CudaBackend
-    from voltserve.graphs import StepGraphs
 
     loaded = synthetic_model("small256", device="cuda", dtype=torch.float16, qtype="Q4_1", seed=3)
     models = {}
@@ -197,11 +196,44 @@ def test_repacked_quant_rows_serve_like_gguf_rows(s8, bound):
                                                                   layer.down)} == {"repacked" if layout == "on"
                                                                                    else "gguf"}
         models[layout] = (model, backend)
+    _variants_agree(models["on"], models["off"], lambda n: bound if n <= 8 else 1e-2)
+
+
+def test_folded_norms_serve_like_unfolded():
+    """An fp16 model (random, non-unit norm weights) with every RMSNorm folded into the linear after it
+    (VOLTSERVE_NORM_FOLD "on": gemv's NORM_POST at 1 row, unit-norm rms_norm + gemv_mma / cuBLAS above) against the
+    same model unfolded: the logits of 1- and 8-token steps and a 57-token prefill agree within 1e-2 of max
+    |logit| (fp16(W g) vs fp16(x / rms * g) roundings), and graph replay equals eager."""
+    from tools.make_synthetic_checkpoint import synthetic_model
+    from voltserve.backends.cuda.backend import CudaBackend
+
+    loaded = synthetic_model("small256", device="cuda", dtype=torch.float16, seed=5)
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    for name, t in loaded.tensors.items():
+        if name.endswith("norm.weight"):
+            t.copy_(torch.rand(t.shape, generator=gen, device="cuda") + 0.5)
+    models = {}
+    for fold in ("on", "off"):
+        backend = CudaBackend(0)
+        backend.norm_fold = fold
+        model = LlamaModel(loaded.config, loaded.tensors, backend, loaded.quantized, max_positions=512)
+        folded = {lin.norm_folded for layer in model.layers for lin in (layer.qkv, layer.gate_up)}
+        assert folded == {fold == "on"} and model.lm_head.norm_folded == (fold == "on")
+        assert not any(layer.o_proj.norm_folded or layer.down.norm_folded for layer in model.layers)
+        models[fold] = (model, backend)
+    _variants_agree(models["on"], models["off"], lambda n: 1e-2)
+
+
+def _variants_agree(variant, reference, bound):
+    """Logits of 1- and 8-token steps and a 57-token prefill of two (model, backend) builds of one checkpoint
+    agree within bound(n) of max |logit|, and the variant's graph replay equals its eager steps."""
+    from voltserve.graphs import StepGraphs
+
     ids = list(range(3, 60))
     for n in (1, 8, len(ids)):
-        rp, gg = all_logits(*models["on"], ids[:n]), all_logits(*models["off"], ids[:n])
-        assert ((rp - gg).abs().max() / gg.abs().max()).item() < (bound if n <= 8 else 1e-2), n
-    model, backend = models["on"]
+        got, ref = all_logits(*variant, ids[:n]), all_logits(*reference, ids[:n])
+        assert ((got - ref).abs().max() / ref.abs().max()).item() < bound(n), n
+    model, backend = variant
 
     def factory(kv):
         g = StepGraphs(model, backend, kv, max_num_seqs=4, max_model_len=512)

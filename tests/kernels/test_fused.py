@@ -7,6 +7,9 @@
   roundings of the unfused ones: normalized x, linear output; one more fp16 rounding than test_linear's 3e-3).
 - The residual and SwiGLU epilogues equal the unfused CUDA ops bit for bit (same kernel and row bucket); the norm
   prologue differs from rms_norm only by the fp32 summation order of 1/rms.
+- fp16 weights with the norm folded in (prepare_linear's `norm`; gemv's NORM_POST build, else a unit-weight
+  rms_norm before gemv_mma or the GEMM): the same 4e-3 bound vs CpuBackend on the unfolded weight (fp16(W g)
+  rounds where the unfused path rounds the normalized x).
 """
 
 import pytest
@@ -95,3 +98,46 @@ def test_norm_rows_bitwise(cuda_backend, fmt):
         assert torch.equal(cuda_backend.norm_linear(x[5:6].contiguous(), norm_w, 1e-5, w), full[5:6])
     finally:
         cuda_backend.gemv_kernel = "auto"
+
+
+@pytest.fixture
+def norm_fold_on(cuda_backend):
+    cuda_backend.norm_fold = "on"
+    yield
+    cuda_backend.norm_fold = "auto"
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 8, 11, 17])
+@pytest.mark.parametrize("nk", [(3072, 576), (130, 4096), (66, 96), (40, 100)])
+@pytest.mark.parametrize("silu", [False, True])
+def test_norm_folded_linear(cuda_backend, cpu_backend, gemv_choice, norm_fold_on, m, nk, silu):
+    """The norm folded into an fp16 weight: gemv's NORM_POST build (m = 1, every m under "scalar", k % 8 != 0
+    through its scalar tail), gemv_mma after a unit-weight rms_norm (from 2 rows) and the GEMM path (17 rows)."""
+    n, k = nk
+    gen = torch.Generator().manual_seed(m * 5 + n + k + silu)
+    weight = (torch.randn(n, k, generator=gen) * 0.05).half().float()
+    norm_w = torch.rand(k, generator=gen) + 0.5
+    w = cuda_backend.prepare_linear(weight, None, swiglu=silu, norm=norm_w)
+    assert w.norm_folded
+    x = (torch.randn(m, k, generator=gen) * 3).half()
+    got = cuda_backend.norm_linear(x.cuda(), cuda_backend.prepare_norm(norm_w), 1e-5, w, silu=silu)
+    ref = cpu_backend.norm_linear(x.float(), norm_w, 1e-5, weight, silu=silu)
+    assert got.shape == (m, n // 2 if silu else n)
+    assert rel_err(got, ref) <= TOL
+    with pytest.raises(ValueError, match="norm_linear"):
+        cuda_backend.linear(x.cuda(), w)
+
+
+def test_norm_folded_rows_independent(cuda_backend, norm_fold_on):
+    """Each row's 1/rms comes from its own x row: a row's output is the same alone as among 8 (gemv_mma's rows
+    from 2 up are bitwise independent of the others; gemv's NORM_POST at 1 row differs by rounding order)."""
+    gen = torch.Generator().manual_seed(11)
+    k = 4096
+    w = cuda_backend.prepare_linear(torch.randn(256, k, generator=gen) * 0.05, None,
+                                    norm=torch.rand(k, generator=gen) + 0.5)
+    x = (torch.randn(8, k, generator=gen) * torch.arange(1, 9).float()[:, None]).half().cuda()
+    unit = cuda_backend.prepare_norm(torch.ones(k))
+    full = cuda_backend.norm_linear(x, unit, 1e-5, w)
+    assert torch.equal(cuda_backend.norm_linear(x[2:5].contiguous(), unit, 1e-5, w), full[2:5])
+    one = cuda_backend.norm_linear(x[6:7].contiguous(), unit, 1e-5, w)
+    assert rel_err(one, full[6:7]) <= 2e-3  # gemv NORM_POST vs rms_norm + gemv_mma: rounding order only

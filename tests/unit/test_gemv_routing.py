@@ -382,3 +382,52 @@ def test_gemv_pdl_is_decided_per_launch():
     launches.clear()
     launch_linear(backend, x, big)  # right after the large GEMV above
     assert launches == [("gemv_mma", False), ("gemv_mma", False)]
+
+
+def test_folds_norm_rule():
+    """The RMSNorm is folded into fp16 weights (auto: those over GEMV_NORM_FUSED_MAX_BYTES, whose norm would
+    otherwise be its own rms_norm launch); never into a weight that stays quantized; "on" / "off" force it."""
+    from voltserve.backends.cuda.linear import GEMV_NORM_FUSED_MAX_BYTES, folds_norm
+
+    quant = SimpleNamespace(qtype="Q4_1")
+    big = (GEMV_NORM_FUSED_MAX_BYTES // 8192 + 1, 4096)  # one row over the bound at fp16
+    small = (GEMV_NORM_FUSED_MAX_BYTES // 8192, 4096)    # exactly the bound: keeps the fused prologue
+    auto, on, off = (SimpleNamespace(norm_fold=c) for c in ("auto", "on", "off"))
+    assert folds_norm(auto, big, None) and not folds_norm(auto, small, None)
+    assert folds_norm(on, small, None) and not folds_norm(off, big, None)
+    assert not folds_norm(on, big, quant) and not folds_norm(auto, big, quant)
+    # a quant type without kernels, or rows not whole 32-wide blocks, is uploaded as fp16: then it may fold
+    assert folds_norm(on, small, SimpleNamespace(qtype="Q6_K"))
+    assert folds_norm(on, (64, 96 + 8), quant)
+
+
+def test_norm_post_specs():
+    """gemv's NORM_POST builds exist for fp16 only and are among the engine's specialisations (CI compiles
+    them)."""
+    from voltserve.backends.cuda import kernels
+
+    built = kernels.engine_specializations()
+    for silu in (False, True):
+        for m in kernels.GEMV_ROW_BUCKETS:
+            spec = kernels.gemv_spec("F16", m, silu, norm_post=True)
+            assert spec == {"WTYPE": kernels.WTYPES["F16"], "MROWS": m, **({"SILU": 1} if silu else {}),
+                            "NORM_POST": 1}
+            assert ("gemv", spec) in built
+    assert kernels.gemv_spec("Q4_1", 2, False) == {"WTYPE": kernels.WTYPES["Q4_1"], "MROWS": 2}
+    with pytest.raises(ValueError):
+        kernels.gemv_spec("Q4_1", 1, False, norm_post=True)
+
+
+def test_folded_upload_on_cpu():
+    """CudaLinear.upload with a norm weight stores fp16(W diag(g)) rounded once from fp32 (checked on the CPU
+    device; the rows go through in 4096-row pieces) and the unit norm for the GEMM path."""
+    gen = torch.Generator().manual_seed(3)
+    w = torch.randn(5000, 64, generator=gen)
+    g = torch.rand(64, generator=gen) + 0.5
+    lin = CudaLinear.upload(w, None, torch.device("cpu"), norm=g)
+    assert lin.norm_folded and lin.fmt == "F16" and lin.data.dtype == torch.float16
+    assert torch.equal(lin.data, (w * g).half())
+    assert torch.equal(lin.unit_norm, torch.ones(64))
+    assert not CudaLinear.upload(w, None, torch.device("cpu")).norm_folded
+    with pytest.raises(ValueError):
+        CudaLinear.upload(w, None, torch.device("cpu"), norm=g[:32])

@@ -78,7 +78,8 @@ class Backend(Protocol):
     device: torch.device
     dtype: torch.dtype
 
-    def prepare_linear(self, weight: torch.Tensor, quant: Any | None = None, swiglu: bool = False) -> Any:
+    def prepare_linear(self, weight: torch.Tensor, quant: Any | None = None, swiglu: bool = False,
+                       norm: torch.Tensor | None = None) -> Any:
         """Turn a checkpoint weight into this backend's linear operand.
 
         Args:
@@ -87,6 +88,10 @@ class Backend(Protocol):
                 so a backend can run on the packed blocks instead of `weight`.
             swiglu: the weight is a fused [gate; up] pair that `norm_linear(..., silu=True)` will read (a backend
                 may store it in the layout its SwiGLU kernel reads best).
+            norm: [in_features] fp32, CPU: the weight of the RMSNorm that every `norm_linear` on this linear applies
+                first (the caller passes that same norm weight there). A backend may fold it into the weight
+                (the CUDA backend's fp16 GEMVs then scale by 1/rms after the product); such a linear is read by
+                norm_linear only. Backends that do not fold ignore it.
         """
 
     def prepare_embedding(self, weight: torch.Tensor, quant: Any | None = None) -> Any:

@@ -33,7 +33,8 @@ class CpuBackend:
 
     # -- weights -------------------------------------------------------------------------------------------
 
-    def prepare_linear(self, weight: torch.Tensor, quant: Any | None = None, swiglu: bool = False) -> Any:
+    def prepare_linear(self, weight: torch.Tensor, quant: Any | None = None, swiglu: bool = False,
+                       norm: torch.Tensor | None = None) -> Any:
         if self.use_int4 and quant is not None:
             from voltserve.backends.cpu_int4 import Int4Linear, supports
 

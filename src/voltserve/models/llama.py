@@ -33,14 +33,16 @@ class LlamaLayer:
     down: Any  # backend linear, out = hidden_size
 
 
-def _fuse(tensors: dict, quantized: dict, names: list[str], backend: Backend, swiglu: bool = False):
+def _fuse(tensors: dict, quantized: dict, names: list[str], backend: Backend, swiglu: bool = False,
+          norm: str | None = None):
     """Concatenate linears along out_features and hand them to the backend (quantized blocks too, if all are);
-    `swiglu`: the pair is [gate; up] (Backend.prepare_linear)."""
+    `swiglu`: the pair is [gate; up]; `norm`: the RMSNorm weight every norm_linear on it applies first
+    (Backend.prepare_linear)."""
     weight = torch.cat([tensors[n] for n in names], dim=0)
     quant = None
     if quantized and all(n in quantized for n in names):
         quant = concat_rows([quantized[n] for n in names])
-    return backend.prepare_linear(weight, quant, swiglu=swiglu)
+    return backend.prepare_linear(weight, quant, swiglu=swiglu, norm=tensors[norm] if norm else None)
 
 
 class LlamaModel:
@@ -67,18 +69,19 @@ class LlamaModel:
         self.embed = backend.prepare_embedding(tensors["model.embed_tokens.weight"],
                                                quantized.get("model.embed_tokens.weight"))
         head = "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
-        self.lm_head = backend.prepare_linear(tensors[head], quantized.get(head))
+        self.lm_head = backend.prepare_linear(tensors[head], quantized.get(head), norm=tensors["model.norm.weight"])
         self.final_norm = norm("model.norm.weight")
         self.layers = []
         for i in range(config.num_layers):
             p = f"model.layers.{i}."
             self.layers.append(LlamaLayer(
                 input_norm=norm(p + "input_layernorm.weight"),
-                qkv=_fuse(tensors, quantized, [p + f"self_attn.{n}_proj.weight" for n in "qkv"], backend),
+                qkv=_fuse(tensors, quantized, [p + f"self_attn.{n}_proj.weight" for n in "qkv"], backend,
+                          norm=p + "input_layernorm.weight"),
                 o_proj=_fuse(tensors, quantized, [p + "self_attn.o_proj.weight"], backend),
                 post_norm=norm(p + "post_attention_layernorm.weight"),
                 gate_up=_fuse(tensors, quantized, [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"], backend,
-                              swiglu=True),
+                              swiglu=True, norm=p + "post_attention_layernorm.weight"),
                 down=_fuse(tensors, quantized, [p + "mlp.down_proj.weight"], backend),
             ))
         positions = max_positions or config.max_position_embeddings

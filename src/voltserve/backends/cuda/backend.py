@@ -25,8 +25,8 @@ import torch
 from voltserve.backends.base import AttentionMetadata
 from voltserve.backends.cuda import driver, kernels
 from voltserve.backends.cuda import params as P
-from voltserve.backends.cuda.linear import (CudaEmbedding, CudaLinear, gemv_mma_sb_fits, gemv_s8_enabled, gemv_s8_fits,
-                                           launch_linear, repack_wanted)
+from voltserve.backends.cuda.linear import (CudaEmbedding, CudaLinear, folds_norm, gemv_mma_sb_fits, gemv_s8_enabled,
+                                           gemv_s8_fits, launch_linear, repack_wanted)
 from voltserve.backends.cuda.module import KernelLoader
 
 
@@ -85,6 +85,10 @@ class CudaBackend:
         # the RMSNorm before a decode GEMV: fused into it where that measured faster ("auto", linear.fuses_norm),
         # always where the kernel can ("on"), or always its own kernel first ("off"); VOLTSERVE_FUSE_NORM for A/B
         self.fuse_norm = _env_choice("VOLTSERVE_FUSE_NORM", ("auto", "on", "off"))
+        # fp16 weights with the RMSNorm before them folded in (linear.folds_norm; read when weights are prepared):
+        # "auto" (where the norm would otherwise be its own launch), "on" (every fp16 weight behind a norm) or
+        # "off"; VOLTSERVE_NORM_FOLD for A/B runs
+        self.norm_fold = _env_choice("VOLTSERVE_NORM_FOLD", ("auto", "on", "off"))
         # decode attention path (attention_decode.cu): "auto" (tensor cores on SM80+ where the GQA group fits,
         # else CUDA cores) or "simt" (the CUDA-core path, V100's, on any GPU: tests and A/B runs)
         self.attn_kernel = _env_choice("VOLTSERVE_ATTN_KERNEL", ("auto", "simt"))
@@ -142,12 +146,15 @@ class CudaBackend:
 
     # -- weights -------------------------------------------------------------------------------------------
 
-    def prepare_linear(self, weight: torch.Tensor, quant: Any | None = None, swiglu: bool = False) -> CudaLinear:
+    def prepare_linear(self, weight: torch.Tensor, quant: Any | None = None, swiglu: bool = False,
+                       norm: torch.Tensor | None = None) -> CudaLinear:
+        if norm is not None and not folds_norm(self, weight.shape, quant):
+            norm = None
         repack = quant is not None and self.gemv_kernel != "scalar" and repack_wanted(
             self.quant_repack, self.loader.compile_arch, quant.qtype, weight.shape[1], int(quant.data.nbytes),
             swiglu, superblocks=gemv_mma_sb_fits(self, quant.qtype),
             s8=gemv_s8_enabled(self) and gemv_s8_fits(self, kernels.GEMV_MAX_ROWS, weight.shape[1]))
-        return CudaLinear.upload(weight, quant, self.device, repack=repack)
+        return CudaLinear.upload(weight, quant, self.device, repack=repack, norm=norm)
 
     def prepare_embedding(self, weight: torch.Tensor, quant: Any | None = None) -> CudaEmbedding:
         return CudaEmbedding.upload(weight, quant, self.device)
@@ -196,6 +203,8 @@ class CudaBackend:
 
     def linear(self, x, weight: CudaLinear, residual=None):
         _check_rows(x, "x")
+        if weight.norm_folded:
+            raise ValueError("this weight has its RMSNorm folded in: call norm_linear")
         if x.shape[1] != weight.in_features:
             raise ValueError(f"x {tuple(x.shape)} does not match weight in_features {weight.in_features}")
         if residual is not None:
@@ -206,6 +215,8 @@ class CudaBackend:
         _check_rows(x, "x")
         if x.shape[1] != weight.in_features:
             raise ValueError(f"x {tuple(x.shape)} does not match weight in_features {weight.in_features}")
+        if weight.norm_folded:  # norm_weight's g is in the weight already (prepare_linear's `norm`)
+            return launch_linear(self, x, weight, eps=eps, silu=silu, norm_post=True)
         return launch_linear(self, x, weight, norm_weight=self._on_device(norm_weight, torch.float32), eps=eps,
                              silu=silu)
 

@@ -66,6 +66,21 @@ def gemv_mma_spec(fmt: str, silu: bool, norm_one_pass: bool = False,
     return spec
 
 
+def gemv_spec(fmt: str, mrows: int, silu: bool, norm_post: bool = False) -> dict[str, int]:
+    """The -D set of gemv.cu's kernels for a weight format and row bucket; `silu`: the SwiGLU build (gemv);
+    `norm_post`: the fp16 build for weights with the RMSNorm folded in (NORM_POST, `CudaLinear.norm_folded`).
+
+    Raises:
+        ValueError: `norm_post` with a quant format.
+    """
+    spec = {"WTYPE": WTYPES[fmt], "MROWS": mrows, **({"SILU": 1} if silu else {})}
+    if norm_post:
+        if fmt != "F16":
+            raise ValueError("norm_post is an fp16 build")
+        spec["NORM_POST"] = 1
+    return spec
+
+
 def gemv_mma_tile_rows(weight_rows: int, weight_bytes: int, arch: int, num_sms: int,
                        blocks_per_sm: Callable[[], int]) -> int:
     """gemv_mma's block height for a weight of `weight_rows` rows ([gate; up] for SwiGLU: both halves) and
@@ -317,8 +332,8 @@ def engine_specializations() -> list[tuple[str, dict[str, int]]]:
                                                                   "silu_mul")]
     specs += [("attention_decode", decode_spec(d, g)) for d in ENGINE_HEAD_DIMS for g in ENGINE_GROUPS]
     specs += [("attention_prefill", {"HEAD_DIM": d}) for d in ENGINE_HEAD_DIMS]
-    specs += [("gemv", {"WTYPE": w, "MROWS": m}) for w in WTYPES.values() for m in GEMV_ROW_BUCKETS]
-    specs += [("gemv", {"WTYPE": w, "MROWS": m, "SILU": 1}) for w in WTYPES.values() for m in GEMV_ROW_BUCKETS]
+    specs += [("gemv", gemv_spec(f, m, bool(s), bool(n))) for f in WTYPES for m in GEMV_ROW_BUCKETS
+              for s in (0, 1) for n in (0, 1) if f == "F16" or not n]
     specs += [("gemv_mma", gemv_mma_spec(f, bool(s), bool(o), t, r))
               for r in (False, True) for f in WTYPES if not (r and f == "F16")
               for s in (0, 1) for o in (0, 1) for t in GEMV_MMA_TILES]

@@ -114,6 +114,9 @@ class CudaLinear:
         row_bytes: bytes of one weight row.
         layout: quant rows as GGUF stores them ("gguf"), or "repacked" (backends/cuda/repack.py) for 16-byte
             loads: then only gemv_mma and gemm_tc read them (launch_linear routes there).
+        unit_norm: fp16 weights with the RMSNorm before them folded in (W diag(g), `norm_folded`): [in_features]
+            fp32 ones on the device, the weight of the plain RMSNorm that the GEMM path (prefill) runs first;
+            None otherwise.
     """
 
     fmt: str
@@ -122,19 +125,47 @@ class CudaLinear:
     in_features: int
     row_bytes: int
     layout: str = "gguf"
+    unit_norm: torch.Tensor | None = None
+
+    @property
+    def norm_folded(self) -> bool:
+        """The RMSNorm weight g of the norm before this linear is folded into it: only norm_linear reads it."""
+        return self.unit_norm is not None
+
+    @staticmethod
+    def stays_quant(quant: Any | None, in_features: int) -> bool:
+        """Whether `upload` keeps `quant`'s raw blocks (a format with kernels, whole 32-wide blocks) rather than
+        an fp16 copy."""
+        return quant is not None and quant.qtype in kernels.QUANT_BLOCK_BYTES and in_features % 32 == 0
 
     @classmethod
     def upload(cls, weight: torch.Tensor, quant: Any | None, device: torch.device,
-               repack: bool = False) -> "CudaLinear":
+               repack: bool = False, norm: torch.Tensor | None = None) -> "CudaLinear":
         """fp16 copy of `weight`, or the raw blocks of `quant` when its type has a kernel (Q4_0/Q4_1/Q8_0);
-        `repack`: quant rows that `can_repack` are stored repacked (rearranged on the host before the copy)."""
+        `repack`: quant rows that `can_repack` are stored repacked (rearranged on the host before the copy);
+        `norm` ([in_features] fp32, fp16 copies only): the RMSNorm weight g of the norm before this linear,
+        folded in as fp16(W diag(g)) (rounded once, from the fp32 weight).
+
+        Raises:
+            ValueError: `norm` with a weight that stays quantized, or of the wrong length."""
         out_features, in_features = weight.shape
-        if quant is not None and quant.qtype in kernels.QUANT_BLOCK_BYTES and in_features % 32 == 0:
+        if cls.stays_quant(quant, in_features):
+            if norm is not None:
+                raise ValueError("a norm weight folds into fp16 weights only")
             repack = repack and can_repack(quant.qtype, in_features)
             fmt, data, row_bytes = _quant_upload(quant, device, repack)
             return cls(fmt, data, out_features, in_features, row_bytes, "repacked" if repack else "gguf")
-        data = weight.detach().to(device, torch.float16).contiguous()
-        return cls("F16", data, out_features, in_features, in_features * 2)
+        if norm is None:
+            data = weight.detach().to(device, torch.float16).contiguous()
+            return cls("F16", data, out_features, in_features, in_features * 2)
+        if norm.shape != (in_features,):
+            raise ValueError(f"norm weight {tuple(norm.shape)} does not match in_features {in_features}")
+        g = norm.detach().to(weight.device, torch.float32)
+        data = torch.empty(out_features, in_features, dtype=torch.float16, device=device)
+        for r0 in range(0, out_features, 4096):  # row pieces: no full fp32 copy of a large weight
+            data[r0:r0 + 4096] = (weight[r0:r0 + 4096].detach().to(torch.float32) * g).to(device, torch.float16)
+        ones = torch.ones(in_features, dtype=torch.float32, device=device)
+        return cls("F16", data, out_features, in_features, in_features * 2, unit_norm=ones)
 
 
 @dataclass
@@ -179,7 +210,7 @@ def _launch_gemm_tc(backend: Any, x: torch.Tensor, w: CudaLinear, y: torch.Tenso
 
 def launch_linear(backend: Any, x: torch.Tensor, w: CudaLinear, *, norm_weight: torch.Tensor | None = None,
                   eps: float = 0.0, residual: torch.Tensor | None = None, silu: bool = False,
-                  f16_gemm: str = "cublas") -> torch.Tensor:
+                  f16_gemm: str = "cublas", norm_post: bool = False) -> torch.Tensor:
     """y = x @ W^T with our kernels, optionally fused with its neighbours in the decoder block.
 
     GEMV for up to 16 rows (in launches of <= 8): `gemv_mma` / `gemv_mma_sb` (ptx/gemv_mma.cu, tensor cores)
@@ -193,6 +224,9 @@ def launch_linear(backend: Any, x: torch.Tensor, w: CudaLinear, *, norm_weight: 
         x: [m, in_features] fp16, CUDA, contiguous rows.
         w: the weight; with `silu`, the fused [gate; up] weight (out_features = 2 * inner).
         norm_weight: [in_features] fp32 on the device: x is RMS-normalized (epsilon `eps`) and scaled first.
+        norm_post: `w` has its RMSNorm folded in (`CudaLinear.norm_folded`; not with norm_weight): `gemv`
+            (its NORM_POST build) scales the product by 1/rms(x); gemv_mma and the GEMM read x after an
+            rms_norm launch with unit weights.
         residual: [m, out_features] fp16 added to the product (the output is a new tensor).
         silu: return silu(gate) * up, [m, out_features / 2].
         f16_gemm: fp16 weights at m >= GEMM_MIN_ROWS: "cublas" (torch) or "tiled" (ptx/gemm_tiled.cu).
@@ -204,6 +238,16 @@ def launch_linear(backend: Any, x: torch.Tensor, w: CudaLinear, *, norm_weight: 
     n_out = n // 2 if silu else n
     if residual is not None and (residual.shape != (m, n_out) or residual.stride(1) != 1):
         raise ValueError(f"residual {tuple(residual.shape)} does not match the output [{m}, {n_out}]")
+    if norm_post != w.norm_folded or (norm_post and norm_weight is not None):
+        raise ValueError("a weight with its norm folded in takes norm_post (and no norm_weight), others not")
+    if norm_post and (m >= kernels.GEMM_MIN_ROWS or
+                      gemv_mma_ok(backend, w, min(m, kernels.GEMV_MAX_ROWS), _vec_ok(x), silu=silu)):
+        # only gemv has the NORM_POST build: the GEMM and gemv_mma read x normalized by rms_norm (unit weights;
+        # g is in W). gemv_mma's NORM_POST build, which summed x^2 in its main loop, spilled registers at the
+        # 128-register bound and, re-reading x after the loop instead, lost to this at 8 rows (8B shapes, H200:
+        # 4.96 / 4.86 ms per step against 4.68)
+        x, _ = backend.rms_norm(x, w.unit_norm, eps)
+        norm_post = False
     if norm_weight is not None and m < kernels.GEMM_MIN_ROWS and not fuses_norm(backend, w):
         x, _ = backend.rms_norm(x, norm_weight, eps)
         norm_weight = None
@@ -211,13 +255,14 @@ def launch_linear(backend: Any, x: torch.Tensor, w: CudaLinear, *, norm_weight: 
         # the quant paths read x as 16-byte vectors (a clone: contiguous() keeps a misaligned contiguous view)
         x = x.clone(memory_format=torch.contiguous_format)
         backend.last_launch_weight_bytes = 0  # the copy kernel is the launch before the GEMV (gemv_pdl)
-    vec_ok = int(k % 8 == 0 and x.stride(0) % 8 == 0 and x.data_ptr() % 16 == 0)
+    vec_ok = _vec_ok(x)
     use_mma = m < kernels.GEMM_MIN_ROWS and gemv_mma_ok(backend, w, min(m, kernels.GEMV_MAX_ROWS), vec_ok,
                                                         norm_weight is not None, silu)
     # gemv_q streams 16-byte-aligned 256-weight superblocks; other quant shapes take the simple `gemv`
     q_fast = _whole_superblocks(w)
     if m >= kernels.GEMM_MIN_ROWS or (silu and q_fast and m > 2 and not use_mma):
-        # the GEMM (and gemv_q, for SwiGLU) with the fusions it lacks as separate ops
+        # the GEMM (and gemv_q, for SwiGLU; quant only, so never norm_post) with the fusions it lacks as separate
+        # ops
         if m >= kernels.GEMM_MIN_ROWS:
             if norm_weight is not None:
                 x, _ = backend.rms_norm(x, norm_weight, eps)
@@ -235,7 +280,6 @@ def launch_linear(backend: Any, x: torch.Tensor, w: CudaLinear, *, norm_weight: 
     if use_mma:
         _launch_gemv_mma(backend, x, w, y, norm_weight, eps, residual, silu, vec_ok)
         return y
-    wtype = kernels.WTYPES[w.fmt]
     for r0 in range(0, m, kernels.GEMV_MAX_ROWS):
         rows = min(kernels.GEMV_MAX_ROWS, m - r0)
         bucket = next(b for b in kernels.GEMV_ROW_BUCKETS if b >= rows)
@@ -245,7 +289,7 @@ def launch_linear(backend: Any, x: torch.Tensor, w: CudaLinear, *, norm_weight: 
         if norm_weight is not None and not fuse_norm:
             xr, _ = backend.rms_norm(xr, norm_weight, eps)
         pdl = gemv_pdl(backend, w)  # per launch: it depends on the launch right before
-        spec = {"WTYPE": wtype, "MROWS": bucket, **({"SILU": 1} if silu else {})}
+        spec = kernels.gemv_spec(w.fmt, bucket, silu, norm_post)
         groups = math.ceil(n_out / 4)
         if fuse_norm and not use_q:  # each block normalizes x once: fewer blocks, grid-stride over the features
             groups = min(groups, backend.num_sms * kernels.GEMV_NORM_BLOCKS_PER_SM)
@@ -260,6 +304,11 @@ def launch_linear(backend: Any, x: torch.Tensor, w: CudaLinear, *, norm_weight: 
                             p, pdl)
         launched_gemv(backend, w)
     return y
+
+
+def _vec_ok(x: torch.Tensor) -> int:
+    """GemvParams.vec_ok of x [m, k] fp16: 16-byte-aligned rows of whole 8-element vectors."""
+    return int(x.shape[1] % 8 == 0 and x.stride(0) % 8 == 0 and x.data_ptr() % 16 == 0)
 
 
 def launched_gemv(backend: Any, w: CudaLinear) -> None:
@@ -300,6 +349,17 @@ def fuses_norm(backend: Any, w: CudaLinear) -> bool:
     if choice != "auto":
         return choice == "on"
     return not (w.fmt == "F16" and w.out_features * w.row_bytes > GEMV_NORM_FUSED_MAX_BYTES)
+
+
+def folds_norm(backend: Any, shape: tuple[int, int], quant: Any | None) -> bool:
+    """Whether a weight of `shape` ([out, in]) behind an RMSNorm is stored with the norm folded in (W diag(g),
+    `CudaLinear.norm_folded`; `backend.norm_fold`): fp16 copies only (not `CudaLinear.stays_quant`). "auto": the
+    fp16 weights whose norm `fuses_norm` would run as its own rms_norm launch (over GEMV_NORM_FUSED_MAX_BYTES),
+    which the folded norm removes; "on": every fp16 weight; "off": none."""
+    choice = getattr(backend, "norm_fold", "auto")
+    if choice == "off" or CudaLinear.stays_quant(quant, shape[1]):
+        return False
+    return choice == "on" or shape[0] * shape[1] * 2 > GEMV_NORM_FUSED_MAX_BYTES
 
 
 def gemv_mma_ok(backend: Any, w: CudaLinear, rows: int, vec_ok: int, norm: bool = False,

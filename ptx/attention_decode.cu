@@ -95,10 +95,13 @@ VOLT_DEVICE int split_len(const DecodeParams& p, int seq_len) {
     return min(PARTITION, max(p.min_part, per));
 }
 
-// Splits whose partial outputs merge_splits loads in the same round trip as their (max, sum) pairs.
-#define MERGE_REG_SPLITS 8
 #define MERGE_ITEMS (GROUP * HEAD_DIM / 4)                              // 4 outputs per item
 #define MERGE_ITEMS_PER_THREAD ((MERGE_ITEMS + NUM_THREADS - 1) / NUM_THREADS)
+// Splits whose partial outputs merge_splits loads in the same round trip as their (max, sum) pairs: 8, fewer
+// where a thread holds more than 2 items (GROUP * HEAD_DIM > 1024: at most 64 registers of float4s; 8 each
+// spilled at GROUP 16, HEAD_DIM 256).
+#define MERGE_REG_SPLITS \
+    (MERGE_ITEMS_PER_THREAD <= 2 ? 8 : MERGE_ITEMS_PER_THREAD <= 16 ? 16 / MERGE_ITEMS_PER_THREAD : 1)
 
 // out[seq, kvh * GROUP + g] for the group's heads from their `used` split partials (log-sum-exp rescale), by
 // the whole block. One dependent global round trip: the (max, sum) pairs (8-byte loads, to smem `w`: maxima
@@ -300,7 +303,8 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, ATTN_MIN_BLOCKS) attn_
     // query_start_loc), and L2 prefetches of old keys. q and the cache rows are read after it.
     extern __shared__ float smem[];
     float* q_s = smem;                                  // [GROUP][HEAD_DIM], pre-scaled
-    float* red = q_s + GROUP * HEAD_DIM;                // [NUM_WARPS][GROUP][HEAD_DIM]; then the merge weights
+    float* red = q_s + GROUP * HEAD_DIM;                // [NUM_WARPS][GROUP][HEAD_DIM]; then the merge's split
+                                                        // maxima (weights) and sums
     float* ml = red + NUM_WARPS * GROUP * HEAD_DIM;     // [NUM_WARPS][GROUP][2]: each warp's running max, sum
     int* tbl_s = reinterpret_cast<int*>(ml + NUM_WARPS * GROUP * 2);  // the split's KV block ids:
                                                                        // PARTITION / block_size + 2 entries

@@ -16,7 +16,7 @@ struct GemvParams {
     int n;
     int k;
     int vec_ok;            // x 16-byte aligned with x_stride % 8 == 0 and k % 8 == 0 (fp16 W rows likewise)
-    float eps;             // RMSNorm epsilon (norm_w only)
+    float eps;             // RMSNorm epsilon (norm_w, and NORM_POST builds)
     int prefetch_bytes;    // gemv, SM90+: leading bytes of each warp's first weight row(s) prefetched into L2
                            // before pdl_enter (the launcher bounds the total so the prefetch cannot thrash L2)
     u8* xq;                // gemv_s8 with S8_XG: x quantized once per launch (quantize_s8 writes, gemv_s8 reads)

@@ -71,16 +71,18 @@ def _graph_time(be, fns, repeats: int) -> float:
     return t
 
 
-def _rotated_weights(be, fmt: str, out_f: int, in_f: int, gen: torch.Generator, swiglu: bool = False):
+def _rotated_weights(be, fmt: str, out_f: int, in_f: int, gen: torch.Generator, swiglu: bool = False,
+                     norm: torch.Tensor | None = None):
     """(weight, copies of it filling >= 256 MB (>= 4x the L2), weight bytes, number of copies): replaying one
-    launch per copy streams every launch's weight from HBM."""
+    launch per copy streams every launch's weight from HBM. `norm` (fp16 only): an RMSNorm weight to fold in
+    where the backend folds it (`linear.folds_norm`)."""
     from dataclasses import replace
 
     sys.path.insert(0, "tests/kernels")
     from kutils import make_quant
 
     if fmt == "F16":
-        lin = be.prepare_linear(torch.randn(out_f, in_f, generator=gen) * 0.02)
+        lin = be.prepare_linear(torch.randn(out_f, in_f, generator=gen) * 0.02, norm=norm)
     else:
         quant, deq = make_quant(fmt, out_f, in_f, gen)
         lin = be.prepare_linear(deq, quant, swiglu=swiglu)
@@ -111,11 +113,14 @@ def _decode_gemv_cases(be, repeats: int, only: str | None):
 
 def _decode_fused_cases(be, repeats: int, only: str | None):
     """The decode fusions at the Llama-3-8B shapes (m = 1), fused and as the unfused op sequence, weights rotated
-    as in `_decode_gemv_cases`: `decode_fused_*` rows next to `decode_unfused_*` rows of the same work.
+    as in `_decode_gemv_cases`: `decode_fused_*` rows next to `decode_unfused_*` rows of the same work, and for
+    fp16 qkv / gate_up `decode_folded_*` rows: the norm folded into the weight (gemv's NORM_POST build, what the
+    engine runs for these weights under VOLTSERVE_NORM_FOLD=auto).
 
     qkv: RMSNorm + 6144x4096; gate_up: RMSNorm + 28672x4096 + SwiGLU; down: 4096x14336 + residual add."""
     gen = torch.Generator().manual_seed(2)
-    norm_w = be.prepare_norm(torch.rand(4096, generator=gen) + 0.5)
+    norm_cpu = torch.rand(4096, generator=gen) + 0.5
+    norm_w = be.prepare_norm(norm_cpu)
     for fmt in ("F16", "Q4_1"):
         for part, (out_f, in_f) in (("qkv", (6144, 4096)), ("gate_up", (28672, 4096)), ("down", (4096, 14336))):
             names = [f"decode_{kind}_{part}_{fmt}_{out_f}x{in_f}_m1" for kind in ("fused", "unfused")]
@@ -137,6 +142,14 @@ def _decode_fused_cases(be, repeats: int, only: str | None):
             for name, fn in zip(names, (fused, unfused)):
                 t = _graph_time(be, [(lambda li=li, fn=fn: fn(li)) for li in lins], repeats) / copies
                 yield name, t, wbytes + (in_f + out_f) * 2
+            del lins, lin
+            torch.cuda.empty_cache()
+            folded = f"decode_folded_{part}_{fmt}_{out_f}x{in_f}_m1"
+            if fmt != "F16" or part == "down" or (only and only not in folded):
+                continue
+            lin, lins, wbytes, copies = _rotated_weights(be, fmt, out_f, in_f, gen, norm=norm_cpu)
+            t = _graph_time(be, [(lambda li=li: fused(li)) for li in lins], repeats) / copies
+            yield folded, t, wbytes + (in_f + out_f) * 2
             del lins, lin
             torch.cuda.empty_cache()
 

@@ -65,7 +65,8 @@ def _run(cuda_backend, cpu_backend, seq_lens, query_lens, heads, block_size, see
 HEADS = [(9, 3, 64), (8, 1, 128), (4, 4, 64), (32, 8, 128)]  # the last: Llama-3-8B
 
 
-@pytest.mark.parametrize("heads", HEADS + [(6, 2, 96)])  # head_dim 96: the CUDA-core path on every GPU
+# head_dim 96: the CUDA-core path on every GPU; GROUP 16: also the merge's smaller register prefetch (4 splits)
+@pytest.mark.parametrize("heads", HEADS + [(6, 2, 96), (16, 1, 128)])
 @pytest.mark.parametrize("num_seqs", [1, 37])
 def test_decode(cuda_backend, cpu_backend, heads, num_seqs, attn_choice):
     gen = torch.Generator().manual_seed(num_seqs)

@@ -120,7 +120,9 @@ class Backend(Protocol):
         backends that can (the decode GEMV normalizes x in its prologue).
 
         Args:
-            x: [num_tokens, in_features]; norm_weight: [in_features] (from prepare_norm).
+            x: [num_tokens, in_features]; norm_weight: [in_features] (from prepare_norm); where prepare_linear
+                folded this norm into `weight` (its `norm`), the backend does not read it again (pass the same
+                norm), and `linear` on such a weight raises ValueError.
             weight: a linear; with `silu` the fused [gate; up] weight.
         Returns:
             [num_tokens, out_features], or [num_tokens, out_features / 2] with `silu`.

@@ -353,9 +353,11 @@ def fuses_norm(backend: Any, w: CudaLinear) -> bool:
 
 def folds_norm(backend: Any, shape: tuple[int, int], quant: Any | None) -> bool:
     """Whether a weight of `shape` ([out, in]) behind an RMSNorm is stored with the norm folded in (W diag(g),
-    `CudaLinear.norm_folded`; `backend.norm_fold`): fp16 copies only (not `CudaLinear.stays_quant`). "auto": the
-    fp16 weights whose norm `fuses_norm` would run as its own rms_norm launch (over GEMV_NORM_FUSED_MAX_BYTES),
-    which the folded norm removes; "on": every fp16 weight; "off": none."""
+    `CudaLinear.norm_folded`; `backend.norm_fold`): fp16 copies only (not `CudaLinear.stays_quant`). "auto": fp16
+    weights over GEMV_NORM_FUSED_MAX_BYTES (those whose norm `fuses_norm` runs as its own rms_norm launch under
+    its own "auto"), which the folded norm removes at one row; "on": every fp16 weight; "off": none. A folded
+    weight's norm_linear no longer asks `fuses_norm` (A/Bs of VOLTSERVE_FUSE_NORM on such weights need
+    VOLTSERVE_NORM_FOLD=off)."""
     choice = getattr(backend, "norm_fold", "auto")
     if choice == "off" or CudaLinear.stays_quant(quant, shape[1]):
         return False

@@ -60,7 +60,16 @@ VOLT_DEVICE uint4 pack8(const float* in) {
     return v;
 }
 
-VOLT_DEVICE void store8(half_t* p, const float* in) { *reinterpret_cast<uint4*>(p) = pack8(in); }
+// RMSNorm's output of 8 elements: fp16(s * inv_rms * w), in rms_norm's order ((s * inv) * w); s packed fp16,
+// w the 8 fp32 norm weights as two float4s. rms_norm and gemv's fused-norm prologue store the same values.
+VOLT_DEVICE uint4 norm_scale8(const uint4& sv, float inv_rms, const float4& w0, const float4& w1) {
+    float s[8];
+    unpack8(sv, s);
+    const float w[8] = {w0.x, w0.y, w0.z, w0.w, w1.x, w1.y, w1.z, w1.w};
+#pragma unroll
+    for (int e = 0; e < 8; ++e) s[e] = s[e] * inv_rms * w[e];
+    return pack8(s);
+}
 
 VOLT_DEVICE float warp_sum(float v) {
 #pragma unroll

@@ -46,14 +46,10 @@ VOLT_DEVICE void norm_rows_to_smem(const GemvParams& p, half_t* xs, float* scrat
         const half_t* x = p.x + r * p.x_stride;
         if (p.vec_ok) {  // k % 8 == 0: 16-byte x loads and smem stores, 2 float4 norm_w loads
             for (int j = threadIdx.x * 8; j < p.k; j += blockDim.x * 8) {
-                float v[8];
-                load8(x + j, v);
                 const float4 g0 = *reinterpret_cast<const float4*>(p.norm_w + j);
                 const float4 g1 = *reinterpret_cast<const float4*>(p.norm_w + j + 4);
-                const float g[8] = {g0.x, g0.y, g0.z, g0.w, g1.x, g1.y, g1.z, g1.w};
-#pragma unroll
-                for (int e = 0; e < 8; ++e) v[e] = v[e] * inv * g[e];  // rms_norm's order: (x * inv) * w
-                store8(xs + r * p.k + j, v);
+                *reinterpret_cast<uint4*>(xs + r * p.k + j) =
+                    norm_scale8(*reinterpret_cast<const uint4*>(x + j), inv, g0, g1);
             }
         } else {
             for (int j = threadIdx.x; j < p.k; j += blockDim.x) xs[r * p.k + j] = f2h(h2f(x[j]) * inv * p.norm_w[j]);

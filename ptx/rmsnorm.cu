@@ -47,16 +47,6 @@ VOLT_DEVICE uint4 rn_sum8(const uint4& xv, bool add, const uint4& rv, float& sum
     return pack8(s);
 }
 
-// fp16(s * inv_rms * w) of 8 elements (rms_norm's order: (s * inv) * w).
-VOLT_DEVICE uint4 rn_scale8(const uint4& sv, float inv_rms, const float4& w0, const float4& w1) {
-    float s[8];
-    unpack8(sv, s);
-    const float w[8] = {w0.x, w0.y, w0.z, w0.w, w1.x, w1.y, w1.z, w1.w};
-#pragma unroll
-    for (int e = 0; e < 8; ++e) s[e] = s[e] * inv_rms * w[e];
-    return pack8(s);
-}
-
 VOLT_DEVICE float4 ldg_f4(const float* p) { return __ldg(reinterpret_cast<const float4*>(p)); }
 
 // The 16-byte path (vec_ok) of row t.
@@ -104,12 +94,12 @@ VOLT_DEVICE void rms_norm_vec(const RmsNormParams& p, i64 t, float* scratch) {
 #pragma unroll
     for (int i = 0; i < RN_CACHE; ++i) {
         const int v = threadIdx.x + i * RN_THREADS;
-        if (v < nvec) out[v] = rn_scale8(xv[i], inv_rms, w[i][0], w[i][1]);
+        if (v < nvec) out[v] = norm_scale8(xv[i], inv_rms, w[i][0], w[i][1]);
     }
     // each thread re-reads only the elements it wrote itself, so no barrier is needed for res_out
     const uint4* src = res != nullptr ? res_out : x;
     for (int v = threadIdx.x + RN_CACHE * RN_THREADS; v < nvec; v += RN_THREADS)
-        out[v] = rn_scale8(src[v], inv_rms, ldg_f4(p.weight + v * 8), ldg_f4(p.weight + v * 8 + 4));
+        out[v] = norm_scale8(src[v], inv_rms, ldg_f4(p.weight + v * 8), ldg_f4(p.weight + v * 8 + 4));
 }
 
 extern "C" __global__ void __launch_bounds__(RN_THREADS) rms_norm(const RmsNormParams p) {

@@ -110,17 +110,18 @@ VOLT_DEVICE void s8_quantize_quarter(const GemvParams& p, const float* inv_rms, 
     }
 }
 
-// Quantize the m rows of x (normalized first with norm_w, inv_rms[r] = 1 / rms of row r) into xq / xs, S8_QBATCH
+// Quantize the m rows of x (normalized first with norm_w, inv_rms[r] = 1 / rms of row r) into xq / xs, QB
 // quarters per thread at a time, their loads issued before any is used. Block-wide.
+template <int QB = S8_QBATCH>
 VOLT_DEVICE void s8_quantize_x(const GemvParams& p, const float* inv_rms, u8* xq, float2* xs) {
     const int nb = p.k / 32;
     const int total = p.m * nb * 4;  // a multiple of 32 (nb % 8 == 0): each warp's quarters are all in or all out
     const bool norm = p.norm_w != nullptr;
-    for (int i0 = threadIdx.x; i0 < total; i0 += S8_QBATCH * blockDim.x) {
-        uint4 xv[S8_QBATCH];
-        float4 nw[S8_QBATCH][2];
+    for (int i0 = threadIdx.x; i0 < total; i0 += QB * blockDim.x) {
+        uint4 xv[QB];
+        float4 nw[QB][2];
 #pragma unroll
-        for (int j = 0; j < S8_QBATCH; ++j) {
+        for (int j = 0; j < QB; ++j) {
             const int idx = i0 + j * blockDim.x;
             if (idx < total) {
                 const int r = idx / (nb * 4), e0 = ((idx >> 2) - r * nb) * 32 + 8 * (idx & 3);
@@ -132,7 +133,7 @@ VOLT_DEVICE void s8_quantize_x(const GemvParams& p, const float* inv_rms, u8* xq
             }
         }
 #pragma unroll
-        for (int j = 0; j < S8_QBATCH; ++j) {
+        for (int j = 0; j < QB; ++j) {
             const int idx = i0 + j * blockDim.x;
             if (idx < total) s8_quantize_quarter(p, inv_rms, xq, xs, idx, xv[j], nw[j][0], nw[j][1]);
         }
@@ -304,5 +305,190 @@ extern "C" __global__ void __launch_bounds__(32 * GM_WARPS, GM_MIN_BLOCKS) gemv_
 #else
     pdl_enter();  // SM < 80, fp16 or 16-row tiles: never launched (linear.gemv_s8_ok)
     __trap();     // a launch here would leave y unwritten: fail loudly instead
+#endif
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// gemv_s8w (S8_M1 builds): the one-row decode GEMV on repacked rows with dp4a instead of MMAs. gemv_s8's 32-row
+// tiles split k over 8 warps, so at one x row each warp holds a few load groups per tile and waits on them with
+// little else in flight. Here a warp streams whole weight rows as the fp16 `gemv` does: lane L takes the row's
+// 16-byte quant pieces L, L + 32, ..., S8W_UNROLL 512-byte steps of one row per work item (all their loads
+// issued together), and 64 registers let an SM hold 32 warps. An output's rows (SILU: a gate and an up row, else
+// one) are consecutive items of one warp; a warp's outputs are (grid warps) apart (persistent grid).
+// Piece c of a row is slot t = c % 4 of load group c / 4 (quant.cuh rp_piece_off), whose x bytes are the 8 *
+// RP_GROUP bytes at c * 8 * RP_GROUP of gemv_s8's xq row, so a warp's x reads are contiguous too. Per block u of
+// the piece: ci = dp4a over the lane's 8 weights and x bytes, scaled by d_w d_x; Q4_0 / Q4_1's x-sum terms (m_w s,
+// d_w (-8 s)) are added by slot 0's lanes. Each lane loads the scales of one load group of the item (lane j:
+// group 8 s0 + j), which shuffles hand to the 4 lanes of each piece. The lanes' sums meet in one warp_sum per
+// row: the same products as gemv_s8 in another fp32 order (tests compare both with kutils.s8_reference).
+// dp4a is SM61+, so the body also compiles for compute_70 (the launcher takes it on SM80+ only, as gemv_s8).
+#ifndef S8W_WARPS
+#define S8W_WARPS 8       // kernels.GEMV_S8W_WARPS
+#endif
+#ifndef S8W_MIN_BLOCKS
+#define S8W_MIN_BLOCKS 4  // 64 registers: 32 warps per SM (H200: 2 blocks of 99 registers were 0-15% slower)
+#endif
+#ifndef S8W_UNROLL
+#define S8W_UNROLL 4      // 512-byte steps of one row per work item (<= 4: one scale load per lane covers them)
+#endif
+#if S8W_UNROLL > 4
+#error "S8W_UNROLL <= 4: an item's 8 * S8W_UNROLL load groups have their scales in one load per lane"
+#endif
+#ifndef S8W_QBATCH
+#define S8W_QBATCH 1      // the prologue's x quarters per thread in flight (gemv_s8's 4 would cost registers)
+#endif
+#define S8W_ROWS (SILU ? 2 : 1)
+#if WTYPE == WTYPE_Q4_1
+typedef uint4 S8wScale;  // a load group's 4 scale words (d | m << 16)
+#elif WTYPE == WTYPE_Q4_0
+typedef uint2 S8wScale;  // 4 fp16 d
+#else
+typedef u32 S8wScale;    // Q8_0: 2 fp16 d
+#endif
+struct S8wItem {
+    uint4 q[S8W_UNROLL];  // this lane's quant pieces of the item's steps
+    S8wScale sc;          // the scales of the item's load group 8 * s0 + lane (lanes < 8 * S8W_UNROLL)
+};
+
+VOLT_DEVICE int dp4a_s8(int a, int b, int c) {
+    int d;
+    asm("dp4a.s32.s32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+    return d;
+}
+
+// Issue this lane's loads of steps s0 .. s0 + S8W_UNROLL - 1 of a repacked row (pieces past the row: none).
+VOLT_DEVICE void s8w_load(S8wItem& it, const u8* row, int nb, int pieces, int s0, int lane) {
+#pragma unroll
+    for (int j = 0; j < S8W_UNROLL; ++j) {
+        const int c = (s0 + j) * 32 + lane;
+        if (c < pieces) it.q[j] = ldg16(row + (i64)nb * RP_SCALE_BYTES + (i64)c * 16);
+    }
+    const int g = 8 * s0 + lane;
+    if (lane < 8 * S8W_UNROLL && g < pieces / 4)
+        it.sc = __ldg(reinterpret_cast<const S8wScale*>(row + (i64)g * (RP_GROUP * RP_SCALE_BYTES)));
+}
+
+// The scales of step j's load group for this lane (group 8 j + lane / 4 of the item, held by that lane).
+VOLT_DEVICE S8wScale s8w_scale(const S8wScale& sc, int j, int lane) {
+    const int src = 8 * j + (lane >> 2);
+#if WTYPE == WTYPE_Q4_1
+    return make_uint4(__shfl_sync(0xffffffffu, sc.x, src), __shfl_sync(0xffffffffu, sc.y, src),
+                      __shfl_sync(0xffffffffu, sc.z, src), __shfl_sync(0xffffffffu, sc.w, src));
+#elif WTYPE == WTYPE_Q4_0
+    return make_uint2(__shfl_sync(0xffffffffu, sc.x, src), __shfl_sync(0xffffffffu, sc.y, src));
+#else
+    return __shfl_sync(0xffffffffu, sc, src);
+#endif
+}
+
+// fp32 of half h (0 low, 1 high) of a 32-bit word.
+VOLT_DEVICE float half_of(u32 w, int h) { return h2f((half_t)(h ? w >> 16 : w & 0xffffu)); }
+
+// acc += piece c's products: q = its quant words, sc = its group's scales, x from the block's xq / xs;
+// keep_s = 1 on slot 0's lanes (they add the blocks' x-sum terms), 0 elsewhere.
+VOLT_DEVICE float s8w_piece(float acc, const uint4& q, const S8wScale& sc, const u8* xq, const float2* xs, int c,
+                            float keep_s) {
+    const u32 qw[4] = {q.x, q.y, q.z, q.w};
+    const int b0 = (c >> 2) * RP_GROUP;  // first block of the group
+#if WTYPE == WTYPE_Q8_0
+    const uint4 xv = *reinterpret_cast<const uint4*>(xq + c * 16);
+    const u32 xw[4] = {xv.x, xv.y, xv.z, xv.w};
+#pragma unroll
+    for (int u = 0; u < 2; ++u) {
+        const int ci = dp4a_s8((int)qw[2 * u + 1], (int)xw[2 * u + 1], dp4a_s8((int)qw[2 * u], (int)xw[2 * u], 0));
+        acc = fmaf(half_of(sc, u), xs[b0 + u].x * (float)ci, acc);
+    }
+#else
+    const uint4 xa = *reinterpret_cast<const uint4*>(xq + c * 32);
+    const uint4 xb = *reinterpret_cast<const uint4*>(xq + c * 32 + 16);
+    const u32 xw[8] = {xa.x, xa.y, xa.z, xa.w, xb.x, xb.y, xb.z, xb.w};
+#if WTYPE == WTYPE_Q4_1
+    const u32 scw[4] = {sc.x, sc.y, sc.z, sc.w};
+#else
+    const u32 scw[2] = {sc.x, sc.y};
+#endif
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+        const int lo = (int)(qw[u] & 0x0F0F0F0Fu), hi = (int)((qw[u] >> 4) & 0x0F0F0F0Fu);
+        const int ci = dp4a_s8(hi, (int)xw[2 * u + 1], dp4a_s8(lo, (int)xw[2 * u], 0));
+        const float2 x2 = xs[b0 + u];
+#if WTYPE == WTYPE_Q4_1
+        acc = fmaf(half_of(scw[u], 0), x2.x * (float)ci, fmaf(half_of(scw[u], 1), x2.y * keep_s, acc));
+#else
+        acc = fmaf(half_of(scw[u >> 1], u & 1), fmaf(x2.x, (float)ci, x2.y * keep_s), acc);  // x2.y = -8 s
+#endif
+    }
+#endif
+    return acc;
+}
+
+extern "C" __global__ void __launch_bounds__(32 * S8W_WARPS, S8W_MIN_BLOCKS) gemv_s8w(const GemvParams p) {
+#if WREPACK && WTYPE != WTYPE_F16 && S8_M1
+    extern __shared__ uint4 s8_smem[];  // xq [s8_pitch], then xs [nb] float2 (gemv_s8's S8_M1 layout)
+#if !S8_XG
+    __shared__ float scratch[32];
+    __shared__ float inv_rms[8];
+#endif
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int nb = p.k / 32, pieces = nb * RP_PIECE / 4, steps = (pieces + 31) >> 5;
+    const int n_out = SILU ? p.n / 2 : p.n;
+    // work items: per output S8W_ROWS rows x bpr items; this warp's outputs are first, first + stride, ...
+    const int bpr = (steps + S8W_UNROLL - 1) / S8W_UNROLL, per_out = S8W_ROWS * bpr;
+    const int stride = gridDim.x * S8W_WARPS, first = blockIdx.x * S8W_WARPS + warp;
+    const int items = first < n_out ? (n_out - first + stride - 1) / stride * per_out : 0;
+    const float keep_s = (lane & 3) == 0 ? 1.f : 0.f;
+    u8* xq = reinterpret_cast<u8*>(s8_smem);
+    const float2* xs = reinterpret_cast<const float2*>(xq + s8_pitch(nb));
+    S8wItem it;
+    // item i: output first + (i / per_out) * stride, its row r = (i % per_out) / bpr, first step s0
+    auto load = [&](int i) {
+        const int o = i / per_out, w = i - o * per_out, r = w / bpr, out = first + o * stride;
+        const int row = SILU ? out + r * n_out : out;
+        s8w_load(it, p.w + (i64)row * p.w_row_bytes, nb, pieces, (w - r * bpr) * S8W_UNROLL, lane);
+    };
+    if (items > 0) load(0);  // in flight across the PDL wait and x's quantization
+    pdl_enter();
+#if S8_XG
+    s8_copy_x(p, xq);
+#else
+    gm_inv_rms(p, scratch, inv_rms, 0);
+    s8_quantize_x<S8W_QBATCH>(p, inv_rms, xq, reinterpret_cast<float2*>(xq + s8_pitch(nb)));
+#endif
+    __syncthreads();
+    float acc[S8W_ROWS];
+#pragma unroll
+    for (int r = 0; r < S8W_ROWS; ++r) acc[r] = 0.f;
+    for (int i = 0; i < items; ++i) {
+        if (i > 0) load(i);
+        const int o = i / per_out, w = i - o * per_out, r = w / bpr, s0 = (w - r * bpr) * S8W_UNROLL;
+        float part = 0.f;
+#pragma unroll
+        for (int j = 0; j < S8W_UNROLL; ++j) {
+            const S8wScale sc = s8w_scale(it.sc, j, lane);  // every lane shuffles, before any lane skips a piece
+            const int c = (s0 + j) * 32 + lane;
+            if (c < pieces) part = s8w_piece(part, it.q[j], sc, xq, xs, c, keep_s);
+        }
+#pragma unroll
+        for (int rr = 0; rr < S8W_ROWS; ++rr)
+            if (rr == r) acc[rr] += part;
+        if (w == per_out - 1) {  // the output's last item: its rows' sums are complete
+            const int out = first + o * stride;
+#pragma unroll
+            for (int rr = 0; rr < S8W_ROWS; ++rr) acc[rr] = warp_sum(acc[rr]);
+            if (lane == 0) {
+#if SILU
+                const float g = round_h(acc[0]), u = round_h(acc[1]);
+                p.y[out] = f2h(gemv_out(p, 0, out, g / (1.f + __expf(-g)) * u));
+#else
+                p.y[out] = f2h(gemv_out(p, 0, out, acc[0]));
+#endif
+            }
+#pragma unroll
+            for (int rr = 0; rr < S8W_ROWS; ++rr) acc[rr] = 0.f;
+        }
+    }
+#else
+    pdl_enter();  // fp16, GGUF rows or more than one x row: never launched (linear.gemv_s8w_ok)
+    __trap();
 #endif
 }

@@ -70,6 +70,15 @@ def make_linear(backend, fmt: str, n: int, k: int, gen: torch.Generator, scale: 
     return weight, backend.prepare_linear(weight, quant)
 
 
+def repacked_weight(backend, fmt: str, n: int, k: int, seed: int):
+    """(QuantizedTensor, fp32 dequantized weight, CudaLinear) of a random [n, k] quant weight prepared by
+    `backend`, asserted stored repacked (the caller's settings ask for it: quant_repack="on")."""
+    quant, weight = make_quant(fmt, n, k, torch.Generator().manual_seed(seed))
+    lin = backend.prepare_linear(weight, quant)
+    assert lin.layout == "repacked"
+    return quant, weight, lin
+
+
 def decode_blocks(quant) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """The fields of a QuantizedTensor's GGUF blocks (Q4_0 / Q4_1 / Q8_0).
 
@@ -152,3 +161,17 @@ def capture(backend, fn):
         out = fn()
     backend.refresh_stream()
     return graph, out
+
+
+def assert_replay_equals_eager(backend, step, change_inputs) -> None:
+    """Warm `step` up (modules load), capture it in a CUDA graph, `change_inputs()` in place, then assert that
+    replaying the graph gives `step()`'s eager outputs (a list of tensors) bit for bit."""
+    step()
+    torch.cuda.synchronize()
+    graph, captured = capture(backend, step)
+    change_inputs()
+    eager = step()
+    graph.replay()
+    torch.cuda.synchronize()
+    for a, b in zip(captured, eager, strict=True):
+        assert torch.equal(a, b)

@@ -12,7 +12,8 @@ Bounds (max |got - ref| / max |ref|):
 
 import pytest
 import torch
-from tests.kernels.kutils import backend_settings, capture, make_quant, rel_err, s8_reference
+from tests.kernels.kutils import (assert_replay_equals_eager, backend_settings, rel_err, repacked_weight,
+                                  s8_reference)
 
 pytestmark = pytest.mark.gpu
 EMU_TOL = 1e-3
@@ -23,22 +24,15 @@ FORMATS = ["Q4_0", "Q4_1", "Q8_0"]
 @pytest.fixture(params=["block", "launch", "auto"])
 def s8_backend(request, cuda_backend):
     """The backend storing quant weights repacked and routing every launch that fits to gemv_s8 ("on": the
-    engine's "auto" takes Q4_0 / Q4_1 only, linear.gemv_s8_ok), with x quantized by every
+    engine's "auto" takes Q4_0 / Q4_1 only, linear.gemv_s8_ok; one-row calls too: "mma", not gemv_s8w, which
+    tests/kernels/test_gemv_s8w.py covers), with x quantized by every
     block ("block"), once per launch by quantize_s8 ("launch") or as the engine picks ("auto": per block at one
     row, per launch from two, so 9 rows are a launch of each)."""
     if cuda_backend.loader.arch < 80:
         pytest.skip("gemv_s8 is SM80+ (int8 mma.m16n8k32)")
     with backend_settings(cuda_backend, gemv_kernel="auto", quant_repack="on", gemv_s8="on",
-                          gemv_s8_grid="persistent", gemv_s8_x=request.param):
+                          gemv_s8_grid="persistent", gemv_s8_x=request.param, gemv_s8_m1="mma"):
         yield cuda_backend
-
-
-def _weight(backend, fmt, n, k, seed):
-    gen = torch.Generator().manual_seed(seed)
-    quant, weight = make_quant(fmt, n, k, gen)
-    lin = backend.prepare_linear(weight, quant)
-    assert lin.layout == "repacked"
-    return quant, weight, lin
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -49,7 +43,7 @@ def test_gemv(s8_backend, cpu_backend, fmt, nk):
     from voltserve.backends.cuda.linear import gemv_kernel_name
 
     n, k = nk
-    quant, weight, lin = _weight(s8_backend, fmt, n, k, n + k)
+    quant, weight, lin = repacked_weight(s8_backend, fmt, n, k, n + k)
     for m in (1, 2, 8):
         assert gemv_kernel_name(s8_backend, lin, m) == "gemv_s8"
     x = torch.randn(8, k, generator=torch.Generator().manual_seed(k)).half()
@@ -68,7 +62,7 @@ def test_zero_and_large_blocks(s8_backend, fmt):
     """An all-zero x block (d = 0: no NaN from 0 / 0) and blocks of very different magnitudes (each block has its
     own scale) in one row."""
     k, n = 1024, 64
-    quant, _, lin = _weight(s8_backend, fmt, n, k, 11)
+    quant, _, lin = repacked_weight(s8_backend, fmt, n, k, 11)
     x = torch.randn(2, k, generator=torch.Generator().manual_seed(12)).half()
     x[:, 64:96] = 0
     x[0, 96:128] *= 1000
@@ -81,7 +75,7 @@ def test_zero_and_large_blocks(s8_backend, fmt):
 def test_nan_in_x_reaches_y(s8_backend):
     """A NaN in x makes its row's outputs NaN (as gemv_mma's fp16 products do), not a silent 0 from the int8
     rounding; the other rows stay finite."""
-    quant, _, lin = _weight(s8_backend, "Q4_1", 64, 512, 13)
+    quant, _, lin = repacked_weight(s8_backend, "Q4_1", 64, 512, 13)
     x = torch.randn(2, 512, generator=torch.Generator().manual_seed(14)).half()
     x[1, 100] = float("nan")
     got = s8_backend.linear(x.cuda(), lin).float().cpu()
@@ -96,7 +90,7 @@ def test_fused_norm_swiglu_residual(s8_backend, cpu_backend, fmt):
     from voltserve.backends.cuda.linear import gemv_kernel_name
 
     k, inner = 2048, 3 * 32 + 5
-    quant, weight, lin = _weight(s8_backend, fmt, 2 * inner, k, 7)
+    quant, weight, lin = repacked_weight(s8_backend, fmt, 2 * inner, k, 7)
     assert gemv_kernel_name(s8_backend, lin, 1, norm=True, silu=True) == "gemv_s8"
     gen = torch.Generator().manual_seed(8)
     norm = torch.rand(k, generator=gen) + 0.5
@@ -119,7 +113,7 @@ def test_choices_pin_gemv_mma(s8_backend, cpu_backend):
     takes gemv_s8 even then. Both agree with the fp32 reference within gemv_s8's bound."""
     from voltserve.backends.cuda.linear import gemv_kernel_name
 
-    quant, weight, lin = _weight(s8_backend, "Q4_1", 256, 4096, 5)
+    quant, weight, lin = repacked_weight(s8_backend, "Q4_1", 256, 4096, 5)
     x = torch.randn(4, 4096, generator=torch.Generator().manual_seed(6)).half()
     s8 = s8_backend.linear(x.cuda(), lin)
     s8_backend.gemv_s8 = "off"
@@ -143,7 +137,7 @@ def test_persistent_grid_equals_full(s8_backend, fmt):
     from voltserve.backends.cuda.linear import launch_linear
 
     k, n = 512, 20000
-    quant, _, lin = _weight(s8_backend, fmt, n, k, 21)
+    quant, _, lin = repacked_weight(s8_backend, fmt, n, k, 21)
     x = torch.randn(3, k, generator=torch.Generator().manual_seed(22)).half().cuda()
     res = torch.randn(3, n, generator=torch.Generator().manual_seed(23)).half().cuda()
     got = {}
@@ -164,7 +158,7 @@ def test_x_per_launch_equals_per_block(s8_backend, fmt):
     from voltserve.backends.cuda.linear import launch_linear
 
     k, n = 4096, 512
-    _, _, lin = _weight(s8_backend, fmt, n, k, 31)
+    _, _, lin = repacked_weight(s8_backend, fmt, n, k, 31)
     gen = torch.Generator().manual_seed(32)
     x = torch.randn(8, k, generator=gen).half().cuda()
     nd = s8_backend.prepare_norm(torch.rand(k, generator=gen) + 0.5)
@@ -183,7 +177,7 @@ def test_graph_replay_equals_eager(s8_backend):
     from voltserve.backends.cuda.linear import launch_linear
 
     k, n = 4096, 256
-    _, _, lin = _weight(s8_backend, "Q4_1", n, k, 41)
+    _, _, lin = repacked_weight(s8_backend, "Q4_1", n, k, 41)
     gen = torch.Generator().manual_seed(42)
     x = torch.randn(9, k, generator=gen).half().cuda()
     nd = s8_backend.prepare_norm(torch.rand(k, generator=gen) + 0.5)
@@ -192,12 +186,4 @@ def test_graph_replay_equals_eager(s8_backend):
         return [launch_linear(s8_backend, x[:m], lin, norm_weight=nd if m % 2 else None, eps=1e-5, silu=m == 2)
                 for m in (1, 2, 8, 9)]
 
-    step()  # loads every module before capture
-    torch.cuda.synchronize()
-    graph, captured = capture(s8_backend, step)
-    x.copy_(torch.randn(9, k, generator=gen).half())
-    eager = step()
-    graph.replay()
-    torch.cuda.synchronize()
-    for a, b in zip(captured, eager):
-        assert torch.equal(a, b)
+    assert_replay_equals_eager(s8_backend, step, lambda: x.copy_(torch.randn(9, k, generator=gen).half()))

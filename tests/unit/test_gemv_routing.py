@@ -248,6 +248,8 @@ def test_repack_policy_and_routing():
                 for rows in (1, 3, 8):
                     s8 = choice == "auto" and fmt in GEMV_S8_AUTO_FORMATS
                     want = "gemv_s8" if s8 else "gemv_mma"
+                    if choice == "auto" and rows == 1 and fmt == "Q8_0":
+                        want = "gemv_s8w"  # Q8_0 at one row; Q4 only wider than k = 4096 (gemv_s8w_ok)
                     assert gemv_kernel_name(_backend(arch, choice), w, rows, silu=rows == 1) == want
                     off = _backend(arch, choice)
                     off.gemv_s8 = "off"
@@ -291,7 +293,8 @@ def test_gemv_s8_fits(arch, smem_kb, rows, k, takes):
     assert (gemv_kernel_name(be, w, rows) == "gemv_s8") == takes
     q8 = _linear("Q8_0", 4096, k)
     q8.layout = "repacked"
-    assert gemv_kernel_name(be, q8, 1) == "gemv_mma"  # Q8_0: gemv_mma under auto
+    assert gemv_kernel_name(be, q8, 2) == "gemv_mma"  # Q8_0: gemv_mma under auto from 2 rows, gemv_s8w at 1
+    assert gemv_kernel_name(be, q8, 1) == ("gemv_s8w" if arch >= 80 else "gemv_mma")
     forced = _backend(arch, "mma", smem_kb=smem_kb)
     forced.gemv_s8 = "on"
     assert (gemv_kernel_name(forced, w, rows) == "gemv_s8") == takes
@@ -334,6 +337,9 @@ def test_gemv_s8_x_per_launch_rule():
     assert not gemv_s8_x_per_launch(auto, 1, 14336)  # Llama-3-8B down_proj at batch 1
     assert not gemv_s8_x_per_launch(SimpleNamespace(gemv_s8_x="block"), 8, 14336)
     assert gemv_s8_x_per_launch(SimpleNamespace(gemv_s8_x="launch"), 1, 256)
+    from voltserve.backends.cuda.linear import GEMV_S8W_BLOCK_MAX_X  # gemv_s8w: x per launch above k = 4096
+    assert gemv_s8_x_per_launch(auto, 1, 14336, GEMV_S8W_BLOCK_MAX_X)
+    assert not gemv_s8_x_per_launch(auto, 1, 4096, GEMV_S8W_BLOCK_MAX_X)
 
 
 def test_gemv_pdl_rule():
@@ -431,3 +437,37 @@ def test_folded_upload_on_cpu():
     assert not CudaLinear.upload(w, None, torch.device("cpu")).norm_folded
     with pytest.raises(ValueError):
         CudaLinear.upload(w, None, torch.device("cpu"), norm=g[:32])
+
+
+def test_gemv_s8w_takes_one_row_calls_only():
+    """gemv_s8w (a warp per weight row) serves calls of exactly one x row on repacked rows: under auto Q8_0 at any
+    width and Q4 wider than GEMV_S8W_Q4_MIN_K (Llama-3-8B's down_proj), where it measured faster; a 9-row call's
+    second launch (1 row) stays gemv_s8 so that a call's rows share one kernel; VOLTSERVE_GEMV_S8_M1=mma, gemv_s8
+    "off", a forced gemv_kernel or SM < 80 give the kernels before; gemv_s8 "on" takes it wherever gemv_s8 may."""
+    from voltserve.backends.cuda.linear import GEMV_S8W_Q4_MIN_K, gemv_s8w_ok
+
+    for fmt in ("Q4_0", "Q4_1", "Q8_0"):
+        w = _linear(fmt, 4096, 14336)
+        w.layout = "repacked"
+        be = _backend(90)
+        assert gemv_kernel_name(be, w, 1) == "gemv_s8w" and gemv_s8w_ok(be, w, 1)
+        assert not gemv_s8w_ok(be, w, 2) and not gemv_s8w_ok(be, w, 9)
+        narrow = _linear(fmt, 4096, GEMV_S8W_Q4_MIN_K)
+        narrow.layout = "repacked"
+        assert gemv_kernel_name(be, narrow, 1) == ("gemv_s8w" if fmt == "Q8_0" else "gemv_s8")
+        be.gemv_s8 = "on"
+        assert gemv_kernel_name(be, narrow, 1) == "gemv_s8w"
+        be.gemv_s8_m1 = "mma"
+        assert gemv_kernel_name(be, w, 1) == "gemv_s8"
+        be.gemv_s8 = "auto"
+        assert gemv_kernel_name(be, w, 1) == ("gemv_s8" if fmt != "Q8_0" else "gemv_mma")
+        for attr, value in (("gemv_s8", "off"), ("gemv_kernel", "mma")):
+            other = _backend(90)
+            setattr(other, attr, value)
+            assert gemv_kernel_name(other, w, 1) == "gemv_mma"
+        forced = _backend(90, "mma")
+        forced.gemv_s8 = "on"  # "on" takes the int8 kernels even under a forced gemv_kernel
+        assert gemv_kernel_name(forced, w, 1) == "gemv_s8w"
+        assert gemv_kernel_name(_backend(75), w, 1) == "gemv_mma"
+        gguf = _linear(fmt, 4096, 14336)  # GGUF rows: never (gemv_s8w reads the repacked layout)
+        assert not gemv_s8w_ok(_backend(90), gguf, 1)

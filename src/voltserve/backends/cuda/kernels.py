@@ -112,6 +112,7 @@ def gemv_mma_tile_rows(weight_rows: int, weight_bytes: int, arch: int, num_sms: 
 
 
 GEMV_S8_MIN_ARCH = 80  # gemv_s8: mma.m16n8k32 on int8
+GEMV_S8W_WARPS = 8  # gemv_s8w (gemv_s8.cu S8W_WARPS): warps per block
 
 
 def gemv_s8_spec(fmt: str, silu: bool, rows: int, norm_one_pass: bool = False,
@@ -239,7 +240,8 @@ SOURCES = {
                                       "VOLT_PREFILL_PARAMS_BYTES"),
     "gemv": KernelSource("gemv.cu", ("gemv", "gemv_q"), P.GemvParams, "VOLT_GEMV_PARAMS_BYTES"),
     "gemv_mma": KernelSource("gemv_mma.cu", ("gemv_mma", "gemv_mma_sb"), P.GemvParams, "VOLT_GEMV_PARAMS_BYTES"),
-    "gemv_s8": KernelSource("gemv_s8.cu", ("gemv_s8", "quantize_s8"), P.GemvParams, "VOLT_GEMV_PARAMS_BYTES"),
+    "gemv_s8": KernelSource("gemv_s8.cu", ("gemv_s8", "quantize_s8", "gemv_s8w"), P.GemvParams,
+                            "VOLT_GEMV_PARAMS_BYTES"),
     "gemm_tiled": KernelSource("gemm_tiled.cu", ("gemm_tiled",), P.GemmParams, "VOLT_GEMM_PARAMS_BYTES"),
     "gemm_tc": KernelSource("gemm_tc.cu", ("gemm_tc",), P.GemmTcParams, "VOLT_GEMM_TC_PARAMS_BYTES"),
     "sampling": KernelSource("sampling.cu", ("argmax_logprob",), P.ArgmaxParams, "VOLT_ARGMAX_PARAMS_BYTES"),

@@ -56,6 +56,14 @@ REPACK_Q8_0_MAX_K = 4096
 # 24.4 -> 18.1, 4096x14336 23.6 -> 19.4, 4096x4096 8.5 -> 8.5. Q8_0 gained nowhere by more than ~5% and lost up
 # to 15% on 4096x4096, so it keeps gemv_mma / gemv_mma_sb.
 GEMV_S8_AUTO_FORMATS = ("Q4_0", "Q4_1")
+# gemv_s8w (one x row, a warp per weight row, dp4a) serves the one-row calls of repacked rows under
+# VOLTSERVE_GEMV_S8_M1=warp where it measured faster than gemv_s8 / gemv_mma (gemv_s8w_ok): Q8_0 rows, and Q4_0 /
+# Q4_1 rows wider than GEMV_S8W_Q4_MIN_K, whose x it takes quantized once per launch (k > GEMV_S8W_BLOCK_MAX_X).
+# H200, bench_kernels decode rows at m = 1 (docs/performance.md, session 7): Q4_1 4096x14336 20.2 -> 15.2 us,
+# down + residual 20.3 -> 15.3; Q8_0 4096x4096 9.9 -> 8.3, 14336x4096 23.0 -> 19.9 (gemv_mma before); Q4_1 at
+# k = 4096 within +-5% of gemv_s8 (14336x4096 15.4-15.9 vs 15.6-15.9 us) but fused RMSNorm + qkv 9.8-10.3 vs 8.7
+GEMV_S8W_Q4_MIN_K = 4096
+GEMV_S8W_BLOCK_MAX_X = 4096
 # one-row gemv_s8 launches of k <= this quantize x in every block (an extra launch measured 1.7% slower per 8B
 # step at batch 1: 2.755 vs 2.709 ms); wider ones (not measured) and all launches of >= 2 rows take quantize_s8
 GEMV_S8_BLOCK_MAX_X = 16384
@@ -403,10 +411,12 @@ def gemv_mma_ok(backend: Any, w: CudaLinear, rows: int, vec_ok: int, norm: bool 
 
 def gemv_kernel_name(backend: Any, w: CudaLinear, rows: int, vec_ok: int = 1, norm: bool = False,
                      silu: bool = False) -> str:
-    """The kernel a GEMV launch of `rows` (1..8) x rows on `w` runs: "gemv_s8", "gemv_mma_sb", "gemv_mma",
+    """The kernel a GEMV launch of `rows` (1..8) x rows on `w` runs: "gemv_s8w", "gemv_s8", "gemv_mma_sb", "gemv_mma",
     "gemv_q" or "gemv". Rows of launches that run the same kernel are bitwise equal whatever the other rows (tests rely on
     it). A call of 9..16 rows runs both its launches with the kernel of its first (min(m, 8) rows)."""
     if gemv_mma_ok(backend, w, rows, vec_ok, norm, silu):
+        if gemv_s8w_ok(backend, w, rows):
+            return "gemv_s8w"
         if gemv_s8_ok(backend, w, rows):
             return "gemv_s8"
         return "gemv_mma_sb" if _mma_superblocks(backend, w) else "gemv_mma"
@@ -472,6 +482,9 @@ def _launch_gemv_mma(backend: Any, x: torch.Tensor, w: CudaLinear, y: torch.Tens
     m = x.shape[0]
     n_out = y.shape[1]
     one_pass = norm_weight is not None and m >= 2
+    if gemv_s8w_ok(backend, w, m):
+        _launch_gemv_s8w(backend, x, w, y, norm_weight, eps, residual, silu, vec_ok)
+        return
     if gemv_s8_ok(backend, w, min(m, kernels.GEMV_MAX_ROWS)):
         _launch_gemv_s8(backend, x, w, y, norm_weight, eps, residual, silu, vec_ok, one_pass)
         return
@@ -511,6 +524,20 @@ def gemv_s8_ok(backend: Any, w: CudaLinear, rows: int) -> bool:
     return gemv_s8_fits(backend, rows, w.in_features)
 
 
+def gemv_s8w_ok(backend: Any, w: CudaLinear, rows: int) -> bool:
+    """Whether a GEMV call of `rows` x rows on repacked rows `w` runs gemv_s8w (gemv_s8.cu: a warp per weight row,
+    dp4a): one row only (a call of 9 rows runs gemv_s8 for both its launches, so a call's rows share one kernel),
+    `backend.gemv_s8_m1` "warp", x's int8 copy fits (`gemv_s8_fits`), and under gemv_s8 "auto" where it measured
+    faster (Q8_0; Q4_0 / Q4_1 of k > GEMV_S8W_Q4_MIN_K); gemv_s8 "on" takes it wherever gemv_s8 could run."""
+    if rows != 1 or getattr(backend, "gemv_s8_m1", "warp") != "warp" or w.layout != "repacked":
+        return False
+    if getattr(backend, "gemv_s8", "auto") != "auto":
+        return gemv_s8_ok(backend, w, 1)
+    if w.fmt != "Q8_0" and w.in_features <= GEMV_S8W_Q4_MIN_K:
+        return False
+    return gemv_s8_enabled(backend) and gemv_s8_fits(backend, 1, w.in_features)
+
+
 def gemv_s8_fits(backend: Any, rows: int, k: int) -> bool:
     """Whether x's int8 copy for `rows` x rows of width k fits the blocks' opt-in shared memory (Llama-3-8B's
     down_proj at 8 rows: 143 KB; SM86/89 allow 99 KB, A100 163 KB)."""
@@ -518,15 +545,51 @@ def gemv_s8_fits(backend: Any, rows: int, k: int) -> bool:
     return smem <= backend.loader.max_smem_optin
 
 
-def gemv_s8_x_per_launch(backend: Any, rows: int, k: int) -> bool:
+def gemv_s8_x_per_launch(backend: Any, rows: int, k: int, block_max_x: int = GEMV_S8_BLOCK_MAX_X) -> bool:
     """Whether a gemv_s8 launch of `rows` x rows of width k has x quantized once by a quantize_s8 launch before
     it (S8_XG) rather than by every block: `backend.gemv_s8_x` "launch" / "block" force it; "auto" for >= 2
     rows or k > GEMV_S8_BLOCK_MAX_X (every block's quantization then costs more than the extra launch: Q4_1
-    4096x14336 at m = 8 51.3 us per block vs 19.4 us per launch)."""
+    4096x14336 at m = 8 51.3 us per block vs 19.4 us per launch); gemv_s8w passes its own `block_max_x`."""
     choice = getattr(backend, "gemv_s8_x", "auto")
     if choice != "auto":
         return choice == "launch"
-    return rows > 1 or k > GEMV_S8_BLOCK_MAX_X
+    return rows > 1 or k > block_max_x
+
+
+def _s8_x(backend: Any, xr: torch.Tensor, spec: dict[str, int], smem: int, norm_weight: torch.Tensor | None,
+          eps: float, vec_ok: int, per_launch: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(xq, norm) of a gemv_s8 / gemv_s8w launch on x rows `xr`: with `per_launch`, a quantize_s8 launch
+    quantizes x (the norm with it) into a workspace the GEMV's blocks copy, and the GEMV gets no norm; else
+    (None, norm_weight): every block quantizes x itself."""
+    if not per_launch:
+        return None, norm_weight
+    rows, k = xr.shape
+    xq = torch.empty(smem, dtype=torch.uint8, device=xr.device)
+    q = P.GemvParams(xr.data_ptr(), None, None, None, norm_weight.data_ptr() if norm_weight is not None else None,
+                     xr.stride(0), 0, 0, rows, 0, k, vec_ok, eps, 0, xq.data_ptr())
+    backend._launch("gemv_s8", "quantize_s8", spec, (-(-k // 2048), rows, 1), (256, 1, 1), 0, q)
+    return xq, None
+
+
+def _launch_gemv_s8w(backend: Any, x: torch.Tensor, w: CudaLinear, y: torch.Tensor,
+                     norm_weight: torch.Tensor | None, eps: float, residual: torch.Tensor | None, silu: bool,
+                     vec_ok: int) -> None:
+    """The gemv_s8w launch of one x row (fusions as gemv_s8; x quantized as gemv_s8_x_per_launch picks): a grid
+    of one output feature per warp, capped at the blocks the GPU holds at once (its warps then loop over the
+    rest)."""
+    k = x.shape[1]
+    n_out = y.shape[1]
+    per_launch = gemv_s8_x_per_launch(backend, 1, k, GEMV_S8W_BLOCK_MAX_X)
+    pdl = gemv_pdl(backend, w)  # against the launch before quantize_s8: the pair counts as one GEMV
+    spec = kernels.gemv_s8_spec(w.fmt, silu, 1, False, per_launch)
+    smem = kernels.gemv_s8_smem_bytes(1, k)
+    xq, norm = _s8_x(backend, x, spec, smem, norm_weight, eps, vec_ok, per_launch)
+    threads = 32 * kernels.GEMV_S8W_WARPS
+    grid = min(-(-n_out // kernels.GEMV_S8W_WARPS),
+               backend.num_sms * backend._occupancy("gemv_s8", "gemv_s8w", spec, smem, threads))
+    p = _gemv_params(x, 0, w, y, residual, norm, eps, vec_ok, xq=xq)
+    backend._launch("gemv_s8", "gemv_s8w", spec, (grid, 1, 1), (threads, 1, 1), smem, p, pdl)
+    launched_gemv(backend, w)
 
 
 def _launch_gemv_s8(backend: Any, x: torch.Tensor, w: CudaLinear, y: torch.Tensor,
@@ -546,13 +609,7 @@ def _launch_gemv_s8(backend: Any, x: torch.Tensor, w: CudaLinear, y: torch.Tenso
         pdl = gemv_pdl(backend, w)  # against the launch before quantize_s8: the pair counts as one GEMV
         spec = kernels.gemv_s8_spec(w.fmt, silu, rows, one_pass, per_launch)
         smem = kernels.gemv_s8_smem_bytes(rows, k)
-        xq, norm = None, norm_weight
-        if per_launch:  # x quantized once (the norm with it) into a workspace the GEMV's blocks copy
-            xq = torch.empty(smem, dtype=torch.uint8, device=x.device)
-            q = P.GemvParams(xr.data_ptr(), None, None, None, norm.data_ptr() if norm is not None else None,
-                             xr.stride(0), 0, 0, rows, 0, k, vec_ok, eps, 0, xq.data_ptr())
-            backend._launch("gemv_s8", "quantize_s8", spec, (-(-k // 2048), rows, 1), (256, 1, 1), 0, q)
-            norm = None
+        xq, norm = _s8_x(backend, xr, spec, smem, norm_weight, eps, vec_ok, per_launch)
         grid = tiles
         if getattr(backend, "gemv_s8_grid", "persistent") == "persistent":
             grid = min(tiles, backend.num_sms * backend._occupancy("gemv_s8", "gemv_s8", spec, smem,

@@ -1,0 +1,141 @@
+"""gemv_s8w (ptx/gemv_s8.cu): the one-row decode GEMV on repacked Q4_0 / Q4_1 / Q8_0 rows, a warp per weight row
+pair with dp4a, x quantized per 32 elements as gemv_s8 does (llama.cpp's Q8_1).
+
+Bounds (max |got - ref| / max |ref|), as tests/kernels/test_gemv_s8.py states them:
+  - EMU_TOL = 1e-3 against `kutils.s8_reference` (the same int8 x, exact integer block sums): a wrong piece, slot,
+    scale or x-sum term shows as an O(1) error; what is left is fp32 accumulation and the fp16 output.
+  - S8_TOL = 1.5e-2 against CpuBackend's fp32 product with unquantized x (x's 8-bit rounding); 2e-2 where the fused
+    RMSNorm and SwiGLU compound it.
+"""
+
+import pytest
+import torch
+from tests.kernels.kutils import (assert_replay_equals_eager, backend_settings, rel_err, repacked_weight,
+                                  s8_reference)
+
+pytestmark = pytest.mark.gpu
+EMU_TOL = 1e-3
+S8_TOL = 1.5e-2
+FORMATS = ["Q4_0", "Q4_1", "Q8_0"]
+
+
+@pytest.fixture(params=["block", "launch"])
+def s8w_backend(request, cuda_backend):
+    """Quant weights stored repacked and every one-row call routed to gemv_s8w (gemv_s8 "on": the engine's "auto"
+    takes it for Q8_0 and wide Q4 rows only, linear.gemv_s8w_ok), with x quantized by every block or once per
+    launch (quantize_s8)."""
+    if cuda_backend.loader.arch < 80:
+        pytest.skip("repacked rows and the int8 decode kernels are SM80+ (linear.gemv_s8_enabled)")
+    with backend_settings(cuda_backend, gemv_kernel="auto", quant_repack="on", gemv_s8="on", gemv_s8_m1="warp",
+                          gemv_s8_x=request.param):
+        yield cuda_backend
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("nk", [(4096, 4096), (1000, 14336), (45, 256), (71, 768), (20000, 512)])
+def test_gemv_s8w(s8w_backend, cpu_backend, fmt, nk):
+    """Against the exact int8 emulation and the fp32 reference: 16-byte pieces of whole and partial 32-lane steps
+    (k = 256: 8 Q4 pieces; 14,336: 14 steps, a partial S8W_UNROLL item), row counts that leave a block's last
+    warps idle (45, 71), more rows than the grid's warps (20,000: each warp loops over several)."""
+    from voltserve.backends.cuda.linear import gemv_kernel_name
+
+    n, k = nk
+    quant, weight, lin = repacked_weight(s8w_backend, fmt, n, k, n + k)
+    assert gemv_kernel_name(s8w_backend, lin, 1) == "gemv_s8w"
+    x = torch.randn(1, k, generator=torch.Generator().manual_seed(k)).half()
+    got = s8w_backend.linear(x.cuda(), lin)
+    assert got.shape == (1, n)
+    assert rel_err(got, s8_reference(x, quant)) <= EMU_TOL
+    assert rel_err(got, cpu_backend.linear(x.float(), weight)) <= S8_TOL
+    assert torch.equal(s8w_backend.linear(x.cuda(), lin), got)  # deterministic: fixed-order sums
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_agrees_with_gemv_s8(s8w_backend, fmt):
+    """The same products as gemv_s8's one-row build (VOLTSERVE_GEMV_S8_M1=mma), in another fp32 order."""
+    quant, _, lin = repacked_weight(s8w_backend, fmt, 512, 4096, 3)
+    x = torch.randn(1, 4096, generator=torch.Generator().manual_seed(4)).half().cuda()
+    warp = s8w_backend.linear(x, lin)
+    with backend_settings(s8w_backend, gemv_s8_m1="mma"):
+        mma = s8w_backend.linear(x, lin)
+    assert rel_err(warp, mma) <= 2 * EMU_TOL
+    assert rel_err(warp, s8_reference(x.cpu(), quant)) <= EMU_TOL
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_fused_norm_swiglu_residual(s8w_backend, cpu_backend, fmt):
+    """RMSNorm + [gate; up] + SwiGLU (an odd number of outputs: 101 gate / up pairs), and a product + residual."""
+    from voltserve.backends.cuda.linear import gemv_kernel_name
+
+    k, inner = 2048, 101
+    quant, weight, lin = repacked_weight(s8w_backend, fmt, 2 * inner, k, 7)
+    assert gemv_kernel_name(s8w_backend, lin, 1, norm=True, silu=True) == "gemv_s8w"
+    gen = torch.Generator().manual_seed(8)
+    norm = torch.rand(k, generator=gen) + 0.5
+    nd = s8w_backend.prepare_norm(norm)
+    x = torch.randn(1, k, generator=gen).half()
+    got = s8w_backend.norm_linear(x.cuda(), nd, 1e-5, lin, silu=True)
+    ref = cpu_backend.norm_linear(x.float(), norm, 1e-5, weight, silu=True)
+    assert got.shape == (1, inner) and rel_err(got, ref) <= 2e-2
+    normed = s8w_backend.rms_norm(x.cuda(), nd, 1e-5)[0]
+    plain = s8w_backend.linear(normed, lin)
+    assert rel_err(s8w_backend.norm_linear(x.cuda(), nd, 1e-5, lin), plain) <= EMU_TOL
+    res = torch.randn(1, 2 * inner, generator=gen).half()
+    got = s8w_backend.linear(x.cuda(), lin, residual=res.cuda())
+    assert rel_err(got, s8_reference(x, quant) + res.double()) <= EMU_TOL
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_x_per_launch_equals_per_block(cuda_backend, fmt):
+    """x quantized once by quantize_s8 or by every block: the same int8 x, so the same outputs bit for bit, with
+    the fused RMSNorm and SwiGLU too."""
+    from voltserve.backends.cuda.linear import launch_linear
+
+    if cuda_backend.loader.arch < 80:
+        pytest.skip("SM80+")
+    with backend_settings(cuda_backend, gemv_kernel="auto", quant_repack="on", gemv_s8="on", gemv_s8_m1="warp"):
+        _, _, lin = repacked_weight(cuda_backend, fmt, 300, 4096, 31)
+        gen = torch.Generator().manual_seed(32)
+        x = torch.randn(1, 4096, generator=gen).half().cuda()
+        nd = cuda_backend.prepare_norm(torch.rand(4096, generator=gen) + 0.5)
+        got = {}
+        for mode in ("block", "launch"):
+            cuda_backend.gemv_s8_x = mode
+            got[mode] = [launch_linear(cuda_backend, x, lin, norm_weight=nd, eps=1e-5, silu=silu)
+                         for silu in (False, True)]
+        cuda_backend.gemv_s8_x = "auto"
+    for a, b in zip(got["block"], got["launch"]):
+        assert torch.equal(a, b)
+
+
+def test_nan_and_zero_blocks(s8w_backend):
+    """A NaN in x makes every output NaN; an all-zero x block (d = 0) and blocks of very different magnitudes
+    stay exact against the emulation."""
+    quant, _, lin = repacked_weight(s8w_backend, "Q4_1", 64, 1024, 13)
+    x = torch.randn(1, 1024, generator=torch.Generator().manual_seed(14)).half()
+    x[0, 64:96] = 0
+    x[0, 96:128] *= 1000
+    x[0, 128:160] *= 1e-3
+    got = s8w_backend.linear(x.cuda(), lin)
+    assert torch.isfinite(got.float()).all() and rel_err(got, s8_reference(x, quant)) <= EMU_TOL
+    x[0, 100] = float("nan")
+    assert torch.isnan(s8w_backend.linear(x.cuda(), lin).float()).all()
+
+
+def test_graph_replay_equals_eager(s8w_backend):
+    """gemv_s8w captured in a CUDA graph (with quantize_s8 before it when x is quantized per launch) replays what
+    eager launches compute, bit for bit: plain, residual, and fused norm + SwiGLU."""
+    from voltserve.backends.cuda.linear import launch_linear
+
+    k, n = 4096, 256
+    _, _, lin = repacked_weight(s8w_backend, "Q4_1", n, k, 41)
+    gen = torch.Generator().manual_seed(42)
+    x = torch.randn(1, k, generator=gen).half().cuda()
+    res = torch.randn(1, n, generator=gen).half().cuda()
+    nd = s8w_backend.prepare_norm(torch.rand(k, generator=gen) + 0.5)
+
+    def step():
+        return [launch_linear(s8w_backend, x, lin), launch_linear(s8w_backend, x, lin, residual=res),
+                launch_linear(s8w_backend, x, lin, norm_weight=nd, eps=1e-5, silu=True)]
+
+    assert_replay_equals_eager(s8w_backend, step, lambda: x.copy_(torch.randn(1, k, generator=gen).half()))

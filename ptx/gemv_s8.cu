@@ -321,12 +321,14 @@ extern "C" __global__ void __launch_bounds__(32 * GM_WARPS, GM_MIN_BLOCKS) gemv_
 // d_w (-8 s)) are added by slot 0's lanes. Each lane loads the scales of one load group of the item (lane j:
 // group 8 s0 + j), which shuffles hand to the 4 lanes of each piece. The lanes' sums meet in one warp_sum per
 // row: the same products as gemv_s8 in another fp32 order (tests compare both with kutils.s8_reference).
-// dp4a is SM61+, so the body also compiles for compute_70 (the launcher takes it on SM80+ only, as gemv_s8).
+// dp4a is SM61+, so the x-per-block body also compiles for compute_70 (the launcher takes it on SM80+ only, as
+// gemv_s8; the S8_XG build needs cp.async and traps below SM80).
 #ifndef S8W_WARPS
 #define S8W_WARPS 8       // kernels.GEMV_S8W_WARPS
 #endif
 #ifndef S8W_MIN_BLOCKS
-#define S8W_MIN_BLOCKS 4  // 64 registers: 32 warps per SM (H200: 2 blocks of 99 registers were 0-15% slower)
+#define S8W_MIN_BLOCKS 4  // 64 registers: 32 warps per SM (H200: as fast as 2 blocks of 99-116 registers on Q4
+                          // rows, 5-20% faster on Q8_0; docs/performance.md session 7)
 #endif
 #ifndef S8W_UNROLL
 #define S8W_UNROLL 4      // 512-byte steps of one row per work item (<= 4: one scale load per lane covers them)
@@ -422,8 +424,14 @@ VOLT_DEVICE float s8w_piece(float acc, const uint4& q, const S8wScale& sc, const
     return acc;
 }
 
+// S8_XG copies x with cp.async (SM80+): below SM80 that build is a trapping stub, as gemv_s8 is there.
+#if WREPACK && WTYPE != WTYPE_F16 && S8_M1 && (!S8_XG || GM_M16N8K16)
+#define S8W_BUILT 1
+#else
+#define S8W_BUILT 0
+#endif
 extern "C" __global__ void __launch_bounds__(32 * S8W_WARPS, S8W_MIN_BLOCKS) gemv_s8w(const GemvParams p) {
-#if WREPACK && WTYPE != WTYPE_F16 && S8_M1
+#if S8W_BUILT
     extern __shared__ uint4 s8_smem[];  // xq [s8_pitch], then xs [nb] float2 (gemv_s8's S8_M1 layout)
 #if !S8_XG
     __shared__ float scratch[32];
@@ -434,7 +442,7 @@ extern "C" __global__ void __launch_bounds__(32 * S8W_WARPS, S8W_MIN_BLOCKS) gem
     const int n_out = SILU ? p.n / 2 : p.n;
     // work items: per output S8W_ROWS rows x bpr items; this warp's outputs are first, first + stride, ...
     const int bpr = (steps + S8W_UNROLL - 1) / S8W_UNROLL, per_out = S8W_ROWS * bpr;
-    const int stride = gridDim.x * S8W_WARPS, first = blockIdx.x * S8W_WARPS + warp;
+    const int stride = gridDim.x * S8W_WARPS, first = blockIdx.x * S8W_WARPS + warp;  // blockDim = 32 * S8W_WARPS
     const int items = first < n_out ? (n_out - first + stride - 1) / stride * per_out : 0;
     const float keep_s = (lane & 3) == 0 ? 1.f : 0.f;
     u8* xq = reinterpret_cast<u8*>(s8_smem);
@@ -488,7 +496,7 @@ extern "C" __global__ void __launch_bounds__(32 * S8W_WARPS, S8W_MIN_BLOCKS) gem
         }
     }
 #else
-    pdl_enter();  // fp16, GGUF rows or more than one x row: never launched (linear.gemv_s8w_ok)
+    pdl_enter();  // fp16, GGUF rows, more than one x row or S8_XG below SM80: never launched (linear.gemv_s8w_ok)
     __trap();
 #endif
 }

@@ -27,7 +27,8 @@
 #endif
 
 // WREPACK = 1: the weight rows are "repacked" (voltserve/backends/cuda/repack.py): [nb scales][64-byte quant
-// groups], k % 256 == 0. Only gemv_mma and gemm_tc read that layout (the launcher routes such weights to them).
+// groups], k % 256 == 0. Only gemv_mma, gemv_s8 / gemv_s8w and gemm_tc read that layout (the launcher routes such
+// weights to them).
 #ifndef WREPACK
 #define WREPACK 0
 #endif

@@ -175,3 +175,21 @@ def assert_replay_equals_eager(backend, step, change_inputs) -> None:
     torch.cuda.synchronize()
     for a, b in zip(captured, eager, strict=True):
         assert torch.equal(a, b)
+
+
+@contextlib.contextmanager
+def launched_kernels(backend):
+    """Record the name of every kernel `backend` launches inside the block (a list, in launch order): tests that
+    must know which of two kernels computing the same values ran."""
+    names: list[str] = []
+    launch = backend._launch
+
+    def record(op, kernel, *args, **kwargs):
+        names.append(kernel)
+        return launch(op, kernel, *args, **kwargs)
+
+    backend._launch = record
+    try:
+        yield names
+    finally:
+        del backend._launch  # the class's method again

@@ -1,5 +1,6 @@
 """gemv_s8w (ptx/gemv_s8.cu): the one-row decode GEMV on repacked Q4_0 / Q4_1 / Q8_0 rows, a warp per weight row
-pair with dp4a, x quantized per 32 elements as gemv_s8 does (llama.cpp's Q8_1).
+with dp4a, x quantized per 32 elements as gemv_s8 does (llama.cpp's Q8_1). gemv_s8's one-row build computes the
+same int8 products, so the tests record which kernel launched (`kutils.launched_kernels`).
 
 Bounds (max |got - ref| / max |ref|), as tests/kernels/test_gemv_s8.py states them:
   - EMU_TOL = 1e-3 against `kutils.s8_reference` (the same int8 x, exact integer block sums): a wrong piece, slot,
@@ -10,8 +11,8 @@ Bounds (max |got - ref| / max |ref|), as tests/kernels/test_gemv_s8.py states th
 
 import pytest
 import torch
-from tests.kernels.kutils import (assert_replay_equals_eager, backend_settings, rel_err, repacked_weight,
-                                  s8_reference)
+from tests.kernels.kutils import (assert_replay_equals_eager, backend_settings, launched_kernels, rel_err,
+                                  repacked_weight, s8_reference)
 
 pytestmark = pytest.mark.gpu
 EMU_TOL = 1e-3
@@ -35,7 +36,7 @@ def s8w_backend(request, cuda_backend):
 @pytest.mark.parametrize("nk", [(4096, 4096), (1000, 14336), (45, 256), (71, 768), (20000, 512)])
 def test_gemv_s8w(s8w_backend, cpu_backend, fmt, nk):
     """Against the exact int8 emulation and the fp32 reference: 16-byte pieces of whole and partial 32-lane steps
-    (k = 256: 8 Q4 pieces; 14,336: 14 steps, a partial S8W_UNROLL item), row counts that leave a block's last
+    (k = 256: 8 Q4 pieces; 14,336: Q4 14 steps, a partial S8W_UNROLL item), row counts that leave a block's last
     warps idle (45, 71), more rows than the grid's warps (20,000: each warp loops over several)."""
     from voltserve.backends.cuda.linear import gemv_kernel_name
 
@@ -43,8 +44,9 @@ def test_gemv_s8w(s8w_backend, cpu_backend, fmt, nk):
     quant, weight, lin = repacked_weight(s8w_backend, fmt, n, k, n + k)
     assert gemv_kernel_name(s8w_backend, lin, 1) == "gemv_s8w"
     x = torch.randn(1, k, generator=torch.Generator().manual_seed(k)).half()
-    got = s8w_backend.linear(x.cuda(), lin)
-    assert got.shape == (1, n)
+    with launched_kernels(s8w_backend) as names:
+        got = s8w_backend.linear(x.cuda(), lin)
+    assert names[-1] == "gemv_s8w" and got.shape == (1, n)
     assert rel_err(got, s8_reference(x, quant)) <= EMU_TOL
     assert rel_err(got, cpu_backend.linear(x.float(), weight)) <= S8_TOL
     assert torch.equal(s8w_backend.linear(x.cuda(), lin), got)  # deterministic: fixed-order sums
@@ -55,9 +57,11 @@ def test_agrees_with_gemv_s8(s8w_backend, fmt):
     """The same products as gemv_s8's one-row build (VOLTSERVE_GEMV_S8_M1=mma), in another fp32 order."""
     quant, _, lin = repacked_weight(s8w_backend, fmt, 512, 4096, 3)
     x = torch.randn(1, 4096, generator=torch.Generator().manual_seed(4)).half().cuda()
-    warp = s8w_backend.linear(x, lin)
-    with backend_settings(s8w_backend, gemv_s8_m1="mma"):
-        mma = s8w_backend.linear(x, lin)
+    with launched_kernels(s8w_backend) as names:
+        warp = s8w_backend.linear(x, lin)
+        with backend_settings(s8w_backend, gemv_s8_m1="mma"):
+            mma = s8w_backend.linear(x, lin)
+    assert [n for n in names if n != "quantize_s8"] == ["gemv_s8w", "gemv_s8"]
     assert rel_err(warp, mma) <= 2 * EMU_TOL
     assert rel_err(warp, s8_reference(x.cpu(), quant)) <= EMU_TOL
 
@@ -74,7 +78,9 @@ def test_fused_norm_swiglu_residual(s8w_backend, cpu_backend, fmt):
     norm = torch.rand(k, generator=gen) + 0.5
     nd = s8w_backend.prepare_norm(norm)
     x = torch.randn(1, k, generator=gen).half()
-    got = s8w_backend.norm_linear(x.cuda(), nd, 1e-5, lin, silu=True)
+    with launched_kernels(s8w_backend) as names:
+        got = s8w_backend.norm_linear(x.cuda(), nd, 1e-5, lin, silu=True)
+    assert names[-1] == "gemv_s8w"
     ref = cpu_backend.norm_linear(x.float(), norm, 1e-5, weight, silu=True)
     assert got.shape == (1, inner) and rel_err(got, ref) <= 2e-2
     normed = s8w_backend.rms_norm(x.cuda(), nd, 1e-5)[0]
@@ -100,10 +106,11 @@ def test_x_per_launch_equals_per_block(cuda_backend, fmt):
         nd = cuda_backend.prepare_norm(torch.rand(4096, generator=gen) + 0.5)
         got = {}
         for mode in ("block", "launch"):
-            cuda_backend.gemv_s8_x = mode
-            got[mode] = [launch_linear(cuda_backend, x, lin, norm_weight=nd, eps=1e-5, silu=silu)
-                         for silu in (False, True)]
-        cuda_backend.gemv_s8_x = "auto"
+            with backend_settings(cuda_backend, gemv_s8_x=mode), launched_kernels(cuda_backend) as names:
+                got[mode] = [launch_linear(cuda_backend, x, lin, norm_weight=nd, eps=1e-5, silu=silu)
+                             for silu in (False, True)]
+            want = ["gemv_s8w"] if mode == "block" else ["quantize_s8", "gemv_s8w"]
+            assert names == 2 * want, (mode, names)
     for a, b in zip(got["block"], got["launch"]):
         assert torch.equal(a, b)
 

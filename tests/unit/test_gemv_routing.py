@@ -442,7 +442,7 @@ def test_folded_upload_on_cpu():
 def test_gemv_s8w_takes_one_row_calls_only():
     """gemv_s8w (a warp per weight row) serves calls of exactly one x row on repacked rows: under auto Q8_0 at any
     width and Q4 wider than GEMV_S8W_Q4_MIN_K (Llama-3-8B's down_proj), where it measured faster; a 9-row call's
-    second launch (1 row) stays gemv_s8 so that a call's rows share one kernel; VOLTSERVE_GEMV_S8_M1=mma, gemv_s8
+    second launch (1 row) keeps its first launch's kernel (gemv_s8w_ok(9) is False); VOLTSERVE_GEMV_S8_M1=mma, gemv_s8
     "off", a forced gemv_kernel or SM < 80 give the kernels before; gemv_s8 "on" takes it wherever gemv_s8 may."""
     from voltserve.backends.cuda.linear import GEMV_S8W_Q4_MIN_K, gemv_s8w_ok
 

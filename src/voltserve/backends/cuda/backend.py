@@ -83,7 +83,8 @@ class CudaBackend:
         # or "launch" (once, by a quantize_s8 launch before it); VOLTSERVE_GEMV_S8_X for A/B runs
         self.gemv_s8_x = _env_choice("VOLTSERVE_GEMV_S8_X", ("auto", "block", "launch"))
         # gemv_s8's one-row launches: "warp" (gemv_s8w: a warp per weight row, dp4a; linear.gemv_s8w_ok) or
-        # "mma" (gemv_s8's S8_M1 build); VOLTSERVE_GEMV_S8_M1 for A/B runs
+        # "mma" (what ran before: gemv_s8's S8_M1 build, or gemv_mma where gemv_s8 does not run, e.g. Q8_0 under
+        # auto); VOLTSERVE_GEMV_S8_M1 for A/B runs
         self.gemv_s8_m1 = _env_choice("VOLTSERVE_GEMV_S8_M1", ("warp", "mma"))
         # the RMSNorm before a decode GEMV: fused into it where that measured faster ("auto", linear.fuses_norm),
         # always where the kernel can ("on"), or always its own kernel first ("off"); VOLTSERVE_FUSE_NORM for A/B

@@ -59,9 +59,10 @@ GEMV_S8_AUTO_FORMATS = ("Q4_0", "Q4_1")
 # gemv_s8w (one x row, a warp per weight row, dp4a) serves the one-row calls of repacked rows under
 # VOLTSERVE_GEMV_S8_M1=warp where it measured faster than gemv_s8 / gemv_mma (gemv_s8w_ok): Q8_0 rows, and Q4_0 /
 # Q4_1 rows wider than GEMV_S8W_Q4_MIN_K, whose x it takes quantized once per launch (k > GEMV_S8W_BLOCK_MAX_X).
-# H200, bench_kernels decode rows at m = 1 (docs/performance.md, session 7): Q4_1 4096x14336 20.2 -> 15.2 us,
-# down + residual 20.3 -> 15.3; Q8_0 4096x4096 9.9 -> 8.3, 14336x4096 23.0 -> 19.9 (gemv_mma before); Q4_1 at
-# k = 4096 within +-5% of gemv_s8 (14336x4096 15.4-15.9 vs 15.6-15.9 us) but fused RMSNorm + qkv 9.8-10.3 vs 8.7
+# H200, bench_kernels decode rows at m = 1 (docs/performance.md, session 7): Q4_1 4096x14336 20.3-20.7 -> 15.3-15.5
+# us, down + residual 20.6-20.8 -> 15.0-15.5; Q8_0 4096x4096 9.3-9.9 -> 8.3, 14336x4096 22.6-23.6 -> 20.4-20.5
+# (gemv_mma before; the engine's Q8_0 SwiGLU pairs stay GGUF, so it gains on qkv / o_proj); Q4_1 at k = 4096
+# within +-5% of gemv_s8 (14336x4096 15.4-15.9 vs 15.6-15.9 us) but fused RMSNorm + qkv 9.8-10.3 vs 8.7
 GEMV_S8W_Q4_MIN_K = 4096
 GEMV_S8W_BLOCK_MAX_X = 4096
 # one-row gemv_s8 launches of k <= this quantize x in every block (an extra launch measured 1.7% slower per 8B
@@ -380,14 +381,14 @@ def gemv_mma_ok(backend: Any, w: CudaLinear, rows: int, vec_ok: int, norm: bool 
     m = 1, without SwiGLU, on weights of
     >= GEMV_MMA_M1_MIN_BYTES: quant superblocks, and fp16 with a fused norm). `backend.gemv_kernel` ("auto",
     "scalar", "mma", "mma884": the SM70 m8n8k4 path on any arch) forces a choice (benchmarks, A/B tests).
-    Repacked rows (`CudaLinear.layout`) always run gemv_mma: no other decode GEMV reads them (the backend does
-    not repack under "scalar").
+    Repacked rows (`CudaLinear.layout`) always pass: only gemv_mma and gemv_s8 / gemv_s8w (which
+    `gemv_kernel_name` picks among) read them (the backend does not repack under "scalar").
 
     Raises:
         ValueError: repacked rows with x or the weight not 16-byte aligned."""
     choice = getattr(backend, "gemv_kernel", "auto")
     arch = backend.loader.compile_arch  # the __CUDA_ARCH__ the kernels are built for
-    if w.layout == "repacked":  # no other decode GEMV reads that layout
+    if w.layout == "repacked":  # only the tensor-core / int8 decode GEMVs read that layout
         if not vec_ok or w.data.data_ptr() % 16:
             raise ValueError("repacked quant rows need x rows and the weight 16-byte aligned (k % 8 == 0)")
         return True
@@ -526,9 +527,10 @@ def gemv_s8_ok(backend: Any, w: CudaLinear, rows: int) -> bool:
 
 def gemv_s8w_ok(backend: Any, w: CudaLinear, rows: int) -> bool:
     """Whether a GEMV call of `rows` x rows on repacked rows `w` runs gemv_s8w (gemv_s8.cu: a warp per weight row,
-    dp4a): one row only (a call of 9 rows runs gemv_s8 for both its launches, so a call's rows share one kernel),
-    `backend.gemv_s8_m1` "warp", x's int8 copy fits (`gemv_s8_fits`), and under gemv_s8 "auto" where it measured
-    faster (Q8_0; Q4_0 / Q4_1 of k > GEMV_S8W_Q4_MIN_K); gemv_s8 "on" takes it wherever gemv_s8 could run."""
+    dp4a): one row only (a call of 9 rows runs the kernel of its first launch, gemv_s8 or gemv_mma, for both, so a
+    call's rows share one kernel), `backend.gemv_s8_m1` "warp", x's int8 copy fits (`gemv_s8_fits`), and under
+    gemv_s8 "auto" where it measured faster (Q8_0; Q4_0 / Q4_1 of k > GEMV_S8W_Q4_MIN_K); gemv_s8 "on" takes it
+    wherever gemv_s8 could run."""
     if rows != 1 or getattr(backend, "gemv_s8_m1", "warp") != "warp" or w.layout != "repacked":
         return False
     if getattr(backend, "gemv_s8", "auto") != "auto":

@@ -11,8 +11,8 @@ bound by load wavefronts, docs/performance.md). A repacked row holds the same by
         (its quants' bytes P*t .. P*t + P-1, P = 4 for Q4, 8 for Q8_0) sits at 16 * t + P * (b % G)
 
 so the lane of slot t reads its piece of G blocks with one 16-byte load, and 4 scales (2 for Q8_0) with one.
-Needs k % 256 == 0 (whole groups; the quant groups start 16-byte aligned). gemv_mma and gemm_tc read this
-layout when compiled with WREPACK=1 (ptx/quant.cuh); the CPU backend never sees it.
+Needs k % 256 == 0 (whole groups; the quant groups start 16-byte aligned). gemv_mma, gemv_s8 / gemv_s8w and
+gemm_tc read this layout when compiled with WREPACK=1 (ptx/quant.cuh); the CPU backend never sees it.
 """
 
 from __future__ import annotations

@@ -140,30 +140,33 @@ VOLT_DEVICE void s8_quantize_x(const GemvParams& p, const float* inv_rms, u8* xq
     }
 }
 
+// acc + one block's int32 sum ci scaled (exact in fp32: |ci| < 2^24): (dw, mw) = the weight block's d and Q4_1's
+// m, (dx, sx) = the x block's d and x-sum term (Q4_0: -8 s, Q4_1: s); mw, sx unused where the format has none.
+VOLT_DEVICE float s8_add_block(float acc, float dw, float mw, float dx, float sx, int ci) {
+    const float c = (float)ci;
+#if WTYPE == WTYPE_Q8_0
+    return fmaf(dw, dx * c, acc);
+#elif WTYPE == WTYPE_Q4_0
+    return fmaf(dw, fmaf(dx, c, sx), acc);
+#else
+    return fmaf(dw, dx * c, fmaf(mw, sx, acc));
+#endif
+}
+
 // acc (rows g, g + 8 x columns 2t, 2t + 1 of one 16-row tile) += the scaled int32 sums ci of one block.
 // w0 / w1: the scale words of rows g / g + 8; (dx, sx): x scales of column 2t (.x, .y) and 2t + 1 (.z, .w).
 VOLT_DEVICE void s8_scale(float (&acc)[4], const int (&ci)[4], u32 w0, u32 w1, float4 xsc) {
     const float dw0 = h2f((half_t)(w0 & 0xffffu)), dw1 = h2f((half_t)(w1 & 0xffffu));
 #if WTYPE == WTYPE_Q4_1
     const float mw0 = h2f((half_t)(w0 >> 16)), mw1 = h2f((half_t)(w1 >> 16));
+#else
+    const float mw0 = 0.f, mw1 = 0.f;  // unused
 #endif
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
         if (S8_M1 && (e & 1)) continue;  // column 2t + 1 >= 1 = m
-        const float dw = e < 2 ? dw0 : dw1;
-        const float dx = e & 1 ? xsc.z : xsc.x;
-        const float c = (float)ci[e];  // exact: |sum| < 2^24
-#if WTYPE == WTYPE_Q8_0
-        acc[e] = fmaf(dw, dx * c, acc[e]);
-#else
-        const float sx = e & 1 ? xsc.w : xsc.y;
-#endif
-#if WTYPE == WTYPE_Q4_0
-        acc[e] = fmaf(dw, fmaf(dx, c, sx), acc[e]);  // sx = -8 s
-#elif WTYPE == WTYPE_Q4_1
-        const float mw = e < 2 ? mw0 : mw1;
-        acc[e] = fmaf(dw, dx * c, fmaf(mw, sx, acc[e]));
-#endif
+        acc[e] = s8_add_block(acc[e], e < 2 ? dw0 : dw1, e < 2 ? mw0 : mw1, e & 1 ? xsc.z : xsc.x,
+                              e & 1 ? xsc.w : xsc.y, ci[e]);
     }
 }
 
@@ -398,7 +401,7 @@ VOLT_DEVICE float s8w_piece(float acc, const uint4& q, const S8wScale& sc, const
 #pragma unroll
     for (int u = 0; u < 2; ++u) {
         const int ci = dp4a_s8((int)qw[2 * u + 1], (int)xw[2 * u + 1], dp4a_s8((int)qw[2 * u], (int)xw[2 * u], 0));
-        acc = fmaf(half_of(sc, u), xs[b0 + u].x * (float)ci, acc);
+        acc = s8_add_block(acc, half_of(sc, u), 0.f, xs[b0 + u].x, 0.f, ci);
     }
 #else
     const uint4 xa = *reinterpret_cast<const uint4*>(xq + c * 32);
@@ -415,9 +418,9 @@ VOLT_DEVICE float s8w_piece(float acc, const uint4& q, const S8wScale& sc, const
         const int ci = dp4a_s8(hi, (int)xw[2 * u + 1], dp4a_s8(lo, (int)xw[2 * u], 0));
         const float2 x2 = xs[b0 + u];
 #if WTYPE == WTYPE_Q4_1
-        acc = fmaf(half_of(scw[u], 0), x2.x * (float)ci, fmaf(half_of(scw[u], 1), x2.y * keep_s, acc));
+        acc = s8_add_block(acc, half_of(scw[u], 0), half_of(scw[u], 1), x2.x, x2.y * keep_s, ci);
 #else
-        acc = fmaf(half_of(scw[u >> 1], u & 1), fmaf(x2.x, (float)ci, x2.y * keep_s), acc);  // x2.y = -8 s
+        acc = s8_add_block(acc, half_of(scw[u >> 1], u & 1), 0.f, x2.x, x2.y * keep_s, ci);
 #endif
     }
 #endif

@@ -20,15 +20,18 @@ S8_TOL = 1.5e-2
 FORMATS = ["Q4_0", "Q4_1", "Q8_0"]
 
 
+def _s8w_settings(backend, **extra):
+    """Quant weights stored repacked and every one-row call routed to gemv_s8w (gemv_s8 "on": the engine's "auto"
+    takes it for Q8_0 and wide Q4 rows only, linear.gemv_s8w_ok); SM80+ only (skips below)."""
+    if backend.loader.arch < 80:
+        pytest.skip("repacked rows and the int8 decode kernels are SM80+ (linear.gemv_s8_enabled)")
+    return backend_settings(backend, gemv_kernel="auto", quant_repack="on", gemv_s8="on", gemv_s8_m1="warp", **extra)
+
+
 @pytest.fixture(params=["block", "launch"])
 def s8w_backend(request, cuda_backend):
-    """Quant weights stored repacked and every one-row call routed to gemv_s8w (gemv_s8 "on": the engine's "auto"
-    takes it for Q8_0 and wide Q4 rows only, linear.gemv_s8w_ok), with x quantized by every block or once per
-    launch (quantize_s8)."""
-    if cuda_backend.loader.arch < 80:
-        pytest.skip("repacked rows and the int8 decode kernels are SM80+ (linear.gemv_s8_enabled)")
-    with backend_settings(cuda_backend, gemv_kernel="auto", quant_repack="on", gemv_s8="on", gemv_s8_m1="warp",
-                          gemv_s8_x=request.param):
+    """`_s8w_settings` with x quantized by every block or once per launch (quantize_s8)."""
+    with _s8w_settings(cuda_backend, gemv_s8_x=request.param):
         yield cuda_backend
 
 
@@ -97,9 +100,7 @@ def test_x_per_launch_equals_per_block(cuda_backend, fmt):
     the fused RMSNorm and SwiGLU too."""
     from voltserve.backends.cuda.linear import launch_linear
 
-    if cuda_backend.loader.arch < 80:
-        pytest.skip("SM80+")
-    with backend_settings(cuda_backend, gemv_kernel="auto", quant_repack="on", gemv_s8="on", gemv_s8_m1="warp"):
+    with _s8w_settings(cuda_backend):
         _, _, lin = repacked_weight(cuda_backend, fmt, 300, 4096, 31)
         gen = torch.Generator().manual_seed(32)
         x = torch.randn(1, 4096, generator=gen).half().cuda()

@@ -25,8 +25,14 @@
 // Two paths for the scores and P @ V, both fp16 K/V loads as 16-byte vectors with fp32 softmax state:
 //   SM80+ (GROUP <= 8, HEAD_DIM % 64 == 0): tensor cores, mma.m16n8k16 fp16 x fp16 -> fp32 (warp_attend_mma).
 //   SM70 (V100) and the rest: CUDA cores, fp32 dot products (-DATTN_SIMT=1 takes it on any GPU).
-// Reference: voltserve.backends.cpu.CpuBackend.attention (query_len == 1 for every sequence).
+// Fused rotary (cos_sin != nullptr, decode-only steps): q is the un-rotated q, each block rotates its heads' q
+// as it loads it, and the block whose split ends at the sequence's new key takes that key's K (rotated) and V
+// from k_new / v_new instead of the cache and stores them to the cache slot (slot_mapping; < 0: not written, the
+// key is read from the cache): rope_kv_write's work, without its launch.
+// Reference: voltserve.backends.cpu.CpuBackend.attention (query_len == 1 for every sequence); with the fused
+// rotary, CpuBackend.rope_attention.
 #include "mma.cuh"
+#include "rope.cuh"
 
 #ifndef HEAD_DIM
 #define HEAD_DIM 64
@@ -64,7 +70,7 @@ static_assert(HEAD_DIM % 8 == 0 && HEAD_DIM <= 256, "HEAD_DIM must be a multiple
 
 struct DecodeParams {
     const half_t* q;             // [num_tokens, num_heads, HEAD_DIM] fp16, strides below
-    const half_t* kv;            // [2, num_blocks, block_size, num_kv_heads, HEAD_DIM] fp16
+    half_t* kv;                  // [2, num_blocks, block_size, num_kv_heads, HEAD_DIM] fp16 (written: fused rotary)
     const int* block_tables;     // [num_seqs, max_blocks] int32
     const int* seq_lens;         // [num_seqs] int32
     const int* query_start_loc;  // [num_seqs + 1] int32; the query of sequence s is row query_start_loc[s+1]-1
@@ -84,6 +90,16 @@ struct DecodeParams {
     int num_splits;
     float scale;
     int min_part;                // fewest keys per split (a multiple of 16, <= PARTITION)
+    // fused rotary + KV write (see the top): cos_sin nullptr = off (q rotated, the cache holds every key)
+    const half_t* k_new;         // [num_tokens, num_kv_heads, HEAD_DIM] fp16 un-rotated, token stride below
+    const half_t* v_new;         // [num_tokens, num_kv_heads, HEAD_DIM] fp16
+    const i64* positions;        // [num_tokens] int64 (clamped into the table)
+    const i64* slot_mapping;     // [num_tokens] int64; < 0: the new key is not written
+    const float* cos_sin;        // [max_positions, HEAD_DIM] fp32: cos of each pair, then sin
+    i64 k_token_stride;          // elements
+    i64 v_token_stride;
+    int max_positions;
+    int interleaved;             // 0 = neox, 1 = interleaved pairs
 };
 VOLT_CHECK_PARAMS(DecodeParams, VOLT_DECODE_PARAMS_BYTES);
 
@@ -174,6 +190,20 @@ VOLT_DEVICE void merge_splits(const DecodeParams& p, int seq, int kvh, int used,
     }
 }
 
+// Fused rotary: the new key's K (rotated) and V rows of KV head kvh, from k_new / v_new (token `row`), into smem
+// kv_new [2][HEAD_DIM] and the cache slot, one 16-byte vector per thread; the caller syncs before reading kv_new.
+VOLT_DEVICE void stage_new_key(const DecodeParams& p, const float* cs, i64 row, i64 slot, int kvh, half_t* kv_new) {
+    for (int i = threadIdx.x; i < HEAD_DIM / 4; i += NUM_THREADS) {
+        const int plane = i / (HEAD_DIM / 8), d0 = 8 * (i % (HEAD_DIM / 8));
+        const half_t* src = (plane ? p.v_new + row * p.v_token_stride : p.k_new + row * p.k_token_stride) +
+                            (i64)kvh * HEAD_DIM;
+        const uint4 v = plane ? *reinterpret_cast<const uint4*>(src + d0)
+                              : rope_vec8(src, d0, cs, HEAD_DIM / 2, p.interleaved);
+        *reinterpret_cast<uint4*>(kv_new + plane * HEAD_DIM + d0) = v;
+        *reinterpret_cast<uint4*>(p.kv + plane * p.kv_plane + (slot * p.num_kv_heads + kvh) * HEAD_DIM + d0) = v;
+    }
+}
+
 // Rescale weight of a partial with running max m against the merged max M (0 for an empty partial: m = -inf).
 VOLT_DEVICE float lse_weight(float m, float M) { return m == VOLT_NEG_INF ? 0.f : __expf(m - M); }
 
@@ -191,7 +221,8 @@ VOLT_DEVICE float lse_weight(float m, float M) { return m == VOLT_NEG_INF ? 0.f 
 // Writes the warp's un-normalised output, running max and sum for the group's heads to red / ml.
 template <typename KeyOff>
 VOLT_DEVICE void warp_attend_mma(const DecodeParams& p, const half_t* k_head, const KeyOff& key_off, int n, i64 row,
-                                 int kvh, int warp, int lane, float* red, float* ml) {
+                                 int kvh, int warp, int lane, float* red, float* ml, const half_t* q_rot, int t_new,
+                                 const half_t* kv_new) {
     constexpr int KSTEPS = HEAD_DIM / 16, KVEC = HEAD_DIM / 32, VSETS = HEAD_DIM / 64;
     __shared__ __align__(16) u32 p_s[NUM_WARPS][8][8];  // [warp][head][16 keys as fp16 pairs]
     const int gid = lane >> 2, tig = lane & 3;
@@ -199,8 +230,9 @@ VOLT_DEVICE void warp_attend_mma(const DecodeParams& p, const half_t* k_head, co
     u32 qw[HEAD_DIM / 8];
     {
         const bool real = gid < GROUP;
-        const half_t* qh = p.q + row * p.q_token_stride + (i64)(kvh * GROUP + (real ? gid : 0)) * p.q_head_stride +
-                           8 * tig;
+        const int h = real ? gid : 0;
+        const half_t* qh = q_rot ? q_rot + h * HEAD_DIM + 8 * tig
+                                 : p.q + row * p.q_token_stride + (i64)(kvh * GROUP + h) * p.q_head_stride + 8 * tig;
 #pragma unroll
         for (int i = 0; i < HEAD_DIM / 8; ++i) {
             const int d = 32 * (i / 4) + 2 * (i % 4);
@@ -221,6 +253,10 @@ VOLT_DEVICE void warp_attend_mma(const DecodeParams& p, const half_t* k_head, co
             const half_t* kp = t < n ? k_head + key_off(t) + 8 * tig : nullptr;
 #pragma unroll
             for (int v = 0; v < KVEC; ++v) kr[r][v] = kp ? __ldg(reinterpret_cast<const uint4*>(kp + 32 * v)) : zero;
+            if (t == t_new) {  // read from the cache too (discarded): keeps the loop's loads as they are
+#pragma unroll
+                for (int v = 0; v < KVEC; ++v) kr[r][v] = *reinterpret_cast<const uint4*>(kv_new + 32 * v + 8 * tig);
+            }
         }
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
@@ -228,6 +264,11 @@ VOLT_DEVICE void warp_attend_mma(const DecodeParams& p, const half_t* k_head, co
             const half_t* vp = t < n ? k_head + p.kv_plane + key_off(t) + 8 * gid : nullptr;
 #pragma unroll
             for (int c = 0; c < VSETS; ++c) vr[i][c] = vp ? __ldg(reinterpret_cast<const uint4*>(vp + 64 * c)) : zero;
+            if (t == t_new) {
+#pragma unroll
+                for (int c = 0; c < VSETS; ++c)
+                    vr[i][c] = *reinterpret_cast<const uint4*>(kv_new + HEAD_DIM + 64 * c + 8 * gid);
+            }
         }
         // S = K q^T
         float sc[4] = {0.f, 0.f, 0.f, 0.f};
@@ -298,9 +339,10 @@ VOLT_DEVICE void warp_attend_mma(const DecodeParams& p, const half_t* k_head, co
 #endif
 
 extern "C" __global__ void __launch_bounds__(NUM_THREADS, ATTN_MIN_BLOCKS) attn_decode(const DecodeParams p) {
-    // Before pdl_enter (the previous kernel, rotary + KV write, may still run): only the step's metadata, which
-    // one host-to-device copy uploads before any kernel of the step and no kernel writes (seq_lens, block tables,
-    // query_start_loc), and L2 prefetches of old keys. q and the cache rows are read after it.
+    // Before pdl_enter (the previous kernel, rotary + KV write or with the fused rotary the QKV GEMV, may still
+    // run): only the step's metadata, which one host-to-device copy uploads before any kernel of the step and no
+    // kernel writes (seq_lens, block tables, query_start_loc, positions, slot_mapping), the constant cos / sin
+    // table, and L2 prefetches of old keys. q, k_new / v_new and the cache rows are read after it.
     extern __shared__ float smem[];
     float* q_s = smem;                                  // [GROUP][HEAD_DIM], pre-scaled
     float* red = q_s + GROUP * HEAD_DIM;                // [NUM_WARPS][GROUP][HEAD_DIM]; then the merge's split
@@ -318,6 +360,18 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, ATTN_MIN_BLOCKS) attn_
     if (n <= 0) return;  // past this context (the grid is sized for the longest): the reduce never reads it
     const bool direct = seq_len <= plen;  // one split holds the whole context: write out, the reduce skips it
     const i64 row = p.query_start_loc[seq + 1] - 1;
+    // fused rotary: the token's cos / sin row (constant table) and its cache slot (step metadata) before pdl_enter
+    __shared__ float cs_s[HEAD_DIM];
+    __shared__ __align__(16) half_t kv_new[2][HEAD_DIM];  // the new key's K (rotated) and V rows
+    const bool rope = p.cos_sin != nullptr;
+    const i64 slot = rope ? p.slot_mapping[row] : -1;
+    const int t_new = rope && slot >= 0 && start + n == seq_len ? n - 1 : -1;  // the split's key from k_new / v_new
+    if (rope) {
+        i64 pos = p.positions[row];
+        pos = pos < 0 ? 0 : (pos >= p.max_positions ? p.max_positions - 1 : pos);
+        for (int i = tid; i < HEAD_DIM; i += NUM_THREADS) cs_s[i] = p.cos_sin[pos * HEAD_DIM + i];
+    }
+    const float* cs = rope ? cs_s : nullptr;
     const int first_blk = start / p.block_size;
     // block table slice first, so each key's address is one smem read away (no global load chain per key)
     for (int i = tid; i <= (start + n - 1) / p.block_size - first_blk; i += NUM_THREADS)
@@ -339,15 +393,20 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, ATTN_MIN_BLOCKS) attn_
         }
     }
     pdl_enter();
-#if !ATTN_MMA
-    for (int i = tid; i < GROUP * HEAD_DIM; i += NUM_THREADS) {
+    if (t_new >= 0) stage_new_key(p, cs, row, slot, kvh, &kv_new[0][0]);
+    for (int i = tid; i < GROUP * HEAD_DIM && (!ATTN_MMA || cs); i += NUM_THREADS) {
         const int g = i / HEAD_DIM, d = i % HEAD_DIM;
-        q_s[i] = h2f(p.q[row * p.q_token_stride + (kvh * GROUP + g) * p.q_head_stride + d]) * p.scale;
+        const half_t* qh = p.q + row * p.q_token_stride + (kvh * GROUP + g) * p.q_head_stride;
+        const half_t q = cs ? rope_elem(qh, d, cs, HEAD_DIM / 2, p.interleaved) : qh[d];
+        if (ATTN_MMA)
+            reinterpret_cast<half_t*>(q_s)[i] = q;  // the rotated q for warp_attend_mma's fragments
+        else
+            q_s[i] = h2f(q) * p.scale;
     }
-#endif
     __syncthreads();
 #if ATTN_MMA
-    warp_attend_mma(p, k_head, key_off, n, row, kvh, warp, lane, red, ml);
+    warp_attend_mma(p, k_head, key_off, n, row, kvh, warp, lane, red, ml, cs ? reinterpret_cast<half_t*>(q_s) : nullptr,
+                    t_new, &kv_new[0][0]);
 #else
 
     // One pass with an online softmax (Milakov & Gimelshein 2018): TG lanes share a key, each lane holding one
@@ -370,7 +429,10 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, ATTN_MIN_BLOCKS) attn_
         for (int u = 0; u < KV_UNROLL; ++u) {
             const int t = t0 + u * KPW + sub;
             kr[u] = vr[u] = make_uint4(0u, 0u, 0u, 0u);
-            if (t < n) {  // past the context: never read (its slots may hold anything)
+            if (t == t_new) {
+                kr[u] = *reinterpret_cast<const uint4*>(&kv_new[0][dsl * 8]);
+                vr[u] = *reinterpret_cast<const uint4*>(&kv_new[1][dsl * 8]);
+            } else if (t < n) {  // past the context: never read (its slots may hold anything)
                 const half_t* kp = k_head + key_off(t) + dsl * 8;
                 kr[u] = __ldg(reinterpret_cast<const uint4*>(kp));
                 vr[u] = __ldg(reinterpret_cast<const uint4*>(kp + p.kv_plane));

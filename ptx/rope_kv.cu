@@ -8,7 +8,7 @@
 //   v heads:  kv[1, slot] = v[t, h]
 // Grid: (num_tokens, num_heads + 2 * num_kv_heads); block 64 threads loop over the head's pairs; no smem.
 // SM70 path: the only path. Reference: CpuBackend.rotary_write_kv (= CpuBackend.rotary, then write_kv).
-#include "common.cuh"
+#include "rope.cuh"
 
 struct RopeKvParams {
     const half_t* q;         // [num_tokens, num_heads, head_dim] fp16, token stride q_token_stride, heads packed
@@ -38,8 +38,8 @@ VOLT_DEVICE void rope_pair(const half_t* src, half_t* dst, const float* cs, int 
     const int i2 = interleaved ? 2 * i + 1 : i + half_dim;
     const float x1 = h2f(src[i1]), x2 = h2f(src[i2]);
     const float c = cs[i], s = cs[half_dim + i];
-    dst[i1] = f2h(x1 * c - x2 * s);
-    dst[i2] = f2h(x2 * c + x1 * s);
+    dst[i1] = f2h(rope_rotate(x1, x2, c, s, true));
+    dst[i2] = f2h(rope_rotate(x2, x1, c, s, false));
 }
 
 extern "C" __global__ void rope_kv_write(const RopeKvParams p) {

@@ -224,6 +224,37 @@ def test_folded_norms_serve_like_unfolded():
     _variants_agree(models["on"], models["off"], lambda n: 1e-2)
 
 
+def test_fused_rotary_serves_like_two_launches():
+    """Decode steps with the rotary and KV write inside attn_decode (VOLTSERVE_ROPE_ATTN auto) against
+    rotary_write_kv + attention (off): the same greedy tokens and logprobs bit for bit, for 3 prompts of which
+    the later ones arrive while the first decodes (their prefill steps take the two launches either way), eager
+    and through CUDA graphs."""
+    from tests.kernels.kutils import launched_kernels
+    from tools.make_synthetic_checkpoint import synthetic_model
+    from voltserve.backends.cuda.backend import CudaBackend
+    from voltserve.graphs import StepGraphs
+
+    loaded = synthetic_model("small256", device="cuda", dtype=torch.float16, seed=7)
+    prompts = [list(range(3, 40)), list(range(50, 53)), list(range(7, 100))]
+    results, rope_launches = {}, {}
+    for rope in ("auto", "off"):
+        backend = CudaBackend(0)
+        backend.rope_attn = rope
+        model = LlamaModel(loaded.config, loaded.tensors, backend, loaded.quantized, max_positions=512)
+
+        def factory(kv, model=model, backend=backend):
+            g = StepGraphs(model, backend, kv, max_num_seqs=4, max_model_len=512)
+            g.capture()
+            return g
+
+        with launched_kernels(backend) as names:
+            eager = generate(model, backend, prompts, 20, arrive_every=3, temperature=0)
+        rope_launches[rope] = names.count("rope_kv_write")
+        results[rope] = (eager, generate(model, backend, prompts, 20, factory, arrive_every=3, temperature=0))
+    assert results["auto"] == results["off"]
+    assert 0 < rope_launches["auto"] < rope_launches["off"]  # prefill steps only
+
+
 def _variants_agree(variant, reference, bound):
     """Logits of 1- and 8-token steps and a 57-token prefill of two (model, backend) builds of one checkpoint
     agree within bound(n) of max |logit|, and the variant's graph replay equals its eager steps."""

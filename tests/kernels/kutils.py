@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import contextlib
+import math
 
 import numpy as np
 import torch
 
+from voltserve.backends.base import AttentionMetadata
 from voltserve.backends.cuda.kernels import QUANT_BLOCK_BYTES
 
 
@@ -193,3 +195,35 @@ def launched_kernels(backend):
         yield names
     finally:
         del backend._launch  # the class's method again
+
+
+def paged_kv_case(seq_lens, query_lens, num_kv_heads, head_dim, block_size, gen):
+    """Random paged KV (NaN in the slots past each context), shuffled block tables and metadata for the given
+    contexts and query lengths: (kv [2, num_blocks, block_size, num_kv_heads, head_dim] fp16, AttentionMetadata
+    on the CPU with an empty slot_mapping)."""
+    blocks_per_seq = [math.ceil(s / block_size) for s in seq_lens]
+    num_blocks = sum(blocks_per_seq) + 3
+    perm = torch.randperm(num_blocks, generator=gen)
+    max_blocks = max(blocks_per_seq)
+    tables = torch.full((len(seq_lens), max_blocks + 2), -1, dtype=torch.int32)
+    kv = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=gen).half()
+    used = 0
+    for i, (s, nb) in enumerate(zip(seq_lens, blocks_per_seq)):
+        tables[i, :nb] = perm[used:used + nb].int()
+        last = int(perm[used + nb - 1])
+        kv[:, last, s - (nb - 1) * block_size:] = float("nan")  # slots past the context must never be read
+        used += nb
+    qsl = torch.tensor([0] + list(torch.tensor(query_lens).cumsum(0)), dtype=torch.int32)
+    attn = AttentionMetadata(query_start_loc=qsl, seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+                             block_tables=tables, slot_mapping=torch.zeros(0, dtype=torch.int64),
+                             max_query_len=max(query_lens), max_seq_len=max(seq_lens),
+                             query_lens_cpu=list(query_lens), seq_lens_cpu=list(seq_lens))
+    return kv, attn
+
+
+def metadata_to_cuda(attn: AttentionMetadata, max_seq_len=None, split_decode=False,
+                     max_query_len=None) -> AttentionMetadata:
+    """`attn` with its tensors on the GPU; max_seq_len / max_query_len: a graph bucket's capacities."""
+    return AttentionMetadata(attn.query_start_loc.cuda(), attn.seq_lens.cuda(), attn.block_tables.cuda(),
+                             attn.slot_mapping.cuda(), max_query_len or attn.max_query_len,
+                             max_seq_len or attn.max_seq_len, attn.query_lens_cpu, attn.seq_lens_cpu, split_decode)

@@ -9,47 +9,17 @@ import math
 
 import pytest
 import torch
-from tests.kernels.kutils import rel_err
-
-from voltserve.backends.base import AttentionMetadata
+from tests.kernels.kutils import metadata_to_cuda, paged_kv_case, rel_err
 
 pytestmark = pytest.mark.gpu
 TOL = 4e-3
-
-
-def _make_case(seq_lens, query_lens, num_kv_heads, head_dim, block_size, gen):
-    """Random paged KV (NaN in unused slots), block tables and metadata for the given contexts."""
-    blocks_per_seq = [math.ceil(s / block_size) for s in seq_lens]
-    num_blocks = sum(blocks_per_seq) + 3
-    perm = torch.randperm(num_blocks, generator=gen)
-    max_blocks = max(blocks_per_seq)
-    tables = torch.full((len(seq_lens), max_blocks + 2), -1, dtype=torch.int32)
-    kv = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=gen).half()
-    used = 0
-    for i, (s, nb) in enumerate(zip(seq_lens, blocks_per_seq)):
-        tables[i, :nb] = perm[used:used + nb].int()
-        last = int(perm[used + nb - 1])
-        kv[:, last, s - (nb - 1) * block_size:] = float("nan")  # slots past the context must never be read
-        used += nb
-    qsl = torch.tensor([0] + list(torch.tensor(query_lens).cumsum(0)), dtype=torch.int32)
-    attn = AttentionMetadata(query_start_loc=qsl, seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-                             block_tables=tables, slot_mapping=torch.zeros(0, dtype=torch.int64),
-                             max_query_len=max(query_lens), max_seq_len=max(seq_lens),
-                             query_lens_cpu=list(query_lens), seq_lens_cpu=list(seq_lens))
-    return kv, attn
-
-
-def _to_cuda(attn: AttentionMetadata, max_seq_len=None, split_decode=False, max_query_len=None) -> AttentionMetadata:
-    return AttentionMetadata(attn.query_start_loc.cuda(), attn.seq_lens.cuda(), attn.block_tables.cuda(),
-                             attn.slot_mapping.cuda(), max_query_len or attn.max_query_len,
-                             max_seq_len or attn.max_seq_len, attn.query_lens_cpu, attn.seq_lens_cpu, split_decode)
 
 
 def _run(cuda_backend, cpu_backend, seq_lens, query_lens, heads, block_size, seed, max_seq_len=None,
          split_decode=False, max_query_len=None):
     num_heads, num_kv_heads, head_dim = heads
     gen = torch.Generator().manual_seed(seed)
-    kv, attn = _make_case(seq_lens, query_lens, num_kv_heads, head_dim, block_size, gen)
+    kv, attn = paged_kv_case(seq_lens, query_lens, num_kv_heads, head_dim, block_size, gen)
     num_tokens = sum(query_lens)
     qwide = torch.randn(num_tokens, num_heads * head_dim + 8, generator=gen).half()
     q = qwide[:, :num_heads * head_dim].view(num_tokens, num_heads, head_dim)
@@ -58,7 +28,7 @@ def _run(cuda_backend, cpu_backend, seq_lens, query_lens, heads, block_size, see
     # query_len == 1); the GPU keeps the NaN, so a kernel that reads past a context shows up as NaN output
     ref = cpu_backend.attention(q.float(), kv.float().nan_to_num(), attn, scale)
     qd = qwide.cuda()[:, :num_heads * head_dim].view(num_tokens, num_heads, head_dim)
-    got = cuda_backend.attention(qd, kv.cuda(), _to_cuda(attn, max_seq_len, split_decode, max_query_len), scale)
+    got = cuda_backend.attention(qd, kv.cuda(), metadata_to_cuda(attn, max_seq_len, split_decode, max_query_len), scale)
     return rel_err(got, ref)
 
 
@@ -133,9 +103,9 @@ def test_decode_in_kernel_merge_matches_reduce_kernel(cuda_backend, attn_choice)
     launches are bitwise equal (fixed merge order), and the counters are back at zero."""
     gen = torch.Generator().manual_seed(9)
     lens = [700, 1, 5003, 64, 129]
-    kv, attn = _make_case(lens, [1] * len(lens), 3, 64, 16, gen)
+    kv, attn = paged_kv_case(lens, [1] * len(lens), 3, 64, 16, gen)
     q = torch.randn(len(lens), 9, 64, generator=gen).half().cuda()
-    kv, meta = kv.cuda(), _to_cuda(attn, 8192)
+    kv, meta = kv.cuda(), metadata_to_cuda(attn, 8192)
     merged = [cuda_backend.attention(q, kv, meta, 0.125) for _ in range(3)]
     assert all(torch.equal(m, merged[0]) for m in merged[1:])
     assert int(cuda_backend.attn_counters.abs().sum()) == 0

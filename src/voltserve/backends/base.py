@@ -156,9 +156,30 @@ class Backend(Protocol):
             [num_tokens, num_heads, head_dim].
         """
 
+    def rope_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                       cos_sin: torch.Tensor, style: str, kv_layer: torch.Tensor, attn: AttentionMetadata,
+                       scale: float) -> torch.Tensor:
+        """rotary_write_kv (at attn.slot_mapping) then attention: one fused op on backends that can (the CUDA
+        decode kernel rotates q and the new key itself); `rope_then_attention` is the unfused composition.
+
+        Args:
+            q: [num_tokens, num_heads, head_dim], not rotated; k, v: [num_tokens, num_kv_heads, head_dim].
+            positions, cos_sin, style, kv_layer: as rotary_write_kv; attn, scale: as attention.
+        Returns:
+            [num_tokens, num_heads, head_dim]; kv_layer holds the rotated k and v at attn.slot_mapping.
+        """
+
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         """x [num_tokens, 2 * inner] -> silu(x[:, :inner]) * x[:, inner:]."""
 
     def allocate_kv_cache(self, num_layers: int, num_blocks: int, block_size: int,
                           num_kv_heads: int, head_dim: int) -> torch.Tensor:
         """[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim] zeros in the KV dtype."""
+
+
+def rope_then_attention(backend: Backend, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                        cos_sin: torch.Tensor, style: str, kv_layer: torch.Tensor, attn: AttentionMetadata,
+                        scale: float) -> torch.Tensor:
+    """`Backend.rope_attention` as two ops, rotary_write_kv then attention: the reference the fused op matches."""
+    q = backend.rotary_write_kv(q, k, v, positions, cos_sin, style, kv_layer, attn.slot_mapping)
+    return backend.attention(q, kv_layer, attn, scale)

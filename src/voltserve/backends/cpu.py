@@ -12,7 +12,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from voltserve.backends.base import AttentionMetadata
+from voltserve.backends.base import AttentionMetadata, rope_then_attention
 
 
 def rope_cos_sin(head_dim: int, max_positions: int, theta: float) -> torch.Tensor:
@@ -84,6 +84,9 @@ class CpuBackend:
         q, k = self.rotary(q, k, positions, cos_sin, style)
         self.write_kv(k, v, kv_layer, slot_mapping)
         return q
+
+    def rope_attention(self, q, k, v, positions, cos_sin, style, kv_layer, attn: AttentionMetadata, scale):
+        return rope_then_attention(self, q, k, v, positions, cos_sin, style, kv_layer, attn, scale)
 
     def write_kv(self, k, v, kv_layer, slot_mapping):
         """The cache half of rotary_write_kv: k, v [num_tokens, num_kv_heads, head_dim] into kv_layer at

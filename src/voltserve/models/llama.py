@@ -108,9 +108,8 @@ class LlamaModel:
             q = qkv[:, :q_size].view(num_tokens, cfg.num_heads, cfg.head_dim)
             k = qkv[:, q_size:q_size + kv_size].view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
             v = qkv[:, q_size + kv_size:].view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
-            q = be.rotary_write_kv(q, k, v, step.positions, self.cos_sin, cfg.rope_style, kv_cache[i],
-                                   step.attn.slot_mapping)
-            o = be.attention(q, kv_cache[i], step.attn, self.scale)
+            o = be.rope_attention(q, k, v, step.positions, self.cos_sin, cfg.rope_style, kv_cache[i], step.attn,
+                                  self.scale)
             h = be.linear(o.reshape(num_tokens, q_size), layer.o_proj, residual=h)
             h = be.linear(be.norm_linear(h, layer.post_norm, eps, layer.gate_up, silu=True), layer.down, residual=h)
         if step.logits_indices.numel() != num_tokens:  # a decode step needs every row: skip the gather

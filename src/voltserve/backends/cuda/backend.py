@@ -5,8 +5,8 @@ CUDA allocator (its caching allocator keeps graph capture and NCCL simple). Kern
 once (`refresh_stream()`; `torch.cuda.current_stream()` costs ~8 us per call, DESIGN section 9): call it again
 inside a graph-capture context or after switching streams.
 
-Decode paths (embedding, rms_norm, rotary_write_kv, linear / norm_linear with m <= 16, attention with
-query_len == 1, silu_and_mul, sample_greedy) do no host sync and allocate only through torch's caching allocator,
+Decode paths (embedding, rms_norm, rotary_write_kv, linear / norm_linear with m <= 16, attention and rope_attention
+with query_len == 1, silu_and_mul, sample_greedy) do no host sync and allocate only through torch's caching allocator,
 so they are capturable in a CUDA graph provided their device inputs (ids, positions, metadata, norm weights,
 cos/sin table) already live on the GPU and `AttentionMetadata.max_seq_len` is the bucket's capacity rather than
 the step's value (it sizes the split-K grid).
@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from voltserve.backends.base import AttentionMetadata
+from voltserve.backends.base import AttentionMetadata, rope_then_attention
 from voltserve.backends.cuda import driver, kernels
 from voltserve.backends.cuda import params as P
 from voltserve.backends.cuda.linear import (CudaEmbedding, CudaLinear, folds_norm, gemv_mma_sb_fits, gemv_s8_enabled,
@@ -96,6 +96,9 @@ class CudaBackend:
         # decode attention path (attention_decode.cu): "auto" (tensor cores on SM80+ where the GQA group fits,
         # else CUDA cores) or "simt" (the CUDA-core path, V100's, on any GPU: tests and A/B runs)
         self.attn_kernel = _env_choice("VOLTSERVE_ATTN_KERNEL", ("auto", "simt"))
+        # rotary + KV write of decode-only steps inside attn_decode (rope_attention): "auto" (fused) or "off" (the
+        # rope_kv_write launch first); VOLTSERVE_ROPE_ATTN for A/B runs
+        self.rope_attn = _env_choice("VOLTSERVE_ROPE_ATTN", ("auto", "off"))
         # attn_decode's fewest keys per split (kernels.decode_plan's min_part); VOLTSERVE_ATTN_MIN_PART for A/B runs
         self.attn_min_part = int(_env_choice("VOLTSERVE_ATTN_MIN_PART", (str(kernels.DECODE_MIN_PART), "32", "128",
                                                                          "256", "512", "1024")))
@@ -224,11 +227,16 @@ class CudaBackend:
         return launch_linear(self, x, weight, norm_weight=self._on_device(norm_weight, torch.float32), eps=eps,
                              silu=silu)
 
-    def rotary_write_kv(self, q, k, v, positions, cos_sin, style, kv_layer, slot_mapping):
+    def _rope_inputs(self, q, k, v, positions, cos_sin, style, kv_layer, slot_mapping):
+        """Checks of rotary_write_kv's arguments; (cos_sin fp32, positions int64, slot_mapping int64) on the device.
+
+        Raises:
+            ValueError: unknown style, q / k / v not [tokens, heads, head_dim] with packed heads, a kv_layer that
+                does not match k, a cos_sin width other than head_dim.
+        """
         if style not in ("neox", "interleaved"):
             raise ValueError(f"unknown rotary style {style!r}")
-        num_tokens, num_heads, head_dim = q.shape
-        num_kv_heads = k.shape[1]
+        num_tokens, _, head_dim = q.shape
         packed = all(t.stride(2) == 1 and t.stride(1) == head_dim for t in (q, k, v))
         if not packed or k.shape != v.shape or k.shape[0] != num_tokens or k.shape[2] != head_dim:
             raise ValueError(f"q {tuple(q.shape)} / k {tuple(k.shape)} / v {tuple(v.shape)}: need [tokens, heads, "
@@ -238,8 +246,12 @@ class CudaBackend:
         cs = self._on_device(cos_sin, torch.float32)
         if cs.shape[1] != head_dim:
             raise ValueError(f"cos_sin width {cs.shape[1]} != head_dim {head_dim} (partial rotary unsupported)")
-        pos = self._on_device(positions, torch.int64)
-        slots = self._on_device(slot_mapping, torch.int64)
+        return cs, self._on_device(positions, torch.int64), self._on_device(slot_mapping, torch.int64)
+
+    def rotary_write_kv(self, q, k, v, positions, cos_sin, style, kv_layer, slot_mapping):
+        cs, pos, slots = self._rope_inputs(q, k, v, positions, cos_sin, style, kv_layer, slot_mapping)
+        num_tokens, num_heads, head_dim = q.shape
+        num_kv_heads = k.shape[1]
         q_out = torch.empty(q.shape, dtype=self.dtype, device=self.device)
         if num_tokens == 0:
             return q_out
@@ -251,7 +263,26 @@ class CudaBackend:
                      0, p)
         return q_out
 
+    def rope_attention(self, q, k, v, positions, cos_sin, style, kv_layer, attn: AttentionMetadata, scale):
+        """Decode-only steps: attn_decode rotates q and the new key and writes the cache itself (one launch less
+        than rotary_write_kv + attention); other steps, VOLTSERVE_ROPE_ATTN=off, or k / v rows not 16-byte
+        aligned: the two ops."""
+        aligned = all(t.data_ptr() % 16 == 0 and t.stride(0) % 8 == 0 for t in (k, v))
+        if self.rope_attn == "off" or not attn.is_decode_only or not aligned or q.shape[2] % 8:
+            return rope_then_attention(self, q, k, v, positions, cos_sin, style, kv_layer, attn, scale)
+        cs, pos, slots = self._rope_inputs(q, k, v, positions, cos_sin, style, kv_layer, attn.slot_mapping)
+        rope = (k.data_ptr(), v.data_ptr(), pos.data_ptr(), slots.data_ptr(), cs.data_ptr(), k.stride(0),
+                v.stride(0), cs.shape[0], int(style == "interleaved"))
+        # attn_decode reads positions and slot_mapping before its PDL wait, as the other metadata
+        return self._attention(q, kv_layer, attn, scale, rope, (positions, attn.slot_mapping))
+
     def attention(self, q, kv_layer, attn: AttentionMetadata, scale):
+        return self._attention(q, kv_layer, attn, scale)
+
+    def _attention(self, q, kv_layer, attn: AttentionMetadata, scale, rope: tuple = (None,) * 5 + (0,) * 4,
+                   rope_meta: tuple = ()):
+        """attention; with `rope` (DecodeParams' fused-rotary fields, a decode-only step) attn_decode also
+        rotates q and writes the new keys; `rope_meta`: the host tensors behind its positions and slot_mapping."""
         num_tokens, num_heads, head_dim = q.shape
         num_kv_heads, block_size = kv_layer.shape[3], kv_layer.shape[2]
         if q.stride(2) != 1 or kv_layer.shape[4] != head_dim or num_heads % num_kv_heads or head_dim % 8:
@@ -264,8 +295,9 @@ class CudaBackend:
         # attn_decode and attn_prefill read the metadata before their PDL wait: fine for host copies, not for a
         # cast kernel just launched on the device (its writes are visible only after the wait), so such a launch
         # goes without PDL
-        meta_pdl = None if all(t.device != self.device or (t.dtype == torch.int32 and t.is_contiguous())
-                               for t in meta) else False
+        on_device = [(t, torch.int32) for t in meta] + [(t, torch.int64) for t in rope_meta]
+        meta_pdl = None if all(t.device != self.device or (t.dtype == dtype and t.is_contiguous())
+                               for t, dtype in on_device) else False
         qsl, seq_lens, tables = (self._on_device(t, torch.int32) for t in meta)
         common = (q.data_ptr(), kv_layer.data_ptr(), tables.data_ptr(), seq_lens.data_ptr(), qsl.data_ptr(),
                   out.data_ptr())
@@ -274,7 +306,7 @@ class CudaBackend:
             # a mixed step: attn_decode computes the last query row of every sequence (a decode's only one),
             # then attn_prefill overwrites the rows of the sequences with >= 2 query tokens
             self._attention_decode(q, attn, scale, common, plane, num_kv_heads, block_size, tables.shape[1],
-                                   meta_pdl)
+                                   meta_pdl, rope)
             if attn.is_decode_only:
                 return out
         p = P.PrefillParams(*common, q.stride(0), q.stride(1), plane, num_seqs, num_heads, num_kv_heads, block_size,
@@ -285,8 +317,9 @@ class CudaBackend:
         return out
 
     def _attention_decode(self, q, attn: AttentionMetadata, scale, common, plane, num_kv_heads, block_size,
-                          max_blocks, meta_pdl) -> None:
-        """attn_decode (+ its split reduce) for the last query row of each of the step's sequences."""
+                          max_blocks, meta_pdl, rope: tuple) -> None:
+        """attn_decode (+ its split reduce) for the last query row of each of the step's sequences; `rope`:
+        DecodeParams' fused-rotary fields (cos_sin None: off)."""
         num_seqs, num_heads, head_dim = attn.num_seqs, q.shape[1], q.shape[2]
         group = num_heads // num_kv_heads
         spec = kernels.decode_spec(head_dim, group, simt=self.attn_kernel == "simt")
@@ -304,7 +337,7 @@ class CudaBackend:
         p = P.DecodeParams(*common, acc.data_ptr(), ml.data_ptr(),
                            self.attn_counters.data_ptr() if merge_in_kernel else None, q.stride(0), q.stride(1),
                            plane, num_seqs, num_heads, num_kv_heads, block_size, max_blocks, num_splits,
-                           scale, min_part)
+                           scale, min_part, *rope)
         self._launch("attention_decode", "attn_decode", spec, (num_kv_heads, num_seqs, num_splits),
                      (128, 1, 1), smem, p, meta_pdl)
         if num_splits > 1 and not merge_in_kernel:

@@ -1,0 +1,149 @@
+"""CudaBackend.rope_attention: attn_decode with the rotary and the KV write fused in (decode-only steps) vs the CPU
+reference (`rope_then_attention`: CpuBackend.rotary_write_kv, then CpuBackend.attention) and vs the GPU's own two
+launches (rope_kv_write, then attn_decode).
+
+Bounds: output max |got - ref| <= 4e-3 * max |ref| (test_attention's); the written K rows within rel 2e-3 of the
+fp32 reference (test_rotary's) and V rows a bit-exact copy; every other cache slot unchanged. Against the GPU's
+two launches: output and cache bit for bit (the same fp32 rotation rounded to fp16 once, the same attention).
+Each new key's cache slot holds NaN before the call, so a kernel that reads the cache there instead of the new
+key shows up as NaN; a padding token (slot -1) reads its key from the cache and writes nothing.
+"""
+
+import pytest
+import torch
+from tests.kernels.kutils import (assert_replay_equals_eager, backend_settings, launched_kernels, metadata_to_cuda,
+                                 paged_kv_case, rel_err)
+
+from voltserve.backends.base import rope_then_attention
+from voltserve.backends.cpu import rope_cos_sin
+
+pytestmark = pytest.mark.gpu
+TOL = 4e-3
+MAX_POSITIONS = 9000
+
+
+def _case(seq_lens, heads, block_size, seed, pad=(), spare=8):
+    """(qkv [num_seqs, q | k | v | `spare` columns] fp16, kv with NaN at each new key's slot, metadata with the
+    slots, positions): one decode token per sequence at position seq_len - 1; sequences in `pad` get slot -1 and
+    keep their cache row."""
+    num_heads, num_kv_heads, head_dim = heads
+    gen = torch.Generator().manual_seed(seed)
+    kv, attn = paged_kv_case(seq_lens, [1] * len(seq_lens), num_kv_heads, head_dim, block_size, gen)
+    slots = []
+    for i, n in enumerate(seq_lens):
+        slot = _slot(attn, i, n - 1, block_size)
+        if i not in pad:
+            kv.view(2, -1, num_kv_heads, head_dim)[:, slot] = float("nan")
+        slots.append(-1 if i in pad else slot)
+    attn.slot_mapping = torch.tensor(slots, dtype=torch.int64)
+    qkv = torch.randn(len(seq_lens), (num_heads + 2 * num_kv_heads) * head_dim + spare, generator=gen).half()
+    positions = torch.tensor(seq_lens, dtype=torch.int64) - 1
+    return qkv, kv, attn, positions
+
+
+def _slot(attn, seq, position, block_size):
+    """The cache slot of sequence `seq`'s token at `position` (its block table)."""
+    return int(attn.block_tables[seq, position // block_size]) * block_size + position % block_size
+
+
+def _split(qkv, heads):
+    num_heads, num_kv_heads, head_dim = heads
+    q_size, kv_size, n = num_heads * head_dim, num_kv_heads * head_dim, qkv.shape[0]
+    return (qkv[:, :q_size].view(n, num_heads, head_dim),
+            qkv[:, q_size:q_size + kv_size].view(n, num_kv_heads, head_dim),
+            qkv[:, q_size + kv_size:q_size + 2 * kv_size].view(n, num_kv_heads, head_dim))
+
+
+def _gpu(backend, qkv, kv, attn, positions, cos_sin, heads, style, fused, max_seq_len=None):
+    """rope_attention on copies of the inputs: (output, cache, launched kernel names)."""
+    kv = kv.cuda()
+    meta = metadata_to_cuda(attn, max_seq_len)
+    with backend_settings(backend, rope_attn="auto" if fused else "off"), launched_kernels(backend) as names:
+        out = backend.rope_attention(*_split(qkv.cuda(), heads), positions.cuda(), cos_sin.cuda(), style, kv, meta,
+                                     heads[2] ** -0.5)
+    return out.cpu(), kv.cpu(), names
+
+
+def _check(cuda_backend, cpu_backend, seq_lens, heads, style, seed, block_size=16, pad=(), max_seq_len=None,
+           spare=8):
+    """rope_attention fused (asserted from the launches, unless `spare` leaves k / v rows unaligned: then the two
+    launches) against the CPU reference and against the two launches."""
+    qkv, kv, attn, positions = _case(seq_lens, heads, block_size, seed, pad, spare)
+    cos_sin = rope_cos_sin(heads[2], MAX_POSITIONS, 5e5)
+    ref_kv = kv.float().nan_to_num()  # the CPU oracle: unused slots zeroed (test_attention's reason)
+    ref = rope_then_attention(cpu_backend, *[t.float() for t in _split(qkv, heads)], positions, cos_sin, style,
+                              ref_kv, attn, heads[2] ** -0.5)
+    got, got_kv, names = _gpu(cuda_backend, qkv, kv, attn, positions, cos_sin, heads, style, True, max_seq_len)
+    assert names[0] == ("attn_decode" if spare % 8 == 0 else "rope_kv_write")
+    assert rel_err(got, ref) <= TOL
+    written = attn.slot_mapping[attn.slot_mapping >= 0]
+    flat, ref_flat, kv_flat = (t.view(2, -1, heads[1], heads[2]) for t in (got_kv, ref_kv, kv))
+    assert rel_err(flat[0, written], ref_flat[0, written]) <= 2e-3
+    assert torch.equal(flat[1, written], ref_flat[1, written].half())  # v: a bit-exact copy
+    keep = torch.ones(flat.shape[1], dtype=torch.bool)
+    keep[written] = False
+    assert torch.equal(flat[:, keep].nan_to_num(7.0), kv_flat[:, keep].nan_to_num(7.0))  # nothing else written
+    two, two_kv, two_names = _gpu(cuda_backend, qkv, kv, attn, positions, cos_sin, heads, style, False, max_seq_len)
+    assert two_names[:2] == ["rope_kv_write", "attn_decode"]
+    assert torch.equal(got, two)
+    assert torch.equal(got_kv.nan_to_num(7.0), two_kv.nan_to_num(7.0))
+
+
+HEADS = [(9, 3, 64), (8, 1, 128), (32, 8, 128), (6, 2, 96)]  # 96: the CUDA-core path on every GPU
+
+
+@pytest.mark.parametrize("heads", HEADS)
+@pytest.mark.parametrize("style", ["neox", "interleaved"])
+def test_rope_attention_decode(cuda_backend, cpu_backend, heads, style, attn_choice):
+    """Contexts of 1 key, a split boundary (17, 64, 65), one partition (512) and several (5003), batch 7."""
+    _check(cuda_backend, cpu_backend, [1, 17, 64, 65, 512, 5003, 300], heads, style, seed=heads[2])
+
+
+@pytest.mark.parametrize("heads", HEADS[1:3])
+def test_rope_attention_capacity_grid_and_padding(cuda_backend, cpu_backend, heads, attn_choice):
+    """A graph bucket's grid (capacity 8192, contexts spread over the splits) with padding tokens (slot -1)."""
+    _check(cuda_backend, cpu_backend, [700, 1, 33, 4097, 2], heads, "neox", seed=5, pad=(1, 3), max_seq_len=8192)
+
+
+@pytest.mark.parametrize("block_size", [1, 7, 32])
+def test_rope_attention_block_sizes(cuda_backend, cpu_backend, block_size, attn_choice):
+    _check(cuda_backend, cpu_backend, [129, 1, 2000], (32, 8, 128), "neox", seed=block_size, block_size=block_size)
+
+
+def test_rope_attention_unaligned_rows_take_two_launches(cuda_backend, cpu_backend):
+    """q | k | v rows of 5 spare columns: k and v rows not 16-byte aligned, so rope_kv_write runs first."""
+    _check(cuda_backend, cpu_backend, [300, 1, 77], (9, 3, 64), "neox", seed=6, spare=5)
+
+
+def test_rope_attention_other_steps_take_two_launches(cuda_backend, cpu_backend):
+    """A step with a prompt (query length > 1) is not fused: rope_kv_write, then the attention kernels."""
+    heads, gen = (9, 3, 64), torch.Generator().manual_seed(2)
+    kv, attn = paged_kv_case([40, 9], [1, 9], heads[1], heads[2], 16, gen)
+    positions = torch.tensor([39] + list(range(9)), dtype=torch.int64)
+    attn.slot_mapping = torch.tensor([_slot(attn, 0, 39, 16)] + [_slot(attn, 1, i, 16) for i in range(9)])
+    qkv = torch.randn(10, (heads[0] + 2 * heads[1]) * heads[2], generator=gen).half()
+    cos_sin = rope_cos_sin(heads[2], MAX_POSITIONS, 1e4)
+    ref = rope_then_attention(cpu_backend, *[t.float() for t in _split(qkv, heads)], positions, cos_sin, "neox",
+                              kv.float().nan_to_num(), attn, 0.125)
+    got, _, names = _gpu(cuda_backend, qkv, kv, attn, positions, cos_sin, heads, "neox", True)
+    assert names[0] == "rope_kv_write" and "attn_prefill" in names
+    assert rel_err(got, ref) <= TOL
+
+
+def test_rope_attention_graph_replay_equals_eager(cuda_backend):
+    """Captured in a CUDA graph (as the engine's decode steps are), then new q / k / v and positions."""
+    heads = (32, 8, 128)
+    qkv, kv, attn, positions = _case([300, 1, 77], heads, 16, seed=4)
+    qkv, kv, positions = qkv.cuda(), kv.cuda(), positions.cuda()
+    meta = metadata_to_cuda(attn, 8192)
+    cos_sin = rope_cos_sin(heads[2], MAX_POSITIONS, 5e5).cuda()
+
+    def step():
+        out = cuda_backend.rope_attention(*_split(qkv, heads), positions, cos_sin, "neox", kv, meta, 0.088)
+        return [out, kv.nan_to_num(7.0)]
+
+    def change():
+        qkv.copy_(torch.randn_like(qkv, dtype=torch.float32).half())
+        positions.add_(5)
+
+    assert_replay_equals_eager(cuda_backend, step, change)

@@ -25,10 +25,13 @@
 // Two paths for the scores and P @ V, both fp16 K/V loads as 16-byte vectors with fp32 softmax state:
 //   SM80+ (GROUP <= 8, HEAD_DIM % 64 == 0): tensor cores, mma.m16n8k16 fp16 x fp16 -> fp32 (warp_attend_mma).
 //   SM70 (V100) and the rest: CUDA cores, fp32 dot products (-DATTN_SIMT=1 takes it on any GPU).
-// Fused rotary (cos_sin != nullptr, decode-only steps): q is the un-rotated q, each block rotates its heads' q
-// as it loads it, and the block whose split ends at the sequence's new key takes that key's K (rotated) and V
-// from k_new / v_new instead of the cache and stores them to the cache slot (slot_mapping; < 0: not written, the
-// key is read from the cache): rope_kv_write's work, without its launch.
+// Before the PDL wait a block loads only what earlier steps wrote: metadata, and its warps' first tile of old
+// keys (MMA path: into registers; CUDA-core path: L2 prefetch). After it, one round trip stages q and the
+// sequence's newest key (whose row the previous kernel writes) in smem (stage_query_and_newest_key).
+// Fused rotary (cos_sin != nullptr, decode-only steps): q is the un-rotated q, rotated as it is staged, and the
+// block whose split ends at the sequence's new key takes that key's K (rotated) and V from k_new / v_new instead
+// of the cache and stores them to the cache slot (slot_mapping; < 0: not written, the key is read from the
+// cache): rope_kv_write's work, without its launch.
 // Reference: voltserve.backends.cpu.CpuBackend.attention (query_len == 1 for every sequence); with the fused
 // rotary, CpuBackend.rope_attention.
 #include "mma.cuh"
@@ -190,17 +193,49 @@ VOLT_DEVICE void merge_splits(const DecodeParams& p, int seq, int kvh, int used,
     }
 }
 
-// Fused rotary: the new key's K (rotated) and V rows of KV head kvh, from k_new / v_new (token `row`), into smem
-// kv_new [2][HEAD_DIM] and the cache slot, one 16-byte vector per thread; the caller syncs before reading kv_new.
-VOLT_DEVICE void stage_new_key(const DecodeParams& p, const float* cs, i64 row, i64 slot, int kvh, half_t* kv_new) {
-    for (int i = threadIdx.x; i < HEAD_DIM / 4; i += NUM_THREADS) {
-        const int plane = i / (HEAD_DIM / 8), d0 = 8 * (i % (HEAD_DIM / 8));
-        const half_t* src = (plane ? p.v_new + row * p.v_token_stride : p.k_new + row * p.k_token_stride) +
-                            (i64)kvh * HEAD_DIM;
-        const uint4 v = plane ? *reinterpret_cast<const uint4*>(src + d0)
-                              : rope_vec8(src, d0, cs, HEAD_DIM / 2, p.interleaved);
+// After the PDL wait, by the whole block, in 16-byte vectors: the group's q heads (rotated with cs, the token's
+// cos / sin row, else as they are) as fp16 [GROUP][HEAD_DIM] in q_s's smem (MMA path) or the CUDA-core path's fp32
+// q_s (pre-scaled); and where the split holds the sequence's newest key, its K and V rows (nk / nv: the fused
+// rotary's k_new / v_new, K rotated with cs and both stored to the cache slot `slot`, or the cache rows) into smem
+// kv_new [2][HEAD_DIM]. The key's loads are issued before q's, so both arrive in one round trip; the caller syncs
+// before reading q_s / kv_new. q head rows are 16-byte aligned (the host's check).
+VOLT_DEVICE void stage_query_and_newest_key(const DecodeParams& p, const float* cs, i64 row, int kvh,
+                                            const half_t* nk, const half_t* nv, i64 slot, float* q_s,
+                                            half_t* kv_new) {
+    constexpr int HALF = HEAD_DIM / 2, VPH = HEAD_DIM / 8;  // 16-byte vectors per head row
+    const int tid = threadIdx.x;
+    // the newest key: the last HEAD_DIM / 4 threads, one vector each (K, then V)
+    const int kv_i = tid - (NUM_THREADS - 2 * VPH), plane = kv_i / VPH, d0 = 8 * (kv_i % VPH);
+    const bool kv_thread = nk && kv_i >= 0, rotate = plane == 0 && slot >= 0;
+    uint4 x = make_uint4(0u, 0u, 0u, 0u), y = x;
+    if (kv_thread) {
+        const half_t* src = plane ? nv : nk;
+        x = *reinterpret_cast<const uint4*>(src + d0);
+        if (rotate && !p.interleaved) y = *reinterpret_cast<const uint4*>(src + rope_partner(d0, HALF, 0));
+    }
+    const half_t* q_group = p.q + row * p.q_token_stride + (i64)kvh * GROUP * p.q_head_stride;
+    for (int i = tid; i < GROUP * VPH; i += NUM_THREADS) {
+        const int g = i / VPH, q0 = 8 * (i % VPH);
+        const half_t* qh = q_group + g * p.q_head_stride;
+        uint4 q = *reinterpret_cast<const uint4*>(qh + q0);
+        if (cs) {
+            const uint4 partner = p.interleaved ? q : *reinterpret_cast<const uint4*>(qh + rope_partner(q0, HALF, 0));
+            q = rope_rotate8(q, partner, q0, cs, HALF, p.interleaved);
+        }
+        if (ATTN_MMA) {
+            *reinterpret_cast<uint4*>(reinterpret_cast<half_t*>(q_s) + g * HEAD_DIM + q0) = q;
+        } else {
+            float f[8];
+            unpack8(q, f);
+#pragma unroll
+            for (int e = 0; e < 8; ++e) q_s[g * HEAD_DIM + q0 + e] = f[e] * p.scale;
+        }
+    }
+    if (kv_thread) {
+        const uint4 v = rotate ? rope_rotate8(x, y, d0, cs, HALF, p.interleaved) : x;
         *reinterpret_cast<uint4*>(kv_new + plane * HEAD_DIM + d0) = v;
-        *reinterpret_cast<uint4*>(p.kv + plane * p.kv_plane + (slot * p.num_kv_heads + kvh) * HEAD_DIM + d0) = v;
+        if (slot >= 0)
+            *reinterpret_cast<uint4*>(p.kv + plane * p.kv_plane + (slot * p.num_kv_heads + kvh) * HEAD_DIM + d0) = v;
     }
 }
 
@@ -219,57 +254,74 @@ VOLT_DEVICE float lse_weight(float m, float M) { return m == VOLT_NEG_INF ? 0.f 
 //    loads 8-dim vectors of its 4 keys and pairs them across keys with prmt. P goes through 256 bytes of smem
 //    per warp (fp16, as the MMA takes it) from the S layout (keys by gid) to the B layout (keys by tig).
 // Writes the warp's un-normalised output, running max and sum for the group's heads to red / ml.
+#define MMA_KVEC (HEAD_DIM / 32)  // 16-byte K vectors per lane and key row
+#define MMA_VSETS (HEAD_DIM / 64) // 16-byte V vectors per lane and key
+
+// The cache rows of a 16-key tile at t0 in warp_attend_mma's fragment layout: K of keys t0 + gid (+ 8), V of keys
+// t0 + 4 tig + (0..3); keys >= n and key `skip` (the split's newest: mma_newest_key loads it) are zero.
+template <typename KeyOff>
+VOLT_DEVICE void mma_load_tile(const DecodeParams& p, const half_t* k_head, const KeyOff& key_off, int t0, int n,
+                               int skip, int lane, uint4 (&kr)[2][MMA_KVEC], uint4 (&vr)[4][MMA_VSETS]) {
+    const int gid = lane >> 2, tig = lane & 3;
+    const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int t = t0 + gid + 8 * r;
+        const half_t* kp = t < n && t != skip ? k_head + key_off(t) + 8 * tig : nullptr;
+#pragma unroll
+        for (int v = 0; v < MMA_KVEC; ++v) kr[r][v] = kp ? __ldg(reinterpret_cast<const uint4*>(kp + 32 * v)) : zero;
+    }
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const int t = t0 + 4 * tig + i;
+        const half_t* vp = t < n && t != skip ? k_head + p.kv_plane + key_off(t) + 8 * gid : nullptr;
+#pragma unroll
+        for (int c = 0; c < MMA_VSETS; ++c) vr[i][c] = vp ? __ldg(reinterpret_cast<const uint4*>(vp + 64 * c)) : zero;
+    }
+}
+
+// The split's newest key t (staged in smem kv_new [2][HEAD_DIM]) into the lanes of the tile at t0 that hold it.
+VOLT_DEVICE void mma_newest_key(int t0, int t, const half_t* kv_new, int lane, uint4 (&kr)[2][MMA_KVEC],
+                                uint4 (&vr)[4][MMA_VSETS]) {
+    const int gid = lane >> 2, tig = lane & 3;
+#pragma unroll
+    for (int r = 0; r < 2; ++r)
+        if (t0 + gid + 8 * r == t) {
+#pragma unroll
+            for (int j = 0; j < MMA_KVEC; ++j) kr[r][j] = *reinterpret_cast<const uint4*>(kv_new + 32 * j + 8 * tig);
+        }
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+        if (t0 + 4 * tig + i == t) {
+#pragma unroll
+            for (int c = 0; c < MMA_VSETS; ++c)
+                vr[i][c] = *reinterpret_cast<const uint4*>(kv_new + HEAD_DIM + 64 * c + 8 * gid);
+        }
+}
+
+// q_rot: the group's q heads in smem (fp16 [GROUP][HEAD_DIM]); kr / vr: the warp's first tile (t0 = 16 warp),
+// loaded by mma_load_tile before the PDL wait; t_last: the split's newest key (its rows in smem kv_new) or -1.
 template <typename KeyOff>
 VOLT_DEVICE void warp_attend_mma(const DecodeParams& p, const half_t* k_head, const KeyOff& key_off, int n, i64 row,
-                                 int kvh, int warp, int lane, float* red, float* ml, const half_t* q_rot, int t_new,
+                                 int kvh, int warp, int lane, float* red, float* ml, const half_t* q_rot,
+                                 uint4 (&kr)[2][MMA_KVEC], uint4 (&vr)[4][MMA_VSETS], int t_last,
                                  const half_t* kv_new) {
-    constexpr int KSTEPS = HEAD_DIM / 16, KVEC = HEAD_DIM / 32, VSETS = HEAD_DIM / 64;
+    constexpr int KSTEPS = HEAD_DIM / 16, KVEC = MMA_KVEC, VSETS = MMA_VSETS;
     __shared__ __align__(16) u32 p_s[NUM_WARPS][8][8];  // [warp][head][16 keys as fp16 pairs]
     const int gid = lane >> 2, tig = lane & 3;
     // q^T as B fragments: head gid, word i = dims 32 (i / 4) + 8 tig + 2 (i % 4) + (0, 1) (0 for padded heads)
-    u32 qw[HEAD_DIM / 8];
-    {
-        const bool real = gid < GROUP;
-        const int h = real ? gid : 0;
-        const half_t* qh = q_rot ? q_rot + h * HEAD_DIM + 8 * tig
-                                 : p.q + row * p.q_token_stride + (i64)(kvh * GROUP + h) * p.q_head_stride + 8 * tig;
-#pragma unroll
-        for (int i = 0; i < HEAD_DIM / 8; ++i) {
-            const int d = 32 * (i / 4) + 2 * (i % 4);
-            qw[i] = real ? (u32)qh[d] | ((u32)qh[d + 1] << 16) : 0u;
-        }
-    }
+    // q^T as B fragments, read from smem at each tile (registers stay free for the tile's K / V): head gid, word
+    // 2 st + j = dims 32 (st / 2) + 8 tig + 4 (st % 2) + 2 j + (0, 1), one 8-byte read per k step (0 for padded heads)
+    const bool real_head = gid < GROUP;
+    const half_t* qh = q_rot + (real_head ? gid : 0) * HEAD_DIM + 8 * tig;
     float acc[VSETS * 4][4];
 #pragma unroll
     for (int i = 0; i < VSETS * 4; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
     float m[2] = {VOLT_NEG_INF, VOLT_NEG_INF}, l[2] = {0.f, 0.f};  // heads 2tig, 2tig + 1
     half_t* pw = reinterpret_cast<half_t*>(&p_s[warp][0][0]);
     for (int t0 = warp * 16; t0 < n; t0 += NUM_WARPS * 16) {
-        uint4 kr[2][KVEC], vr[4][VSETS];
-        const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            const int t = t0 + gid + 8 * r;
-            const half_t* kp = t < n ? k_head + key_off(t) + 8 * tig : nullptr;
-#pragma unroll
-            for (int v = 0; v < KVEC; ++v) kr[r][v] = kp ? __ldg(reinterpret_cast<const uint4*>(kp + 32 * v)) : zero;
-            if (t == t_new) {  // read from the cache too (discarded): keeps the loop's loads as they are
-#pragma unroll
-                for (int v = 0; v < KVEC; ++v) kr[r][v] = *reinterpret_cast<const uint4*>(kv_new + 32 * v + 8 * tig);
-            }
-        }
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            const int t = t0 + 4 * tig + i;
-            const half_t* vp = t < n ? k_head + p.kv_plane + key_off(t) + 8 * gid : nullptr;
-#pragma unroll
-            for (int c = 0; c < VSETS; ++c) vr[i][c] = vp ? __ldg(reinterpret_cast<const uint4*>(vp + 64 * c)) : zero;
-            if (t == t_new) {
-#pragma unroll
-                for (int c = 0; c < VSETS; ++c)
-                    vr[i][c] = *reinterpret_cast<const uint4*>(kv_new + HEAD_DIM + 64 * c + 8 * gid);
-            }
-        }
+        if (t0 != warp * 16) mma_load_tile(p, k_head, key_off, t0, n, t_last, lane, kr, vr);
+        if (t_last >= t0 && t_last < t0 + 16) mma_newest_key(t0, t_last, kv_new, lane, kr, vr);
         // S = K q^T
         float sc[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
@@ -277,7 +329,9 @@ VOLT_DEVICE void warp_attend_mma(const DecodeParams& p, const half_t* k_head, co
             const uint4& k0 = kr[0][st / 2];
             const uint4& k1 = kr[1][st / 2];
             const u32 a[4] = {st % 2 ? k0.z : k0.x, st % 2 ? k1.z : k1.x, st % 2 ? k0.w : k0.y, st % 2 ? k1.w : k1.y};
-            mma_m16n8k16(sc, a, qw[2 * st], qw[2 * st + 1]);
+            const uint2 qv = real_head ? *reinterpret_cast<const uint2*>(qh + 32 * (st / 2) + 4 * (st % 2))
+                                       : make_uint2(0u, 0u);
+            mma_m16n8k16(sc, a, qv.x, qv.y);
         }
         // online softmax per head (2tig + e): tile max over the 16 keys (lanes with this tig), rescale, exp
         const bool ok0 = t0 + gid < n, ok1 = t0 + gid + 8 < n;
@@ -342,7 +396,9 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, ATTN_MIN_BLOCKS) attn_
     // Before pdl_enter (the previous kernel, rotary + KV write or with the fused rotary the QKV GEMV, may still
     // run): only the step's metadata, which one host-to-device copy uploads before any kernel of the step and no
     // kernel writes (seq_lens, block tables, query_start_loc, positions, slot_mapping), the constant cos / sin
-    // table, and L2 prefetches of old keys. q, k_new / v_new and the cache rows are read after it.
+    // table, and old keys (every key but the step's newest, written by earlier steps: the MMA path loads its first
+    // tile into registers, the CUDA-core path prefetches into L2). q, k_new / v_new and the newest key are read
+    // after it.
     extern __shared__ float smem[];
     float* q_s = smem;                                  // [GROUP][HEAD_DIM], pre-scaled
     float* red = q_s + GROUP * HEAD_DIM;                // [NUM_WARPS][GROUP][HEAD_DIM]; then the merge's split
@@ -365,7 +421,8 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, ATTN_MIN_BLOCKS) attn_
     __shared__ __align__(16) half_t kv_new[2][HEAD_DIM];  // the new key's K (rotated) and V rows
     const bool rope = p.cos_sin != nullptr;
     const i64 slot = rope ? p.slot_mapping[row] : -1;
-    const int t_new = rope && slot >= 0 && start + n == seq_len ? n - 1 : -1;  // the split's key from k_new / v_new
+    const int t_last = start + n == seq_len ? n - 1 : -1;  // the split's newest key (the step's), if it holds it
+    const int t_new = rope && slot >= 0 ? t_last : -1;     // ... taken from k_new / v_new
     if (rope) {
         i64 pos = p.positions[row];
         pos = pos < 0 ? 0 : (pos >= p.max_positions ? p.max_positions - 1 : pos);
@@ -383,30 +440,32 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, ATTN_MIN_BLOCKS) attn_
         const int b = (start + t) / p.block_size;
         return ((i64)tbl_s[b - first_blk] * p.block_size + (start + t - b * p.block_size)) * slot_stride;
     };
+#if ATTN_MMA
+    // this warp's first tile of old keys into registers (the newest key, being written, is left out)
+    uint4 kr[2][MMA_KVEC], vr[4][MMA_VSETS];
+    mma_load_tile(p, k_head, key_off, warp * 16, n, t_last, lane, kr, vr);
+#else
     {   // L2 prefetch of this warp's first keys' K and V rows (the newest key, being written, is skipped)
         constexpr int LINES = (HEAD_DIM * 2 + 127) / 128;  // 128-byte lines per row
-        const int first = ATTN_MMA ? warp * 16 : warp * KPW * KV_UNROLL;
-        const int count = min(ATTN_MMA ? 16 : KPW * KV_UNROLL, n - first - (start + n == seq_len ? 1 : 0));
+        const int first = warp * KPW * KV_UNROLL;
+        const int count = min(KPW * KV_UNROLL, n - first - (t_last >= 0 ? 1 : 0));
         for (int i = lane; i < count * 2 * LINES; i += 32) {
             const int t = first + i / (2 * LINES), plane = (i / LINES) & 1, line = i % LINES;
             prefetch_l2(k_head + plane * p.kv_plane + key_off(t) + line * 64, 128, 0, 1);
         }
     }
+#endif
+    // the newest key's rows: the fused rotary's k_new / v_new, else the cache (written by the previous kernel)
+    const half_t* nk = t_new >= 0 ? p.k_new + row * p.k_token_stride + (i64)kvh * HEAD_DIM
+                                  : t_last >= 0 ? k_head + key_off(t_last) : nullptr;
+    const half_t* nv = t_new >= 0 ? p.v_new + row * p.v_token_stride + (i64)kvh * HEAD_DIM
+                                  : t_last >= 0 ? nk + p.kv_plane : nullptr;
     pdl_enter();
-    if (t_new >= 0) stage_new_key(p, cs, row, slot, kvh, &kv_new[0][0]);
-    for (int i = tid; i < GROUP * HEAD_DIM && (!ATTN_MMA || cs); i += NUM_THREADS) {
-        const int g = i / HEAD_DIM, d = i % HEAD_DIM;
-        const half_t* qh = p.q + row * p.q_token_stride + (kvh * GROUP + g) * p.q_head_stride;
-        const half_t q = cs ? rope_elem(qh, d, cs, HEAD_DIM / 2, p.interleaved) : qh[d];
-        if (ATTN_MMA)
-            reinterpret_cast<half_t*>(q_s)[i] = q;  // the rotated q for warp_attend_mma's fragments
-        else
-            q_s[i] = h2f(q) * p.scale;
-    }
+    stage_query_and_newest_key(p, cs, row, kvh, nk, nv, t_new >= 0 ? slot : -1, q_s, &kv_new[0][0]);
     __syncthreads();
 #if ATTN_MMA
-    warp_attend_mma(p, k_head, key_off, n, row, kvh, warp, lane, red, ml, cs ? reinterpret_cast<half_t*>(q_s) : nullptr,
-                    t_new, &kv_new[0][0]);
+    warp_attend_mma(p, k_head, key_off, n, row, kvh, warp, lane, red, ml, reinterpret_cast<const half_t*>(q_s), kr,
+                    vr, t_last, &kv_new[0][0]);
 #else
 
     // One pass with an online softmax (Milakov & Gimelshein 2018): TG lanes share a key, each lane holding one
@@ -429,7 +488,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, ATTN_MIN_BLOCKS) attn_
         for (int u = 0; u < KV_UNROLL; ++u) {
             const int t = t0 + u * KPW + sub;
             kr[u] = vr[u] = make_uint4(0u, 0u, 0u, 0u);
-            if (t == t_new) {
+            if (t == t_last) {
                 kr[u] = *reinterpret_cast<const uint4*>(&kv_new[0][dsl * 8]);
                 vr[u] = *reinterpret_cast<const uint4*>(&kv_new[1][dsl * 8]);
             } else if (t < n) {  // past the context: never read (its slots may hold anything)

@@ -12,26 +12,38 @@ VOLT_DEVICE float rope_rotate(float x, float y, float c, float s, bool first) {
     return first ? x * c - y * s : x * c + y * s;
 }
 
-// fp16 rotated value at dim d of `head` (fp16, 2 * half dims; any alignment).
-VOLT_DEVICE half_t rope_elem(const half_t* head, int d, const float* cs, int half, int interleaved) {
-    const bool first = interleaved ? (d & 1) == 0 : d < half;
-    const int partner = interleaved ? d ^ 1 : (first ? d + half : d - half);
-    const int i = interleaved ? d >> 1 : (first ? d : d - half);
-    return f2h(rope_rotate(h2f(head[d]), h2f(head[partner]), cs[i], cs[half + i], first));
+// The dim paired with dim d.
+VOLT_DEVICE int rope_partner(int d, int half, int interleaved) {
+    return interleaved ? d ^ 1 : (d < half ? d + half : d - half);
 }
 
-// The 8 rotated fp16 values at dims d0..d0+7 of `head` (d0 a multiple of 8, head 16-byte aligned) as one vector:
-// the same values as rope_elem, from one or two 16-byte loads.
-VOLT_DEVICE uint4 rope_vec8(const half_t* head, int d0, const float* cs, int half, int interleaved) {
-    float x[8], y[8], r[8];
-    load8(head + d0, x);
-    if (!interleaved) load8(head + (d0 < half ? d0 + half : d0 - half), y);
+// fp16 rotated value of dim d from its value x and its partner's value y (fp16).
+VOLT_DEVICE half_t rope_value(half_t x, half_t y, int d, const float* cs, int half, int interleaved) {
+    const bool first = interleaved ? (d & 1) == 0 : d < half;
+    const int i = interleaved ? d >> 1 : (first ? d : d - half);
+    return f2h(rope_rotate(h2f(x), h2f(y), cs[i], cs[half + i], first));
+}
+
+// The rotated dims d0..d0+7 (d0 a multiple of 8) of one 16-byte vector x, y holding the partner dims (neox: dims
+// d0 +- half; ignored when interleaved, where the partners are in x): the same values as rope_value.
+VOLT_DEVICE uint4 rope_rotate8(const uint4& x, const uint4& y, int d0, const float* cs, int half, int interleaved) {
+    const u32 xw[4] = {x.x, x.y, x.z, x.w}, yw[4] = {y.x, y.y, y.z, y.w};
+    u32 out[4];
 #pragma unroll
-    for (int e = 0; e < 8; ++e) {
-        const int d = d0 + e;
-        const bool first = interleaved ? (e & 1) == 0 : d < half;
-        const int i = interleaved ? d >> 1 : (first ? d : d - half);
-        r[e] = rope_rotate(x[e], interleaved ? x[e ^ 1] : y[e], cs[i], cs[half + i], first);
+    for (int w = 0; w < 4; ++w) {  // one fp16 pair (32-bit word) at a time: few live registers
+        float a, b, pa, pb;
+        unpack2(xw[w], a, b);
+        unpack2(yw[w], pa, pb);
+        if (interleaved) {
+            pa = b;
+            pb = a;
+        }
+        const int d = d0 + 2 * w;
+        const bool first_a = interleaved || d < half, first_b = !interleaved && d + 1 < half;
+        const int ia = interleaved ? d >> 1 : (first_a ? d : d - half);
+        const int ib = interleaved ? ia : (first_b ? d + 1 : d + 1 - half);
+        out[w] = pack2(rope_rotate(a, pa, cs[ia], cs[half + ia], first_a),
+                       rope_rotate(b, pb, cs[ib], cs[half + ib], first_b));
     }
-    return pack8(r);
+    return make_uint4(out[0], out[1], out[2], out[3]);
 }

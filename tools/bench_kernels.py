@@ -14,7 +14,8 @@ Two kinds of rows:
   - `decode_*` rows (`decode_gemv_Q4_0_14336x4096_m1`: out x in): how decode sees the GEMV, a CUDA graph of
     launches replayed over enough distinct copies of the weight (>= 4x the L2) that every launch streams its
     weight from HBM; time per launch = graph time / copies. Bytes = weight + x + y.
-  - `decode_attn_*` rows: paged decode attention, CUDA-graph timed over rotated KV caches the same way.
+  - `decode_attn_*` rows: paged decode attention, CUDA-graph timed over rotated KV caches the same way;
+    `decode_rope_attn_*` rows: the same with the rotary and KV write fused in (`rope_attention`).
 """
 
 from __future__ import annotations
@@ -157,12 +158,17 @@ def _decode_fused_cases(be, repeats: int, only: str | None):
 def _decode_attention_cases(be, repeats: int, only: str | None):
     """Paged decode attention at Llama-3-8B shapes (32 query / 8 KV heads, head_dim 128, 16-token KV blocks) for
     (sequences x context) pairs, CUDA-graph timed like the `decode_*` GEMV rows; KV caches are rotated over >= 4
-    copies of >= 256 MB in all so every launch streams its keys and values from HBM. Bytes = K + V + q + out."""
+    copies of >= 256 MB in all so every launch streams its keys and values from HBM. Bytes = K + V + q + out.
+    `decode_rope_attn_*` rows: the same through `rope_attention` (q and the new key rotated, the key written:
+    attn_decode's fused rotary), bytes also counting the new K / V rows read and written."""
     from voltserve.backends.base import AttentionMetadata
+    from voltserve.backends.cpu import rope_cos_sin
 
     nh, kvh, d = 32, 8, 128
-    for num_seqs, ctx in ((16, 4096), (32, 4096), (1, 32768), (1, 512), (8, 512)):
-        name = f"decode_attn_b{num_seqs}_ctx{ctx}"
+    cases = [("attn", s, c) for s, c in ((16, 4096), (32, 4096), (1, 32768), (1, 512), (8, 512))]
+    cases += [("rope_attn", s, c) for s, c in ((16, 4096), (1, 512), (8, 512))]
+    for kind, num_seqs, ctx in cases:
+        name = f"decode_{kind}_b{num_seqs}_ctx{ctx}"
         if only and only not in name:
             continue
         blocks = math.ceil(ctx / 16)
@@ -171,14 +177,25 @@ def _decode_attention_cases(be, repeats: int, only: str | None):
         caches = [torch.randn(2, num_seqs * blocks, 16, kvh, d, device="cuda", dtype=torch.float16)
                   for _ in range(copies)]
         tables = torch.randperm(num_seqs * blocks, device="cuda").to(torch.int32).view(num_seqs, blocks)
+        slots = (tables[:, (ctx - 1) // 16].long() * 16 + (ctx - 1) % 16).contiguous()
         meta = AttentionMetadata(torch.arange(num_seqs + 1, device="cuda", dtype=torch.int32),
-                                 torch.full((num_seqs,), ctx, device="cuda", dtype=torch.int32), tables,
-                                 torch.zeros(0, device="cuda", dtype=torch.int64), 1, ctx, [1] * num_seqs,
-                                 [ctx] * num_seqs)
-        q = torch.randn(num_seqs, nh, d, device="cuda", dtype=torch.float16)
-        fns = [(lambda c=c: be.attention(q, c, meta, d ** -0.5)) for c in caches]
+                                 torch.full((num_seqs,), ctx, device="cuda", dtype=torch.int32), tables, slots, 1,
+                                 ctx, [1] * num_seqs, [ctx] * num_seqs)
+        if kind == "attn":
+            q = torch.randn(num_seqs, nh, d, device="cuda", dtype=torch.float16)
+            fns = [(lambda c=c: be.attention(q, c, meta, d ** -0.5)) for c in caches]
+            extra = 2 * num_seqs * nh * d * 2
+        else:
+            qkv = torch.randn(num_seqs, (nh + 2 * kvh) * d, device="cuda", dtype=torch.float16)
+            q, k, v = (qkv[:, a:b].view(num_seqs, -1, d) for a, b in ((0, nh * d), (nh * d, (nh + kvh) * d),
+                                                                      ((nh + kvh) * d, (nh + 2 * kvh) * d)))
+            positions = torch.full((num_seqs,), ctx - 1, device="cuda", dtype=torch.int64)
+            cos_sin = rope_cos_sin(d, ctx, 5e5).cuda()
+            fns = [(lambda c=c: be.rope_attention(q, k, v, positions, cos_sin, "neox", c, meta, d ** -0.5))
+                   for c in caches]
+            extra = 2 * num_seqs * nh * d * 2 + 4 * num_seqs * kvh * d * 2
         t = _graph_time(be, fns, repeats) / copies
-        yield name, t, kv_bytes + 2 * num_seqs * nh * d * 2, 4 * num_seqs * nh * ctx * d
+        yield name, t, kv_bytes + extra, 4 * num_seqs * nh * ctx * d
         del caches
         torch.cuda.empty_cache()
 

@@ -16,12 +16,12 @@ TOL = 4e-3
 
 
 def _run(cuda_backend, cpu_backend, seq_lens, query_lens, heads, block_size, seed, max_seq_len=None,
-         split_decode=False, max_query_len=None):
+         split_decode=False, max_query_len=None, q_pad=8):
     num_heads, num_kv_heads, head_dim = heads
     gen = torch.Generator().manual_seed(seed)
     kv, attn = paged_kv_case(seq_lens, query_lens, num_kv_heads, head_dim, block_size, gen)
     num_tokens = sum(query_lens)
-    qwide = torch.randn(num_tokens, num_heads * head_dim + 8, generator=gen).half()
+    qwide = torch.randn(num_tokens, num_heads * head_dim + q_pad, generator=gen).half()
     q = qwide[:, :num_heads * head_dim].view(num_tokens, num_heads, head_dim)
     scale = 1.0 / math.sqrt(head_dim)
     # the CPU oracle gets the unused slots zeroed (torch's CPU SDPA turned NaN there into NaN outputs for
@@ -122,3 +122,8 @@ def test_decode_block_sizes(cuda_backend, cpu_backend, block_size, attn_choice):
     """KV blocks of any size: a split's block-table slice (staged in shared memory) and each key's slot."""
     assert _run(cuda_backend, cpu_backend, [700, 1, 5003, 31], [1] * 4, (32, 8, 128), block_size, seed=block_size,
                 max_seq_len=8192) <= TOL
+
+
+def test_decode_unaligned_q_rows(cuda_backend, cpu_backend, attn_choice):
+    """q rows 3 columns wider than its heads (head rows not 16-byte aligned): attention copies q first."""
+    assert _run(cuda_backend, cpu_backend, [700, 1, 33], [1, 1, 1], (9, 3, 64), 16, seed=12, q_pad=3) <= TOL

@@ -265,10 +265,9 @@ class CudaBackend:
 
     def rope_attention(self, q, k, v, positions, cos_sin, style, kv_layer, attn: AttentionMetadata, scale):
         """Decode-only steps: attn_decode rotates q and the new key and writes the cache itself (one launch less
-        than rotary_write_kv + attention); other steps, VOLTSERVE_ROPE_ATTN=off, or k / v rows not 16-byte
+        than rotary_write_kv + attention); other steps, VOLTSERVE_ROPE_ATTN=off, or q / k / v head rows not 16-byte
         aligned: the two ops."""
-        aligned = all(t.data_ptr() % 16 == 0 and t.stride(0) % 8 == 0 for t in (k, v))
-        if self.rope_attn == "off" or not attn.is_decode_only or not aligned or q.shape[2] % 8:
+        if self.rope_attn == "off" or not attn.is_decode_only or not all(_rows_aligned(t) for t in (q, k, v)):
             return rope_then_attention(self, q, k, v, positions, cos_sin, style, kv_layer, attn, scale)
         cs, pos, slots = self._rope_inputs(q, k, v, positions, cos_sin, style, kv_layer, attn.slot_mapping)
         rope = (k.data_ptr(), v.data_ptr(), pos.data_ptr(), slots.data_ptr(), cs.data_ptr(), k.stride(0),
@@ -287,6 +286,8 @@ class CudaBackend:
         num_kv_heads, block_size = kv_layer.shape[3], kv_layer.shape[2]
         if q.stride(2) != 1 or kv_layer.shape[4] != head_dim or num_heads % num_kv_heads or head_dim % 8:
             raise ValueError(f"q {tuple(q.shape)} / kv_layer {tuple(kv_layer.shape)}: unsupported shapes")
+        if not _rows_aligned(q):  # attn_decode reads q's head rows as 16-byte vectors
+            q = torch.empty(q.shape, dtype=q.dtype, device=q.device).copy_(q)
         out = torch.empty(num_tokens, num_heads, head_dim, dtype=self.dtype, device=self.device)
         num_seqs = attn.num_seqs
         if num_tokens == 0 or num_seqs == 0:
@@ -444,6 +445,11 @@ class CudaBackend:
     def allocate_kv_cache(self, num_layers, num_blocks, block_size, num_kv_heads, head_dim):
         return torch.zeros(num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim, dtype=self.dtype,
                            device=self.device)
+
+
+def _rows_aligned(t: torch.Tensor) -> bool:
+    """Every [.., head, :] row of t (fp16) starts on a 16-byte boundary (attn_decode's vector loads)."""
+    return t.data_ptr() % 16 == 0 and all(t.stride(i) % 8 == 0 for i in range(t.dim() - 1))
 
 
 def _check_rows(x: torch.Tensor, name: str) -> None:

@@ -26,7 +26,8 @@
 //   SM80+ (GROUP <= 8, HEAD_DIM % 64 == 0): tensor cores, mma.m16n8k16 fp16 x fp16 -> fp32 (warp_attend_mma).
 //   SM70 (V100) and the rest: CUDA cores, fp32 dot products (-DATTN_SIMT=1 takes it on any GPU).
 // Before the PDL wait a block loads only what earlier steps wrote: metadata, and its warps' first tile of old
-// keys (MMA path: into registers; CUDA-core path: L2 prefetch). After it, one round trip stages q and the
+// keys (MMA path: into registers; CUDA-core path: L2 prefetch). In a mixed step a multi-token sequence's other
+// new keys are being written meanwhile: its attn_decode row may read them stale, and attn_prefill overwrites it. After it, one round trip stages q and the
 // sequence's newest key (whose row the previous kernel writes) in smem (stage_query_and_newest_key).
 // Fused rotary (cos_sin != nullptr, decode-only steps): q is the un-rotated q, rotated as it is staged, and the
 // block whose split ends at the sequence's new key takes that key's K (rotated) and V from k_new / v_new instead
@@ -248,7 +249,7 @@ VOLT_DEVICE float lse_weight(float m, float M) { return m == VOLT_NEG_INF ? 0.f 
 //  S = K q^T: M = 16 keys (rows gid, gid + 8 are keys gid, gid + 8), N = 8 heads (GROUP <= 8, padded with q = 0),
 //    k = HEAD_DIM in 16-wide steps; k slots are a permutation of the dims (a dot product is order-free): at step s
 //    slots (2tig, 2tig+1, 2tig+8, 2tig+9) hold dims 32 (s / 2) + 8 tig + 4 (s % 2) + (0..3), so the 4 lanes of a
-//    key load 64 contiguous bytes of its row per 16-byte vector, and each lane its q words once.
+//    key load 64 contiguous bytes of its row per 16-byte vector, and each lane its q words (from smem) per step.
 //  O^T += V^T P^T: M = 16 dims per tile, N = 8 heads, k = the tile's 16 keys, slots (2tig, 2tig+1, 2tig+8,
 //    2tig+9) = keys 4tig + (0..3); tile (c, j) rows gid / gid + 8 = dims 64c + 8gid + 2j / + 1, so each lane
 //    loads 8-dim vectors of its 4 keys and pairs them across keys with prmt. P goes through 256 bytes of smem
@@ -299,21 +300,20 @@ VOLT_DEVICE void mma_newest_key(int t0, int t, const half_t* kv_new, int lane, u
         }
 }
 
-// q_rot: the group's q heads in smem (fp16 [GROUP][HEAD_DIM]); kr / vr: the warp's first tile (t0 = 16 warp),
+// q_staged: the group's q heads in smem (fp16 [GROUP][HEAD_DIM]); kr / vr: the warp's first tile (t0 = 16 warp),
 // loaded by mma_load_tile before the PDL wait; t_last: the split's newest key (its rows in smem kv_new) or -1.
 template <typename KeyOff>
 VOLT_DEVICE void warp_attend_mma(const DecodeParams& p, const half_t* k_head, const KeyOff& key_off, int n, i64 row,
-                                 int kvh, int warp, int lane, float* red, float* ml, const half_t* q_rot,
+                                 int kvh, int warp, int lane, float* red, float* ml, const half_t* q_staged,
                                  uint4 (&kr)[2][MMA_KVEC], uint4 (&vr)[4][MMA_VSETS], int t_last,
                                  const half_t* kv_new) {
     constexpr int KSTEPS = HEAD_DIM / 16, KVEC = MMA_KVEC, VSETS = MMA_VSETS;
     __shared__ __align__(16) u32 p_s[NUM_WARPS][8][8];  // [warp][head][16 keys as fp16 pairs]
     const int gid = lane >> 2, tig = lane & 3;
-    // q^T as B fragments: head gid, word i = dims 32 (i / 4) + 8 tig + 2 (i % 4) + (0, 1) (0 for padded heads)
     // q^T as B fragments, read from smem at each tile (registers stay free for the tile's K / V): head gid, word
     // 2 st + j = dims 32 (st / 2) + 8 tig + 4 (st % 2) + 2 j + (0, 1), one 8-byte read per k step (0 for padded heads)
     const bool real_head = gid < GROUP;
-    const half_t* qh = q_rot + (real_head ? gid : 0) * HEAD_DIM + 8 * tig;
+    const half_t* qh = q_staged + (real_head ? gid : 0) * HEAD_DIM + 8 * tig;
     float acc[VSETS * 4][4];
 #pragma unroll
     for (int i = 0; i < VSETS * 4; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
@@ -396,11 +396,12 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, ATTN_MIN_BLOCKS) attn_
     // Before pdl_enter (the previous kernel, rotary + KV write or with the fused rotary the QKV GEMV, may still
     // run): only the step's metadata, which one host-to-device copy uploads before any kernel of the step and no
     // kernel writes (seq_lens, block tables, query_start_loc, positions, slot_mapping), the constant cos / sin
-    // table, and old keys (every key but the step's newest, written by earlier steps: the MMA path loads its first
-    // tile into registers, the CUDA-core path prefetches into L2). q, k_new / v_new and the newest key are read
-    // after it.
+    // table, and old keys (every key but the step's newest, written by earlier steps; mixed steps: see the top):
+    // the MMA path loads its first tile into registers, the CUDA-core path prefetches into L2. q, k_new / v_new
+    // and the newest key are read after it. slot_mapping[row] is the block-table slot of key seq_len - 1.
     extern __shared__ float smem[];
-    float* q_s = smem;                                  // [GROUP][HEAD_DIM], pre-scaled
+    float* q_s = smem;                                  // [GROUP][HEAD_DIM]: fp32 pre-scaled (CUDA cores), or
+                                                        // fp16 in its first half (MMA path)
     float* red = q_s + GROUP * HEAD_DIM;                // [NUM_WARPS][GROUP][HEAD_DIM]; then the merge's split
                                                         // maxima (weights) and sums
     float* ml = red + NUM_WARPS * GROUP * HEAD_DIM;     // [NUM_WARPS][GROUP][2]: each warp's running max, sum

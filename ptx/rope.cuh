@@ -17,15 +17,9 @@ VOLT_DEVICE int rope_partner(int d, int half, int interleaved) {
     return interleaved ? d ^ 1 : (d < half ? d + half : d - half);
 }
 
-// fp16 rotated value of dim d from its value x and its partner's value y (fp16).
-VOLT_DEVICE half_t rope_value(half_t x, half_t y, int d, const float* cs, int half, int interleaved) {
-    const bool first = interleaved ? (d & 1) == 0 : d < half;
-    const int i = interleaved ? d >> 1 : (first ? d : d - half);
-    return f2h(rope_rotate(h2f(x), h2f(y), cs[i], cs[half + i], first));
-}
-
 // The rotated dims d0..d0+7 (d0 a multiple of 8) of one 16-byte vector x, y holding the partner dims (neox: dims
-// d0 +- half; ignored when interleaved, where the partners are in x): the same values as rope_value.
+// d0 +- half, so half must be a multiple of 8; ignored when interleaved, where the partners are in x). The same
+// fp32 expression per element as rope_kv_write's rope_pair, rounded to fp16 once.
 VOLT_DEVICE uint4 rope_rotate8(const uint4& x, const uint4& y, int d0, const float* cs, int half, int interleaved) {
     const u32 xw[4] = {x.x, x.y, x.z, x.w}, yw[4] = {y.x, y.y, y.z, y.w};
     u32 out[4];

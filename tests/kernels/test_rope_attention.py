@@ -66,15 +66,17 @@ def _gpu(backend, qkv, kv, attn, positions, cos_sin, heads, style, fused, max_se
 
 def _check(cuda_backend, cpu_backend, seq_lens, heads, style, seed, block_size=16, pad=(), max_seq_len=None,
            spare=8):
-    """rope_attention fused (asserted from the launches, unless `spare` leaves k / v rows unaligned: then the two
-    launches) against the CPU reference and against the two launches."""
+    """rope_attention fused (asserted from the launches; the two launches where `spare` leaves the head rows
+    unaligned or neox pairs dims across 16-byte vectors, head_dim % 16 == 8) against the CPU reference and against
+    the two launches."""
     qkv, kv, attn, positions = _case(seq_lens, heads, block_size, seed, pad, spare)
     cos_sin = rope_cos_sin(heads[2], MAX_POSITIONS, 5e5)
     ref_kv = kv.float().nan_to_num()  # the CPU oracle: unused slots zeroed (test_attention's reason)
     ref = rope_then_attention(cpu_backend, *[t.float() for t in _split(qkv, heads)], positions, cos_sin, style,
                               ref_kv, attn, heads[2] ** -0.5)
     got, got_kv, names = _gpu(cuda_backend, qkv, kv, attn, positions, cos_sin, heads, style, True, max_seq_len)
-    assert names[0] == ("attn_decode" if spare % 8 == 0 else "rope_kv_write")
+    fused = spare % 8 == 0 and (style == "interleaved" or heads[2] % 16 == 0)
+    assert names[0] == ("attn_decode" if fused else "rope_kv_write")
     assert rel_err(got, ref) <= TOL
     written = attn.slot_mapping[attn.slot_mapping >= 0]
     flat, ref_flat, kv_flat = (t.view(2, -1, heads[1], heads[2]) for t in (got_kv, ref_kv, kv))
@@ -89,7 +91,8 @@ def _check(cuda_backend, cpu_backend, seq_lens, heads, style, seed, block_size=1
     assert torch.equal(got_kv.nan_to_num(7.0), two_kv.nan_to_num(7.0))
 
 
-HEADS = [(9, 3, 64), (8, 1, 128), (32, 8, 128), (6, 2, 96)]  # 96: the CUDA-core path on every GPU
+# 96: the CUDA-core path on every GPU; GROUP 16: the CUDA-core path, two q vectors per thread when staged
+HEADS = [(9, 3, 64), (8, 1, 128), (32, 8, 128), (6, 2, 96), (16, 1, 128)]
 
 
 @pytest.mark.parametrize("heads", HEADS)
@@ -108,6 +111,20 @@ def test_rope_attention_capacity_grid_and_padding(cuda_backend, cpu_backend, hea
 @pytest.mark.parametrize("block_size", [1, 7, 32])
 def test_rope_attention_block_sizes(cuda_backend, cpu_backend, block_size, attn_choice):
     _check(cuda_backend, cpu_backend, [129, 1, 2000], (32, 8, 128), "neox", seed=block_size, block_size=block_size)
+
+
+def test_rope_attention_long_splits(cuda_backend, cpu_backend, attn_choice):
+    """Splits of up to 1,024 keys (attn_min_part): the newest key lies in a tile loaded after the PDL wait, not in
+    the first one loaded before it."""
+    with backend_settings(cuda_backend, attn_min_part=1024):
+        _check(cuda_backend, cpu_backend, [1000, 700, 3000, 65], (32, 8, 128), "neox", seed=9)
+
+
+@pytest.mark.parametrize("style", ["neox", "interleaved"])
+def test_rope_attention_head_dim_40(cuda_backend, cpu_backend, style):
+    """head_dim 40: neox pairs dims d and d + 20, across 16-byte vectors, so it takes the two launches;
+    interleaved pairs stay inside a vector and fuse."""
+    _check(cuda_backend, cpu_backend, [300, 1, 77], (6, 2, 40), style, seed=40)
 
 
 def test_rope_attention_unaligned_rows_take_two_launches(cuda_backend, cpu_backend):
@@ -142,8 +159,9 @@ def test_rope_attention_graph_replay_equals_eager(cuda_backend):
         out = cuda_backend.rope_attention(*_split(qkv, heads), positions, cos_sin, "neox", kv, meta, 0.088)
         return [out, kv.nan_to_num(7.0)]
 
-    def change():
-        qkv.copy_(torch.randn_like(qkv, dtype=torch.float32).half())
-        positions.add_(5)
+    def change():  # then synchronize: attn_decode reads positions before its PDL wait (step metadata)
+        qkv.copy_(torch.randn(qkv.shape, dtype=torch.float16))
+        positions.copy_(positions.cpu() + 5)
+        torch.cuda.synchronize()
 
     assert_replay_equals_eager(cuda_backend, step, change)

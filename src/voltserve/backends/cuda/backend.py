@@ -265,15 +265,19 @@ class CudaBackend:
 
     def rope_attention(self, q, k, v, positions, cos_sin, style, kv_layer, attn: AttentionMetadata, scale):
         """Decode-only steps: attn_decode rotates q and the new key and writes the cache itself (one launch less
-        than rotary_write_kv + attention); other steps, VOLTSERVE_ROPE_ATTN=off, or q / k / v head rows not 16-byte
-        aligned: the two ops."""
-        if self.rope_attn == "off" or not attn.is_decode_only or not all(_rows_aligned(t) for t in (q, k, v)):
+        than rotary_write_kv + attention); other steps, VOLTSERVE_ROPE_ATTN=off, q / k / v head rows not 16-byte
+        aligned, or neox with head_dim % 16 != 0: the two ops."""
+        # neox pairs dims d and d + head_dim / 2: attn_decode rotates 8-dim vectors, so head_dim / 2 % 8 == 0
+        vectors_pair = style != "neox" or q.shape[2] % 16 == 0
+        if self.rope_attn == "off" or not attn.is_decode_only or not vectors_pair or \
+                not all(_rows_aligned(t) for t in (q, k, v)):
             return rope_then_attention(self, q, k, v, positions, cos_sin, style, kv_layer, attn, scale)
         cs, pos, slots = self._rope_inputs(q, k, v, positions, cos_sin, style, kv_layer, attn.slot_mapping)
         rope = (k.data_ptr(), v.data_ptr(), pos.data_ptr(), slots.data_ptr(), cs.data_ptr(), k.stride(0),
                 v.stride(0), cs.shape[0], int(style == "interleaved"))
-        # attn_decode reads positions and slot_mapping before its PDL wait, as the other metadata
-        return self._attention(q, kv_layer, attn, scale, rope, (positions, attn.slot_mapping))
+        # attn_decode reads positions, slot_mapping and the cos / sin table before its PDL wait, as the metadata
+        return self._attention(q, kv_layer, attn, scale, rope,
+                               ((positions, torch.int64), (attn.slot_mapping, torch.int64), (cos_sin, torch.float32)))
 
     def attention(self, q, kv_layer, attn: AttentionMetadata, scale):
         return self._attention(q, kv_layer, attn, scale)
@@ -281,13 +285,12 @@ class CudaBackend:
     def _attention(self, q, kv_layer, attn: AttentionMetadata, scale, rope: tuple = (None,) * 5 + (0,) * 4,
                    rope_meta: tuple = ()):
         """attention; with `rope` (DecodeParams' fused-rotary fields, a decode-only step) attn_decode also
-        rotates q and writes the new keys; `rope_meta`: the host tensors behind its positions and slot_mapping."""
+        rotates q and writes the new keys; `rope_meta`: (tensor, dtype) of the inputs behind its positions,
+        slot_mapping and cos / sin table (read before the PDL wait)."""
         num_tokens, num_heads, head_dim = q.shape
         num_kv_heads, block_size = kv_layer.shape[3], kv_layer.shape[2]
         if q.stride(2) != 1 or kv_layer.shape[4] != head_dim or num_heads % num_kv_heads or head_dim % 8:
             raise ValueError(f"q {tuple(q.shape)} / kv_layer {tuple(kv_layer.shape)}: unsupported shapes")
-        if not _rows_aligned(q):  # attn_decode reads q's head rows as 16-byte vectors
-            q = torch.empty(q.shape, dtype=q.dtype, device=q.device).copy_(q)
         out = torch.empty(num_tokens, num_heads, head_dim, dtype=self.dtype, device=self.device)
         num_seqs = attn.num_seqs
         if num_tokens == 0 or num_seqs == 0:
@@ -296,7 +299,7 @@ class CudaBackend:
         # attn_decode and attn_prefill read the metadata before their PDL wait: fine for host copies, not for a
         # cast kernel just launched on the device (its writes are visible only after the wait), so such a launch
         # goes without PDL
-        on_device = [(t, torch.int32) for t in meta] + [(t, torch.int64) for t in rope_meta]
+        on_device = [(t, torch.int32) for t in meta] + list(rope_meta)
         meta_pdl = None if all(t.device != self.device or (t.dtype == dtype and t.is_contiguous())
                                for t, dtype in on_device) else False
         qsl, seq_lens, tables = (self._on_device(t, torch.int32) for t in meta)
@@ -306,8 +309,10 @@ class CudaBackend:
         if attn.is_decode_only or attn.split_decode:
             # a mixed step: attn_decode computes the last query row of every sequence (a decode's only one),
             # then attn_prefill overwrites the rows of the sequences with >= 2 query tokens
-            self._attention_decode(q, attn, scale, common, plane, num_kv_heads, block_size, tables.shape[1],
-                                   meta_pdl, rope)
+            # attn_decode reads q's head rows as 16-byte vectors (rope_attention checked its q)
+            dq = q if _rows_aligned(q) else torch.empty(q.shape, dtype=q.dtype, device=q.device).copy_(q)
+            self._attention_decode(dq, attn, scale, (dq.data_ptr(),) + common[1:], plane, num_kv_heads, block_size,
+                                   tables.shape[1], meta_pdl, rope)
             if attn.is_decode_only:
                 return out
         p = P.PrefillParams(*common, q.stride(0), q.stride(1), plane, num_seqs, num_heads, num_kv_heads, block_size,

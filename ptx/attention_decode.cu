@@ -303,8 +303,8 @@ VOLT_DEVICE void mma_newest_key(int t0, int t, const half_t* kv_new, int lane, u
 // q_staged: the group's q heads in smem (fp16 [GROUP][HEAD_DIM]); kr / vr: the warp's first tile (t0 = 16 warp),
 // loaded by mma_load_tile before the PDL wait; t_last: the split's newest key (its rows in smem kv_new) or -1.
 template <typename KeyOff>
-VOLT_DEVICE void warp_attend_mma(const DecodeParams& p, const half_t* k_head, const KeyOff& key_off, int n, i64 row,
-                                 int kvh, int warp, int lane, float* red, float* ml, const half_t* q_staged,
+VOLT_DEVICE void warp_attend_mma(const DecodeParams& p, const half_t* k_head, const KeyOff& key_off, int n, int warp,
+                                 int lane, float* red, float* ml, const half_t* q_staged,
                                  uint4 (&kr)[2][MMA_KVEC], uint4 (&vr)[4][MMA_VSETS], int t_last,
                                  const half_t* kv_new) {
     constexpr int KSTEPS = HEAD_DIM / 16, KVEC = MMA_KVEC, VSETS = MMA_VSETS;
@@ -465,8 +465,8 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, ATTN_MIN_BLOCKS) attn_
     stage_query_and_newest_key(p, cs, row, kvh, nk, nv, t_new >= 0 ? slot : -1, q_s, &kv_new[0][0]);
     __syncthreads();
 #if ATTN_MMA
-    warp_attend_mma(p, k_head, key_off, n, row, kvh, warp, lane, red, ml, reinterpret_cast<const half_t*>(q_s), kr,
-                    vr, t_last, &kv_new[0][0]);
+    warp_attend_mma(p, k_head, key_off, n, warp, lane, red, ml, reinterpret_cast<const half_t*>(q_s), kr, vr, t_last,
+                    &kv_new[0][0]);
 #else
 
     // One pass with an online softmax (Milakov & Gimelshein 2018): TG lanes share a key, each lane holding one

@@ -42,6 +42,10 @@ def _env_choice(name: str, choices: tuple[str, ...]) -> str:
     return value
 
 
+# DecodeParams' fused-rotary fields (k_new ... interleaved) when attn_decode does not rotate: cos_sin nullptr = off
+_NO_ROPE = (None,) * 5 + (0,) * 4
+
+
 class CudaBackend:
     """Backend ops on one CUDA device. See `voltserve.backends.base.Backend` for each op's contract.
 
@@ -282,8 +286,7 @@ class CudaBackend:
     def attention(self, q, kv_layer, attn: AttentionMetadata, scale):
         return self._attention(q, kv_layer, attn, scale)
 
-    def _attention(self, q, kv_layer, attn: AttentionMetadata, scale, rope: tuple = (None,) * 5 + (0,) * 4,
-                   rope_meta: tuple = ()):
+    def _attention(self, q, kv_layer, attn: AttentionMetadata, scale, rope: tuple = _NO_ROPE, rope_meta: tuple = ()):
         """attention; with `rope` (DecodeParams' fused-rotary fields, a decode-only step) attn_decode also
         rotates q and writes the new keys; `rope_meta`: (tensor, dtype) of the inputs behind its positions,
         slot_mapping and cos / sin table (read before the PDL wait)."""

@@ -27,8 +27,9 @@
 //   SM70 (V100) and the rest: CUDA cores, fp32 dot products (-DATTN_SIMT=1 takes it on any GPU).
 // Before the PDL wait a block loads only what earlier steps wrote: metadata, and its warps' first tile of old
 // keys (MMA path: into registers; CUDA-core path: L2 prefetch). In a mixed step a multi-token sequence's other
-// new keys are being written meanwhile: its attn_decode row may read them stale, and attn_prefill overwrites it. After it, one round trip stages q and the
-// sequence's newest key (whose row the previous kernel writes) in smem (stage_query_and_newest_key).
+// new keys are being written meanwhile: its attn_decode row may read them stale, and attn_prefill overwrites it.
+// After the wait, one round trip stages q and the sequence's newest key (whose row the previous kernel writes) in
+// smem (stage_query_and_newest_key).
 // Fused rotary (cos_sin != nullptr, decode-only steps): q is the un-rotated q, rotated as it is staged, and the
 // block whose split ends at the sequence's new key takes that key's K (rotated) and V from k_new / v_new instead
 // of the cache and stores them to the cache slot (slot_mapping; < 0: not written, the key is read from the

@@ -71,6 +71,13 @@ VOLT_DEVICE uint4 norm_scale8(const uint4& sv, float inv_rms, const float4& w0, 
     return pack8(s);
 }
 
+// The 32-bit shared-state-space address of a generic pointer into shared memory (for PTX that takes one).
+VOLT_DEVICE u32 smem_u32(const void* p) {
+    u32 s;
+    asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(s) : "l"(p));
+    return s;
+}
+
 VOLT_DEVICE float warp_sum(float v) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);

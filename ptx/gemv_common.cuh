@@ -1,4 +1,4 @@
-// gemv_common.cuh: what the decode GEMV kernels (gemv.cu, gemv_mma.cu, gemv_s8.cu) share: their params struct, the fused
+// gemv_common.cuh: what the decode GEMV kernels (gemv.cu, gemv_mma.cu, gemv_s8.cu, gemv_tma.cu) share: their params struct, the fused
 // epilogue value and the fused RMSNorm's 1 / rms.
 #pragma once
 #include "quant.cuh"
@@ -20,6 +20,8 @@ struct GemvParams {
     int prefetch_bytes;    // gemv, SM90+: leading bytes of each warp's first weight row(s) prefetched into L2
                            // before pdl_enter (the launcher bounds the total so the prefetch cannot thrash L2)
     u8* xq;                // gemv_s8 with S8_XG: x quantized once per launch (quantize_s8 writes, gemv_s8 reads)
+    int stages;            // gemv_tma: stages in its shared-memory ring
+    int stage_spans;       // gemv_tma: 2 KB spans per stage
 };
 VOLT_CHECK_PARAMS(GemvParams, VOLT_GEMV_PARAMS_BYTES);
 

@@ -261,9 +261,7 @@ VOLT_DEVICE int gm_slot(int lane) {
 // 16-byte global -> shared copies that bypass registers (SM80+ cp.async; gemv_mma_sb's stages, gemv_s8's x).
 VOLT_DEVICE void cp_async16(void* smem, const void* gmem) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-    u32 s;
-    asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(s) : "l"(smem));
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(s), "l"(gmem) : "memory");
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem_u32(smem)), "l"(gmem) : "memory");
 #endif
 }
 VOLT_DEVICE void cp_async_commit() {

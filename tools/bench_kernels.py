@@ -4,6 +4,7 @@ bandwidth, median of repeats, plus bytes / FLOPs and the projected V100 time (90
 Usage:
     PYTHONPATH=src:. python tools/bench_kernels.py [--out bench.json] [--repeats 20] [--only SUBSTRING]
         [--gemv-kernel scalar,auto]   # decode_* rows once per GEMV kernel choice, tagged @choice
+        [--gemv-tma on,off]           # ... and once per gemv_tma choice (VOLTSERVE_GEMV_TMA), tagged @tma=choice
 Shapes are Llama-3-8B-like (hidden 4096, 32 heads / 8 KV heads, head_dim 128, FFN 14336) unless named.
 
 Two kinds of rows:
@@ -268,6 +269,8 @@ def main() -> int:
     ap.add_argument("--pdl", choices=["on", "off"], default="on", help="programmatic dependent launch (SM90+)")
     ap.add_argument("--gemv-kernel", default="auto",
                     help="decode GEMV kernels for the decode_* rows: auto, scalar, mma, or a list (rows get @choice)")
+    ap.add_argument("--gemv-tma", default=None,
+                    help="gemv_tma choice for the decode_* rows: auto, on, off, or a list (rows get @tma=choice)")
     args = ap.parse_args()
     from voltserve.backends.cuda.backend import CudaBackend
 
@@ -291,14 +294,18 @@ def main() -> int:
     for name, t, num_bytes, flops in _decode_attention_cases(be, args.repeats, args.only):
         add(name, t, num_bytes, flops)
     choices = args.gemv_kernel.split(",")
-    for choice in choices:
-        be.gemv_kernel = choice
-        tag = f"@{choice}" if len(choices) > 1 else ""
-        for name, t, num_bytes in _decode_gemv_cases(be, args.repeats, args.only):
-            add(name + tag, t, num_bytes, 0)
-        for name, t, num_bytes in _decode_fused_cases(be, args.repeats, args.only):
-            add(name + tag, t, num_bytes, 0)
-    be.gemv_kernel = "auto"
+    tma_default = be.gemv_tma
+    tma_choices = args.gemv_tma.split(",") if args.gemv_tma else [tma_default]
+    for tma in tma_choices:
+        be.gemv_tma = tma
+        for choice in choices:
+            be.gemv_kernel = choice
+            tag = (f"@{choice}" if len(choices) > 1 else "") + (f"@tma={tma}" if len(tma_choices) > 1 else "")
+            for name, t, num_bytes in _decode_gemv_cases(be, args.repeats, args.only):
+                add(name + tag, t, num_bytes, 0)
+            for name, t, num_bytes in _decode_fused_cases(be, args.repeats, args.only):
+                add(name + tag, t, num_bytes, 0)
+    be.gemv_kernel, be.gemv_tma = "auto", tma_default
     result = {"device": torch.cuda.get_device_name(), "arch": be.loader.arch, "pdl": be.pdl, "repeats": args.repeats,
               "copy_bandwidth_GBps": round(copy_bw / 1e9, 1), "kernels": rows}
     text = json.dumps(result, indent=1)

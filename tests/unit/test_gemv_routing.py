@@ -16,7 +16,7 @@ from voltserve.backends.cuda.linear import GEMV_MMA_MIN_ROWS, GEMV_MMA_SM70_MIN_
 
 def _backend(arch, choice="auto", smem_kb=227):
     loader = SimpleNamespace(arch=arch, compile_arch=arch, max_smem_optin=smem_kb * 1024)
-    return SimpleNamespace(loader=loader, gemv_kernel=choice)
+    return SimpleNamespace(loader=loader, gemv_kernel=choice, num_sms=132)
 
 
 def _linear(fmt, n, k):
@@ -471,3 +471,57 @@ def test_gemv_s8w_takes_one_row_calls_only():
         assert gemv_kernel_name(_backend(75), w, 1) == "gemv_mma"
         gguf = _linear(fmt, 4096, 14336)  # GGUF rows: never (gemv_s8w reads the repacked layout)
         assert not gemv_s8w_ok(_backend(90), gguf, 1)
+
+
+def test_gemv_tma_routing():
+    """gemv_tma takes one-row calls on fp16 weights of k % 1024 == 0 on SM90+ when VOLTSERVE_GEMV_TMA asks for it
+    ("off" by default; "folded": folded-norm weights of >= GEMV_TMA_MIN_BYTES without SwiGLU; "on": all), without
+    a fused norm weight, where its ring fits the opt-in shared memory; a forced gemv_kernel, 2+ rows, unaligned x
+    or weights, other row strides or older GPUs keep the kernels before."""
+    from voltserve.backends.cuda import kernels
+    from voltserve.backends.cuda.linear import GEMV_TMA_MIN_BYTES, gemv_tma_ok
+
+    big, small = _linear("F16", 4096, 4096), _linear("F16", 64, 4096)
+    assert small.out_features * small.row_bytes < GEMV_TMA_MIN_BYTES <= big.out_features * big.row_bytes
+    folded, folded_small = _linear("F16", 4096, 4096), _linear("F16", 64, 4096)
+    folded.unit_norm = folded_small.unit_norm = torch.ones(4096)
+    be = _backend(90)
+    assert gemv_kernel_name(be, big, 1) == "gemv" and gemv_kernel_name(be, folded, 1) == "gemv"  # off by default
+    be.gemv_tma = "folded"
+    assert gemv_kernel_name(be, folded, 1) == "gemv_tma"
+    assert gemv_kernel_name(be, folded, 1, silu=True) == "gemv"
+    assert gemv_kernel_name(be, folded_small, 1) == "gemv" and gemv_kernel_name(be, big, 1) == "gemv"
+    be.gemv_tma = "on"
+    for w in (big, small, folded):
+        assert gemv_kernel_name(be, w, 1) == "gemv_tma" and gemv_kernel_name(be, w, 1, silu=True) == "gemv_tma"
+    assert gemv_kernel_name(be, big, 1, norm=True) == "gemv_mma"  # a fused norm weight: not gemv_tma's
+    assert gemv_kernel_name(be, big, 2) == "gemv_mma"
+    assert gemv_kernel_name(be, big, 1, vec_ok=0) == "gemv"
+    assert gemv_kernel_name(be, _linear("F16", 64, 4104), 1) == "gemv"  # k % 1024 != 0
+    padded = CudaLinear("F16", torch.zeros(64, 4104, dtype=torch.float16), 64, 4096, 8208)  # row stride != 2k
+    assert not gemv_tma_ok(be, padded, 1)
+    unaligned = _linear("F16", 64, 4096)
+    unaligned.data = torch.zeros(64 * 4096 + 1, dtype=torch.float16)[1:].view(64, 4096)
+    assert not gemv_tma_ok(be, unaligned, 1)
+    assert not gemv_tma_ok(be, _linear("Q4_1", 4096, 4096), 1)
+    forced = _backend(90, "scalar")
+    forced.gemv_tma = "on"
+    assert gemv_kernel_name(forced, big, 1) == "gemv"
+    old_gpu = _backend(80)
+    old_gpu.gemv_tma = "on"
+    assert gemv_kernel_name(old_gpu, big, 1) == "gemv"
+    tight = _backend(90, smem_kb=100)
+    tight.gemv_tma = "on"
+    assert not gemv_tma_ok(tight, big, 1)  # a 128 KB ring does not fit
+    # lm_head-sized weights: the partials of ~1,000 rows per block still fit beside the ring
+    lm_head = CudaLinear("F16", torch.zeros(8, dtype=torch.float16), 128256, 4096, 8192)  # only the shape counts
+    assert gemv_tma_ok(be, lm_head, 1)
+    ring_bytes = kernels.GEMV_TMA_RING[0] * kernels.GEMV_TMA_RING[1] * 2048
+    assert kernels.gemv_tma_plan(128256, 4096, False, 132) == (132, ring_bytes + 4096 * 4 + 972 * 4 * 4)
+    assert kernels.gemv_tma_plan(3, 1024, True, 132) == (3, ring_bytes + 1024 * 4 + 2 * 4)
+    assert kernels.gemv_tma_plan(4096, 4096, False, 132, (24, 2)) == (132, 24 * 2 * 2048 + 4096 * 4 + 32 * 4 * 4)
+    for ring in ((12, 4), (40, 1), (8, 0), (8, 5)):  # depth a multiple of the 8 consumer warps, <= 32; spans >= 1
+        with pytest.raises(ValueError, match="ring"):
+            kernels.gemv_tma_plan(4096, 4096, False, 132, ring)
+    with pytest.raises(ValueError, match="k % 1024"):
+        kernels.gemv_tma_plan(4096, 4000, False, 132)

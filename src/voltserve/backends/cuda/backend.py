@@ -80,6 +80,13 @@ class CudaBackend:
         # a forced gemv_kernel) or "off" (gemv_mma); VOLTSERVE_GEMV_S8 sets it for A/B runs (read here; the
         # attribute decides when weights are prepared and at each launch)
         self.gemv_s8 = _env_choice("VOLTSERVE_GEMV_S8", ("auto", "on", "off"))
+        # fp16 one-row GEMVs through gemv_tma (SM90+, bulk copies into a smem ring): "off" (gemv; the default until
+        # a rule measures faster in the engine's step), "folded" (folded-norm weights without SwiGLU) or "on"
+        # (every weight it takes); linear.gemv_tma_ok. Its ring, stages x 2 KB spans per stage:
+        # VOLTSERVE_GEMV_TMA_RING
+        self.gemv_tma = _env_choice("VOLTSERVE_GEMV_TMA", ("off", "folded", "on"))
+        self.gemv_tma_ring = tuple(int(v) for v in _env_choice(
+            "VOLTSERVE_GEMV_TMA_RING", ("x".join(map(str, kernels.GEMV_TMA_RING)), "8x4", "16x2", "24x4", "32x2")).split("x"))
         # gemv_s8's grid: "persistent" (the blocks the GPU holds at once, looping over the tiles) or "full" (one
         # block per tile); VOLTSERVE_GEMV_S8_GRID for A/B runs
         self.gemv_s8_grid = _env_choice("VOLTSERVE_GEMV_S8_GRID", ("persistent", "full"))

@@ -111,6 +111,41 @@ def gemv_mma_tile_rows(weight_rows: int, weight_bytes: int, arch: int, num_sms: 
     return 16 if math.ceil(weight_rows / 16) <= num_sms * per_sm else 32
 
 
+GEMV_TMA_MIN_ARCH = 90  # gemv_tma: cp.async.bulk into an mbarrier-tracked smem ring
+GEMV_TMA_SPAN = 1024  # TMA_SPAN_HALVES: gemv_tma needs k % GEMV_TMA_SPAN == 0; a stage is whole 2 KB spans
+GEMV_TMA_CONSUMERS = 8  # TMA_CONSUMERS: the ring's depth is a multiple of it
+GEMV_TMA_MAX_STAGES = 32  # TMA_MAX_STAGES
+GEMV_TMA_STAGE_SPANS = 4  # TMA_STAGE_SPANS: most 2 KB spans per stage (a consumer warp holds a stage in registers)
+GEMV_TMA_RING = (16, 4)  # (stages, spans per stage): 16 x 8 KB = 128 KB, room beside attn_decode blocks on an SM
+GEMV_TMA_THREADS = 32 * (GEMV_TMA_CONSUMERS + 1)
+
+
+def gemv_tma_spec(silu: bool, norm_post: bool) -> dict[str, int]:
+    """The -D set of gemv_tma.cu (fp16 weights, one x row): SwiGLU and the folded-norm builds."""
+    return {"MROWS": 1, **({"SILU": 1} if silu else {}), **({"NORM_POST": 1} if norm_post else {})}
+
+
+def gemv_tma_plan(n_out: int, k: int, silu: bool, num_sms: int,
+                  ring: tuple[int, int] = GEMV_TMA_RING) -> tuple[int, int]:
+    """(grid, dynamic smem bytes) of a gemv_tma launch: one block per SM (at most one per output feature), a ring
+    of `ring` = (stages, 2 KB spans per stage), x as fp32 [k] and the partial sums [rows][k / GEMV_TMA_SPAN] fp32
+    of the block's most weight rows (SwiGLU: gate and up).
+
+    Raises:
+        ValueError: stages not a multiple of GEMV_TMA_CONSUMERS up to GEMV_TMA_MAX_STAGES, spans outside
+            1..GEMV_TMA_STAGE_SPANS, or k not a multiple of GEMV_TMA_SPAN.
+    """
+    stages, spans = ring
+    if stages % GEMV_TMA_CONSUMERS or not 0 < stages <= GEMV_TMA_MAX_STAGES or not 0 < spans <= GEMV_TMA_STAGE_SPANS:
+        raise ValueError(f"gemv_tma ring stages must be a multiple of {GEMV_TMA_CONSUMERS} up to "
+                         f"{GEMV_TMA_MAX_STAGES} and spans in 1..{GEMV_TMA_STAGE_SPANS}, got {ring}")
+    if k % GEMV_TMA_SPAN:
+        raise ValueError(f"gemv_tma needs k % {GEMV_TMA_SPAN} == 0, got k = {k}")
+    grid = max(1, min(num_sms, n_out))
+    rows = -(-n_out // grid) * (2 if silu else 1)
+    return grid, stages * spans * GEMV_TMA_SPAN * 2 + k * 4 + rows * (k // GEMV_TMA_SPAN) * 4
+
+
 GEMV_S8_MIN_ARCH = 80  # gemv_s8: mma.m16n8k32 on int8
 GEMV_S8W_WARPS = 8  # gemv_s8w (gemv_s8.cu S8W_WARPS): warps per block
 
@@ -240,6 +275,7 @@ SOURCES = {
                                       "VOLT_PREFILL_PARAMS_BYTES"),
     "gemv": KernelSource("gemv.cu", ("gemv", "gemv_q"), P.GemvParams, "VOLT_GEMV_PARAMS_BYTES"),
     "gemv_mma": KernelSource("gemv_mma.cu", ("gemv_mma", "gemv_mma_sb"), P.GemvParams, "VOLT_GEMV_PARAMS_BYTES"),
+    "gemv_tma": KernelSource("gemv_tma.cu", ("gemv_tma",), P.GemvParams, "VOLT_GEMV_PARAMS_BYTES"),
     "gemv_s8": KernelSource("gemv_s8.cu", ("gemv_s8", "quantize_s8", "gemv_s8w"), P.GemvParams,
                             "VOLT_GEMV_PARAMS_BYTES"),
     "gemm_tiled": KernelSource("gemm_tiled.cu", ("gemm_tiled",), P.GemmParams, "VOLT_GEMM_PARAMS_BYTES"),
@@ -339,6 +375,7 @@ def engine_specializations() -> list[tuple[str, dict[str, int]]]:
     specs += [("gemv_mma", gemv_mma_spec(f, bool(s), bool(o), t, r))
               for r in (False, True) for f in WTYPES if not (r and f == "F16")
               for s in (0, 1) for o in (0, 1) for t in GEMV_MMA_TILES]
+    specs += [("gemv_tma", gemv_tma_spec(bool(s), bool(n))) for s in (0, 1) for n in (0, 1)]
     specs += [("gemv_s8", gemv_s8_spec(f, bool(s), r, o, g)) for f in QUANT_BLOCK_BYTES for s in (0, 1)
               for r, o, g in ((1, False, False), (8, False, False), (8, True, False), (1, False, True),
                               (8, False, True))]

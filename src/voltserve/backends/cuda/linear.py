@@ -43,6 +43,10 @@ GEMV_MMA_M1_MIN_BYTES = 4 << 20
 # the old 2-byte one took ~10 us a launch, which had made the two equal at 1 row). Quant weights keep the fusion
 # (8B Q4_1, 1 row: unfused layers 76.1 vs 74.0 us). The default model's weights are all far below (< 4 MB).
 GEMV_NORM_FUSED_MAX_BYTES = 16 << 20
+# gemv_tma (fp16, one x row, SM90+) under VOLTSERVE_GEMV_TMA=folded: weights of at least this many bytes
+GEMV_TMA_MIN_BYTES = 4 << 20
+# gemv_tma's static smem, at most: the ring's mbarriers, the norm's scratch and 1 / rms (static_assert in the .cu)
+GEMV_TMA_STATIC_SMEM = 1024
 # Q8_0 weights wider than this stay GGUF under VOLTSERVE_QUANT_REPACK=auto (repack_wanted)
 REPACK_Q8_0_MAX_K = 4096
 
@@ -289,6 +293,9 @@ def launch_linear(backend: Any, x: torch.Tensor, w: CudaLinear, *, norm_weight: 
     if use_mma:
         _launch_gemv_mma(backend, x, w, y, norm_weight, eps, residual, silu, vec_ok)
         return y
+    if m == 1 and norm_weight is None and gemv_tma_ok(backend, w, vec_ok, silu):
+        _launch_gemv_tma(backend, x, w, y, residual, silu, norm_post, eps)
+        return y
     for r0 in range(0, m, kernels.GEMV_MAX_ROWS):
         rows = min(kernels.GEMV_MAX_ROWS, m - r0)
         bucket = next(b for b in kernels.GEMV_ROW_BUCKETS if b >= rows)
@@ -413,14 +420,17 @@ def gemv_mma_ok(backend: Any, w: CudaLinear, rows: int, vec_ok: int, norm: bool 
 def gemv_kernel_name(backend: Any, w: CudaLinear, rows: int, vec_ok: int = 1, norm: bool = False,
                      silu: bool = False) -> str:
     """The kernel a GEMV launch of `rows` (1..8) x rows on `w` runs: "gemv_s8w", "gemv_s8", "gemv_mma_sb", "gemv_mma",
-    "gemv_q" or "gemv". Rows of launches that run the same kernel are bitwise equal whatever the other rows (tests rely on
-    it). A call of 9..16 rows runs both its launches with the kernel of its first (min(m, 8) rows)."""
+    "gemv_tma", "gemv_q" or "gemv". Rows of launches that run the same kernel are bitwise equal whatever the other rows
+    (tests rely on it). A call of 9..16 rows runs both its launches with the kernel of its first (min(m, 8) rows).
+    `norm`: a fused RMSNorm weight (not a folded one)."""
     if gemv_mma_ok(backend, w, rows, vec_ok, norm, silu):
         if gemv_s8w_ok(backend, w, rows):
             return "gemv_s8w"
         if gemv_s8_ok(backend, w, rows):
             return "gemv_s8"
         return "gemv_mma_sb" if _mma_superblocks(backend, w) else "gemv_mma"
+    if rows == 1 and not norm and gemv_tma_ok(backend, w, vec_ok, silu):
+        return "gemv_tma"
     bucket = next(b for b in kernels.GEMV_ROW_BUCKETS if b >= rows)
     return "gemv_q" if _whole_superblocks(w) and bucket >= GEMV_Q_MIN_ROWS else "gemv"
 
@@ -503,6 +513,49 @@ def _launch_gemv_mma(backend: Any, x: torch.Tensor, w: CudaLinear, y: torch.Tens
         backend._launch("gemv_mma", kernel, spec, grid, (32 * kernels.GEMV_MMA_WARPS, 1, 1), smem, p,
                         gemv_pdl(backend, w))
         launched_gemv(backend, w)
+
+
+def gemv_tma_ok(backend: Any, w: CudaLinear, vec_ok: int, silu: bool = False) -> bool:
+    """Whether a one-row GEMV on `w` (no fused norm weight; a folded norm is fine) runs gemv_tma: SM90+, fp16 rows
+    of k % GEMV_TMA_SPAN == 0, x and the weight 16-byte aligned, the ring and partials within the opt-in shared
+    memory, the decode GEMV choice "auto" (forced choices pin their kernels), and `backend.gemv_tma`
+    (VOLTSERVE_GEMV_TMA): "off" (the default) never, "on" wherever it can, "folded" only weights with their
+    RMSNorm folded in (`CudaLinear.norm_folded`), without SwiGLU, of >= GEMV_TMA_MIN_BYTES (Llama-3-8B's qkv and
+    lm_head: the shapes where it measured faster inside the engine's step; docs/performance.md, session 9)."""
+    choice = getattr(backend, "gemv_tma", "off")
+    if choice == "off" or getattr(backend, "gemv_kernel", "auto") != "auto" or w.fmt != "F16":
+        return False
+    if backend.loader.compile_arch < kernels.GEMV_TMA_MIN_ARCH or not vec_ok or w.data.data_ptr() % 16:
+        return False
+    k = w.in_features
+    if k % kernels.GEMV_TMA_SPAN or w.row_bytes != 2 * k:
+        return False
+    if choice == "folded" and (silu or not w.norm_folded or w.out_features * w.row_bytes < GEMV_TMA_MIN_BYTES):
+        return False
+    n_out = w.out_features // 2 if silu else w.out_features
+    _, smem = kernels.gemv_tma_plan(n_out, k, silu, backend.num_sms, _tma_ring(backend))
+    return smem + GEMV_TMA_STATIC_SMEM <= backend.loader.max_smem_optin
+
+
+def _tma_ring(backend: Any) -> tuple[int, int]:
+    return getattr(backend, "gemv_tma_ring", kernels.GEMV_TMA_RING)
+
+
+def _launch_gemv_tma(backend: Any, x: torch.Tensor, w: CudaLinear, y: torch.Tensor,
+                     residual: torch.Tensor | None, silu: bool, norm_post: bool, eps: float) -> None:
+    """One gemv_tma launch for one x row (`gemv_tma_ok`); always under PDL where the backend has it: its ring fills
+    before pdl_enter, so it gains most right after another GEMV."""
+    n_out = y.shape[1]
+    ring = _tma_ring(backend)
+    grid, smem = kernels.gemv_tma_plan(n_out, w.in_features, silu, backend.num_sms, ring)
+    # one block per SM, whatever the ring: the rows are split evenly over the grid, so two blocks on one SM would
+    # leave another idle
+    smem = max(smem, backend.loader.max_smem_optin // 2 + 16)
+    p = _gemv_params(x, 0, w, y, residual, None, eps, 1)
+    p.stages, p.stage_spans = ring
+    backend._launch("gemv_tma", "gemv_tma", kernels.gemv_tma_spec(silu, norm_post), (grid, 1, 1),
+                    (kernels.GEMV_TMA_THREADS, 1, 1), smem, p)
+    launched_gemv(backend, w)
 
 
 def gemv_s8_enabled(backend: Any) -> bool:

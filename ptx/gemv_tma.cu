@@ -202,7 +202,8 @@ extern "C" __global__ void __launch_bounds__(TMA_THREADS, 1) gemv_tma(const Gemv
             for (int sp = 0; sp < TMA_STAGE_SPANS; ++sp)
 #pragma unroll
                 for (int j = 0; j < 4; ++j)
-                    if (sp < num_sp) raw[sp][j] = *reinterpret_cast<const uint4*>(stage + sp * TMA_SPAN_BYTES + j * 512);
+                    if (sp < num_sp)
+                        raw[sp][j] = *reinterpret_cast<const uint4*>(stage + sp * TMA_SPAN_BYTES + j * 512);
             __syncwarp();
             if (lane == 0) mbar_arrive(&empty[slot]);  // release: orders the warp's reads before the refill
             const int first = (int)(s.offset / TMA_SPAN_BYTES);  // the stage's first span in its segment

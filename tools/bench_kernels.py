@@ -270,7 +270,7 @@ def main() -> int:
     ap.add_argument("--gemv-kernel", default="auto",
                     help="decode GEMV kernels for the decode_* rows: auto, scalar, mma, or a list (rows get @choice)")
     ap.add_argument("--gemv-tma", default=None,
-                    help="gemv_tma choice for the decode_* rows: auto, on, off, or a list (rows get @tma=choice)")
+                    help="gemv_tma choice for the decode_* rows: off, folded, on, or a list (rows get @tma=choice)")
     args = ap.parse_args()
     from voltserve.backends.cuda.backend import CudaBackend
 

@@ -85,8 +85,9 @@ class CudaBackend:
         # (every weight it takes); linear.gemv_tma_ok. Its ring, stages x 2 KB spans per stage:
         # VOLTSERVE_GEMV_TMA_RING
         self.gemv_tma = _env_choice("VOLTSERVE_GEMV_TMA", ("off", "folded", "on"))
-        self.gemv_tma_ring = tuple(int(v) for v in _env_choice(
-            "VOLTSERVE_GEMV_TMA_RING", ("x".join(map(str, kernels.GEMV_TMA_RING)), "8x4", "16x2", "24x4", "32x2")).split("x"))
+        ring = _env_choice("VOLTSERVE_GEMV_TMA_RING",
+                           ("x".join(map(str, kernels.GEMV_TMA_RING)), "8x4", "16x2", "24x4", "32x2"))
+        self.gemv_tma_ring = tuple(int(v) for v in ring.split("x"))
         # gemv_s8's grid: "persistent" (the blocks the GPU holds at once, looping over the tiles) or "full" (one
         # block per tile); VOLTSERVE_GEMV_S8_GRID for A/B runs
         self.gemv_s8_grid = _env_choice("VOLTSERVE_GEMV_S8_GRID", ("persistent", "full"))

@@ -419,10 +419,10 @@ def gemv_mma_ok(backend: Any, w: CudaLinear, rows: int, vec_ok: int, norm: bool 
 
 def gemv_kernel_name(backend: Any, w: CudaLinear, rows: int, vec_ok: int = 1, norm: bool = False,
                      silu: bool = False) -> str:
-    """The kernel a GEMV launch of `rows` (1..8) x rows on `w` runs: "gemv_s8w", "gemv_s8", "gemv_mma_sb", "gemv_mma",
-    "gemv_tma", "gemv_q" or "gemv". Rows of launches that run the same kernel are bitwise equal whatever the other rows
-    (tests rely on it). A call of 9..16 rows runs both its launches with the kernel of its first (min(m, 8) rows).
-    `norm`: a fused RMSNorm weight (not a folded one)."""
+    """The kernel a GEMV launch of `rows` (1..8) x rows on `w` runs: "gemv_s8w", "gemv_s8", "gemv_mma_sb",
+    "gemv_mma", "gemv_tma", "gemv_q" or "gemv". Rows of launches that run the same kernel are bitwise equal whatever
+    the other rows (tests rely on it). A call of 9..16 rows runs both its launches with the kernel of its first
+    (min(m, 8) rows). `norm`: a fused RMSNorm weight (not a folded one)."""
     if gemv_mma_ok(backend, w, rows, vec_ok, norm, silu):
         if gemv_s8w_ok(backend, w, rows):
             return "gemv_s8w"

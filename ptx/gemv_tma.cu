@@ -108,7 +108,7 @@ VOLT_DEVICE TmaStage tma_stage(const GemvParams& p, int f0, int n_out, i64 seg_b
 
 extern "C" __global__ void __launch_bounds__(TMA_THREADS, 1) gemv_tma(const GemvParams p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    extern __shared__ __align__(128) u8 tma_smem[];  // [stages][stage bytes] ring, then the partials
+    extern __shared__ __align__(128) u8 tma_smem[];  // [stages][stage bytes] ring, x (fp32), the partials
     __shared__ unsigned long long full[TMA_MAX_STAGES], empty[TMA_MAX_STAGES];
     __shared__ float scratch[MROWS * TMA_CONSUMERS];
     // the launcher's bound on this static smem (linear.GEMV_TMA_STATIC_SMEM)

@@ -24,7 +24,8 @@ SHAPES = [(4096, 4096), (6144, 4096), (4096, 14336), (5, 1024), (1000, 2048), (2
 
 @pytest.fixture
 def tma_backend(cuda_backend):
-    """gemv_tma on every fp16 weight it can take (the engine's "auto" takes >= 4 MB); SM90+ only."""
+    """gemv_tma on every fp16 weight it can take (VOLTSERVE_GEMV_TMA=on; the engine's default is "off"); SM90+
+    only."""
     if cuda_backend.loader.arch < 90:
         pytest.skip("gemv_tma needs cp.async.bulk (SM90+)")
     with backend_settings(cuda_backend, gemv_kernel="auto", gemv_tma="on"):

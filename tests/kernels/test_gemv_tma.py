@@ -24,7 +24,7 @@ SHAPES = [(4096, 4096), (6144, 4096), (4096, 14336), (5, 1024), (1000, 2048), (2
 
 @pytest.fixture
 def tma_backend(cuda_backend):
-    """gemv_tma on every fp16 weight it can take (VOLTSERVE_GEMV_TMA=on; the engine's default is "off"); SM90+
+    """gemv_tma on every fp16 weight it can take (VOLTSERVE_GEMV_TMA=on; the engine's default is "folded"); SM90+
     only."""
     if cuda_backend.loader.arch < 90:
         pytest.skip("gemv_tma needs cp.async.bulk (SM90+)")
@@ -137,8 +137,8 @@ def test_graph_replay_equals_eager(tma_backend):
 
 
 def test_folded_rule(cuda_backend):
-    """VOLTSERVE_GEMV_TMA=folded: folded-norm fp16 weights of >= GEMV_TMA_MIN_BYTES at one row, not SwiGLU pairs,
-    not unfolded weights; "off" (the default) keeps gemv."""
+    """VOLTSERVE_GEMV_TMA=folded (the default): folded-norm fp16 weights of >= GEMV_TMA_MIN_BYTES at one row, not
+    SwiGLU pairs, not unfolded weights; "off" keeps gemv."""
     from voltserve.backends.cuda.linear import gemv_kernel_name
 
     if cuda_backend.loader.arch < 90:

@@ -475,7 +475,7 @@ def test_gemv_s8w_takes_one_row_calls_only():
 
 def test_gemv_tma_routing():
     """gemv_tma takes one-row calls on fp16 weights of k % 1024 == 0 on SM90+ when VOLTSERVE_GEMV_TMA asks for it
-    ("off" by default; "folded": folded-norm weights of >= GEMV_TMA_MIN_BYTES without SwiGLU; "on": all), without
+    ("folded", the default: folded-norm weights of >= GEMV_TMA_MIN_BYTES without SwiGLU; "off"; "on": all), without
     a fused norm weight, where its ring fits the opt-in shared memory; a forced gemv_kernel, 2+ rows, unaligned x
     or weights, other row strides or older GPUs keep the kernels before."""
     from voltserve.backends.cuda import kernels
@@ -485,12 +485,12 @@ def test_gemv_tma_routing():
     assert small.out_features * small.row_bytes < GEMV_TMA_MIN_BYTES <= big.out_features * big.row_bytes
     folded, folded_small = _linear("F16", 4096, 4096), _linear("F16", 64, 4096)
     folded.unit_norm = folded_small.unit_norm = torch.ones(4096)
-    be = _backend(90)
-    assert gemv_kernel_name(be, big, 1) == "gemv" and gemv_kernel_name(be, folded, 1) == "gemv"  # off by default
-    be.gemv_tma = "folded"
+    be = _backend(90)  # no gemv_tma attribute: the default, "folded"
     assert gemv_kernel_name(be, folded, 1) == "gemv_tma"
     assert gemv_kernel_name(be, folded, 1, silu=True) == "gemv"
     assert gemv_kernel_name(be, folded_small, 1) == "gemv" and gemv_kernel_name(be, big, 1) == "gemv"
+    be.gemv_tma = "off"
+    assert gemv_kernel_name(be, folded, 1) == "gemv"
     be.gemv_tma = "on"
     for w in (big, small, folded):
         assert gemv_kernel_name(be, w, 1) == "gemv_tma" and gemv_kernel_name(be, w, 1, silu=True) == "gemv_tma"

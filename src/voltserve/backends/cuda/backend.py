@@ -80,11 +80,11 @@ class CudaBackend:
         # a forced gemv_kernel) or "off" (gemv_mma); VOLTSERVE_GEMV_S8 sets it for A/B runs (read here; the
         # attribute decides when weights are prepared and at each launch)
         self.gemv_s8 = _env_choice("VOLTSERVE_GEMV_S8", ("auto", "on", "off"))
-        # fp16 one-row GEMVs through gemv_tma (SM90+, bulk copies into a smem ring): "off" (gemv; the default until
-        # a rule measures faster in the engine's step), "folded" (folded-norm weights without SwiGLU) or "on"
+        # fp16 one-row GEMVs through gemv_tma (SM90+, bulk copies into a smem ring): "folded" (the default:
+        # folded-norm weights without SwiGLU, the shapes where the step measured faster), "off" (gemv) or "on"
         # (every weight it takes); linear.gemv_tma_ok. Its ring, stages x 2 KB spans per stage:
         # VOLTSERVE_GEMV_TMA_RING
-        self.gemv_tma = _env_choice("VOLTSERVE_GEMV_TMA", ("off", "folded", "on"))
+        self.gemv_tma = _env_choice("VOLTSERVE_GEMV_TMA", ("folded", "off", "on"))
         ring = _env_choice("VOLTSERVE_GEMV_TMA_RING",
                            ("x".join(map(str, kernels.GEMV_TMA_RING)), "8x4", "16x2", "24x4", "32x2"))
         self.gemv_tma_ring = tuple(int(v) for v in ring.split("x"))

@@ -519,10 +519,11 @@ def gemv_tma_ok(backend: Any, w: CudaLinear, vec_ok: int, silu: bool = False) ->
     """Whether a one-row GEMV on `w` (no fused norm weight; a folded norm is fine) runs gemv_tma: SM90+, fp16 rows
     of k % GEMV_TMA_SPAN == 0, x and the weight 16-byte aligned, the ring and partials within the opt-in shared
     memory, the decode GEMV choice "auto" (forced choices pin their kernels), and `backend.gemv_tma`
-    (VOLTSERVE_GEMV_TMA): "off" (the default) never, "on" wherever it can, "folded" only weights with their
-    RMSNorm folded in (`CudaLinear.norm_folded`), without SwiGLU, of >= GEMV_TMA_MIN_BYTES (Llama-3-8B's qkv and
-    lm_head: the shapes where it measured faster inside the engine's step; docs/performance.md, session 9)."""
-    choice = getattr(backend, "gemv_tma", "off")
+    (VOLTSERVE_GEMV_TMA): "folded" (the default) only weights with their RMSNorm folded in
+    (`CudaLinear.norm_folded`), without SwiGLU, of >= GEMV_TMA_MIN_BYTES (Llama-3-8B's qkv and lm_head: the shapes
+    where it measured faster inside the engine's step; docs/performance.md, sessions 9 and 10), "off" never, "on"
+    wherever it can."""
+    choice = getattr(backend, "gemv_tma", "folded")
     if choice == "off" or getattr(backend, "gemv_kernel", "auto") != "auto" or w.fmt != "F16":
         return False
     if backend.loader.compile_arch < kernels.GEMV_TMA_MIN_ARCH or not vec_ok or w.data.data_ptr() % 16:

@@ -13,22 +13,22 @@
 // 2 KB spans (1024 halves; k % 1024 == 0, so a span lies in one row), each one cp.async.bulk completing on its
 // `full` mbarrier. 8 consumer warps take whole stages in turn (warp w: stages w, w + 8, ...): a warp loads its
 // stage into registers (16 x 16 bytes a lane) and hands the slot back on its `empty` mbarrier at once, so a slot
-// is held for one smem round trip, not for the products; then per span fp32 products with x (staged once per
-// block as fp32 in smem, tma_x_pos), one warp sum -> partial[row][span][r] in smem. The epilogue adds a row's
-// spans in order: fixed-order sums, no atomics, so an output depends neither on the grid, the ring nor the other
-// rows.
+// is held for one smem round trip, not for the products. The products run on tensor cores (mma.m16n8k16, fp16 x
+// fp16 -> fp32) with x, staged once per block in smem as it is (fp16), as the A operand: per 256-half chunk two
+// MMAs whose diagonal is the chunk's dot product (tma_span_dots), so a 16-byte weight piece costs two MMA
+// operands and one x load instead of 8 conversions and 8 FMAs. One warp sum per span -> partial[row][span] in
+// smem; the epilogue adds a row's spans in order: fixed-order sums, no atomics, so an output depends neither on
+// the grid, the ring nor the other rows.
 // Fusions (gemv.cu's semantics, fp16 roundings kept): NORM_POST (the RMSNorm folded into W: outputs scaled by
 // 1 / rms(x), x^2 summed once per block), SILU (silu(gate) * up of a [gate; up] weight), `res` (residual).
-// Compile-time: SILU, NORM_POST; MROWS (x rows) is built for 1 only (x's fp32 copy takes MROWS * k * 4 bytes of
-// smem). Runtime: p.stages (ring depth, a multiple of 8, <= TMA_MAX_STAGES) and p.stage_spans (<=
-// TMA_STAGE_SPANS); the launcher sizes the dynamic smem as the ring, x and the partials (kernels.gemv_tma_plan).
+// Compile-time: SILU, NORM_POST; one x row (p.m == 1). Runtime: p.stages (ring depth, a multiple of 8, <=
+// TMA_MAX_STAGES) and p.stage_spans (<= TMA_STAGE_SPANS); the launcher sizes the dynamic smem as the ring, x and
+// the partials (kernels.gemv_tma_plan).
 // Below SM90 the kernel is a trapping stub (no bulk copies there); the launcher routes SM90+ only.
 // Reference: voltserve.backends.cpu.CpuBackend.linear.
 #include "gemv_common.cuh"
+#include "mma.cuh"
 
-#ifndef MROWS
-#define MROWS 1
-#endif
 #ifndef SILU
 #define SILU 0
 #endif
@@ -82,11 +82,6 @@ VOLT_DEVICE void bulk_copy(void* dst, const void* src, u32 bytes, unsigned long 
                  ::"r"(smem_u32(dst)), "l"(src), "r"(bytes), "r"(smem_u32(bar)) : "memory");
 }
 
-// Position in the fp32 x staging of element c (c % 8 == 0 for a lane's 8): within each 256-element group the
-// elements 0-3 of every lane's 8 come first, then 4-7, so a warp's two float4 reads are each 512 contiguous
-// bytes (no bank conflicts), as a lane's 16-byte weight piece is.
-VOLT_DEVICE int tma_x_pos(int c) { return (c & ~255) + ((c >> 3) & 31) * 4; }
-
 // The block's weight bytes as 1 (SILU: 2) contiguous segments of `seg_bytes` each; stage i of the block.
 struct TmaStage {
     const u8* src;
@@ -104,16 +99,46 @@ VOLT_DEVICE TmaStage tma_stage(const GemvParams& p, int f0, int n_out, i64 seg_b
     s.src = p.w + (i64)(f0 + s.seg * n_out) * p.w_row_bytes + s.offset;
     return s;
 }
+
+// The dot products of a stage's spans with x, one per span (spans past num_sp give 0), by one warp: raw[sp][j] is
+// the lane's 16 bytes (halves 8 lane + 0..7) of chunk j (256 halves) of span sp, xcol[sp] the x offset of that
+// span's lane slice. Per chunk, two mma.m16n8k16 (PTX ISA, "Matrix fragments for mma.m16n8k16"): lane (g = lane
+// / 4, t = lane % 4) gives B column g its weights 0..3 (the second MMA: 4..7) at k = 2t, 2t + 1, 2t + 8, 2t + 9
+// and A row g its x values at the same positions (rows 8-15 zero), so D[g][g] = lanes 4g .. 4g + 3's products
+// and the diagonal sums the chunk (the off-diagonal products are not used). dot[sp]: this lane's diagonal entry
+// of span sp, accumulated in fp32 over its 4 chunks (0 on the other lanes), for one warp sum by the caller: the
+// same order wherever the span is read. The spans are independent accumulator chains, interleaved per chunk.
+VOLT_DEVICE void tma_span_dots(const uint4 (&raw)[TMA_STAGE_SPANS][4], const half_t* xh,
+                               const int (&xcol)[TMA_STAGE_SPANS], float (&dot)[TMA_STAGE_SPANS]) {
+    const int lane = threadIdx.x & 31, g = lane >> 2;
+    float d[TMA_STAGE_SPANS][4];
+#pragma unroll
+    for (int sp = 0; sp < TMA_STAGE_SPANS; ++sp)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) d[sp][e] = 0.f;
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+#pragma unroll
+        for (int sp = 0; sp < TMA_STAGE_SPANS; ++sp) {
+            const uint4 xa = *reinterpret_cast<const uint4*>(xh + xcol[sp] + j * 256);
+            const u32 a0[4] = {xa.x, 0u, xa.y, 0u}, a1[4] = {xa.z, 0u, xa.w, 0u};
+            mma_m16n8k16(d[sp], a0, raw[sp][j].x, raw[sp][j].y);
+            mma_m16n8k16(d[sp], a1, raw[sp][j].z, raw[sp][j].w);
+        }
+    const bool diag = (lane & 3) == (g >> 1);  // this lane holds D[g][g]: accumulator 1 for odd g, else 0
+#pragma unroll
+    for (int sp = 0; sp < TMA_STAGE_SPANS; ++sp) dot[sp] = diag ? ((g & 1) ? d[sp][1] : d[sp][0]) : 0.f;
+}
 #endif
 
 extern "C" __global__ void __launch_bounds__(TMA_THREADS, 1) gemv_tma(const GemvParams p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    extern __shared__ __align__(128) u8 tma_smem[];  // [stages][stage bytes] ring, x (fp32), the partials
+    extern __shared__ __align__(128) u8 tma_smem[];  // [stages][stage bytes] ring, x (fp16), the partials
     __shared__ unsigned long long full[TMA_MAX_STAGES], empty[TMA_MAX_STAGES];
-    __shared__ float scratch[MROWS * TMA_CONSUMERS];
+    __shared__ float scratch[TMA_CONSUMERS];
     // the launcher's bound on this static smem (linear.GEMV_TMA_STATIC_SMEM)
-    static_assert(sizeof(full) + sizeof(empty) + 4 * MROWS * (TMA_CONSUMERS + 1) <= 1024, "static smem");
-    __shared__ float inv_rms[MROWS];
+    static_assert(sizeof(full) + sizeof(empty) + 4 * (TMA_CONSUMERS + 1) <= 1024, "static smem");
+    __shared__ float inv_rms;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int n_out = SILU ? p.n / 2 : p.n;
     const int f0 = (int)((i64)blockIdx.x * n_out / gridDim.x), f1 = (int)((i64)(blockIdx.x + 1) * n_out / gridDim.x);
@@ -124,11 +149,11 @@ extern "C" __global__ void __launch_bounds__(TMA_THREADS, 1) gemv_tma(const Gemv
     const int num_stages = seg_stages * (SILU ? 2 : 1);
     const int ring = p.stages;                    // a multiple of TMA_CONSUMERS (see the consumer loop)
     const int spans = p.k / TMA_SPAN_HALVES;      // spans per weight row
-    // [2 rows][spans][MROWS] fp32, after the ring (and x)
-    float* partial = reinterpret_cast<float*>(tma_smem + (i64)ring * stage_bytes + MROWS * p.k * 4);
+    half_t* xh = reinterpret_cast<half_t*>(tma_smem + (i64)ring * stage_bytes);  // x [k] fp16, after the ring
+    float* partial = reinterpret_cast<float*>(xh + p.k);                         // [2 rows][spans] fp32
 
     if (ring <= 0 || ring % TMA_CONSUMERS || ring > TMA_MAX_STAGES || p.stage_spans <= 0 ||
-        p.stage_spans > TMA_STAGE_SPANS || p.m > MROWS)
+        p.stage_spans > TMA_STAGE_SPANS || p.m != 1)
         __trap();  // the launcher's contract (kernels.gemv_tma_plan; the parity waits below rely on it)
     if (threadIdx.x == 0) {
         for (int s = 0; s < ring; ++s) {
@@ -154,36 +179,29 @@ extern "C" __global__ void __launch_bounds__(TMA_THREADS, 1) gemv_tma(const Gemv
         pdl_enter();  // before the epilogue's reads of x-dependent data (all threads take part in it)
     } else {
         pdl_enter();  // x (and the residual, y) only after the previous kernel
-        // x rows -> fp32 smem (NORM_POST: with each row's sum of squares, the same fixed order in every block)
-        float* xs = reinterpret_cast<float*>(tma_smem + (i64)ring * stage_bytes);  // [MROWS][k] fp32, tma_x_pos
-        float ss[MROWS];
-#pragma unroll
-        for (int r = 0; r < MROWS; ++r) ss[r] = 0.f;
-        for (int j = threadIdx.x * 8; j < p.k; j += TMA_CONSUMERS * 32 * 8)
-#pragma unroll
-            for (int r = 0; r < MROWS; ++r) {
-                if (r >= p.m) continue;
-                float v[8];
-                load8(p.x + r * p.x_stride + j, v);
-                float* dst = xs + r * p.k + tma_x_pos(j);
-                *reinterpret_cast<float4*>(dst) = make_float4(v[0], v[1], v[2], v[3]);
-                *reinterpret_cast<float4*>(dst + 128) = make_float4(v[4], v[5], v[6], v[7]);
-#pragma unroll
-                for (int e = 0; e < 8; ++e) ss[r] += v[e] * v[e];
-            }
+        // x -> smem as it is (16-byte vectors: the launcher's vec_ok), NORM_POST: with its sum of squares, the
+        // same fixed order in every block
+        float ss = 0.f;
+        for (int j = threadIdx.x * 8; j < p.k; j += TMA_CONSUMERS * 32 * 8) {
+            const uint4 v = *reinterpret_cast<const uint4*>(p.x + j);
+            *reinterpret_cast<uint4*>(xh + j) = v;
 #if NORM_POST
+            float f[8];
+            unpack8(v, f);
 #pragma unroll
-        for (int r = 0; r < MROWS; ++r) {
-            const float t = warp_sum(ss[r]);
-            if (lane == 0) scratch[r * TMA_CONSUMERS + warp] = t;
+            for (int e = 0; e < 8; ++e) ss += f[e] * f[e];
+#endif
         }
+#if NORM_POST
+        ss = warp_sum(ss);
+        if (lane == 0) scratch[warp] = ss;
 #endif
         named_sync(1, TMA_CONSUMERS * 32);
 #if NORM_POST
-        if (threadIdx.x < p.m) {  // read by the epilogue, after the block's last barrier
+        if (threadIdx.x == 0) {  // read by the epilogue, after the block's last barrier
             float t = 0.f;
-            for (int w = 0; w < TMA_CONSUMERS; ++w) t += scratch[threadIdx.x * TMA_CONSUMERS + w];
-            inv_rms[threadIdx.x] = post_inv_rms(p, t);
+            for (int w = 0; w < TMA_CONSUMERS; ++w) t += scratch[w];
+            inv_rms = post_inv_rms(p, t);
         }
 #endif
         // consumer warp w: whole stages w, w + TMA_CONSUMERS, ... (the warps read different stages at once). With
@@ -202,68 +220,45 @@ extern "C" __global__ void __launch_bounds__(TMA_THREADS, 1) gemv_tma(const Gemv
             for (int sp = 0; sp < TMA_STAGE_SPANS; ++sp)
 #pragma unroll
                 for (int j = 0; j < 4; ++j)
-                    if (sp < num_sp)
-                        raw[sp][j] = *reinterpret_cast<const uint4*>(stage + sp * TMA_SPAN_BYTES + j * 512);
+                    raw[sp][j] = sp < num_sp ? *reinterpret_cast<const uint4*>(stage + sp * TMA_SPAN_BYTES + j * 512)
+                                             : make_uint4(0u, 0u, 0u, 0u);
             __syncwarp();
             if (lane == 0) mbar_arrive(&empty[slot]);  // release: orders the warp's reads before the refill
             const int first = (int)(s.offset / TMA_SPAN_BYTES);  // the stage's first span in its segment
             const int row0 = first / spans, sp0 = first - row0 * spans;
-            float acc[TMA_STAGE_SPANS][2][MROWS];
+            int xcol[TMA_STAGE_SPANS];
 #pragma unroll
-            for (int sp = 0; sp < TMA_STAGE_SPANS; ++sp) {
-                const int col = ((sp0 + sp) % spans) * TMA_SPAN_HALVES;
-#pragma unroll
-                for (int r = 0; r < MROWS; ++r) acc[sp][0][r] = acc[sp][1][r] = 0.f;
-                if (sp >= num_sp) continue;
-#pragma unroll
-                for (int j = 0; j < 4; ++j) {
-                    float w[8];
-                    unpack8(raw[sp][j], w);
-#pragma unroll
-                    for (int r = 0; r < MROWS; ++r) {
-                        if (r < p.m) {
-                            const float* xp = xs + r * p.k + tma_x_pos(col + j * 256 + lane * 8);
-                            const float4 x0 = *reinterpret_cast<const float4*>(xp);
-                            const float4 x1 = *reinterpret_cast<const float4*>(xp + 128);
-                            const float xv[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
-#pragma unroll
-                            for (int e = 0; e < 8; ++e) acc[sp][j & 1][r] = fmaf(w[e], xv[e], acc[sp][j & 1][r]);
-                        }
-                    }
-                }
-            }
+            for (int sp = 0, c = sp0; sp < TMA_STAGE_SPANS; ++sp, c = c + 1 == spans ? 0 : c + 1)
+                xcol[sp] = c * TMA_SPAN_HALVES + lane * 8;
+            float dot[TMA_STAGE_SPANS];
+            tma_span_dots(raw, xh, xcol, dot);
 #pragma unroll
             for (int sp = 0; sp < TMA_STAGE_SPANS; ++sp) {
                 const int t = sp0 + sp, row = row0 + t / spans;
-#pragma unroll
-                for (int r = 0; r < MROWS; ++r) {
-                    const float v = warp_sum(acc[sp][0][r] + acc[sp][1][r]);
-                    if (lane == 0 && sp < num_sp) partial[((s.seg * rows + row) * spans + t % spans) * MROWS + r] = v;
-                }
+                const float v = warp_sum(dot[sp]);
+                if (lane == 0 && sp < num_sp) partial[(s.seg * rows + row) * spans + t % spans] = v;
             }
         }
     }
     __syncthreads();  // every partial is in smem
-    for (int idx = threadIdx.x; idx < rows * MROWS; idx += TMA_THREADS) {
-        const int f = idx / MROWS, r = idx % MROWS;
-        if (r >= p.m) continue;
+    for (int f = threadIdx.x; f < rows; f += TMA_THREADS) {
         float v = 0.f;
-        for (int sp = 0; sp < spans; ++sp) v += partial[(f * spans + sp) * MROWS + r];
+        for (int sp = 0; sp < spans; ++sp) v += partial[f * spans + sp];
 #if NORM_POST
-        v *= inv_rms[r];
+        v *= inv_rms;
 #endif
 #if SILU
         float u = 0.f;
-        for (int sp = 0; sp < spans; ++sp) u += partial[((rows + f) * spans + sp) * MROWS + r];
+        for (int sp = 0; sp < spans; ++sp) u += partial[(rows + f) * spans + sp];
 #if NORM_POST
-        u *= inv_rms[r];
+        u *= inv_rms;
 #endif
         const float g = round_h(v);
         v = g / (1.f + __expf(-g)) * round_h(u);
 #endif
         const int feat = f0 + f;
-        v = gemv_out(p, r, feat, v);
-        p.y[r * p.y_stride + feat] = f2h(v);
+        v = gemv_out(p, 0, feat, v);
+        p.y[feat] = f2h(v);
     }
 #else
     pdl_enter();

@@ -517,9 +517,9 @@ def test_gemv_tma_routing():
     lm_head = CudaLinear("F16", torch.zeros(8, dtype=torch.float16), 128256, 4096, 8192)  # only the shape counts
     assert gemv_tma_ok(be, lm_head, 1)
     ring_bytes = kernels.GEMV_TMA_RING[0] * kernels.GEMV_TMA_RING[1] * 2048
-    assert kernels.gemv_tma_plan(128256, 4096, False, 132) == (132, ring_bytes + 4096 * 4 + 972 * 4 * 4)
-    assert kernels.gemv_tma_plan(3, 1024, True, 132) == (3, ring_bytes + 1024 * 4 + 2 * 4)
-    assert kernels.gemv_tma_plan(4096, 4096, False, 132, (24, 2)) == (132, 24 * 2 * 2048 + 4096 * 4 + 32 * 4 * 4)
+    assert kernels.gemv_tma_plan(128256, 4096, False, 132) == (132, ring_bytes + 4096 * 2 + 972 * 4 * 4)
+    assert kernels.gemv_tma_plan(3, 1024, True, 132) == (3, ring_bytes + 1024 * 2 + 2 * 4)
+    assert kernels.gemv_tma_plan(4096, 4096, False, 132, (24, 2)) == (132, 24 * 2 * 2048 + 4096 * 2 + 32 * 4 * 4)
     for ring in ((12, 4), (40, 1), (8, 0), (8, 5)):  # depth a multiple of the 8 consumer warps, <= 32; spans >= 1
         with pytest.raises(ValueError, match="ring"):
             kernels.gemv_tma_plan(4096, 4096, False, 132, ring)

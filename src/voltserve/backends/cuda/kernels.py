@@ -122,13 +122,13 @@ GEMV_TMA_THREADS = 32 * (GEMV_TMA_CONSUMERS + 1)
 
 def gemv_tma_spec(silu: bool, norm_post: bool) -> dict[str, int]:
     """The -D set of gemv_tma.cu (fp16 weights, one x row): SwiGLU and the folded-norm builds."""
-    return {"MROWS": 1, **({"SILU": 1} if silu else {}), **({"NORM_POST": 1} if norm_post else {})}
+    return {**({"SILU": 1} if silu else {}), **({"NORM_POST": 1} if norm_post else {})}
 
 
 def gemv_tma_plan(n_out: int, k: int, silu: bool, num_sms: int,
                   ring: tuple[int, int] = GEMV_TMA_RING) -> tuple[int, int]:
     """(grid, dynamic smem bytes) of a gemv_tma launch: one block per SM (at most one per output feature), a ring
-    of `ring` = (stages, 2 KB spans per stage), x as fp32 [k] and the partial sums [rows][k / GEMV_TMA_SPAN] fp32
+    of `ring` = (stages, 2 KB spans per stage), x as fp16 [k] and the partial sums [rows][k / GEMV_TMA_SPAN] fp32
     of the block's most weight rows (SwiGLU: gate and up).
 
     Raises:
@@ -143,7 +143,7 @@ def gemv_tma_plan(n_out: int, k: int, silu: bool, num_sms: int,
         raise ValueError(f"gemv_tma needs k % {GEMV_TMA_SPAN} == 0, got k = {k}")
     grid = max(1, min(num_sms, n_out))
     rows = -(-n_out // grid) * (2 if silu else 1)
-    return grid, stages * spans * GEMV_TMA_SPAN * 2 + k * 4 + rows * (k // GEMV_TMA_SPAN) * 4
+    return grid, stages * spans * GEMV_TMA_SPAN * 2 + k * 2 + rows * (k // GEMV_TMA_SPAN) * 4
 
 
 GEMV_S8_MIN_ARCH = 80  # gemv_s8: mma.m16n8k32 on int8

@@ -100,8 +100,9 @@ VOLT_DEVICE TmaStage tma_stage(const GemvParams& p, int f0, int n_out, i64 seg_b
     return s;
 }
 
-// The dot products of a stage's spans with x, one per span (spans past num_sp give 0), by one warp: raw[sp][j] is
-// the lane's 16 bytes (halves 8 lane + 0..7) of chunk j (256 halves) of span sp, xcol[sp] the x offset of that
+// The dot products of a stage's spans with x, one per span, by one warp: raw[sp][j] is the lane's 16 bytes
+// (halves 8 lane + 0..7) of chunk j (256 halves) of span sp, zero past the stage's spans (those MMAs multiply
+// zeros and the caller does not store them: with a 2-span ring half the MMAs), xcol[sp] the x offset of that
 // span's lane slice. Per chunk, two mma.m16n8k16 (PTX ISA, "Matrix fragments for mma.m16n8k16"): lane (g = lane
 // / 4, t = lane % 4) gives B column g its weights 0..3 (the second MMA: 4..7) at k = 2t, 2t + 1, 2t + 8, 2t + 9
 // and A row g its x values at the same positions (rows 8-15 zero), so D[g][g] = lanes 4g .. 4g + 3's products
@@ -150,7 +151,7 @@ extern "C" __global__ void __launch_bounds__(TMA_THREADS, 1) gemv_tma(const Gemv
     const int ring = p.stages;                    // a multiple of TMA_CONSUMERS (see the consumer loop)
     const int spans = p.k / TMA_SPAN_HALVES;      // spans per weight row
     half_t* xh = reinterpret_cast<half_t*>(tma_smem + (i64)ring * stage_bytes);  // x [k] fp16, after the ring
-    float* partial = reinterpret_cast<float*>(xh + p.k);                         // [2 rows][spans] fp32
+    float* partial = reinterpret_cast<float*>(xh + p.k);  // [(SILU ? 2 : 1) * rows][spans] fp32
 
     if (ring <= 0 || ring % TMA_CONSUMERS || ring > TMA_MAX_STAGES || p.stage_spans <= 0 ||
         p.stage_spans > TMA_STAGE_SPANS || p.m != 1)
@@ -181,7 +182,9 @@ extern "C" __global__ void __launch_bounds__(TMA_THREADS, 1) gemv_tma(const Gemv
         pdl_enter();  // x (and the residual, y) only after the previous kernel
         // x -> smem as it is (16-byte vectors: the launcher's vec_ok), NORM_POST: with its sum of squares, the
         // same fixed order in every block
+#if NORM_POST
         float ss = 0.f;
+#endif
         for (int j = threadIdx.x * 8; j < p.k; j += TMA_CONSUMERS * 32 * 8) {
             const uint4 v = *reinterpret_cast<const uint4*>(p.x + j);
             *reinterpret_cast<uint4*>(xh + j) = v;

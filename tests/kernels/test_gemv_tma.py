@@ -5,7 +5,8 @@ Bounds (max |got - ref| / max |ref|):
   - TOL = 4e-3 against CpuBackend's fp32 reference (test_fused.py's bound: fp32 accumulation, the fp16 roundings of
     the unfused ops, and for folded weights fp16(W g) where the reference rounds the normalized x).
   - GEMV_TOL = 1e-3 against `gemv` on the same weight (VOLTSERVE_GEMV_TMA=off): the same exact fp16 x fp16
-    products (gemv_tma's on tensor cores) summed in another fp32 order, one fp16 output rounding apart.
+    products, summed in another order (gemv_tma's on tensor cores, whose fp32 accumulation truncates rather than
+    rounds), one fp16 output rounding apart.
 The kernel adds each output's 1024-wide spans in fixed order, so the ring depth and the grid do not change a bit
 of it (asserted).
 """

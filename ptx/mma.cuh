@@ -1,7 +1,8 @@
 // mma.cuh: register-level tensor-core helpers shared by the kernels that build MMA fragments from their own loads,
-// without ldmatrix (gemv_mma.cu, gemv_s8.cu, gemv_tma.cu, attention_decode.cu). Fragment layouts: PTX ISA, "Matrix fragments
-// for mma.m16n8k16", "... for mma.m8n8k4" (fp16 x fp16 -> fp32 accumulate) and "... for mma.m16n8k32" (8-bit). Each helper emits its instruction
-// only where it is called: the callers guard the SM80+ shape by architecture.
+// without ldmatrix (gemv_mma.cu, gemv_s8.cu, gemv_tma.cu, attention_decode.cu). Fragment layouts: PTX ISA,
+// "Matrix fragments for mma.m16n8k16", "... for mma.m8n8k4" (fp16 x fp16 -> fp32 accumulate) and "... for
+// mma.m16n8k32" (8-bit). Each helper emits its instruction only where it is called: the callers guard the SM80+
+// shape by architecture.
 #pragma once
 #include "common.cuh"
 

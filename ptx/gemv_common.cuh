@@ -1,5 +1,5 @@
-// gemv_common.cuh: what the decode GEMV kernels (gemv.cu, gemv_mma.cu, gemv_s8.cu, gemv_tma.cu) share: their params struct, the fused
-// epilogue value and the fused RMSNorm's 1 / rms.
+// gemv_common.cuh: what the decode GEMV kernels (gemv.cu, gemv_mma.cu, gemv_s8.cu, gemv_tma.cu) share: their
+// params struct, the fused epilogue value and the fused RMSNorm's 1 / rms.
 #pragma once
 #include "quant.cuh"
 

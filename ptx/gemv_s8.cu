@@ -39,119 +39,10 @@
 #endif
 #include "gemv_mma.cuh"
 
-#ifndef S8_M1
-#define S8_M1 0
-#endif
 #ifndef S8_XG
 #define S8_XG 0  // 1: x quantized once per launch by quantize_s8 into p.xq; gemv_s8 copies it into smem
 #endif
-#define S8_COLS (S8_M1 ? 1 : 8)  // x scales per block in smem
-
-VOLT_DEVICE int s8_pitch(int nb) { return nb * 32 + 16; }  // bytes of one quantized x row (+16: fewer bank conflicts)
-
-VOLT_DEVICE int cvt_rni(float v) {
-    int i;
-    asm("cvt.rni.s32.f32 %0, %1;" : "=r"(i) : "f"(v));
-    return i;
-}
-// max that keeps a NaN (fmaxf drops it): a NaN in x makes its block's d NaN, so y is NaN as with gemv_mma
-VOLT_DEVICE float max_nan(float a, float b) { return (b > a || b != b) ? b : a; }
-VOLT_DEVICE u32 pack_s8x4(const int* q) {
-    return (u32)(q[0] & 0xff) | (u32)(q[1] & 0xff) << 8 | (u32)(q[2] & 0xff) << 16 | (u32)(q[3] & 0xff) << 24;
-}
-
-#ifndef S8_QBATCH
-#define S8_QBATCH 4  // quarters per thread whose loads are issued together (the prologue is L2-latency-bound)
-#endif
-
-// Quantize quarter idx (8 elements: quarter qq of block b of x row r) from its loaded values xv (fp16) and, with
-// the fused norm, norm_w's 8 values; the 4 quarters of a block are adjacent lanes (quad shuffles).
-VOLT_DEVICE void s8_quantize_quarter(const GemvParams& p, const float* inv_rms, u8* xq, float2* xs, int idx,
-                                     uint4 xv, float4 nw0, float4 nw1) {
-    const int nb = p.k / 32;
-    const int r = idx / (nb * 4), b = (idx >> 2) - r * nb, qq = idx & 3;
-    float v[8];
-    unpack8(xv, v);
-    if (p.norm_w != nullptr) {
-        const float inv = inv_rms[r];
-        const float nw[8] = {nw0.x, nw0.y, nw0.z, nw0.w, nw1.x, nw1.y, nw1.z, nw1.w};
-#pragma unroll
-        for (int e = 0; e < 8; ++e) v[e] = round_h(v[e] * inv * nw[e]);
-    }
-    float amax = 0.f;
-#pragma unroll
-    for (int e = 0; e < 8; ++e) amax = max_nan(amax, fabsf(v[e]));
-    amax = max_nan(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
-    amax = max_nan(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
-    const float id = amax > 0.f ? 127.f / amax : 0.f;
-    int q[8], sum = 0;
-#pragma unroll
-    for (int e = 0; e < 8; ++e) {
-        q[e] = cvt_rni(v[e] * id);
-        sum += q[e];
-    }
-    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-    sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-#if WREPACK
-    u8* row = xq + r * s8_pitch(nb) + (b / RP_GROUP) * (32 * RP_GROUP) + (b % RP_GROUP) * 8;  // + slot * 8 * RP_GROUP
-#if WTYPE == WTYPE_Q8_0
-    // elements 8qq..8qq+3 -> slot qq word 0, 8qq+4..8qq+7 -> word 1
-    *reinterpret_cast<uint2*>(row + qq * 8 * RP_GROUP) = make_uint2(pack_s8x4(q), pack_s8x4(q + 4));
-#else
-    // elements 8qq..8qq+7 = slots 2 (qq & 1) and 2 (qq & 1) + 1 of word qq >> 1 (high nibbles: word 1)
-    const int slot = 2 * (qq & 1), w = 4 * (qq >> 1);
-    *reinterpret_cast<u32*>(row + slot * 8 * RP_GROUP + w) = pack_s8x4(q);
-    *reinterpret_cast<u32*>(row + (slot + 1) * 8 * RP_GROUP + w) = pack_s8x4(q + 4);
-#endif
-#endif
-    if (qq == 0) {
-        const float d = amax / 127.f, s = d * (float)sum;
-        xs[b * S8_COLS + r] = make_float2(d, WTYPE == WTYPE_Q4_0 ? -8.f * s : s);
-    }
-}
-
-// Quantize the m rows of x (normalized first with norm_w, inv_rms[r] = 1 / rms of row r) into xq / xs, QB
-// quarters per thread at a time, their loads issued before any is used. Block-wide.
-template <int QB = S8_QBATCH>
-VOLT_DEVICE void s8_quantize_x(const GemvParams& p, const float* inv_rms, u8* xq, float2* xs) {
-    const int nb = p.k / 32;
-    const int total = p.m * nb * 4;  // a multiple of 32 (nb % 8 == 0): each warp's quarters are all in or all out
-    const bool norm = p.norm_w != nullptr;
-    for (int i0 = threadIdx.x; i0 < total; i0 += QB * blockDim.x) {
-        uint4 xv[QB];
-        float4 nw[QB][2];
-#pragma unroll
-        for (int j = 0; j < QB; ++j) {
-            const int idx = i0 + j * blockDim.x;
-            if (idx < total) {
-                const int r = idx / (nb * 4), e0 = ((idx >> 2) - r * nb) * 32 + 8 * (idx & 3);
-                xv[j] = *reinterpret_cast<const uint4*>(p.x + r * p.x_stride + e0);
-                if (norm) {
-                    nw[j][0] = *reinterpret_cast<const float4*>(p.norm_w + e0);
-                    nw[j][1] = *reinterpret_cast<const float4*>(p.norm_w + e0 + 4);
-                }
-            }
-        }
-#pragma unroll
-        for (int j = 0; j < QB; ++j) {
-            const int idx = i0 + j * blockDim.x;
-            if (idx < total) s8_quantize_quarter(p, inv_rms, xq, xs, idx, xv[j], nw[j][0], nw[j][1]);
-        }
-    }
-}
-
-// acc + one block's int32 sum ci scaled (exact in fp32: |ci| < 2^24): (dw, mw) = the weight block's d and Q4_1's
-// m, (dx, sx) = the x block's d and x-sum term (Q4_0: -8 s, Q4_1: s); mw, sx unused where the format has none.
-VOLT_DEVICE float s8_add_block(float acc, float dw, float mw, float dx, float sx, int ci) {
-    const float c = (float)ci;
-#if WTYPE == WTYPE_Q8_0
-    return fmaf(dw, dx * c, acc);
-#elif WTYPE == WTYPE_Q4_0
-    return fmaf(dw, fmaf(dx, c, sx), acc);
-#else
-    return fmaf(dw, dx * c, fmaf(mw, sx, acc));
-#endif
-}
+#include "gemv_s8.cuh"
 
 // acc (rows g, g + 8 x columns 2t, 2t + 1 of one 16-row tile) += the scaled int32 sums ci of one block.
 // w0 / w1: the scale words of rows g / g + 8; (dx, sx): x scales of column 2t (.x, .y) and 2t + 1 (.z, .w).
@@ -343,13 +234,6 @@ extern "C" __global__ void __launch_bounds__(32 * GM_WARPS, GM_MIN_BLOCKS) gemv_
 #define S8W_QBATCH 1      // the prologue's x quarters per thread in flight (gemv_s8's 4 would cost registers)
 #endif
 #define S8W_ROWS (SILU ? 2 : 1)
-#if WTYPE == WTYPE_Q4_1
-typedef uint4 S8wScale;  // a load group's 4 scale words (d | m << 16)
-#elif WTYPE == WTYPE_Q4_0
-typedef uint2 S8wScale;  // 4 fp16 d
-#else
-typedef u32 S8wScale;    // Q8_0: 2 fp16 d
-#endif
 struct S8wItem {
     uint4 q[S8W_UNROLL];  // this lane's quant pieces of the item's steps
     S8wScale sc;          // the scales of the item's load group 8 * s0 + lane (lanes < 8 * S8W_UNROLL)
@@ -385,9 +269,6 @@ VOLT_DEVICE S8wScale s8w_scale(const S8wScale& sc, int j, int lane) {
     return __shfl_sync(0xffffffffu, sc, src);
 #endif
 }
-
-// fp32 of half h (0 low, 1 high) of a 32-bit word.
-VOLT_DEVICE float half_of(u32 w, int h) { return h2f((half_t)(h ? w >> 16 : w & 0xffffu)); }
 
 // acc += piece c's products: q = its quant words, sc = its group's scales, x from the block's xq / xs;
 // keep_s = 1 on slot 0's lanes (they add the blocks' x-sum terms), 0 elsewhere.

@@ -28,6 +28,7 @@
 // Reference: voltserve.backends.cpu.CpuBackend.linear.
 #include "gemv_common.cuh"
 #include "mma.cuh"
+#include "tma.cuh"
 
 #ifndef SILU
 #define SILU 0
@@ -47,41 +48,6 @@
 #define TMA_STAGE_SPANS 4                          // most spans per stage (p.stage_spans <= it)
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-VOLT_DEVICE void mbar_init(unsigned long long* bar, u32 count) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_u32(bar)), "r"(count) : "memory");
-}
-
-// Arm `bar` for `bytes` of bulk copies (this thread's arrival counts as the phase's one expected arrival).
-VOLT_DEVICE void mbar_expect_tx(unsigned long long* bar, u32 bytes) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(bar)), "r"(bytes)
-                 : "memory");
-}
-
-// One arrival on `bar` (a consumer's release of its slot).
-VOLT_DEVICE void mbar_arrive(unsigned long long* bar) {
-    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_u32(bar)) : "memory");
-}
-
-// Barrier `id` (1..15; 0 is __syncthreads) over the first `threads` threads of the block.
-VOLT_DEVICE void named_sync(int id, int threads) {
-    asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
-}
-
-// Wait until `bar`'s phase of parity `parity` has completed (its bytes landed in smem).
-VOLT_DEVICE void mbar_wait(unsigned long long* bar, u32 parity) {
-    u32 done;
-    do {
-        asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
-                     " selp.u32 %0, 1, 0, p;\n}" : "=r"(done) : "r"(smem_u32(bar)), "r"(parity) : "memory");
-    } while (!done);
-}
-
-// One bulk copy global -> smem of `bytes` (16-byte multiple, both addresses 16-byte aligned), completing on `bar`.
-VOLT_DEVICE void bulk_copy(void* dst, const void* src, u32 bytes, unsigned long long* bar) {
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-                 ::"r"(smem_u32(dst)), "l"(src), "r"(bytes), "r"(smem_u32(bar)) : "memory");
-}
-
 // The block's weight bytes as 1 (SILU: 2) contiguous segments of `seg_bytes` each; stage i of the block.
 struct TmaStage {
     const u8* src;
@@ -156,14 +122,7 @@ extern "C" __global__ void __launch_bounds__(TMA_THREADS, 1) gemv_tma(const Gemv
     if (ring <= 0 || ring % TMA_CONSUMERS || ring > TMA_MAX_STAGES || p.stage_spans <= 0 ||
         p.stage_spans > TMA_STAGE_SPANS || p.m != 1)
         __trap();  // the launcher's contract (kernels.gemv_tma_plan; the parity waits below rely on it)
-    if (threadIdx.x == 0) {
-        for (int s = 0; s < ring; ++s) {
-            mbar_init(&full[s], 1);   // the producer's expect_tx arrival (+ the stage's bytes)
-            mbar_init(&empty[s], 1);  // the consuming warp's arrival
-        }
-        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-    }
+    ring_init(full, empty, ring, 1);  // empty: the consuming warp's arrival
     __syncthreads();
     if (warp == TMA_CONSUMERS) {
         // producer warp (one lane): the first `ring` stages before the previous kernel ends (PDL; weights only,

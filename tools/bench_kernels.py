@@ -2,9 +2,10 @@
 bandwidth, median of repeats, plus bytes / FLOPs and the projected V100 time (900 GB/s, 125 TFLOP/s fp16 TC).
 
 Usage:
-    PYTHONPATH=src:. python tools/bench_kernels.py [--out bench.json] [--repeats 20] [--only SUBSTRING]
+    PYTHONPATH=src:. python tools/bench_kernels.py [--out bench.json] [--repeats 20] [--only REGEX]
         [--gemv-kernel scalar,auto]   # decode_* rows once per GEMV kernel choice, tagged @choice
         [--gemv-tma on,off]           # ... and once per gemv_tma choice (VOLTSERVE_GEMV_TMA), tagged @tma=choice
+        [--gemv-tma-s8 on,off]        # ... and once per gemv_tma_s8 choice (VOLTSERVE_GEMV_TMA_S8), @tma_s8=choice
 Shapes are Llama-3-8B-like (hidden 4096, 32 heads / 8 KV heads, head_dim 128, FFN 14336) unless named.
 
 Two kinds of rows:
@@ -22,8 +23,10 @@ Two kinds of rows:
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
+import re
 import statistics
 import sys
 
@@ -31,6 +34,11 @@ import torch
 
 V100_BYTES_S = 900e9
 V100_FLOP_S = 125e12
+
+
+def _picked(only: str, name: str) -> bool:
+    """Whether --only (a regular expression, searched in the row name) picks row `name`."""
+    return re.search(only, name) is not None
 
 
 def _time(fn, repeats: int) -> float:
@@ -99,11 +107,11 @@ def _decode_gemv_cases(be, repeats: int, only: str | None):
     for fmt in ("F16", "Q4_0", "Q4_1", "Q8_0"):
         for out_f, in_f in ((4096, 4096), (14336, 4096), (4096, 14336)):
             names = [f"decode_gemv_{fmt}_{out_f}x{in_f}_m{m}" for m in (1, 2, 4, 8)]
-            if only and not any(only in n for n in names):
+            if only and not any(_picked(only, n) for n in names):
                 continue
             lin, lins, wbytes, copies = _rotated_weights(be, fmt, out_f, in_f, gen)
             for m, name in zip((1, 2, 4, 8), names):
-                if only and only not in name:
+                if only and not _picked(only, name):
                     continue
                 xm = torch.randn(m, in_f, device="cuda", dtype=torch.float16)
                 fns = [(lambda li=li: be.linear(xm, li)) for li in lins]
@@ -126,7 +134,7 @@ def _decode_fused_cases(be, repeats: int, only: str | None):
     for fmt in ("F16", "Q4_1"):
         for part, (out_f, in_f) in (("qkv", (6144, 4096)), ("gate_up", (28672, 4096)), ("down", (4096, 14336))):
             names = [f"decode_{kind}_{part}_{fmt}_{out_f}x{in_f}_m1" for kind in ("fused", "unfused")]
-            if only and not any(only in n for n in names):
+            if only and not any(_picked(only, n) for n in names):
                 continue
             lin, lins, wbytes, copies = _rotated_weights(be, fmt, out_f, in_f, gen, swiglu=part == "gate_up")
             x = torch.randn(1, in_f, device="cuda", dtype=torch.float16)
@@ -147,7 +155,7 @@ def _decode_fused_cases(be, repeats: int, only: str | None):
             del lins, lin
             torch.cuda.empty_cache()
             folded = f"decode_folded_{part}_{fmt}_{out_f}x{in_f}_m1"
-            if fmt != "F16" or part == "down" or (only and only not in folded):
+            if fmt != "F16" or part == "down" or (only and not _picked(only, folded)):
                 continue
             lin, lins, wbytes, copies = _rotated_weights(be, fmt, out_f, in_f, gen, norm=norm_cpu)
             t = _graph_time(be, [(lambda li=li: fused(li)) for li in lins], repeats) / copies
@@ -170,7 +178,7 @@ def _decode_attention_cases(be, repeats: int, only: str | None):
     cases += [("rope_attn", s, c) for s, c in ((16, 4096), (1, 512), (8, 512))]
     for kind, num_seqs, ctx in cases:
         name = f"decode_{kind}_b{num_seqs}_ctx{ctx}"
-        if only and only not in name:
+        if only and not _picked(only, name):
             continue
         blocks = math.ceil(ctx / 16)
         kv_bytes = num_seqs * ctx * 2 * kvh * d * 2
@@ -265,12 +273,15 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=None, help="write the JSON here too")
     ap.add_argument("--repeats", type=int, default=20)
-    ap.add_argument("--only", default=None, help="run only the rows whose name contains this")
+    ap.add_argument("--only", default=None, help="run only the rows whose name this regular expression matches "
+                    "(re.search: a plain substring works)")
     ap.add_argument("--pdl", choices=["on", "off"], default="on", help="programmatic dependent launch (SM90+)")
     ap.add_argument("--gemv-kernel", default="auto",
                     help="decode GEMV kernels for the decode_* rows: auto, scalar, mma, or a list (rows get @choice)")
     ap.add_argument("--gemv-tma", default=None,
                     help="gemv_tma choice for the decode_* rows: off, folded, on, or a list (rows get @tma=choice)")
+    ap.add_argument("--gemv-tma-s8", default=None,
+                    help="gemv_tma_s8 choice for the decode_* rows: off, on, or a list (rows get @tma_s8=choice)")
     args = ap.parse_args()
     from voltserve.backends.cuda.backend import CudaBackend
 
@@ -288,24 +299,27 @@ def main() -> int:
         print(json.dumps(row), file=sys.stderr)
 
     for name, fn, num_bytes, flops in _cases(be):
-        if args.only and args.only not in name:
+        if args.only and not _picked(args.only, name):
             continue
         add(name, _time(fn, args.repeats), num_bytes, flops)
     for name, t, num_bytes, flops in _decode_attention_cases(be, args.repeats, args.only):
         add(name, t, num_bytes, flops)
-    choices = args.gemv_kernel.split(",")
-    tma_default = be.gemv_tma
-    tma_choices = args.gemv_tma.split(",") if args.gemv_tma else [tma_default]
-    for tma in tma_choices:
-        be.gemv_tma = tma
-        for choice in choices:
-            be.gemv_kernel = choice
-            tag = (f"@{choice}" if len(choices) > 1 else "") + (f"@tma={tma}" if len(tma_choices) > 1 else "")
-            for name, t, num_bytes in _decode_gemv_cases(be, args.repeats, args.only):
-                add(name + tag, t, num_bytes, 0)
-            for name, t, num_bytes in _decode_fused_cases(be, args.repeats, args.only):
-                add(name + tag, t, num_bytes, 0)
-    be.gemv_kernel, be.gemv_tma = "auto", tma_default
+    # (backend attribute, tag, choices): every combination runs the decode_* rows once
+    knobs = [("gemv_kernel", "@", args.gemv_kernel.split(",")),
+             ("gemv_tma", "@tma=", args.gemv_tma.split(",") if args.gemv_tma else [be.gemv_tma]),
+             ("gemv_tma_s8", "@tma_s8=", args.gemv_tma_s8.split(",") if args.gemv_tma_s8 else [be.gemv_tma_s8])]
+    defaults = {attr: getattr(be, attr) for attr, _, _ in knobs}
+    for combo in itertools.product(*(values for _, _, values in knobs)):
+        tag = ""
+        for (attr, prefix, values), value in zip(knobs, combo):
+            setattr(be, attr, value)
+            tag += f"{prefix}{value}" if len(values) > 1 else ""
+        for name, t, num_bytes in _decode_gemv_cases(be, args.repeats, args.only):
+            add(name + tag, t, num_bytes, 0)
+        for name, t, num_bytes in _decode_fused_cases(be, args.repeats, args.only):
+            add(name + tag, t, num_bytes, 0)
+    for attr, value in defaults.items():
+        setattr(be, attr, value)
     result = {"device": torch.cuda.get_device_name(), "arch": be.loader.arch, "pdl": be.pdl, "repeats": args.repeats,
               "copy_bandwidth_GBps": round(copy_bw / 1e9, 1), "kernels": rows}
     text = json.dumps(result, indent=1)

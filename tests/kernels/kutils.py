@@ -227,3 +227,18 @@ def metadata_to_cuda(attn: AttentionMetadata, max_seq_len=None, split_decode=Fal
     return AttentionMetadata(attn.query_start_loc.cuda(), attn.seq_lens.cuda(), attn.block_tables.cuda(),
                              attn.slot_mapping.cuda(), max_query_len or attn.max_query_len,
                              max_seq_len or attn.max_seq_len, attn.query_lens_cpu, attn.seq_lens_cpu, split_decode)
+
+
+def assert_nan_and_zero_blocks(backend, tol: float) -> None:
+    """For the int8 decode GEMVs on repacked rows: an all-zero x block (d = 0) and blocks of very different
+    magnitudes stay within `tol` of `s8_reference` and finite; a NaN in x makes every output NaN. Uses a Q4_1
+    [64, 1024] weight (the caller's backend settings pick the kernel)."""
+    quant, _, lin = repacked_weight(backend, "Q4_1", 64, 1024, 13)
+    x = torch.randn(1, 1024, generator=torch.Generator().manual_seed(14)).half()
+    x[0, 64:96] = 0
+    x[0, 96:128] *= 1000
+    x[0, 128:160] *= 1e-3
+    got = backend.linear(x.cuda(), lin)
+    assert torch.isfinite(got.float()).all() and rel_err(got, s8_reference(x, quant)) <= tol
+    x[0, 100] = float("nan")
+    assert torch.isnan(backend.linear(x.cuda(), lin).float()).all()

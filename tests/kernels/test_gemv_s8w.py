@@ -11,8 +11,8 @@ Bounds (max |got - ref| / max |ref|), as tests/kernels/test_gemv_s8.py states th
 
 import pytest
 import torch
-from tests.kernels.kutils import (assert_replay_equals_eager, backend_settings, launched_kernels, rel_err,
-                                  repacked_weight, s8_reference)
+from tests.kernels.kutils import (assert_nan_and_zero_blocks, assert_replay_equals_eager, backend_settings,
+                                  launched_kernels, rel_err, repacked_weight, s8_reference)
 
 pytestmark = pytest.mark.gpu
 EMU_TOL = 1e-3
@@ -118,16 +118,8 @@ def test_x_per_launch_equals_per_block(cuda_backend, fmt):
 
 def test_nan_and_zero_blocks(s8w_backend):
     """A NaN in x makes every output NaN; an all-zero x block (d = 0) and blocks of very different magnitudes
-    stay exact against the emulation."""
-    quant, _, lin = repacked_weight(s8w_backend, "Q4_1", 64, 1024, 13)
-    x = torch.randn(1, 1024, generator=torch.Generator().manual_seed(14)).half()
-    x[0, 64:96] = 0
-    x[0, 96:128] *= 1000
-    x[0, 128:160] *= 1e-3
-    got = s8w_backend.linear(x.cuda(), lin)
-    assert torch.isfinite(got.float()).all() and rel_err(got, s8_reference(x, quant)) <= EMU_TOL
-    x[0, 100] = float("nan")
-    assert torch.isnan(s8w_backend.linear(x.cuda(), lin).float()).all()
+    stay exact against the emulation (kutils.assert_nan_and_zero_blocks)."""
+    assert_nan_and_zero_blocks(s8w_backend, EMU_TOL)
 
 
 def test_graph_replay_equals_eager(s8w_backend):

@@ -238,6 +238,12 @@ def test_repack_policy_and_routing():
     # with gemv_s8: every Q4 weight of >= 4 MB, SwiGLU pairs too
     assert repack_wanted("auto", 90, "Q4_1", 4096, big, swiglu=True, s8=True)
     assert not repack_wanted("auto", 90, "Q8_0", 14336, big, s8=True)  # Q8_0: gemv_s8 measured slower, old rule
+    # with gemv_s8w at one row: every Q8_0 weight of >= 4 MB (SwiGLU pairs, k = 14,336), not Q4 by that alone
+    assert repack_wanted("auto", 90, "Q8_0", 14336, big, swiglu=True, s8w=True)
+    assert repack_wanted("auto", 80, "Q8_0", 4096, big, swiglu=True, s8w=True)
+    assert not repack_wanted("auto", 90, "Q8_0", 14336, small, s8w=True)
+    assert not repack_wanted("auto", 90, "Q4_1", 4096, big, swiglu=True, s8w=True)
+    assert not repack_wanted("auto", 70, "Q8_0", 4096, big, s8w=True)
     assert not repack_wanted("auto", 90, "Q4_1", 4096, small, s8=True)
     assert repack_wanted("auto", 90, "Q4_1", 16640, big, swiglu=True, s8=True)
     for fmt in ("Q4_0", "Q4_1", "Q8_0"):
@@ -525,3 +531,42 @@ def test_gemv_tma_routing():
             kernels.gemv_tma_plan(4096, 4096, False, 132, ring)
     with pytest.raises(ValueError, match="k % 1024"):
         kernels.gemv_tma_plan(4096, 4000, False, 132)
+
+
+def test_gemv_tma_s8_routing_and_plan():
+    """gemv_tma_s8 runs only under VOLTSERVE_GEMV_TMA_S8=on (the default "off": it measured slower), on one-row
+    calls without a fused norm or SwiGLU, on repacked rows of whole chunks, SM90+, where its ring fits; its ring
+    holds whole row pairs in one bulk copy per stage, and the plan sizes the smem as ring + x + partials."""
+    from voltserve.backends.cuda import kernels
+    from voltserve.backends.cuda.linear import gemv_tma_s8_ok
+
+    w = _linear("Q4_1", 4096, 4096)
+    w.layout = "repacked"
+    be = _backend(90)
+    assert not gemv_tma_s8_ok(be, w, 1) and gemv_kernel_name(be, w, 1) == "gemv_s8"
+    be.gemv_tma_s8 = "on"
+    assert gemv_tma_s8_ok(be, w, 1) and gemv_kernel_name(be, w, 1) == "gemv_tma_s8"
+    assert gemv_kernel_name(be, w, 2) == "gemv_s8"
+    assert not gemv_tma_s8_ok(be, w, 1, norm=True) and not gemv_tma_s8_ok(be, w, 1, silu=True)
+    assert not gemv_tma_s8_ok(be, _linear("Q4_1", 4096, 4096), 1)  # GGUF rows
+    narrow = _linear("Q4_1", 64, 512)  # Q4 rows need whole 1,024-weight chunks
+    narrow.layout = "repacked"
+    assert not gemv_tma_s8_ok(be, narrow, 1)
+    old_gpu = _backend(80)
+    old_gpu.gemv_tma_s8 = "on"
+    assert not gemv_tma_s8_ok(old_gpu, w, 1)
+    tight = _backend(90, smem_kb=100)
+    tight.gemv_tma_s8 = "on"
+    assert not gemv_tma_s8_ok(tight, w, 1)  # a 160 KB ring does not fit
+    # Q4_1 k = 4096: 2,560-byte rows, 12 a stage (30 KB), 5 stages; k = 14336: one row pair (17.5 KB), 8 stages
+    assert kernels.gemv_tma_s8_ring("Q4_1", 4096) == (5, 12) and kernels.gemv_tma_s8_ring("Q4_1", 14336) == (8, 2)
+    assert kernels.gemv_tma_s8_ring("Q8_0", 14336) == (5, 2) and kernels.gemv_tma_s8_chunk("Q8_0") == 512
+    x_bytes = kernels.gemv_s8_smem_bytes(1, 4096)
+    assert kernels.gemv_tma_s8_plan("Q4_1", 4096, 4096, 132, (5, 12)) == (132, 5 * 12 * 2560 + x_bytes + 32 * 4 * 4)
+    assert kernels.gemv_tma_s8_plan("Q8_0", 5, 1024, 132, (2, 2)) == (5, 2 * 2 * 1088 + kernels.gemv_s8_smem_bytes(
+        1, 1024) + 1 * 2 * 4)
+    for ring in ((0, 2), (9, 2), (2, 3), (2, 0)):
+        with pytest.raises(ValueError, match="ring"):
+            kernels.gemv_tma_s8_plan("Q4_1", 4096, 4096, 132, ring)
+    with pytest.raises(ValueError, match="whole chunks"):
+        kernels.gemv_tma_s8_ring("Q4_1", 512)

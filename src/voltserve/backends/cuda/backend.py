@@ -88,6 +88,14 @@ class CudaBackend:
         ring = _env_choice("VOLTSERVE_GEMV_TMA_RING",
                            ("x".join(map(str, kernels.GEMV_TMA_RING)), "8x4", "16x2", "24x4", "32x2"))
         self.gemv_tma_ring = tuple(int(v) for v in ring.split("x"))
+        # one-row GEMVs on repacked quant rows through gemv_tma_s8 (SM90+: a bulk-copy ring as gemv_tma, int8
+        # MMAs as gemv_s8): "off" (the default: slower than gemv_s8 / gemv_s8w on every 8B shape measured,
+        # docs/performance.md session 11) or "on" (every call it can take: one row, no fused norm, no SwiGLU;
+        # linear.gemv_tma_s8_ok); VOLTSERVE_GEMV_TMA_S8
+        self.gemv_tma_s8 = _env_choice("VOLTSERVE_GEMV_TMA_S8", ("off", "on"))
+        # its consumer warps per block (VOLTSERVE_GEMV_TMA_S8_WARPS, A/B runs)
+        self.gemv_tma_s8_warps = int(_env_choice("VOLTSERVE_GEMV_TMA_S8_WARPS",
+                                                 (str(kernels.GEMV_TMA_S8_CONSUMERS), "8", "24")))
         # gemv_s8's grid: "persistent" (the blocks the GPU holds at once, looping over the tiles) or "full" (one
         # block per tile); VOLTSERVE_GEMV_S8_GRID for A/B runs
         self.gemv_s8_grid = _env_choice("VOLTSERVE_GEMV_S8_GRID", ("persistent", "full"))
@@ -172,7 +180,8 @@ class CudaBackend:
         repack = quant is not None and self.gemv_kernel != "scalar" and repack_wanted(
             self.quant_repack, self.loader.compile_arch, quant.qtype, weight.shape[1], int(quant.data.nbytes),
             swiglu, superblocks=gemv_mma_sb_fits(self, quant.qtype),
-            s8=gemv_s8_enabled(self) and gemv_s8_fits(self, kernels.GEMV_MAX_ROWS, weight.shape[1]))
+            s8=gemv_s8_enabled(self) and gemv_s8_fits(self, kernels.GEMV_MAX_ROWS, weight.shape[1]),
+            s8w=gemv_s8_enabled(self) and self.gemv_s8_m1 == "warp" and gemv_s8_fits(self, 1, weight.shape[1]))
         return CudaLinear.upload(weight, quant, self.device, repack=repack, norm=norm)
 
     def prepare_embedding(self, weight: torch.Tensor, quant: Any | None = None) -> CudaEmbedding:

@@ -146,6 +146,66 @@ def gemv_tma_plan(n_out: int, k: int, silu: bool, num_sms: int,
     return grid, stages * spans * GEMV_TMA_SPAN * 2 + k * 2 + rows * (k // GEMV_TMA_SPAN) * 4
 
 
+GEMV_TMA_S8_CONSUMERS = 16  # TS8_CONSUMERS in gemv_tma_s8.cu: consumer warps (one more issues the copies)
+GEMV_TMA_S8_ROWS = 2  # TS8_ROWS: weight rows per MMA (A rows g and g + 8); a stage holds whole pairs
+GEMV_TMA_S8_MAX_STAGES = 8  # TS8_MAX_STAGES
+GEMV_TMA_S8_CHUNK_GROUPS = 8  # TS8_CHUNK_GROUPS: rows are whole chunks of 8 load groups (64 quant bytes each)
+GEMV_TMA_S8_SLOT_BYTES = 32 << 10  # a ring stage's most bytes (one bulk copy): fewer, larger copies stream faster
+GEMV_TMA_S8_RING_BYTES = 160 << 10  # the ring's most bytes
+# repacked rows (repack.py): (scale bytes, quant bytes) of a block per format, and (scale bytes per block, blocks
+# per 64-byte load group): quant.cuh RP_SCALE_BYTES, RP_GROUP
+REPACK_FORMATS = {"Q4_0": (2, 16), "Q4_1": (4, 16), "Q8_0": (2, 32)}
+REPACK_GROUPS = {f: (sb, 64 // qb) for f, (sb, qb) in REPACK_FORMATS.items()}
+
+
+def gemv_tma_s8_spec(fmt: str, consumers: int = GEMV_TMA_S8_CONSUMERS) -> dict[str, int]:
+    """The -D set of gemv_tma_s8.cu: the quant format and its consumer warps (the block has 32 (consumers + 1)
+    threads)."""
+    return {"WTYPE": WTYPES[fmt], "TS8_CONSUMERS": consumers}
+
+
+def gemv_tma_s8_chunk(fmt: str) -> int:
+    """Weights per gemv_tma_s8 chunk (8 load groups): its rows must be whole chunks (Q4: 1,024, Q8_0: 512)."""
+    return 32 * REPACK_GROUPS[fmt][1] * GEMV_TMA_S8_CHUNK_GROUPS
+
+
+def gemv_tma_s8_ring(fmt: str, k: int) -> tuple[int, int]:
+    """(stages, rows per stage) of gemv_tma_s8 for repacked `fmt` rows of width k: the most whole row pairs that
+    fit GEMV_TMA_S8_SLOT_BYTES (at least one pair), then as many stages (<= GEMV_TMA_S8_MAX_STAGES, >= 2) as
+    GEMV_TMA_S8_RING_BYTES holds.
+
+    Raises:
+        ValueError: an unknown format or rows of no whole chunks (`gemv_tma_s8_chunk`).
+    """
+    if fmt not in REPACK_GROUPS or k <= 0 or k % gemv_tma_s8_chunk(fmt):
+        raise ValueError(f"gemv_tma_s8 takes repacked Q4_0 / Q4_1 / Q8_0 rows of whole chunks, got {fmt}, k = {k}")
+    row_bytes = k // 32 * sum(REPACK_FORMATS[fmt])
+    pair = GEMV_TMA_S8_ROWS * row_bytes
+    rows = max(1, GEMV_TMA_S8_SLOT_BYTES // pair) * GEMV_TMA_S8_ROWS
+    stages = max(2, min(GEMV_TMA_S8_MAX_STAGES, GEMV_TMA_S8_RING_BYTES // (rows * row_bytes)))
+    return stages, rows
+
+
+def gemv_tma_s8_plan(fmt: str, n: int, k: int, num_sms: int, ring: tuple[int, int]) -> tuple[int, int]:
+    """(grid, dynamic smem bytes) of a gemv_tma_s8 launch: one block per SM (at most one per output feature),
+    `ring` = (stages, rows per stage) of whole repacked rows, x quantized (gemv_s8_smem_bytes at one row) and the
+    partial sums [rows][chunks] fp32 of the block's most rows (the most parts a row can have).
+
+    Raises:
+        ValueError: stages outside 1..GEMV_TMA_S8_MAX_STAGES, rows per stage not a positive multiple of
+            GEMV_TMA_S8_ROWS, or rows of no whole chunks.
+    """
+    stages, stage_rows = ring
+    if not 0 < stages <= GEMV_TMA_S8_MAX_STAGES or stage_rows < GEMV_TMA_S8_ROWS or stage_rows % GEMV_TMA_S8_ROWS \
+            or k <= 0 or k % gemv_tma_s8_chunk(fmt):
+        raise ValueError(f"gemv_tma_s8 ring {ring} does not fit {fmt} rows of k = {k}: 1..{GEMV_TMA_S8_MAX_STAGES} "
+                         f"stages of a positive multiple of {GEMV_TMA_S8_ROWS} rows, k % {gemv_tma_s8_chunk(fmt)} == 0")
+    grid = max(1, min(num_sms, n))
+    rows = -(-n // grid)
+    row_bytes = k // 32 * sum(REPACK_FORMATS[fmt])
+    return grid, stages * stage_rows * row_bytes + gemv_s8_smem_bytes(1, k) + rows * (k // gemv_tma_s8_chunk(fmt)) * 4
+
+
 GEMV_S8_MIN_ARCH = 80  # gemv_s8: mma.m16n8k32 on int8
 GEMV_S8W_WARPS = 8  # gemv_s8w (gemv_s8.cu S8W_WARPS): warps per block
 
@@ -276,6 +336,7 @@ SOURCES = {
     "gemv": KernelSource("gemv.cu", ("gemv", "gemv_q"), P.GemvParams, "VOLT_GEMV_PARAMS_BYTES"),
     "gemv_mma": KernelSource("gemv_mma.cu", ("gemv_mma", "gemv_mma_sb"), P.GemvParams, "VOLT_GEMV_PARAMS_BYTES"),
     "gemv_tma": KernelSource("gemv_tma.cu", ("gemv_tma",), P.GemvParams, "VOLT_GEMV_PARAMS_BYTES"),
+    "gemv_tma_s8": KernelSource("gemv_tma_s8.cu", ("gemv_tma_s8",), P.GemvParams, "VOLT_GEMV_PARAMS_BYTES"),
     "gemv_s8": KernelSource("gemv_s8.cu", ("gemv_s8", "quantize_s8", "gemv_s8w"), P.GemvParams,
                             "VOLT_GEMV_PARAMS_BYTES"),
     "gemm_tiled": KernelSource("gemm_tiled.cu", ("gemm_tiled",), P.GemmParams, "VOLT_GEMM_PARAMS_BYTES"),
@@ -376,6 +437,7 @@ def engine_specializations() -> list[tuple[str, dict[str, int]]]:
               for r in (False, True) for f in WTYPES if not (r and f == "F16")
               for s in (0, 1) for o in (0, 1) for t in GEMV_MMA_TILES]
     specs += [("gemv_tma", gemv_tma_spec(bool(s), bool(n))) for s in (0, 1) for n in (0, 1)]
+    specs += [("gemv_tma_s8", gemv_tma_s8_spec(f)) for f in QUANT_BLOCK_BYTES]
     specs += [("gemv_s8", gemv_s8_spec(f, bool(s), r, o, g)) for f in QUANT_BLOCK_BYTES for s in (0, 1)
               for r, o, g in ((1, False, False), (8, False, False), (8, True, False), (1, False, True),
                               (8, False, True))]

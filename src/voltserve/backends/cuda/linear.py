@@ -47,7 +47,8 @@ GEMV_NORM_FUSED_MAX_BYTES = 16 << 20
 GEMV_TMA_MIN_BYTES = 4 << 20
 # gemv_tma's static smem, at most: the ring's mbarriers, the norm's scratch and 1 / rms (static_assert in the .cu)
 GEMV_TMA_STATIC_SMEM = 1024
-# Q8_0 weights wider than this stay GGUF under VOLTSERVE_QUANT_REPACK=auto (repack_wanted)
+# Q8_0 weights wider than this stay GGUF under VOLTSERVE_QUANT_REPACK=auto unless gemv_s8w takes their one-row
+# calls (repack_wanted)
 REPACK_Q8_0_MAX_K = 4096
 
 
@@ -80,7 +81,7 @@ def can_repack(fmt: str, in_features: int) -> bool:
 
 
 def repack_wanted(choice: str, arch: int, fmt: str, in_features: int, weight_bytes: int,
-                  swiglu: bool = False, superblocks: bool = True, s8: bool = False) -> bool:
+                  swiglu: bool = False, superblocks: bool = True, s8: bool = False, s8w: bool = False) -> bool:
     """Whether a quant weight is stored repacked (`CudaBackend.quant_repack`, VOLTSERVE_QUANT_REPACK).
 
     Only on SM80+ (gemv_mma's m16n8k16 path; its SM70 m8n8k4 build with repacked rows spills registers and was
@@ -92,12 +93,15 @@ def repack_wanted(choice: str, arch: int, fmt: str, in_features: int, weight_byt
     Q8_0: 27.2 us through gemv_mma_sb vs 30.1 us repacked on the H200). `s8`: the backend runs gemv_s8 on this
     weight's repacked rows at every row count (`gemv_s8_enabled` and `gemv_s8_fits` at 8 rows), whose int8
     MMAs beat the GGUF pair's scalar SwiGLU at m = 1 (29.0 vs 45.1 us on 28672x4096 Q4_1), so then every
-    Q4_0 / Q4_1 weight of >= GEMV_MMA_M1_MIN_BYTES is repacked."""
+    Q4_0 / Q4_1 weight of >= GEMV_MMA_M1_MIN_BYTES is repacked. `s8w`: the backend runs gemv_s8w on this weight's
+    one-row calls (`gemv_s8w_ok`'s backend conditions), which made every Q8_0 weight of >= GEMV_MMA_M1_MIN_BYTES
+    faster repacked, SwiGLU pairs and k = 14,336 too: the 8B Q8_0 step 4.80 -> 2.83 ms at batch 1, 5.62 -> 4.54 ms
+    at 8 (H200, docs/performance.md session 11; 4096x14336 at m = 1 27.2 -> 21.5 us, at m = 2-8 ~2 us slower)."""
     if choice == "off" or arch < kernels.GEMV_MMA_SB_MIN_ARCH or not can_repack(fmt, in_features):
         return False
     if choice == "on":
         return True
-    if s8 and fmt in GEMV_S8_AUTO_FORMATS:
+    if (s8 and fmt in GEMV_S8_AUTO_FORMATS) or (s8w and fmt == "Q8_0"):
         return weight_bytes >= GEMV_MMA_M1_MIN_BYTES
     return (weight_bytes >= GEMV_MMA_M1_MIN_BYTES and not swiglu
             and (fmt != "Q8_0" or in_features <= REPACK_Q8_0_MAX_K or not superblocks))
@@ -419,11 +423,13 @@ def gemv_mma_ok(backend: Any, w: CudaLinear, rows: int, vec_ok: int, norm: bool 
 
 def gemv_kernel_name(backend: Any, w: CudaLinear, rows: int, vec_ok: int = 1, norm: bool = False,
                      silu: bool = False) -> str:
-    """The kernel a GEMV launch of `rows` (1..8) x rows on `w` runs: "gemv_s8w", "gemv_s8", "gemv_mma_sb",
-    "gemv_mma", "gemv_tma", "gemv_q" or "gemv". Rows of launches that run the same kernel are bitwise equal whatever
-    the other rows (tests rely on it). A call of 9..16 rows runs both its launches with the kernel of its first
-    (min(m, 8) rows). `norm`: a fused RMSNorm weight (not a folded one)."""
+    """The kernel a GEMV launch of `rows` (1..8) x rows on `w` runs: "gemv_tma_s8", "gemv_s8w", "gemv_s8",
+    "gemv_mma_sb", "gemv_mma", "gemv_tma", "gemv_q" or "gemv". Rows of launches that run the same kernel are bitwise
+    equal whatever the other rows (tests rely on it). A call of 9..16 rows runs both its launches with the kernel of
+    its first (min(m, 8) rows). `norm`: a fused RMSNorm weight (not a folded one)."""
     if gemv_mma_ok(backend, w, rows, vec_ok, norm, silu):
+        if gemv_tma_s8_ok(backend, w, rows, norm, silu):
+            return "gemv_tma_s8"
         if gemv_s8w_ok(backend, w, rows):
             return "gemv_s8w"
         if gemv_s8_ok(backend, w, rows):
@@ -493,6 +499,9 @@ def _launch_gemv_mma(backend: Any, x: torch.Tensor, w: CudaLinear, y: torch.Tens
     m = x.shape[0]
     n_out = y.shape[1]
     one_pass = norm_weight is not None and m >= 2
+    if gemv_tma_s8_ok(backend, w, m, norm_weight is not None, silu):
+        _launch_gemv_tma_s8(backend, x, w, y, residual)
+        return
     if gemv_s8w_ok(backend, w, m):
         _launch_gemv_s8w(backend, x, w, y, norm_weight, eps, residual, silu, vec_ok)
         return
@@ -556,6 +565,36 @@ def _launch_gemv_tma(backend: Any, x: torch.Tensor, w: CudaLinear, y: torch.Tens
     p.stages, p.stage_spans = ring
     backend._launch("gemv_tma", "gemv_tma", kernels.gemv_tma_spec(silu, norm_post), (grid, 1, 1),
                     (kernels.GEMV_TMA_THREADS, 1, 1), smem, p)
+    launched_gemv(backend, w)
+
+
+def gemv_tma_s8_ok(backend: Any, w: CudaLinear, rows: int, norm: bool = False, silu: bool = False) -> bool:
+    """Whether a GEMV call of `rows` x rows on repacked rows `w` runs gemv_tma_s8 (ptx/gemv_tma_s8.cu):
+    `backend.gemv_tma_s8` (VOLTSERVE_GEMV_TMA_S8) "on" (the default "off": it measured slower than gemv_s8 /
+    gemv_s8w, docs/performance.md session 11), one row, no fused norm and no SwiGLU (builds it lacks), SM90+, rows
+    of whole chunks (`kernels.gemv_tma_s8_chunk`), the ring, x and the partials within the opt-in shared memory."""
+    if getattr(backend, "gemv_tma_s8", "off") != "on" or rows != 1 or norm or silu or w.layout != "repacked":
+        return False
+    k = w.in_features
+    if backend.loader.compile_arch < kernels.GEMV_TMA_MIN_ARCH or k % kernels.gemv_tma_s8_chunk(w.fmt):
+        return False
+    _, smem = kernels.gemv_tma_s8_plan(w.fmt, w.out_features, k, backend.num_sms,
+                                       kernels.gemv_tma_s8_ring(w.fmt, k))
+    return smem + GEMV_TMA_STATIC_SMEM <= backend.loader.max_smem_optin
+
+
+def _launch_gemv_tma_s8(backend: Any, x: torch.Tensor, w: CudaLinear, y: torch.Tensor,
+                        residual: torch.Tensor | None) -> None:
+    """One gemv_tma_s8 launch for one x row (`gemv_tma_s8_ok`), under PDL where the backend has it (its ring
+    fills before pdl_enter), one block per SM whatever its shared memory (as gemv_tma)."""
+    ring = kernels.gemv_tma_s8_ring(w.fmt, w.in_features)
+    grid, smem = kernels.gemv_tma_s8_plan(w.fmt, w.out_features, w.in_features, backend.num_sms, ring)
+    smem = max(smem, backend.loader.max_smem_optin // 2 + 16)
+    p = _gemv_params(x, 0, w, y, residual, None, 0.0, 1)
+    p.stages, p.stage_spans = ring
+    warps = getattr(backend, "gemv_tma_s8_warps", kernels.GEMV_TMA_S8_CONSUMERS)
+    backend._launch("gemv_tma_s8", "gemv_tma_s8", kernels.gemv_tma_s8_spec(w.fmt, warps), (grid, 1, 1),
+                    (32 * (warps + 1), 1, 1), smem, p)
     launched_gemv(backend, w)
 
 

@@ -19,8 +19,7 @@ from __future__ import annotations
 
 import torch
 
-# (scale bytes per block, quant bytes per block) of each format; block = scales + quants (quant.cuh)
-FORMATS = {"Q4_0": (2, 16), "Q4_1": (4, 16), "Q8_0": (2, 32)}
+from voltserve.backends.cuda.kernels import REPACK_FORMATS as FORMATS  # (scale, quant) bytes of a block
 REPACK_K_MULTIPLE = 256
 
 

@@ -237,7 +237,7 @@ def test_repack_policy_and_routing():
     assert repack_wanted("auto", 86, "Q8_0", 14336, big, superblocks=False)  # no gemv_mma_sb there to prefer
     # with gemv_s8: every Q4 weight of >= 4 MB, SwiGLU pairs too
     assert repack_wanted("auto", 90, "Q4_1", 4096, big, swiglu=True, s8=True)
-    assert not repack_wanted("auto", 90, "Q8_0", 14336, big, s8=True)  # Q8_0: gemv_s8 measured slower, old rule
+    assert repack_wanted("auto", 90, "Q8_0", 14336, big, swiglu=True, s8=True)  # Q8_0 too (session 11)
     # with gemv_s8w at one row: every Q8_0 weight of >= 4 MB (SwiGLU pairs, k = 14,336), not Q4 by that alone
     assert repack_wanted("auto", 90, "Q8_0", 14336, big, swiglu=True, s8w=True)
     assert repack_wanted("auto", 80, "Q8_0", 4096, big, swiglu=True, s8w=True)
@@ -299,7 +299,7 @@ def test_gemv_s8_fits(arch, smem_kb, rows, k, takes):
     assert (gemv_kernel_name(be, w, rows) == "gemv_s8") == takes
     q8 = _linear("Q8_0", 4096, k)
     q8.layout = "repacked"
-    assert gemv_kernel_name(be, q8, 2) == "gemv_mma"  # Q8_0: gemv_mma under auto from 2 rows, gemv_s8w at 1
+    assert (gemv_kernel_name(be, q8, rows) == "gemv_s8") == takes  # Q8_0 as Q4 from 2 rows, gemv_s8w at 1
     assert gemv_kernel_name(be, q8, 1) == ("gemv_s8w" if arch >= 80 else "gemv_mma")
     forced = _backend(arch, "mma", smem_kb=smem_kb)
     forced.gemv_s8 = "on"
@@ -466,7 +466,7 @@ def test_gemv_s8w_takes_one_row_calls_only():
         be.gemv_s8_m1 = "mma"
         assert gemv_kernel_name(be, w, 1) == "gemv_s8"
         be.gemv_s8 = "auto"
-        assert gemv_kernel_name(be, w, 1) == ("gemv_s8" if fmt != "Q8_0" else "gemv_mma")
+        assert gemv_kernel_name(be, w, 1) == "gemv_s8"
         for attr, value in (("gemv_s8", "off"), ("gemv_kernel", "mma")):
             other = _backend(90)
             setattr(other, attr, value)

@@ -76,7 +76,7 @@ class CudaBackend:
         # VOLTSERVE_QUANT_REPACK for A/B runs (read when weights are prepared)
         self.quant_repack = _env_choice("VOLTSERVE_QUANT_REPACK", ("auto", "on", "off"))
         # decode GEMV on repacked quant rows through int8 MMAs (gemv_s8, x quantized per 32 like llama.cpp's Q8_1):
-        # "auto" (linear.gemv_s8_ok; Q4 SwiGLU pairs are then repacked too), "on" (wherever it fits, even under
+        # "auto" (linear.gemv_s8_ok; SwiGLU pairs are then repacked too), "on" (wherever it fits, even under
         # a forced gemv_kernel) or "off" (gemv_mma); VOLTSERVE_GEMV_S8 sets it for A/B runs (read here; the
         # attribute decides when weights are prepared and at each launch)
         self.gemv_s8 = _env_choice("VOLTSERVE_GEMV_S8", ("auto", "on", "off"))

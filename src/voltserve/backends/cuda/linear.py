@@ -58,9 +58,10 @@ REPACK_Q8_0_MAX_K = 4096
 # bench_kernels.py decode_gemv rows, gemv_mma -> gemv_s8 (docs/performance.md), Q4_1: m = 1 (x per block)
 # 14336x4096 21.7 -> 16.4 us, 4096x4096 7.2 -> 6.2, 4096x14336 21.9 -> 20.7, fused RMSNorm + qkv 13.7 -> 8.9,
 # RMSNorm + gate_up + SwiGLU (the GGUF pair's scalar gemv before) 45.1 -> 29.0; m = 8 (x per launch) 14336x4096
-# 24.4 -> 18.1, 4096x14336 23.6 -> 19.4, 4096x4096 8.5 -> 8.5. Q8_0 gained nowhere by more than ~5% and lost up
-# to 15% on 4096x4096, so it keeps gemv_mma / gemv_mma_sb.
-GEMV_S8_AUTO_FORMATS = ("Q4_0", "Q4_1")
+# 24.4 -> 18.1, 4096x14336 23.6 -> 19.4, 4096x4096 8.5 -> 8.5. Q8_0's kernel rows gained nowhere by more than
+# ~5% (session 3), but its whole step did once its weights were repacked (session 11): 8B Q8_0, gemv_mma ->
+# gemv_s8 at 2 / 4 / 8 rows 4.21 -> 3.50, 4.39 -> 3.70, 4.61 -> 3.85 ms (one row: gemv_s8w either way).
+GEMV_S8_AUTO_FORMATS = ("Q4_0", "Q4_1", "Q8_0")
 # gemv_s8w (one x row, a warp per weight row, dp4a) serves the one-row calls of repacked rows under
 # VOLTSERVE_GEMV_S8_M1=warp where it measured faster than gemv_s8 / gemv_mma (gemv_s8w_ok): Q8_0 rows, and Q4_0 /
 # Q4_1 rows wider than GEMV_S8W_Q4_MIN_K, whose x it takes quantized once per launch (k > GEMV_S8W_BLOCK_MAX_X).
@@ -93,10 +94,11 @@ def repack_wanted(choice: str, arch: int, fmt: str, in_features: int, weight_byt
     Q8_0: 27.2 us through gemv_mma_sb vs 30.1 us repacked on the H200). `s8`: the backend runs gemv_s8 on this
     weight's repacked rows at every row count (`gemv_s8_enabled` and `gemv_s8_fits` at 8 rows), whose int8
     MMAs beat the GGUF pair's scalar SwiGLU at m = 1 (29.0 vs 45.1 us on 28672x4096 Q4_1), so then every
-    Q4_0 / Q4_1 weight of >= GEMV_MMA_M1_MIN_BYTES is repacked. `s8w`: the backend runs gemv_s8w on this weight's
-    one-row calls (`gemv_s8w_ok`'s backend conditions), which made every Q8_0 weight of >= GEMV_MMA_M1_MIN_BYTES
-    faster repacked, SwiGLU pairs and k = 14,336 too: the 8B Q8_0 step 4.80 -> 2.83 ms at batch 1, 5.62 -> 4.54 ms
-    at 8 (H200, docs/performance.md session 11; 4096x14336 at m = 1 27.2 -> 21.5 us, at m = 2-8 ~2 us slower)."""
+    Q4_0 / Q4_1 / Q8_0 weight of >= GEMV_MMA_M1_MIN_BYTES is repacked. `s8w`: the backend runs gemv_s8w on this
+    weight's one-row calls (`gemv_s8w_ok`'s backend conditions), which made every Q8_0 weight of >=
+    GEMV_MMA_M1_MIN_BYTES faster repacked, SwiGLU pairs and k = 14,336 too: the 8B Q8_0 step 4.80 -> 2.83 ms at
+    batch 1, 5.62 -> 4.54 ms at 8 with gemv_mma at 2-8 rows (H200, docs/performance.md session 11), 3.85 ms at 8
+    with gemv_s8 there (GEMV_S8_AUTO_FORMATS)."""
     if choice == "off" or arch < kernels.GEMV_MMA_SB_MIN_ARCH or not can_repack(fmt, in_features):
         return False
     if choice == "on":

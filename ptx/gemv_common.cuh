@@ -21,7 +21,7 @@ struct GemvParams {
                            // before pdl_enter (the launcher bounds the total so the prefetch cannot thrash L2)
     u8* xq;                // gemv_s8 with S8_XG: x quantized once per launch (quantize_s8 writes, gemv_s8 reads)
     int stages;            // gemv_tma: stages in its shared-memory ring
-    int stage_spans;       // gemv_tma: 2 KB spans per stage
+    int stage_spans;       // gemv_tma: 2 KB spans per stage; gemv_tma_s8: weight rows per stage
 };
 VOLT_CHECK_PARAMS(GemvParams, VOLT_GEMV_PARAMS_BYTES);
 

@@ -1,7 +1,7 @@
 // gemv_s8.cuh: x quantized per 32 elements as llama.cpp's Q8_1 for the int8 decode GEMVs on repacked rows
 // (gemv_s8.cu's gemv_s8 / gemv_s8w / quantize_s8, gemv_tma_s8.cu), and the fp32 scaling of one block's int32 sum.
 // The layout of the quantized x in shared memory (xq rows of s8_pitch bytes, then the scales xs) and the scaling
-// per format are described in gemv_s8.cu's header. Needs WTYPE, WREPACK = 1 and gemv_mma.cuh's RP_* first.
+// per format are described in gemv_s8.cu's header. Needs WTYPE and WREPACK = 1 (quant.cuh's RP_* layout).
 #pragma once
 #include "gemv_mma.cuh"
 
@@ -119,7 +119,7 @@ VOLT_DEVICE float s8_add_block(float acc, float dw, float mw, float dx, float sx
 }
 
 #if WTYPE == WTYPE_Q4_1
-typedef uint4 S8wScale;  // one load group's scales: 4 words (d | m << 16)
+typedef uint4 S8wScale;  // one load group's scales (gemv_s8w): 4 words (d | m << 16)
 #elif WTYPE == WTYPE_Q4_0
 typedef uint2 S8wScale;  // 4 fp16 d
 #else

@@ -6,9 +6,9 @@
 // the copy bandwidth against their 0.39-0.75; docs/performance.md session 11), so the launcher takes it only
 // under VOLTSERVE_GEMV_TMA_S8=on. What was learnt: stages of several small copies (a row piece's scales and
 // quants, 2-4 copies of 0.1-2 KB) streamed at ~0.4 us per stage whatever their size, hence one large copy of
-// whole rows per stage here; with ~38 instructions per 1,024 weights in the main loop, 8, 16 or 24 consumer
-// warps run within ~10% of each other, so what bounds it now is the ring's refill or the copies' rate (not
-// measured yet).
+// whole rows per stage here; with ~38 instructions per 1,024 weights in the main loop, 24 consumer warps (which
+// spill a few bytes at their 72-register bound) run within ~10% of 16, and 8 up to 27% slower: the consumers'
+// instructions no longer bound it much; the ring's refill or the copies' rate may (not measured yet).
 //
 // Why it was tried: gemv_s8 / gemv_s8w load their weights with per-thread loads, so the bytes in flight depend on
 // the warps resident, and at k = 4,096 they stall on load latency. As in gemv_tma.cu (fp16), one block per SM owns
@@ -48,7 +48,7 @@
 #ifndef TS8_CONSUMERS
 #define TS8_CONSUMERS 16                 // warps that read the stages; one more warp issues the copies
 #endif
-#define TS8_ROWS 2                       // weight rows per stage: A rows g and g + 8 of each MMA
+#define TS8_ROWS 2                       // weight rows per MMA and work item: A rows g and g + 8
 #define TS8_THREADS ((TS8_CONSUMERS + 1) * 32)  // the launcher: 32 (kernels.gemv_tma_s8_spec consumers + 1)
 #define TS8_MAX_STAGES 8
 #define TS8_CHUNK_GROUPS 8               // load groups per chunk: one 16-byte slot piece per lane

@@ -1,6 +1,6 @@
 // tma.cuh: the SM90+ pieces of a shared-memory ring fed by bulk asynchronous copies (cp.async.bulk, "TMA",
-// PTX ISA 8.0) and tracked by mbarriers: what gemv_tma.cu and gemv_tma_s8.cu share. Each helper is one PTX
-// instruction (or a wait loop on one); defined on SM90+ only, where the callers guard their use.
+// PTX ISA 8.0) and tracked by mbarriers: what gemv_tma.cu and gemv_tma_s8.cu share. Each helper but ring_init is
+// one PTX instruction (or a wait loop on one); defined on SM90+ only, where the callers guard their use.
 #pragma once
 #include "common.cuh"
 

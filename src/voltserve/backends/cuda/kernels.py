@@ -152,10 +152,10 @@ GEMV_TMA_S8_MAX_STAGES = 8  # TS8_MAX_STAGES
 GEMV_TMA_S8_CHUNK_GROUPS = 8  # TS8_CHUNK_GROUPS: rows are whole chunks of 8 load groups (64 quant bytes each)
 GEMV_TMA_S8_SLOT_BYTES = 32 << 10  # a ring stage's most bytes (one bulk copy): fewer, larger copies stream faster
 GEMV_TMA_S8_RING_BYTES = 160 << 10  # the ring's most bytes
-# repacked rows (repack.py): (scale bytes, quant bytes) of a block per format, and (scale bytes per block, blocks
-# per 64-byte load group): quant.cuh RP_SCALE_BYTES, RP_GROUP
+# repacked rows (repack.py): (scale bytes, quant bytes) of a block per format, and the blocks per 64-byte load
+# group (quant.cuh RP_GROUP)
 REPACK_FORMATS = {"Q4_0": (2, 16), "Q4_1": (4, 16), "Q8_0": (2, 32)}
-REPACK_GROUPS = {f: (sb, 64 // qb) for f, (sb, qb) in REPACK_FORMATS.items()}
+REPACK_GROUP_BLOCKS = {f: 64 // qb for f, (_, qb) in REPACK_FORMATS.items()}
 
 
 def gemv_tma_s8_spec(fmt: str, consumers: int = GEMV_TMA_S8_CONSUMERS) -> dict[str, int]:
@@ -165,8 +165,14 @@ def gemv_tma_s8_spec(fmt: str, consumers: int = GEMV_TMA_S8_CONSUMERS) -> dict[s
 
 
 def gemv_tma_s8_chunk(fmt: str) -> int:
-    """Weights per gemv_tma_s8 chunk (8 load groups): its rows must be whole chunks (Q4: 1,024, Q8_0: 512)."""
-    return 32 * REPACK_GROUPS[fmt][1] * GEMV_TMA_S8_CHUNK_GROUPS
+    """Weights per gemv_tma_s8 chunk (8 load groups): its rows must be whole chunks (Q4: 1,024, Q8_0: 512).
+
+    Raises:
+        ValueError: a format without a repacked layout.
+    """
+    if fmt not in REPACK_GROUP_BLOCKS:
+        raise ValueError(f"gemv_tma_s8 takes repacked Q4_0 / Q4_1 / Q8_0 rows, got {fmt}")
+    return 32 * REPACK_GROUP_BLOCKS[fmt] * GEMV_TMA_S8_CHUNK_GROUPS
 
 
 def gemv_tma_s8_ring(fmt: str, k: int) -> tuple[int, int]:
@@ -177,7 +183,7 @@ def gemv_tma_s8_ring(fmt: str, k: int) -> tuple[int, int]:
     Raises:
         ValueError: an unknown format or rows of no whole chunks (`gemv_tma_s8_chunk`).
     """
-    if fmt not in REPACK_GROUPS or k <= 0 or k % gemv_tma_s8_chunk(fmt):
+    if k <= 0 or k % gemv_tma_s8_chunk(fmt):
         raise ValueError(f"gemv_tma_s8 takes repacked Q4_0 / Q4_1 / Q8_0 rows of whole chunks, got {fmt}, k = {k}")
     row_bytes = k // 32 * sum(REPACK_FORMATS[fmt])
     pair = GEMV_TMA_S8_ROWS * row_bytes
@@ -193,7 +199,7 @@ def gemv_tma_s8_plan(fmt: str, n: int, k: int, num_sms: int, ring: tuple[int, in
 
     Raises:
         ValueError: stages outside 1..GEMV_TMA_S8_MAX_STAGES, rows per stage not a positive multiple of
-            GEMV_TMA_S8_ROWS, or rows of no whole chunks.
+            GEMV_TMA_S8_ROWS, rows of no whole chunks, or a format without a repacked layout.
     """
     stages, stage_rows = ring
     if not 0 < stages <= GEMV_TMA_S8_MAX_STAGES or stage_rows < GEMV_TMA_S8_ROWS or stage_rows % GEMV_TMA_S8_ROWS \

@@ -67,7 +67,7 @@ GEMV_S8_AUTO_FORMATS = ("Q4_0", "Q4_1", "Q8_0")
 # Q4_1 rows wider than GEMV_S8W_Q4_MIN_K, whose x it takes quantized once per launch (k > GEMV_S8W_BLOCK_MAX_X).
 # H200, bench_kernels decode rows at m = 1 (docs/performance.md, session 7): Q4_1 4096x14336 20.3-20.7 -> 15.3-15.5
 # us, down + residual 20.6-20.8 -> 15.0-15.5; Q8_0 4096x4096 9.3-9.9 -> 8.3, 14336x4096 22.6-23.6 -> 20.4-20.5
-# (gemv_mma before; the engine's Q8_0 SwiGLU pairs stay GGUF, so it gains on qkv / o_proj); Q4_1 at k = 4096
+# (gemv_mma before; since session 11 the Q8_0 SwiGLU pairs and down_proj are repacked too); Q4_1 at k = 4096
 # within +-5% of gemv_s8 (14336x4096 15.4-15.9 vs 15.6-15.9 us) but fused RMSNorm + qkv 9.8-10.3 vs 8.7
 GEMV_S8W_Q4_MIN_K = 4096
 GEMV_S8W_BLOCK_MAX_X = 4096
@@ -95,10 +95,11 @@ def repack_wanted(choice: str, arch: int, fmt: str, in_features: int, weight_byt
     weight's repacked rows at every row count (`gemv_s8_enabled` and `gemv_s8_fits` at 8 rows), whose int8
     MMAs beat the GGUF pair's scalar SwiGLU at m = 1 (29.0 vs 45.1 us on 28672x4096 Q4_1), so then every
     Q4_0 / Q4_1 / Q8_0 weight of >= GEMV_MMA_M1_MIN_BYTES is repacked. `s8w`: the backend runs gemv_s8w on this
-    weight's one-row calls (`gemv_s8w_ok`'s backend conditions), which made every Q8_0 weight of >=
-    GEMV_MMA_M1_MIN_BYTES faster repacked, SwiGLU pairs and k = 14,336 too: the 8B Q8_0 step 4.80 -> 2.83 ms at
-    batch 1, 5.62 -> 4.54 ms at 8 with gemv_mma at 2-8 rows (H200, docs/performance.md session 11), 3.85 ms at 8
-    with gemv_s8 there (GEMV_S8_AUTO_FORMATS)."""
+    weight's one-row calls (`gemv_s8w_ok`'s backend conditions): every Q8_0 weight of >= GEMV_MMA_M1_MIN_BYTES,
+    SwiGLU pairs and k = 14,336 too, which made the 8B Q8_0 step faster: 4.80 -> 2.83 ms at batch 1, 5.62 ->
+    4.54 ms at 8 with gemv_mma at 2-8 rows, 3.85 ms with gemv_s8 there (GEMV_S8_AUTO_FORMATS; H200,
+    docs/performance.md session 11), though down_proj's own kernel rows at 2-8 rows on gemv_mma were ~2 us slower
+    repacked."""
     if choice == "off" or arch < kernels.GEMV_MMA_SB_MIN_ARCH or not can_repack(fmt, in_features):
         return False
     if choice == "on":
@@ -574,7 +575,8 @@ def gemv_tma_s8_ok(backend: Any, w: CudaLinear, rows: int, norm: bool = False, s
     """Whether a GEMV call of `rows` x rows on repacked rows `w` runs gemv_tma_s8 (ptx/gemv_tma_s8.cu):
     `backend.gemv_tma_s8` (VOLTSERVE_GEMV_TMA_S8) "on" (the default "off": it measured slower than gemv_s8 /
     gemv_s8w, docs/performance.md session 11), one row, no fused norm and no SwiGLU (builds it lacks), SM90+, rows
-    of whole chunks (`kernels.gemv_tma_s8_chunk`), the ring, x and the partials within the opt-in shared memory."""
+    of whole chunks (`kernels.gemv_tma_s8_chunk`), the ring, x and the partials within the opt-in shared memory.
+    "on" takes precedence over gemv_s8 / gemv_kernel choices (an A/B knob for this kernel alone)."""
     if getattr(backend, "gemv_tma_s8", "off") != "on" or rows != 1 or norm or silu or w.layout != "repacked":
         return False
     k = w.in_features

@@ -237,13 +237,11 @@ def test_repack_policy_and_routing():
     assert repack_wanted("auto", 86, "Q8_0", 14336, big, superblocks=False)  # no gemv_mma_sb there to prefer
     # with gemv_s8: every Q4 weight of >= 4 MB, SwiGLU pairs too
     assert repack_wanted("auto", 90, "Q4_1", 4096, big, swiglu=True, s8=True)
-    assert repack_wanted("auto", 90, "Q8_0", 14336, big, swiglu=True, s8=True)  # Q8_0 too (session 11)
-    # with gemv_s8w at one row: every Q8_0 weight of >= 4 MB (SwiGLU pairs, k = 14,336), not Q4 by that alone
-    assert repack_wanted("auto", 90, "Q8_0", 14336, big, swiglu=True, s8w=True)
-    assert repack_wanted("auto", 80, "Q8_0", 4096, big, swiglu=True, s8w=True)
-    assert not repack_wanted("auto", 90, "Q8_0", 14336, small, s8w=True)
-    assert not repack_wanted("auto", 90, "Q4_1", 4096, big, swiglu=True, s8w=True)
-    assert not repack_wanted("auto", 70, "Q8_0", 4096, big, s8w=True)
+    # Q8_0 too since session 11 (SwiGLU pairs, k = 14,336), not below 4 MB or SM80
+    assert repack_wanted("auto", 90, "Q8_0", 14336, big, swiglu=True, s8=True)
+    assert repack_wanted("auto", 80, "Q8_0", 4096, big, swiglu=True, s8=True)
+    assert not repack_wanted("auto", 90, "Q8_0", 14336, small, s8=True)
+    assert not repack_wanted("auto", 70, "Q8_0", 4096, big, s8=True)
     assert not repack_wanted("auto", 90, "Q4_1", 4096, small, s8=True)
     assert repack_wanted("auto", 90, "Q4_1", 16640, big, swiglu=True, s8=True)
     for fmt in ("Q4_0", "Q4_1", "Q8_0"):

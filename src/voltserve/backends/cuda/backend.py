@@ -180,8 +180,7 @@ class CudaBackend:
         repack = quant is not None and self.gemv_kernel != "scalar" and repack_wanted(
             self.quant_repack, self.loader.compile_arch, quant.qtype, weight.shape[1], int(quant.data.nbytes),
             swiglu, superblocks=gemv_mma_sb_fits(self, quant.qtype),
-            s8=gemv_s8_enabled(self) and gemv_s8_fits(self, kernels.GEMV_MAX_ROWS, weight.shape[1]),
-            s8w=gemv_s8_enabled(self) and self.gemv_s8_m1 == "warp" and gemv_s8_fits(self, 1, weight.shape[1]))
+            s8=gemv_s8_enabled(self) and gemv_s8_fits(self, kernels.GEMV_MAX_ROWS, weight.shape[1]))
         return CudaLinear.upload(weight, quant, self.device, repack=repack, norm=norm)
 
     def prepare_embedding(self, weight: torch.Tensor, quant: Any | None = None) -> CudaEmbedding:

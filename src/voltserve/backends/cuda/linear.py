@@ -47,8 +47,7 @@ GEMV_NORM_FUSED_MAX_BYTES = 16 << 20
 GEMV_TMA_MIN_BYTES = 4 << 20
 # gemv_tma's static smem, at most: the ring's mbarriers, the norm's scratch and 1 / rms (static_assert in the .cu)
 GEMV_TMA_STATIC_SMEM = 1024
-# Q8_0 weights wider than this stay GGUF under VOLTSERVE_QUANT_REPACK=auto unless gemv_s8w takes their one-row
-# calls (repack_wanted)
+# Q8_0 weights wider than this stay GGUF under VOLTSERVE_QUANT_REPACK=auto unless gemv_s8 runs (repack_wanted)
 REPACK_Q8_0_MAX_K = 4096
 
 
@@ -82,7 +81,7 @@ def can_repack(fmt: str, in_features: int) -> bool:
 
 
 def repack_wanted(choice: str, arch: int, fmt: str, in_features: int, weight_bytes: int,
-                  swiglu: bool = False, superblocks: bool = True, s8: bool = False, s8w: bool = False) -> bool:
+                  swiglu: bool = False, superblocks: bool = True, s8: bool = False) -> bool:
     """Whether a quant weight is stored repacked (`CudaBackend.quant_repack`, VOLTSERVE_QUANT_REPACK).
 
     Only on SM80+ (gemv_mma's m16n8k16 path; its SM70 m8n8k4 build with repacked rows spills registers and was
@@ -94,17 +93,16 @@ def repack_wanted(choice: str, arch: int, fmt: str, in_features: int, weight_byt
     Q8_0: 27.2 us through gemv_mma_sb vs 30.1 us repacked on the H200). `s8`: the backend runs gemv_s8 on this
     weight's repacked rows at every row count (`gemv_s8_enabled` and `gemv_s8_fits` at 8 rows), whose int8
     MMAs beat the GGUF pair's scalar SwiGLU at m = 1 (29.0 vs 45.1 us on 28672x4096 Q4_1), so then every
-    Q4_0 / Q4_1 / Q8_0 weight of >= GEMV_MMA_M1_MIN_BYTES is repacked. `s8w`: the backend runs gemv_s8w on this
-    weight's one-row calls (`gemv_s8w_ok`'s backend conditions): every Q8_0 weight of >= GEMV_MMA_M1_MIN_BYTES,
-    SwiGLU pairs and k = 14,336 too, which made the 8B Q8_0 step faster: 4.80 -> 2.83 ms at batch 1, 5.62 ->
-    4.54 ms at 8 with gemv_mma at 2-8 rows, 3.85 ms with gemv_s8 there (GEMV_S8_AUTO_FORMATS; H200,
-    docs/performance.md session 11), though down_proj's own kernel rows at 2-8 rows on gemv_mma were ~2 us slower
-    repacked."""
+    weight of a format in GEMV_S8_AUTO_FORMATS and of >= GEMV_MMA_M1_MIN_BYTES is repacked. For Q8_0 (there
+    since session 11) that repacks SwiGLU pairs and k = 14,336 too, which gemv_s8w then takes at one row: the 8B
+    Q8_0 step 4.80 -> 2.83 ms at batch 1, 5.62 -> 4.54 ms at 8 with gemv_mma at 2-8 rows, 3.85 ms with gemv_s8
+    there (H200, docs/performance.md session 11), though down_proj's own kernel rows at 2-8 rows on gemv_mma were
+    ~2 us slower repacked."""
     if choice == "off" or arch < kernels.GEMV_MMA_SB_MIN_ARCH or not can_repack(fmt, in_features):
         return False
     if choice == "on":
         return True
-    if (s8 and fmt in GEMV_S8_AUTO_FORMATS) or (s8w and fmt == "Q8_0"):
+    if s8 and fmt in GEMV_S8_AUTO_FORMATS:
         return weight_bytes >= GEMV_MMA_M1_MIN_BYTES
     return (weight_bytes >= GEMV_MMA_M1_MIN_BYTES and not swiglu
             and (fmt != "Q8_0" or in_features <= REPACK_Q8_0_MAX_K or not superblocks))

@@ -185,7 +185,7 @@ def gemv_tma_s8_ring(fmt: str, k: int) -> tuple[int, int]:
     """
     if k <= 0 or k % gemv_tma_s8_chunk(fmt):
         raise ValueError(f"gemv_tma_s8 takes repacked Q4_0 / Q4_1 / Q8_0 rows of whole chunks, got {fmt}, k = {k}")
-    row_bytes = k // 32 * sum(REPACK_FORMATS[fmt])
+    row_bytes = k // 32 * QUANT_BLOCK_BYTES[fmt]  # a repacked row holds the GGUF row's bytes
     pair = GEMV_TMA_S8_ROWS * row_bytes
     rows = max(1, GEMV_TMA_S8_SLOT_BYTES // pair) * GEMV_TMA_S8_ROWS
     stages = max(2, min(GEMV_TMA_S8_MAX_STAGES, GEMV_TMA_S8_RING_BYTES // (rows * row_bytes)))
@@ -208,7 +208,7 @@ def gemv_tma_s8_plan(fmt: str, n: int, k: int, num_sms: int, ring: tuple[int, in
                          f"stages of a positive multiple of {GEMV_TMA_S8_ROWS} rows, k % {gemv_tma_s8_chunk(fmt)} == 0")
     grid = max(1, min(num_sms, n))
     rows = -(-n // grid)
-    row_bytes = k // 32 * sum(REPACK_FORMATS[fmt])
+    row_bytes = k // 32 * QUANT_BLOCK_BYTES[fmt]  # a repacked row holds the GGUF row's bytes
     return grid, stages * stage_rows * row_bytes + gemv_s8_smem_bytes(1, k) + rows * (k // gemv_tma_s8_chunk(fmt)) * 4
 
 

@@ -46,6 +46,10 @@
 #define TMA_SPAN_BYTES (TMA_SPAN_HALVES * 2)
 #define TMA_MAX_STAGES 32
 #define TMA_STAGE_SPANS 4                          // most spans per stage (p.stage_spans <= it)
+#ifndef TMA_MIN_BLOCKS
+#define TMA_MIN_BLOCKS 1  // 2: registers capped so that the next launch's block fits beside this one (its ring
+                          // fills while this block still streams; the launcher then sizes smem for two)
+#endif
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 // The block's weight bytes as 1 (SILU: 2) contiguous segments of `seg_bytes` each; stage i of the block.
@@ -98,7 +102,7 @@ VOLT_DEVICE void tma_span_dots(const uint4 (&raw)[TMA_STAGE_SPANS][4], const hal
 }
 #endif
 
-extern "C" __global__ void __launch_bounds__(TMA_THREADS, 1) gemv_tma(const GemvParams p) {
+extern "C" __global__ void __launch_bounds__(TMA_THREADS, TMA_MIN_BLOCKS) gemv_tma(const GemvParams p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     extern __shared__ __align__(128) u8 tma_smem[];  // [stages][stage bytes] ring, x (fp16), the partials
     __shared__ unsigned long long full[TMA_MAX_STAGES], empty[TMA_MAX_STAGES];

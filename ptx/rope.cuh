@@ -17,6 +17,12 @@ VOLT_DEVICE int rope_partner(int d, int half, int interleaved) {
     return interleaved ? d ^ 1 : (d < half ? d + half : d - half);
 }
 
+// Dim d's column in the cos / sin row (its pair's index) and whether it is the pair's x1 (`first`).
+VOLT_DEVICE int rope_cs_index(int d, int half, int interleaved, bool& first) {
+    first = interleaved ? (d & 1) == 0 : d < half;
+    return interleaved ? d >> 1 : (first ? d : d - half);
+}
+
 // The rotated dims d0..d0+7 (d0 a multiple of 8) of one 16-byte vector x, y holding the partner dims (neox: dims
 // d0 +- half, so half must be a multiple of 8; ignored when interleaved, where the partners are in x). The same
 // fp32 expression per element as rope_kv_write's rope_pair, rounded to fp16 once.
@@ -32,10 +38,9 @@ VOLT_DEVICE uint4 rope_rotate8(const uint4& x, const uint4& y, int d0, const flo
             pa = b;
             pb = a;
         }
-        const int d = d0 + 2 * w;
-        const bool first_a = interleaved || d < half, first_b = !interleaved && d + 1 < half;
-        const int ia = interleaved ? d >> 1 : (first_a ? d : d - half);
-        const int ib = interleaved ? ia : (first_b ? d + 1 : d + 1 - half);
+        bool first_a, first_b;
+        const int ia = rope_cs_index(d0 + 2 * w, half, interleaved, first_a);
+        const int ib = rope_cs_index(d0 + 2 * w + 1, half, interleaved, first_b);
         out[w] = pack2(rope_rotate(a, pa, cs[ia], cs[half + ia], first_a),
                        rope_rotate(b, pb, cs[ib], cs[half + ib], first_b));
     }

@@ -6,6 +6,7 @@ Usage:
         [--gemv-kernel scalar,auto]   # decode_* rows once per GEMV kernel choice, tagged @choice
         [--gemv-tma on,off]           # ... and once per gemv_tma choice (VOLTSERVE_GEMV_TMA), tagged @tma=choice
         [--gemv-tma-s8 on,off]        # ... and once per gemv_tma_s8 choice (VOLTSERVE_GEMV_TMA_S8), @tma_s8=choice
+        [--gemv-tma-ring 16x4,8x4] [--gemv-tma-blocks 1,2]  # gemv_tma's ring and blocks per SM, @ring= / @blocks=
 Shapes are Llama-3-8B-like (hidden 4096, 32 heads / 8 KV heads, head_dim 128, FFN 14336) unless named.
 
 Two kinds of rows:
@@ -282,6 +283,12 @@ def main() -> int:
                     help="gemv_tma choice for the decode_* rows: off, folded, on, or a list (rows get @tma=choice)")
     ap.add_argument("--gemv-tma-s8", default=None,
                     help="gemv_tma_s8 choice for the decode_* rows: off, on, or a list (rows get @tma_s8=choice)")
+    ap.add_argument("--gemv-tma-ring", default=None,
+                    help="gemv_tma ring (stages x 2 KB spans) for the decode_* rows: 16x4, 8x4, ... or a list (rows "
+                    "get @ring=choice)")
+    ap.add_argument("--gemv-tma-blocks", default=None,
+                    help="gemv_tma blocks per SM (VOLTSERVE_GEMV_TMA_BLOCKS) for the decode_* rows: 1, 2 or a list "
+                    "(rows get @blocks=choice)")
     args = ap.parse_args()
     from voltserve.backends.cuda.backend import CudaBackend
 
@@ -304,15 +311,20 @@ def main() -> int:
         add(name, _time(fn, args.repeats), num_bytes, flops)
     for name, t, num_bytes, flops in _decode_attention_cases(be, args.repeats, args.only):
         add(name, t, num_bytes, flops)
-    # (backend attribute, tag, choices): every combination runs the decode_* rows once
-    knobs = [("gemv_kernel", "@", args.gemv_kernel.split(",")),
-             ("gemv_tma", "@tma=", args.gemv_tma.split(",") if args.gemv_tma else [be.gemv_tma]),
-             ("gemv_tma_s8", "@tma_s8=", args.gemv_tma_s8.split(",") if args.gemv_tma_s8 else [be.gemv_tma_s8])]
-    defaults = {attr: getattr(be, attr) for attr, _, _ in knobs}
-    for combo in itertools.product(*(values for _, _, values in knobs)):
+    # (backend attribute, tag, choices, value -> attribute): every combination runs the decode_* rows once
+    ring = lambda v: tuple(int(n) for n in v.split("x"))  # noqa: E731
+    knobs = [("gemv_kernel", "@", args.gemv_kernel, str),
+             ("gemv_tma", "@tma=", args.gemv_tma, str),
+             ("gemv_tma_s8", "@tma_s8=", args.gemv_tma_s8, str),
+             ("gemv_tma_ring", "@ring=", args.gemv_tma_ring, ring),
+             ("gemv_tma_blocks", "@blocks=", args.gemv_tma_blocks, int)]
+    knobs = [(attr, prefix, values.split(",") if values else [getattr(be, attr)], conv)
+             for attr, prefix, values, conv in knobs]
+    defaults = {attr: getattr(be, attr) for attr, _, _, _ in knobs}
+    for combo in itertools.product(*(values for _, _, values, _ in knobs)):
         tag = ""
-        for (attr, prefix, values), value in zip(knobs, combo):
-            setattr(be, attr, value)
+        for (attr, prefix, values, conv), value in zip(knobs, combo):
+            setattr(be, attr, conv(value) if isinstance(value, str) else value)
             tag += f"{prefix}{value}" if len(values) > 1 else ""
         for name, t, num_bytes in _decode_gemv_cases(be, args.repeats, args.only):
             add(name + tag, t, num_bytes, 0)

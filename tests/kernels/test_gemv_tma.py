@@ -113,6 +113,23 @@ def test_ring_and_grid_do_not_change_results(tma_backend, ring):
     assert names == small_names == ["gemv_tma"] and torch.equal(got, base)
 
 
+@pytest.mark.parametrize("silu", [False, True])
+def test_two_blocks_per_sm_build_is_bit_identical(tma_backend, silu):
+    """VOLTSERVE_GEMV_TMA_BLOCKS=2 (registers capped for two blocks an SM, smem sized for two) with an 8 x 8 KB
+    ring: the same products in the same order, so the same bits as the default build, folded norm and SwiGLU
+    included, and with a residual."""
+    weight, x, norm_w, res = _case(6144, 4096, 31 + silu, silu=silu, norm=True)
+    with backend_settings(tma_backend, norm_fold="on"):
+        w = tma_backend.prepare_linear(weight, None, swiglu=silu, norm=norm_w)
+    base, _ = _run(tma_backend, x, w, norm_w=norm_w, silu=silu)
+    plain = tma_backend.prepare_linear(weight[:3000])
+    base_res, _ = _run(tma_backend, x, plain, residual=res[:, :3000])
+    with backend_settings(tma_backend, gemv_tma_ring=(8, 4), gemv_tma_blocks=2):
+        got, names = _run(tma_backend, x, w, norm_w=norm_w, silu=silu)
+        got_res, _ = _run(tma_backend, x, plain, residual=res[:, :3000])
+    assert names == ["gemv_tma"] and torch.equal(got, base) and torch.equal(got_res, base_res)
+
+
 def test_nan_row_stays_in_its_output(tma_backend):
     """A NaN weight poisons its own output only (no cross-row leakage through the partials)."""
     weight, x, _, _ = _case(512, 2048, 9)

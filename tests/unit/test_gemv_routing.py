@@ -368,6 +368,18 @@ def test_gemv_pdl_rule():
         assert not gemv_pdl(backend("auto", last, pdl=False), small)
 
 
+def test_gemv_prefetch_bytes():
+    """gemv's L2 prefetch under PDL: whole first rows while they fit the budget together, else an equal share in
+    128-byte lines; a zero budget prefetches nothing (VOLTSERVE_GEMV_PREFETCH_MB=0)."""
+    from voltserve.backends.cuda.kernels import GEMV_PREFETCH_L2_BYTES, gemv_prefetch_bytes
+
+    assert GEMV_PREFETCH_L2_BYTES == 8 << 20
+    assert gemv_prefetch_bytes(4096, 8192) == 2048  # 8B o_proj: a quarter of each row
+    assert gemv_prefetch_bytes(4096, 8192, 32 << 20) == 8192  # the whole 32 MB weight
+    assert gemv_prefetch_bytes(3000, 8192) == (8 << 20) // 3000 // 128 * 128 == 2688
+    assert gemv_prefetch_bytes(100, 1152) == 1152 and gemv_prefetch_bytes(4096, 8192, 0) == 0
+
+
 def test_gemv_pdl_is_decided_per_launch():
     """A 12-row call on a large fp16 weight is two 8-row gemv_mma launches: the first may start early after a
     short kernel, the second follows the first (a large GEMV) and does not; after a large GEMV neither does.
@@ -529,6 +541,14 @@ def test_gemv_tma_routing():
             kernels.gemv_tma_plan(4096, 4096, False, 132, ring)
     with pytest.raises(ValueError, match="k % 1024"):
         kernels.gemv_tma_plan(4096, 4000, False, 132)
+    # two blocks an SM (VOLTSERVE_GEMV_TMA_BLOCKS=2): the ring must fit half the opt-in smem, the build caps registers
+    pair = _backend(90)
+    pair.gemv_tma, pair.gemv_tma_blocks = "on", 2
+    assert not gemv_tma_ok(pair, big, 1)  # 128 KB ring + x: more than half of 227 KB
+    pair.gemv_tma_ring = (8, 4)
+    assert gemv_tma_ok(pair, big, 1) and gemv_tma_ok(pair, lm_head, 1)
+    assert kernels.gemv_tma_spec(False, True, 2) == {"NORM_POST": 1, "TMA_MIN_BLOCKS": 2}
+    assert kernels.gemv_tma_spec(True, False) == {"SILU": 1}
 
 
 def test_gemv_tma_s8_routing_and_plan():

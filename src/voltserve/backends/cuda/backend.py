@@ -88,6 +88,10 @@ class CudaBackend:
         ring = _env_choice("VOLTSERVE_GEMV_TMA_RING",
                            ("x".join(map(str, kernels.GEMV_TMA_RING)), "8x4", "16x2", "24x4", "32x2"))
         self.gemv_tma_ring = tuple(int(v) for v in ring.split("x"))
+        # gemv_tma blocks an SM may hold: 1 (the default: smem sized so that one fits) or 2 (registers capped and smem
+        # sized so that the next launch's block fits beside the running one and fills its ring meanwhile; needs a
+        # ring of <= 64 KB, e.g. VOLTSERVE_GEMV_TMA_RING=8x4); VOLTSERVE_GEMV_TMA_BLOCKS for A/B runs
+        self.gemv_tma_blocks = int(_env_choice("VOLTSERVE_GEMV_TMA_BLOCKS", ("1", "2")))
         # one-row GEMVs on repacked quant rows through gemv_tma_s8 (SM90+: a bulk-copy ring as gemv_tma, int8
         # MMAs as gemv_s8): "off" (the default: slower than gemv_s8 / gemv_s8w on every 8B shape measured,
         # docs/performance.md session 11) or "on" (every call it can take: one row, no fused norm, no SwiGLU;
@@ -126,6 +130,10 @@ class CudaBackend:
         # after another), "small" (only weights of at most kernels.GEMV_PDL_MAX_WEIGHT_BYTES), "on" (every GEMV)
         # or "off" (none); VOLTSERVE_GEMV_PDL for A/B runs
         self.gemv_pdl = _env_choice("VOLTSERVE_GEMV_PDL", ("auto", "small", "on", "off"))
+        # gemv's L2 prefetch under PDL, bytes for all its warps' first rows together (kernels.gemv_prefetch_bytes);
+        # VOLTSERVE_GEMV_PREFETCH_MB for A/B runs
+        self.gemv_prefetch_budget = int(_env_choice("VOLTSERVE_GEMV_PREFETCH_MB", (
+            str(kernels.GEMV_PREFETCH_L2_BYTES >> 20), "0", "4", "16", "32"))) << 20
         # weight bytes the last launch streamed (a decode GEMV's; 0 after any other kernel): linear.gemv_pdl
         self.last_launch_weight_bytes = 0
         self._device_copies: dict[int, tuple[Any, torch.Tensor]] = {}

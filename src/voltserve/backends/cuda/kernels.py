@@ -120,9 +120,11 @@ GEMV_TMA_RING = (16, 4)  # (stages, spans per stage): 16 x 8 KB = 128 KB, room b
 GEMV_TMA_THREADS = 32 * (GEMV_TMA_CONSUMERS + 1)
 
 
-def gemv_tma_spec(silu: bool, norm_post: bool) -> dict[str, int]:
-    """The -D set of gemv_tma.cu (fp16 weights, one x row): SwiGLU and the folded-norm builds."""
-    return {**({"SILU": 1} if silu else {}), **({"NORM_POST": 1} if norm_post else {})}
+def gemv_tma_spec(silu: bool, norm_post: bool, blocks_per_sm: int = 1) -> dict[str, int]:
+    """The -D set of gemv_tma.cu (fp16 weights, one x row): SwiGLU and the folded-norm builds, and the blocks per
+    SM its registers are capped for (TMA_MIN_BLOCKS: 2 lets the next launch's block in beside this one)."""
+    return {**({"SILU": 1} if silu else {}), **({"NORM_POST": 1} if norm_post else {}),
+            **({"TMA_MIN_BLOCKS": blocks_per_sm} if blocks_per_sm != 1 else {})}
 
 
 def gemv_tma_plan(n_out: int, k: int, silu: bool, num_sms: int,
@@ -294,12 +296,12 @@ GEMV_PREFETCH_L2_BYTES = 8 << 20  # gemv under PDL: L2 prefetch of the first wei
 GEMV_PDL_MAX_WEIGHT_BYTES = 16 << 20
 
 
-def gemv_prefetch_bytes(first_rows: int, row_bytes: int) -> int:
+def gemv_prefetch_bytes(first_rows: int, row_bytes: int, budget: int = GEMV_PREFETCH_L2_BYTES) -> int:
     """Leading bytes of each of a gemv launch's `first_rows` weight rows (the rows its warps take first) to
-    prefetch into L2 before the previous kernel ends: whole rows while they fit GEMV_PREFETCH_L2_BYTES together
+    prefetch into L2 before the previous kernel ends: whole rows while they fit `budget` bytes together
     (small models: the whole weight), else an equal share in 128-byte lines. Measured on the default model (H200,
     batch 1): 0.75 ms per step with an 8 MB budget, 0.81 ms with 32 MB, 0.81 ms without the prefetch."""
-    share = GEMV_PREFETCH_L2_BYTES // max(first_rows, 1)
+    share = budget // max(first_rows, 1)
     return min(row_bytes, share) // 128 * 128
 
 

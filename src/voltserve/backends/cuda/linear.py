@@ -314,8 +314,8 @@ def launch_linear(backend: Any, x: torch.Tensor, w: CudaLinear, *, norm_weight: 
         groups = math.ceil(n_out / 4)
         if fuse_norm and not use_q:  # each block normalizes x once: fewer blocks, grid-stride over the features
             groups = min(groups, backend.num_sms * kernels.GEMV_NORM_BLOCKS_PER_SM)
-        prefetch = kernels.gemv_prefetch_bytes(min(n_out, groups * 4) * (2 if silu else 1), w.row_bytes) \
-            if pdl and not use_q else 0
+        prefetch = kernels.gemv_prefetch_bytes(min(n_out, groups * 4) * (2 if silu else 1), w.row_bytes,
+                                               _prefetch_budget(backend)) if pdl and not use_q else 0
         p = _gemv_params(xr, r0, w, y, residual, norm_weight if fuse_norm else None, eps, vec_ok, prefetch)
         if use_q:
             backend._launch("gemv", "gemv_q", spec, (math.ceil(n / 32), 1, 1), (32 * kernels.GEMV_Q_WARPS, 1, 1),
@@ -545,11 +545,19 @@ def gemv_tma_ok(backend: Any, w: CudaLinear, vec_ok: int, silu: bool = False) ->
         return False
     n_out = w.out_features // 2 if silu else w.out_features
     _, smem = kernels.gemv_tma_plan(n_out, k, silu, backend.num_sms, _tma_ring(backend))
-    return smem + GEMV_TMA_STATIC_SMEM <= backend.loader.max_smem_optin
+    return smem + GEMV_TMA_STATIC_SMEM <= backend.loader.max_smem_optin // _tma_blocks(backend)
+
+
+def _prefetch_budget(backend: Any) -> int:
+    return getattr(backend, "gemv_prefetch_budget", kernels.GEMV_PREFETCH_L2_BYTES)
 
 
 def _tma_ring(backend: Any) -> tuple[int, int]:
     return getattr(backend, "gemv_tma_ring", kernels.GEMV_TMA_RING)
+
+
+def _tma_blocks(backend: Any) -> int:
+    return getattr(backend, "gemv_tma_blocks", 1)
 
 
 def _launch_gemv_tma(backend: Any, x: torch.Tensor, w: CudaLinear, y: torch.Tensor,
@@ -559,12 +567,13 @@ def _launch_gemv_tma(backend: Any, x: torch.Tensor, w: CudaLinear, y: torch.Tens
     n_out = y.shape[1]
     ring = _tma_ring(backend)
     grid, smem = kernels.gemv_tma_plan(n_out, w.in_features, silu, backend.num_sms, ring)
-    # one block per SM, whatever the ring: the rows are split evenly over the grid, so two blocks on one SM would
-    # leave another idle
-    smem = max(smem, backend.loader.max_smem_optin // 2 + 16)
+    blocks = _tma_blocks(backend)
+    # at most `blocks` per SM, whatever the ring: the rows are split evenly over the grid, so two blocks of one
+    # launch on an SM would leave another idle; with 2, the room beside a block is for the next launch's
+    smem = max(smem, backend.loader.max_smem_optin // (blocks + 1) + 16)
     p = _gemv_params(x, 0, w, y, residual, None, eps, 1)
     p.stages, p.stage_spans = ring
-    backend._launch("gemv_tma", "gemv_tma", kernels.gemv_tma_spec(silu, norm_post), (grid, 1, 1),
+    backend._launch("gemv_tma", "gemv_tma", kernels.gemv_tma_spec(silu, norm_post, blocks), (grid, 1, 1),
                     (kernels.GEMV_TMA_THREADS, 1, 1), smem, p)
     launched_gemv(backend, w)
 

@@ -18,7 +18,7 @@
 // fused RMSNorm first: x * inv * w rounded to fp16 as rms_norm stores it), or (S8_XG) a quantize_s8 launch
 // quantizes them once into p.xq and every block copies that with cp.async: the per-block quantization costs
 // issue slots in proportion to m * k (at m = 8 it made the kernel 2x slower than gemv_mma), the extra launch a
-// fixed ~1-2 us (linear.gemv_s8_x_per_launch picks). Then each block streams its 32 weight rows as gemv_mma does on
+// fixed ~1-2 us (gemv_int8.gemv_s8_x_per_launch picks). Then each block streams its 32 weight rows as gemv_mma does on
 // repacked rows (gemv_mma.cuh: lane rows g, g + 8 of two 16-row tiles, load_rows_group's 16-byte loads, 8 warps
 // splitting k in whole load groups, two groups in flight, the first issued before pdl_enter) and ends in
 // gm_epilogue (fixed-order reduction of the warps' tiles; the residual and SwiGLU fusions). The MMA's k slots:
@@ -137,7 +137,7 @@ extern "C" __global__ void __launch_bounds__(256) quantize_s8(const GemvParams p
                             xv, nw0, nw1);
     }
 #else
-    pdl_enter();  // never launched below SM80 (linear.gemv_s8_ok)
+    pdl_enter();  // never launched below SM80 (gemv_int8.gemv_s8_ok)
     __trap();
 #endif
 }
@@ -197,7 +197,7 @@ extern "C" __global__ void __launch_bounds__(32 * GM_WARPS, GM_MIN_BLOCKS) gemv_
         __syncthreads();  // red is written again by the next tile
     }
 #else
-    pdl_enter();  // SM < 80, fp16 or 16-row tiles: never launched (linear.gemv_s8_ok)
+    pdl_enter();  // SM < 80, fp16 or 16-row tiles: never launched (gemv_int8.gemv_s8_ok)
     __trap();     // a launch here would leave y unwritten: fail loudly instead
 #endif
 }
@@ -380,7 +380,7 @@ extern "C" __global__ void __launch_bounds__(32 * S8W_WARPS, S8W_MIN_BLOCKS) gem
         }
     }
 #else
-    pdl_enter();  // fp16, GGUF rows, more than one x row or S8_XG below SM80: never launched (linear.gemv_s8w_ok)
+    pdl_enter();  // fp16, GGUF rows, more than one x row or S8_XG below SM80: never launched (gemv_int8.gemv_s8w_ok)
     __trap();
 #endif
 }

@@ -107,7 +107,7 @@ extern "C" __global__ void __launch_bounds__(TMA_THREADS, TMA_MIN_BLOCKS) gemv_t
     extern __shared__ __align__(128) u8 tma_smem[];  // [stages][stage bytes] ring, x (fp16), the partials
     __shared__ unsigned long long full[TMA_MAX_STAGES], empty[TMA_MAX_STAGES];
     __shared__ float scratch[TMA_CONSUMERS];
-    // the launcher's bound on this static smem (linear.GEMV_TMA_STATIC_SMEM)
+    // the launcher's bound on this static smem (gemv_tma.GEMV_TMA_STATIC_SMEM)
     static_assert(sizeof(full) + sizeof(empty) + 4 * (TMA_CONSUMERS + 1) <= 1024, "static smem");
     __shared__ float inv_rms;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;

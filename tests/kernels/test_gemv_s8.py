@@ -24,7 +24,7 @@ FORMATS = ["Q4_0", "Q4_1", "Q8_0"]
 @pytest.fixture(params=["block", "launch", "auto"])
 def s8_backend(request, cuda_backend):
     """The backend storing quant weights repacked and routing every launch that fits to gemv_s8 ("on": the
-    engine's "auto" takes Q4_0 / Q4_1 only, linear.gemv_s8_ok; one-row calls too: "mma", not gemv_s8w, which
+    engine's "auto" takes Q4_0 / Q4_1 only, gemv_int8.gemv_s8_ok; one-row calls too: "mma", not gemv_s8w, which
     tests/kernels/test_gemv_s8w.py covers), with x quantized by every
     block ("block"), once per launch by quantize_s8 ("launch") or as the engine picks ("auto": per block at one
     row, per launch from two, so 9 rows are a launch of each)."""

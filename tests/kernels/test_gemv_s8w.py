@@ -22,9 +22,9 @@ FORMATS = ["Q4_0", "Q4_1", "Q8_0"]
 
 def _s8w_settings(backend, **extra):
     """Quant weights stored repacked and every one-row call routed to gemv_s8w (gemv_s8 "on": the engine's "auto"
-    takes it for Q8_0 and wide Q4 rows only, linear.gemv_s8w_ok); SM80+ only (skips below)."""
+    takes it for Q8_0 and wide Q4 rows only, gemv_int8.gemv_s8w_ok); SM80+ only (skips below)."""
     if backend.loader.arch < 80:
-        pytest.skip("repacked rows and the int8 decode kernels are SM80+ (linear.gemv_s8_enabled)")
+        pytest.skip("repacked rows and the int8 decode kernels are SM80+ (gemv_int8.gemv_s8_enabled)")
     return backend_settings(backend, gemv_kernel="auto", quant_repack="on", gemv_s8="on", gemv_s8_m1="warp", **extra)
 
 

@@ -221,7 +221,8 @@ def test_repack_policy_and_routing():
     """Which quant weights are stored repacked (linear.repack_wanted) and that they always run gemv_s8 or gemv_mma
     (never gemv_mma_sb, gemv_q or gemv, which read GGUF blocks), whatever `gemv_kernel` asks: gemv_s8 under
     "auto" on SM80+, gemv_mma under the forced choices or with gemv_s8 off."""
-    from voltserve.backends.cuda.linear import GEMV_S8_AUTO_FORMATS, repack_wanted
+    from voltserve.backends.cuda.gemv_int8 import GEMV_S8_AUTO_FORMATS
+    from voltserve.backends.cuda.linear import repack_wanted
 
     big, small = 4096 * 4096 // 2, 1 << 20
     assert repack_wanted("auto", 90, "Q4_1", 4096, big) and repack_wanted("auto", 80, "Q8_0", 4096, big)
@@ -333,7 +334,7 @@ def test_gemv_s8_specs_are_built():
 def test_gemv_s8_x_per_launch_rule():
     """x is quantized once per launch (quantize_s8) under "auto" for >= 2 rows or one row wider than
     GEMV_S8_BLOCK_MAX_X; "block" / "launch" force either."""
-    from voltserve.backends.cuda.linear import GEMV_S8_BLOCK_MAX_X, gemv_s8_x_per_launch
+    from voltserve.backends.cuda.gemv_int8 import GEMV_S8_BLOCK_MAX_X, gemv_s8_x_per_launch
 
     auto = SimpleNamespace(gemv_s8_x="auto")
     assert not gemv_s8_x_per_launch(auto, 1, GEMV_S8_BLOCK_MAX_X)
@@ -341,7 +342,7 @@ def test_gemv_s8_x_per_launch_rule():
     assert not gemv_s8_x_per_launch(auto, 1, 14336)  # Llama-3-8B down_proj at batch 1
     assert not gemv_s8_x_per_launch(SimpleNamespace(gemv_s8_x="block"), 8, 14336)
     assert gemv_s8_x_per_launch(SimpleNamespace(gemv_s8_x="launch"), 1, 256)
-    from voltserve.backends.cuda.linear import GEMV_S8W_BLOCK_MAX_X  # gemv_s8w: x per launch above k = 4096
+    from voltserve.backends.cuda.gemv_int8 import GEMV_S8W_BLOCK_MAX_X  # gemv_s8w: x per launch above k = 4096
     assert gemv_s8_x_per_launch(auto, 1, 14336, GEMV_S8W_BLOCK_MAX_X)
     assert not gemv_s8_x_per_launch(auto, 1, 4096, GEMV_S8W_BLOCK_MAX_X)
 
@@ -351,7 +352,7 @@ def test_gemv_pdl_rule():
     it streamed > GEMV_PDL_MAX_WEIGHT_BYTES); "small": only small weights (the rule before); "on" / "off";
     never without the backend's PDL (pre-SM90, --no-pdl)."""
     from voltserve.backends.cuda.kernels import GEMV_PDL_MAX_WEIGHT_BYTES
-    from voltserve.backends.cuda.linear import gemv_pdl
+    from voltserve.backends.cuda.gemv_launch import gemv_pdl
 
     small, big = _linear("F16", 1024, 4096), _linear("F16", 6144, 4096)
     big_bytes = big.out_features * big.row_bytes
@@ -460,7 +461,7 @@ def test_gemv_s8w_takes_one_row_calls_only():
     width and Q4 wider than GEMV_S8W_Q4_MIN_K (Llama-3-8B's down_proj), where it measured faster; a 9-row call's
     second launch (1 row) keeps its first launch's kernel (gemv_s8w_ok(9) is False); VOLTSERVE_GEMV_S8_M1=mma, gemv_s8
     "off", a forced gemv_kernel or SM < 80 give the kernels before; gemv_s8 "on" takes it wherever gemv_s8 may."""
-    from voltserve.backends.cuda.linear import GEMV_S8W_Q4_MIN_K, gemv_s8w_ok
+    from voltserve.backends.cuda.gemv_int8 import GEMV_S8W_Q4_MIN_K, gemv_s8w_ok
 
     for fmt in ("Q4_0", "Q4_1", "Q8_0"):
         w = _linear(fmt, 4096, 14336)
@@ -495,7 +496,7 @@ def test_gemv_tma_routing():
     a fused norm weight, where its ring fits the opt-in shared memory; a forced gemv_kernel, 2+ rows, unaligned x
     or weights, other row strides or older GPUs keep the kernels before."""
     from voltserve.backends.cuda import kernels
-    from voltserve.backends.cuda.linear import GEMV_TMA_MIN_BYTES, gemv_tma_ok
+    from voltserve.backends.cuda.gemv_tma import GEMV_TMA_MIN_BYTES, gemv_tma_ok
 
     big, small = _linear("F16", 4096, 4096), _linear("F16", 64, 4096)
     assert small.out_features * small.row_bytes < GEMV_TMA_MIN_BYTES <= big.out_features * big.row_bytes
@@ -556,7 +557,7 @@ def test_gemv_tma_s8_routing_and_plan():
     calls without a fused norm or SwiGLU, on repacked rows of whole chunks, SM90+, where its ring fits; its ring
     holds whole row pairs in one bulk copy per stage, and the plan sizes the smem as ring + x + partials."""
     from voltserve.backends.cuda import kernels
-    from voltserve.backends.cuda.linear import gemv_tma_s8_ok
+    from voltserve.backends.cuda.gemv_tma import gemv_tma_s8_ok
 
     w = _linear("Q4_1", 4096, 4096)
     w.layout = "repacked"

@@ -25,8 +25,9 @@ import torch
 from voltserve.backends.base import AttentionMetadata, rope_then_attention
 from voltserve.backends.cuda import driver, kernels
 from voltserve.backends.cuda import params as P
-from voltserve.backends.cuda.linear import (CudaEmbedding, CudaLinear, folds_norm, gemv_mma_sb_fits, gemv_s8_enabled,
-                                           gemv_s8_fits, launch_linear, repack_wanted)
+from voltserve.backends.cuda.gemv_int8 import gemv_s8_enabled, gemv_s8_fits
+from voltserve.backends.cuda.linear import (CudaEmbedding, CudaLinear, folds_norm, gemv_mma_sb_fits, launch_linear,
+                                           repack_wanted)
 from voltserve.backends.cuda.module import KernelLoader
 
 
@@ -76,13 +77,13 @@ class CudaBackend:
         # VOLTSERVE_QUANT_REPACK for A/B runs (read when weights are prepared)
         self.quant_repack = _env_choice("VOLTSERVE_QUANT_REPACK", ("auto", "on", "off"))
         # decode GEMV on repacked quant rows through int8 MMAs (gemv_s8, x quantized per 32 like llama.cpp's Q8_1):
-        # "auto" (linear.gemv_s8_ok; SwiGLU pairs are then repacked too), "on" (wherever it fits, even under
+        # "auto" (gemv_int8.gemv_s8_ok; SwiGLU pairs are then repacked too), "on" (wherever it fits, even under
         # a forced gemv_kernel) or "off" (gemv_mma); VOLTSERVE_GEMV_S8 sets it for A/B runs (read here; the
         # attribute decides when weights are prepared and at each launch)
         self.gemv_s8 = _env_choice("VOLTSERVE_GEMV_S8", ("auto", "on", "off"))
         # fp16 one-row GEMVs through gemv_tma (SM90+, bulk copies into a smem ring): "folded" (the default:
         # folded-norm weights without SwiGLU, the shapes where the step measured faster), "off" (gemv) or "on"
-        # (every weight it takes); linear.gemv_tma_ok. Its ring, stages x 2 KB spans per stage:
+        # (every weight it takes); gemv_tma.gemv_tma_ok. Its ring, stages x 2 KB spans per stage:
         # VOLTSERVE_GEMV_TMA_RING
         self.gemv_tma = _env_choice("VOLTSERVE_GEMV_TMA", ("folded", "off", "on"))
         ring = _env_choice("VOLTSERVE_GEMV_TMA_RING",
@@ -95,7 +96,7 @@ class CudaBackend:
         # one-row GEMVs on repacked quant rows through gemv_tma_s8 (SM90+: a bulk-copy ring as gemv_tma, int8
         # MMAs as gemv_s8): "off" (the default: slower than gemv_s8 / gemv_s8w on every 8B shape measured,
         # docs/performance.md session 11) or "on" (every call it can take: one row, no fused norm, no SwiGLU;
-        # linear.gemv_tma_s8_ok); VOLTSERVE_GEMV_TMA_S8
+        # gemv_tma.gemv_tma_s8_ok); VOLTSERVE_GEMV_TMA_S8
         self.gemv_tma_s8 = _env_choice("VOLTSERVE_GEMV_TMA_S8", ("off", "on"))
         # its consumer warps per block (VOLTSERVE_GEMV_TMA_S8_WARPS, A/B runs)
         self.gemv_tma_s8_warps = int(_env_choice("VOLTSERVE_GEMV_TMA_S8_WARPS",
@@ -103,10 +104,10 @@ class CudaBackend:
         # gemv_s8's grid: "persistent" (the blocks the GPU holds at once, looping over the tiles) or "full" (one
         # block per tile); VOLTSERVE_GEMV_S8_GRID for A/B runs
         self.gemv_s8_grid = _env_choice("VOLTSERVE_GEMV_S8_GRID", ("persistent", "full"))
-        # where gemv_s8 quantizes x: "auto" (linear.gemv_s8_x_per_launch), "block" (every block, in its prologue)
+        # where gemv_s8 quantizes x: "auto" (gemv_int8.gemv_s8_x_per_launch), "block" (every block, in its prologue)
         # or "launch" (once, by a quantize_s8 launch before it); VOLTSERVE_GEMV_S8_X for A/B runs
         self.gemv_s8_x = _env_choice("VOLTSERVE_GEMV_S8_X", ("auto", "block", "launch"))
-        # gemv_s8's one-row launches: "warp" (gemv_s8w: a warp per weight row, dp4a; linear.gemv_s8w_ok) or
+        # gemv_s8's one-row launches: "warp" (gemv_s8w: a warp per weight row, dp4a; gemv_int8.gemv_s8w_ok) or
         # "mma" (what ran before: gemv_s8's S8_M1 build, or gemv_mma where gemv_s8 does not run, e.g. Q8_0 under
         # auto); VOLTSERVE_GEMV_S8_M1 for A/B runs
         self.gemv_s8_m1 = _env_choice("VOLTSERVE_GEMV_S8_M1", ("warp", "mma"))
@@ -126,7 +127,7 @@ class CudaBackend:
         # attn_decode's fewest keys per split (kernels.decode_plan's min_part); VOLTSERVE_ATTN_MIN_PART for A/B runs
         self.attn_min_part = int(_env_choice("VOLTSERVE_ATTN_MIN_PART", (str(kernels.DECODE_MIN_PART), "32", "128",
                                                                          "256", "512", "1024")))
-        # programmatic dependent launch of decode GEMVs (linear.gemv_pdl): "auto" (all but a large GEMV right
+        # programmatic dependent launch of decode GEMVs (gemv_launch.gemv_pdl): "auto" (all but a large GEMV right
         # after another), "small" (only weights of at most kernels.GEMV_PDL_MAX_WEIGHT_BYTES), "on" (every GEMV)
         # or "off" (none); VOLTSERVE_GEMV_PDL for A/B runs
         self.gemv_pdl = _env_choice("VOLTSERVE_GEMV_PDL", ("auto", "small", "on", "off"))
@@ -134,7 +135,7 @@ class CudaBackend:
         # VOLTSERVE_GEMV_PREFETCH_MB for A/B runs
         self.gemv_prefetch_budget = int(_env_choice("VOLTSERVE_GEMV_PREFETCH_MB", (
             str(kernels.GEMV_PREFETCH_L2_BYTES >> 20), "0", "4", "16", "32"))) << 20
-        # weight bytes the last launch streamed (a decode GEMV's; 0 after any other kernel): linear.gemv_pdl
+        # weight bytes the last launch streamed (a decode GEMV's; 0 after any other kernel): gemv_launch.gemv_pdl
         self.last_launch_weight_bytes = 0
         self._device_copies: dict[int, tuple[Any, torch.Tensor]] = {}
         self._blocks_per_sm: dict[tuple, int] = {}

@@ -291,7 +291,7 @@ def gemm_tc_plan(m: int, n: int, k: int, num_sms: int) -> tuple[int, int, int]:
 
 
 GEMV_PREFETCH_L2_BYTES = 8 << 20  # gemv under PDL: L2 prefetch of the first weight rows, all warps together
-# GEMVs over this (~4 us of HBM and up) are bandwidth-bound: no PDL right after another one (linear.gemv_pdl),
+# GEMVs over this (~4 us of HBM and up) are bandwidth-bound: no PDL right after another one (gemv_launch.gemv_pdl),
 # 16-row gemv_mma tiles where they fit one wave (gemv_mma_tile_rows)
 GEMV_PDL_MAX_WEIGHT_BYTES = 16 << 20
 

@@ -12,6 +12,10 @@ import torch.nn.functional as F
 
 from voltserve.backends.cuda import kernels
 from voltserve.backends.cuda import params as P
+from voltserve.backends.cuda.gemv_int8 import (GEMV_S8_AUTO_FORMATS, gemv_s8_ok, gemv_s8w_ok, launch_gemv_s8,
+                                              launch_gemv_s8w)
+from voltserve.backends.cuda.gemv_launch import gemv_params, gemv_pdl, launched_gemv, vec_ok_of
+from voltserve.backends.cuda.gemv_tma import gemv_tma_ok, gemv_tma_s8_ok, launch_gemv_tma, launch_gemv_tma_s8
 from voltserve.backends.cuda.repack import FORMATS as REPACK_FORMATS
 from voltserve.backends.cuda.repack import REPACK_K_MULTIPLE, repack_rows
 
@@ -43,36 +47,8 @@ GEMV_MMA_M1_MIN_BYTES = 4 << 20
 # the old 2-byte one took ~10 us a launch, which had made the two equal at 1 row). Quant weights keep the fusion
 # (8B Q4_1, 1 row: unfused layers 76.1 vs 74.0 us). The default model's weights are all far below (< 4 MB).
 GEMV_NORM_FUSED_MAX_BYTES = 16 << 20
-# gemv_tma (fp16, one x row, SM90+) under VOLTSERVE_GEMV_TMA=folded: weights of at least this many bytes
-GEMV_TMA_MIN_BYTES = 4 << 20
-# gemv_tma's static smem, at most: the ring's mbarriers, the norm's scratch and 1 / rms (static_assert in the .cu)
-GEMV_TMA_STATIC_SMEM = 1024
 # Q8_0 weights wider than this stay GGUF under VOLTSERVE_QUANT_REPACK=auto unless gemv_s8 runs (repack_wanted)
 REPACK_Q8_0_MAX_K = 4096
-
-
-# gemv_s8 (int8 MMAs on repacked rows, x quantized per 32 like llama.cpp's Q8_1) replaces gemv_mma under
-# VOLTSERVE_GEMV_S8=auto on GEMV_S8_AUTO_FORMATS (gemv_s8_ok), with x quantized by every block at one x row of
-# k <= GEMV_S8_BLOCK_MAX_X and once per launch (quantize_s8) otherwise (gemv_s8_x_per_launch). H200,
-# bench_kernels.py decode_gemv rows, gemv_mma -> gemv_s8 (docs/performance.md), Q4_1: m = 1 (x per block)
-# 14336x4096 21.7 -> 16.4 us, 4096x4096 7.2 -> 6.2, 4096x14336 21.9 -> 20.7, fused RMSNorm + qkv 13.7 -> 8.9,
-# RMSNorm + gate_up + SwiGLU (the GGUF pair's scalar gemv before) 45.1 -> 29.0; m = 8 (x per launch) 14336x4096
-# 24.4 -> 18.1, 4096x14336 23.6 -> 19.4, 4096x4096 8.5 -> 8.5. Q8_0's kernel rows gained nowhere by more than
-# ~5% (session 3), but its whole step did once its weights were repacked (session 11): 8B Q8_0, gemv_mma ->
-# gemv_s8 at 2 / 4 / 8 rows 4.21 -> 3.50, 4.39 -> 3.70, 4.61 -> 3.85 ms (one row: gemv_s8w either way).
-GEMV_S8_AUTO_FORMATS = ("Q4_0", "Q4_1", "Q8_0")
-# gemv_s8w (one x row, a warp per weight row, dp4a) serves the one-row calls of repacked rows under
-# VOLTSERVE_GEMV_S8_M1=warp where it measured faster than gemv_s8 / gemv_mma (gemv_s8w_ok): Q8_0 rows, and Q4_0 /
-# Q4_1 rows wider than GEMV_S8W_Q4_MIN_K, whose x it takes quantized once per launch (k > GEMV_S8W_BLOCK_MAX_X).
-# H200, bench_kernels decode rows at m = 1 (docs/performance.md, session 7): Q4_1 4096x14336 20.3-20.7 -> 15.3-15.5
-# us, down + residual 20.6-20.8 -> 15.0-15.5; Q8_0 4096x4096 9.3-9.9 -> 8.3, 14336x4096 22.6-23.6 -> 20.4-20.5
-# (gemv_mma before; since session 11 the Q8_0 SwiGLU pairs and down_proj are repacked too); Q4_1 at k = 4096
-# within +-5% of gemv_s8 (14336x4096 15.4-15.9 vs 15.6-15.9 us) but fused RMSNorm + qkv 9.8-10.3 vs 8.7
-GEMV_S8W_Q4_MIN_K = 4096
-GEMV_S8W_BLOCK_MAX_X = 4096
-# one-row gemv_s8 launches of k <= this quantize x in every block (an extra launch measured 1.7% slower per 8B
-# step at batch 1: 2.755 vs 2.709 ms); wider ones (not measured) and all launches of >= 2 rows take quantize_s8
-GEMV_S8_BLOCK_MAX_X = 16384
 
 
 def can_repack(fmt: str, in_features: int) -> bool:
@@ -259,7 +235,7 @@ def launch_linear(backend: Any, x: torch.Tensor, w: CudaLinear, *, norm_weight: 
     if norm_post != w.norm_folded or (norm_post and norm_weight is not None):
         raise ValueError("a weight with its norm folded in takes norm_post (and no norm_weight), others not")
     if norm_post and (m >= kernels.GEMM_MIN_ROWS or
-                      gemv_mma_ok(backend, w, min(m, kernels.GEMV_MAX_ROWS), _vec_ok(x), silu=silu)):
+                      gemv_mma_ok(backend, w, min(m, kernels.GEMV_MAX_ROWS), vec_ok_of(x), silu=silu)):
         # only gemv has the NORM_POST build: the GEMM and gemv_mma read x normalized by rms_norm (unit weights;
         # g is in W). gemv_mma's NORM_POST build, which summed x^2 in its main loop, spilled registers at the
         # 128-register bound and, re-reading x after the loop instead, lost to this at 8 rows (8B shapes, H200:
@@ -273,7 +249,7 @@ def launch_linear(backend: Any, x: torch.Tensor, w: CudaLinear, *, norm_weight: 
         # the quant paths read x as 16-byte vectors (a clone: contiguous() keeps a misaligned contiguous view)
         x = x.clone(memory_format=torch.contiguous_format)
         backend.last_launch_weight_bytes = 0  # the copy kernel is the launch before the GEMV (gemv_pdl)
-    vec_ok = _vec_ok(x)
+    vec_ok = vec_ok_of(x)
     use_mma = m < kernels.GEMM_MIN_ROWS and gemv_mma_ok(backend, w, min(m, kernels.GEMV_MAX_ROWS), vec_ok,
                                                         norm_weight is not None, silu)
     # gemv_q streams 16-byte-aligned 256-weight superblocks; other quant shapes take the simple `gemv`
@@ -299,7 +275,7 @@ def launch_linear(backend: Any, x: torch.Tensor, w: CudaLinear, *, norm_weight: 
         _launch_gemv_mma(backend, x, w, y, norm_weight, eps, residual, silu, vec_ok)
         return y
     if m == 1 and norm_weight is None and gemv_tma_ok(backend, w, vec_ok, silu):
-        _launch_gemv_tma(backend, x, w, y, residual, silu, norm_post, eps)
+        launch_gemv_tma(backend, x, w, y, residual, silu, norm_post, eps)
         return y
     for r0 in range(0, m, kernels.GEMV_MAX_ROWS):
         rows = min(kernels.GEMV_MAX_ROWS, m - r0)
@@ -316,7 +292,7 @@ def launch_linear(backend: Any, x: torch.Tensor, w: CudaLinear, *, norm_weight: 
             groups = min(groups, backend.num_sms * kernels.GEMV_NORM_BLOCKS_PER_SM)
         prefetch = kernels.gemv_prefetch_bytes(min(n_out, groups * 4) * (2 if silu else 1), w.row_bytes,
                                                _prefetch_budget(backend)) if pdl and not use_q else 0
-        p = _gemv_params(xr, r0, w, y, residual, norm_weight if fuse_norm else None, eps, vec_ok, prefetch)
+        p = gemv_params(xr, r0, w, y, residual, norm_weight if fuse_norm else None, eps, vec_ok, prefetch)
         if use_q:
             backend._launch("gemv", "gemv_q", spec, (math.ceil(n / 32), 1, 1), (32 * kernels.GEMV_Q_WARPS, 1, 1),
                             kernels.gemv_q_smem_bytes(bucket, w.fmt), p, pdl)
@@ -325,38 +301,6 @@ def launch_linear(backend: Any, x: torch.Tensor, w: CudaLinear, *, norm_weight: 
                             p, pdl)
         launched_gemv(backend, w)
     return y
-
-
-def _vec_ok(x: torch.Tensor) -> int:
-    """GemvParams.vec_ok of x [m, k] fp16: 16-byte-aligned rows of whole 8-element vectors."""
-    return int(x.shape[1] % 8 == 0 and x.stride(0) % 8 == 0 and x.data_ptr() % 16 == 0)
-
-
-def launched_gemv(backend: Any, w: CudaLinear) -> None:
-    """Record that the last launch streamed `w` (for the next gemv_pdl decision; `CudaBackend._launch` resets it)."""
-    backend.last_launch_weight_bytes = w.out_features * w.row_bytes
-
-
-def gemv_pdl(backend: Any, w: CudaLinear) -> bool:
-    """Whether a decode GEMV on `w` launches with programmatic dependent launch (`backend.pdl`, SM90+).
-
-    `backend.gemv_pdl` "auto": every GEMV but one whose weight and the previous launch's
-    (`backend.last_launch_weight_bytes`) both exceed GEMV_PDL_MAX_WEIGHT_BYTES. After a short kernel (rms_norm,
-    attention) the early start hides the launch and the first loads; after a large GEMV, the dependent's blocks
-    take the SM slots the primary frees first, unevenly (8B shapes, H200, the unfused norm: down_proj after
-    gate_up 31.3 us with PDL vs 29.3 without, qkv / o_proj / gate_up after rms_norm or attention 1.3 / 1.5 /
-    0.5 us faster with it; tools/profile_step.py). Decided per launch, against the launch right before it (a
-    call's second 8-row launch follows its first); gemv_s8's quantize_s8 + gemv_s8 pair counts as one launch,
-    decided before quantize_s8. "small": PDL only for weights of at most
-    GEMV_PDL_MAX_WEIGHT_BYTES (the rule before). "on" / "off": every GEMV / none (A/B runs)."""
-    choice = getattr(backend, "gemv_pdl", "auto")
-    if not backend.pdl or choice == "off":
-        return False
-    small = w.out_features * w.row_bytes <= kernels.GEMV_PDL_MAX_WEIGHT_BYTES
-    if choice == "small":
-        return small
-    return choice == "on" or small or getattr(backend, "last_launch_weight_bytes", 0) <= \
-        kernels.GEMV_PDL_MAX_WEIGHT_BYTES
 
 
 def fuses_norm(backend: Any, w: CudaLinear) -> bool:
@@ -479,19 +423,6 @@ def gemv_mma_tile(backend: Any, w: CudaLinear, silu: bool, one_pass: bool) -> in
                                    32 * kernels.GEMV_MMA_WARPS))
 
 
-def _gemv_params(xr: torch.Tensor, r0: int, w: CudaLinear, y: torch.Tensor, residual: torch.Tensor | None,
-                 norm_weight: torch.Tensor | None, eps: float, vec_ok: int, prefetch: int = 0,
-                 xq: torch.Tensor | None = None) -> P.GemvParams:
-    """GemvParams of the decode-GEMV launch for x rows `xr` = rows [r0, r0 + len(xr)) of the call: y's (and the
-    residual's, same row stride) rows from r0 on; `norm_weight` for a fused RMSNorm, `xq` gemv_s8's quantized x."""
-    n_out = y.shape[1]
-    return P.GemvParams(xr.data_ptr(), w.data.data_ptr(), y.data_ptr() + r0 * n_out * 2,
-                        residual.data_ptr() + r0 * n_out * 2 if residual is not None else None,
-                        norm_weight.data_ptr() if norm_weight is not None else None, xr.stride(0), n_out,
-                        w.row_bytes, xr.shape[0], w.out_features, w.in_features, vec_ok, eps, prefetch,
-                        xq.data_ptr() if xq is not None else None)
-
-
 def _launch_gemv_mma(backend: Any, x: torch.Tensor, w: CudaLinear, y: torch.Tensor,
                      norm_weight: torch.Tensor | None, eps: float, residual: torch.Tensor | None, silu: bool,
                      vec_ok: int) -> None:
@@ -501,13 +432,13 @@ def _launch_gemv_mma(backend: Any, x: torch.Tensor, w: CudaLinear, y: torch.Tens
     n_out = y.shape[1]
     one_pass = norm_weight is not None and m >= 2
     if gemv_tma_s8_ok(backend, w, m, norm_weight is not None, silu):
-        _launch_gemv_tma_s8(backend, x, w, y, residual)
+        launch_gemv_tma_s8(backend, x, w, y, residual)
         return
     if gemv_s8w_ok(backend, w, m):
-        _launch_gemv_s8w(backend, x, w, y, norm_weight, eps, residual, silu, vec_ok)
+        launch_gemv_s8w(backend, x, w, y, norm_weight, eps, residual, silu, vec_ok)
         return
     if gemv_s8_ok(backend, w, min(m, kernels.GEMV_MAX_ROWS)):
-        _launch_gemv_s8(backend, x, w, y, norm_weight, eps, residual, silu, vec_ok, one_pass)
+        launch_gemv_s8(backend, x, w, y, norm_weight, eps, residual, silu, vec_ok, one_pass)
         return
     if _mma_superblocks(backend, w):
         kernel, smem, tile = "gemv_mma_sb", kernels.gemv_mma_sb_smem_bytes(w.fmt), kernels.GEMV_MMA_TILES[0]
@@ -519,210 +450,14 @@ def _launch_gemv_mma(backend: Any, x: torch.Tensor, w: CudaLinear, y: torch.Tens
         spec["GM_MMA884"] = 1  # the SM70 path on a newer GPU (tests)
     for r0 in range(0, m, kernels.GEMV_MAX_ROWS):
         rows = min(kernels.GEMV_MAX_ROWS, m - r0)
-        p = _gemv_params(x[r0:r0 + rows], r0, w, y, residual, norm_weight, eps, vec_ok)
+        p = gemv_params(x[r0:r0 + rows], r0, w, y, residual, norm_weight, eps, vec_ok)
         backend._launch("gemv_mma", kernel, spec, grid, (32 * kernels.GEMV_MMA_WARPS, 1, 1), smem, p,
                         gemv_pdl(backend, w))
         launched_gemv(backend, w)
 
 
-def gemv_tma_ok(backend: Any, w: CudaLinear, vec_ok: int, silu: bool = False) -> bool:
-    """Whether a one-row GEMV on `w` (no fused norm weight; a folded norm is fine) runs gemv_tma: SM90+, fp16 rows
-    of k % GEMV_TMA_SPAN == 0, x and the weight 16-byte aligned, the ring and partials within the opt-in shared
-    memory, the decode GEMV choice "auto" (forced choices pin their kernels), and `backend.gemv_tma`
-    (VOLTSERVE_GEMV_TMA): "folded" (the default) only weights with their RMSNorm folded in
-    (`CudaLinear.norm_folded`), without SwiGLU, of >= GEMV_TMA_MIN_BYTES (Llama-3-8B's qkv and lm_head: the shapes
-    where it measured faster inside the engine's step; docs/performance.md, sessions 9 and 10), "off" never, "on"
-    wherever it can."""
-    choice = getattr(backend, "gemv_tma", "folded")
-    if choice == "off" or getattr(backend, "gemv_kernel", "auto") != "auto" or w.fmt != "F16":
-        return False
-    if backend.loader.compile_arch < kernels.GEMV_TMA_MIN_ARCH or not vec_ok or w.data.data_ptr() % 16:
-        return False
-    k = w.in_features
-    if k % kernels.GEMV_TMA_SPAN or w.row_bytes != 2 * k:
-        return False
-    if choice == "folded" and (silu or not w.norm_folded or w.out_features * w.row_bytes < GEMV_TMA_MIN_BYTES):
-        return False
-    n_out = w.out_features // 2 if silu else w.out_features
-    _, smem = kernels.gemv_tma_plan(n_out, k, silu, backend.num_sms, _tma_ring(backend))
-    return smem + GEMV_TMA_STATIC_SMEM <= backend.loader.max_smem_optin // _tma_blocks(backend)
-
-
 def _prefetch_budget(backend: Any) -> int:
     return getattr(backend, "gemv_prefetch_budget", kernels.GEMV_PREFETCH_L2_BYTES)
-
-
-def _tma_ring(backend: Any) -> tuple[int, int]:
-    return getattr(backend, "gemv_tma_ring", kernels.GEMV_TMA_RING)
-
-
-def _tma_blocks(backend: Any) -> int:
-    return getattr(backend, "gemv_tma_blocks", 1)
-
-
-def _launch_gemv_tma(backend: Any, x: torch.Tensor, w: CudaLinear, y: torch.Tensor,
-                     residual: torch.Tensor | None, silu: bool, norm_post: bool, eps: float) -> None:
-    """One gemv_tma launch for one x row (`gemv_tma_ok`); always under PDL where the backend has it: its ring fills
-    before pdl_enter, so it gains most right after another GEMV."""
-    n_out = y.shape[1]
-    ring = _tma_ring(backend)
-    grid, smem = kernels.gemv_tma_plan(n_out, w.in_features, silu, backend.num_sms, ring)
-    blocks = _tma_blocks(backend)
-    # at most `blocks` per SM, whatever the ring: the rows are split evenly over the grid, so two blocks of one
-    # launch on an SM would leave another idle; with 2, the room beside a block is for the next launch's
-    smem = max(smem, backend.loader.max_smem_optin // (blocks + 1) + 16)
-    p = _gemv_params(x, 0, w, y, residual, None, eps, 1)
-    p.stages, p.stage_spans = ring
-    backend._launch("gemv_tma", "gemv_tma", kernels.gemv_tma_spec(silu, norm_post, blocks), (grid, 1, 1),
-                    (kernels.GEMV_TMA_THREADS, 1, 1), smem, p)
-    launched_gemv(backend, w)
-
-
-def gemv_tma_s8_ok(backend: Any, w: CudaLinear, rows: int, norm: bool = False, silu: bool = False) -> bool:
-    """Whether a GEMV call of `rows` x rows on repacked rows `w` runs gemv_tma_s8 (ptx/gemv_tma_s8.cu):
-    `backend.gemv_tma_s8` (VOLTSERVE_GEMV_TMA_S8) "on" (the default "off": it measured slower than gemv_s8 /
-    gemv_s8w, docs/performance.md session 11), one row, no fused norm and no SwiGLU (builds it lacks), SM90+, rows
-    of whole chunks (`kernels.gemv_tma_s8_chunk`), the ring, x and the partials within the opt-in shared memory.
-    "on" takes precedence over gemv_s8 / gemv_kernel choices (an A/B knob for this kernel alone)."""
-    if getattr(backend, "gemv_tma_s8", "off") != "on" or rows != 1 or norm or silu or w.layout != "repacked":
-        return False
-    k = w.in_features
-    if backend.loader.compile_arch < kernels.GEMV_TMA_MIN_ARCH or k % kernels.gemv_tma_s8_chunk(w.fmt):
-        return False
-    _, smem = kernels.gemv_tma_s8_plan(w.fmt, w.out_features, k, backend.num_sms,
-                                       kernels.gemv_tma_s8_ring(w.fmt, k))
-    return smem + GEMV_TMA_STATIC_SMEM <= backend.loader.max_smem_optin
-
-
-def _launch_gemv_tma_s8(backend: Any, x: torch.Tensor, w: CudaLinear, y: torch.Tensor,
-                        residual: torch.Tensor | None) -> None:
-    """One gemv_tma_s8 launch for one x row (`gemv_tma_s8_ok`), under PDL where the backend has it (its ring
-    fills before pdl_enter), one block per SM whatever its shared memory (as gemv_tma)."""
-    ring = kernels.gemv_tma_s8_ring(w.fmt, w.in_features)
-    grid, smem = kernels.gemv_tma_s8_plan(w.fmt, w.out_features, w.in_features, backend.num_sms, ring)
-    smem = max(smem, backend.loader.max_smem_optin // 2 + 16)
-    p = _gemv_params(x, 0, w, y, residual, None, 0.0, 1)
-    p.stages, p.stage_spans = ring
-    warps = getattr(backend, "gemv_tma_s8_warps", kernels.GEMV_TMA_S8_CONSUMERS)
-    backend._launch("gemv_tma_s8", "gemv_tma_s8", kernels.gemv_tma_s8_spec(w.fmt, warps), (grid, 1, 1),
-                    (32 * (warps + 1), 1, 1), smem, p)
-    launched_gemv(backend, w)
-
-
-def gemv_s8_enabled(backend: Any) -> bool:
-    """Whether this backend may run gemv_s8 at all: SM80+ (int8 mma.m16n8k32), `backend.gemv_s8` not "off",
-    and the decode GEMV choice "auto" (the forced choices "mma" / "mma884" pin gemv_mma) unless gemv_s8 is "on"."""
-    choice = getattr(backend, "gemv_s8", "auto")
-    if choice == "off" or backend.loader.compile_arch < kernels.GEMV_S8_MIN_ARCH:
-        return False
-    return choice == "on" or getattr(backend, "gemv_kernel", "auto") == "auto"
-
-
-def gemv_s8_ok(backend: Any, w: CudaLinear, rows: int) -> bool:
-    """Whether a GEMV launch of `rows` (1..8) x rows on repacked rows `w` runs gemv_s8 (ptx/gemv_s8.cu) instead
-    of gemv_mma: `gemv_s8_enabled`, under "auto" a format in GEMV_S8_AUTO_FORMATS (where it measured faster),
-    and `gemv_s8_fits`."""
-    if w.layout != "repacked" or not gemv_s8_enabled(backend):
-        return False
-    if getattr(backend, "gemv_s8", "auto") == "auto" and w.fmt not in GEMV_S8_AUTO_FORMATS:
-        return False
-    return gemv_s8_fits(backend, rows, w.in_features)
-
-
-def gemv_s8w_ok(backend: Any, w: CudaLinear, rows: int) -> bool:
-    """Whether a GEMV call of `rows` x rows on repacked rows `w` runs gemv_s8w (gemv_s8.cu: a warp per weight row,
-    dp4a): one row only (a call of 9 rows runs the kernel of its first launch, gemv_s8 or gemv_mma, for both, so a
-    call's rows share one kernel), `backend.gemv_s8_m1` "warp", x's int8 copy fits (`gemv_s8_fits`), and under
-    gemv_s8 "auto" where it measured faster (Q8_0; Q4_0 / Q4_1 of k > GEMV_S8W_Q4_MIN_K); gemv_s8 "on" takes it
-    wherever gemv_s8 could run."""
-    if rows != 1 or getattr(backend, "gemv_s8_m1", "warp") != "warp" or w.layout != "repacked":
-        return False
-    if getattr(backend, "gemv_s8", "auto") != "auto":
-        return gemv_s8_ok(backend, w, 1)
-    if w.fmt != "Q8_0" and w.in_features <= GEMV_S8W_Q4_MIN_K:
-        return False
-    return gemv_s8_enabled(backend) and gemv_s8_fits(backend, 1, w.in_features)
-
-
-def gemv_s8_fits(backend: Any, rows: int, k: int) -> bool:
-    """Whether x's int8 copy for `rows` x rows of width k fits the blocks' opt-in shared memory (Llama-3-8B's
-    down_proj at 8 rows: 143 KB; SM86/89 allow 99 KB, A100 163 KB)."""
-    smem = kernels.gemv_s8_smem_bytes(rows, k) + kernels.GEMV_MMA_STATIC_SMEM
-    return smem <= backend.loader.max_smem_optin
-
-
-def gemv_s8_x_per_launch(backend: Any, rows: int, k: int, block_max_x: int = GEMV_S8_BLOCK_MAX_X) -> bool:
-    """Whether a gemv_s8 launch of `rows` x rows of width k has x quantized once by a quantize_s8 launch before
-    it (S8_XG) rather than by every block: `backend.gemv_s8_x` "launch" / "block" force it; "auto" for >= 2
-    rows or k > GEMV_S8_BLOCK_MAX_X (every block's quantization then costs more than the extra launch: Q4_1
-    4096x14336 at m = 8 51.3 us per block vs 19.4 us per launch); gemv_s8w passes its own `block_max_x`."""
-    choice = getattr(backend, "gemv_s8_x", "auto")
-    if choice != "auto":
-        return choice == "launch"
-    return rows > 1 or k > block_max_x
-
-
-def _s8_x(backend: Any, xr: torch.Tensor, spec: dict[str, int], smem: int, norm_weight: torch.Tensor | None,
-          eps: float, vec_ok: int, per_launch: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """(xq, norm) of a gemv_s8 / gemv_s8w launch on x rows `xr`: with `per_launch`, a quantize_s8 launch
-    quantizes x (the norm with it) into a workspace the GEMV's blocks copy, and the GEMV gets no norm; else
-    (None, norm_weight): every block quantizes x itself."""
-    if not per_launch:
-        return None, norm_weight
-    rows, k = xr.shape
-    xq = torch.empty(smem, dtype=torch.uint8, device=xr.device)
-    q = P.GemvParams(xr.data_ptr(), None, None, None, norm_weight.data_ptr() if norm_weight is not None else None,
-                     xr.stride(0), 0, 0, rows, 0, k, vec_ok, eps, 0, xq.data_ptr())
-    backend._launch("gemv_s8", "quantize_s8", spec, (-(-k // 2048), rows, 1), (256, 1, 1), 0, q)
-    return xq, None
-
-
-def _launch_gemv_s8w(backend: Any, x: torch.Tensor, w: CudaLinear, y: torch.Tensor,
-                     norm_weight: torch.Tensor | None, eps: float, residual: torch.Tensor | None, silu: bool,
-                     vec_ok: int) -> None:
-    """The gemv_s8w launch of one x row (fusions as gemv_s8; x quantized as gemv_s8_x_per_launch picks): a grid
-    of one output feature per warp, capped at the blocks the GPU holds at once (its warps then loop over the
-    rest)."""
-    k = x.shape[1]
-    n_out = y.shape[1]
-    per_launch = gemv_s8_x_per_launch(backend, 1, k, GEMV_S8W_BLOCK_MAX_X)
-    pdl = gemv_pdl(backend, w)  # against the launch before quantize_s8: the pair counts as one GEMV
-    spec = kernels.gemv_s8_spec(w.fmt, silu, 1, False, per_launch)
-    smem = kernels.gemv_s8_smem_bytes(1, k)
-    xq, norm = _s8_x(backend, x, spec, smem, norm_weight, eps, vec_ok, per_launch)
-    threads = 32 * kernels.GEMV_S8W_WARPS
-    grid = min(-(-n_out // kernels.GEMV_S8W_WARPS),
-               backend.num_sms * backend._occupancy("gemv_s8", "gemv_s8w", spec, smem, threads))
-    p = _gemv_params(x, 0, w, y, residual, norm, eps, vec_ok, xq=xq)
-    backend._launch("gemv_s8", "gemv_s8w", spec, (grid, 1, 1), (threads, 1, 1), smem, p, pdl)
-    launched_gemv(backend, w)
-
-
-def _launch_gemv_s8(backend: Any, x: torch.Tensor, w: CudaLinear, y: torch.Tensor,
-                    norm_weight: torch.Tensor | None, eps: float, residual: torch.Tensor | None, silu: bool,
-                    vec_ok: int, one_pass: bool) -> None:
-    """gemv_s8 launches of <= 8 x rows each (fusions as gemv_mma); `residual` has y's row stride. The grid:
-    one block per tile, or under `backend.gemv_s8_grid` "persistent" at most the blocks the GPU holds at once,
-    each looping over tiles (x quantized once per block instead of once per tile)."""
-    m, k = x.shape
-    n_out = y.shape[1]
-    tile = kernels.GEMV_MMA_TILES[0]
-    tiles = math.ceil(n_out / (tile // 2 if silu else tile))
-    for r0 in range(0, m, kernels.GEMV_MAX_ROWS):
-        rows = min(kernels.GEMV_MAX_ROWS, m - r0)
-        xr = x[r0:r0 + rows]
-        per_launch = gemv_s8_x_per_launch(backend, rows, k)
-        pdl = gemv_pdl(backend, w)  # against the launch before quantize_s8: the pair counts as one GEMV
-        spec = kernels.gemv_s8_spec(w.fmt, silu, rows, one_pass, per_launch)
-        smem = kernels.gemv_s8_smem_bytes(rows, k)
-        xq, norm = _s8_x(backend, xr, spec, smem, norm_weight, eps, vec_ok, per_launch)
-        grid = tiles
-        if getattr(backend, "gemv_s8_grid", "persistent") == "persistent":
-            grid = min(tiles, backend.num_sms * backend._occupancy("gemv_s8", "gemv_s8", spec, smem,
-                                                                  32 * kernels.GEMV_MMA_WARPS))
-        p = _gemv_params(xr, r0, w, y, residual, norm, eps, vec_ok, xq=xq)
-        backend._launch("gemv_s8", "gemv_s8", spec, (grid, 1, 1), (32 * kernels.GEMV_MMA_WARPS, 1, 1), smem, p, pdl)
-        launched_gemv(backend, w)
 
 
 def _gemm(backend: Any, x: torch.Tensor, w: CudaLinear, f16_gemm: str) -> torch.Tensor:

@@ -1,0 +1,159 @@
+"""The int8 decode GEMVs on repacked quant rows (ptx/gemv_s8.cu, SM80+): gemv_s8 (int8 MMAs, 1-8 x rows) and
+gemv_s8w (one x row, a warp per weight row, dp4a), their routing rules and launchers."""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from voltserve.backends.cuda import kernels
+from voltserve.backends.cuda import params as P
+from voltserve.backends.cuda.gemv_launch import gemv_params, gemv_pdl, launched_gemv
+
+if TYPE_CHECKING:
+    from voltserve.backends.cuda.linear import CudaLinear
+
+# gemv_s8 (int8 MMAs on repacked rows, x quantized per 32 like llama.cpp's Q8_1) replaces gemv_mma under
+# VOLTSERVE_GEMV_S8=auto on GEMV_S8_AUTO_FORMATS (gemv_s8_ok), with x quantized by every block at one x row of
+# k <= GEMV_S8_BLOCK_MAX_X and once per launch (quantize_s8) otherwise (gemv_s8_x_per_launch). H200,
+# bench_kernels.py decode_gemv rows, gemv_mma -> gemv_s8 (docs/performance.md), Q4_1: m = 1 (x per block)
+# 14336x4096 21.7 -> 16.4 us, 4096x4096 7.2 -> 6.2, 4096x14336 21.9 -> 20.7, fused RMSNorm + qkv 13.7 -> 8.9,
+# RMSNorm + gate_up + SwiGLU (the GGUF pair's scalar gemv before) 45.1 -> 29.0; m = 8 (x per launch) 14336x4096
+# 24.4 -> 18.1, 4096x14336 23.6 -> 19.4, 4096x4096 8.5 -> 8.5. Q8_0's kernel rows gained nowhere by more than
+# ~5% (session 3), but its whole step did once its weights were repacked (session 11): 8B Q8_0, gemv_mma ->
+# gemv_s8 at 2 / 4 / 8 rows 4.21 -> 3.50, 4.39 -> 3.70, 4.61 -> 3.85 ms (one row: gemv_s8w either way).
+GEMV_S8_AUTO_FORMATS = ("Q4_0", "Q4_1", "Q8_0")
+
+# gemv_s8w (one x row, a warp per weight row, dp4a) serves the one-row calls of repacked rows under
+# VOLTSERVE_GEMV_S8_M1=warp where it measured faster than gemv_s8 / gemv_mma (gemv_s8w_ok): Q8_0 rows, and Q4_0 /
+# Q4_1 rows wider than GEMV_S8W_Q4_MIN_K, whose x it takes quantized once per launch (k > GEMV_S8W_BLOCK_MAX_X).
+# H200, bench_kernels decode rows at m = 1 (docs/performance.md, session 7): Q4_1 4096x14336 20.3-20.7 -> 15.3-15.5
+# us, down + residual 20.6-20.8 -> 15.0-15.5; Q8_0 4096x4096 9.3-9.9 -> 8.3, 14336x4096 22.6-23.6 -> 20.4-20.5
+# (gemv_mma before; since session 11 the Q8_0 SwiGLU pairs and down_proj are repacked too); Q4_1 at k = 4096
+# within +-5% of gemv_s8 (14336x4096 15.4-15.9 vs 15.6-15.9 us) but fused RMSNorm + qkv 9.8-10.3 vs 8.7
+GEMV_S8W_Q4_MIN_K = 4096
+
+GEMV_S8W_BLOCK_MAX_X = 4096
+
+# one-row gemv_s8 launches of k <= this quantize x in every block (an extra launch measured 1.7% slower per 8B
+# step at batch 1: 2.755 vs 2.709 ms); wider ones (not measured) and all launches of >= 2 rows take quantize_s8
+GEMV_S8_BLOCK_MAX_X = 16384
+
+
+def gemv_s8_enabled(backend: Any) -> bool:
+    """Whether this backend may run gemv_s8 at all: SM80+ (int8 mma.m16n8k32), `backend.gemv_s8` not "off",
+    and the decode GEMV choice "auto" (the forced choices "mma" / "mma884" pin gemv_mma) unless gemv_s8 is "on"."""
+    choice = getattr(backend, "gemv_s8", "auto")
+    if choice == "off" or backend.loader.compile_arch < kernels.GEMV_S8_MIN_ARCH:
+        return False
+    return choice == "on" or getattr(backend, "gemv_kernel", "auto") == "auto"
+
+
+def gemv_s8_ok(backend: Any, w: CudaLinear, rows: int) -> bool:
+    """Whether a GEMV launch of `rows` (1..8) x rows on repacked rows `w` runs gemv_s8 (ptx/gemv_s8.cu) instead
+    of gemv_mma: `gemv_s8_enabled`, under "auto" a format in GEMV_S8_AUTO_FORMATS (where it measured faster),
+    and `gemv_s8_fits`."""
+    if w.layout != "repacked" or not gemv_s8_enabled(backend):
+        return False
+    if getattr(backend, "gemv_s8", "auto") == "auto" and w.fmt not in GEMV_S8_AUTO_FORMATS:
+        return False
+    return gemv_s8_fits(backend, rows, w.in_features)
+
+
+def gemv_s8w_ok(backend: Any, w: CudaLinear, rows: int) -> bool:
+    """Whether a GEMV call of `rows` x rows on repacked rows `w` runs gemv_s8w (gemv_s8.cu: a warp per weight row,
+    dp4a): one row only (a call of 9 rows runs the kernel of its first launch, gemv_s8 or gemv_mma, for both, so a
+    call's rows share one kernel), `backend.gemv_s8_m1` "warp", x's int8 copy fits (`gemv_s8_fits`), and under
+    gemv_s8 "auto" where it measured faster (Q8_0; Q4_0 / Q4_1 of k > GEMV_S8W_Q4_MIN_K); gemv_s8 "on" takes it
+    wherever gemv_s8 could run."""
+    if rows != 1 or getattr(backend, "gemv_s8_m1", "warp") != "warp" or w.layout != "repacked":
+        return False
+    if getattr(backend, "gemv_s8", "auto") != "auto":
+        return gemv_s8_ok(backend, w, 1)
+    if w.fmt != "Q8_0" and w.in_features <= GEMV_S8W_Q4_MIN_K:
+        return False
+    return gemv_s8_enabled(backend) and gemv_s8_fits(backend, 1, w.in_features)
+
+
+def gemv_s8_fits(backend: Any, rows: int, k: int) -> bool:
+    """Whether x's int8 copy for `rows` x rows of width k fits the blocks' opt-in shared memory (Llama-3-8B's
+    down_proj at 8 rows: 143 KB; SM86/89 allow 99 KB, A100 163 KB)."""
+    smem = kernels.gemv_s8_smem_bytes(rows, k) + kernels.GEMV_MMA_STATIC_SMEM
+    return smem <= backend.loader.max_smem_optin
+
+
+def gemv_s8_x_per_launch(backend: Any, rows: int, k: int, block_max_x: int = GEMV_S8_BLOCK_MAX_X) -> bool:
+    """Whether a gemv_s8 launch of `rows` x rows of width k has x quantized once by a quantize_s8 launch before
+    it (S8_XG) rather than by every block: `backend.gemv_s8_x` "launch" / "block" force it; "auto" for >= 2
+    rows or k > GEMV_S8_BLOCK_MAX_X (every block's quantization then costs more than the extra launch: Q4_1
+    4096x14336 at m = 8 51.3 us per block vs 19.4 us per launch); gemv_s8w passes its own `block_max_x`."""
+    choice = getattr(backend, "gemv_s8_x", "auto")
+    if choice != "auto":
+        return choice == "launch"
+    return rows > 1 or k > block_max_x
+
+
+def s8_quantized_x(backend: Any, xr: torch.Tensor, spec: dict[str, int], smem: int,
+                   norm_weight: torch.Tensor | None, eps: float, vec_ok: int,
+                   per_launch: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(xq, norm) of a gemv_s8 / gemv_s8w launch on x rows `xr`: with `per_launch`, a quantize_s8 launch
+    quantizes x (the norm with it) into a workspace the GEMV's blocks copy, and the GEMV gets no norm; else
+    (None, norm_weight): every block quantizes x itself."""
+    if not per_launch:
+        return None, norm_weight
+    rows, k = xr.shape
+    xq = torch.empty(smem, dtype=torch.uint8, device=xr.device)
+    q = P.GemvParams(xr.data_ptr(), None, None, None, norm_weight.data_ptr() if norm_weight is not None else None,
+                     xr.stride(0), 0, 0, rows, 0, k, vec_ok, eps, 0, xq.data_ptr())
+    backend._launch("gemv_s8", "quantize_s8", spec, (-(-k // 2048), rows, 1), (256, 1, 1), 0, q)
+    return xq, None
+
+
+def launch_gemv_s8w(backend: Any, x: torch.Tensor, w: CudaLinear, y: torch.Tensor,
+                    norm_weight: torch.Tensor | None, eps: float, residual: torch.Tensor | None, silu: bool,
+                    vec_ok: int) -> None:
+    """The gemv_s8w launch of one x row (fusions as gemv_s8; x quantized as gemv_s8_x_per_launch picks): a grid
+    of one output feature per warp, capped at the blocks the GPU holds at once (its warps then loop over the
+    rest)."""
+    k = x.shape[1]
+    n_out = y.shape[1]
+    per_launch = gemv_s8_x_per_launch(backend, 1, k, GEMV_S8W_BLOCK_MAX_X)
+    pdl = gemv_pdl(backend, w)  # against the launch before quantize_s8: the pair counts as one GEMV
+    spec = kernels.gemv_s8_spec(w.fmt, silu, 1, False, per_launch)
+    smem = kernels.gemv_s8_smem_bytes(1, k)
+    xq, norm = s8_quantized_x(backend, x, spec, smem, norm_weight, eps, vec_ok, per_launch)
+    threads = 32 * kernels.GEMV_S8W_WARPS
+    grid = min(-(-n_out // kernels.GEMV_S8W_WARPS),
+               backend.num_sms * backend._occupancy("gemv_s8", "gemv_s8w", spec, smem, threads))
+    p = gemv_params(x, 0, w, y, residual, norm, eps, vec_ok, xq=xq)
+    backend._launch("gemv_s8", "gemv_s8w", spec, (grid, 1, 1), (threads, 1, 1), smem, p, pdl)
+    launched_gemv(backend, w)
+
+
+def launch_gemv_s8(backend: Any, x: torch.Tensor, w: CudaLinear, y: torch.Tensor,
+                   norm_weight: torch.Tensor | None, eps: float, residual: torch.Tensor | None, silu: bool,
+                   vec_ok: int, one_pass: bool) -> None:
+    """gemv_s8 launches of <= 8 x rows each (fusions as gemv_mma); `residual` has y's row stride. The grid:
+    one block per tile, or under `backend.gemv_s8_grid` "persistent" at most the blocks the GPU holds at once,
+    each looping over tiles (x quantized once per block instead of once per tile)."""
+    m, k = x.shape
+    n_out = y.shape[1]
+    tile = kernels.GEMV_MMA_TILES[0]
+    tiles = math.ceil(n_out / (tile // 2 if silu else tile))
+    for r0 in range(0, m, kernels.GEMV_MAX_ROWS):
+        rows = min(kernels.GEMV_MAX_ROWS, m - r0)
+        xr = x[r0:r0 + rows]
+        per_launch = gemv_s8_x_per_launch(backend, rows, k)
+        pdl = gemv_pdl(backend, w)  # against the launch before quantize_s8: the pair counts as one GEMV
+        spec = kernels.gemv_s8_spec(w.fmt, silu, rows, one_pass, per_launch)
+        smem = kernels.gemv_s8_smem_bytes(rows, k)
+        xq, norm = s8_quantized_x(backend, xr, spec, smem, norm_weight, eps, vec_ok, per_launch)
+        grid = tiles
+        if getattr(backend, "gemv_s8_grid", "persistent") == "persistent":
+            grid = min(tiles, backend.num_sms * backend._occupancy("gemv_s8", "gemv_s8", spec, smem,
+                                                                  32 * kernels.GEMV_MMA_WARPS))
+        p = gemv_params(xr, r0, w, y, residual, norm, eps, vec_ok, xq=xq)
+        backend._launch("gemv_s8", "gemv_s8", spec, (grid, 1, 1), (32 * kernels.GEMV_MMA_WARPS, 1, 1), smem, p, pdl)
+        launched_gemv(backend, w)

@@ -1,0 +1,100 @@
+"""The SM90+ decode GEMVs that stream weights through a shared-memory ring of bulk copies: gemv_tma (fp16,
+ptx/gemv_tma.cu) and gemv_tma_s8 (repacked quant rows, ptx/gemv_tma_s8.cu), their routing rules and launchers."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from voltserve.backends.cuda import kernels
+from voltserve.backends.cuda.gemv_launch import gemv_params, launched_gemv
+
+if TYPE_CHECKING:
+    from voltserve.backends.cuda.linear import CudaLinear
+
+# gemv_tma (fp16, one x row, SM90+) under VOLTSERVE_GEMV_TMA=folded: weights of at least this many bytes
+GEMV_TMA_MIN_BYTES = 4 << 20
+
+# gemv_tma's static smem, at most: the ring's mbarriers, the norm's scratch and 1 / rms (static_assert in the .cu)
+GEMV_TMA_STATIC_SMEM = 1024
+
+
+def gemv_tma_ok(backend: Any, w: CudaLinear, vec_ok: int, silu: bool = False) -> bool:
+    """Whether a one-row GEMV on `w` (no fused norm weight; a folded norm is fine) runs gemv_tma: SM90+, fp16 rows
+    of k % GEMV_TMA_SPAN == 0, x and the weight 16-byte aligned, the ring and partials within the opt-in shared
+    memory, the decode GEMV choice "auto" (forced choices pin their kernels), and `backend.gemv_tma`
+    (VOLTSERVE_GEMV_TMA): "folded" (the default) only weights with their RMSNorm folded in
+    (`CudaLinear.norm_folded`), without SwiGLU, of >= GEMV_TMA_MIN_BYTES (Llama-3-8B's qkv and lm_head: the shapes
+    where it measured faster inside the engine's step; docs/performance.md, sessions 9 and 10), "off" never, "on"
+    wherever it can."""
+    choice = getattr(backend, "gemv_tma", "folded")
+    if choice == "off" or getattr(backend, "gemv_kernel", "auto") != "auto" or w.fmt != "F16":
+        return False
+    if backend.loader.compile_arch < kernels.GEMV_TMA_MIN_ARCH or not vec_ok or w.data.data_ptr() % 16:
+        return False
+    k = w.in_features
+    if k % kernels.GEMV_TMA_SPAN or w.row_bytes != 2 * k:
+        return False
+    if choice == "folded" and (silu or not w.norm_folded or w.out_features * w.row_bytes < GEMV_TMA_MIN_BYTES):
+        return False
+    n_out = w.out_features // 2 if silu else w.out_features
+    _, smem = kernels.gemv_tma_plan(n_out, k, silu, backend.num_sms, _tma_ring(backend))
+    return smem + GEMV_TMA_STATIC_SMEM <= backend.loader.max_smem_optin // _tma_blocks(backend)
+
+
+def _tma_ring(backend: Any) -> tuple[int, int]:
+    return getattr(backend, "gemv_tma_ring", kernels.GEMV_TMA_RING)
+
+
+def _tma_blocks(backend: Any) -> int:
+    return getattr(backend, "gemv_tma_blocks", 1)
+
+
+def launch_gemv_tma(backend: Any, x: torch.Tensor, w: CudaLinear, y: torch.Tensor,
+                    residual: torch.Tensor | None, silu: bool, norm_post: bool, eps: float) -> None:
+    """One gemv_tma launch for one x row (`gemv_tma_ok`); always under PDL where the backend has it: its ring fills
+    before pdl_enter, so it gains most right after another GEMV."""
+    n_out = y.shape[1]
+    ring = _tma_ring(backend)
+    grid, smem = kernels.gemv_tma_plan(n_out, w.in_features, silu, backend.num_sms, ring)
+    blocks = _tma_blocks(backend)
+    # at most `blocks` per SM, whatever the ring: the rows are split evenly over the grid, so two blocks of one
+    # launch on an SM would leave another idle; with 2, the room beside a block is for the next launch's
+    smem = max(smem, backend.loader.max_smem_optin // (blocks + 1) + 16)
+    p = gemv_params(x, 0, w, y, residual, None, eps, 1)
+    p.stages, p.stage_spans = ring
+    backend._launch("gemv_tma", "gemv_tma", kernels.gemv_tma_spec(silu, norm_post, blocks), (grid, 1, 1),
+                    (kernels.GEMV_TMA_THREADS, 1, 1), smem, p)
+    launched_gemv(backend, w)
+
+
+def gemv_tma_s8_ok(backend: Any, w: CudaLinear, rows: int, norm: bool = False, silu: bool = False) -> bool:
+    """Whether a GEMV call of `rows` x rows on repacked rows `w` runs gemv_tma_s8 (ptx/gemv_tma_s8.cu):
+    `backend.gemv_tma_s8` (VOLTSERVE_GEMV_TMA_S8) "on" (the default "off": it measured slower than gemv_s8 /
+    gemv_s8w, docs/performance.md session 11), one row, no fused norm and no SwiGLU (builds it lacks), SM90+, rows
+    of whole chunks (`kernels.gemv_tma_s8_chunk`), the ring, x and the partials within the opt-in shared memory.
+    "on" takes precedence over gemv_s8 / gemv_kernel choices (an A/B knob for this kernel alone)."""
+    if getattr(backend, "gemv_tma_s8", "off") != "on" or rows != 1 or norm or silu or w.layout != "repacked":
+        return False
+    k = w.in_features
+    if backend.loader.compile_arch < kernels.GEMV_TMA_MIN_ARCH or k % kernels.gemv_tma_s8_chunk(w.fmt):
+        return False
+    _, smem = kernels.gemv_tma_s8_plan(w.fmt, w.out_features, k, backend.num_sms,
+                                       kernels.gemv_tma_s8_ring(w.fmt, k))
+    return smem + GEMV_TMA_STATIC_SMEM <= backend.loader.max_smem_optin
+
+
+def launch_gemv_tma_s8(backend: Any, x: torch.Tensor, w: CudaLinear, y: torch.Tensor,
+                       residual: torch.Tensor | None) -> None:
+    """One gemv_tma_s8 launch for one x row (`gemv_tma_s8_ok`), under PDL where the backend has it (its ring
+    fills before pdl_enter), one block per SM whatever its shared memory (as gemv_tma)."""
+    ring = kernels.gemv_tma_s8_ring(w.fmt, w.in_features)
+    grid, smem = kernels.gemv_tma_s8_plan(w.fmt, w.out_features, w.in_features, backend.num_sms, ring)
+    smem = max(smem, backend.loader.max_smem_optin // 2 + 16)
+    p = gemv_params(x, 0, w, y, residual, None, 0.0, 1)
+    p.stages, p.stage_spans = ring
+    warps = getattr(backend, "gemv_tma_s8_warps", kernels.GEMV_TMA_S8_CONSUMERS)
+    backend._launch("gemv_tma_s8", "gemv_tma_s8", kernels.gemv_tma_s8_spec(w.fmt, warps), (grid, 1, 1),
+                    (32 * (warps + 1), 1, 1), smem, p)
+    launched_gemv(backend, w)

@@ -11,7 +11,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from voltserve.backends.cuda.linear import GEMV_MMA_MIN_ROWS, GEMV_MMA_SM70_MIN_ROWS, CudaLinear, gemv_kernel_name
+from voltserve.backends.cuda import kernels
+from voltserve.backends.cuda.linear import (GEMV_MMA_MIN_ROWS, GEMV_MMA_SM70_MIN_ROWS, CudaLinear, gemv_kernel_name,
+                                           launch_linear)
 
 
 def _backend(arch, choice="auto", smem_kb=227):
@@ -405,6 +407,72 @@ def test_gemv_pdl_is_decided_per_launch():
     launches.clear()
     launch_linear(backend, x, big)  # right after the large GEMV above
     assert launches == [("gemv_mma", False), ("gemv_mma", False)]
+
+
+def _recording_backend(**knobs):
+    """A CPU stand-in for CudaBackend whose `_launch` records (kernel, grid, block, smem, params, pdl) instead of
+    launching: launch_linear's Python side (routing, grids, params) runs for real."""
+    launches = []
+
+    def record(op, kernel, spec, grid, block, smem, params, pdl=None):
+        launches.append(SimpleNamespace(kernel=kernel, spec=spec, grid=grid, block=block, smem=smem, params=params,
+                                        pdl=pdl))
+        backend.last_launch_weight_bytes = 0
+
+    backend = SimpleNamespace(pdl=True, gemv_pdl="auto", gemv_kernel="auto", gemv_mma_tile=0, gemv_s8="auto",
+                              gemv_s8_m1="warp", gemv_s8_x="auto", gemv_s8_grid="persistent", gemv_tma="folded",
+                              gemv_tma_s8="off", fuse_norm="auto", num_sms=132, last_launch_weight_bytes=0,
+                              _launch=record, _occupancy=lambda *a, **k: 2,
+                              loader=SimpleNamespace(compile_arch=90, max_smem_optin=227 * 1024))
+    for name, value in knobs.items():
+        setattr(backend, name, value)
+    return backend, launches
+
+
+@pytest.mark.parametrize("case", ["f16_gemv", "f16_mma", "f16_tma", "f16_tma_pair", "s8w", "s8_m1", "s8",
+                                  "s8_m1_launch", "tma_s8"])
+def test_every_gemv_launcher_runs_on_a_recording_backend(case):
+    """Each decode-GEMV launcher (gemv, gemv_mma, gemv_tma, gemv_s8w, gemv_s8 with quantize_s8, gemv_tma_s8) goes
+    through launch_linear on CPU tensors: the kernel gemv_kernel_name names is launched, with the grid, block and
+    params its launcher computes (x, y and weight pointers, shape, row stride)."""
+    k = 4096
+    x1, x8 = torch.zeros(1, k, dtype=torch.float16), torch.zeros(8, k, dtype=torch.float16)
+    knobs, rows = {}, 1
+    if case.startswith("f16"):
+        w = _linear("F16", 4096 if case != "f16_gemv" else 64, k)
+        rows = 8 if case == "f16_mma" else 1
+        if case.startswith("f16_tma"):
+            knobs = {"gemv_tma": "on"}
+        if case == "f16_tma_pair":
+            knobs["gemv_tma_blocks"], knobs["gemv_tma_ring"] = 2, (8, 4)
+    else:
+        w = _linear("Q8_0" if case == "s8w" else "Q4_1", 4096, 14336 if case == "s8_m1_launch" else k)
+        w.layout = "repacked"
+        rows = 8 if case == "s8" else 1
+        if case == "tma_s8":
+            knobs = {"gemv_tma_s8": "on"}
+        if case == "s8_m1_launch":  # gemv_s8w with x quantized per launch (k > GEMV_S8W_BLOCK_MAX_X)
+            x1 = torch.zeros(1, 14336, dtype=torch.float16)
+    backend, launches = _recording_backend(**knobs)
+    x = x1 if rows == 1 else x8
+    want = gemv_kernel_name(backend, w, rows)
+    y = launch_linear(backend, x, w)
+    kernels_run = [launch.kernel for launch in launches]
+    expected = {"s8": ["quantize_s8", "gemv_s8"], "s8_m1_launch": ["quantize_s8", "gemv_s8w"]}.get(case, [want])
+    assert kernels_run == expected and want == expected[-1]
+    assert {"f16_gemv": "gemv", "f16_mma": "gemv_mma", "f16_tma": "gemv_tma", "f16_tma_pair": "gemv_tma",
+            "s8w": "gemv_s8w", "s8_m1": "gemv_s8", "s8": "gemv_s8", "s8_m1_launch": "gemv_s8w",
+            "tma_s8": "gemv_tma_s8"}[case] == want
+    last = launches[-1]
+    p = last.params
+    assert (p.x, p.w, p.y) == (x.data_ptr(), w.data.data_ptr(), y.data_ptr()) and y.shape == (rows, w.out_features)
+    assert (p.m, p.n, p.k, p.x_stride) == (rows, w.out_features, x.shape[1], x.shape[1])
+    assert last.grid[0] >= 1 and last.block[0] % 32 == 0
+    if want == "gemv_tma":
+        blocks = knobs.get("gemv_tma_blocks", 1)
+        assert last.spec == ({"TMA_MIN_BLOCKS": 2} if blocks == 2 else {})
+        assert (p.stages, p.stage_spans) == knobs.get("gemv_tma_ring", kernels.GEMV_TMA_RING)
+        assert 227 * 1024 // (blocks + 1) < last.smem <= 227 * 1024 // blocks  # at most `blocks` an SM
 
 
 def test_folds_norm_rule():

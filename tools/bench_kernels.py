@@ -290,7 +290,9 @@ def main() -> int:
                     help="gemv_tma blocks per SM (VOLTSERVE_GEMV_TMA_BLOCKS) for the decode_* rows: 1, 2 or a list "
                     "(rows get @blocks=choice)")
     args = ap.parse_args()
+    from voltserve.backends.cuda import kernels
     from voltserve.backends.cuda.backend import CudaBackend
+    from voltserve.backends.cuda.gemv_tma import gemv_tma_fits
 
     be = CudaBackend(0, pdl=args.pdl == "on")
     copy_bw = copy_bandwidth(args.repeats)
@@ -326,6 +328,12 @@ def main() -> int:
         for (attr, prefix, values, conv), value in zip(knobs, combo):
             setattr(be, attr, conv(value) if isinstance(value, str) else value)
             tag += f"{prefix}{value}" if len(values) > 1 else ""
+        stages, spans = be.gemv_tma_ring
+        if be.gemv_tma != "off" and not gemv_tma_fits(be, stages * spans * kernels.GEMV_TMA_SPAN * 2):
+            # gemv_tma would decline every weight: the rows would time gemv under this tag
+            print(f"skipped {tag}: a {stages}x{spans} ring does not fit {be.gemv_tma_blocks} gemv_tma blocks an SM",
+                  file=sys.stderr)
+            continue
         for name, t, num_bytes in _decode_gemv_cases(be, args.repeats, args.only):
             add(name + tag, t, num_bytes, 0)
         for name, t, num_bytes in _decode_fused_cases(be, args.repeats, args.only):

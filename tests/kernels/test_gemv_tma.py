@@ -15,6 +15,8 @@ import pytest
 import torch
 from tests.kernels.kutils import assert_replay_equals_eager, backend_settings, launched_kernels, rel_err
 
+from voltserve.backends.cuda import kernels
+
 pytestmark = pytest.mark.gpu
 TOL = 4e-3
 GEMV_TOL = 1e-3
@@ -126,8 +128,14 @@ def test_two_blocks_per_sm_build_is_bit_identical(tma_backend, silu):
     base_res, _ = _run(tma_backend, x, plain, residual=res[:, :3000])
     with backend_settings(tma_backend, gemv_tma_ring=(8, 4), gemv_tma_blocks=2):
         got, names = _run(tma_backend, x, w, norm_w=norm_w, silu=silu)
-        got_res, _ = _run(tma_backend, x, plain, residual=res[:, :3000])
-    assert names == ["gemv_tma"] and torch.equal(got, base) and torch.equal(got_res, base_res)
+        got_res, res_names = _run(tma_backend, x, plain, residual=res[:, :3000])
+    assert names == res_names == ["gemv_tma"] and torch.equal(got, base) and torch.equal(got_res, base_res)
+    # two blocks of this build and smem are resident on an SM at once (one of the default build)
+    n_out = 3072 if silu else 6144
+    _, smem = kernels.gemv_tma_plan(n_out, 4096, silu, tma_backend.num_sms, (8, 4))
+    smem = max(smem, tma_backend.loader.max_smem_optin // 3 + 16)
+    spec = kernels.gemv_tma_spec(silu, True, 2)
+    assert tma_backend._occupancy("gemv_tma", "gemv_tma", spec, smem, kernels.GEMV_TMA_THREADS) == 2
 
 
 def test_nan_row_stays_in_its_output(tma_backend):

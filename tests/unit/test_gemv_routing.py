@@ -440,6 +440,8 @@ def test_every_gemv_launcher_runs_on_a_recording_backend(case):
     knobs, rows = {}, 1
     if case.startswith("f16"):
         w = _linear("F16", 4096 if case != "f16_gemv" else 64, k)
+        if case == "f16_gemv":  # gemv under PDL prefetches its first rows into L2 within the budget
+            knobs = {"gemv_prefetch_budget": 64 * 1024}
         rows = 8 if case == "f16_mma" else 1
         if case.startswith("f16_tma"):
             knobs = {"gemv_tma": "on"}
@@ -468,6 +470,8 @@ def test_every_gemv_launcher_runs_on_a_recording_backend(case):
     assert (p.x, p.w, p.y) == (x.data_ptr(), w.data.data_ptr(), y.data_ptr()) and y.shape == (rows, w.out_features)
     assert (p.m, p.n, p.k, p.x_stride) == (rows, w.out_features, x.shape[1], x.shape[1])
     assert last.grid[0] >= 1 and last.block[0] % 32 == 0
+    if case == "f16_gemv":  # 64 rows of 8 KB share a 64 KB budget: 1 KB each
+        assert last.pdl and p.prefetch_bytes == 1024
     if want == "gemv_tma":
         blocks = knobs.get("gemv_tma_blocks", 1)
         assert last.spec == ({"TMA_MIN_BLOCKS": 2} if blocks == 2 else {})
@@ -616,6 +620,13 @@ def test_gemv_tma_routing():
     assert not gemv_tma_ok(pair, big, 1)  # 128 KB ring + x: more than half of 227 KB
     pair.gemv_tma_ring = (8, 4)
     assert gemv_tma_ok(pair, big, 1) and gemv_tma_ok(pair, lm_head, 1)
+    # the bound counts the 1 KB the GPU reserves per block: two blocks of 115,200 dynamic bytes do not fit an SM
+    # (2 x (115,200 + 1,024 static + 1,024) > 227 KB + 1 KB), one does
+    from voltserve.backends.cuda.gemv_tma import gemv_tma_fits
+    edge = 227 * 1024 + 1024
+    assert gemv_tma_fits(pair, edge // 2 - 2048) and not gemv_tma_fits(pair, edge // 2 - 2048 + 1)
+    assert not gemv_tma_fits(pair, 115200) and gemv_tma_fits(_backend(90), 115200)
+    assert gemv_tma_fits(_backend(90), 227 * 1024 - 1024) and not gemv_tma_fits(_backend(90), 227 * 1024 - 1023)
     assert kernels.gemv_tma_spec(False, True, 2) == {"NORM_POST": 1, "TMA_MIN_BLOCKS": 2}
     assert kernels.gemv_tma_spec(True, False) == {"SILU": 1}
 

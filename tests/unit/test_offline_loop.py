@@ -6,7 +6,6 @@ from tests.helpers import FakeAsyncRunner, make_scheduler, make_seq, next_token
 
 from voltserve.offline import run_steps
 from voltserve.request import FinishReason
-from voltserve.runner import StepHandle
 
 
 def _run(pipelined: bool, max_steps=None, mixed=False):

@@ -34,7 +34,6 @@ GEMV_S8_AUTO_FORMATS = ("Q4_0", "Q4_1", "Q8_0")
 # (gemv_mma before; since session 11 the Q8_0 SwiGLU pairs and down_proj are repacked too); Q4_1 at k = 4096
 # within +-5% of gemv_s8 (14336x4096 15.4-15.9 vs 15.6-15.9 us) but fused RMSNorm + qkv 9.8-10.3 vs 8.7
 GEMV_S8W_Q4_MIN_K = 4096
-
 GEMV_S8W_BLOCK_MAX_X = 4096
 
 # one-row gemv_s8 launches of k <= this quantize x in every block (an extra launch measured 1.7% slower per 8B

@@ -18,6 +18,8 @@ GEMV_TMA_MIN_BYTES = 4 << 20
 
 # gemv_tma's static smem, at most: the ring's mbarriers, the norm's scratch and 1 / rms (static_assert in the .cu)
 GEMV_TMA_STATIC_SMEM = 1024
+# shared memory the GPU reserves per resident block (SM80+: 1 KB; an SM holds the opt-in maximum plus one reserve)
+SMEM_RESERVED_PER_BLOCK = 1024
 
 
 def gemv_tma_ok(backend: Any, w: CudaLinear, vec_ok: int, silu: bool = False) -> bool:
@@ -40,7 +42,14 @@ def gemv_tma_ok(backend: Any, w: CudaLinear, vec_ok: int, silu: bool = False) ->
         return False
     n_out = w.out_features // 2 if silu else w.out_features
     _, smem = kernels.gemv_tma_plan(n_out, k, silu, backend.num_sms, _tma_ring(backend))
-    return smem + GEMV_TMA_STATIC_SMEM <= backend.loader.max_smem_optin // _tma_blocks(backend)
+    return gemv_tma_fits(backend, smem)
+
+
+def gemv_tma_fits(backend: Any, smem: int) -> bool:
+    """Whether `_tma_blocks(backend)` gemv_tma blocks of `smem` dynamic bytes (its static smem and the per-block
+    reserve on top) fit one SM's shared memory (the opt-in maximum plus one reserve)."""
+    per_block = smem + GEMV_TMA_STATIC_SMEM + SMEM_RESERVED_PER_BLOCK
+    return per_block * _tma_blocks(backend) <= backend.loader.max_smem_optin + SMEM_RESERVED_PER_BLOCK
 
 
 def _tma_ring(backend: Any) -> tuple[int, int]:
@@ -59,8 +68,9 @@ def launch_gemv_tma(backend: Any, x: torch.Tensor, w: CudaLinear, y: torch.Tenso
     ring = _tma_ring(backend)
     grid, smem = kernels.gemv_tma_plan(n_out, w.in_features, silu, backend.num_sms, ring)
     blocks = _tma_blocks(backend)
-    # at most `blocks` per SM, whatever the ring: the rows are split evenly over the grid, so two blocks of one
-    # launch on an SM would leave another idle; with 2, the room beside a block is for the next launch's
+    # at most `blocks` per SM, whatever the ring (rows are split evenly over the grid: two blocks of one launch on
+    # an SM leave another idle). With 2 the second place is meant for the next launch's block, but nothing keeps
+    # it for that: where SMs free up unevenly, two blocks of one launch may share an SM
     smem = max(smem, backend.loader.max_smem_optin // (blocks + 1) + 16)
     p = gemv_params(x, 0, w, y, residual, None, eps, 1)
     p.stages, p.stage_spans = ring

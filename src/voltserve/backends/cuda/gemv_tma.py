@@ -46,10 +46,22 @@ def gemv_tma_ok(backend: Any, w: CudaLinear, vec_ok: int, silu: bool = False) ->
 
 
 def gemv_tma_fits(backend: Any, smem: int) -> bool:
-    """Whether `_tma_blocks(backend)` gemv_tma blocks of `smem` dynamic bytes (its static smem and the per-block
-    reserve on top) fit one SM's shared memory (the opt-in maximum plus one reserve)."""
+    """Whether `_tma_blocks(backend)` gemv_tma blocks of `smem` dynamic bytes fit one SM (`_ring_blocks_fit`)."""
+    return _ring_blocks_fit(backend, smem, _tma_blocks(backend))
+
+
+def _ring_blocks_fit(backend: Any, smem: int, blocks: int) -> bool:
+    """Whether `blocks` ring-kernel blocks of `smem` dynamic bytes (their static smem and the per-block reserve on
+    top) fit one SM's shared memory (the opt-in maximum plus one reserve)."""
     per_block = smem + GEMV_TMA_STATIC_SMEM + SMEM_RESERVED_PER_BLOCK
-    return per_block * _tma_blocks(backend) <= backend.loader.max_smem_optin + SMEM_RESERVED_PER_BLOCK
+    return per_block * blocks <= backend.loader.max_smem_optin + SMEM_RESERVED_PER_BLOCK
+
+
+def _ring_block_smem(backend: Any, smem: int, blocks: int) -> int:
+    """The dynamic smem a ring kernel's launch asks for: at least `smem`, and enough that at most `blocks` blocks
+    fit an SM (its rows are split evenly over a grid of one block per SM: two blocks of one launch on an SM leave
+    another idle)."""
+    return max(smem, backend.loader.max_smem_optin // (blocks + 1) + 16)
 
 
 def _tma_ring(backend: Any) -> tuple[int, int]:
@@ -68,10 +80,9 @@ def launch_gemv_tma(backend: Any, x: torch.Tensor, w: CudaLinear, y: torch.Tenso
     ring = _tma_ring(backend)
     grid, smem = kernels.gemv_tma_plan(n_out, w.in_features, silu, backend.num_sms, ring)
     blocks = _tma_blocks(backend)
-    # at most `blocks` per SM, whatever the ring (rows are split evenly over the grid: two blocks of one launch on
-    # an SM leave another idle). With 2 the second place is meant for the next launch's block, but nothing keeps
-    # it for that: where SMs free up unevenly, two blocks of one launch may share an SM
-    smem = max(smem, backend.loader.max_smem_optin // (blocks + 1) + 16)
+    # with 2 blocks an SM the second place is meant for the next launch's block, but nothing keeps it for that:
+    # where SMs free up unevenly, two blocks of one launch may share an SM
+    smem = _ring_block_smem(backend, smem, blocks)
     p = gemv_params(x, 0, w, y, residual, None, eps, 1)
     p.stages, p.stage_spans = ring
     backend._launch("gemv_tma", "gemv_tma", kernels.gemv_tma_spec(silu, norm_post, blocks), (grid, 1, 1),
@@ -92,7 +103,7 @@ def gemv_tma_s8_ok(backend: Any, w: CudaLinear, rows: int, norm: bool = False, s
         return False
     _, smem = kernels.gemv_tma_s8_plan(w.fmt, w.out_features, k, backend.num_sms,
                                        kernels.gemv_tma_s8_ring(w.fmt, k))
-    return smem + GEMV_TMA_STATIC_SMEM <= backend.loader.max_smem_optin
+    return _ring_blocks_fit(backend, smem, 1)
 
 
 def launch_gemv_tma_s8(backend: Any, x: torch.Tensor, w: CudaLinear, y: torch.Tensor,
@@ -101,7 +112,7 @@ def launch_gemv_tma_s8(backend: Any, x: torch.Tensor, w: CudaLinear, y: torch.Te
     fills before pdl_enter), one block per SM whatever its shared memory (as gemv_tma)."""
     ring = kernels.gemv_tma_s8_ring(w.fmt, w.in_features)
     grid, smem = kernels.gemv_tma_s8_plan(w.fmt, w.out_features, w.in_features, backend.num_sms, ring)
-    smem = max(smem, backend.loader.max_smem_optin // 2 + 16)
+    smem = _ring_block_smem(backend, smem, 1)
     p = gemv_params(x, 0, w, y, residual, None, 0.0, 1)
     p.stages, p.stage_spans = ring
     warps = getattr(backend, "gemv_tma_s8_warps", kernels.GEMV_TMA_S8_CONSUMERS)

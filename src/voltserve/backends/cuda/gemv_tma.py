@@ -57,7 +57,7 @@ def _ring_blocks_fit(backend: Any, smem: int, blocks: int) -> bool:
     return per_block * blocks <= backend.loader.max_smem_optin + SMEM_RESERVED_PER_BLOCK
 
 
-def _ring_block_smem(backend: Any, smem: int, blocks: int) -> int:
+def ring_block_smem(backend: Any, smem: int, blocks: int) -> int:
     """The dynamic smem a ring kernel's launch asks for: at least `smem`, and enough that at most `blocks` blocks
     fit an SM (its rows are split evenly over a grid of one block per SM: two blocks of one launch on an SM leave
     another idle)."""
@@ -82,7 +82,7 @@ def launch_gemv_tma(backend: Any, x: torch.Tensor, w: CudaLinear, y: torch.Tenso
     blocks = _tma_blocks(backend)
     # with 2 blocks an SM the second place is meant for the next launch's block, but nothing keeps it for that:
     # where SMs free up unevenly, two blocks of one launch may share an SM
-    smem = _ring_block_smem(backend, smem, blocks)
+    smem = ring_block_smem(backend, smem, blocks)
     p = gemv_params(x, 0, w, y, residual, None, eps, 1)
     p.stages, p.stage_spans = ring
     backend._launch("gemv_tma", "gemv_tma", kernels.gemv_tma_spec(silu, norm_post, blocks), (grid, 1, 1),
@@ -112,7 +112,7 @@ def launch_gemv_tma_s8(backend: Any, x: torch.Tensor, w: CudaLinear, y: torch.Te
     fills before pdl_enter), one block per SM whatever its shared memory (as gemv_tma)."""
     ring = kernels.gemv_tma_s8_ring(w.fmt, w.in_features)
     grid, smem = kernels.gemv_tma_s8_plan(w.fmt, w.out_features, w.in_features, backend.num_sms, ring)
-    smem = _ring_block_smem(backend, smem, 1)
+    smem = ring_block_smem(backend, smem, 1)
     p = gemv_params(x, 0, w, y, residual, None, 0.0, 1)
     p.stages, p.stage_spans = ring
     warps = getattr(backend, "gemv_tma_s8_warps", kernels.GEMV_TMA_S8_CONSUMERS)

@@ -7,6 +7,7 @@ Usage:
         [--gemv-tma on,off]           # ... and once per gemv_tma choice (VOLTSERVE_GEMV_TMA), tagged @tma=choice
         [--gemv-tma-s8 on,off]        # ... and once per gemv_tma_s8 choice (VOLTSERVE_GEMV_TMA_S8), @tma_s8=choice
         [--gemv-tma-ring 16x4,8x4] [--gemv-tma-blocks 1,2]  # gemv_tma's ring and blocks per SM, @ring= / @blocks=
+                                      # (then only rows that gemv_tma took: the others print "skipped ...")
 Shapes are Llama-3-8B-like (hidden 4096, 32 heads / 8 KV heads, head_dim 128, FFN 14336) unless named.
 
 Two kinds of rows:
@@ -82,6 +83,17 @@ def _graph_time(be, fns, repeats: int) -> float:
     return t
 
 
+def _kernels_of(be, fn) -> frozenset[str]:
+    """The names of the kernels one call of `fn` launches (the launcher's own choice, e.g. whether gemv_tma took
+    the weight under the ring / blocks being timed)."""
+    sys.path.insert(0, "tests/kernels")
+    from kutils import launched_kernels
+
+    with launched_kernels(be) as names:
+        fn()
+    return frozenset(names)
+
+
 def _rotated_weights(be, fmt: str, out_f: int, in_f: int, gen: torch.Generator, swiglu: bool = False,
                      norm: torch.Tensor | None = None):
     """(weight, copies of it filling >= 256 MB (>= 4x the L2), weight bytes, number of copies): replaying one
@@ -116,8 +128,9 @@ def _decode_gemv_cases(be, repeats: int, only: str | None):
                     continue
                 xm = torch.randn(m, in_f, device="cuda", dtype=torch.float16)
                 fns = [(lambda li=li: be.linear(xm, li)) for li in lins]
+                kernels_run = _kernels_of(be, fns[0])
                 t = _graph_time(be, fns, repeats) / copies
-                yield name, t, wbytes + m * (in_f + out_f) * 2
+                yield name, t, wbytes + m * (in_f + out_f) * 2, kernels_run
             del lins, lin
             torch.cuda.empty_cache()
 
@@ -135,7 +148,8 @@ def _decode_fused_cases(be, repeats: int, only: str | None):
     for fmt in ("F16", "Q4_1"):
         for part, (out_f, in_f) in (("qkv", (6144, 4096)), ("gate_up", (28672, 4096)), ("down", (4096, 14336))):
             names = [f"decode_{kind}_{part}_{fmt}_{out_f}x{in_f}_m1" for kind in ("fused", "unfused")]
-            if only and not any(_picked(only, n) for n in names):
+            folded = f"decode_folded_{part}_{fmt}_{out_f}x{in_f}_m1"
+            if only and not any(_picked(only, n) for n in names + [folded]):
                 continue
             lin, lins, wbytes, copies = _rotated_weights(be, fmt, out_f, in_f, gen, swiglu=part == "gate_up")
             x = torch.randn(1, in_f, device="cuda", dtype=torch.float16)
@@ -151,16 +165,19 @@ def _decode_fused_cases(be, repeats: int, only: str | None):
                     y = be.linear(be.rms_norm(x, norm_w, 1e-5)[0], li)
                     return be.silu_and_mul(y) if silu else y
             for name, fn in zip(names, (fused, unfused)):
+                if only and not _picked(only, name):
+                    continue
+                kernels_run = _kernels_of(be, lambda fn=fn, li=lins[0]: fn(li))
                 t = _graph_time(be, [(lambda li=li, fn=fn: fn(li)) for li in lins], repeats) / copies
-                yield name, t, wbytes + (in_f + out_f) * 2
+                yield name, t, wbytes + (in_f + out_f) * 2, kernels_run
             del lins, lin
             torch.cuda.empty_cache()
-            folded = f"decode_folded_{part}_{fmt}_{out_f}x{in_f}_m1"
             if fmt != "F16" or part == "down" or (only and not _picked(only, folded)):
                 continue
             lin, lins, wbytes, copies = _rotated_weights(be, fmt, out_f, in_f, gen, norm=norm_cpu)
+            kernels_run = _kernels_of(be, lambda li=lins[0]: fused(li))
             t = _graph_time(be, [(lambda li=li: fused(li)) for li in lins], repeats) / copies
-            yield folded, t, wbytes + (in_f + out_f) * 2
+            yield folded, t, wbytes + (in_f + out_f) * 2, kernels_run
             del lins, lin
             torch.cuda.empty_cache()
 
@@ -290,9 +307,7 @@ def main() -> int:
                     help="gemv_tma blocks per SM (VOLTSERVE_GEMV_TMA_BLOCKS) for the decode_* rows: 1, 2 or a list "
                     "(rows get @blocks=choice)")
     args = ap.parse_args()
-    from voltserve.backends.cuda import kernels
     from voltserve.backends.cuda.backend import CudaBackend
-    from voltserve.backends.cuda.gemv_tma import gemv_tma_fits
 
     be = CudaBackend(0, pdl=args.pdl == "on")
     copy_bw = copy_bandwidth(args.repeats)
@@ -323,21 +338,22 @@ def main() -> int:
     knobs = [(attr, prefix, values.split(",") if values else [getattr(be, attr)], conv)
              for attr, prefix, values, conv in knobs]
     defaults = {attr: getattr(be, attr) for attr, _, _, _ in knobs}
+    # rows timed under several gemv_tma rings / block counts: only those where gemv_tma ran (asked of the launcher
+    # per row, since whether it takes a weight depends on the shape, the ring, x and the partials); the others
+    # would time another kernel under the tag
+    ring_rows = any(len(values) > 1 for attr, _, values, _ in knobs if attr in ("gemv_tma_ring", "gemv_tma_blocks"))
     for combo in itertools.product(*(values for _, _, values, _ in knobs)):
         tag = ""
         for (attr, prefix, values, conv), value in zip(knobs, combo):
             setattr(be, attr, conv(value) if isinstance(value, str) else value)
             tag += f"{prefix}{value}" if len(values) > 1 else ""
-        stages, spans = be.gemv_tma_ring
-        if be.gemv_tma != "off" and not gemv_tma_fits(be, stages * spans * kernels.GEMV_TMA_SPAN * 2):
-            # gemv_tma would decline every weight: the rows would time gemv under this tag
-            print(f"skipped {tag}: a {stages}x{spans} ring does not fit {be.gemv_tma_blocks} gemv_tma blocks an SM",
-                  file=sys.stderr)
-            continue
-        for name, t, num_bytes in _decode_gemv_cases(be, args.repeats, args.only):
-            add(name + tag, t, num_bytes, 0)
-        for name, t, num_bytes in _decode_fused_cases(be, args.repeats, args.only):
-            add(name + tag, t, num_bytes, 0)
+        for cases in (_decode_gemv_cases, _decode_fused_cases):
+            for name, t, num_bytes, kernels_run in cases(be, args.repeats, args.only):
+                if ring_rows and "gemv_tma" not in kernels_run:
+                    print(f"skipped {name}{tag}: gemv_tma did not take it (ran {', '.join(sorted(kernels_run))})",
+                          file=sys.stderr)
+                    continue
+                add(name + tag, t, num_bytes, 0)
     for attr, value in defaults.items():
         setattr(be, attr, value)
     result = {"device": torch.cuda.get_device_name(), "arch": be.loader.arch, "pdl": be.pdl, "repeats": args.repeats,

@@ -118,11 +118,15 @@ VOLT_DEVICE int split_len(const DecodeParams& p, int seq_len) {
 
 #define MERGE_ITEMS (GROUP * HEAD_DIM / 4)                              // 4 outputs per item
 #define MERGE_ITEMS_PER_THREAD ((MERGE_ITEMS + NUM_THREADS - 1) / NUM_THREADS)
-// Splits whose partial outputs merge_splits loads in the same round trip as their (max, sum) pairs: 8, fewer
-// where a thread holds more than 2 items (GROUP * HEAD_DIM > 1024: at most 64 registers of float4s; 8 each
-// spilled at GROUP 16, HEAD_DIM 256).
-#define MERGE_REG_SPLITS \
-    (MERGE_ITEMS_PER_THREAD <= 2 ? 8 : MERGE_ITEMS_PER_THREAD <= 16 ? 16 / MERGE_ITEMS_PER_THREAD : 1)
+// Splits whose partial outputs merge_splits loads in the same round trip as their (max, sum) pairs: 16 where a
+// thread holds one item (GROUP * HEAD_DIM <= 512, e.g. Llama-3-8B, whose 513-1,024-key contexts take 9-16 splits of
+// 64 keys at batch 1: 8 cost one more round trip, 0.2-0.3% of the 8B step), 8 for two, fewer where a thread holds
+// more (GROUP * HEAD_DIM > 1024: at most 64 registers of float4s; 8 each spilled at GROUP 16, HEAD_DIM 256).
+#define MERGE_REG_SPLITS                                                                                     \
+    (MERGE_ITEMS_PER_THREAD == 1   ? 16                                                                      \
+     : MERGE_ITEMS_PER_THREAD <= 2 ? 8                                                                       \
+     : MERGE_ITEMS_PER_THREAD <= 16 ? 16 / MERGE_ITEMS_PER_THREAD                                            \
+                                    : 1)
 
 // out[seq, kvh * GROUP + g] for the group's heads from their `used` split partials (log-sum-exp rescale), by
 // the whole block. One dependent global round trip: the (max, sum) pairs (8-byte loads, to smem `w`: maxima

@@ -1,7 +1,7 @@
 // attention_decode_mma.cuh: attn_decode's per-warp work on tensor cores (SM80+, GROUP <= 8, HEAD_DIM % 64 == 0):
 // a split's 16-key tiles through mma.m16n8k16 (fp16 x fp16 -> fp32) with an online softmax. Part of
-// attention_decode.cu, which includes it after DecodeParams and its macros (NUM_WARPS, HEAD_DIM, GROUP, ATTN_MMA);
-// not a standalone header.
+// attention_decode.cu, which includes it after DecodeParams, its macros (NUM_WARPS, HEAD_DIM, GROUP, ATTN_MMA) and
+// lse_weight; not a standalone header.
 #pragma once
 #if ATTN_MMA
 // One warp's share of a split on tensor cores: 16-key tiles w, w + NUM_WARPS, ... of the split's n keys. Lane

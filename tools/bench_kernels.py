@@ -7,7 +7,7 @@ Usage:
         [--gemv-tma on,off]           # ... and once per gemv_tma choice (VOLTSERVE_GEMV_TMA), tagged @tma=choice
         [--gemv-tma-s8 on,off]        # ... and once per gemv_tma_s8 choice (VOLTSERVE_GEMV_TMA_S8), @tma_s8=choice
         [--gemv-tma-ring 16x4,8x4] [--gemv-tma-blocks 1,2]  # gemv_tma's ring and blocks per SM, @ring= / @blocks=
-                                      # (then only rows that gemv_tma took: the others print "skipped ...")
+                                      # (then, where gemv_tma is on, only rows it took: the others print "skipped")
 Shapes are Llama-3-8B-like (hidden 4096, 32 heads / 8 KV heads, head_dim 128, FFN 14336) unless named.
 
 Two kinds of rows:
@@ -86,12 +86,22 @@ def _graph_time(be, fns, repeats: int) -> float:
 def _kernels_of(be, fn) -> frozenset[str]:
     """The names of the kernels one call of `fn` launches (the launcher's own choice, e.g. whether gemv_tma took
     the weight under the ring / blocks being timed)."""
-    sys.path.insert(0, "tests/kernels")
+    if "tests/kernels" not in sys.path:
+        sys.path.insert(0, "tests/kernels")
     from kutils import launched_kernels
 
     with launched_kernels(be) as names:
         fn()
     return frozenset(names)
+
+
+def _timed(be, fns, repeats: int, copies: int, keep):
+    """(seconds per launch of `_graph_time(fns)` / copies, the kernels one call launches); with `keep` (a predicate
+    on those kernels) that rejects them, (None, kernels) without timing."""
+    if keep is None:
+        return _graph_time(be, fns, repeats) / copies, frozenset()
+    ran = _kernels_of(be, fns[0])
+    return (_graph_time(be, fns, repeats) / copies if keep(ran) else None), ran
 
 
 def _rotated_weights(be, fmt: str, out_f: int, in_f: int, gen: torch.Generator, swiglu: bool = False,
@@ -114,8 +124,9 @@ def _rotated_weights(be, fmt: str, out_f: int, in_f: int, gen: torch.Generator, 
     return lin, [lin] + [replace(lin, data=lin.data.clone()) for _ in range(copies - 1)], wbytes, copies
 
 
-def _decode_gemv_cases(be, repeats: int, only: str | None):
-    """GEMV at the Llama-3-8B decode shapes (out x in), m = 1, 2, 4, 8, weights rotated so they come from HBM."""
+def _decode_gemv_cases(be, repeats: int, only: str | None, keep=None):
+    """GEMV at the Llama-3-8B decode shapes (out x in), m = 1, 2, 4, 8, weights rotated so they come from HBM;
+    yields (name, seconds or None where `keep` rejects the kernels, bytes, kernels) (`_timed`)."""
     gen = torch.Generator().manual_seed(1)
     for fmt in ("F16", "Q4_0", "Q4_1", "Q8_0"):
         for out_f, in_f in ((4096, 4096), (14336, 4096), (4096, 14336)):
@@ -127,21 +138,20 @@ def _decode_gemv_cases(be, repeats: int, only: str | None):
                 if only and not _picked(only, name):
                     continue
                 xm = torch.randn(m, in_f, device="cuda", dtype=torch.float16)
-                fns = [(lambda li=li: be.linear(xm, li)) for li in lins]
-                kernels_run = _kernels_of(be, fns[0])
-                t = _graph_time(be, fns, repeats) / copies
-                yield name, t, wbytes + m * (in_f + out_f) * 2, kernels_run
+                t, ran = _timed(be, [(lambda li=li: be.linear(xm, li)) for li in lins], repeats, copies, keep)
+                yield name, t, wbytes + m * (in_f + out_f) * 2, ran
             del lins, lin
             torch.cuda.empty_cache()
 
 
-def _decode_fused_cases(be, repeats: int, only: str | None):
+def _decode_fused_cases(be, repeats: int, only: str | None, keep=None):
     """The decode fusions at the Llama-3-8B shapes (m = 1), fused and as the unfused op sequence, weights rotated
     as in `_decode_gemv_cases`: `decode_fused_*` rows next to `decode_unfused_*` rows of the same work, and for
     fp16 qkv / gate_up `decode_folded_*` rows: the norm folded into the weight (gemv's NORM_POST build, what the
     engine runs for these weights under VOLTSERVE_NORM_FOLD=auto).
 
-    qkv: RMSNorm + 6144x4096; gate_up: RMSNorm + 28672x4096 + SwiGLU; down: 4096x14336 + residual add."""
+    qkv: RMSNorm + 6144x4096; gate_up: RMSNorm + 28672x4096 + SwiGLU; down: 4096x14336 + residual add. Yields as
+    `_decode_gemv_cases`."""
     gen = torch.Generator().manual_seed(2)
     norm_cpu = torch.rand(4096, generator=gen) + 0.5
     norm_w = be.prepare_norm(norm_cpu)
@@ -149,9 +159,10 @@ def _decode_fused_cases(be, repeats: int, only: str | None):
         for part, (out_f, in_f) in (("qkv", (6144, 4096)), ("gate_up", (28672, 4096)), ("down", (4096, 14336))):
             names = [f"decode_{kind}_{part}_{fmt}_{out_f}x{in_f}_m1" for kind in ("fused", "unfused")]
             folded = f"decode_folded_{part}_{fmt}_{out_f}x{in_f}_m1"
-            if only and not any(_picked(only, n) for n in names + [folded]):
+            picked = [not only or _picked(only, n) for n in names]
+            want_folded = fmt == "F16" and part != "down" and (not only or _picked(only, folded))
+            if not any(picked) and not want_folded:
                 continue
-            lin, lins, wbytes, copies = _rotated_weights(be, fmt, out_f, in_f, gen, swiglu=part == "gate_up")
             x = torch.randn(1, in_f, device="cuda", dtype=torch.float16)
             res = torch.randn(1, out_f, device="cuda", dtype=torch.float16)
             if part == "down":
@@ -164,20 +175,19 @@ def _decode_fused_cases(be, repeats: int, only: str | None):
                 def unfused(li, silu=silu):
                     y = be.linear(be.rms_norm(x, norm_w, 1e-5)[0], li)
                     return be.silu_and_mul(y) if silu else y
-            for name, fn in zip(names, (fused, unfused)):
-                if only and not _picked(only, name):
-                    continue
-                kernels_run = _kernels_of(be, lambda fn=fn, li=lins[0]: fn(li))
-                t = _graph_time(be, [(lambda li=li, fn=fn: fn(li)) for li in lins], repeats) / copies
-                yield name, t, wbytes + (in_f + out_f) * 2, kernels_run
-            del lins, lin
-            torch.cuda.empty_cache()
-            if fmt != "F16" or part == "down" or (only and not _picked(only, folded)):
+            if any(picked):
+                lin, lins, wbytes, copies = _rotated_weights(be, fmt, out_f, in_f, gen, swiglu=part == "gate_up")
+                for name, fn, pick in zip(names, (fused, unfused), picked):
+                    if pick:
+                        t, ran = _timed(be, [(lambda li=li, fn=fn: fn(li)) for li in lins], repeats, copies, keep)
+                        yield name, t, wbytes + (in_f + out_f) * 2, ran
+                del lins, lin
+                torch.cuda.empty_cache()
+            if not want_folded:
                 continue
             lin, lins, wbytes, copies = _rotated_weights(be, fmt, out_f, in_f, gen, norm=norm_cpu)
-            kernels_run = _kernels_of(be, lambda li=lins[0]: fused(li))
-            t = _graph_time(be, [(lambda li=li: fused(li)) for li in lins], repeats) / copies
-            yield folded, t, wbytes + (in_f + out_f) * 2, kernels_run
+            t, ran = _timed(be, [(lambda li=li: fused(li)) for li in lins], repeats, copies, keep)
+            yield folded, t, wbytes + (in_f + out_f) * 2, ran
             del lins, lin
             torch.cuda.empty_cache()
 
@@ -338,19 +348,23 @@ def main() -> int:
     knobs = [(attr, prefix, values.split(",") if values else [getattr(be, attr)], conv)
              for attr, prefix, values, conv in knobs]
     defaults = {attr: getattr(be, attr) for attr, _, _, _ in knobs}
-    # rows timed under several gemv_tma rings / block counts: only those where gemv_tma ran (asked of the launcher
-    # per row, since whether it takes a weight depends on the shape, the ring, x and the partials); the others
-    # would time another kernel under the tag
+    # rows timed under several gemv_tma rings / block counts with gemv_tma asked for: only those where gemv_tma ran
+    # (asked of the launcher per row, before timing: whether it takes a weight depends on the shape, the ring, x
+    # and the partials); the others would time another kernel under the tag. Rows of `--gemv-tma off` or a forced
+    # `--gemv-kernel` are all kept (baselines).
     ring_rows = any(len(values) > 1 for attr, _, values, _ in knobs if attr in ("gemv_tma_ring", "gemv_tma_blocks"))
     for combo in itertools.product(*(values for _, _, values, _ in knobs)):
         tag = ""
         for (attr, prefix, values, conv), value in zip(knobs, combo):
             setattr(be, attr, conv(value) if isinstance(value, str) else value)
             tag += f"{prefix}{value}" if len(values) > 1 else ""
+        keep = None
+        if ring_rows and be.gemv_tma != "off" and be.gemv_kernel == "auto":
+            keep = lambda ran: "gemv_tma" in ran  # noqa: E731
         for cases in (_decode_gemv_cases, _decode_fused_cases):
-            for name, t, num_bytes, kernels_run in cases(be, args.repeats, args.only):
-                if ring_rows and "gemv_tma" not in kernels_run:
-                    print(f"skipped {name}{tag}: gemv_tma did not take it (ran {', '.join(sorted(kernels_run))})",
+            for name, t, num_bytes, ran in cases(be, args.repeats, args.only, keep):
+                if t is None:
+                    print(f"skipped {name}{tag}: gemv_tma did not take it (ran {', '.join(sorted(ran))})",
                           file=sys.stderr)
                     continue
                 add(name + tag, t, num_bytes, 0)

@@ -28,11 +28,14 @@ import argparse
 import itertools
 import json
 import math
+import pathlib
 import re
 import statistics
 import sys
 
 import torch
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))  # tests.kernels.kutils from any cwd
 
 V100_BYTES_S = 900e9
 V100_FLOP_S = 125e12
@@ -86,9 +89,7 @@ def _graph_time(be, fns, repeats: int) -> float:
 def _kernels_of(be, fn) -> frozenset[str]:
     """The names of the kernels one call of `fn` launches (the launcher's own choice, e.g. whether gemv_tma took
     the weight under the ring / blocks being timed)."""
-    if "tests/kernels" not in sys.path:
-        sys.path.insert(0, "tests/kernels")
-    from kutils import launched_kernels
+    from tests.kernels.kutils import launched_kernels
 
     with launched_kernels(be) as names:
         fn()
@@ -111,8 +112,7 @@ def _rotated_weights(be, fmt: str, out_f: int, in_f: int, gen: torch.Generator, 
     where the backend folds it (`linear.folds_norm`)."""
     from dataclasses import replace
 
-    sys.path.insert(0, "tests/kernels")
-    from kutils import make_quant
+    from tests.kernels.kutils import make_quant
 
     if fmt == "F16":
         lin = be.prepare_linear(torch.randn(out_f, in_f, generator=gen) * 0.02, norm=norm)
@@ -241,8 +241,7 @@ def _cases(be):
     from voltserve.backends.base import AttentionMetadata
     from voltserve.backends.cpu import rope_cos_sin
 
-    sys.path.insert(0, "tests/kernels")
-    from kutils import make_quant
+    from tests.kernels.kutils import make_quant
 
     dev, h = "cuda", torch.float16
     gen = torch.Generator().manual_seed(0)

@@ -18,6 +18,8 @@ Two kinds of rows:
   - `decode_*` rows (`decode_gemv_Q4_0_14336x4096_m1`: out x in): how decode sees the GEMV, a CUDA graph of
     launches replayed over enough distinct copies of the weight (>= 4x the L2) that every launch streams its
     weight from HBM; time per launch = graph time / copies. Bytes = weight + x + y.
+  - `decode_boundary_*` rows: the same 235 MB of fp16 rows in one launch and in two (what a launch boundary
+    costs a decode GEMV; the two-launch row's time is per pair).
   - `decode_attn_*` rows: paged decode attention, CUDA-graph timed over rotated KV caches the same way;
     `decode_rope_attn_*` rows: the same with the rotary and KV write fused in (`rope_attention`).
 """
@@ -192,6 +194,32 @@ def _decode_fused_cases(be, repeats: int, only: str | None, keep=None):
             torch.cuda.empty_cache()
 
 
+def _decode_boundary_cases(be, repeats: int, only: str | None, keep=None):
+    """What a launch boundary costs a one-row decode GEMV: the same 235 MB of fp16 rows (Llama-3-8B's gate_up
+    bytes, an RMSNorm folded in, as the engine stores qkv and gate_up) streamed by one launch over 28,672 rows and
+    by two back-to-back launches over 14,336 rows each (docs/performance.md, session 14: the persistent-kernel
+    question). Weights rotated as in `_decode_gemv_cases`; yields as it does, the two-launch row per pair."""
+    gen = torch.Generator().manual_seed(4)
+    norm_cpu = torch.rand(4096, generator=gen) + 0.5
+    norm_w = be.prepare_norm(norm_cpu)
+    x = torch.randn(1, 4096, device="cuda", dtype=torch.float16)
+    call = lambda li: be.norm_linear(x, norm_w, 1e-5, li)  # noqa: E731
+    one, two = "decode_boundary_F16_28672x4096_one_launch_m1", "decode_boundary_F16_28672x4096_two_launches_m1"
+    if not only or _picked(only, one):
+        lin, lins, wbytes, copies = _rotated_weights(be, "F16", 28672, 4096, gen, norm=norm_cpu)
+        t, ran = _timed(be, [(lambda li=li: call(li)) for li in lins], repeats, copies, keep)
+        yield one, t, wbytes + (4096 + 28672) * 2, ran
+        del lins, lin
+        torch.cuda.empty_cache()
+    if not only or _picked(only, two):
+        lin, lins, wbytes, _ = _rotated_weights(be, "F16", 14336, 4096, gen, norm=norm_cpu)
+        pairs = list(zip(lins[0::2], lins[1::2]))  # >= 4 copies: >= 2 pairs, every launch from HBM
+        t, ran = _timed(be, [(lambda a=a, b=b: (call(a), call(b))) for a, b in pairs], repeats, len(pairs), keep)
+        yield two, t, 2 * (wbytes + (4096 + 14336) * 2), ran
+        del lins, lin, pairs
+        torch.cuda.empty_cache()
+
+
 def _decode_attention_cases(be, repeats: int, only: str | None):
     """Paged decode attention at Llama-3-8B shapes (32 query / 8 KV heads, head_dim 128, 16-token KV blocks) for
     (sequences x context) pairs, CUDA-graph timed like the `decode_*` GEMV rows; KV caches are rotated over >= 4
@@ -360,7 +388,7 @@ def main() -> int:
         keep = None
         if ring_rows and be.gemv_tma != "off" and be.gemv_kernel == "auto":
             keep = lambda ran: "gemv_tma" in ran  # noqa: E731
-        for cases in (_decode_gemv_cases, _decode_fused_cases):
+        for cases in (_decode_gemv_cases, _decode_fused_cases, _decode_boundary_cases):
             for name, t, num_bytes, ran in cases(be, args.repeats, args.only, keep):
                 if t is None:
                     print(f"skipped {name}{tag}: gemv_tma did not take it (ran {', '.join(sorted(ran))})",

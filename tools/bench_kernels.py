@@ -199,12 +199,14 @@ def _decode_boundary_cases(be, repeats: int, only: str | None, keep=None):
     bytes, an RMSNorm folded in, as the engine stores qkv and gate_up) streamed by one launch over 28,672 rows and
     by two back-to-back launches over 14,336 rows each (docs/performance.md, session 14: the persistent-kernel
     question). Weights rotated as in `_decode_gemv_cases`; yields as it does, the two-launch row per pair."""
+    one, two = "decode_boundary_F16_28672x4096_one_launch_m1", "decode_boundary_F16_28672x4096_two_launches_m1"
+    if only and not (_picked(only, one) or _picked(only, two)):
+        return  # nothing on the device for rows not asked for
     gen = torch.Generator().manual_seed(4)
     norm_cpu = torch.rand(4096, generator=gen) + 0.5
     norm_w = be.prepare_norm(norm_cpu)
     x = torch.randn(1, 4096, device="cuda", dtype=torch.float16)
     call = lambda li: be.norm_linear(x, norm_w, 1e-5, li)  # noqa: E731
-    one, two = "decode_boundary_F16_28672x4096_one_launch_m1", "decode_boundary_F16_28672x4096_two_launches_m1"
     if not only or _picked(only, one):
         lin, lins, wbytes, copies = _rotated_weights(be, "F16", 28672, 4096, gen, norm=norm_cpu)
         t, ran = _timed(be, [(lambda li=li: call(li)) for li in lins], repeats, copies, keep)

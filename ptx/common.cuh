@@ -9,6 +9,7 @@ typedef unsigned short half_t;            // IEEE fp16 bits
 typedef unsigned char u8;
 typedef unsigned int u32;
 typedef long long i64;
+typedef unsigned long long u64;
 
 #define VOLT_DEVICE __device__ __forceinline__
 #define VOLT_NEG_INF (-__int_as_float(0x7f800000))

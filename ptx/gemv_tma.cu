@@ -28,7 +28,7 @@
 // Reference: voltserve.backends.cpu.CpuBackend.linear.
 #include "gemv_common.cuh"
 #include "mma.cuh"
-#include "tma.cuh"
+#include "tma_dots.cuh"
 
 #ifndef SILU
 #define SILU 0
@@ -42,10 +42,6 @@
 #endif
 // TMA_CONSUMERS: warps that read the stages; one more warp issues the copies
 #define TMA_THREADS ((TMA_CONSUMERS + 1) * 32)
-#define TMA_SPAN_HALVES 1024                       // a warp's unit of work: 4 x 16 bytes a lane, one warp sum
-#define TMA_SPAN_BYTES (TMA_SPAN_HALVES * 2)
-#define TMA_MAX_STAGES 32
-#define TMA_STAGE_SPANS 4                          // most spans per stage (p.stage_spans <= it)
 #ifndef TMA_MIN_BLOCKS
 #define TMA_MIN_BLOCKS 1  // 2: registers capped so that the next launch's block fits beside this one (its ring
                           // fills while this block still streams; the launcher then sizes smem for two)
@@ -70,36 +66,6 @@ VOLT_DEVICE TmaStage tma_stage(const GemvParams& p, int f0, int n_out, i64 seg_b
     return s;
 }
 
-// The dot products of a stage's spans with x, one per span, by one warp: raw[sp][j] is the lane's 16 bytes
-// (halves 8 lane + 0..7) of chunk j (256 halves) of span sp, zero past the stage's spans (those MMAs multiply
-// zeros and the caller does not store them: with a 2-span ring half the MMAs), xcol[sp] the x offset of that
-// span's lane slice. Per chunk, two mma.m16n8k16 (PTX ISA, "Matrix fragments for mma.m16n8k16"): lane (g = lane
-// / 4, t = lane % 4) gives B column g its weights 0..3 (the second MMA: 4..7) at k = 2t, 2t + 1, 2t + 8, 2t + 9
-// and A row g its x values at the same positions (rows 8-15 zero), so D[g][g] = lanes 4g .. 4g + 3's products
-// and the diagonal sums the chunk (the off-diagonal products are not used). dot[sp]: this lane's diagonal entry
-// of span sp, accumulated in fp32 over its 4 chunks (0 on the other lanes), for one warp sum by the caller: the
-// same order wherever the span is read. The spans are independent accumulator chains, interleaved per chunk.
-VOLT_DEVICE void tma_span_dots(const uint4 (&raw)[TMA_STAGE_SPANS][4], const half_t* xh,
-                               const int (&xcol)[TMA_STAGE_SPANS], float (&dot)[TMA_STAGE_SPANS]) {
-    const int lane = threadIdx.x & 31, g = lane >> 2;
-    float d[TMA_STAGE_SPANS][4];
-#pragma unroll
-    for (int sp = 0; sp < TMA_STAGE_SPANS; ++sp)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) d[sp][e] = 0.f;
-#pragma unroll
-    for (int j = 0; j < 4; ++j)
-#pragma unroll
-        for (int sp = 0; sp < TMA_STAGE_SPANS; ++sp) {
-            const uint4 xa = *reinterpret_cast<const uint4*>(xh + xcol[sp] + j * 256);
-            const u32 a0[4] = {xa.x, 0u, xa.y, 0u}, a1[4] = {xa.z, 0u, xa.w, 0u};
-            mma_m16n8k16(d[sp], a0, raw[sp][j].x, raw[sp][j].y);
-            mma_m16n8k16(d[sp], a1, raw[sp][j].z, raw[sp][j].w);
-        }
-    const bool diag = (lane & 3) == (g >> 1);  // this lane holds D[g][g]: accumulator 1 for odd g, else 0
-#pragma unroll
-    for (int sp = 0; sp < TMA_STAGE_SPANS; ++sp) dot[sp] = diag ? ((g & 1) ? d[sp][1] : d[sp][0]) : 0.f;
-}
 #endif
 
 extern "C" __global__ void __launch_bounds__(TMA_THREADS, TMA_MIN_BLOCKS) gemv_tma(const GemvParams p) {
@@ -178,32 +144,8 @@ extern "C" __global__ void __launch_bounds__(TMA_THREADS, TMA_MIN_BLOCKS) gemv_t
             const TmaStage s = tma_stage(p, f0, n_out, seg_bytes, seg_stages, stage_bytes, i);
             const int num_sp = (int)s.bytes / TMA_SPAN_BYTES;
             mbar_wait(&full[slot], (u32)(i / ring) & 1u);
-            // the whole stage into registers (16 x 16 bytes a lane), then the slot goes back to the producer at
-            // once: it is held for one smem round trip, not for the products
-            const u8* stage = tma_smem + slot * stage_bytes + lane * 16;
-            uint4 raw[TMA_STAGE_SPANS][4];
-#pragma unroll
-            for (int sp = 0; sp < TMA_STAGE_SPANS; ++sp)
-#pragma unroll
-                for (int j = 0; j < 4; ++j)
-                    raw[sp][j] = sp < num_sp ? *reinterpret_cast<const uint4*>(stage + sp * TMA_SPAN_BYTES + j * 512)
-                                             : make_uint4(0u, 0u, 0u, 0u);
-            __syncwarp();
-            if (lane == 0) mbar_arrive(&empty[slot]);  // release: orders the warp's reads before the refill
-            const int first = (int)(s.offset / TMA_SPAN_BYTES);  // the stage's first span in its segment
-            const int row0 = first / spans, sp0 = first - row0 * spans;
-            int xcol[TMA_STAGE_SPANS];
-#pragma unroll
-            for (int sp = 0, c = sp0; sp < TMA_STAGE_SPANS; ++sp, c = c + 1 == spans ? 0 : c + 1)
-                xcol[sp] = c * TMA_SPAN_HALVES + lane * 8;
-            float dot[TMA_STAGE_SPANS];
-            tma_span_dots(raw, xh, xcol, dot);
-#pragma unroll
-            for (int sp = 0; sp < TMA_STAGE_SPANS; ++sp) {
-                const int t = sp0 + sp, row = row0 + t / spans;
-                const float v = warp_sum(dot[sp]);
-                if (lane == 0 && sp < num_sp) partial[(s.seg * rows + row) * spans + t % spans] = v;
-            }
+            tma_read_stage(tma_smem + slot * stage_bytes, &empty[slot], num_sp, s.offset, spans, xh, partial,
+                           s.seg * rows);
         }
     }
     __syncthreads();  // every partial is in smem

@@ -222,6 +222,43 @@ def _decode_boundary_cases(be, repeats: int, only: str | None, keep=None):
         torch.cuda.empty_cache()
 
 
+def _decode_chain_cases(be, repeats: int, only: str | None, keep=None):
+    """A Llama-3-8B decoder layer's one-row GEMVs after attention plus the next layer's qkv (o_proj + residual,
+    gate_up with its norm folded in, SwiGLU, down + residual, qkv folded: 436 MB of fp16 rows) through
+    `base.decoder_tail`: as one gemv_chain launch (`_chain_m1`, VOLTSERVE_GEMV_CHAIN=on) and as the engine's
+    launches one by one under the backend's other settings (`_separate_m1`). Two weight sets alternate, so every
+    call streams from HBM (one set is > 8x the L2); yields as `_decode_gemv_cases`, time per layer."""
+    from voltserve.backends.base import decoder_tail
+
+    rows = {"chain": "decode_chain_8b_layer_chain_m1", "separate": "decode_chain_8b_layer_separate_m1"}
+    if only and not any(_picked(only, r) for r in rows.values()):
+        return
+    gen = torch.Generator().manual_seed(5)
+    norms = [torch.rand(4096, generator=gen) + 0.5 for _ in range(2)]
+    rand = lambda *shape: torch.randn(*shape, generator=gen) * 0.02  # noqa: E731
+    sets = [(be.prepare_linear(rand(4096, 4096)), be.prepare_linear(rand(28672, 4096), swiglu=True, norm=norms[0]),
+             be.prepare_linear(rand(4096, 14336)), be.prepare_linear(rand(6144, 4096), norm=norms[1]))
+            for _ in range(2)]
+    wbytes = sum(li.data.numel() * 2 for li in sets[0])
+    post, then_norm = be.prepare_norm(norms[0]), be.prepare_norm(norms[1])
+    o = torch.randn(1, 4096, device="cuda", dtype=torch.float16)
+    h = torch.randn(1, 4096, device="cuda", dtype=torch.float16)
+    fns = [(lambda w=w: decoder_tail(be, o, h, w[0], post, w[1], w[2], 1e-5, (then_norm, w[3]))) for w in sets]
+    saved = be.gemv_chain
+    for mode, name in rows.items():
+        if only and not _picked(only, name):
+            continue
+        be.gemv_chain = "on" if mode == "chain" else "off"
+        ran = _kernels_of(be, fns[0])
+        if mode == "chain" and "gemv_chain" not in ran:
+            yield name, None, 0, ran
+            continue
+        yield name, _graph_time(be, fns, repeats) / len(fns), wbytes + 5 * 4096 * 2, ran
+    be.gemv_chain = saved
+    del sets, fns
+    torch.cuda.empty_cache()
+
+
 def _decode_attention_cases(be, repeats: int, only: str | None):
     """Paged decode attention at Llama-3-8B shapes (32 query / 8 KV heads, head_dim 128, 16-token KV blocks) for
     (sequences x context) pairs, CUDA-graph timed like the `decode_*` GEMV rows; KV caches are rotated over >= 4
@@ -390,10 +427,10 @@ def main() -> int:
         keep = None
         if ring_rows and be.gemv_tma != "off" and be.gemv_kernel == "auto":
             keep = lambda ran: "gemv_tma" in ran  # noqa: E731
-        for cases in (_decode_gemv_cases, _decode_fused_cases, _decode_boundary_cases):
+        for cases in (_decode_gemv_cases, _decode_fused_cases, _decode_boundary_cases, _decode_chain_cases):
             for name, t, num_bytes, ran in cases(be, args.repeats, args.only, keep):
                 if t is None:
-                    print(f"skipped {name}{tag}: gemv_tma did not take it (ran {', '.join(sorted(ran))})",
+                    print(f"skipped {name}{tag}: its kernel did not take it (ran {', '.join(sorted(ran))})",
                           file=sys.stderr)
                     continue
                 add(name + tag, t, num_bytes, 0)

@@ -33,6 +33,9 @@ SHAPES = {
     # small, with every linear's in_features % 256 == 0 (repacked quant rows; tests/e2e/test_gpu_model.py)
     "small256": dict(vocab_size=320, hidden_size=256, intermediate_size=512, num_layers=2, num_heads=4,
                      num_kv_heads=2, head_dim=64, rope_theta=10000.0, max_position_embeddings=512),
+    # small, with every linear's in_features % 1024 == 0 (the ring GEMVs gemv_tma / gemv_chain take it)
+    "small1024": dict(vocab_size=320, hidden_size=1024, intermediate_size=2048, num_layers=2, num_heads=8,
+                      num_kv_heads=2, head_dim=128, rope_theta=10000.0, max_position_embeddings=512),
 }
 EOS_ID = 257
 

@@ -229,10 +229,8 @@ def test_fused_rotary_serves_like_two_launches():
     rotary_write_kv + attention (off): the same greedy tokens and logprobs bit for bit, for 3 prompts of which
     the later ones arrive while the first decodes (their prefill steps take the two launches either way), eager
     and through CUDA graphs."""
-    from tests.kernels.kutils import launched_kernels
     from tools.make_synthetic_checkpoint import synthetic_model
     from voltserve.backends.cuda.backend import CudaBackend
-    from voltserve.graphs import StepGraphs
 
     loaded = synthetic_model("small256", device="cuda", dtype=torch.float16, seed=7)
     prompts = [list(range(3, 40)), list(range(50, 53)), list(range(7, 100))]
@@ -241,18 +239,52 @@ def test_fused_rotary_serves_like_two_launches():
         backend = CudaBackend(0)
         backend.rope_attn = rope
         model = LlamaModel(loaded.config, loaded.tensors, backend, loaded.quantized, max_positions=512)
-
-        def factory(kv, model=model, backend=backend):
-            g = StepGraphs(model, backend, kv, max_num_seqs=4, max_model_len=512)
-            g.capture()
-            return g
-
-        with launched_kernels(backend) as names:
-            eager = generate(model, backend, prompts, 20, arrive_every=3, temperature=0)
+        eager, graphs, names = _eager_and_graphs(model, backend, prompts)
         rope_launches[rope] = names.count("rope_kv_write")
-        results[rope] = (eager, generate(model, backend, prompts, 20, factory, arrive_every=3, temperature=0))
+        results[rope] = (eager, graphs)
     assert results["auto"] == results["off"]
     assert 0 < rope_launches["auto"] < rope_launches["off"]  # prefill steps only
+
+
+def test_gemv_chain_serves_like_separate_launches():
+    """An fp16 model whose one-row decode steps run each layer's tail as one gemv_chain launch (VOLTSERVE_GEMV_CHAIN
+    on; the last layer's with the lm_head) against the same GEMVs launched one by one (gemv_tma on every weight,
+    norms folded in both): the same greedy tokens and logprobs bit for bit, eager and through CUDA graphs, for 3
+    prompts of which the later ones arrive while the first decodes (their multi-row steps take the separate
+    launches either way)."""
+    from tools.make_synthetic_checkpoint import synthetic_model
+    from voltserve.backends.cuda.backend import CudaBackend
+
+    loaded = synthetic_model("small1024", device="cuda", dtype=torch.float16, seed=9)
+    prompts = [list(range(3, 40)), list(range(50, 53)), list(range(7, 100))]
+    results, chains = {}, {}
+    for chain in ("on", "off"):
+        backend = CudaBackend(0)
+        if backend.loader.arch < 90:
+            pytest.skip("gemv_chain needs SM90+")
+        backend.gemv_chain, backend.gemv_tma, backend.norm_fold = chain, "on", "on"
+        model = LlamaModel(loaded.config, loaded.tensors, backend, loaded.quantized, max_positions=512)
+        eager, graphs, names = _eager_and_graphs(model, backend, prompts)
+        chains[chain] = names.count("gemv_chain")
+        results[chain] = (eager, graphs)
+    assert results["on"] == results["off"]
+    assert chains["off"] == 0 and chains["on"] > 0 and chains["on"] % 2 == 0  # two layers a one-row step
+
+
+def _eager_and_graphs(model, backend, prompts):
+    """Greedy generation of 20 tokens for `prompts` arriving every 3 steps, eager and through CUDA graphs:
+    (eager results, graph results, the kernels the eager run launched)."""
+    from tests.kernels.kutils import launched_kernels
+    from voltserve.graphs import StepGraphs
+
+    def factory(kv):
+        g = StepGraphs(model, backend, kv, max_num_seqs=4, max_model_len=512)
+        g.capture()
+        return g
+
+    with launched_kernels(backend) as names:
+        eager = generate(model, backend, prompts, 20, arrive_every=3, temperature=0)
+    return eager, generate(model, backend, prompts, 20, factory, arrive_every=3, temperature=0), names
 
 
 def _variants_agree(variant, reference, bound):

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from voltserve.backends.base import Backend, StepInputs
+from voltserve.backends.base import Backend, StepInputs, decoder_tail
 from voltserve.backends.cpu import rope_cos_sin
 from voltserve.config import ModelConfig
 from voltserve.errors import UnsupportedModelError
@@ -103,15 +103,22 @@ class LlamaModel:
         kv_size = cfg.num_kv_heads * cfg.head_dim
         h = be.embedding(step.input_ids, self.embed)  # the residual stream
         eps = cfg.rms_norm_eps
-        for i, layer in enumerate(self.layers):
-            qkv = be.norm_linear(h, layer.input_norm, eps, layer.qkv)
+        every_row = step.logits_indices.numel() == num_tokens  # a decode step: the lm_head on all rows, no gather
+        layers = self.layers
+        # each layer's tail also computes the next layer's qkv (or the logits): decoder_tail may fuse them
+        qkv = be.norm_linear(h, layers[0].input_norm, eps, layers[0].qkv)
+        for i, layer in enumerate(layers):
             q = qkv[:, :q_size].view(num_tokens, cfg.num_heads, cfg.head_dim)
             k = qkv[:, q_size:q_size + kv_size].view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
             v = qkv[:, q_size + kv_size:].view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
             o = be.rope_attention(q, k, v, step.positions, self.cos_sin, cfg.rope_style, kv_cache[i], step.attn,
                                   self.scale)
-            h = be.linear(o.reshape(num_tokens, q_size), layer.o_proj, residual=h)
-            h = be.linear(be.norm_linear(h, layer.post_norm, eps, layer.gate_up, silu=True), layer.down, residual=h)
-        if step.logits_indices.numel() != num_tokens:  # a decode step needs every row: skip the gather
-            h = h[step.logits_indices]
-        return be.norm_linear(h, self.final_norm, eps, self.lm_head)
+            if i + 1 < len(layers):
+                then = (layers[i + 1].input_norm, layers[i + 1].qkv)
+            else:
+                then = (self.final_norm, self.lm_head) if every_row else None
+            h, qkv = decoder_tail(be, o.reshape(num_tokens, q_size), h, layer.o_proj, layer.post_norm,
+                                  layer.gate_up, layer.down, eps, then)
+        if every_row:
+            return qkv
+        return be.norm_linear(h[step.logits_indices], self.final_norm, eps, self.lm_head)

@@ -25,6 +25,7 @@ import torch
 from voltserve.backends.base import AttentionMetadata, rope_then_attention
 from voltserve.backends.cuda import driver, kernels
 from voltserve.backends.cuda import params as P
+from voltserve.backends.cuda.gemv_chain import ChainLink, gemv_chain_ok, launch_gemv_chain
 from voltserve.backends.cuda.gemv_int8 import gemv_s8_enabled, gemv_s8_fits
 from voltserve.backends.cuda.linear import (CudaEmbedding, CudaLinear, folds_norm, gemv_mma_sb_fits, launch_linear,
                                            repack_wanted)
@@ -135,6 +136,9 @@ class CudaBackend:
         # VOLTSERVE_GEMV_PREFETCH_MB for A/B runs
         self.gemv_prefetch_budget = int(_env_choice("VOLTSERVE_GEMV_PREFETCH_MB", (
             str(kernels.GEMV_PREFETCH_L2_BYTES >> 20), "0", "4", "16", "32"))) << 20
+        # a decoder layer's one-row GEMVs after attention in one persistent launch (gemv_chain.gemv_chain_ok,
+        # fused_decoder_tail): "off" or "on"; VOLTSERVE_GEMV_CHAIN for A/B runs
+        self.gemv_chain = _env_choice("VOLTSERVE_GEMV_CHAIN", ("off", "on"))
         # weight bytes the last launch streamed (a decode GEMV's; 0 after any other kernel): gemv_launch.gemv_pdl
         self.last_launch_weight_bytes = 0
         self._device_copies: dict[int, tuple[Any, torch.Tensor]] = {}
@@ -145,6 +149,8 @@ class CudaBackend:
         # attn_decode's split arrival counters, one per (sequence, KV head); zero between launches
         self.attn_counters = torch.zeros(kernels.ATTN_MAX_COUNTERS, dtype=torch.int32, device=self.device)
         self.argmax_counters = torch.zeros(kernels.ARGMAX_MAX_ROWS, dtype=torch.int32, device=self.device)
+        # gemv_chain's grid barrier: an arrival counter that only grows, by (CHAIN_MAX_PHASES - 1) x grid a launch
+        self.chain_barrier = torch.zeros(1, dtype=torch.int64, device=self.device)
         self.refresh_stream()
 
     def refresh_stream(self) -> None:
@@ -255,6 +261,26 @@ class CudaBackend:
             return launch_linear(self, x, weight, eps=eps, silu=silu, norm_post=True)
         return launch_linear(self, x, weight, norm_weight=self._on_device(norm_weight, torch.float32), eps=eps,
                              silu=silu)
+
+    def fused_decoder_tail(self, o, h, o_proj, post_norm, gate_up, down, eps, then=None):
+        """`base.decoder_tail` as one gemv_chain launch (one row, gate_up and `then`'s linear with their norms
+        folded in, `gemv_chain.gemv_chain_ok`), else None (the caller composes it)."""
+        weights = [o_proj, gate_up, down] + ([] if then is None else [then[1]])
+        if o.shape[0] != 1 or not gate_up.norm_folded or (then is not None and not then[1].norm_folded) or \
+                o_proj.norm_folded or down.norm_folded or not gemv_chain_ok(self, weights):
+            return None
+        _check_rows(o, "x")
+        _check_rows(h, "residual")
+        new = lambda n: torch.empty(1, n, dtype=torch.float16, device=self.device)  # noqa: E731
+        h1, gu, h2 = new(o_proj.out_features), new(gate_up.out_features), new(down.out_features)
+        links = [ChainLink(o_proj, o, h1, h), ChainLink(gate_up, h1, gu, norm_post=True),
+                 ChainLink(down, gu, h2, h1, x_silu=True)]
+        out = None
+        if then is not None:
+            out = new(then[1].out_features)
+            links.append(ChainLink(then[1], h2, out, norm_post=True))
+        launch_gemv_chain(self, links, eps)
+        return h2, out
 
     def _rope_inputs(self, q, k, v, positions, cos_sin, style, kv_layer, slot_mapping):
         """Checks of rotary_write_kv's arguments; (cos_sin fp32, positions int64, slot_mapping int64) on the device.

@@ -148,6 +148,33 @@ def gemv_tma_plan(n_out: int, k: int, silu: bool, num_sms: int,
     return grid, stages * spans * GEMV_TMA_SPAN * 2 + k * 2 + rows * (k // GEMV_TMA_SPAN) * 4
 
 
+GEMV_CHAIN_MAX_GRID = 1024  # CHAIN_MAX_GRID in gemv_chain.cu
+GEMV_CHAIN_BARRIER_QUANTUM = (P.CHAIN_MAX_PHASES - 1) * GEMV_CHAIN_MAX_GRID  # arrivals a launch adds
+
+
+def gemv_chain_plan(phases: list[tuple[int, int]], num_sms: int,
+                    ring: tuple[int, int] = GEMV_TMA_RING) -> tuple[int, int]:
+    """(grid, dynamic smem bytes) of a gemv_chain launch over `phases` [(n, k)] (ptx/gemv_chain.cu): one block per
+    SM, each streaming its share of every phase through one ring of `ring` = (stages, 2 KB spans per stage); x as
+    fp16 [max k] and the partial sums of the phase with the most, [rows][k / GEMV_TMA_SPAN] fp32, after it.
+
+    Raises:
+        ValueError: no phases or more than P.CHAIN_MAX_PHASES, more SMs than GEMV_CHAIN_MAX_GRID, a k not a multiple of GEMV_TMA_SPAN, or a ring
+            gemv_tma_plan rejects.
+    """
+    if not 0 < len(phases) <= P.CHAIN_MAX_PHASES:
+        raise ValueError(f"gemv_chain takes 1..{P.CHAIN_MAX_PHASES} phases, got {len(phases)}")
+    if not 0 < num_sms <= GEMV_CHAIN_MAX_GRID:
+        raise ValueError(f"gemv_chain's grid barrier counts up to {GEMV_CHAIN_MAX_GRID} blocks, got {num_sms} SMs")
+    for n, k in phases:
+        gemv_tma_plan(n, k, False, num_sms, ring)  # gemv_tma's ring and k rules
+    grid = num_sms
+    ring_bytes = ring[0] * ring[1] * GEMV_TMA_SPAN * 2
+    max_k = max(k for _, k in phases)
+    partials = max(-(-n // grid) * (k // GEMV_TMA_SPAN) * 4 for n, k in phases)
+    return grid, ring_bytes + max_k * 2 + partials
+
+
 GEMV_TMA_S8_CONSUMERS = 16  # TS8_CONSUMERS in gemv_tma_s8.cu: consumer warps (one more issues the copies)
 GEMV_TMA_S8_ROWS = 2  # TS8_ROWS: weight rows per MMA (A rows g and g + 8); a stage holds whole pairs
 GEMV_TMA_S8_MAX_STAGES = 8  # TS8_MAX_STAGES
@@ -344,6 +371,7 @@ SOURCES = {
     "gemv": KernelSource("gemv.cu", ("gemv", "gemv_q"), P.GemvParams, "VOLT_GEMV_PARAMS_BYTES"),
     "gemv_mma": KernelSource("gemv_mma.cu", ("gemv_mma", "gemv_mma_sb"), P.GemvParams, "VOLT_GEMV_PARAMS_BYTES"),
     "gemv_tma": KernelSource("gemv_tma.cu", ("gemv_tma",), P.GemvParams, "VOLT_GEMV_PARAMS_BYTES"),
+    "gemv_chain": KernelSource("gemv_chain.cu", ("gemv_chain",), P.ChainParams, "VOLT_CHAIN_PARAMS_BYTES"),
     "gemv_tma_s8": KernelSource("gemv_tma_s8.cu", ("gemv_tma_s8",), P.GemvParams, "VOLT_GEMV_PARAMS_BYTES"),
     "gemv_s8": KernelSource("gemv_s8.cu", ("gemv_s8", "quantize_s8", "gemv_s8w"), P.GemvParams,
                             "VOLT_GEMV_PARAMS_BYTES"),
@@ -445,6 +473,7 @@ def engine_specializations() -> list[tuple[str, dict[str, int]]]:
               for r in (False, True) for f in WTYPES if not (r and f == "F16")
               for s in (0, 1) for o in (0, 1) for t in GEMV_MMA_TILES]
     specs += [("gemv_tma", gemv_tma_spec(bool(s), bool(n))) for s in (0, 1) for n in (0, 1)]
+    specs += [("gemv_chain", {})]
     specs += [("gemv_tma_s8", gemv_tma_s8_spec(f)) for f in QUANT_BLOCK_BYTES]
     specs += [("gemv_s8", gemv_s8_spec(f, bool(s), r, o, g)) for f in QUANT_BLOCK_BYTES for s in (0, 1)
               for r, o, g in ((1, False, False), (8, False, False), (8, True, False), (1, False, True),

@@ -54,6 +54,16 @@ GemvParams = _struct("GemvParams", [
     ("w_row_bytes", I64), ("m", I32), ("n", I32), ("k", I32), ("vec_ok", I32), ("eps", F32), ("prefetch_bytes", I32),
     ("xq", P), ("stages", I32), ("stage_spans", I32)])
 
+# gemv_chain.cu: ChainParams holds CHAIN_MAX_PHASES ChainPhase by value
+ChainPhase = _struct("ChainPhase", [
+    ("x", P), ("w", P), ("y", P), ("res", P), ("n", I32), ("k", I32), ("norm_post", I32), ("x_silu", I32)])
+
+CHAIN_MAX_PHASES = 4
+
+ChainParams = _struct("ChainParams", [
+    ("phase", ChainPhase * CHAIN_MAX_PHASES), ("barrier", P), ("trace", P), ("num_phases", I32), ("stages", I32),
+    ("stage_spans", I32), ("max_k", I32), ("eps", F32)])
+
 GemmParams = _struct("GemmParams", [
     ("x", P), ("w", P), ("y", P), ("x_stride", I64), ("y_stride", I64), ("w_row_bytes", I64), ("m", I32),
     ("n", I32), ("k", I32), ("pad_", I32)])

@@ -1,0 +1,88 @@
+"""gemv_chain (ptx/gemv_chain.cu, SM90+): a decoder layer's one-row fp16 GEMVs after attention in one persistent
+launch: o_proj (+ residual), gate_up (its RMSNorm folded in), down (x = SwiGLU of gate_up's outputs, + residual)
+and optionally the linear after the next RMSNorm (the next layer's qkv, or the lm_head), all their weights
+streamed through one shared-memory ring that does not drain between them (docs/performance.md, session 15)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from voltserve.backends.cuda import kernels
+from voltserve.backends.cuda import params as P
+from voltserve.backends.cuda.gemv_launch import launched_gemv
+from voltserve.backends.cuda.gemv_tma import _ring_blocks_fit, _tma_ring, ring_block_smem
+
+if TYPE_CHECKING:
+    from voltserve.backends.cuda.linear import CudaLinear
+
+
+@dataclass
+class ChainLink:
+    """One phase of a gemv_chain launch: y = x . W^T (x_silu: x = silu(x[:k]) * x[k:], fp16-rounded;
+    norm_post: scaled by 1 / rms(x), W's norm folded in) (+ residual).
+
+    Shapes: x [1, k] fp16 ([1, 2k] with x_silu), y and residual [1, n] fp16, W [n, k] fp16 rows.
+    """
+
+    w: CudaLinear
+    x: torch.Tensor
+    y: torch.Tensor
+    residual: torch.Tensor | None = None
+    norm_post: bool = False
+    x_silu: bool = False
+
+
+def gemv_chain_ok(backend: Any, weights: list[CudaLinear]) -> bool:
+    """Whether one gemv_chain launch may run one-row GEMVs on `weights` in turn: `backend.gemv_chain`
+    (VOLTSERVE_GEMV_CHAIN) "on", the decode GEMV choice "auto", SM90+ (compiled for it), at most
+    P.CHAIN_MAX_PHASES fp16 weights of dense rows with k % GEMV_TMA_SPAN == 0 and 16-byte aligned data, and the
+    ring, x and partials within one block's shared memory."""
+    if getattr(backend, "gemv_chain", "off") != "on" or getattr(backend, "gemv_kernel", "auto") != "auto":
+        return False
+    if backend.loader.compile_arch < kernels.GEMV_TMA_MIN_ARCH or not 0 < len(weights) <= P.CHAIN_MAX_PHASES:
+        return False
+    for w in weights:
+        k = w.in_features
+        if w.fmt != "F16" or w.row_bytes != 2 * k or k % kernels.GEMV_TMA_SPAN or w.data.data_ptr() % 16:
+            return False
+    _, smem = kernels.gemv_chain_plan([(w.out_features, w.in_features) for w in weights], backend.num_sms,
+                                      _tma_ring(backend))
+    return _ring_blocks_fit(backend, smem, 1)
+
+
+def launch_gemv_chain(backend: Any, links: list[ChainLink], eps: float) -> None:
+    """One gemv_chain launch running `links` in order (`gemv_chain_ok` on their weights), under PDL where the
+    backend has it (the ring fills before the previous kernel ends).
+
+    Raises:
+        ValueError: a link whose x / y / residual does not match its weight (one row, 16-byte aligned x).
+    """
+    ring = _tma_ring(backend)
+    grid, smem = kernels.gemv_chain_plan([(li.w.out_features, li.w.in_features) for li in links], backend.num_sms,
+                                         ring)
+    p = P.ChainParams()
+    for i, li in enumerate(links):
+        n, k = li.w.out_features, li.w.in_features
+        xk = 2 * k if li.x_silu else k
+        if li.x.shape != (1, xk) or li.y.shape != (1, n) or li.x.data_ptr() % 16 or (
+                li.residual is not None and li.residual.shape != (1, n)):
+            raise ValueError(f"gemv_chain phase {i}: x {tuple(li.x.shape)}, y {tuple(li.y.shape)} do not match "
+                             f"its [{n}, {k}] weight (x_silu={li.x_silu})")
+        if li.norm_post != li.w.norm_folded:
+            raise ValueError(f"gemv_chain phase {i}: norm_post needs a weight with its norm folded in, and only it")
+        p.phase[i] = P.ChainPhase(li.x.data_ptr(), li.w.data.data_ptr(), li.y.data_ptr(),
+                                  0 if li.residual is None else li.residual.data_ptr(), n, k, int(li.norm_post),
+                                  int(li.x_silu))
+    p.barrier = backend.chain_barrier.data_ptr()
+    trace = getattr(backend, "chain_trace", None)  # profiling: [grid, CHAIN_MAX_PHASES, 8] int64 (the .cu's chain_trace)
+    p.trace = None if trace is None else trace.data_ptr()
+    p.num_phases = len(links)
+    p.stages, p.stage_spans = ring
+    p.max_k = max(li.w.in_features for li in links)
+    p.eps = eps
+    backend._launch("gemv_chain", "gemv_chain", {}, (grid, 1, 1), (kernels.GEMV_TMA_THREADS, 1, 1),
+                    ring_block_smem(backend, smem, 1), p)
+    launched_gemv(backend, links[-1].w)

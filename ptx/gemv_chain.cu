@@ -6,16 +6,18 @@
 // and refills its ring; docs/performance.md, session 14: one launch over 28,672 rows 58.1 us, the same bytes as
 // two launches 62.2 us). Weights never depend on activations, so one producer warp per SM streams phase after
 // phase back to back; only the consumers wait for the previous phase's outputs, at a device-side grid barrier,
-// while the ring (16 x 8 KB, ~4 us of an SM's share of the copy bandwidth) keeps DRAM busy.
+// while the ring (16 x 8 KB, ~4 us of an SM's share of the copy bandwidth) keeps DRAM busy. Measured slower than
+// the launches it replaces (docs/performance.md, session 15): the barrier alone costs what a launch boundary does.
 //
 // Layout per phase (gemv_tma.cu's, one segment): block b of G owns output rows [b n / G, (b + 1) n / G); its rows
 // are contiguous bytes cut into stages of p.stage_spans 2 KB spans. The stages of all phases are numbered in one
 // sequence i; ring slot i % ring, consumer warp i % TMA_CONSUMERS (ring % TMA_CONSUMERS == 0: one consumer warp
 // per slot, so the parity waits stay exact across phases). Products, span sums and the epilogue are gemv_tma's
 // (tma_span_dots, fixed-order sums), so each phase's outputs equal a gemv_tma launch's bit for bit.
-// Phase options: `res` (residual), norm_post (the RMSNorm folded into W: outputs scaled by 1 / rms(x)), x_silu
-// (x is a [gate; up] pair of 2k halves, staged as silu(gate) * up rounded to fp16: the SwiGLU of gemv_tma's SILU
-// build moved from the gate_up phase's epilogue to the down phase's x, so gate_up streams as one segment).
+// Phase options: `res` (residual), norm_post (the RMSNorm folded into W: outputs scaled by 1 / rms(x)), silu_out
+// (W a [gate; up] pair: each block owns both halves of its features, streams its gate rows then its up rows, and
+// writes silu(gate) * up as gemv_tma's SILU build does). Staging down's x as silu(gate) * up in every block instead
+// (gate_up as one segment) measured slower: 4-5 us of exponentials a block (docs/performance.md, session 15).
 //
 // Grid barrier: all G blocks must be resident at once (G <= SMs, one block per SM by its shared memory; under PDL
 // the previous kernel's blocks always finish, and the next kernel cannot launch before every block of this one
@@ -30,20 +32,20 @@
 #define CHAIN_MAX_PHASES 4
 #define CHAIN_TRACE_EVENTS 8  // %globaltimer ns: phase begun, x staged, stages read, outputs stored, producer's
                               // first and last copy; clock64 at stages read and at outputs stored
-#define CHAIN_X_BATCH 8  // x vectors a thread loads before it stores any (k <= 16,384: one round trip)
+#define CHAIN_X_BATCH 4  // x vectors a thread loads before it stores any (k <= 8,192: one round trip)
 #define CHAIN_MAX_GRID 1024
 #define CHAIN_BARRIER_QUANTUM ((CHAIN_MAX_PHASES - 1) * CHAIN_MAX_GRID)  // arrivals a launch adds
 #define CHAIN_SPIN_LIMIT (1ll << 31)  // clock cycles a block waits at the grid barrier before it traps (~1 s)
 
 struct ChainPhase {
-    const half_t* x;    // [k] fp16 (x_silu: [2k], gate then up)
+    const half_t* x;    // [k] fp16
     const u8* w;        // [n, 2k bytes] fp16 rows (row stride 2k bytes)
     half_t* y;          // [n] fp16
     const half_t* res;  // [n] fp16 added to the product, or nullptr
     int n;
     int k;              // % TMA_SPAN_HALVES == 0
     int norm_post;
-    int x_silu;
+    int silu_out;       // W is a [gate; up] pair of n rows: y [n / 2] = silu(gate) * up (gemv_tma's SILU build)
 };
 
 struct ChainParams {
@@ -69,22 +71,28 @@ VOLT_DEVICE void chain_trace(const ChainParams& p, int ph, int e) {
     if (e == 2 || e == 3) row[e + 4] = (u64)clock64();
 }
 
-// This block's share of a phase: its first output row, row count, weight bytes and stages.
+// This block's share of a phase: its first output feature and feature count, and its weight rows as 1 (silu_out:
+// 2, the gate rows then the matching up rows) segments of `bytes` each, `seg_stages` stages each.
 struct ChainSeg {
-    const u8* w0;
+    const u8* w0;       // segment 0 (segment 1: w1)
+    const u8* w1;
     i64 bytes;
     int f0;
     int rows;
+    int seg_stages;
     int stages;
 };
 
 VOLT_DEVICE ChainSeg chain_seg(const ChainPhase& ph, int stage_bytes) {
     ChainSeg s;
-    s.f0 = (int)((i64)blockIdx.x * ph.n / gridDim.x);
-    s.rows = (int)((i64)(blockIdx.x + 1) * ph.n / gridDim.x) - s.f0;
+    const int n_out = ph.silu_out ? ph.n / 2 : ph.n;
+    s.f0 = (int)((i64)blockIdx.x * n_out / gridDim.x);
+    s.rows = (int)((i64)(blockIdx.x + 1) * n_out / gridDim.x) - s.f0;
     s.w0 = ph.w + (i64)s.f0 * ph.k * 2;
+    s.w1 = ph.w + (i64)(n_out + s.f0) * ph.k * 2;
     s.bytes = (i64)s.rows * ph.k * 2;
-    s.stages = (int)((s.bytes + stage_bytes - 1) / stage_bytes);
+    s.seg_stages = (int)((s.bytes + stage_bytes - 1) / stage_bytes);
+    s.stages = s.seg_stages * (ph.silu_out ? 2 : 1);
     return s;
 }
 
@@ -151,10 +159,11 @@ extern "C" __global__ void __launch_bounds__(TMA_THREADS, 1) gemv_chain(const Ch
                 for (int j = 0; j < s.stages; ++j, ++i) {
                     const int slot = i % ring;
                     if (i >= ring) mbar_wait(&empty[slot], (u32)(i / ring - 1) & 1u);
-                    const i64 off = (i64)j * stage_bytes;
+                    const int seg = j >= s.seg_stages;
+                    const i64 off = (i64)(j - seg * s.seg_stages) * stage_bytes;
                     const u32 bytes = (u32)min((i64)stage_bytes, s.bytes - off);
                     mbar_expect_tx(&full[slot], bytes);
-                    bulk_copy(tma_smem + slot * stage_bytes, s.w0 + off, bytes, &full[slot]);
+                    bulk_copy(tma_smem + slot * stage_bytes, (seg ? s.w1 : s.w0) + off, bytes, &full[slot]);
                 }
                 chain_trace(p, ph, 5);
             }
@@ -173,32 +182,19 @@ extern "C" __global__ void __launch_bounds__(TMA_THREADS, 1) gemv_chain(const Ch
             chain_grid_sync(p.barrier, bar_base, ph);  // the previous phase's outputs, from every block
         }
         if (threadIdx.x == 0) chain_trace(p, ph, 0);
-        // x -> smem (x_silu: silu(gate) * up as silu_mul rounds it), with norm_post its sum of squares in
-        // gemv_tma's order
-        // loads of CHAIN_X_BATCH vectors (x_silu: pairs) in flight at once: one L2 round trip per batch
+        // x -> smem, with norm_post its sum of squares in gemv_tma's order; CHAIN_X_BATCH loads in flight at once
         float ss = 0.f;
         for (int j0 = threadIdx.x * 8; j0 < P.k; j0 += CHAIN_X_BATCH * TMA_CONSUMERS * 32 * 8) {
-            uint4 v[CHAIN_X_BATCH], u[CHAIN_X_BATCH];
+            uint4 v[CHAIN_X_BATCH];
 #pragma unroll
             for (int q = 0; q < CHAIN_X_BATCH; ++q) {
                 const int j = j0 + q * TMA_CONSUMERS * 32 * 8;
-                if (j < P.k) {
-                    v[q] = *reinterpret_cast<const uint4*>(P.x + j);
-                    if (P.x_silu) u[q] = *reinterpret_cast<const uint4*>(P.x + P.k + j);
-                }
+                if (j < P.k) v[q] = *reinterpret_cast<const uint4*>(P.x + j);
             }
 #pragma unroll
             for (int q = 0; q < CHAIN_X_BATCH; ++q) {
                 const int j = j0 + q * TMA_CONSUMERS * 32 * 8;
                 if (j >= P.k) break;
-                if (P.x_silu) {
-                    float gf[8], uf[8], o[8];
-                    unpack8(v[q], gf);
-                    unpack8(u[q], uf);
-#pragma unroll
-                    for (int e = 0; e < 8; ++e) o[e] = gf[e] / (1.f + __expf(-gf[e])) * uf[e];
-                    v[q] = pack8(o);
-                }
                 *reinterpret_cast<uint4*>(xh + j) = v[q];
                 if (P.norm_post) {
                     float f[8];
@@ -223,10 +219,12 @@ extern "C" __global__ void __launch_bounds__(TMA_THREADS, 1) gemv_chain(const Ch
         for (int i = base + (warp - base % TMA_CONSUMERS + TMA_CONSUMERS) % TMA_CONSUMERS; i < base + s.stages;
              i += TMA_CONSUMERS) {
             const int slot = i % ring;
-            const i64 off = (i64)(i - base) * stage_bytes;
+            const int seg = i - base >= s.seg_stages;
+            const i64 off = (i64)(i - base - seg * s.seg_stages) * stage_bytes;
             const int num_sp = (int)(min((i64)stage_bytes, s.bytes - off) / TMA_SPAN_BYTES);
             mbar_wait(&full[slot], (u32)(i / ring) & 1u);
-            tma_read_stage(tma_smem + slot * stage_bytes, &empty[slot], num_sp, off, spans, xh, partial, 0);
+            tma_read_stage(tma_smem + slot * stage_bytes, &empty[slot], num_sp, off, spans, xh, partial,
+                           seg * s.rows);
         }
         named_sync(1, TMA_CONSUMERS * 32);  // every partial of the phase is in smem
         if (threadIdx.x == 0) chain_trace(p, ph, 2);
@@ -234,6 +232,13 @@ extern "C" __global__ void __launch_bounds__(TMA_THREADS, 1) gemv_chain(const Ch
             float v = 0.f;
             for (int sp = 0; sp < spans; ++sp) v += partial[f * spans + sp];
             if (P.norm_post) v *= inv_rms;
+            if (P.silu_out) {  // gemv_tma's SILU epilogue, the same roundings
+                float u = 0.f;
+                for (int sp = 0; sp < spans; ++sp) u += partial[(s.rows + f) * spans + sp];
+                if (P.norm_post) u *= inv_rms;
+                const float g = round_h(v);
+                v = g / (1.f + __expf(-g)) * round_h(u);
+            }
             const int feat = s.f0 + f;
             if (P.res != nullptr) v = round_h(v) + h2f(P.res[feat]);
             P.y[feat] = f2h(v);

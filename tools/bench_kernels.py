@@ -230,7 +230,7 @@ def _decode_chain_cases(be, repeats: int, only: str | None, keep=None):
     call streams from HBM (one set is > 8x the L2); yields as `_decode_gemv_cases`, time per layer."""
     from voltserve.backends.base import decoder_tail
 
-    rows = {"chain": "decode_chain_8b_layer_chain_m1", "separate": "decode_chain_8b_layer_separate_m1"}
+    rows = {"on": "decode_chain_8b_layer_chain_m1", "off": "decode_chain_8b_layer_separate_m1"}
     if only and not any(_picked(only, r) for r in rows.values()):
         return
     gen = torch.Generator().manual_seed(5)
@@ -248,9 +248,9 @@ def _decode_chain_cases(be, repeats: int, only: str | None, keep=None):
     for mode, name in rows.items():
         if only and not _picked(only, name):
             continue
-        be.gemv_chain = "on" if mode == "chain" else "off"
+        be.gemv_chain = mode
         ran = _kernels_of(be, fns[0])
-        if mode == "chain" and "gemv_chain" not in ran:
+        if mode != "off" and "gemv_chain" not in ran:
             yield name, None, 0, ran
             continue
         yield name, _graph_time(be, fns, repeats) / len(fns), wbytes + 5 * 4096 * 2, ran

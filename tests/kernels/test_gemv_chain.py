@@ -1,5 +1,5 @@
 """gemv_chain (ptx/gemv_chain.cu, SM90+): a decoder layer's one-row GEMVs after attention (o_proj + residual,
-gate_up with its norm folded in, down on the SwiGLU of gate_up's outputs + residual, then the next folded linear)
+gate_up with its norm folded in and the SwiGLU, down + residual, then the next folded linear)
 in one persistent launch, against the same ops launched one by one and against the CPU reference.
 
 Bounds:

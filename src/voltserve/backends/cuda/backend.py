@@ -137,7 +137,8 @@ class CudaBackend:
         self.gemv_prefetch_budget = int(_env_choice("VOLTSERVE_GEMV_PREFETCH_MB", (
             str(kernels.GEMV_PREFETCH_L2_BYTES >> 20), "0", "4", "16", "32"))) << 20
         # a decoder layer's one-row GEMVs after attention in one persistent launch (gemv_chain.gemv_chain_ok,
-        # fused_decoder_tail): "off" or "on"; VOLTSERVE_GEMV_CHAIN for A/B runs
+        # fused_decoder_tail): "off" (measured faster, docs/performance.md session 15) or "on";
+        # VOLTSERVE_GEMV_CHAIN for A/B runs
         self.gemv_chain = _env_choice("VOLTSERVE_GEMV_CHAIN", ("off", "on"))
         # weight bytes the last launch streamed (a decode GEMV's; 0 after any other kernel): gemv_launch.gemv_pdl
         self.last_launch_weight_bytes = 0
@@ -272,9 +273,9 @@ class CudaBackend:
         _check_rows(o, "x")
         _check_rows(h, "residual")
         new = lambda n: torch.empty(1, n, dtype=torch.float16, device=self.device)  # noqa: E731
-        h1, gu, h2 = new(o_proj.out_features), new(gate_up.out_features), new(down.out_features)
-        links = [ChainLink(o_proj, o, h1, h), ChainLink(gate_up, h1, gu, norm_post=True),
-                 ChainLink(down, gu, h2, h1, x_silu=True)]
+        h1, act, h2 = new(o_proj.out_features), new(gate_up.out_features // 2), new(down.out_features)
+        links = [ChainLink(o_proj, o, h1, h), ChainLink(gate_up, h1, act, norm_post=True, silu_out=True),
+                 ChainLink(down, act, h2, h1)]
         out = None
         if then is not None:
             out = new(then[1].out_features)

@@ -21,10 +21,10 @@ if TYPE_CHECKING:
 
 @dataclass
 class ChainLink:
-    """One phase of a gemv_chain launch: y = x . W^T (x_silu: x = silu(x[:k]) * x[k:], fp16-rounded;
-    norm_post: scaled by 1 / rms(x), W's norm folded in) (+ residual).
+    """One phase of a gemv_chain launch: y = x . W^T (norm_post: scaled by 1 / rms(x), W's norm folded in;
+    silu_out: W a [gate; up] pair, y = silu(gate) * up, each rounded to fp16 as gemv's SwiGLU) (+ residual).
 
-    Shapes: x [1, k] fp16 ([1, 2k] with x_silu), y and residual [1, n] fp16, W [n, k] fp16 rows.
+    Shapes: x [1, k] fp16, y and residual [1, n] fp16 ([1, n / 2] with silu_out), W [n, k] fp16 rows.
     """
 
     w: CudaLinear
@@ -32,7 +32,7 @@ class ChainLink:
     y: torch.Tensor
     residual: torch.Tensor | None = None
     norm_post: bool = False
-    x_silu: bool = False
+    silu_out: bool = False
 
 
 def gemv_chain_ok(backend: Any, weights: list[CudaLinear]) -> bool:
@@ -66,16 +66,16 @@ def launch_gemv_chain(backend: Any, links: list[ChainLink], eps: float) -> None:
     p = P.ChainParams()
     for i, li in enumerate(links):
         n, k = li.w.out_features, li.w.in_features
-        xk = 2 * k if li.x_silu else k
-        if li.x.shape != (1, xk) or li.y.shape != (1, n) or li.x.data_ptr() % 16 or (
-                li.residual is not None and li.residual.shape != (1, n)):
+        n_out = n // 2 if li.silu_out else n
+        if li.x.shape != (1, k) or li.y.shape != (1, n_out) or li.x.data_ptr() % 16 or (
+                li.residual is not None and li.residual.shape != (1, n_out)):
             raise ValueError(f"gemv_chain phase {i}: x {tuple(li.x.shape)}, y {tuple(li.y.shape)} do not match "
-                             f"its [{n}, {k}] weight (x_silu={li.x_silu})")
+                             f"its [{n}, {k}] weight (silu_out={li.silu_out})")
         if li.norm_post != li.w.norm_folded:
             raise ValueError(f"gemv_chain phase {i}: norm_post needs a weight with its norm folded in, and only it")
         p.phase[i] = P.ChainPhase(li.x.data_ptr(), li.w.data.data_ptr(), li.y.data_ptr(),
                                   0 if li.residual is None else li.residual.data_ptr(), n, k, int(li.norm_post),
-                                  int(li.x_silu))
+                                  int(li.silu_out))
     p.barrier = backend.chain_barrier.data_ptr()
     trace = getattr(backend, "chain_trace", None)  # profiling: [grid, CHAIN_MAX_PHASES, 8] int64 (the .cu's chain_trace)
     p.trace = None if trace is None else trace.data_ptr()

@@ -171,7 +171,8 @@ def gemv_chain_plan(phases: list[tuple[int, int]], num_sms: int,
     grid = num_sms
     ring_bytes = ring[0] * ring[1] * GEMV_TMA_SPAN * 2
     max_k = max(k for _, k in phases)
-    partials = max(-(-n // grid) * (k // GEMV_TMA_SPAN) * 4 for n, k in phases)
+    # + 1 row: a SwiGLU phase's blocks own ceil(n / 2 / grid) gate rows and as many up rows
+    partials = max((-(-n // grid) + 1) * (k // GEMV_TMA_SPAN) * 4 for n, k in phases)
     return grid, ring_bytes + max_k * 2 + partials
 
 

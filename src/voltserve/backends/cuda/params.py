@@ -56,7 +56,7 @@ GemvParams = _struct("GemvParams", [
 
 # gemv_chain.cu: ChainParams holds CHAIN_MAX_PHASES ChainPhase by value
 ChainPhase = _struct("ChainPhase", [
-    ("x", P), ("w", P), ("y", P), ("res", P), ("n", I32), ("k", I32), ("norm_post", I32), ("x_silu", I32)])
+    ("x", P), ("w", P), ("y", P), ("res", P), ("n", I32), ("k", I32), ("norm_post", I32), ("silu_out", I32)])
 
 CHAIN_MAX_PHASES = 4
 

@@ -9,8 +9,8 @@
 // while the ring (16 x 8 KB, ~4 us of an SM's share of the copy bandwidth) keeps DRAM busy. Measured slower than
 // the launches it replaces (docs/performance.md, session 15): the barrier alone costs what a launch boundary does.
 //
-// Layout per phase (gemv_tma.cu's, one segment): block b of G owns output rows [b n / G, (b + 1) n / G); its rows
-// are contiguous bytes cut into stages of p.stage_spans 2 KB spans. The stages of all phases are numbered in one
+// Layout per phase (gemv_tma.cu's): block b of G owns output rows [b n / G, (b + 1) n / G); its rows are one
+// segment of contiguous bytes (silu_out: two, see below) cut into stages of p.stage_spans 2 KB spans. The stages of all phases are numbered in one
 // sequence i; ring slot i % ring, consumer warp i % TMA_CONSUMERS (ring % TMA_CONSUMERS == 0: one consumer warp
 // per slot, so the parity waits stay exact across phases). Products, span sums and the epilogue are gemv_tma's
 // (tma_span_dots, fixed-order sums), so each phase's outputs equal a gemv_tma launch's bit for bit.

@@ -150,7 +150,8 @@ class CudaBackend:
         # attn_decode's split arrival counters, one per (sequence, KV head); zero between launches
         self.attn_counters = torch.zeros(kernels.ATTN_MAX_COUNTERS, dtype=torch.int32, device=self.device)
         self.argmax_counters = torch.zeros(kernels.ARGMAX_MAX_ROWS, dtype=torch.int32, device=self.device)
-        # gemv_chain's grid barrier: an arrival counter that only grows, by (CHAIN_MAX_PHASES - 1) x grid a launch
+        # gemv_chain's grid barrier: an arrival counter that only grows, by kernels.GEMV_CHAIN_BARRIER_QUANTUM a
+        # launch
         self.chain_barrier = torch.zeros(1, dtype=torch.int64, device=self.device)
         self.refresh_stream()
 

@@ -1,7 +1,8 @@
 """gemv_chain (ptx/gemv_chain.cu, SM90+): a decoder layer's one-row fp16 GEMVs after attention in one persistent
-launch: o_proj (+ residual), gate_up (its RMSNorm folded in), down (x = SwiGLU of gate_up's outputs, + residual)
+launch: o_proj (+ residual), gate_up (its RMSNorm folded in; the SwiGLU of its two halves), down (+ residual)
 and optionally the linear after the next RMSNorm (the next layer's qkv, or the lm_head), all their weights
-streamed through one shared-memory ring that does not drain between them (docs/performance.md, session 15)."""
+streamed through one shared-memory ring that does not drain between them. Opt-in: it measured slower than the
+launches it replaces (docs/performance.md, session 15)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import torch
 from voltserve.backends.cuda import kernels
 from voltserve.backends.cuda import params as P
 from voltserve.backends.cuda.gemv_launch import launched_gemv
-from voltserve.backends.cuda.gemv_tma import _ring_blocks_fit, _tma_ring, ring_block_smem
+from voltserve.backends.cuda.gemv_tma import ring_blocks_fit, tma_ring, ring_block_smem
 
 if TYPE_CHECKING:
     from voltserve.backends.cuda.linear import CudaLinear
@@ -49,8 +50,8 @@ def gemv_chain_ok(backend: Any, weights: list[CudaLinear]) -> bool:
         if w.fmt != "F16" or w.row_bytes != 2 * k or k % kernels.GEMV_TMA_SPAN or w.data.data_ptr() % 16:
             return False
     _, smem = kernels.gemv_chain_plan([(w.out_features, w.in_features) for w in weights], backend.num_sms,
-                                      _tma_ring(backend))
-    return _ring_blocks_fit(backend, smem, 1)
+                                      tma_ring(backend))
+    return ring_blocks_fit(backend, smem, 1)
 
 
 def launch_gemv_chain(backend: Any, links: list[ChainLink], eps: float) -> None:
@@ -60,7 +61,7 @@ def launch_gemv_chain(backend: Any, links: list[ChainLink], eps: float) -> None:
     Raises:
         ValueError: a link whose x / y / residual does not match its weight (one row, 16-byte aligned x).
     """
-    ring = _tma_ring(backend)
+    ring = tma_ring(backend)
     grid, smem = kernels.gemv_chain_plan([(li.w.out_features, li.w.in_features) for li in links], backend.num_sms,
                                          ring)
     p = P.ChainParams()

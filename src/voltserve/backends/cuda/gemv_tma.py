@@ -41,16 +41,16 @@ def gemv_tma_ok(backend: Any, w: CudaLinear, vec_ok: int, silu: bool = False) ->
     if choice == "folded" and (silu or not w.norm_folded or w.out_features * w.row_bytes < GEMV_TMA_MIN_BYTES):
         return False
     n_out = w.out_features // 2 if silu else w.out_features
-    _, smem = kernels.gemv_tma_plan(n_out, k, silu, backend.num_sms, _tma_ring(backend))
+    _, smem = kernels.gemv_tma_plan(n_out, k, silu, backend.num_sms, tma_ring(backend))
     return gemv_tma_fits(backend, smem)
 
 
 def gemv_tma_fits(backend: Any, smem: int) -> bool:
-    """Whether `_tma_blocks(backend)` gemv_tma blocks of `smem` dynamic bytes fit one SM (`_ring_blocks_fit`)."""
-    return _ring_blocks_fit(backend, smem, _tma_blocks(backend))
+    """Whether `_tma_blocks(backend)` gemv_tma blocks of `smem` dynamic bytes fit one SM (`ring_blocks_fit`)."""
+    return ring_blocks_fit(backend, smem, _tma_blocks(backend))
 
 
-def _ring_blocks_fit(backend: Any, smem: int, blocks: int) -> bool:
+def ring_blocks_fit(backend: Any, smem: int, blocks: int) -> bool:
     """Whether `blocks` ring-kernel blocks of `smem` dynamic bytes (their static smem and the per-block reserve on
     top) fit one SM's shared memory (the opt-in maximum plus one reserve)."""
     per_block = smem + GEMV_TMA_STATIC_SMEM + SMEM_RESERVED_PER_BLOCK
@@ -64,7 +64,9 @@ def ring_block_smem(backend: Any, smem: int, blocks: int) -> int:
     return max(smem, backend.loader.max_smem_optin // (blocks + 1) + 16)
 
 
-def _tma_ring(backend: Any) -> tuple[int, int]:
+def tma_ring(backend: Any) -> tuple[int, int]:
+    """The ring of gemv_tma and gemv_chain, (stages, 2 KB spans per stage): `backend.gemv_tma_ring`
+    (VOLTSERVE_GEMV_TMA_RING) or kernels.GEMV_TMA_RING."""
     return getattr(backend, "gemv_tma_ring", kernels.GEMV_TMA_RING)
 
 
@@ -77,7 +79,7 @@ def launch_gemv_tma(backend: Any, x: torch.Tensor, w: CudaLinear, y: torch.Tenso
     """One gemv_tma launch for one x row (`gemv_tma_ok`); always under PDL where the backend has it: its ring fills
     before pdl_enter, so it gains most right after another GEMV."""
     n_out = y.shape[1]
-    ring = _tma_ring(backend)
+    ring = tma_ring(backend)
     grid, smem = kernels.gemv_tma_plan(n_out, w.in_features, silu, backend.num_sms, ring)
     blocks = _tma_blocks(backend)
     # with 2 blocks an SM the second place is meant for the next launch's block, but nothing keeps it for that:
@@ -103,7 +105,7 @@ def gemv_tma_s8_ok(backend: Any, w: CudaLinear, rows: int, norm: bool = False, s
         return False
     _, smem = kernels.gemv_tma_s8_plan(w.fmt, w.out_features, k, backend.num_sms,
                                        kernels.gemv_tma_s8_ring(w.fmt, k))
-    return _ring_blocks_fit(backend, smem, 1)
+    return ring_blocks_fit(backend, smem, 1)
 
 
 def launch_gemv_tma_s8(backend: Any, x: torch.Tensor, w: CudaLinear, y: torch.Tensor,

@@ -275,12 +275,12 @@ class CudaBackend:
         _check_rows(h, "residual")
         new = lambda n: torch.empty(1, n, dtype=torch.float16, device=self.device)  # noqa: E731
         h1, act, h2 = new(o_proj.out_features), new(gate_up.out_features // 2), new(down.out_features)
-        links = [ChainLink(o_proj, o, h1, h), ChainLink(gate_up, h1, act, norm_post=True, silu_out=True),
+        links = [ChainLink(o_proj, o, h1, h), ChainLink(gate_up, h1, act, silu_out=True),
                  ChainLink(down, act, h2, h1)]
         out = None
         if then is not None:
             out = new(then[1].out_features)
-            links.append(ChainLink(then[1], h2, out, norm_post=True))
+            links.append(ChainLink(then[1], h2, out))
         launch_gemv_chain(self, links, eps)
         return h2, out
 

@@ -14,7 +14,7 @@ import torch
 from voltserve.backends.cuda import kernels
 from voltserve.backends.cuda import params as P
 from voltserve.backends.cuda.gemv_launch import launched_gemv
-from voltserve.backends.cuda.gemv_tma import ring_blocks_fit, tma_ring, ring_block_smem
+from voltserve.backends.cuda.gemv_tma import ring_block_smem, ring_blocks_fit, tma_ring
 
 if TYPE_CHECKING:
     from voltserve.backends.cuda.linear import CudaLinear
@@ -22,8 +22,9 @@ if TYPE_CHECKING:
 
 @dataclass
 class ChainLink:
-    """One phase of a gemv_chain launch: y = x . W^T (norm_post: scaled by 1 / rms(x), W's norm folded in;
-    silu_out: W a [gate; up] pair, y = silu(gate) * up, each rounded to fp16 as gemv's SwiGLU) (+ residual).
+    """One phase of a gemv_chain launch: y = x . W^T (scaled by 1 / rms(x) where W has its norm folded in,
+    `CudaLinear.norm_folded`; silu_out: W a [gate; up] pair, y = silu(gate) * up, each rounded to fp16 as gemv's
+    SwiGLU) (+ residual).
 
     Shapes: x [1, k] fp16, y and residual [1, n] fp16 ([1, n / 2] with silu_out), W [n, k] fp16 rows.
     """
@@ -32,7 +33,6 @@ class ChainLink:
     x: torch.Tensor
     y: torch.Tensor
     residual: torch.Tensor | None = None
-    norm_post: bool = False
     silu_out: bool = False
 
 
@@ -72,13 +72,11 @@ def launch_gemv_chain(backend: Any, links: list[ChainLink], eps: float) -> None:
                 li.residual is not None and li.residual.shape != (1, n_out)):
             raise ValueError(f"gemv_chain phase {i}: x {tuple(li.x.shape)}, y {tuple(li.y.shape)} do not match "
                              f"its [{n}, {k}] weight (silu_out={li.silu_out})")
-        if li.norm_post != li.w.norm_folded:
-            raise ValueError(f"gemv_chain phase {i}: norm_post needs a weight with its norm folded in, and only it")
         p.phase[i] = P.ChainPhase(li.x.data_ptr(), li.w.data.data_ptr(), li.y.data_ptr(),
-                                  0 if li.residual is None else li.residual.data_ptr(), n, k, int(li.norm_post),
+                                  0 if li.residual is None else li.residual.data_ptr(), n, k, int(li.w.norm_folded),
                                   int(li.silu_out))
     p.barrier = backend.chain_barrier.data_ptr()
-    trace = getattr(backend, "chain_trace", None)  # profiling: [grid, CHAIN_MAX_PHASES, 8] int64 (the .cu's chain_trace)
+    trace = getattr(backend, "chain_trace", None)  # profiling: [grid, CHAIN_MAX_PHASES, 8] int64 (.cu's chain_trace)
     p.trace = None if trace is None else trace.data_ptr()
     p.num_phases = len(links)
     p.stages, p.stage_spans = ring

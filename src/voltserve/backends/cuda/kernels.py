@@ -159,8 +159,8 @@ def gemv_chain_plan(phases: list[tuple[int, int]], num_sms: int,
     fp16 [max k] and the partial sums of the phase with the most, [rows][k / GEMV_TMA_SPAN] fp32, after it.
 
     Raises:
-        ValueError: no phases or more than P.CHAIN_MAX_PHASES, more SMs than GEMV_CHAIN_MAX_GRID, a k not a multiple of GEMV_TMA_SPAN, or a ring
-            gemv_tma_plan rejects.
+        ValueError: no phases or more than P.CHAIN_MAX_PHASES, more SMs than GEMV_CHAIN_MAX_GRID, a k not a
+            multiple of GEMV_TMA_SPAN, or a ring gemv_tma_plan rejects.
     """
     if not 0 < len(phases) <= P.CHAIN_MAX_PHASES:
         raise ValueError(f"gemv_chain takes 1..{P.CHAIN_MAX_PHASES} phases, got {len(phases)}")

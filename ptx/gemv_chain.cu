@@ -170,14 +170,14 @@ extern "C" __global__ void __launch_bounds__(TMA_THREADS, 1) gemv_chain(const Ch
         }
         return;  // the consumers' barriers are named ones over their own warps
     }
-    int base = 0;  // the phase's first stage in the block's sequence
-    __shared__ u64 bar_base;
+    int base = 0;          // the phase's first stage in the block's sequence
+    u64 bar_base = 0;      // the launch's first counter value: thread 0's only (it alone arrives and polls)
     for (int ph = 0; ph < p.num_phases; ++ph) {
         const ChainPhase& P = p.phase[ph];
         const ChainSeg s = chain_seg(P, stage_bytes);
         if (ph == 0) {
             pdl_enter();  // x (and the residual) only after the previous kernel
-            if (threadIdx.x == 0) bar_base = chain_barrier_base(p.barrier);  // read by thread 0 only
+            if (threadIdx.x == 0) bar_base = chain_barrier_base(p.barrier);
         } else {
             chain_grid_sync(p.barrier, bar_base, ph);  // the previous phase's outputs, from every block
         }

@@ -8,6 +8,7 @@ Usage:
         [--gemv-tma-s8 on,off]        # ... and once per gemv_tma_s8 choice (VOLTSERVE_GEMV_TMA_S8), @tma_s8=choice
         [--gemv-tma-ring 16x4,8x4] [--gemv-tma-blocks 1,2]  # gemv_tma's ring and blocks per SM, @ring= / @blocks=
                                       # (then, where gemv_tma is on, only rows it took: the others print "skipped")
+        [--gemv-s8 auto,on]           # ... and once per int8 GEMV choice (VOLTSERVE_GEMV_S8), @s8=choice
 Shapes are Llama-3-8B-like (hidden 4096, 32 heads / 8 KV heads, head_dim 128, FFN 14336) unless named.
 
 Two kinds of rows:
@@ -382,6 +383,9 @@ def main() -> int:
     ap.add_argument("--gemv-tma-blocks", default=None,
                     help="gemv_tma blocks per SM (VOLTSERVE_GEMV_TMA_BLOCKS) for the decode_* rows: 1, 2 or a list "
                     "(rows get @blocks=choice)")
+    ap.add_argument("--gemv-s8", default=None,
+                    help="int8 decode GEMV choice (VOLTSERVE_GEMV_S8) for the decode_* rows: auto, on, off, or a list "
+                    "(rows get @s8=choice; on: gemv_s8w takes every one-row call on repacked rows)")
     args = ap.parse_args()
     from voltserve.backends.cuda.backend import CudaBackend
 
@@ -410,7 +414,8 @@ def main() -> int:
              ("gemv_tma", "@tma=", args.gemv_tma, str),
              ("gemv_tma_s8", "@tma_s8=", args.gemv_tma_s8, str),
              ("gemv_tma_ring", "@ring=", args.gemv_tma_ring, ring),
-             ("gemv_tma_blocks", "@blocks=", args.gemv_tma_blocks, int)]
+             ("gemv_tma_blocks", "@blocks=", args.gemv_tma_blocks, int),
+             ("gemv_s8", "@s8=", args.gemv_s8, str)]
     knobs = [(attr, prefix, values.split(",") if values else [getattr(be, attr)], conv)
              for attr, prefix, values, conv in knobs]
     defaults = {attr: getattr(be, attr) for attr, _, _, _ in knobs}

@@ -157,11 +157,17 @@ def gemv_chain_plan(phases: list[tuple[int, int]], num_sms: int,
     """(grid, dynamic smem bytes) of a gemv_chain launch over `phases` [(n, k)] (ptx/gemv_chain.cu): one block per
     SM, each streaming its share of every phase through one ring of `ring` = (stages, 2 KB spans per stage); x as
     fp16 [max k] and the partial sums of the phase with the most, [rows][k / GEMV_TMA_SPAN] fp32, after it.
+    Memoised: gemv_chain_ok and the launch both ask it for every layer of every step.
 
     Raises:
         ValueError: no phases or more than P.CHAIN_MAX_PHASES, more SMs than GEMV_CHAIN_MAX_GRID, a k not a
             multiple of GEMV_TMA_SPAN, or a ring gemv_tma_plan rejects.
     """
+    return _gemv_chain_plan(tuple((int(n), int(k)) for n, k in phases), num_sms, tuple(ring))
+
+
+@functools.lru_cache(maxsize=256)
+def _gemv_chain_plan(phases: tuple[tuple[int, int], ...], num_sms: int, ring: tuple[int, int]) -> tuple[int, int]:
     if not 0 < len(phases) <= P.CHAIN_MAX_PHASES:
         raise ValueError(f"gemv_chain takes 1..{P.CHAIN_MAX_PHASES} phases, got {len(phases)}")
     if not 0 < num_sms <= GEMV_CHAIN_MAX_GRID:

@@ -211,10 +211,11 @@ extern "C" __global__ void __launch_bounds__(32 * GM_WARPS, GM_MIN_BLOCKS) gemv_
 // one) are consecutive items of one warp; a warp's outputs are (grid warps) apart (persistent grid).
 // Piece c of a row is slot t = c % 4 of load group c / 4 (quant.cuh rp_piece_off), whose x bytes are the 8 *
 // RP_GROUP bytes at c * 8 * RP_GROUP of gemv_s8's xq row, so a warp's x reads are contiguous too. Per block u of
-// the piece: ci = dp4a over the lane's 8 weights and x bytes, scaled by d_w d_x; Q4_0 / Q4_1's x-sum terms (m_w s,
-// d_w (-8 s)) are added by slot 0's lanes. Each lane loads the scales of one load group of the item (lane j:
-// group 8 s0 + j), which shuffles hand to the 4 lanes of each piece. The lanes' sums meet in one warp_sum per
-// row: the same products as gemv_s8 in another fp32 order (tests compare both with kutils.s8_reference).
+// the piece: ci = dp4a over the lane's 8 weights and x bytes. Q8_0 scales each block's ci by d_w d_x (each lane
+// loads the scales of one load group of the item, lane j: group 8 s0 + j, which shuffles hand to the 4 lanes of
+// each piece); Q4 sums a block's 4 slots over the quad first and scales the block once (s8w_piece_quad). The
+// lanes' sums meet in one warp_sum per row: the same integer products as gemv_s8, scaled and added in another
+// fp32 order (tests compare both with kutils.s8_reference).
 // dp4a is SM61+, so the x-per-block body also compiles for compute_70 (the launcher takes it on SM80+ only, as
 // gemv_s8; the S8_XG build needs cp.async and traps below SM80).
 #ifndef S8W_WARPS
@@ -234,9 +235,14 @@ extern "C" __global__ void __launch_bounds__(32 * GM_WARPS, GM_MIN_BLOCKS) gemv_
 #define S8W_QBATCH 1      // the prologue's x quarters per thread in flight (gemv_s8's 4 would cost registers)
 #endif
 #define S8W_ROWS (SILU ? 2 : 1)
+#define S8W_QUAD (WTYPE != WTYPE_Q8_0)  // Q4: s8w_piece_quad (one scaling per lane and block)
 struct S8wItem {
     uint4 q[S8W_UNROLL];  // this lane's quant pieces of the item's steps
+#if S8W_QUAD
+    u32 scw[S8W_UNROLL];  // the scale word of block c = piece c's index (lane's own block after the quad reduce)
+#else
     S8wScale sc;          // the scales of the item's load group 8 * s0 + lane (lanes < 8 * S8W_UNROLL)
+#endif
 };
 
 VOLT_DEVICE int dp4a_s8(int a, int b, int c) {
@@ -250,33 +256,32 @@ VOLT_DEVICE void s8w_load(S8wItem& it, const u8* row, int nb, int pieces, int s0
 #pragma unroll
     for (int j = 0; j < S8W_UNROLL; ++j) {
         const int c = (s0 + j) * 32 + lane;
-        if (c < pieces) it.q[j] = ldg16(row + (i64)nb * RP_SCALE_BYTES + (i64)c * 16);
+        if (c < pieces) {
+            it.q[j] = ldg16(row + (i64)nb * RP_SCALE_BYTES + (i64)c * 16);
+#if S8W_QUAD && WTYPE == WTYPE_Q4_1
+            it.scw[j] = __ldg(reinterpret_cast<const u32*>(row + (i64)c * 4));
+#elif S8W_QUAD
+            it.scw[j] = __ldg(reinterpret_cast<const unsigned short*>(row + (i64)c * 2));
+#endif
+        }
     }
+#if !S8W_QUAD
     const int g = 8 * s0 + lane;
     if (lane < 8 * S8W_UNROLL && g < pieces / 4)
         it.sc = __ldg(reinterpret_cast<const S8wScale*>(row + (i64)g * (RP_GROUP * RP_SCALE_BYTES)));
-}
-
-// The scales of step j's load group for this lane (group 8 j + lane / 4 of the item, held by that lane).
-VOLT_DEVICE S8wScale s8w_scale(const S8wScale& sc, int j, int lane) {
-    const int src = 8 * j + (lane >> 2);
-#if WTYPE == WTYPE_Q4_1
-    return make_uint4(__shfl_sync(0xffffffffu, sc.x, src), __shfl_sync(0xffffffffu, sc.y, src),
-                      __shfl_sync(0xffffffffu, sc.z, src), __shfl_sync(0xffffffffu, sc.w, src));
-#elif WTYPE == WTYPE_Q4_0
-    return make_uint2(__shfl_sync(0xffffffffu, sc.x, src), __shfl_sync(0xffffffffu, sc.y, src));
-#else
-    return __shfl_sync(0xffffffffu, sc, src);
 #endif
 }
 
-// acc += piece c's products: q = its quant words, sc = its group's scales, x from the block's xq / xs;
-// keep_s = 1 on slot 0's lanes (they add the blocks' x-sum terms), 0 elsewhere.
-VOLT_DEVICE float s8w_piece(float acc, const uint4& q, const S8wScale& sc, const u8* xq, const float2* xs, int c,
-                            float keep_s) {
+// Q8_0: the scales of step j's load group for this lane (group 8 j + lane / 4 of the item, held by that lane).
+VOLT_DEVICE S8wScale s8w_scale(const S8wScale& sc, int j, int lane) {
+    return __shfl_sync(0xffffffffu, sc, 8 * j + (lane >> 2));
+}
+
+// Q8_0: acc += piece c's products (slot c % 4 of 2 blocks): q = its quant words, sc = its group's scales, x from
+// the block's xq / xs.
+VOLT_DEVICE float s8w_piece(float acc, const uint4& q, const S8wScale& sc, const u8* xq, const float2* xs, int c) {
     const u32 qw[4] = {q.x, q.y, q.z, q.w};
     const int b0 = (c >> 2) * RP_GROUP;  // first block of the group
-#if WTYPE == WTYPE_Q8_0
     const uint4 xv = *reinterpret_cast<const uint4*>(xq + c * 16);
     const u32 xw[4] = {xv.x, xv.y, xv.z, xv.w};
 #pragma unroll
@@ -284,29 +289,41 @@ VOLT_DEVICE float s8w_piece(float acc, const uint4& q, const S8wScale& sc, const
         const int ci = dp4a_s8((int)qw[2 * u + 1], (int)xw[2 * u + 1], dp4a_s8((int)qw[2 * u], (int)xw[2 * u], 0));
         acc = s8_add_block(acc, half_of(sc, u), 0.f, xs[b0 + u].x, 0.f, ci);
     }
-#else
+    return acc;
+}
+
+#if S8W_QUAD
+// Q4: piece c holds slot t = c % 4 (lane % 4) of blocks 4 (c / 4) .. + 3; the quad's 4 lanes hold the
+// 4 slots of the same blocks. Each lane's 4 int32 sums are reduce-scattered over the quad (3 shuffles), so lane
+// t ends with the exact sum of block 4 (c / 4) + t = c and scales it once, x-sum term included, instead of
+// scaling 4 partial sums (fewer instructions: the kernel issues on ~60% of cycles at Q4, Nsight Compute). The
+// quad's lanes are all in or all out of the row (k % 256 == 0): `mask` names the lanes in.
+VOLT_DEVICE float s8w_piece_quad(float acc, const uint4& q, u32 scw, const u8* xq, const float2* xs, int c,
+                                 int lane, unsigned mask) {
+    const u32 qw[4] = {q.x, q.y, q.z, q.w};
     const uint4 xa = *reinterpret_cast<const uint4*>(xq + c * 32);
     const uint4 xb = *reinterpret_cast<const uint4*>(xq + c * 32 + 16);
     const u32 xw[8] = {xa.x, xa.y, xa.z, xa.w, xb.x, xb.y, xb.z, xb.w};
-#if WTYPE == WTYPE_Q4_1
-    const u32 scw[4] = {sc.x, sc.y, sc.z, sc.w};
-#else
-    const u32 scw[2] = {sc.x, sc.y};
-#endif
+    int ci[4];
 #pragma unroll
     for (int u = 0; u < 4; ++u) {
         const int lo = (int)(qw[u] & 0x0F0F0F0Fu), hi = (int)((qw[u] >> 4) & 0x0F0F0F0Fu);
-        const int ci = dp4a_s8(hi, (int)xw[2 * u + 1], dp4a_s8(lo, (int)xw[2 * u], 0));
-        const float2 x2 = xs[b0 + u];
-#if WTYPE == WTYPE_Q4_1
-        acc = s8_add_block(acc, half_of(scw[u], 0), half_of(scw[u], 1), x2.x, x2.y * keep_s, ci);
-#else
-        acc = s8_add_block(acc, half_of(scw[u >> 1], u & 1), 0.f, x2.x, x2.y * keep_s, ci);
-#endif
+        ci[u] = dp4a_s8(hi, (int)xw[2 * u + 1], dp4a_s8(lo, (int)xw[2 * u], 0));
     }
+    const bool odd = lane & 1, high = lane & 2;
+    int k0 = odd ? ci[1] : ci[0], k1 = odd ? ci[3] : ci[2];  // blocks of this lane's parity: kept
+    k0 += __shfl_xor_sync(mask, odd ? ci[0] : ci[1], 1);       // the partner's: sent
+    k1 += __shfl_xor_sync(mask, odd ? ci[2] : ci[3], 1);
+    int sum = high ? k1 : k0;
+    sum += __shfl_xor_sync(mask, high ? k0 : k1, 2);            // block (lane & 1) + (lane & 2) = c % 4
+    const float2 x2 = xs[c];
+#if WTYPE == WTYPE_Q4_1
+    return s8_add_block(acc, half_of(scw, 0), half_of(scw, 1), x2.x, x2.y, sum);
+#else
+    return s8_add_block(acc, half_of(scw, 0), 0.f, x2.x, x2.y, sum);
 #endif
-    return acc;
 }
+#endif
 
 // S8_XG copies x with cp.async (SM80+): below SM80 that build is a trapping stub, as gemv_s8 is there.
 #if WREPACK && WTYPE != WTYPE_F16 && S8_M1 && (!S8_XG || GM_M16N8K16)
@@ -328,7 +345,6 @@ extern "C" __global__ void __launch_bounds__(32 * S8W_WARPS, S8W_MIN_BLOCKS) gem
     const int bpr = (steps + S8W_UNROLL - 1) / S8W_UNROLL, per_out = S8W_ROWS * bpr;
     const int stride = gridDim.x * S8W_WARPS, first = blockIdx.x * S8W_WARPS + warp;  // blockDim = 32 * S8W_WARPS
     const int items = first < n_out ? (n_out - first + stride - 1) / stride * per_out : 0;
-    const float keep_s = (lane & 3) == 0 ? 1.f : 0.f;
     u8* xq = reinterpret_cast<u8*>(s8_smem);
     const float2* xs = reinterpret_cast<const float2*>(xq + s8_pitch(nb));
     S8wItem it;
@@ -356,9 +372,14 @@ extern "C" __global__ void __launch_bounds__(32 * S8W_WARPS, S8W_MIN_BLOCKS) gem
         float part = 0.f;
 #pragma unroll
         for (int j = 0; j < S8W_UNROLL; ++j) {
-            const S8wScale sc = s8w_scale(it.sc, j, lane);  // every lane shuffles, before any lane skips a piece
             const int c = (s0 + j) * 32 + lane;
-            if (c < pieces) part = s8w_piece(part, it.q[j], sc, xq, xs, c, keep_s);
+#if S8W_QUAD
+            const unsigned mask = __ballot_sync(0xffffffffu, c < pieces);
+            if (c < pieces) part = s8w_piece_quad(part, it.q[j], it.scw[j], xq, xs, c, lane, mask);
+#else
+            const S8wScale sc = s8w_scale(it.sc, j, lane);  // every lane shuffles, before any lane skips a piece
+            if (c < pieces) part = s8w_piece(part, it.q[j], sc, xq, xs, c);
+#endif
         }
 #pragma unroll
         for (int rr = 0; rr < S8W_ROWS; ++rr)

@@ -118,13 +118,7 @@ VOLT_DEVICE float s8_add_block(float acc, float dw, float mw, float dx, float sx
 #endif
 }
 
-#if WTYPE == WTYPE_Q4_1
-typedef uint4 S8wScale;  // one load group's scales (gemv_s8w): 4 words (d | m << 16)
-#elif WTYPE == WTYPE_Q4_0
-typedef uint2 S8wScale;  // 4 fp16 d
-#else
-typedef u32 S8wScale;    // Q8_0: 2 fp16 d
-#endif
+typedef u32 S8wScale;  // one Q8_0 load group's scales (gemv_s8w): 2 fp16 d
 
 // fp32 of half h (0 low, 1 high) of a 32-bit word.
 VOLT_DEVICE float half_of(u32 w, int h) { return h2f((half_t)(h ? w >> 16 : w & 0xffffu)); }

@@ -255,8 +255,8 @@ def test_repack_policy_and_routing():
                 for rows in (1, 3, 8):
                     s8 = choice == "auto" and fmt in GEMV_S8_AUTO_FORMATS
                     want = "gemv_s8" if s8 else "gemv_mma"
-                    if choice == "auto" and rows == 1 and fmt == "Q8_0":
-                        want = "gemv_s8w"  # Q8_0 at one row; Q4 only wider than k = 4096 (gemv_s8w_ok)
+                    if choice == "auto" and rows == 1 and fmt != "Q4_0":
+                        want = "gemv_s8w"  # Q8_0 and Q4_1 at one row; Q4_0 only wider than k = 4096 (gemv_s8w_ok)
                     assert gemv_kernel_name(_backend(arch, choice), w, rows, silu=rows == 1) == want
                     off = _backend(arch, choice)
                     off.gemv_s8 = "off"
@@ -448,7 +448,8 @@ def test_every_gemv_launcher_runs_on_a_recording_backend(case):
         if case == "f16_tma_pair":
             knobs["gemv_tma_blocks"], knobs["gemv_tma_ring"] = 2, (8, 4)
     else:
-        w = _linear("Q8_0" if case == "s8w" else "Q4_1", 4096, 14336 if case == "s8_m1_launch" else k)
+        # Q4_0 at k = 4096 keeps gemv_s8's one-row build (gemv_int8.GEMV_S8W_MIN_K)
+        w = _linear({"s8w": "Q8_0", "s8_m1": "Q4_0"}.get(case, "Q4_1"), 4096, 14336 if case == "s8_m1_launch" else k)
         w.layout = "repacked"
         rows = 8 if case == "s8" else 1
         if case == "tma_s8":
@@ -530,10 +531,11 @@ def test_folded_upload_on_cpu():
 
 def test_gemv_s8w_takes_one_row_calls_only():
     """gemv_s8w (a warp per weight row) serves calls of exactly one x row on repacked rows: under auto Q8_0 at any
-    width and Q4 wider than GEMV_S8W_Q4_MIN_K (Llama-3-8B's down_proj), where it measured faster; a 9-row call's
-    second launch (1 row) keeps its first launch's kernel (gemv_s8w_ok(9) is False); VOLTSERVE_GEMV_S8_M1=mma, gemv_s8
-    "off", a forced gemv_kernel or SM < 80 give the kernels before; gemv_s8 "on" takes it wherever gemv_s8 may."""
-    from voltserve.backends.cuda.gemv_int8 import GEMV_S8W_Q4_MIN_K, gemv_s8w_ok
+    width, Q4_1 at any width and Q4_0 wider than its GEMV_S8W_MIN_K (Llama-3-8B's down_proj), where it measured
+    faster; a 9-row call's second launch (1 row) keeps its first launch's kernel (gemv_s8w_ok(9) is False);
+    VOLTSERVE_GEMV_S8_M1=mma, gemv_s8 "off", a forced gemv_kernel or SM < 80 give the kernels before; gemv_s8 "on"
+    takes it wherever gemv_s8 may."""
+    from voltserve.backends.cuda.gemv_int8 import GEMV_S8W_MIN_K, gemv_s8w_ok
 
     for fmt in ("Q4_0", "Q4_1", "Q8_0"):
         w = _linear(fmt, 4096, 14336)
@@ -541,9 +543,10 @@ def test_gemv_s8w_takes_one_row_calls_only():
         be = _backend(90)
         assert gemv_kernel_name(be, w, 1) == "gemv_s8w" and gemv_s8w_ok(be, w, 1)
         assert not gemv_s8w_ok(be, w, 2) and not gemv_s8w_ok(be, w, 9)
-        narrow = _linear(fmt, 4096, GEMV_S8W_Q4_MIN_K)
+        narrow = _linear(fmt, 4096, 4096)
         narrow.layout = "repacked"
-        assert gemv_kernel_name(be, narrow, 1) == ("gemv_s8w" if fmt == "Q8_0" else "gemv_s8")
+        assert GEMV_S8W_MIN_K[fmt] == (4096 if fmt == "Q4_0" else 0)
+        assert gemv_kernel_name(be, narrow, 1) == ("gemv_s8" if fmt == "Q4_0" else "gemv_s8w")
         be.gemv_s8 = "on"
         assert gemv_kernel_name(be, narrow, 1) == "gemv_s8w"
         be.gemv_s8_m1 = "mma"
@@ -641,7 +644,7 @@ def test_gemv_tma_s8_routing_and_plan():
     w = _linear("Q4_1", 4096, 4096)
     w.layout = "repacked"
     be = _backend(90)
-    assert not gemv_tma_s8_ok(be, w, 1) and gemv_kernel_name(be, w, 1) == "gemv_s8"
+    assert not gemv_tma_s8_ok(be, w, 1) and gemv_kernel_name(be, w, 1) == "gemv_s8w"
     be.gemv_tma_s8 = "on"
     assert gemv_tma_s8_ok(be, w, 1) and gemv_kernel_name(be, w, 1) == "gemv_tma_s8"
     assert gemv_kernel_name(be, w, 2) == "gemv_s8"

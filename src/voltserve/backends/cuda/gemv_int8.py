@@ -27,13 +27,16 @@ if TYPE_CHECKING:
 GEMV_S8_AUTO_FORMATS = ("Q4_0", "Q4_1", "Q8_0")
 
 # gemv_s8w (one x row, a warp per weight row, dp4a) serves the one-row calls of repacked rows under
-# VOLTSERVE_GEMV_S8_M1=warp where it measured faster than gemv_s8 / gemv_mma (gemv_s8w_ok): Q8_0 rows, and Q4_0 /
-# Q4_1 rows wider than GEMV_S8W_Q4_MIN_K, whose x it takes quantized once per launch (k > GEMV_S8W_BLOCK_MAX_X).
-# H200, bench_kernels decode rows at m = 1 (docs/performance.md, session 7): Q4_1 4096x14336 20.3-20.7 -> 15.3-15.5
-# us, down + residual 20.6-20.8 -> 15.0-15.5; Q8_0 4096x4096 9.3-9.9 -> 8.3, 14336x4096 22.6-23.6 -> 20.4-20.5
-# (gemv_mma before; since session 11 the Q8_0 SwiGLU pairs and down_proj are repacked too); Q4_1 at k = 4096
-# within +-5% of gemv_s8 (14336x4096 15.4-15.9 vs 15.6-15.9 us) but fused RMSNorm + qkv 9.8-10.3 vs 8.7
-GEMV_S8W_Q4_MIN_K = 4096
+# VOLTSERVE_GEMV_S8_M1=warp where it measured faster than gemv_s8 / gemv_mma (gemv_s8w_ok): rows of a format wider
+# than its GEMV_S8W_MIN_K (x quantized once per launch for k > GEMV_S8W_BLOCK_MAX_X). H200, bench_kernels decode
+# rows at m = 1 (docs/performance.md, session 7): Q4_1 4096x14336 20.3-20.7 -> 15.3-15.5 us, down + residual
+# 20.6-20.8 -> 15.0-15.5; Q8_0 4096x4096 9.3-9.9 -> 8.3, 14336x4096 22.6-23.6 -> 20.4-20.5 (gemv_mma before; since
+# session 11 the Q8_0 SwiGLU pairs and down_proj are repacked too). Q4 at k = 4096 stayed on gemv_s8 (session 7:
+# within +-5% on plain rows, fused RMSNorm + qkv 9.8-10.3 vs 8.7 us) until session 16's one scaling per block
+# (s8w_piece_quad): the 8B Q4_1 step at batch 1 then measured 2.205 / 2.211 ms with every one-row call on
+# gemv_s8w against 2.260 / 2.261 with k = 4096 on gemv_s8; the Q4_0 step 2.211 / 2.211 against 2.187 / 2.201,
+# so Q4_0 keeps gemv_s8 there.
+GEMV_S8W_MIN_K = {"Q4_0": 4096, "Q4_1": 0, "Q8_0": 0}
 GEMV_S8W_BLOCK_MAX_X = 4096
 
 # one-row gemv_s8 launches of k <= this quantize x in every block (an extra launch measured 1.7% slower per 8B
@@ -65,13 +68,13 @@ def gemv_s8w_ok(backend: Any, w: CudaLinear, rows: int) -> bool:
     """Whether a GEMV call of `rows` x rows on repacked rows `w` runs gemv_s8w (gemv_s8.cu: a warp per weight row,
     dp4a): one row only (a call of 9 rows runs the kernel of its first launch, gemv_s8 or gemv_mma, for both, so a
     call's rows share one kernel), `backend.gemv_s8_m1` "warp", x's int8 copy fits (`gemv_s8_fits`), and under
-    gemv_s8 "auto" where it measured faster (Q8_0; Q4_0 / Q4_1 of k > GEMV_S8W_Q4_MIN_K); gemv_s8 "on" takes it
-    wherever gemv_s8 could run."""
+    gemv_s8 "auto" where it measured faster (k > GEMV_S8W_MIN_K of the format: Q8_0 and Q4_1 rows, Q4_0 rows of
+    k > 4,096); gemv_s8 "on" takes it wherever gemv_s8 could run."""
     if rows != 1 or getattr(backend, "gemv_s8_m1", "warp") != "warp" or w.layout != "repacked":
         return False
     if getattr(backend, "gemv_s8", "auto") != "auto":
         return gemv_s8_ok(backend, w, 1)
-    if w.fmt != "Q8_0" and w.in_features <= GEMV_S8W_Q4_MIN_K:
+    if w.in_features <= GEMV_S8W_MIN_K.get(w.fmt, 0):
         return False
     return gemv_s8_enabled(backend) and gemv_s8_fits(backend, 1, w.in_features)
 

@@ -226,10 +226,11 @@ extern "C" __global__ void __launch_bounds__(32 * GM_WARPS, GM_MIN_BLOCKS) gemv_
                           // rows, 5-20% faster on Q8_0; docs/performance.md session 7)
 #endif
 #ifndef S8W_UNROLL
-#define S8W_UNROLL 4      // 512-byte steps of one row per work item (<= 4: one scale load per lane covers them)
+#define S8W_UNROLL 4      // 512-byte steps of one row per work item (<= 4: Q8_0's one scale load per lane covers
+                          // them; Q4 loads one scale word per piece)
 #endif
 #if S8W_UNROLL > 4
-#error "S8W_UNROLL <= 4: an item's 8 * S8W_UNROLL load groups have their scales in one load per lane"
+#error "S8W_UNROLL <= 4: an item's 8 * S8W_UNROLL Q8_0 load groups have their scales in one load per lane"
 #endif
 #ifndef S8W_QBATCH
 #define S8W_QBATCH 1      // the prologue's x quarters per thread in flight (gemv_s8's 4 would cost registers)

@@ -215,15 +215,18 @@ extern "C" __global__ void __launch_bounds__(32 * GM_WARPS, GM_MIN_BLOCKS) gemv_
 // loads the scales of one load group of the item, lane j: group 8 s0 + j, which shuffles hand to the 4 lanes of
 // each piece); Q4 sums a block's 4 slots over the quad first and scales the block once (s8w_piece_quad). The
 // lanes' sums meet in one warp_sum per row: the same integer products as gemv_s8, scaled and added in another
-// fp32 order (tests compare both with kutils.s8_reference).
+// fp32 order (tests compare both with kutils.s8_reference). A warp's items advance by counters, and its lanes
+// never branch apart: a lane past its row's last piece (k / 32 not a multiple of 32 for Q4) computes on stale
+// registers and the smem tail (GEMV_S8W_SMEM_PAD) and its product is dropped by a select (session 17: -25%
+// instructions per item, kernel rows 4-7% faster).
 // dp4a is SM61+, so the x-per-block body also compiles for compute_70 (the launcher takes it on SM80+ only, as
 // gemv_s8; the S8_XG build needs cp.async and traps below SM80).
 #ifndef S8W_WARPS
-#define S8W_WARPS 8       // kernels.GEMV_S8W_WARPS
+#define S8W_WARPS 8       // kernels.GEMV_S8W_WARPS (per format; the launcher passes it)
 #endif
 #ifndef S8W_MIN_BLOCKS
-#define S8W_MIN_BLOCKS 4  // 64 registers: 32 warps per SM (H200: as fast as 2 blocks of 99-116 registers on Q4
-                          // rows, 5-20% faster on Q8_0; docs/performance.md session 7)
+#define S8W_MIN_BLOCKS 4  // 32 / S8W_WARPS: 64 registers, 32 warps per SM (H200: as fast as 2 blocks of 99-116
+                          // registers on Q4 rows, 5-20% faster on Q8_0; docs/performance.md session 7)
 #endif
 #ifndef S8W_UNROLL
 #define S8W_UNROLL 4      // 512-byte steps of one row per work item (<= 4: Q8_0's one scale load per lane covers
@@ -252,17 +255,23 @@ VOLT_DEVICE int dp4a_s8(int a, int b, int c) {
     return d;
 }
 
-// Issue this lane's loads of steps s0 .. s0 + S8W_UNROLL - 1 of a repacked row (pieces past the row: none).
+// Issue this lane's loads of steps s0 .. s0 + S8W_UNROLL - 1 of a repacked row: pieces c0 + 32 j, c0 = 32 s0 +
+// lane, at constant offsets from one address. A lane past the row's last piece loads nothing and keeps stale
+// registers: gemv_s8w drops its products (a select), so no lane branches and every shuffle has the full mask.
 VOLT_DEVICE void s8w_load(S8wItem& it, const u8* row, int nb, int pieces, int s0, int lane) {
+    const int c0 = s0 * 32 + lane;
+    const u8* qp = row + (i64)nb * RP_SCALE_BYTES + (i64)c0 * 16;
+#if S8W_QUAD
+    const u8* sp = row + (i64)c0 * RP_SCALE_BYTES;  // Q4: piece c's block c has its scale word at c * RP_SCALE_BYTES
+#endif
 #pragma unroll
     for (int j = 0; j < S8W_UNROLL; ++j) {
-        const int c = (s0 + j) * 32 + lane;
-        if (c < pieces) {
-            it.q[j] = ldg16(row + (i64)nb * RP_SCALE_BYTES + (i64)c * 16);
+        if (c0 + 32 * j < pieces) {
+            it.q[j] = ldg16(qp + 512 * j);
 #if S8W_QUAD && WTYPE == WTYPE_Q4_1
-            it.scw[j] = __ldg(reinterpret_cast<const u32*>(row + (i64)c * 4));
+            it.scw[j] = __ldg(reinterpret_cast<const u32*>(sp + 128 * j));
 #elif S8W_QUAD
-            it.scw[j] = __ldg(reinterpret_cast<const unsigned short*>(row + (i64)c * 2));
+            it.scw[j] = __ldg(reinterpret_cast<const unsigned short*>(sp + 64 * j));
 #endif
         }
     }
@@ -297,10 +306,10 @@ VOLT_DEVICE float s8w_piece(float acc, const uint4& q, const S8wScale& sc, const
 // Q4: piece c holds slot t = c % 4 (lane % 4) of blocks 4 (c / 4) .. + 3; the quad's 4 lanes hold the
 // 4 slots of the same blocks. Each lane's 4 int32 sums are reduce-scattered over the quad (3 shuffles), so lane
 // t ends with the exact sum of block 4 (c / 4) + t = c and scales it once, x-sum term included, instead of
-// scaling 4 partial sums (fewer instructions: the kernel issues on ~60% of cycles at Q4, Nsight Compute). The
-// quad's lanes are all in or all out of the row (k % 256 == 0): `mask` names the lanes in.
+// scaling 4 partial sums (fewer instructions: the kernel issues on ~60% of cycles at Q4, Nsight Compute). Every
+// lane of the warp takes part (the shuffles' full mask); odd = lane & 1, high = lane & 2.
 VOLT_DEVICE float s8w_piece_quad(float acc, const uint4& q, u32 scw, const u8* xq, const float2* xs, int c,
-                                 int lane, unsigned mask) {
+                                 bool odd, bool high) {
     const u32 qw[4] = {q.x, q.y, q.z, q.w};
     const uint4 xa = *reinterpret_cast<const uint4*>(xq + c * 32);
     const uint4 xb = *reinterpret_cast<const uint4*>(xq + c * 32 + 16);
@@ -311,12 +320,11 @@ VOLT_DEVICE float s8w_piece_quad(float acc, const uint4& q, u32 scw, const u8* x
         const int lo = (int)(qw[u] & 0x0F0F0F0Fu), hi = (int)((qw[u] >> 4) & 0x0F0F0F0Fu);
         ci[u] = dp4a_s8(hi, (int)xw[2 * u + 1], dp4a_s8(lo, (int)xw[2 * u], 0));
     }
-    const bool odd = lane & 1, high = lane & 2;
     int k0 = odd ? ci[1] : ci[0], k1 = odd ? ci[3] : ci[2];  // blocks of this lane's parity: kept
-    k0 += __shfl_xor_sync(mask, odd ? ci[0] : ci[1], 1);       // the partner's: sent
-    k1 += __shfl_xor_sync(mask, odd ? ci[2] : ci[3], 1);
+    k0 += __shfl_xor_sync(0xffffffffu, odd ? ci[0] : ci[1], 1);  // the partner's: sent
+    k1 += __shfl_xor_sync(0xffffffffu, odd ? ci[2] : ci[3], 1);
     int sum = high ? k1 : k0;
-    sum += __shfl_xor_sync(mask, high ? k0 : k1, 2);            // block (lane & 1) + (lane & 2) = c % 4
+    sum += __shfl_xor_sync(0xffffffffu, high ? k0 : k1, 2);       // block (lane & 1) + (lane & 2) = c % 4
     const float2 x2 = xs[c];
 #if WTYPE == WTYPE_Q4_1
     return s8_add_block(acc, half_of(scw, 0), half_of(scw, 1), x2.x, x2.y, sum);
@@ -342,20 +350,20 @@ extern "C" __global__ void __launch_bounds__(32 * S8W_WARPS, S8W_MIN_BLOCKS) gem
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int nb = p.k / 32, pieces = nb * RP_PIECE / 4, steps = (pieces + 31) >> 5;
     const int n_out = SILU ? p.n / 2 : p.n;
-    // work items: per output S8W_ROWS rows x bpr items; this warp's outputs are first, first + stride, ...
-    const int bpr = (steps + S8W_UNROLL - 1) / S8W_UNROLL, per_out = S8W_ROWS * bpr;
+    // work items: per output S8W_ROWS rows x ceil(steps / S8W_UNROLL); this warp's outputs are first, first +
+    // stride, ...
     const int stride = gridDim.x * S8W_WARPS, first = blockIdx.x * S8W_WARPS + warp;  // blockDim = 32 * S8W_WARPS
-    const int items = first < n_out ? (n_out - first + stride - 1) / stride * per_out : 0;
     u8* xq = reinterpret_cast<u8*>(s8_smem);
     const float2* xs = reinterpret_cast<const float2*>(xq + s8_pitch(nb));
-    S8wItem it;
-    // item i: output first + (i / per_out) * stride, its row r = (i % per_out) / bpr, first step s0
-    auto load = [&](int i) {
-        const int o = i / per_out, w = i - o * per_out, r = w / bpr, out = first + o * stride;
+    S8wItem it = {};  // zeroed: a lane past its row keeps these registers (s8w_load), never uninitialised ones
+    // The current item: output `out` (first + a multiple of stride), its row r (SILU: 0 the gate row, 1 the up
+    // row) and first step s0, advanced in place (index divisions per item cost ~60 instructions).
+    int out = first, r = 0, s0 = 0;
+    auto load = [&]() {
         const int row = SILU ? out + r * n_out : out;
-        s8w_load(it, p.w + (i64)row * p.w_row_bytes, nb, pieces, (w - r * bpr) * S8W_UNROLL, lane);
+        s8w_load(it, p.w + (i64)row * p.w_row_bytes, nb, pieces, s0, lane);
     };
-    if (items > 0) load(0);  // in flight across the PDL wait and x's quantization
+    if (out < n_out) load();  // in flight across the PDL wait and x's quantization
     pdl_enter();
 #if S8_XG
     s8_copy_x(p, xq);
@@ -364,37 +372,57 @@ extern "C" __global__ void __launch_bounds__(32 * S8W_WARPS, S8W_MIN_BLOCKS) gem
     s8_quantize_x<S8W_QBATCH>(p, inv_rms, xq, reinterpret_cast<float2*>(xq + s8_pitch(nb)));
 #endif
     __syncthreads();
+#if S8W_QUAD
+    const bool odd = lane & 1, high = lane & 2;
+#endif
     float acc[S8W_ROWS];
 #pragma unroll
-    for (int r = 0; r < S8W_ROWS; ++r) acc[r] = 0.f;
-    for (int i = 0; i < items; ++i) {
-        if (i > 0) load(i);
-        const int o = i / per_out, w = i - o * per_out, r = w / bpr, s0 = (w - r * bpr) * S8W_UNROLL;
+    for (int rr = 0; rr < S8W_ROWS; ++rr) acc[rr] = 0.f;
+    while (out < n_out) {
+        // Step j's piece c = c0 + 32 j; its x at constant offsets too (a lane past the row reads the smem tail,
+        // kernels.GEMV_S8W_SMEM_PAD, and its product is dropped).
+        const int c0 = s0 * 32 + lane;
         float part = 0.f;
-#pragma unroll
-        for (int j = 0; j < S8W_UNROLL; ++j) {
-            const int c = (s0 + j) * 32 + lane;
+        auto step = [&](int j) {
+            const int c = c0 + 32 * j;
 #if S8W_QUAD
-            const unsigned mask = __ballot_sync(0xffffffffu, c < pieces);
-            if (c < pieces) part = s8w_piece_quad(part, it.q[j], it.scw[j], xq, xs, c, lane, mask);
+            const float v = s8w_piece_quad(part, it.q[j], it.scw[j], xq, xs, c, odd, high);
 #else
-            const S8wScale sc = s8w_scale(it.sc, j, lane);  // every lane shuffles, before any lane skips a piece
-            if (c < pieces) part = s8w_piece(part, it.q[j], sc, xq, xs, c);
+            const float v = s8w_piece(part, it.q[j], s8w_scale(it.sc, j, lane), xq, xs, c);
 #endif
+            part = c < pieces ? v : part;
+        };
+        if (s0 + S8W_UNROLL <= steps) {  // warp-uniform: every step in the row
+#pragma unroll
+            for (int j = 0; j < S8W_UNROLL; ++j) step(j);
+        } else {
+#pragma unroll
+            for (int j = 0; j < S8W_UNROLL; ++j)
+                if (s0 + j < steps) step(j);
         }
 #pragma unroll
         for (int rr = 0; rr < S8W_ROWS; ++rr)
             if (rr == r) acc[rr] += part;
-        if (w == per_out - 1) {  // the output's last item: its rows' sums are complete
-            const int out = first + o * stride;
+        const int done = out;  // this item's output: complete if the item was its last
+        bool complete = false;
+        if ((s0 += S8W_UNROLL) >= steps) {
+            s0 = 0;
+            if (++r == S8W_ROWS) {
+                r = 0;
+                out += stride;
+                complete = true;
+            }
+        }
+        if (out < n_out) load();  // the next item's loads before this output's reduction
+        if (complete) {
 #pragma unroll
             for (int rr = 0; rr < S8W_ROWS; ++rr) acc[rr] = warp_sum(acc[rr]);
             if (lane == 0) {
 #if SILU
                 const float g = round_h(acc[0]), u = round_h(acc[1]);
-                p.y[out] = f2h(gemv_out(p, 0, out, g / (1.f + __expf(-g)) * u));
+                p.y[done] = f2h(gemv_out(p, 0, done, g / (1.f + __expf(-g)) * u));
 #else
-                p.y[out] = f2h(gemv_out(p, 0, out, acc[0]));
+                p.y[done] = f2h(gemv_out(p, 0, done, acc[0]));
 #endif
             }
 #pragma unroll

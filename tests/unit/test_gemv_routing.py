@@ -255,8 +255,8 @@ def test_repack_policy_and_routing():
                 for rows in (1, 3, 8):
                     s8 = choice == "auto" and fmt in GEMV_S8_AUTO_FORMATS
                     want = "gemv_s8" if s8 else "gemv_mma"
-                    if choice == "auto" and rows == 1 and fmt != "Q4_0":
-                        want = "gemv_s8w"  # Q8_0 and Q4_1 at one row; Q4_0 only wider than k = 4096 (gemv_s8w_ok)
+                    if choice == "auto" and rows == 1:
+                        want = "gemv_s8w"  # every repacked format at one row (gemv_s8w_ok)
                     assert gemv_kernel_name(_backend(arch, choice), w, rows, silu=rows == 1) == want
                     off = _backend(arch, choice)
                     off.gemv_s8 = "off"
@@ -322,7 +322,11 @@ def test_gemv_s8_specs_are_built():
                 for one_pass in (False, True):
                     for per_launch in (False, True):
                         assert kernels.gemv_s8_spec(fmt, silu, rows, one_pass, per_launch) in built
-    assert kernels.gemv_s8_spec("Q4_1", False, 1, True) == {"WTYPE": 2, "SILU": 0, "S8_M1": 1}
+    # one row: gemv_s8w's block per format (kernels.GEMV_S8W_WARPS), 32 warps an SM
+    assert kernels.gemv_s8_spec("Q4_1", False, 1, True) == {"WTYPE": 2, "SILU": 0, "S8_M1": 1, "S8W_WARPS": 16,
+                                                            "S8W_MIN_BLOCKS": 2}
+    assert kernels.gemv_s8_spec("Q8_0", True, 1) == {"WTYPE": kernels.WTYPES["Q8_0"], "SILU": 1, "S8_M1": 1,
+                                                     "S8W_WARPS": 8, "S8W_MIN_BLOCKS": 4}
     for rows in (1, 8):  # x quantized per launch: the norm is quantize_s8's, no one-pass build
         for silu in (False, True):
             assert kernels.gemv_s8_spec("Q4_0", silu, rows, True, True) in built
@@ -448,10 +452,11 @@ def test_every_gemv_launcher_runs_on_a_recording_backend(case):
         if case == "f16_tma_pair":
             knobs["gemv_tma_blocks"], knobs["gemv_tma_ring"] = 2, (8, 4)
     else:
-        # Q4_0 at k = 4096 keeps gemv_s8's one-row build (gemv_int8.GEMV_S8W_MIN_K)
         w = _linear({"s8w": "Q8_0", "s8_m1": "Q4_0"}.get(case, "Q4_1"), 4096, 14336 if case == "s8_m1_launch" else k)
         w.layout = "repacked"
         rows = 8 if case == "s8" else 1
+        if case == "s8_m1":  # gemv_s8's one-row build (S8_M1) under VOLTSERVE_GEMV_S8_M1=mma
+            knobs = {"gemv_s8_m1": "mma"}
         if case == "tma_s8":
             knobs = {"gemv_tma_s8": "on"}
         if case == "s8_m1_launch":  # gemv_s8w with x quantized per launch (k > GEMV_S8W_BLOCK_MAX_X)
@@ -471,6 +476,10 @@ def test_every_gemv_launcher_runs_on_a_recording_backend(case):
     assert (p.x, p.w, p.y) == (x.data_ptr(), w.data.data_ptr(), y.data_ptr()) and y.shape == (rows, w.out_features)
     assert (p.m, p.n, p.k, p.x_stride) == (rows, w.out_features, x.shape[1], x.shape[1])
     assert last.grid[0] >= 1 and last.block[0] % 32 == 0
+    if want == "gemv_s8w":  # the block of the format's S8W_WARPS; smem: x's int8 copy and the tail pad
+        warps = kernels.GEMV_S8W_WARPS[w.fmt]
+        assert last.block[0] == 32 * warps and last.spec["S8W_WARPS"] == warps
+        assert last.smem == kernels.gemv_s8w_smem_bytes(x.shape[1])
     if case == "f16_gemv":  # 64 rows of 8 KB share a 64 KB budget: 1 KB each
         assert last.pdl and p.prefetch_bytes == 1024
     if want == "gemv_tma":
@@ -530,12 +539,12 @@ def test_folded_upload_on_cpu():
 
 
 def test_gemv_s8w_takes_one_row_calls_only():
-    """gemv_s8w (a warp per weight row) serves calls of exactly one x row on repacked rows: under auto Q8_0 at any
-    width, Q4_1 at any width and Q4_0 wider than its GEMV_S8W_MIN_K (Llama-3-8B's down_proj), where it measured
-    faster; a 9-row call's second launch (1 row) keeps its first launch's kernel (gemv_s8w_ok(9) is False);
+    """gemv_s8w (a warp per weight row) serves calls of exactly one x row on repacked rows: under auto every
+    repacked format at every width, where it measured faster; a 9-row call's second launch (1 row) keeps its first launch's kernel (gemv_s8w_ok(9) is False);
     VOLTSERVE_GEMV_S8_M1=mma, gemv_s8 "off", a forced gemv_kernel or SM < 80 give the kernels before; gemv_s8 "on"
-    takes it wherever gemv_s8 may."""
-    from voltserve.backends.cuda.gemv_int8 import GEMV_S8W_MIN_K, gemv_s8w_ok
+    takes it wherever gemv_s8 may; a k whose x copy and GEMV_S8W_SMEM_PAD overflow the opt-in shared memory, never."""
+    from voltserve.backends.cuda import kernels
+    from voltserve.backends.cuda.gemv_int8 import gemv_s8w_ok
 
     for fmt in ("Q4_0", "Q4_1", "Q8_0"):
         w = _linear(fmt, 4096, 14336)
@@ -545,8 +554,7 @@ def test_gemv_s8w_takes_one_row_calls_only():
         assert not gemv_s8w_ok(be, w, 2) and not gemv_s8w_ok(be, w, 9)
         narrow = _linear(fmt, 4096, 4096)
         narrow.layout = "repacked"
-        assert GEMV_S8W_MIN_K[fmt] == (4096 if fmt == "Q4_0" else 0)
-        assert gemv_kernel_name(be, narrow, 1) == ("gemv_s8" if fmt == "Q4_0" else "gemv_s8w")
+        assert gemv_kernel_name(be, narrow, 1) == "gemv_s8w"
         be.gemv_s8 = "on"
         assert gemv_kernel_name(be, narrow, 1) == "gemv_s8w"
         be.gemv_s8_m1 = "mma"
@@ -563,6 +571,10 @@ def test_gemv_s8w_takes_one_row_calls_only():
         assert gemv_kernel_name(_backend(75), w, 1) == "gemv_mma"
         gguf = _linear(fmt, 4096, 14336)  # GGUF rows: never (gemv_s8w reads the repacked layout)
         assert not gemv_s8w_ok(_backend(90), gguf, 1)
+        tight = _backend(90)  # room for gemv_s8's x copy of one row, not for gemv_s8w's padded one
+        tight.loader.max_smem_optin = kernels.gemv_s8_smem_bytes(1, 14336) + kernels.GEMV_MMA_STATIC_SMEM
+        assert kernels.gemv_s8w_smem_bytes(14336) == tight.loader.max_smem_optin - kernels.GEMV_MMA_STATIC_SMEM + 1024
+        assert not gemv_s8w_ok(tight, w, 1) and gemv_kernel_name(tight, w, 1) == "gemv_s8"
 
 
 def test_gemv_tma_routing():

@@ -27,16 +27,12 @@ if TYPE_CHECKING:
 GEMV_S8_AUTO_FORMATS = ("Q4_0", "Q4_1", "Q8_0")
 
 # gemv_s8w (one x row, a warp per weight row, dp4a) serves the one-row calls of repacked rows under
-# VOLTSERVE_GEMV_S8_M1=warp where it measured faster than gemv_s8 / gemv_mma (gemv_s8w_ok): rows of a format wider
-# than its GEMV_S8W_MIN_K (x quantized once per launch for k > GEMV_S8W_BLOCK_MAX_X). H200, bench_kernels decode
-# rows at m = 1 (docs/performance.md, session 7): Q4_1 4096x14336 20.3-20.7 -> 15.3-15.5 us, down + residual
-# 20.6-20.8 -> 15.0-15.5; Q8_0 4096x4096 9.3-9.9 -> 8.3, 14336x4096 22.6-23.6 -> 20.4-20.5 (gemv_mma before; since
-# session 11 the Q8_0 SwiGLU pairs and down_proj are repacked too). Q4 at k = 4096 stayed on gemv_s8 (session 7:
-# within +-5% on plain rows, fused RMSNorm + qkv 9.8-10.3 vs 8.7 us) until session 16's one scaling per block
-# (s8w_piece_quad): the 8B Q4_1 step at batch 1 then measured 2.205 / 2.211 ms with every one-row call on
-# gemv_s8w against 2.260 / 2.261 with k = 4096 on gemv_s8; the Q4_0 step 2.211 / 2.211 against 2.187 / 2.201,
-# so Q4_0 keeps gemv_s8 there.
-GEMV_S8W_MIN_K = {"Q4_0": 4096, "Q4_1": 0, "Q8_0": 0}
+# VOLTSERVE_GEMV_S8_M1=warp (gemv_s8w_ok; x quantized once per launch for k > GEMV_S8W_BLOCK_MAX_X), where it
+# measured faster than gemv_s8 / gemv_mma. H200, bench_kernels decode rows at m = 1 (docs/performance.md, session
+# 7): Q4_1 4096x14336 20.3-20.7 -> 15.3-15.5 us, down + residual 20.6-20.8 -> 15.0-15.5; Q8_0 4096x4096 9.3-9.9
+# -> 8.3, 14336x4096 22.6-23.6 -> 20.4-20.5 (gemv_mma before). Q4 rows of k = 4096 stayed on gemv_s8 until
+# gemv_s8w scaled each block once (session 16: then Q4_1, 8B step 2.26 -> 2.21 ms) and lost its per-item index
+# divisions (session 17: then Q4_0 too, 8B Q4_0 step 2.157 -> 2.067 ms with k = 4096 moved to gemv_s8w).
 GEMV_S8W_BLOCK_MAX_X = 4096
 
 # one-row gemv_s8 launches of k <= this quantize x in every block (an extra launch measured 1.7% slower per 8B
@@ -67,16 +63,15 @@ def gemv_s8_ok(backend: Any, w: CudaLinear, rows: int) -> bool:
 def gemv_s8w_ok(backend: Any, w: CudaLinear, rows: int) -> bool:
     """Whether a GEMV call of `rows` x rows on repacked rows `w` runs gemv_s8w (gemv_s8.cu: a warp per weight row,
     dp4a): one row only (a call of 9 rows runs the kernel of its first launch, gemv_s8 or gemv_mma, for both, so a
-    call's rows share one kernel), `backend.gemv_s8_m1` "warp", x's int8 copy fits (`gemv_s8_fits`), and under
-    gemv_s8 "auto" where it measured faster (k > GEMV_S8W_MIN_K of the format: Q8_0 and Q4_1 rows, Q4_0 rows of
-    k > 4,096); gemv_s8 "on" takes it wherever gemv_s8 could run."""
+    call's rows share one kernel), `backend.gemv_s8_m1` "warp", and x's int8 copy (with GEMV_S8W_SMEM_PAD)
+    fits the opt-in shared memory; under gemv_s8 "auto" every repacked format, gemv_s8 "on" wherever gemv_s8
+    could run."""
     if rows != 1 or getattr(backend, "gemv_s8_m1", "warp") != "warp" or w.layout != "repacked":
         return False
+    fits = kernels.gemv_s8w_smem_bytes(w.in_features) + kernels.GEMV_MMA_STATIC_SMEM <= backend.loader.max_smem_optin
     if getattr(backend, "gemv_s8", "auto") != "auto":
-        return gemv_s8_ok(backend, w, 1)
-    if w.in_features <= GEMV_S8W_MIN_K.get(w.fmt, 0):
-        return False
-    return gemv_s8_enabled(backend) and gemv_s8_fits(backend, 1, w.in_features)
+        return fits and gemv_s8_ok(backend, w, 1)
+    return fits and gemv_s8_enabled(backend)
 
 
 def gemv_s8_fits(backend: Any, rows: int, k: int) -> bool:
@@ -124,10 +119,12 @@ def launch_gemv_s8w(backend: Any, x: torch.Tensor, w: CudaLinear, y: torch.Tenso
     per_launch = gemv_s8_x_per_launch(backend, 1, k, GEMV_S8W_BLOCK_MAX_X)
     pdl = gemv_pdl(backend, w)  # against the launch before quantize_s8: the pair counts as one GEMV
     spec = kernels.gemv_s8_spec(w.fmt, silu, 1, False, per_launch)
-    smem = kernels.gemv_s8_smem_bytes(1, k)
-    xq, norm = s8_quantized_x(backend, x, spec, smem, norm_weight, eps, vec_ok, per_launch)
-    threads = 32 * kernels.GEMV_S8W_WARPS
-    grid = min(-(-n_out // kernels.GEMV_S8W_WARPS),
+    xq, norm = s8_quantized_x(backend, x, spec, kernels.gemv_s8_smem_bytes(1, k), norm_weight, eps, vec_ok,
+                              per_launch)
+    smem = kernels.gemv_s8w_smem_bytes(k)
+    warps = spec["S8W_WARPS"]
+    threads = 32 * warps
+    grid = min(-(-n_out // warps),
                backend.num_sms * backend._occupancy("gemv_s8", "gemv_s8w", spec, smem, threads))
     p = gemv_params(x, 0, w, y, residual, norm, eps, vec_ok, xq=xq)
     backend._launch("gemv_s8", "gemv_s8w", spec, (grid, 1, 1), (threads, 1, 1), smem, p, pdl)

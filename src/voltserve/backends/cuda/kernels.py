@@ -249,7 +249,13 @@ def gemv_tma_s8_plan(fmt: str, n: int, k: int, num_sms: int, ring: tuple[int, in
 
 
 GEMV_S8_MIN_ARCH = 80  # gemv_s8: mma.m16n8k32 on int8
-GEMV_S8W_WARPS = 8  # gemv_s8w (gemv_s8.cu S8W_WARPS): warps per block
+# gemv_s8w's warps per block (gemv_s8.cu S8W_WARPS; 32 warps an SM either way, 64 registers): Q4 rows in blocks
+# of 16 quantize x in half as many blocks (session 17, H200: 8B Q4_1 step 2.110 / 2.129 -> 2.061 / 2.062 ms,
+# 4096x4096 rows 5.9-6.1 -> 5.1 us); Q8_0 measured 1-2% slower so (its step 2.650 / 2.698 -> 2.708 / 2.708 ms)
+GEMV_S8W_WARPS = {"Q4_0": 16, "Q4_1": 16, "Q8_0": 8}
+# gemv_s8w's shared memory past x's int8 copy: a lane past its row's last piece (k / 32 not a multiple of 32 for
+# Q4, of 16 for Q8_0) reads x at its piece's constant offset there and drops the product (<= 1,000 bytes past)
+GEMV_S8W_SMEM_PAD = 1024
 
 
 def gemv_s8_spec(fmt: str, silu: bool, rows: int, norm_one_pass: bool = False,
@@ -268,6 +274,8 @@ def gemv_s8_spec(fmt: str, silu: bool, rows: int, norm_one_pass: bool = False,
     spec = {"WTYPE": WTYPES[fmt], "SILU": int(silu)}
     if rows == 1:
         spec["S8_M1"] = 1
+        spec["S8W_WARPS"] = GEMV_S8W_WARPS[fmt]  # gemv_s8w's block (the S8_M1 build of gemv_s8 ignores it)
+        spec["S8W_MIN_BLOCKS"] = 32 // GEMV_S8W_WARPS[fmt]
     if x_per_launch:
         spec["S8_XG"] = 1
     elif norm_one_pass and rows > 1:
@@ -280,6 +288,11 @@ def gemv_s8_smem_bytes(rows: int, k: int) -> int:
     then the per-32 scales (d, s) as fp32 pairs, [k / 32] for one row and [k / 32][8] otherwise."""
     nb = k // 32
     return rows * (nb * 32 + 16) + nb * 8 * (1 if rows == 1 else 8)
+
+
+def gemv_s8w_smem_bytes(k: int) -> int:
+    """Dynamic shared memory of gemv_s8w: gemv_s8's for one x row of width k, then GEMV_S8W_SMEM_PAD bytes."""
+    return gemv_s8_smem_bytes(1, k) + GEMV_S8W_SMEM_PAD
 
 
 def gemv_mma_sb_smem_bytes(fmt: str) -> int:

@@ -2,7 +2,7 @@
 
 SM70 (V100) gets gemv_mma's m8n8k4 path but never gemv_mma_sb (cp.async and m16n8k16 are SM80+; its SM70 build is
 an empty stub), and the shapes the mma kernels cannot take (k % 32, unaligned x or weights) fall back to gemv /
-gemv_q.
+gemv_q. The int8 kernels on repacked quant rows (gemv_s8, gemv_s8w, gemv_tma_s8): test_gemv_int8_routing.py.
 """
 
 import os
@@ -11,21 +11,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from tests.unit.gemv_fakes import fake_backend, fake_linear, recording_backend
 from voltserve.backends.cuda import kernels
 from voltserve.backends.cuda.linear import (GEMV_MMA_MIN_ROWS, GEMV_MMA_SM70_MIN_ROWS, CudaLinear, gemv_kernel_name,
                                            launch_linear)
-
-
-def _backend(arch, choice="auto", smem_kb=227):
-    loader = SimpleNamespace(arch=arch, compile_arch=arch, max_smem_optin=smem_kb * 1024)
-    return SimpleNamespace(loader=loader, gemv_kernel=choice, num_sms=132)
-
-
-def _linear(fmt, n, k):
-    if fmt == "F16":
-        return CudaLinear("F16", torch.zeros(n, k, dtype=torch.float16), n, k, 2 * k)
-    block = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}[fmt]
-    return CudaLinear(fmt, torch.zeros(n, k // 32 * block, dtype=torch.uint8), n, k, k // 32 * block)
 
 
 @pytest.mark.parametrize("fmt", ["F16", "Q4_0", "Q4_1", "Q8_0"])
@@ -33,76 +22,76 @@ def _linear(fmt, n, k):
 def test_sm70_routing(fmt, rows):
     """V100: gemv_mma's m8n8k4 path from max(GEMV_MMA_MIN_ROWS, GEMV_MMA_SM70_MIN_ROWS) rows, never gemv_mma_sb
     (cp.async is SM80+), never at m = 1 (the m = 1 exceptions were measured on SM80+ only)."""
-    w, big = _linear(fmt, 64, 4096), _linear(fmt, 4096, 4096)
+    w, big = fake_linear(fmt, 64, 4096), fake_linear(fmt, 4096, 4096)
     scalar = "gemv_q" if fmt != "F16" and rows >= 3 else "gemv"
     want = "gemv_mma" if rows >= max(GEMV_MMA_MIN_ROWS[fmt], GEMV_MMA_SM70_MIN_ROWS) else scalar
-    assert gemv_kernel_name(_backend(70), w, rows) == want
-    assert gemv_kernel_name(_backend(70), big, rows, norm=True) == want
-    assert gemv_kernel_name(_backend(70, "scalar"), w, rows) == scalar
-    assert gemv_kernel_name(_backend(70, "mma"), w, rows) == "gemv_mma"
-    assert gemv_kernel_name(_backend(60, "mma"), w, rows) == scalar  # no tensor cores: not a target
+    assert gemv_kernel_name(fake_backend(70), w, rows) == want
+    assert gemv_kernel_name(fake_backend(70), big, rows, norm=True) == want
+    assert gemv_kernel_name(fake_backend(70, "scalar"), w, rows) == scalar
+    assert gemv_kernel_name(fake_backend(70, "mma"), w, rows) == "gemv_mma"
+    assert gemv_kernel_name(fake_backend(60, "mma"), w, rows) == scalar  # no tensor cores: not a target
 
 
 @pytest.mark.parametrize("fmt", ["F16", "Q4_1", "Q8_0"])
 def test_turing_keeps_the_scalar_kernels(fmt):
     """SM75 would run the m8n8k4 path, native only on SM70/72 and not measured elsewhere: auto keeps gemv/gemv_q."""
-    w = _linear(fmt, 64, 4096)
-    assert not gemv_kernel_name(_backend(75), w, 8).startswith("gemv_mma")
-    assert gemv_kernel_name(_backend(75, "mma"), w, 8) == "gemv_mma"  # forced: allowed (tests, A/B)
+    w = fake_linear(fmt, 64, 4096)
+    assert not gemv_kernel_name(fake_backend(75), w, 8).startswith("gemv_mma")
+    assert gemv_kernel_name(fake_backend(75, "mma"), w, 8) == "gemv_mma"  # forced: allowed (tests, A/B)
 
 
 @pytest.mark.parametrize("arch,smem_kb,q8_sb", [(80, 163, False), (86, 99, False), (89, 99, False), (90, 227, True)])
 def test_superblocks_only_where_the_stages_fit(arch, smem_kb, q8_sb):
     """gemv_mma_sb's Q8_0 stages need 212 KB of shared memory per block, Q4_1's 96 KB: on A100 / SM86 / SM89
     Q8_0 takes gemv_mma's direct loads instead (a launch there would fail to set its shared memory)."""
-    be = _backend(arch, smem_kb=smem_kb)
-    assert (gemv_kernel_name(be, _linear("Q8_0", 64, 4096), 8) == "gemv_mma_sb") == q8_sb
-    assert gemv_kernel_name(be, _linear("Q4_1", 64, 4096), 8) == "gemv_mma_sb"
-    assert gemv_kernel_name(_backend(arch, smem_kb=64), _linear("Q4_1", 64, 4096), 8) == "gemv_mma"
+    be = fake_backend(arch, smem_kb=smem_kb)
+    assert (gemv_kernel_name(be, fake_linear("Q8_0", 64, 4096), 8) == "gemv_mma_sb") == q8_sb
+    assert gemv_kernel_name(be, fake_linear("Q4_1", 64, 4096), 8) == "gemv_mma_sb"
+    assert gemv_kernel_name(fake_backend(arch, smem_kb=64), fake_linear("Q4_1", 64, 4096), 8) == "gemv_mma"
 
 
 def test_compile_arch_decides():
     """The kernels' __CUDA_ARCH__ is the loader's compile_arch (an NVRTC that does not know the device builds for
     an older arch): a pre-SM80 build must not be sent gemv_mma_sb (its stub would trap)."""
-    be = _backend(90)
+    be = fake_backend(90)
     be.loader.compile_arch = 75
-    assert not gemv_kernel_name(be, _linear("Q4_1", 64, 4096), 8).startswith("gemv_mma")
+    assert not gemv_kernel_name(be, fake_linear("Q4_1", 64, 4096), 8).startswith("gemv_mma")
 
 
 def test_mma884_forces_the_sm70_path_on_newer_gpus():
-    w = _linear("Q4_1", 64, 4096)
-    assert gemv_kernel_name(_backend(90, "mma"), w, 1) == "gemv_mma_sb"
-    assert gemv_kernel_name(_backend(90, "mma884"), w, 1) == "gemv_mma"
+    w = fake_linear("Q4_1", 64, 4096)
+    assert gemv_kernel_name(fake_backend(90, "mma"), w, 1) == "gemv_mma_sb"
+    assert gemv_kernel_name(fake_backend(90, "mma884"), w, 1) == "gemv_mma"
 
 
 @pytest.mark.parametrize("fmt", ["F16", "Q4_0", "Q4_1", "Q8_0"])
 def test_sm90_routing(fmt):
-    w = _linear(fmt, 64, 4096)
-    big = _linear(fmt, 4096, 4096)  # >= GEMV_MMA_M1_MIN_BYTES: bandwidth-bound at m = 1
+    w = fake_linear(fmt, 64, 4096)
+    big = fake_linear(fmt, 4096, 4096)  # >= GEMV_MMA_M1_MIN_BYTES: bandwidth-bound at m = 1
     for rows in (1, 2, 4, 8):
-        auto = gemv_kernel_name(_backend(90), w, rows)
+        auto = gemv_kernel_name(fake_backend(90), w, rows)
         scalar = "gemv_q" if fmt != "F16" and rows >= 3 else "gemv"
         mma = "gemv_mma" if fmt == "F16" else "gemv_mma_sb"  # k = 4096: whole 16-byte-aligned superblocks
         assert auto == (mma if rows >= GEMV_MMA_MIN_ROWS[fmt] else scalar), rows
         if rows == 1:  # m = 1: mma only on large weights (quant superblocks; fp16 with the fused norm, no SwiGLU)
-            assert gemv_kernel_name(_backend(90), big, 1) == ("gemv" if fmt == "F16" else "gemv_mma_sb")
-            assert gemv_kernel_name(_backend(90), big, 1, silu=True) == "gemv"  # SwiGLU at m = 1: gemv's
-            assert gemv_kernel_name(_backend(90), w, 1, norm=True) == "gemv"  # small: launch-bound
+            assert gemv_kernel_name(fake_backend(90), big, 1) == ("gemv" if fmt == "F16" else "gemv_mma_sb")
+            assert gemv_kernel_name(fake_backend(90), big, 1, silu=True) == "gemv"  # SwiGLU at m = 1: gemv's
+            assert gemv_kernel_name(fake_backend(90), w, 1, norm=True) == "gemv"  # small: launch-bound
             if fmt == "F16":
-                assert gemv_kernel_name(_backend(90), big, 1, norm=True) == "gemv_mma"
-                assert gemv_kernel_name(_backend(90), big, 1, norm=True, silu=True) == "gemv"
-        assert gemv_kernel_name(_backend(90, "mma"), w, rows) == mma
-        assert not gemv_kernel_name(_backend(90, "scalar"), w, rows).startswith("gemv_mma")
-    assert not gemv_kernel_name(_backend(90), w, 8, vec_ok=0).startswith("gemv_mma")  # unaligned x rows
+                assert gemv_kernel_name(fake_backend(90), big, 1, norm=True) == "gemv_mma"
+                assert gemv_kernel_name(fake_backend(90), big, 1, norm=True, silu=True) == "gemv"
+        assert gemv_kernel_name(fake_backend(90, "mma"), w, rows) == mma
+        assert not gemv_kernel_name(fake_backend(90, "scalar"), w, rows).startswith("gemv_mma")
+    assert not gemv_kernel_name(fake_backend(90), w, 8, vec_ok=0).startswith("gemv_mma")  # unaligned x rows
 
 
 def test_sm90_shapes_mma_cannot_take():
-    assert gemv_kernel_name(_backend(90, "mma"), _linear("F16", 64, 4104), 8) == "gemv"  # k % 32 != 0
+    assert gemv_kernel_name(fake_backend(90, "mma"), fake_linear("F16", 64, 4104), 8) == "gemv"  # k % 32 != 0
     for fmt, takes in (("Q4_1", False), ("Q4_0", True), ("Q8_0", True)):  # weights 2 bytes off 4-byte alignment
-        w = _linear(fmt, 64, 4096)
+        w = fake_linear(fmt, 64, 4096)
         buf = torch.zeros(w.data.numel() + 2, dtype=torch.uint8)
         w.data = buf[2:].view(64, w.row_bytes)
-        assert (gemv_kernel_name(_backend(90, "mma"), w, 8) == "gemv_mma") == takes, fmt  # not _sb: unaligned
+        assert (gemv_kernel_name(fake_backend(90, "mma"), w, 8) == "gemv_mma") == takes, fmt  # not _sb: unaligned
 
 
 def test_gemv_mma_norm_one_pass_build():
@@ -174,14 +163,14 @@ def test_gemv_mma_tile_launcher_choice():
 
     be = SimpleNamespace(gemv_mma_tile=0, gemv_kernel="auto", num_sms=132, _occupancy=occupancy,
                          loader=SimpleNamespace(compile_arch=90))
-    assert gemv_mma_tile(be, _linear("F16", 4096, 4096), False, False) == 16
+    assert gemv_mma_tile(be, fake_linear("F16", 4096, 4096), False, False) == 16
     assert asked == [("gemv_mma", "gemv_mma", 16, 256)]
-    assert gemv_mma_tile(be, _linear("F16", 6144, 4096), False, True) == 32
-    assert gemv_mma_tile(be, _linear("Q4_1", 576, 576), False, False) == 32 and len(asked) == 2
+    assert gemv_mma_tile(be, fake_linear("F16", 6144, 4096), False, True) == 32
+    assert gemv_mma_tile(be, fake_linear("Q4_1", 576, 576), False, False) == 32 and len(asked) == 2
     be.gemv_kernel = "mma884"
-    assert gemv_mma_tile(be, _linear("F16", 4096, 4096), False, False) == 32
+    assert gemv_mma_tile(be, fake_linear("F16", 4096, 4096), False, False) == 32
     be.gemv_mma_tile = 16
-    assert gemv_mma_tile(be, _linear("Q4_1", 576, 576), False, False) == 16
+    assert gemv_mma_tile(be, fake_linear("Q4_1", 576, 576), False, False) == 16
 
 
 def test_bench_decode_env_sweep(monkeypatch):
@@ -209,7 +198,7 @@ def test_fused_norm_rule(fmt):
     count (measured at the 8B shapes); "on" / "off" force it either way."""
     from voltserve.backends.cuda.linear import GEMV_NORM_FUSED_MAX_BYTES, fuses_norm
 
-    small, big = _linear(fmt, 1024, 4096), _linear(fmt, 6144, 4096)
+    small, big = fake_linear(fmt, 1024, 4096), fake_linear(fmt, 6144, 4096)
     assert small.out_features * small.row_bytes <= GEMV_NORM_FUSED_MAX_BYTES
     assert (big.out_features * big.row_bytes > GEMV_NORM_FUSED_MAX_BYTES) == (fmt == "F16")
     auto = SimpleNamespace(fuse_norm="auto")
@@ -217,52 +206,6 @@ def test_fused_norm_rule(fmt):
     assert fuses_norm(auto, big) == (fmt != "F16")
     for choice in ("on", "off"):
         assert fuses_norm(SimpleNamespace(fuse_norm=choice), big) == (choice == "on")
-
-
-def test_repack_policy_and_routing():
-    """Which quant weights are stored repacked (linear.repack_wanted) and that they always run gemv_s8 or gemv_mma
-    (never gemv_mma_sb, gemv_q or gemv, which read GGUF blocks), whatever `gemv_kernel` asks: gemv_s8 under
-    "auto" on SM80+, gemv_mma under the forced choices or with gemv_s8 off."""
-    from voltserve.backends.cuda.gemv_int8 import GEMV_S8_AUTO_FORMATS
-    from voltserve.backends.cuda.linear import repack_wanted
-
-    big, small = 4096 * 4096 // 2, 1 << 20
-    assert repack_wanted("auto", 90, "Q4_1", 4096, big) and repack_wanted("auto", 80, "Q8_0", 4096, big)
-    assert not repack_wanted("auto", 90, "Q4_1", 4096, small)      # launch-bound: stays GGUF
-    assert not repack_wanted("auto", 70, "Q4_1", 4096, big)        # SM70 / Turing: never (unmeasured; spills)
-    assert not repack_wanted("on", 70, "Q4_1", 4096, big) and not repack_wanted("on", 75, "Q4_1", 4096, big)
-    assert repack_wanted("on", 80, "Q4_1", 4096, small)
-    assert not repack_wanted("auto", 90, "Q4_1", 576, big)         # k % 256 != 0
-    assert not repack_wanted("auto", 90, "F16", 4096, big) and not repack_wanted("off", 90, "Q4_0", 4096, big)
-    assert not repack_wanted("auto", 90, "Q4_1", 4096, big, swiglu=True)  # the scalar gemv's SwiGLU is faster
-    assert repack_wanted("on", 90, "Q4_1", 4096, big, swiglu=True)
-    assert not repack_wanted("auto", 90, "Q8_0", 14336, big) and repack_wanted("on", 90, "Q8_0", 14336, big)
-    assert repack_wanted("auto", 86, "Q8_0", 14336, big, superblocks=False)  # no gemv_mma_sb there to prefer
-    # with gemv_s8: every Q4 weight of >= 4 MB, SwiGLU pairs too
-    assert repack_wanted("auto", 90, "Q4_1", 4096, big, swiglu=True, s8=True)
-    # Q8_0 too since session 11 (SwiGLU pairs, k = 14,336), not below 4 MB or SM80
-    assert repack_wanted("auto", 90, "Q8_0", 14336, big, swiglu=True, s8=True)
-    assert repack_wanted("auto", 80, "Q8_0", 4096, big, swiglu=True, s8=True)
-    assert not repack_wanted("auto", 90, "Q8_0", 14336, small, s8=True)
-    assert not repack_wanted("auto", 70, "Q8_0", 4096, big, s8=True)
-    assert not repack_wanted("auto", 90, "Q4_1", 4096, small, s8=True)
-    assert repack_wanted("auto", 90, "Q4_1", 16640, big, swiglu=True, s8=True)
-    for fmt in ("Q4_0", "Q4_1", "Q8_0"):
-        w = _linear(fmt, 4096, 4096)
-        w.layout = "repacked"
-        for arch in (80, 90):
-            for choice in ("auto", "scalar", "mma"):
-                for rows in (1, 3, 8):
-                    s8 = choice == "auto" and fmt in GEMV_S8_AUTO_FORMATS
-                    want = "gemv_s8" if s8 else "gemv_mma"
-                    if choice == "auto" and rows == 1:
-                        want = "gemv_s8w"  # every repacked format at one row (gemv_s8w_ok)
-                    assert gemv_kernel_name(_backend(arch, choice), w, rows, silu=rows == 1) == want
-                    off = _backend(arch, choice)
-                    off.gemv_s8 = "off"
-                    assert gemv_kernel_name(off, w, rows) == "gemv_mma"
-        with pytest.raises(ValueError, match="16-byte aligned"):
-            gemv_kernel_name(_backend(90), w, 1, vec_ok=0)
 
 
 def test_backend_knobs_read_from_the_environment(monkeypatch):
@@ -279,80 +222,6 @@ def test_backend_knobs_read_from_the_environment(monkeypatch):
         _env_choice("VOLTSERVE_GEMV_MMA_TILE", ("0", "16", "32"))
 
 
-@pytest.mark.parametrize("arch,smem_kb,rows,k,takes", [
-    (90, 227, 8, 14336, True),    # Llama-3-8B down_proj at 8 rows: 143 KB + the static 9 KB
-    (86, 99, 8, 14336, False),    # SM86 / 89: 99 KB opt-in -> gemv_mma
-    (86, 99, 4, 14336, True),     # 71 KB
-    (86, 99, 8, 4096, True),
-    (75, 64, 1, 4096, False),     # no int8 mma.m16n8k32 below SM80
-])
-def test_gemv_s8_fits(arch, smem_kb, rows, k, takes):
-    """gemv_s8 keeps x quantized in shared memory (kernels.gemv_s8_smem_bytes): launches whose copy does not fit
-    the device's opt-in limit run gemv_mma; "on" forces it under any gemv_kernel but never past the limit."""
-    from voltserve.backends.cuda import kernels
-
-    w = _linear("Q4_1", 4096, k)
-    w.layout = "repacked"
-    be = _backend(arch, smem_kb=smem_kb)
-    be.gemv_s8 = "on"
-    assert (gemv_kernel_name(be, w, rows) == "gemv_s8") == takes
-    be.gemv_s8 = "auto"  # Q4: every row count whose x fits
-    assert (gemv_kernel_name(be, w, rows) == "gemv_s8") == takes
-    q8 = _linear("Q8_0", 4096, k)
-    q8.layout = "repacked"
-    assert (gemv_kernel_name(be, q8, rows) == "gemv_s8") == takes  # Q8_0 as Q4 from 2 rows, gemv_s8w at 1
-    assert gemv_kernel_name(be, q8, 1) == ("gemv_s8w" if arch >= 80 else "gemv_mma")
-    forced = _backend(arch, "mma", smem_kb=smem_kb)
-    forced.gemv_s8 = "on"
-    assert (gemv_kernel_name(forced, w, rows) == "gemv_s8") == takes
-    nb = k // 32
-    assert kernels.gemv_s8_smem_bytes(1, k) == nb * 32 + 16 + nb * 8
-    assert kernels.gemv_s8_smem_bytes(rows, k) == (rows * (nb * 32 + 16) + nb * 64 if rows > 1 else nb * 40 + 16)
-
-
-def test_gemv_s8_specs_are_built():
-    """Every gemv_s8 build a launch may ask for is compiled ahead of time (tools/build_ptx.py): S8_M1 for one row,
-    the general build with and without the one-pass 1/rms; fp16 has none."""
-    from voltserve.backends.cuda import kernels
-
-    built = [spec for op, spec in kernels.engine_specializations() if op == "gemv_s8"]
-    for fmt in ("Q4_0", "Q4_1", "Q8_0"):
-        for silu in (False, True):
-            for rows in range(1, 9):
-                for one_pass in (False, True):
-                    for per_launch in (False, True):
-                        assert kernels.gemv_s8_spec(fmt, silu, rows, one_pass, per_launch) in built
-    # one row: gemv_s8w's block per format (kernels.GEMV_S8W_WARPS), 32 warps an SM
-    assert kernels.gemv_s8_spec("Q4_1", False, 1, True) == {"WTYPE": 2, "SILU": 0, "S8_M1": 1, "S8W_WARPS": 16,
-                                                            "S8W_MIN_BLOCKS": 2}
-    assert kernels.gemv_s8_spec("Q8_0", True, 1) == {"WTYPE": kernels.WTYPES["Q8_0"], "SILU": 1, "S8_M1": 1,
-                                                     "S8W_WARPS": 8, "S8W_MIN_BLOCKS": 4}
-    for rows in (1, 8):  # x quantized per launch: the norm is quantize_s8's, no one-pass build
-        for silu in (False, True):
-            assert kernels.gemv_s8_spec("Q4_0", silu, rows, True, True) in built
-            assert kernels.gemv_s8_spec("Q4_0", silu, rows, True, True).get("GM_NORM_ONE_PASS") is None
-    with pytest.raises(ValueError, match="quant weights"):
-        kernels.gemv_s8_spec("F16", False, 1)
-    with pytest.raises(ValueError, match="1..8"):
-        kernels.gemv_s8_spec("Q8_0", False, 9)
-
-
-def test_gemv_s8_x_per_launch_rule():
-    """x is quantized once per launch (quantize_s8) under "auto" for >= 2 rows or one row wider than
-    GEMV_S8_BLOCK_MAX_X; "block" / "launch" force either."""
-    from voltserve.backends.cuda.gemv_int8 import GEMV_S8_BLOCK_MAX_X, gemv_s8_x_per_launch
-
-    auto = SimpleNamespace(gemv_s8_x="auto")
-    assert not gemv_s8_x_per_launch(auto, 1, GEMV_S8_BLOCK_MAX_X)
-    assert gemv_s8_x_per_launch(auto, 1, GEMV_S8_BLOCK_MAX_X + 256) and gemv_s8_x_per_launch(auto, 2, 256)
-    assert not gemv_s8_x_per_launch(auto, 1, 14336)  # Llama-3-8B down_proj at batch 1
-    assert not gemv_s8_x_per_launch(SimpleNamespace(gemv_s8_x="block"), 8, 14336)
-    assert gemv_s8_x_per_launch(SimpleNamespace(gemv_s8_x="launch"), 1, 256)
-    from voltserve.backends.cuda.gemv_int8 import GEMV_S8W_BLOCK_MAX_X  # gemv_s8w: x per launch above k = 4096
-    assert gemv_s8_x_per_launch(auto, 1, 14336, GEMV_S8W_BLOCK_MAX_X)
-    assert not gemv_s8_x_per_launch(auto, 1, 4096, GEMV_S8W_BLOCK_MAX_X)
-
-
 def test_gemv_pdl_rule():
     """"auto": PDL for every decode GEMV except a large one right after another large GEMV (the launch before
     it streamed > GEMV_PDL_MAX_WEIGHT_BYTES); "small": only small weights (the rule before); "on" / "off";
@@ -360,7 +229,7 @@ def test_gemv_pdl_rule():
     from voltserve.backends.cuda.kernels import GEMV_PDL_MAX_WEIGHT_BYTES
     from voltserve.backends.cuda.gemv_launch import gemv_pdl
 
-    small, big = _linear("F16", 1024, 4096), _linear("F16", 6144, 4096)
+    small, big = fake_linear("F16", 1024, 4096), fake_linear("F16", 6144, 4096)
     big_bytes = big.out_features * big.row_bytes
     assert small.out_features * small.row_bytes <= GEMV_PDL_MAX_WEIGHT_BYTES < big_bytes
 
@@ -393,7 +262,7 @@ def test_gemv_pdl_is_decided_per_launch():
     Every GEMV launch records its weight bytes for the next decision."""
     from voltserve.backends.cuda.linear import launch_linear
 
-    big = _linear("F16", 6144, 4096)
+    big = fake_linear("F16", 6144, 4096)
     launches = []
 
     def record(op, kernel, spec, grid, block, smem, params, pdl=None):
@@ -413,29 +282,9 @@ def test_gemv_pdl_is_decided_per_launch():
     assert launches == [("gemv_mma", False), ("gemv_mma", False)]
 
 
-def _recording_backend(**knobs):
-    """A CPU stand-in for CudaBackend whose `_launch` records (kernel, grid, block, smem, params, pdl) instead of
-    launching: launch_linear's Python side (routing, grids, params) runs for real."""
-    launches = []
-
-    def record(op, kernel, spec, grid, block, smem, params, pdl=None):
-        launches.append(SimpleNamespace(kernel=kernel, spec=spec, grid=grid, block=block, smem=smem, params=params,
-                                        pdl=pdl))
-        backend.last_launch_weight_bytes = 0
-
-    backend = SimpleNamespace(pdl=True, gemv_pdl="auto", gemv_kernel="auto", gemv_mma_tile=0, gemv_s8="auto",
-                              gemv_s8_m1="warp", gemv_s8_x="auto", gemv_s8_grid="persistent", gemv_tma="folded",
-                              gemv_tma_s8="off", fuse_norm="auto", num_sms=132, last_launch_weight_bytes=0,
-                              _launch=record, _occupancy=lambda *a, **k: 2,
-                              loader=SimpleNamespace(compile_arch=90, max_smem_optin=227 * 1024))
-    for name, value in knobs.items():
-        setattr(backend, name, value)
-    return backend, launches
-
-
 @pytest.mark.parametrize("case", ["f16_gemv", "f16_mma", "f16_tma", "f16_tma_pair", "s8w", "s8_m1", "s8",
                                   "s8_m1_launch", "tma_s8"])
-def test_every_gemv_launcher_runs_on_a_recording_backend(case):
+def test_every_gemv_launcher_runs_on_arecording_backend(case):
     """Each decode-GEMV launcher (gemv, gemv_mma, gemv_tma, gemv_s8w, gemv_s8 with quantize_s8, gemv_tma_s8) goes
     through launch_linear on CPU tensors: the kernel gemv_kernel_name names is launched, with the grid, block and
     params its launcher computes (x, y and weight pointers, shape, row stride)."""
@@ -443,7 +292,7 @@ def test_every_gemv_launcher_runs_on_a_recording_backend(case):
     x1, x8 = torch.zeros(1, k, dtype=torch.float16), torch.zeros(8, k, dtype=torch.float16)
     knobs, rows = {}, 1
     if case.startswith("f16"):
-        w = _linear("F16", 4096 if case != "f16_gemv" else 64, k)
+        w = fake_linear("F16", 4096 if case != "f16_gemv" else 64, k)
         if case == "f16_gemv":  # gemv under PDL prefetches its first rows into L2 within the budget
             knobs = {"gemv_prefetch_budget": 64 * 1024}
         rows = 8 if case == "f16_mma" else 1
@@ -452,7 +301,7 @@ def test_every_gemv_launcher_runs_on_a_recording_backend(case):
         if case == "f16_tma_pair":
             knobs["gemv_tma_blocks"], knobs["gemv_tma_ring"] = 2, (8, 4)
     else:
-        w = _linear({"s8w": "Q8_0", "s8_m1": "Q4_0"}.get(case, "Q4_1"), 4096, 14336 if case == "s8_m1_launch" else k)
+        w = fake_linear({"s8w": "Q8_0", "s8_m1": "Q4_0"}.get(case, "Q4_1"), 4096, 14336 if case == "s8_m1_launch" else k)
         w.layout = "repacked"
         rows = 8 if case == "s8" else 1
         if case == "s8_m1":  # gemv_s8's one-row build (S8_M1) under VOLTSERVE_GEMV_S8_M1=mma
@@ -461,7 +310,7 @@ def test_every_gemv_launcher_runs_on_a_recording_backend(case):
             knobs = {"gemv_tma_s8": "on"}
         if case == "s8_m1_launch":  # gemv_s8w with x quantized per launch (k > GEMV_S8W_BLOCK_MAX_X)
             x1 = torch.zeros(1, 14336, dtype=torch.float16)
-    backend, launches = _recording_backend(**knobs)
+    backend, launches = recording_backend(**knobs)
     x = x1 if rows == 1 else x8
     want = gemv_kernel_name(backend, w, rows)
     y = launch_linear(backend, x, w)
@@ -538,45 +387,6 @@ def test_folded_upload_on_cpu():
         CudaLinear.upload(w, None, torch.device("cpu"), norm=g[:32])
 
 
-def test_gemv_s8w_takes_one_row_calls_only():
-    """gemv_s8w (a warp per weight row) serves calls of exactly one x row on repacked rows: under auto every
-    repacked format at every width, where it measured faster; a 9-row call's second launch (1 row) keeps its first launch's kernel (gemv_s8w_ok(9) is False);
-    VOLTSERVE_GEMV_S8_M1=mma, gemv_s8 "off", a forced gemv_kernel or SM < 80 give the kernels before; gemv_s8 "on"
-    takes it wherever gemv_s8 may; a k whose x copy and GEMV_S8W_SMEM_PAD overflow the opt-in shared memory, never."""
-    from voltserve.backends.cuda import kernels
-    from voltserve.backends.cuda.gemv_int8 import gemv_s8w_ok
-
-    for fmt in ("Q4_0", "Q4_1", "Q8_0"):
-        w = _linear(fmt, 4096, 14336)
-        w.layout = "repacked"
-        be = _backend(90)
-        assert gemv_kernel_name(be, w, 1) == "gemv_s8w" and gemv_s8w_ok(be, w, 1)
-        assert not gemv_s8w_ok(be, w, 2) and not gemv_s8w_ok(be, w, 9)
-        narrow = _linear(fmt, 4096, 4096)
-        narrow.layout = "repacked"
-        assert gemv_kernel_name(be, narrow, 1) == "gemv_s8w"
-        be.gemv_s8 = "on"
-        assert gemv_kernel_name(be, narrow, 1) == "gemv_s8w"
-        be.gemv_s8_m1 = "mma"
-        assert gemv_kernel_name(be, w, 1) == "gemv_s8"
-        be.gemv_s8 = "auto"
-        assert gemv_kernel_name(be, w, 1) == "gemv_s8"
-        for attr, value in (("gemv_s8", "off"), ("gemv_kernel", "mma")):
-            other = _backend(90)
-            setattr(other, attr, value)
-            assert gemv_kernel_name(other, w, 1) == "gemv_mma"
-        forced = _backend(90, "mma")
-        forced.gemv_s8 = "on"  # "on" takes the int8 kernels even under a forced gemv_kernel
-        assert gemv_kernel_name(forced, w, 1) == "gemv_s8w"
-        assert gemv_kernel_name(_backend(75), w, 1) == "gemv_mma"
-        gguf = _linear(fmt, 4096, 14336)  # GGUF rows: never (gemv_s8w reads the repacked layout)
-        assert not gemv_s8w_ok(_backend(90), gguf, 1)
-        tight = _backend(90)  # room for gemv_s8's x copy of one row, not for gemv_s8w's padded one
-        tight.loader.max_smem_optin = kernels.gemv_s8_smem_bytes(1, 14336) + kernels.GEMV_MMA_STATIC_SMEM
-        assert kernels.gemv_s8w_smem_bytes(14336) == tight.loader.max_smem_optin - kernels.GEMV_MMA_STATIC_SMEM + 1024
-        assert not gemv_s8w_ok(tight, w, 1) and gemv_kernel_name(tight, w, 1) == "gemv_s8"
-
-
 def test_gemv_tma_routing():
     """gemv_tma takes one-row calls on fp16 weights of k % 1024 == 0 on SM90+ when VOLTSERVE_GEMV_TMA asks for it
     ("folded", the default: folded-norm weights of >= GEMV_TMA_MIN_BYTES without SwiGLU; "off"; "on": all), without
@@ -585,11 +395,11 @@ def test_gemv_tma_routing():
     from voltserve.backends.cuda import kernels
     from voltserve.backends.cuda.gemv_tma import GEMV_TMA_MIN_BYTES, gemv_tma_ok
 
-    big, small = _linear("F16", 4096, 4096), _linear("F16", 64, 4096)
+    big, small = fake_linear("F16", 4096, 4096), fake_linear("F16", 64, 4096)
     assert small.out_features * small.row_bytes < GEMV_TMA_MIN_BYTES <= big.out_features * big.row_bytes
-    folded, folded_small = _linear("F16", 4096, 4096), _linear("F16", 64, 4096)
+    folded, folded_small = fake_linear("F16", 4096, 4096), fake_linear("F16", 64, 4096)
     folded.unit_norm = folded_small.unit_norm = torch.ones(4096)
-    be = _backend(90)  # no gemv_tma attribute: the default, "folded"
+    be = fake_backend(90)  # no gemv_tma attribute: the default, "folded"
     assert gemv_kernel_name(be, folded, 1) == "gemv_tma"
     assert gemv_kernel_name(be, folded, 1, silu=True) == "gemv"
     assert gemv_kernel_name(be, folded_small, 1) == "gemv" and gemv_kernel_name(be, big, 1) == "gemv"
@@ -601,20 +411,20 @@ def test_gemv_tma_routing():
     assert gemv_kernel_name(be, big, 1, norm=True) == "gemv_mma"  # a fused norm weight: not gemv_tma's
     assert gemv_kernel_name(be, big, 2) == "gemv_mma"
     assert gemv_kernel_name(be, big, 1, vec_ok=0) == "gemv"
-    assert gemv_kernel_name(be, _linear("F16", 64, 4104), 1) == "gemv"  # k % 1024 != 0
+    assert gemv_kernel_name(be, fake_linear("F16", 64, 4104), 1) == "gemv"  # k % 1024 != 0
     padded = CudaLinear("F16", torch.zeros(64, 4104, dtype=torch.float16), 64, 4096, 8208)  # row stride != 2k
     assert not gemv_tma_ok(be, padded, 1)
-    unaligned = _linear("F16", 64, 4096)
+    unaligned = fake_linear("F16", 64, 4096)
     unaligned.data = torch.zeros(64 * 4096 + 1, dtype=torch.float16)[1:].view(64, 4096)
     assert not gemv_tma_ok(be, unaligned, 1)
-    assert not gemv_tma_ok(be, _linear("Q4_1", 4096, 4096), 1)
-    forced = _backend(90, "scalar")
+    assert not gemv_tma_ok(be, fake_linear("Q4_1", 4096, 4096), 1)
+    forced = fake_backend(90, "scalar")
     forced.gemv_tma = "on"
     assert gemv_kernel_name(forced, big, 1) == "gemv"
-    old_gpu = _backend(80)
+    old_gpu = fake_backend(80)
     old_gpu.gemv_tma = "on"
     assert gemv_kernel_name(old_gpu, big, 1) == "gemv"
-    tight = _backend(90, smem_kb=100)
+    tight = fake_backend(90, smem_kb=100)
     tight.gemv_tma = "on"
     assert not gemv_tma_ok(tight, big, 1)  # a 128 KB ring does not fit
     # lm_head-sized weights: the partials of ~1,000 rows per block still fit beside the ring
@@ -630,7 +440,7 @@ def test_gemv_tma_routing():
     with pytest.raises(ValueError, match="k % 1024"):
         kernels.gemv_tma_plan(4096, 4000, False, 132)
     # two blocks an SM (VOLTSERVE_GEMV_TMA_BLOCKS=2): the ring must fit half the opt-in smem, the build caps registers
-    pair = _backend(90)
+    pair = fake_backend(90)
     pair.gemv_tma, pair.gemv_tma_blocks = "on", 2
     assert not gemv_tma_ok(pair, big, 1)  # 128 KB ring + x: more than half of 227 KB
     pair.gemv_tma_ring = (8, 4)
@@ -640,46 +450,7 @@ def test_gemv_tma_routing():
     from voltserve.backends.cuda.gemv_tma import gemv_tma_fits
     edge = 227 * 1024 + 1024
     assert gemv_tma_fits(pair, edge // 2 - 2048) and not gemv_tma_fits(pair, edge // 2 - 2048 + 1)
-    assert not gemv_tma_fits(pair, 115200) and gemv_tma_fits(_backend(90), 115200)
-    assert gemv_tma_fits(_backend(90), 227 * 1024 - 1024) and not gemv_tma_fits(_backend(90), 227 * 1024 - 1023)
+    assert not gemv_tma_fits(pair, 115200) and gemv_tma_fits(fake_backend(90), 115200)
+    assert gemv_tma_fits(fake_backend(90), 227 * 1024 - 1024) and not gemv_tma_fits(fake_backend(90), 227 * 1024 - 1023)
     assert kernels.gemv_tma_spec(False, True, 2) == {"NORM_POST": 1, "TMA_MIN_BLOCKS": 2}
     assert kernels.gemv_tma_spec(True, False) == {"SILU": 1}
-
-
-def test_gemv_tma_s8_routing_and_plan():
-    """gemv_tma_s8 runs only under VOLTSERVE_GEMV_TMA_S8=on (the default "off": it measured slower), on one-row
-    calls without a fused norm or SwiGLU, on repacked rows of whole chunks, SM90+, where its ring fits; its ring
-    holds whole row pairs in one bulk copy per stage, and the plan sizes the smem as ring + x + partials."""
-    from voltserve.backends.cuda import kernels
-    from voltserve.backends.cuda.gemv_tma import gemv_tma_s8_ok
-
-    w = _linear("Q4_1", 4096, 4096)
-    w.layout = "repacked"
-    be = _backend(90)
-    assert not gemv_tma_s8_ok(be, w, 1) and gemv_kernel_name(be, w, 1) == "gemv_s8w"
-    be.gemv_tma_s8 = "on"
-    assert gemv_tma_s8_ok(be, w, 1) and gemv_kernel_name(be, w, 1) == "gemv_tma_s8"
-    assert gemv_kernel_name(be, w, 2) == "gemv_s8"
-    assert not gemv_tma_s8_ok(be, w, 1, norm=True) and not gemv_tma_s8_ok(be, w, 1, silu=True)
-    assert not gemv_tma_s8_ok(be, _linear("Q4_1", 4096, 4096), 1)  # GGUF rows
-    narrow = _linear("Q4_1", 64, 512)  # Q4 rows need whole 1,024-weight chunks
-    narrow.layout = "repacked"
-    assert not gemv_tma_s8_ok(be, narrow, 1)
-    old_gpu = _backend(80)
-    old_gpu.gemv_tma_s8 = "on"
-    assert not gemv_tma_s8_ok(old_gpu, w, 1)
-    tight = _backend(90, smem_kb=100)
-    tight.gemv_tma_s8 = "on"
-    assert not gemv_tma_s8_ok(tight, w, 1)  # a 160 KB ring does not fit
-    # Q4_1 k = 4096: 2,560-byte rows, 12 a stage (30 KB), 5 stages; k = 14336: one row pair (17.5 KB), 8 stages
-    assert kernels.gemv_tma_s8_ring("Q4_1", 4096) == (5, 12) and kernels.gemv_tma_s8_ring("Q4_1", 14336) == (8, 2)
-    assert kernels.gemv_tma_s8_ring("Q8_0", 14336) == (5, 2) and kernels.gemv_tma_s8_chunk("Q8_0") == 512
-    x_bytes = kernels.gemv_s8_smem_bytes(1, 4096)
-    assert kernels.gemv_tma_s8_plan("Q4_1", 4096, 4096, 132, (5, 12)) == (132, 5 * 12 * 2560 + x_bytes + 32 * 4 * 4)
-    assert kernels.gemv_tma_s8_plan("Q8_0", 5, 1024, 132, (2, 2)) == (5, 2 * 2 * 1088 + kernels.gemv_s8_smem_bytes(
-        1, 1024) + 1 * 2 * 4)
-    for ring in ((0, 2), (9, 2), (2, 3), (2, 0)):
-        with pytest.raises(ValueError, match="ring"):
-            kernels.gemv_tma_s8_plan("Q4_1", 4096, 4096, 132, ring)
-    with pytest.raises(ValueError, match="whole chunks"):
-        kernels.gemv_tma_s8_ring("Q4_1", 512)

@@ -1,0 +1,209 @@
+"""Which decode GEMV kernel a launch on quant rows runs (backends/cuda/linear.py, gemv_int8.py, gemv_tma.py): the
+load-time repack of Q4_0 / Q4_1 / Q8_0 rows and the int8 kernels on them (gemv_s8 for 1-8 x rows, gemv_s8w for one,
+gemv_tma_s8 on request), their builds and shared-memory fits. Pure Python, no GPU.
+"""
+
+from types import SimpleNamespace
+
+import pytest
+
+from tests.unit.gemv_fakes import fake_backend, fake_linear
+from voltserve.backends.cuda.linear import gemv_kernel_name
+
+
+def test_repack_policy_and_routing():
+    """Which quant weights are stored repacked (linear.repack_wanted) and that they always run gemv_s8 or gemv_mma
+    (never gemv_mma_sb, gemv_q or gemv, which read GGUF blocks), whatever `gemv_kernel` asks: gemv_s8 under
+    "auto" on SM80+, gemv_mma under the forced choices or with gemv_s8 off."""
+    from voltserve.backends.cuda.gemv_int8 import GEMV_S8_AUTO_FORMATS
+    from voltserve.backends.cuda.linear import repack_wanted
+
+    big, small = 4096 * 4096 // 2, 1 << 20
+    assert repack_wanted("auto", 90, "Q4_1", 4096, big) and repack_wanted("auto", 80, "Q8_0", 4096, big)
+    assert not repack_wanted("auto", 90, "Q4_1", 4096, small)      # launch-bound: stays GGUF
+    assert not repack_wanted("auto", 70, "Q4_1", 4096, big)        # SM70 / Turing: never (unmeasured; spills)
+    assert not repack_wanted("on", 70, "Q4_1", 4096, big) and not repack_wanted("on", 75, "Q4_1", 4096, big)
+    assert repack_wanted("on", 80, "Q4_1", 4096, small)
+    assert not repack_wanted("auto", 90, "Q4_1", 576, big)         # k % 256 != 0
+    assert not repack_wanted("auto", 90, "F16", 4096, big) and not repack_wanted("off", 90, "Q4_0", 4096, big)
+    assert not repack_wanted("auto", 90, "Q4_1", 4096, big, swiglu=True)  # the scalar gemv's SwiGLU is faster
+    assert repack_wanted("on", 90, "Q4_1", 4096, big, swiglu=True)
+    assert not repack_wanted("auto", 90, "Q8_0", 14336, big) and repack_wanted("on", 90, "Q8_0", 14336, big)
+    assert repack_wanted("auto", 86, "Q8_0", 14336, big, superblocks=False)  # no gemv_mma_sb there to prefer
+    # with gemv_s8: every Q4 weight of >= 4 MB, SwiGLU pairs too
+    assert repack_wanted("auto", 90, "Q4_1", 4096, big, swiglu=True, s8=True)
+    # Q8_0 too since session 11 (SwiGLU pairs, k = 14,336), not below 4 MB or SM80
+    assert repack_wanted("auto", 90, "Q8_0", 14336, big, swiglu=True, s8=True)
+    assert repack_wanted("auto", 80, "Q8_0", 4096, big, swiglu=True, s8=True)
+    assert not repack_wanted("auto", 90, "Q8_0", 14336, small, s8=True)
+    assert not repack_wanted("auto", 70, "Q8_0", 4096, big, s8=True)
+    assert not repack_wanted("auto", 90, "Q4_1", 4096, small, s8=True)
+    assert repack_wanted("auto", 90, "Q4_1", 16640, big, swiglu=True, s8=True)
+    for fmt in ("Q4_0", "Q4_1", "Q8_0"):
+        w = fake_linear(fmt, 4096, 4096)
+        w.layout = "repacked"
+        for arch in (80, 90):
+            for choice in ("auto", "scalar", "mma"):
+                for rows in (1, 3, 8):
+                    s8 = choice == "auto" and fmt in GEMV_S8_AUTO_FORMATS
+                    want = "gemv_s8" if s8 else "gemv_mma"
+                    if choice == "auto" and rows == 1:
+                        want = "gemv_s8w"  # every repacked format at one row (gemv_s8w_ok)
+                    assert gemv_kernel_name(fake_backend(arch, choice), w, rows, silu=rows == 1) == want
+                    off = fake_backend(arch, choice)
+                    off.gemv_s8 = "off"
+                    assert gemv_kernel_name(off, w, rows) == "gemv_mma"
+        with pytest.raises(ValueError, match="16-byte aligned"):
+            gemv_kernel_name(fake_backend(90), w, 1, vec_ok=0)
+
+
+@pytest.mark.parametrize("arch,smem_kb,rows,k,takes", [
+    (90, 227, 8, 14336, True),    # Llama-3-8B down_proj at 8 rows: 143 KB + the static 9 KB
+    (86, 99, 8, 14336, False),    # SM86 / 89: 99 KB opt-in -> gemv_mma
+    (86, 99, 4, 14336, True),     # 71 KB
+    (86, 99, 8, 4096, True),
+    (75, 64, 1, 4096, False),     # no int8 mma.m16n8k32 below SM80
+])
+def test_gemv_s8_fits(arch, smem_kb, rows, k, takes):
+    """gemv_s8 keeps x quantized in shared memory (kernels.gemv_s8_smem_bytes): launches whose copy does not fit
+    the device's opt-in limit run gemv_mma; "on" forces it under any gemv_kernel but never past the limit."""
+    from voltserve.backends.cuda import kernels
+
+    w = fake_linear("Q4_1", 4096, k)
+    w.layout = "repacked"
+    be = fake_backend(arch, smem_kb=smem_kb)
+    be.gemv_s8 = "on"
+    assert (gemv_kernel_name(be, w, rows) == "gemv_s8") == takes
+    be.gemv_s8 = "auto"  # Q4: every row count whose x fits
+    assert (gemv_kernel_name(be, w, rows) == "gemv_s8") == takes
+    q8 = fake_linear("Q8_0", 4096, k)
+    q8.layout = "repacked"
+    assert (gemv_kernel_name(be, q8, rows) == "gemv_s8") == takes  # Q8_0 as Q4 from 2 rows, gemv_s8w at 1
+    assert gemv_kernel_name(be, q8, 1) == ("gemv_s8w" if arch >= 80 else "gemv_mma")
+    forced = fake_backend(arch, "mma", smem_kb=smem_kb)
+    forced.gemv_s8 = "on"
+    assert (gemv_kernel_name(forced, w, rows) == "gemv_s8") == takes
+    nb = k // 32
+    assert kernels.gemv_s8_smem_bytes(1, k) == nb * 32 + 16 + nb * 8
+    assert kernels.gemv_s8_smem_bytes(rows, k) == (rows * (nb * 32 + 16) + nb * 64 if rows > 1 else nb * 40 + 16)
+
+
+def test_gemv_s8_specs_are_built():
+    """Every gemv_s8 build a launch may ask for is compiled ahead of time (tools/build_ptx.py): S8_M1 for one row,
+    the general build with and without the one-pass 1/rms; fp16 has none."""
+    from voltserve.backends.cuda import kernels
+
+    built = [spec for op, spec in kernels.engine_specializations() if op == "gemv_s8"]
+    for fmt in ("Q4_0", "Q4_1", "Q8_0"):
+        for silu in (False, True):
+            for rows in range(1, 9):
+                for one_pass in (False, True):
+                    for per_launch in (False, True):
+                        assert kernels.gemv_s8_spec(fmt, silu, rows, one_pass, per_launch) in built
+    # one row: gemv_s8w's block per format (kernels.GEMV_S8W_WARPS), 32 warps an SM
+    assert kernels.gemv_s8_spec("Q4_1", False, 1, True) == {"WTYPE": 2, "SILU": 0, "S8_M1": 1, "S8W_WARPS": 16,
+                                                            "S8W_MIN_BLOCKS": 2}
+    assert kernels.gemv_s8_spec("Q8_0", True, 1) == {"WTYPE": kernels.WTYPES["Q8_0"], "SILU": 1, "S8_M1": 1,
+                                                     "S8W_WARPS": 8, "S8W_MIN_BLOCKS": 4}
+    for rows in (1, 8):  # x quantized per launch: the norm is quantize_s8's, no one-pass build
+        for silu in (False, True):
+            assert kernels.gemv_s8_spec("Q4_0", silu, rows, True, True) in built
+            assert kernels.gemv_s8_spec("Q4_0", silu, rows, True, True).get("GM_NORM_ONE_PASS") is None
+    with pytest.raises(ValueError, match="quant weights"):
+        kernels.gemv_s8_spec("F16", False, 1)
+    with pytest.raises(ValueError, match="1..8"):
+        kernels.gemv_s8_spec("Q8_0", False, 9)
+
+
+def test_gemv_s8_x_per_launch_rule():
+    """x is quantized once per launch (quantize_s8) under "auto" for >= 2 rows or one row wider than
+    GEMV_S8_BLOCK_MAX_X; "block" / "launch" force either."""
+    from voltserve.backends.cuda.gemv_int8 import GEMV_S8_BLOCK_MAX_X, gemv_s8_x_per_launch
+
+    auto = SimpleNamespace(gemv_s8_x="auto")
+    assert not gemv_s8_x_per_launch(auto, 1, GEMV_S8_BLOCK_MAX_X)
+    assert gemv_s8_x_per_launch(auto, 1, GEMV_S8_BLOCK_MAX_X + 256) and gemv_s8_x_per_launch(auto, 2, 256)
+    assert not gemv_s8_x_per_launch(auto, 1, 14336)  # Llama-3-8B down_proj at batch 1
+    assert not gemv_s8_x_per_launch(SimpleNamespace(gemv_s8_x="block"), 8, 14336)
+    assert gemv_s8_x_per_launch(SimpleNamespace(gemv_s8_x="launch"), 1, 256)
+    from voltserve.backends.cuda.gemv_int8 import GEMV_S8W_BLOCK_MAX_X  # gemv_s8w: x per launch above k = 4096
+    assert gemv_s8_x_per_launch(auto, 1, 14336, GEMV_S8W_BLOCK_MAX_X)
+    assert not gemv_s8_x_per_launch(auto, 1, 4096, GEMV_S8W_BLOCK_MAX_X)
+
+
+def test_gemv_s8w_takes_one_row_calls_only():
+    """gemv_s8w (a warp per weight row) serves calls of exactly one x row on repacked rows: under auto every
+    repacked format at every width, where it measured faster; a 9-row call's second launch (1 row) keeps its first launch's kernel (gemv_s8w_ok(9) is False);
+    VOLTSERVE_GEMV_S8_M1=mma, gemv_s8 "off", a forced gemv_kernel or SM < 80 give the kernels before; gemv_s8 "on"
+    takes it wherever gemv_s8 may; a k whose x copy and GEMV_S8W_SMEM_PAD overflow the opt-in shared memory, never."""
+    from voltserve.backends.cuda import kernels
+    from voltserve.backends.cuda.gemv_int8 import gemv_s8w_ok
+
+    for fmt in ("Q4_0", "Q4_1", "Q8_0"):
+        w = fake_linear(fmt, 4096, 14336)
+        w.layout = "repacked"
+        be = fake_backend(90)
+        assert gemv_kernel_name(be, w, 1) == "gemv_s8w" and gemv_s8w_ok(be, w, 1)
+        assert not gemv_s8w_ok(be, w, 2) and not gemv_s8w_ok(be, w, 9)
+        narrow = fake_linear(fmt, 4096, 4096)
+        narrow.layout = "repacked"
+        assert gemv_kernel_name(be, narrow, 1) == "gemv_s8w"
+        be.gemv_s8 = "on"
+        assert gemv_kernel_name(be, narrow, 1) == "gemv_s8w"
+        be.gemv_s8_m1 = "mma"
+        assert gemv_kernel_name(be, w, 1) == "gemv_s8"
+        be.gemv_s8 = "auto"
+        assert gemv_kernel_name(be, w, 1) == "gemv_s8"
+        for attr, value in (("gemv_s8", "off"), ("gemv_kernel", "mma")):
+            other = fake_backend(90)
+            setattr(other, attr, value)
+            assert gemv_kernel_name(other, w, 1) == "gemv_mma"
+        forced = fake_backend(90, "mma")
+        forced.gemv_s8 = "on"  # "on" takes the int8 kernels even under a forced gemv_kernel
+        assert gemv_kernel_name(forced, w, 1) == "gemv_s8w"
+        assert gemv_kernel_name(fake_backend(75), w, 1) == "gemv_mma"
+        gguf = fake_linear(fmt, 4096, 14336)  # GGUF rows: never (gemv_s8w reads the repacked layout)
+        assert not gemv_s8w_ok(fake_backend(90), gguf, 1)
+        tight = fake_backend(90)  # room for gemv_s8's x copy of one row, not for gemv_s8w's padded one
+        tight.loader.max_smem_optin = kernels.gemv_s8_smem_bytes(1, 14336) + kernels.GEMV_MMA_STATIC_SMEM
+        assert kernels.gemv_s8w_smem_bytes(14336) == tight.loader.max_smem_optin - kernels.GEMV_MMA_STATIC_SMEM + 1024
+        assert not gemv_s8w_ok(tight, w, 1) and gemv_kernel_name(tight, w, 1) == "gemv_s8"
+
+
+def test_gemv_tma_s8_routing_and_plan():
+    """gemv_tma_s8 runs only under VOLTSERVE_GEMV_TMA_S8=on (the default "off": it measured slower), on one-row
+    calls without a fused norm or SwiGLU, on repacked rows of whole chunks, SM90+, where its ring fits; its ring
+    holds whole row pairs in one bulk copy per stage, and the plan sizes the smem as ring + x + partials."""
+    from voltserve.backends.cuda import kernels
+    from voltserve.backends.cuda.gemv_tma import gemv_tma_s8_ok
+
+    w = fake_linear("Q4_1", 4096, 4096)
+    w.layout = "repacked"
+    be = fake_backend(90)
+    assert not gemv_tma_s8_ok(be, w, 1) and gemv_kernel_name(be, w, 1) == "gemv_s8w"
+    be.gemv_tma_s8 = "on"
+    assert gemv_tma_s8_ok(be, w, 1) and gemv_kernel_name(be, w, 1) == "gemv_tma_s8"
+    assert gemv_kernel_name(be, w, 2) == "gemv_s8"
+    assert not gemv_tma_s8_ok(be, w, 1, norm=True) and not gemv_tma_s8_ok(be, w, 1, silu=True)
+    assert not gemv_tma_s8_ok(be, fake_linear("Q4_1", 4096, 4096), 1)  # GGUF rows
+    narrow = fake_linear("Q4_1", 64, 512)  # Q4 rows need whole 1,024-weight chunks
+    narrow.layout = "repacked"
+    assert not gemv_tma_s8_ok(be, narrow, 1)
+    old_gpu = fake_backend(80)
+    old_gpu.gemv_tma_s8 = "on"
+    assert not gemv_tma_s8_ok(old_gpu, w, 1)
+    tight = fake_backend(90, smem_kb=100)
+    tight.gemv_tma_s8 = "on"
+    assert not gemv_tma_s8_ok(tight, w, 1)  # a 160 KB ring does not fit
+    # Q4_1 k = 4096: 2,560-byte rows, 12 a stage (30 KB), 5 stages; k = 14336: one row pair (17.5 KB), 8 stages
+    assert kernels.gemv_tma_s8_ring("Q4_1", 4096) == (5, 12) and kernels.gemv_tma_s8_ring("Q4_1", 14336) == (8, 2)
+    assert kernels.gemv_tma_s8_ring("Q8_0", 14336) == (5, 2) and kernels.gemv_tma_s8_chunk("Q8_0") == 512
+    x_bytes = kernels.gemv_s8_smem_bytes(1, 4096)
+    assert kernels.gemv_tma_s8_plan("Q4_1", 4096, 4096, 132, (5, 12)) == (132, 5 * 12 * 2560 + x_bytes + 32 * 4 * 4)
+    assert kernels.gemv_tma_s8_plan("Q8_0", 5, 1024, 132, (2, 2)) == (5, 2 * 2 * 1088 + kernels.gemv_s8_smem_bytes(
+        1, 1024) + 1 * 2 * 4)
+    for ring in ((0, 2), (9, 2), (2, 3), (2, 0)):
+        with pytest.raises(ValueError, match="ring"):
+            kernels.gemv_tma_s8_plan("Q4_1", 4096, 4096, 132, ring)
+    with pytest.raises(ValueError, match="whole chunks"):
+        kernels.gemv_tma_s8_ring("Q4_1", 512)

@@ -216,9 +216,11 @@ extern "C" __global__ void __launch_bounds__(32 * GM_WARPS, GM_MIN_BLOCKS) gemv_
 // each piece); Q4 sums a block's 4 slots over the quad first and scales the block once (s8w_piece_quad). The
 // lanes' sums meet in one warp_sum per row: the same integer products as gemv_s8, scaled and added in another
 // fp32 order (tests compare both with kutils.s8_reference). A warp's items advance by counters, and its lanes
-// never branch apart: a lane past its row's last piece (k / 32 not a multiple of 32 for Q4) computes on stale
-// registers and the smem tail (GEMV_S8W_SMEM_PAD) and its product is dropped by a select (session 17: -25%
-// instructions per item, kernel rows 4-7% faster).
+// never branch apart: a lane past its row's last piece (k / 32 not a multiple of 32 for Q4, of 16 for Q8_0)
+// computes on stale registers and the smem tail (GEMV_S8W_SMEM_PAD) and its product is dropped by a select
+// (session 17: -25% instructions per item, kernel rows 4-7% faster). Blocks of S8W_WARPS (16 for Q4): with a
+// fused norm, x's squares are summed in the block's order, so 1 / rms can differ in its last bit from
+// quantize_s8's (256 threads) where the block is larger.
 // dp4a is SM61+, so the x-per-block body also compiles for compute_70 (the launcher takes it on SM80+ only, as
 // gemv_s8; the S8_XG build needs cp.async and traps below SM80).
 #ifndef S8W_WARPS

@@ -21,8 +21,8 @@ FORMATS = ["Q4_0", "Q4_1", "Q8_0"]
 
 
 def _s8w_settings(backend, **extra):
-    """Quant weights stored repacked and every one-row call routed to gemv_s8w (gemv_s8 "on": the engine's "auto"
-    takes it for Q8_0 and wide Q4 rows only, gemv_int8.gemv_s8w_ok); SM80+ only (skips below)."""
+    """Quant weights stored repacked and every one-row call routed to gemv_s8w (gemv_s8 "on"; the engine's "auto"
+    takes it as well, gemv_int8.gemv_s8w_ok); SM80+ only (skips below)."""
     if backend.loader.arch < 80:
         pytest.skip("repacked rows and the int8 decode kernels are SM80+ (gemv_int8.gemv_s8_enabled)")
     return backend_settings(backend, gemv_kernel="auto", quant_repack="on", gemv_s8="on", gemv_s8_m1="warp", **extra)
@@ -96,8 +96,11 @@ def test_fused_norm_swiglu_residual(s8w_backend, cpu_backend, fmt):
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_x_per_launch_equals_per_block(cuda_backend, fmt):
-    """x quantized once by quantize_s8 or by every block: the same int8 x, so the same outputs bit for bit, with
-    the fused RMSNorm and SwiGLU too."""
+    """x quantized once by quantize_s8 or by every block, with the fused RMSNorm and SwiGLU: bit for bit where the
+    block has quantize_s8's 256 threads (Q8_0), whose partial sums of x's squares add in the same order; Q4's
+    16-warp blocks add them in another fp32 order, so 1 / rms and then the fp16 normalized x may differ in its
+    last bit (within the emulation bound)."""
+    from voltserve.backends.cuda import kernels
     from voltserve.backends.cuda.linear import launch_linear
 
     with _s8w_settings(cuda_backend):
@@ -113,7 +116,10 @@ def test_x_per_launch_equals_per_block(cuda_backend, fmt):
             want = ["gemv_s8w"] if mode == "block" else ["quantize_s8", "gemv_s8w"]
             assert names == 2 * want, (mode, names)
     for a, b in zip(got["block"], got["launch"]):
-        assert torch.equal(a, b)
+        if kernels.GEMV_S8W_WARPS[fmt] == 8:
+            assert torch.equal(a, b)
+        else:
+            assert rel_err(a, b) <= EMU_TOL
 
 
 def test_nan_and_zero_blocks(s8w_backend):

@@ -133,9 +133,10 @@ def test_gemv_s8_x_per_launch_rule():
 
 def test_gemv_s8w_takes_one_row_calls_only():
     """gemv_s8w (a warp per weight row) serves calls of exactly one x row on repacked rows: under auto every
-    repacked format at every width, where it measured faster; a 9-row call's second launch (1 row) keeps its first launch's kernel (gemv_s8w_ok(9) is False);
-    VOLTSERVE_GEMV_S8_M1=mma, gemv_s8 "off", a forced gemv_kernel or SM < 80 give the kernels before; gemv_s8 "on"
-    takes it wherever gemv_s8 may; a k whose x copy and GEMV_S8W_SMEM_PAD overflow the opt-in shared memory, never."""
+    repacked format at every width, where it measured faster; a 9-row call's second launch (1 row) keeps its first
+    launch's kernel (gemv_s8w_ok(9) is False); VOLTSERVE_GEMV_S8_M1=mma, gemv_s8 "off", a forced gemv_kernel or
+    SM < 80 give the kernels before; gemv_s8 "on" takes it wherever gemv_s8 may; a k whose x copy and
+    GEMV_S8W_SMEM_PAD overflow the opt-in shared memory, never."""
     from voltserve.backends.cuda import kernels
     from voltserve.backends.cuda.gemv_int8 import gemv_s8w_ok
 

@@ -301,7 +301,8 @@ def test_every_gemv_launcher_runs_on_arecording_backend(case):
         if case == "f16_tma_pair":
             knobs["gemv_tma_blocks"], knobs["gemv_tma_ring"] = 2, (8, 4)
     else:
-        w = fake_linear({"s8w": "Q8_0", "s8_m1": "Q4_0"}.get(case, "Q4_1"), 4096, 14336 if case == "s8_m1_launch" else k)
+        fmt = {"s8w": "Q8_0", "s8_m1": "Q4_0"}.get(case, "Q4_1")
+        w = fake_linear(fmt, 4096, 14336 if case == "s8_m1_launch" else k)
         w.layout = "repacked"
         rows = 8 if case == "s8" else 1
         if case == "s8_m1":  # gemv_s8's one-row build (S8_M1) under VOLTSERVE_GEMV_S8_M1=mma

@@ -261,8 +261,9 @@ GEMV_S8W_SMEM_PAD = 1024
 def gemv_s8_spec(fmt: str, silu: bool, rows: int, norm_one_pass: bool = False,
                  x_per_launch: bool = False) -> dict[str, int]:
     """The -D set of gemv_s8.cu (repacked quant rows, int8 MMAs) for a launch of `rows` x rows: S8_M1 for one
-    row, else GM_NORM_ONE_PASS with `norm_one_pass` (as gemv_mma_spec); `x_per_launch`: S8_XG, x quantized once
-    by quantize_s8 (which then applies the norm: no one-pass build).
+    row (with gemv_s8w's block, S8W_WARPS and S8W_MIN_BLOCKS, from GEMV_S8W_WARPS), else GM_NORM_ONE_PASS with
+    `norm_one_pass` (as gemv_mma_spec); `x_per_launch`: S8_XG, x quantized once by quantize_s8 (which then applies
+    the norm: no one-pass build).
 
     Raises:
         ValueError: fp16 weights (no int8 path) or `rows` outside 1..GEMV_MAX_ROWS.

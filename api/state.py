@@ -103,6 +103,8 @@ class ServerState:
         open_ = self.open_streams()
         if open_:
             logger.info("shutting down: %d request(s) in flight get up to %g s to finish", len(open_), timeout_s)
+        else:
+            logger.info("shutting down: no requests in flight")
         while open_ and loop.time() < deadline and not (hurry is not None and hurry.is_set()):
             await asyncio.sleep(min(DRAIN_POLL_S, max(0.0, deadline - loop.time())))
             open_ = self.open_streams()

@@ -68,7 +68,7 @@ def gemv_s8w_ok(backend: Any, w: CudaLinear, rows: int) -> bool:
     could run."""
     if rows != 1 or getattr(backend, "gemv_s8_m1", "warp") != "warp" or w.layout != "repacked":
         return False
-    fits = kernels.gemv_s8w_smem_bytes(w.in_features) + kernels.GEMV_MMA_STATIC_SMEM <= backend.loader.max_smem_optin
+    fits = _smem_fits(backend, kernels.gemv_s8w_smem_bytes(w.in_features))
     if getattr(backend, "gemv_s8", "auto") != "auto":
         return fits and gemv_s8_ok(backend, w, 1)
     return fits and gemv_s8_enabled(backend)
@@ -77,8 +77,12 @@ def gemv_s8w_ok(backend: Any, w: CudaLinear, rows: int) -> bool:
 def gemv_s8_fits(backend: Any, rows: int, k: int) -> bool:
     """Whether x's int8 copy for `rows` x rows of width k fits the blocks' opt-in shared memory (Llama-3-8B's
     down_proj at 8 rows: 143 KB; SM86/89 allow 99 KB, A100 163 KB)."""
-    smem = kernels.gemv_s8_smem_bytes(rows, k) + kernels.GEMV_MMA_STATIC_SMEM
-    return smem <= backend.loader.max_smem_optin
+    return _smem_fits(backend, kernels.gemv_s8_smem_bytes(rows, k))
+
+
+def _smem_fits(backend: Any, dynamic_smem: int) -> bool:
+    """Whether `dynamic_smem` bytes and gemv_s8's static shared memory fit a block's opt-in limit."""
+    return dynamic_smem + kernels.GEMV_MMA_STATIC_SMEM <= backend.loader.max_smem_optin
 
 
 def gemv_s8_x_per_launch(backend: Any, rows: int, k: int, block_max_x: int = GEMV_S8_BLOCK_MAX_X) -> bool:

@@ -251,7 +251,8 @@ def gemv_tma_s8_plan(fmt: str, n: int, k: int, num_sms: int, ring: tuple[int, in
 GEMV_S8_MIN_ARCH = 80  # gemv_s8: mma.m16n8k32 on int8
 # gemv_s8w's warps per block (gemv_s8.cu S8W_WARPS; 32 warps an SM either way, 64 registers): Q4 rows in blocks
 # of 16 quantize x in half as many blocks (session 17, H200: 8B Q4_1 step 2.110 / 2.129 -> 2.061 / 2.062 ms,
-# 4096x4096 rows 5.9-6.1 -> 5.1 us); Q8_0 measured 1-2% slower so (its step 2.650 / 2.698 -> 2.708 / 2.708 ms)
+# 4096x4096 rows 5.9-6.1 -> 5.1 us); Q8_0 in 16-warp blocks measured 1-2% slower (step 2.650 / 2.698 -> 2.708 /
+# 2.708 ms)
 GEMV_S8W_WARPS = {"Q4_0": 16, "Q4_1": 16, "Q8_0": 8}
 # gemv_s8w's shared memory past x's int8 copy: a lane past its row's last piece (k / 32 not a multiple of 32 for
 # Q4, of 16 for Q8_0) reads x at its piece's constant offset there and drops the product (<= 1,000 bytes past)

@@ -227,8 +227,8 @@ extern "C" __global__ void __launch_bounds__(32 * GM_WARPS, GM_MIN_BLOCKS) gemv_
 #define S8W_WARPS 8       // kernels.GEMV_S8W_WARPS (per format; the launcher passes it)
 #endif
 #ifndef S8W_MIN_BLOCKS
-#define S8W_MIN_BLOCKS 4  // 32 / S8W_WARPS: 64 registers, 32 warps per SM (H200: as fast as 2 blocks of 99-116
-                          // registers on Q4 rows, 5-20% faster on Q8_0; docs/performance.md session 7)
+#define S8W_MIN_BLOCKS (32 / S8W_WARPS)  // 64 registers, 32 warps per SM (H200: as fast as 2 blocks of 99-116
+                                         // registers on Q4 rows, 5-20% faster on Q8_0; performance.md session 7)
 #endif
 #ifndef S8W_UNROLL
 #define S8W_UNROLL 4      // 512-byte steps of one row per work item (<= 4: Q8_0's one scale load per lane covers

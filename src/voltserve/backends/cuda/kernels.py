@@ -262,7 +262,7 @@ GEMV_S8W_SMEM_PAD = 1024
 def gemv_s8_spec(fmt: str, silu: bool, rows: int, norm_one_pass: bool = False,
                  x_per_launch: bool = False) -> dict[str, int]:
     """The -D set of gemv_s8.cu (repacked quant rows, int8 MMAs) for a launch of `rows` x rows: S8_M1 for one
-    row (with gemv_s8w's block, S8W_WARPS and S8W_MIN_BLOCKS, from GEMV_S8W_WARPS), else GM_NORM_ONE_PASS with
+    row (with gemv_s8w's block, S8W_WARPS, from GEMV_S8W_WARPS), else GM_NORM_ONE_PASS with
     `norm_one_pass` (as gemv_mma_spec); `x_per_launch`: S8_XG, x quantized once by quantize_s8 (which then applies
     the norm: no one-pass build).
 
@@ -277,7 +277,6 @@ def gemv_s8_spec(fmt: str, silu: bool, rows: int, norm_one_pass: bool = False,
     if rows == 1:
         spec["S8_M1"] = 1
         spec["S8W_WARPS"] = GEMV_S8W_WARPS[fmt]  # gemv_s8w's block (the S8_M1 build of gemv_s8 ignores it)
-        spec["S8W_MIN_BLOCKS"] = 32 // GEMV_S8W_WARPS[fmt]
     if x_per_launch:
         spec["S8_XG"] = 1
     elif norm_one_pass and rows > 1:

@@ -148,10 +148,13 @@ VOLT_DEVICE void s8_tile_rows(const u8* (&rows)[GM_ROWS], const GemvParams& p, i
     for (int rs = 0; rs < GM_ROWS; ++rs) rows[rs] = p.w + (i64)gm_row(p, base, gm_block_row(rs, lane)) * p.w_row_bytes;
 }
 
-// Grid: one block per 32-row tile (SILU: 16 gate + 16 up rows), or fewer blocks that loop over the tiles
-// (backend.gemv_s8_grid "persistent": x is then quantized, or copied, once per block instead of once per tile).
+// Grid: one block per tile of GM_TILE_ROWS rows (SILU: half gate, half up rows), or fewer blocks that loop over
+// the tiles (backend.gemv_s8_grid "persistent": x is then quantized, or copied, once per block instead of once
+// per tile). 32-row tiles hold 4 rows a lane (127 registers, 2 blocks an SM); 16-row tiles 2 (78 registers, 3
+// blocks: gemv_int8.gemv_s8_tile_rows takes them where 3 blocks' x fits in shared memory). Each row's k split
+// over the warps and the warps' reduction order are the same in both, so they give the same y bit for bit.
 extern "C" __global__ void __launch_bounds__(32 * GM_WARPS, GM_MIN_BLOCKS) gemv_s8(const GemvParams p) {
-#if GM_M16N8K16 && WREPACK && WTYPE != WTYPE_F16 && GM_TILE_ROWS == 32
+#if GM_M16N8K16 && WREPACK && WTYPE != WTYPE_F16
     extern __shared__ uint4 s8_smem[];  // xq [m][s8_pitch], then xs [nb][S8_COLS] float2
     __shared__ float red[GM_WARPS][GM_TILE_ROWS][8];
 #if !S8_XG
@@ -197,7 +200,7 @@ extern "C" __global__ void __launch_bounds__(32 * GM_WARPS, GM_MIN_BLOCKS) gemv_
         __syncthreads();  // red is written again by the next tile
     }
 #else
-    pdl_enter();  // SM < 80, fp16 or 16-row tiles: never launched (gemv_int8.gemv_s8_ok)
+    pdl_enter();  // SM < 80 or fp16: never launched (gemv_int8.gemv_s8_ok)
     __trap();     // a launch here would leave y unwritten: fail loudly instead
 #endif
 }

@@ -31,7 +31,8 @@ def s8_backend(request, cuda_backend):
     if cuda_backend.loader.arch < 80:
         pytest.skip("gemv_s8 is SM80+ (int8 mma.m16n8k32)")
     with backend_settings(cuda_backend, gemv_kernel="auto", quant_repack="on", gemv_s8="on",
-                          gemv_s8_grid="persistent", gemv_s8_x=request.param, gemv_s8_m1="mma"):
+                          gemv_s8_grid="persistent", gemv_s8_x=request.param, gemv_s8_m1="mma",
+                          gemv_s8_tiles="auto"):
         yield cuda_backend
 
 
@@ -149,6 +150,31 @@ def test_persistent_grid_equals_full(s8_backend, fmt):
         assert torch.equal(a, b)
     ref = s8_reference(x.cpu(), quant)
     assert rel_err(got["persistent"][1].double().cpu() - res.double().cpu(), ref) <= EMU_TOL
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_16_row_tiles_equal_32(s8_backend, fmt):
+    """gemv_s8's 16-row tile build (gemv_int8.gemv_s8_tile_rows: 3 blocks an SM where x fits) gives the 32-row
+    build's y bit for bit (each row's k split over the warps and the reduction order are the same): 2-8 rows,
+    partial tiles (45 rows), a persistent grid looping over tiles (20,000 rows), the fused RMSNorm, SwiGLU and
+    residual; and both stay within EMU_TOL of the emulation."""
+    from voltserve.backends.cuda.linear import launch_linear
+
+    for n, k in ((45, 768), (20000, 512), (1024, 4096)):
+        quant, _, lin = repacked_weight(s8_backend, fmt, n, k, n + 51)
+        gen = torch.Generator().manual_seed(n + 52)
+        x = torch.randn(8, k, generator=gen).half()
+        res = torch.randn(8, n, generator=gen).half().cuda()
+        nd = s8_backend.prepare_norm(torch.rand(k, generator=gen) + 0.5)
+        got = {}
+        for tiles in ("16", "32"):
+            s8_backend.gemv_s8_tiles = tiles
+            got[tiles] = [s8_backend.linear(x[:m].cuda(), lin, residual=res[:m]) for m in (2, 5, 8)]
+            got[tiles].append(launch_linear(s8_backend, x[:3].cuda(), lin, norm_weight=nd, eps=1e-5,
+                                            silu=n % 2 == 0))
+        for a, b in zip(got["16"], got["32"]):
+            assert torch.equal(a, b), (n, k)
+        assert rel_err(got["16"][2].double().cpu() - res.double().cpu(), s8_reference(x, quant)) <= EMU_TOL
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

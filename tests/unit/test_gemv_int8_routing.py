@@ -6,8 +6,9 @@ gemv_tma_s8 on request), their builds and shared-memory fits. Pure Python, no GP
 from types import SimpleNamespace
 
 import pytest
+import torch
 
-from tests.unit.gemv_fakes import fake_backend, fake_linear
+from tests.unit.gemv_fakes import fake_backend, fake_linear, recording_backend
 from voltserve.backends.cuda.linear import gemv_kernel_name
 
 
@@ -100,6 +101,8 @@ def test_gemv_s8_specs_are_built():
                 for one_pass in (False, True):
                     for per_launch in (False, True):
                         assert kernels.gemv_s8_spec(fmt, silu, rows, one_pass, per_launch) in built
+                        if rows > 1:  # gemv_int8.gemv_s8_tile_rows: 16-row tiles from 2 rows
+                            assert kernels.gemv_s8_spec(fmt, silu, rows, one_pass, per_launch, 16) in built
     # one row: gemv_s8w's block per format (kernels.GEMV_S8W_WARPS), 32 warps an SM
     assert kernels.gemv_s8_spec("Q4_1", False, 1, True) == {"WTYPE": 2, "SILU": 0, "S8_M1": 1, "S8W_WARPS": 16}
     assert kernels.gemv_s8_spec("Q8_0", True, 1) == {"WTYPE": kernels.WTYPES["Q8_0"], "SILU": 1, "S8_M1": 1,
@@ -112,6 +115,44 @@ def test_gemv_s8_specs_are_built():
         kernels.gemv_s8_spec("F16", False, 1)
     with pytest.raises(ValueError, match="1..8"):
         kernels.gemv_s8_spec("Q8_0", False, 9)
+
+
+def test_gemv_s8_tile_rows_rule_and_launch():
+    """gemv_s8 takes its 16-row tile build (kernels.GEMV_S8_NARROW_TILE, 3 blocks an SM) from 2 x rows where 3
+    blocks' x copies fit an SM's shared memory (H200, 227 KB: k = 4,096 at every m, 14,336 at m = 2 only, not
+    for Q8_0; A100, 163 KB: k = 4,096; SM86, 99 KB: k = 4,096 at m <= 3), 32-row tiles elsewhere and at one
+    row (S8_M1); "32" / "16" force either. The launch's spec, tiles and grid follow (SwiGLU: half a tile's rows
+    are outputs)."""
+    from voltserve.backends.cuda import kernels
+    from voltserve.backends.cuda.gemv_int8 import gemv_s8_tile_rows
+    from voltserve.backends.cuda.linear import launch_linear
+
+    h200, a100, sm86 = fake_backend(90), fake_backend(80, smem_kb=163), fake_backend(86, smem_kb=99)
+    for fmt in ("Q4_0", "Q4_1", "Q8_0"):
+        assert [gemv_s8_tile_rows(h200, fmt, m, 4096) for m in (1, 2, 5, 8)] == [32, 16, 16, 16]
+        wide = 32 if fmt == "Q8_0" else 16  # GEMV_S8_NARROW_MAX_K: Q8_0 measured slower there
+        assert [gemv_s8_tile_rows(h200, fmt, m, 14336) for m in (1, 2, 3, 8)] == [32, wide, 32, 32]
+        assert [gemv_s8_tile_rows(a100, fmt, m, k) for m, k in ((8, 4096), (2, 14336))] == [16, 32]
+        assert [gemv_s8_tile_rows(sm86, fmt, m, 4096) for m in (2, 3, 4, 8)] == [16, 16, 32, 32]
+    for choice in ("32", "16"):
+        h200.gemv_s8_tiles = choice
+        assert gemv_s8_tile_rows(h200, "Q8_0", 8, 14336) == int(choice) == gemv_s8_tile_rows(h200, "Q4_1", 2, 4096)
+    assert kernels.gemv_s8_spec("Q4_1", False, 8, False, True, 16) == {
+        "WTYPE": 2, "SILU": 0, "S8_XG": 1, "GM_TILE_ROWS": 16, "GM_MIN_BLOCKS": 3}
+    with pytest.raises(ValueError, match="tile_rows"):
+        kernels.gemv_s8_spec("Q4_1", False, 8, tile_rows=8)
+
+    w = fake_linear("Q4_1", 4096, 4096)
+    w.layout = "repacked"
+    x = torch.zeros(8, 4096, dtype=torch.float16)
+    for tiles, silu, want_tile, want_grid in (("auto", False, 16, 256), ("auto", True, 16, 256),
+                                              ("32", False, 32, 128), ("32", True, 32, 128)):
+        backend, launches = recording_backend(gemv_s8_tiles=tiles)  # _occupancy: 2 blocks an SM, 132 SMs
+        y = launch_linear(backend, x, w, silu=silu)
+        assert [launch.kernel for launch in launches] == ["quantize_s8", "gemv_s8"] and y.shape == (8, 4096 >> silu)
+        s8 = launches[-1]
+        assert s8.spec.get("GM_TILE_ROWS", 32) == want_tile and s8.grid[0] == want_grid
+        assert s8.block[0] == 32 * kernels.GEMV_MMA_WARPS and s8.smem == kernels.gemv_s8_smem_bytes(8, 4096)
 
 
 def test_gemv_s8_x_per_launch_rule():

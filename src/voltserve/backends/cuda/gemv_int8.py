@@ -38,6 +38,8 @@ GEMV_S8W_BLOCK_MAX_X = 4096
 # one-row gemv_s8 launches of k <= this quantize x in every block (an extra launch measured 1.7% slower per 8B
 # step at batch 1: 2.755 vs 2.709 ms); wider ones (not measured) and all launches of >= 2 rows take quantize_s8
 GEMV_S8_BLOCK_MAX_X = 16384
+# widest k whose launches take gemv_s8's 16-row tiles, per format (others: any k whose x fits; gemv_s8_tile_rows)
+GEMV_S8_NARROW_MAX_K = {"Q8_0": 4096}
 
 
 def gemv_s8_enabled(backend: Any) -> bool:
@@ -83,6 +85,26 @@ def gemv_s8_fits(backend: Any, rows: int, k: int) -> bool:
 def _smem_fits(backend: Any, dynamic_smem: int) -> bool:
     """Whether `dynamic_smem` bytes and gemv_s8's static shared memory fit a block's opt-in limit."""
     return dynamic_smem + kernels.GEMV_MMA_STATIC_SMEM <= backend.loader.max_smem_optin
+
+
+def gemv_s8_tile_rows(backend: Any, fmt: str, rows: int, k: int) -> int:
+    """Weight rows per gemv_s8 block for a launch of `rows` x rows of width k on `fmt` rows: `backend.gemv_s8_tiles`
+    "32" / "16" force it; "auto" takes 16-row tiles (kernels.GEMV_S8_NARROW_TILE: 3 blocks an SM, 24 warps,
+    instead of 2 blocks of 32-row tiles) from 2 rows where 3 blocks' x copies fit the opt-in shared memory
+    (Llama-3-8B: k = 4,096 at every m, 14,336 at m = 2) and k <= GEMV_S8_NARROW_MAX_K[fmt], else 32. H200 rows,
+    session 18: 16-row tiles 2-11% faster at k = 4,096 (Q8_0 14336x4096 at m = 8: 2% slower), Q4 2-5% faster at
+    k = 14,336 and m = 2, Q8_0 there 4% slower; at m = 8, k = 14,336 (x 143 KB: one block an SM) 12-25% slower.
+    Both give y bit for bit."""
+    choice = getattr(backend, "gemv_s8_tiles", "auto")
+    if choice != "auto":
+        return int(choice)
+    narrow = kernels.GEMV_MMA_TILES[1]
+    if rows < 2 or k > GEMV_S8_NARROW_MAX_K.get(fmt, k):  # S8_M1 (gemv_s8_m1 "mma") keeps its 32-row tiles
+        return kernels.GEMV_MMA_TILES[0]
+    fits = kernels.blocks_fit_sm(backend.loader.max_smem_optin,
+                                 kernels.gemv_s8_smem_bytes(rows, k) + kernels.GEMV_MMA_STATIC_SMEM,
+                                 kernels.GEMV_S8_NARROW_BLOCKS)
+    return narrow if fits else kernels.GEMV_MMA_TILES[0]
 
 
 def gemv_s8_x_per_launch(backend: Any, rows: int, k: int, block_max_x: int = GEMV_S8_BLOCK_MAX_X) -> bool:
@@ -143,20 +165,20 @@ def launch_gemv_s8(backend: Any, x: torch.Tensor, w: CudaLinear, y: torch.Tensor
     each looping over tiles (x quantized once per block instead of once per tile)."""
     m, k = x.shape
     n_out = y.shape[1]
-    tile = kernels.GEMV_MMA_TILES[0]
-    tiles = math.ceil(n_out / (tile // 2 if silu else tile))
     for r0 in range(0, m, kernels.GEMV_MAX_ROWS):
         rows = min(kernels.GEMV_MAX_ROWS, m - r0)
         xr = x[r0:r0 + rows]
         per_launch = gemv_s8_x_per_launch(backend, rows, k)
         pdl = gemv_pdl(backend, w)  # against the launch before quantize_s8: the pair counts as one GEMV
-        spec = kernels.gemv_s8_spec(w.fmt, silu, rows, one_pass, per_launch)
+        tile = gemv_s8_tile_rows(backend, w.fmt, rows, k)
+        spec = kernels.gemv_s8_spec(w.fmt, silu, rows, one_pass, per_launch, tile)
+        tiles = math.ceil(n_out / (tile // 2 if silu else tile))
+        threads = 32 * kernels.GEMV_MMA_WARPS
         smem = kernels.gemv_s8_smem_bytes(rows, k)
         xq, norm = s8_quantized_x(backend, xr, spec, smem, norm_weight, eps, vec_ok, per_launch)
         grid = tiles
         if getattr(backend, "gemv_s8_grid", "persistent") == "persistent":
-            grid = min(tiles, backend.num_sms * backend._occupancy("gemv_s8", "gemv_s8", spec, smem,
-                                                                  32 * kernels.GEMV_MMA_WARPS))
+            grid = min(tiles, backend.num_sms * backend._occupancy("gemv_s8", "gemv_s8", spec, smem, threads))
         p = gemv_params(xr, r0, w, y, residual, norm, eps, vec_ok, xq=xq)
-        backend._launch("gemv_s8", "gemv_s8", spec, (grid, 1, 1), (32 * kernels.GEMV_MMA_WARPS, 1, 1), smem, p, pdl)
+        backend._launch("gemv_s8", "gemv_s8", spec, (grid, 1, 1), (threads, 1, 1), smem, p, pdl)
         launched_gemv(backend, w)

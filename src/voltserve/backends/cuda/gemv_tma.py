@@ -18,8 +18,6 @@ GEMV_TMA_MIN_BYTES = 4 << 20
 
 # gemv_tma's static smem, at most: the ring's mbarriers, the norm's scratch and 1 / rms (static_assert in the .cu)
 GEMV_TMA_STATIC_SMEM = 1024
-# shared memory the GPU reserves per resident block (SM80+: 1 KB; an SM holds the opt-in maximum plus one reserve)
-SMEM_RESERVED_PER_BLOCK = 1024
 
 
 def gemv_tma_ok(backend: Any, w: CudaLinear, vec_ok: int, silu: bool = False) -> bool:
@@ -53,8 +51,7 @@ def gemv_tma_fits(backend: Any, smem: int) -> bool:
 def ring_blocks_fit(backend: Any, smem: int, blocks: int) -> bool:
     """Whether `blocks` ring-kernel blocks of `smem` dynamic bytes (their static smem and the per-block reserve on
     top) fit one SM's shared memory (the opt-in maximum plus one reserve)."""
-    per_block = smem + GEMV_TMA_STATIC_SMEM + SMEM_RESERVED_PER_BLOCK
-    return per_block * blocks <= backend.loader.max_smem_optin + SMEM_RESERVED_PER_BLOCK
+    return kernels.blocks_fit_sm(backend.loader.max_smem_optin, smem + GEMV_TMA_STATIC_SMEM, blocks)
 
 
 def ring_block_smem(backend: Any, smem: int, blocks: int) -> int:

@@ -34,6 +34,20 @@ GEMV_MMA_TILES = (32, 16)  # gemv_mma: weight rows per block (SwiGLU: half gate 
 GEMV_MMA_WARPS = 8         # gemv_mma(_sb): warps per block; they split k
 
 
+# shared memory the GPU reserves per resident block (SM80+: 1 KB; an SM holds the opt-in maximum plus one reserve)
+SMEM_RESERVED_PER_BLOCK = 1024
+
+
+def blocks_fit_sm(max_smem_optin: int, smem_per_block: int, blocks: int) -> bool:
+    """Whether `blocks` resident blocks of `smem_per_block` bytes (static + dynamic; the per-block reserve is added
+    here) fit one SM's shared memory: the opt-in maximum per block plus one reserve."""
+    return (smem_per_block + SMEM_RESERVED_PER_BLOCK) * blocks <= max_smem_optin + SMEM_RESERVED_PER_BLOCK
+
+
+# gemv_s8's 16-row tile build: 2 weight rows a lane, registers capped for 3 blocks an SM (78 used) instead of
+# 127 and 2 blocks (gemv_int8.gemv_s8_tile_rows picks it; performance.md session 18)
+GEMV_S8_NARROW_TILE = {"GM_TILE_ROWS": 16, "GM_MIN_BLOCKS": 3}
+GEMV_S8_NARROW_BLOCKS = GEMV_S8_NARROW_TILE["GM_MIN_BLOCKS"]
 # gemv_mma(_sb)'s static smem, at most: red + scratch (GM_NORM_ONE_PASS build) + inv_rms
 GEMV_MMA_STATIC_SMEM = 4 * (GEMV_MMA_WARPS * 32 * 8 + 8 * 32 + 8)
 
@@ -260,20 +274,25 @@ GEMV_S8W_SMEM_PAD = 1024
 
 
 def gemv_s8_spec(fmt: str, silu: bool, rows: int, norm_one_pass: bool = False,
-                 x_per_launch: bool = False) -> dict[str, int]:
+                 x_per_launch: bool = False, tile_rows: int = GEMV_MMA_TILES[0]) -> dict[str, int]:
     """The -D set of gemv_s8.cu (repacked quant rows, int8 MMAs) for a launch of `rows` x rows: S8_M1 for one
     row (with gemv_s8w's block, S8W_WARPS, from GEMV_S8W_WARPS), else GM_NORM_ONE_PASS with
     `norm_one_pass` (as gemv_mma_spec); `x_per_launch`: S8_XG, x quantized once by quantize_s8 (which then applies
-    the norm: no one-pass build).
+    the norm: no one-pass build); `tile_rows` 16: GEMV_S8_NARROW_TILE (16-row tiles, 3 blocks an SM).
 
     Raises:
-        ValueError: fp16 weights (no int8 path) or `rows` outside 1..GEMV_MAX_ROWS.
+        ValueError: fp16 weights (no int8 path), `rows` outside 1..GEMV_MAX_ROWS or `tile_rows` not in
+            GEMV_MMA_TILES.
     """
     if fmt not in QUANT_BLOCK_BYTES:
         raise ValueError(f"gemv_s8 takes quant weights, got {fmt}")
     if not 1 <= rows <= GEMV_MAX_ROWS:
         raise ValueError(f"gemv_s8 launches take 1..{GEMV_MAX_ROWS} x rows, got {rows}")
+    if tile_rows not in GEMV_MMA_TILES:
+        raise ValueError(f"gemv_s8 tile_rows must be one of {GEMV_MMA_TILES}, got {tile_rows}")
     spec = {"WTYPE": WTYPES[fmt], "SILU": int(silu)}
+    if tile_rows != GEMV_MMA_TILES[0]:
+        spec.update(GEMV_S8_NARROW_TILE)
     if rows == 1:
         spec["S8_M1"] = 1
         spec["S8W_WARPS"] = GEMV_S8W_WARPS[fmt]  # gemv_s8w's block (the S8_M1 build of gemv_s8 ignores it)
@@ -496,9 +515,10 @@ def engine_specializations() -> list[tuple[str, dict[str, int]]]:
     specs += [("gemv_tma", gemv_tma_spec(bool(s), bool(n))) for s in (0, 1) for n in (0, 1)]
     specs += [("gemv_chain", {})]
     specs += [("gemv_tma_s8", gemv_tma_s8_spec(f)) for f in QUANT_BLOCK_BYTES]
-    specs += [("gemv_s8", gemv_s8_spec(f, bool(s), r, o, g)) for f in QUANT_BLOCK_BYTES for s in (0, 1)
-              for r, o, g in ((1, False, False), (8, False, False), (8, True, False), (1, False, True),
-                              (8, False, True))]
+    specs += [("gemv_s8", gemv_s8_spec(f, bool(s), r, o, g, t)) for f in QUANT_BLOCK_BYTES for s in (0, 1)
+              for r, o, g, t in ((1, False, False, 32), (1, False, True, 32), (8, False, False, 32),
+                                 (8, True, False, 32), (8, False, True, 32), (8, False, False, 16),
+                                 (8, True, False, 16), (8, False, True, 16))]
     specs += [("gemm_tiled", {"WTYPE": w}) for w in WTYPES.values()]
     specs += [("gemm_tc", {"WTYPE": w, "BN": bn, **r}) for w in (1, 2, 3) for bn in GEMM_TC_BNS
               for r in ({}, {"WREPACK": 1})]

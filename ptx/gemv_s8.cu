@@ -18,10 +18,11 @@
 // fused RMSNorm first: x * inv * w rounded to fp16 as rms_norm stores it), or (S8_XG) a quantize_s8 launch
 // quantizes them once into p.xq and every block copies that with cp.async: the per-block quantization costs
 // issue slots in proportion to m * k (at m = 8 it made the kernel 2x slower than gemv_mma), the extra launch a
-// fixed ~1-2 us (gemv_int8.gemv_s8_x_per_launch picks). Then each block streams its 32 weight rows as gemv_mma does on
-// repacked rows (gemv_mma.cuh: lane rows g, g + 8 of two 16-row tiles, load_rows_group's 16-byte loads, 8 warps
-// splitting k in whole load groups, two groups in flight, the first issued before pdl_enter) and ends in
-// gm_epilogue (fixed-order reduction of the warps' tiles; the residual and SwiGLU fusions). The MMA's k slots:
+// fixed ~1-2 us (gemv_int8.gemv_s8_x_per_launch picks). Then each block streams its 32 (or 16) weight rows as
+// gemv_mma does on repacked rows (gemv_mma.cuh: lane rows g, g + 8 of each 16-row tile, load_rows_group's
+// 16-byte loads, 8 warps splitting k in whole load groups, two groups in flight, the first issued before
+// pdl_enter) and ends in gm_epilogue (fixed-order reduction of the warps' tiles; the residual and SwiGLU
+// fusions). The MMA's k slots:
 // A words 0 / 1 (rows g / g + 8) pair with B word 0 (the same 4 elements of the block), A words 2 / 3 with B
 // word 1 (the other 4 of the lane's slot t): Q4 low nibbles of quant bytes 4t..4t+3 (elements 4t..4t+3) and
 // high nibbles (16 + 4t..), Q8_0 quant bytes 8t..8t+3 and 8t+4..8t+7. x's bytes are stored in that order, per
@@ -150,9 +151,10 @@ VOLT_DEVICE void s8_tile_rows(const u8* (&rows)[GM_ROWS], const GemvParams& p, i
 
 // Grid: one block per tile of GM_TILE_ROWS rows (SILU: half gate, half up rows), or fewer blocks that loop over
 // the tiles (backend.gemv_s8_grid "persistent": x is then quantized, or copied, once per block instead of once
-// per tile). 32-row tiles hold 4 rows a lane (127 registers, 2 blocks an SM); 16-row tiles 2 (78 registers, 3
-// blocks: gemv_int8.gemv_s8_tile_rows takes them where 3 blocks' x fits in shared memory). Each row's k split
-// over the warps and the warps' reduction order are the same in both, so they give the same y bit for bit.
+// per tile). 32-row tiles hold 4 rows a lane (127 registers, 2 blocks an SM); 16-row tiles 2 (78-80 registers,
+// 3 blocks), which gemv_int8.gemv_s8_tile_rows takes from 2 rows with x quantized per launch where 3 blocks'
+// x fits in smem. Each row's k split over the warps and the warps' reduction order are the same in both, so
+// they give the same y bit for bit.
 extern "C" __global__ void __launch_bounds__(32 * GM_WARPS, GM_MIN_BLOCKS) gemv_s8(const GemvParams p) {
 #if GM_M16N8K16 && WREPACK && WTYPE != WTYPE_F16
     extern __shared__ uint4 s8_smem[];  // xq [m][s8_pitch], then xs [nb][S8_COLS] float2

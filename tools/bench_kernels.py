@@ -9,6 +9,7 @@ Usage:
         [--gemv-tma-ring 16x4,8x4] [--gemv-tma-blocks 1,2]  # gemv_tma's ring and blocks per SM, @ring= / @blocks=
                                       # (then, where gemv_tma is on, only rows it took: the others print "skipped")
         [--gemv-s8 auto,on]           # ... and once per int8 GEMV choice (VOLTSERVE_GEMV_S8), @s8=choice
+        [--gemv-s8-tiles auto,32]     # ... and once per gemv_s8 tile rows (VOLTSERVE_GEMV_S8_TILES), @tiles=choice
 Shapes are Llama-3-8B-like (hidden 4096, 32 heads / 8 KV heads, head_dim 128, FFN 14336) unless named.
 
 Two kinds of rows:
@@ -386,6 +387,9 @@ def main() -> int:
     ap.add_argument("--gemv-s8", default=None,
                     help="int8 decode GEMV choice (VOLTSERVE_GEMV_S8) for the decode_* rows: auto, on, off, or a list "
                     "(rows get @s8=choice; on: gemv_s8w takes every one-row call on repacked rows)")
+    ap.add_argument("--gemv-s8-tiles", default=None,
+                    help="gemv_s8's weight rows per block (VOLTSERVE_GEMV_S8_TILES) for the decode_* rows: auto, 32, "
+                    "16, or a list (rows get @tiles=choice)")
     args = ap.parse_args()
     from voltserve.backends.cuda.backend import CudaBackend
 
@@ -415,7 +419,8 @@ def main() -> int:
              ("gemv_tma_s8", "@tma_s8=", args.gemv_tma_s8, str),
              ("gemv_tma_ring", "@ring=", args.gemv_tma_ring, ring),
              ("gemv_tma_blocks", "@blocks=", args.gemv_tma_blocks, int),
-             ("gemv_s8", "@s8=", args.gemv_s8, str)]
+             ("gemv_s8", "@s8=", args.gemv_s8, str),
+             ("gemv_s8_tiles", "@tiles=", args.gemv_s8_tiles, str)]
     knobs = [(attr, prefix, values.split(",") if values else [getattr(be, attr)], conv)
              for attr, prefix, values, conv in knobs]
     defaults = {attr: getattr(be, attr) for attr, _, _, _ in knobs}

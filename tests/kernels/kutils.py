@@ -180,21 +180,32 @@ def assert_replay_equals_eager(backend, step, change_inputs) -> None:
 
 
 @contextlib.contextmanager
-def launched_kernels(backend):
-    """Record the name of every kernel `backend` launches inside the block (a list, in launch order): tests that
-    must know which of two kernels computing the same values ran."""
-    names: list[str] = []
+def _recorded_launches(backend, entry):
+    """Record entry(kernel, spec) of every launch `backend` makes inside the block (a list, in launch order)."""
+    got: list = []
     launch = backend._launch
 
-    def record(op, kernel, *args, **kwargs):
-        names.append(kernel)
-        return launch(op, kernel, *args, **kwargs)
+    def record(op, kernel, spec, *args, **kwargs):
+        got.append(entry(kernel, spec))
+        return launch(op, kernel, spec, *args, **kwargs)
 
     backend._launch = record
     try:
-        yield names
+        yield got
     finally:
         del backend._launch  # the class's method again
+
+
+def launched_kernels(backend):
+    """Record the name of every kernel `backend` launches inside the block (a list, in launch order): tests that
+    must know which of two kernels computing the same values ran."""
+    return _recorded_launches(backend, lambda kernel, spec: kernel)
+
+
+def launched_builds(backend):
+    """Record (kernel name, its -D spec) of every launch `backend` makes inside the block: tests that must know
+    which build of a kernel ran."""
+    return _recorded_launches(backend, lambda kernel, spec: (kernel, dict(spec or {})))
 
 
 def paged_kv_case(seq_lens, query_lens, num_kv_heads, head_dim, block_size, gen):

@@ -12,8 +12,8 @@ Bounds (max |got - ref| / max |ref|):
 
 import pytest
 import torch
-from tests.kernels.kutils import (assert_replay_equals_eager, backend_settings, rel_err, repacked_weight,
-                                  s8_reference)
+from tests.kernels.kutils import (assert_replay_equals_eager, backend_settings, launched_builds, rel_err,
+                                  repacked_weight, s8_reference)
 
 pytestmark = pytest.mark.gpu
 EMU_TOL = 1e-3
@@ -169,9 +169,12 @@ def test_16_row_tiles_equal_32(s8_backend, fmt):
         got = {}
         for tiles in ("16", "32"):
             s8_backend.gemv_s8_tiles = tiles
-            got[tiles] = [s8_backend.linear(x[:m].cuda(), lin, residual=res[:m]) for m in (2, 5, 8)]
-            got[tiles].append(launch_linear(s8_backend, x[:3].cuda(), lin, norm_weight=nd, eps=1e-5,
-                                            silu=n % 2 == 0))
+            with launched_builds(s8_backend) as builds:
+                got[tiles] = [s8_backend.linear(x[:m].cuda(), lin, residual=res[:m]) for m in (2, 5, 8)]
+                got[tiles].append(launch_linear(s8_backend, x[:3].cuda(), lin, norm_weight=nd, eps=1e-5,
+                                                silu=n % 2 == 0))
+            ran = [spec.get("GM_TILE_ROWS", 32) for kernel, spec in builds if kernel == "gemv_s8"]
+            assert ran == [int(tiles)] * 4, (tiles, ran)  # the knob picked the build
         for a, b in zip(got["16"], got["32"]):
             assert torch.equal(a, b), (n, k)
         assert rel_err(got["16"][2].double().cpu() - res.double().cpu(), s8_reference(x, quant)) <= EMU_TOL

@@ -101,7 +101,7 @@ def test_gemv_s8_specs_are_built():
                 for one_pass in (False, True):
                     for per_launch in (False, True):
                         assert kernels.gemv_s8_spec(fmt, silu, rows, one_pass, per_launch) in built
-                        if rows > 1:  # gemv_int8.gemv_s8_tile_rows: 16-row tiles from 2 rows
+                        if rows > 1 and per_launch:  # gemv_int8.gemv_s8_tile_rows: 16-row tiles under auto
                             assert kernels.gemv_s8_spec(fmt, silu, rows, one_pass, per_launch, 16) in built
     # one row: gemv_s8w's block per format (kernels.GEMV_S8W_WARPS), 32 warps an SM
     assert kernels.gemv_s8_spec("Q4_1", False, 1, True) == {"WTYPE": 2, "SILU": 0, "S8_M1": 1, "S8W_WARPS": 16}
@@ -118,41 +118,50 @@ def test_gemv_s8_specs_are_built():
 
 
 def test_gemv_s8_tile_rows_rule_and_launch():
-    """gemv_s8 takes its 16-row tile build (kernels.GEMV_S8_NARROW_TILE, 3 blocks an SM) from 2 x rows where 3
-    blocks' x copies fit an SM's shared memory (H200, 227 KB: k = 4,096 at every m, 14,336 at m = 2 only, not
-    for Q8_0; A100, 163 KB: k = 4,096; SM86, 99 KB: k = 4,096 at m <= 3), 32-row tiles elsewhere and at one
-    row (S8_M1); "32" / "16" force either. The launch's spec, tiles and grid follow (SwiGLU: half a tile's rows
-    are outputs)."""
+    """gemv_s8 takes its 16-row tile build (kernels.GEMV_S8_NARROW_TILE, 3 blocks an SM) from 2 x rows where x is
+    quantized per launch (the per-block builds spill at its register cap) and 3 blocks' x copies fit an SM's
+    shared memory (H200, 227 KB: k = 4,096 at every m, 14,336 at m = 2 only, not for Q8_0; A100, 163 KB: k =
+    4,096; SM86, 99 KB: k = 4,096 at m <= 3), 32-row tiles elsewhere and always at one row (S8_M1); "32" / "16"
+    force either from 2 rows. The launch's spec, tiles and grid follow (SwiGLU: half a tile's rows are outputs;
+    the persistent grid caps at the resident blocks), per launch of a call of more than 8 rows."""
     from voltserve.backends.cuda import kernels
     from voltserve.backends.cuda.gemv_int8 import gemv_s8_tile_rows
     from voltserve.backends.cuda.linear import launch_linear
 
     h200, a100, sm86 = fake_backend(90), fake_backend(80, smem_kb=163), fake_backend(86, smem_kb=99)
     for fmt in ("Q4_0", "Q4_1", "Q8_0"):
-        assert [gemv_s8_tile_rows(h200, fmt, m, 4096) for m in (1, 2, 5, 8)] == [32, 16, 16, 16]
+        assert [gemv_s8_tile_rows(h200, fmt, m, 4096, True) for m in (1, 2, 5, 8)] == [32, 16, 16, 16]
+        assert [gemv_s8_tile_rows(h200, fmt, m, 4096, False) for m in (1, 2, 5, 8)] == [32, 32, 32, 32]
         wide = 32 if fmt == "Q8_0" else 16  # GEMV_S8_NARROW_MAX_K: Q8_0 measured slower there
-        assert [gemv_s8_tile_rows(h200, fmt, m, 14336) for m in (1, 2, 3, 8)] == [32, wide, 32, 32]
-        assert [gemv_s8_tile_rows(a100, fmt, m, k) for m, k in ((8, 4096), (2, 14336))] == [16, 32]
-        assert [gemv_s8_tile_rows(sm86, fmt, m, 4096) for m in (2, 3, 4, 8)] == [16, 16, 32, 32]
+        assert [gemv_s8_tile_rows(h200, fmt, m, 14336, True) for m in (1, 2, 3, 8)] == [32, wide, 32, 32]
+        assert [gemv_s8_tile_rows(a100, fmt, m, k, True) for m, k in ((8, 4096), (2, 14336))] == [16, 32]
+        assert [gemv_s8_tile_rows(sm86, fmt, m, 4096, True) for m in (2, 3, 4, 8)] == [16, 16, 32, 32]
     for choice in ("32", "16"):
         h200.gemv_s8_tiles = choice
-        assert gemv_s8_tile_rows(h200, "Q8_0", 8, 14336) == int(choice) == gemv_s8_tile_rows(h200, "Q4_1", 2, 4096)
+        assert gemv_s8_tile_rows(h200, "Q8_0", 8, 14336, True) == int(choice)
+        assert gemv_s8_tile_rows(h200, "Q4_1", 2, 4096, False) == int(choice)
+        assert gemv_s8_tile_rows(h200, "Q4_1", 1, 4096, True) == 32  # one row: the S8_M1 build's tiles
     assert kernels.gemv_s8_spec("Q4_1", False, 8, False, True, 16) == {
         "WTYPE": 2, "SILU": 0, "S8_XG": 1, "GM_TILE_ROWS": 16, "GM_MIN_BLOCKS": 3}
     with pytest.raises(ValueError, match="tile_rows"):
         kernels.gemv_s8_spec("Q4_1", False, 8, tile_rows=8)
 
-    w = fake_linear("Q4_1", 4096, 4096)
-    w.layout = "repacked"
-    x = torch.zeros(8, 4096, dtype=torch.float16)
-    for tiles, silu, want_tile, want_grid in (("auto", False, 16, 256), ("auto", True, 16, 256),
-                                              ("32", False, 32, 128), ("32", True, 32, 128)):
+    x = torch.zeros(9, 4096, dtype=torch.float16)
+    for n, tiles, silu, want_tile, want_grid in ((4096, "auto", False, 16, 256), (4096, "auto", True, 16, 256),
+                                                 (4096, "32", False, 32, 128), (4096, "32", True, 32, 128),
+                                                 (16384, "auto", False, 16, 264), (16384, "32", True, 32, 264)):
+        w = fake_linear("Q4_1", n, 4096)
+        w.layout = "repacked"
         backend, launches = recording_backend(gemv_s8_tiles=tiles)  # _occupancy: 2 blocks an SM, 132 SMs
-        y = launch_linear(backend, x, w, silu=silu)
-        assert [launch.kernel for launch in launches] == ["quantize_s8", "gemv_s8"] and y.shape == (8, 4096 >> silu)
+        y = launch_linear(backend, x[:8], w, silu=silu)
+        assert [launch.kernel for launch in launches] == ["quantize_s8", "gemv_s8"] and y.shape == (8, n >> silu)
         s8 = launches[-1]
         assert s8.spec.get("GM_TILE_ROWS", 32) == want_tile and s8.grid[0] == want_grid
         assert s8.block[0] == 32 * kernels.GEMV_MMA_WARPS and s8.smem == kernels.gemv_s8_smem_bytes(8, 4096)
+    backend, launches = recording_backend()  # 9 rows: launches of 8 (16-row tiles) and 1 (S8_M1, 32-row tiles)
+    launch_linear(backend, x, w)
+    s8 = [launch for launch in launches if launch.kernel == "gemv_s8"]
+    assert [launch.spec.get("GM_TILE_ROWS", 32) for launch in s8] == [16, 32] and "S8_M1" in s8[1].spec
 
 
 def test_gemv_s8_x_per_launch_rule():

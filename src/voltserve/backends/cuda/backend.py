@@ -108,8 +108,8 @@ class CudaBackend:
         # where gemv_s8 quantizes x: "auto" (gemv_int8.gemv_s8_x_per_launch), "block" (every block, in its prologue)
         # or "launch" (once, by a quantize_s8 launch before it); VOLTSERVE_GEMV_S8_X for A/B runs
         self.gemv_s8_x = _env_choice("VOLTSERVE_GEMV_S8_X", ("auto", "block", "launch"))
-        # gemv_s8's weight rows per block: "auto" (gemv_int8.gemv_s8_tile_rows: 16 where 3 blocks' x fit an SM),
-        # "32" or "16"; VOLTSERVE_GEMV_S8_TILES for A/B runs
+        # gemv_s8's weight rows per block from 2 x rows: "auto" (gemv_int8.gemv_s8_tile_rows: 16 where 3 blocks'
+        # x fit an SM), "32" or "16"; VOLTSERVE_GEMV_S8_TILES for A/B runs
         self.gemv_s8_tiles = _env_choice("VOLTSERVE_GEMV_S8_TILES", ("auto", "32", "16"))
         # gemv_s8's one-row launches: "warp" (gemv_s8w: a warp per weight row, dp4a; gemv_int8.gemv_s8w_ok) or
         # "mma" (what ran before: gemv_s8's S8_M1 build, or gemv_mma where gemv_s8 does not run, e.g. Q8_0 under

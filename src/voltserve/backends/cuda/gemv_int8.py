@@ -87,24 +87,28 @@ def _smem_fits(backend: Any, dynamic_smem: int) -> bool:
     return dynamic_smem + kernels.GEMV_MMA_STATIC_SMEM <= backend.loader.max_smem_optin
 
 
-def gemv_s8_tile_rows(backend: Any, fmt: str, rows: int, k: int) -> int:
-    """Weight rows per gemv_s8 block for a launch of `rows` x rows of width k on `fmt` rows: `backend.gemv_s8_tiles`
-    "32" / "16" force it; "auto" takes 16-row tiles (kernels.GEMV_S8_NARROW_TILE: 3 blocks an SM, 24 warps,
-    instead of 2 blocks of 32-row tiles) from 2 rows where 3 blocks' x copies fit the opt-in shared memory
-    (Llama-3-8B: k = 4,096 at every m, 14,336 at m = 2) and k <= GEMV_S8_NARROW_MAX_K[fmt], else 32. H200 rows,
-    session 18: 16-row tiles 2-11% faster at k = 4,096 (Q8_0 14336x4096 at m = 8: 2% slower), Q4 2-5% faster at
-    k = 14,336 and m = 2, Q8_0 there 4% slower; at m = 8, k = 14,336 (x 143 KB: one block an SM) 12-25% slower.
+def gemv_s8_tile_rows(backend: Any, fmt: str, rows: int, k: int, x_per_launch: bool) -> int:
+    """Weight rows per gemv_s8 block for a launch of `rows` x rows of width k on `fmt` rows, x quantized per launch
+    or by every block: 32 at one row (the S8_M1 build) and, under `backend.gemv_s8_tiles` "auto", 16
+    (kernels.GEMV_S8_NARROW_TILE: 3 blocks an SM, 24 warps, instead of 2 blocks of 32-row tiles) from 2 rows
+    where x is quantized per launch (the builds that quantize x in every block spill at 3 blocks' registers), 3
+    blocks' x copies and the 32-row build's static smem fit an SM (Llama-3-8B on the H200: k = 4,096 at every m,
+    14,336 at m = 2) and k <= GEMV_S8_NARROW_MAX_K[fmt], else 32; "32" / "16" force it from 2 rows. H200 rows,
+    session 18: at k = 4,096 16-row tiles 0-11% faster (Q8_0 14336x4096 at m = 8: 3% slower), at k = 14,336 and
+    m = 2 Q4 2-6% faster, Q8_0 4% slower; at m = 8, k = 14,336 (x 143 KB: one block an SM) 12-25% slower.
     Both give y bit for bit."""
     choice = getattr(backend, "gemv_s8_tiles", "auto")
+    wide, narrow = kernels.GEMV_MMA_TILES
+    if rows < 2:
+        return wide
     if choice != "auto":
         return int(choice)
-    narrow = kernels.GEMV_MMA_TILES[1]
-    if rows < 2 or k > GEMV_S8_NARROW_MAX_K.get(fmt, k):  # S8_M1 (gemv_s8_m1 "mma") keeps its 32-row tiles
-        return kernels.GEMV_MMA_TILES[0]
+    if not x_per_launch or k > GEMV_S8_NARROW_MAX_K.get(fmt, k):
+        return wide
     fits = kernels.blocks_fit_sm(backend.loader.max_smem_optin,
                                  kernels.gemv_s8_smem_bytes(rows, k) + kernels.GEMV_MMA_STATIC_SMEM,
                                  kernels.GEMV_S8_NARROW_BLOCKS)
-    return narrow if fits else kernels.GEMV_MMA_TILES[0]
+    return narrow if fits else wide
 
 
 def gemv_s8_x_per_launch(backend: Any, rows: int, k: int, block_max_x: int = GEMV_S8_BLOCK_MAX_X) -> bool:
@@ -170,7 +174,7 @@ def launch_gemv_s8(backend: Any, x: torch.Tensor, w: CudaLinear, y: torch.Tensor
         xr = x[r0:r0 + rows]
         per_launch = gemv_s8_x_per_launch(backend, rows, k)
         pdl = gemv_pdl(backend, w)  # against the launch before quantize_s8: the pair counts as one GEMV
-        tile = gemv_s8_tile_rows(backend, w.fmt, rows, k)
+        tile = gemv_s8_tile_rows(backend, w.fmt, rows, k, per_launch)
         spec = kernels.gemv_s8_spec(w.fmt, silu, rows, one_pass, per_launch, tile)
         tiles = math.ceil(n_out / (tile // 2 if silu else tile))
         threads = 32 * kernels.GEMV_MMA_WARPS

@@ -44,8 +44,8 @@ def blocks_fit_sm(max_smem_optin: int, smem_per_block: int, blocks: int) -> bool
     return (smem_per_block + SMEM_RESERVED_PER_BLOCK) * blocks <= max_smem_optin + SMEM_RESERVED_PER_BLOCK
 
 
-# gemv_s8's 16-row tile build: 2 weight rows a lane, registers capped for 3 blocks an SM (78 used) instead of
-# 127 and 2 blocks (gemv_int8.gemv_s8_tile_rows picks it; performance.md session 18)
+# gemv_s8's 16-row tile build: 2 weight rows a lane, registers capped for 3 blocks an SM (78-80 used, by NVRTC
+# version) instead of 127 and 2 blocks (gemv_int8.gemv_s8_tile_rows picks it; performance.md session 18)
 GEMV_S8_NARROW_TILE = {"GM_TILE_ROWS": 16, "GM_MIN_BLOCKS": 3}
 GEMV_S8_NARROW_BLOCKS = GEMV_S8_NARROW_TILE["GM_MIN_BLOCKS"]
 # gemv_mma(_sb)'s static smem, at most: red + scratch (GM_NORM_ONE_PASS build) + inv_rms
@@ -517,8 +517,7 @@ def engine_specializations() -> list[tuple[str, dict[str, int]]]:
     specs += [("gemv_tma_s8", gemv_tma_s8_spec(f)) for f in QUANT_BLOCK_BYTES]
     specs += [("gemv_s8", gemv_s8_spec(f, bool(s), r, o, g, t)) for f in QUANT_BLOCK_BYTES for s in (0, 1)
               for r, o, g, t in ((1, False, False, 32), (1, False, True, 32), (8, False, False, 32),
-                                 (8, True, False, 32), (8, False, True, 32), (8, False, False, 16),
-                                 (8, True, False, 16), (8, False, True, 16))]
+                                 (8, True, False, 32), (8, False, True, 32), (8, False, True, 16))]
     specs += [("gemm_tiled", {"WTYPE": w}) for w in WTYPES.values()]
     specs += [("gemm_tc", {"WTYPE": w, "BN": bn, **r}) for w in (1, 2, 3) for bn in GEMM_TC_BNS
               for r in ({}, {"WREPACK": 1})]

@@ -181,12 +181,15 @@ def test_16_row_tiles_equal_32(s8_backend, fmt):
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_x_per_launch_equals_per_block(s8_backend, fmt):
+@pytest.mark.parametrize("k", [4096, 14336, 768])
+def test_x_per_launch_equals_per_block(s8_backend, fmt, k):
     """x quantized once by quantize_s8 equals every block's own quantization bit for bit (same values, same
-    order), with the fused RMSNorm and SwiGLU too, at 1, 2 and 8 rows."""
+    order), with the fused RMSNorm and SwiGLU too, at 1, 2 and 8 rows. The widths: quantize_s8's 1 / rms pass
+    (4 loads a thread in flight) in one batch, in two with a partial second (14,336), and with idle threads
+    (768)."""
     from voltserve.backends.cuda.linear import launch_linear
 
-    k, n = 4096, 512
+    n = 512
     _, _, lin = repacked_weight(s8_backend, fmt, n, k, 31)
     gen = torch.Generator().manual_seed(32)
     x = torch.randn(8, k, generator=gen).half().cuda()

@@ -34,10 +34,15 @@
 // block whose split ends at the sequence's new key takes that key's K (rotated) and V from k_new / v_new instead
 // of the cache and stores them to the cache slot (slot_mapping; < 0: not written, the key is read from the
 // cache): rope_kv_write's work, without its launch.
+// Quantized output (xq != nullptr, decode-only steps of <= 8 sequences): whoever writes an output row (the only
+// split, or the merging block) also writes it quantized per 32 elements (s8_xq.cuh) in the layout of the gemv_s8
+// / gemv_s8w launch on the o_proj weight after it (format xq_fmt, xq_rows x rows), which then skips its own
+// quantize_s8 launch; the values quantized are the fp16 outputs, so the bytes equal quantize_s8's.
 // Reference: voltserve.backends.cpu.CpuBackend.attention (query_len == 1 for every sequence); with the fused
 // rotary, CpuBackend.rope_attention.
 #include "mma.cuh"
 #include "rope.cuh"
+#include "s8_xq.cuh"
 
 #ifndef HEAD_DIM
 #define HEAD_DIM 64
@@ -105,6 +110,11 @@ struct DecodeParams {
     i64 v_token_stride;
     int max_positions;
     int interleaved;             // 0 = neox, 1 = interleaved pairs
+    // quantized output (see the top): nullptr = off; the host sets it only where HEAD_DIM % 32 == 0 and
+    // GROUP * HEAD_DIM % 128 == 0 (a warp's outputs are whole 32-element blocks in both writers)
+    u8* xq;                      // [xq_rows][s8_pitch] int8, then the scales (kernels.gemv_s8_smem_bytes)
+    int xq_fmt;                  // the o_proj weight's format (s8_xq.cuh XQ_*)
+    int xq_rows;                 // x rows of the o_proj launch (= num_seqs)
 };
 VOLT_CHECK_PARAMS(DecodeParams, VOLT_DECODE_PARAMS_BYTES);
 
@@ -196,6 +206,11 @@ VOLT_DEVICE void merge_splits(const DecodeParams& p, int seq, int kvh, int used,
         }
         *reinterpret_cast<uint2*>(p.out + (row * p.num_heads + kvh * GROUP + g) * HEAD_DIM + d) =
             make_uint2(pack2(o[0], o[1]), pack2(o[2], o[3]));
+        if (p.xq != nullptr) {  // 8 lanes a block
+            const float v[4] = {round_h(o[0]), round_h(o[1]), round_h(o[2]), round_h(o[3])};
+            xq_store_block<4>(p.xq, p.xq_fmt, p.xq_rows, p.num_heads * HEAD_DIM / 32, (int)row,
+                              ((kvh * GROUP + g) * HEAD_DIM + d) / 32, v);
+        }
     }
 }
 
@@ -438,7 +453,13 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, ATTN_MIN_BLOCKS) attn_
             L += ml[(r * GROUP + g) * 2 + 1] * a;
         }
         if (direct) {
-            p.out[(row * p.num_heads + kvh * GROUP + g) * HEAD_DIM + d] = f2h(o / L);
+            const half_t h = f2h(o / L);
+            p.out[(row * p.num_heads + kvh * GROUP + g) * HEAD_DIM + d] = h;
+            if (p.xq != nullptr) {  // a warp's 32 outputs are one block
+                const float v[1] = {h2f(h)};
+                xq_store_block<1>(p.xq, p.xq_fmt, p.xq_rows, p.num_heads * HEAD_DIM / 32, (int)row,
+                                  ((kvh * GROUP + g) * HEAD_DIM + d) / 32, v);
+            }
         } else {
             const i64 w = ws + (i64)g * p.num_splits;
             p.part_acc[w * HEAD_DIM + d] = o;

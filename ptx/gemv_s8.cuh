@@ -4,24 +4,16 @@
 // per format are described in gemv_s8.cu's header. Needs WTYPE and WREPACK = 1 (quant.cuh's RP_* layout).
 #pragma once
 #include "gemv_mma.cuh"
+#include "s8_xq.cuh"
 
 #ifndef S8_M1
 #define S8_M1 0
 #endif
-#define S8_COLS (S8_M1 ? 1 : 8)  // x scales per block in smem
-
-VOLT_DEVICE int s8_pitch(int nb) { return nb * 32 + 16; }  // bytes of one quantized x row (+16: fewer bank conflicts)
-
-VOLT_DEVICE int cvt_rni(float v) {
-    int i;
-    asm("cvt.rni.s32.f32 %0, %1;" : "=r"(i) : "f"(v));
-    return i;
-}
-// max that keeps a NaN (fmaxf drops it): a NaN in x makes its block's d NaN, so y is NaN as with gemv_mma
-VOLT_DEVICE float max_nan(float a, float b) { return (b > a || b != b) ? b : a; }
-VOLT_DEVICE u32 pack_s8x4(const int* q) {
-    return (u32)(q[0] & 0xff) | (u32)(q[1] & 0xff) << 8 | (u32)(q[2] & 0xff) << 16 | (u32)(q[3] & 0xff) << 24;
-}
+#define S8_COLS (S8_M1 ? 1 : 8)  // x scales per block in smem (s8_cols)
+#define S8_XQ_FMT (WTYPE == WTYPE_Q8_0 ? XQ_Q8_0 : WTYPE == WTYPE_Q4_1 ? XQ_Q4_1 : XQ_Q4_0)  // s8_xq.cuh's code
+#if WREPACK && WTYPE != WTYPE_F16
+static_assert((S8_XQ_FMT == XQ_Q8_0 ? 2 : 4) == RP_GROUP, "s8_xq.cuh's xq_offset assumes quant.cuh's RP_GROUP");
+#endif
 
 #ifndef S8_QBATCH
 #define S8_QBATCH 4  // quarters per thread whose loads are issued together (the prologue is L2-latency-bound)
@@ -56,21 +48,15 @@ VOLT_DEVICE void s8_quantize_quarter(const GemvParams& p, const float* inv_rms, 
     sum += __shfl_xor_sync(0xffffffffu, sum, 1);
     sum += __shfl_xor_sync(0xffffffffu, sum, 2);
 #if WREPACK
-    u8* row = xq + r * s8_pitch(nb) + (b / RP_GROUP) * (32 * RP_GROUP) + (b % RP_GROUP) * 8;  // + slot * 8 * RP_GROUP
+    const int j4 = 2 * qq;  // elements 8qq..8qq+3, then 8qq+4..8qq+7
 #if WTYPE == WTYPE_Q8_0
-    // elements 8qq..8qq+3 -> slot qq word 0, 8qq+4..8qq+7 -> word 1
-    *reinterpret_cast<uint2*>(row + qq * 8 * RP_GROUP) = make_uint2(pack_s8x4(q), pack_s8x4(q + 4));
+    *reinterpret_cast<uint2*>(xq + xq_offset(S8_XQ_FMT, nb, r, b, j4)) = make_uint2(pack_s8x4(q), pack_s8x4(q + 4));
 #else
-    // elements 8qq..8qq+7 = slots 2 (qq & 1) and 2 (qq & 1) + 1 of word qq >> 1 (high nibbles: word 1)
-    const int slot = 2 * (qq & 1), w = 4 * (qq >> 1);
-    *reinterpret_cast<u32*>(row + slot * 8 * RP_GROUP + w) = pack_s8x4(q);
-    *reinterpret_cast<u32*>(row + (slot + 1) * 8 * RP_GROUP + w) = pack_s8x4(q + 4);
+    *reinterpret_cast<u32*>(xq + xq_offset(S8_XQ_FMT, nb, r, b, j4)) = pack_s8x4(q);
+    *reinterpret_cast<u32*>(xq + xq_offset(S8_XQ_FMT, nb, r, b, j4 + 1)) = pack_s8x4(q + 4);
 #endif
 #endif
-    if (qq == 0) {
-        const float d = amax / 127.f, s = d * (float)sum;
-        xs[b * S8_COLS + r] = make_float2(d, WTYPE == WTYPE_Q4_0 ? -8.f * s : s);
-    }
+    if (qq == 0) xs[b * S8_COLS + r] = xq_scales(S8_XQ_FMT, amax, sum);
 }
 
 // Quantize the m rows of x (normalized first with norm_w, inv_rms[r] = 1 / rms of row r) into xq / xs, QB

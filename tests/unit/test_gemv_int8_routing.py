@@ -257,3 +257,56 @@ def test_gemv_tma_s8_routing_and_plan():
             kernels.gemv_tma_s8_plan("Q4_1", 4096, 4096, 132, ring)
     with pytest.raises(ValueError, match="whole chunks"):
         kernels.gemv_tma_s8_ring("Q4_1", 512)
+
+
+def test_attention_xq_rule_and_handoff():
+    """linear.attention_xq: attn_decode writes its output quantized for the o_proj launch after it exactly where
+    that launch would quantize x once per launch (gemv_s8 at 2-8 rows, gemv_s8w above k = 4,096) and the writers
+    hold whole blocks; the next launch_linear takes the handoff (gemv_s8 reads it: no quantize_s8), and drops one
+    it cannot use (another x or weight), which then quantizes its own x."""
+    from voltserve.backends.cuda import kernels
+    from voltserve.backends.cuda.linear import attention_xq, launch_linear
+
+    def repacked(fmt, n, k):
+        w = fake_linear(fmt, n, k)
+        w.layout = "repacked"
+        return w
+
+    be, launches = recording_backend()
+    w = repacked("Q4_1", 4096, 4096)
+    out = torch.zeros(8, 32, 128, dtype=torch.float16)
+    ptr, fmt, rows = attention_xq(be, w, out, 4)
+    pending = be.xq_pending
+    assert (fmt, rows) == (2, 8) and ptr == pending.xq.data_ptr()
+    assert pending.xq.numel() == kernels.gemv_s8_smem_bytes(8, 4096) and pending.shape == (8, 4096)
+    launch_linear(be, out.view(8, 4096), w)
+    assert [launch.kernel for launch in launches] == ["gemv_s8"] and launches[0].params.xq == ptr
+    assert be.xq_pending is None
+    launches.clear()
+    launch_linear(be, out.view(8, 4096), w)  # nothing pending: quantize_s8 again
+    assert [launch.kernel for launch in launches] == ["quantize_s8", "gemv_s8"]
+    for x, weight in ((out.view(8, 4096).clone(), w), (out.view(8, 4096), repacked("Q4_1", 4096, 4096))):
+        launches.clear()
+        attention_xq(be, w, out, 4)
+        launch_linear(be, x, weight)  # another x, or another weight: dropped
+        assert [launch.kernel for launch in launches] == ["quantize_s8", "gemv_s8"] and be.xq_pending is None
+        assert launches[0].params.xq == launches[1].params.xq  # gemv_s8 reads quantize_s8's bytes
+    # one row: gemv_s8w quantizes x per block at k = 4,096 (no handoff), per launch above it (handoff)
+    assert attention_xq(be, w, torch.zeros(1, 32, 128, dtype=torch.float16), 4) == (None, 0, 0)
+    wide = repacked("Q8_0", 64, 14336)
+    ptr, fmt, rows = attention_xq(be, wide, torch.zeros(1, 112, 128, dtype=torch.float16), 14)
+    assert (fmt, rows) == (3, 1) and be.xq_pending.xq.numel() == kernels.gemv_s8_smem_bytes(1, 14336)
+    launches.clear()
+    launch_linear(be, torch.zeros(1, 14336, dtype=torch.float16), wide)  # another x: dropped
+    assert [launch.kernel for launch in launches] == ["quantize_s8", "gemv_s8w"]
+    be.xq_pending = None
+    none = (None, 0, 0)
+    assert attention_xq(be, fake_linear("F16", 4096, 4096), out, 4) == none  # fp16: no int8 x
+    assert attention_xq(be, fake_linear("Q4_1", 4096, 4096), out, 4) == none  # GGUF rows: gemv_mma
+    assert attention_xq(be, w, torch.zeros(9, 32, 128, dtype=torch.float16), 4) == none  # two launches
+    assert attention_xq(be, w, torch.zeros(2, 64, 64, dtype=torch.float16), 1) == none  # group x head_dim 64
+    assert attention_xq(be, w, torch.zeros(2, 16, 128, dtype=torch.float16), 4) == none  # k != in_features
+    be.gemv_s8_x = "block"
+    assert attention_xq(be, w, out, 4) == none  # every block quantizes x itself
+    be.gemv_s8_x, be.attn_xq = "auto", "off"
+    assert attention_xq(be, w, out, 4) == none and be.xq_pending is None

@@ -158,13 +158,16 @@ class Backend(Protocol):
 
     def rope_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                        cos_sin: torch.Tensor, style: str, kv_layer: torch.Tensor, attn: AttentionMetadata,
-                       scale: float) -> torch.Tensor:
+                       scale: float, out_linear: Any = None) -> torch.Tensor:
         """rotary_write_kv (at attn.slot_mapping) then attention: one fused op on backends that can (the CUDA
         decode kernel rotates q and the new key itself); `rope_then_attention` is the unfused composition.
 
         Args:
             q: [num_tokens, num_heads, head_dim], not rotated; k, v: [num_tokens, num_kv_heads, head_dim].
             positions, cos_sin, style, kv_layer: as rotary_write_kv; attn, scale: as attention.
+            out_linear: the linear the caller applies next to the output viewed as [num_tokens, num_heads *
+                head_dim] (o_proj), a hint: a backend may prepare that call's input while writing the output
+                (CUDA: int8 x for gemv_s8); the result is the same either way.
         Returns:
             [num_tokens, num_heads, head_dim]; kv_layer holds the rotated k and v at attn.slot_mapping.
         """

@@ -85,7 +85,8 @@ class CpuBackend:
         self.write_kv(k, v, kv_layer, slot_mapping)
         return q
 
-    def rope_attention(self, q, k, v, positions, cos_sin, style, kv_layer, attn: AttentionMetadata, scale):
+    def rope_attention(self, q, k, v, positions, cos_sin, style, kv_layer, attn: AttentionMetadata, scale,
+                       out_linear=None):
         return rope_then_attention(self, q, k, v, positions, cos_sin, style, kv_layer, attn, scale)
 
     def write_kv(self, k, v, kv_layer, slot_mapping):

@@ -112,7 +112,7 @@ class LlamaModel:
             k = qkv[:, q_size:q_size + kv_size].view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
             v = qkv[:, q_size + kv_size:].view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
             o = be.rope_attention(q, k, v, step.positions, self.cos_sin, cfg.rope_style, kv_cache[i], step.attn,
-                                  self.scale)
+                                  self.scale, out_linear=layer.o_proj)
             if i + 1 < len(layers):
                 then = (layers[i + 1].input_norm, layers[i + 1].qkv)
             else:

@@ -27,8 +27,8 @@ from voltserve.backends.cuda import driver, kernels
 from voltserve.backends.cuda import params as P
 from voltserve.backends.cuda.gemv_chain import ChainLink, gemv_chain_ok, launch_gemv_chain
 from voltserve.backends.cuda.gemv_int8 import gemv_s8_enabled, gemv_s8_fits
-from voltserve.backends.cuda.linear import (CudaEmbedding, CudaLinear, folds_norm, gemv_mma_sb_fits, launch_linear,
-                                           repack_wanted)
+from voltserve.backends.cuda.linear import (CudaEmbedding, CudaLinear, attention_xq, folds_norm, gemv_mma_sb_fits,
+                                           launch_linear, repack_wanted)
 from voltserve.backends.cuda.module import KernelLoader
 
 
@@ -128,6 +128,10 @@ class CudaBackend:
         # rotary + KV write of decode-only steps inside attn_decode (rope_attention): "auto" (fused) or "off" (the
         # rope_kv_write launch first); VOLTSERVE_ROPE_ATTN for A/B runs
         self.rope_attn = _env_choice("VOLTSERVE_ROPE_ATTN", ("auto", "off"))
+        # attn_decode writing its output also quantized for the o_proj gemv_s8 / gemv_s8w launch after it, which
+        # then skips quantize_s8 ("auto", linear.attention_xq) or not ("off"); VOLTSERVE_ATTN_XQ for A/B runs
+        self.attn_xq = _env_choice("VOLTSERVE_ATTN_XQ", ("auto", "off"))
+        self.xq_pending = None  # linear.attention_xq's handoff to the next launch_linear
         # attn_decode's fewest keys per split (kernels.decode_plan's min_part); VOLTSERVE_ATTN_MIN_PART for A/B runs
         self.attn_min_part = int(_env_choice("VOLTSERVE_ATTN_MIN_PART", (str(kernels.DECODE_MIN_PART), "32", "128",
                                                                          "256", "512", "1024")))
@@ -323,10 +327,12 @@ class CudaBackend:
                      0, p)
         return q_out
 
-    def rope_attention(self, q, k, v, positions, cos_sin, style, kv_layer, attn: AttentionMetadata, scale):
+    def rope_attention(self, q, k, v, positions, cos_sin, style, kv_layer, attn: AttentionMetadata, scale,
+                       out_linear=None):
         """Decode-only steps: attn_decode rotates q and the new key and writes the cache itself (one launch less
-        than rotary_write_kv + attention); other steps, VOLTSERVE_ROPE_ATTN=off, q / k / v head rows not 16-byte
-        aligned, or neox with head_dim % 16 != 0: the two ops."""
+        than rotary_write_kv + attention), and where `out_linear` runs gemv_s8 / gemv_s8w on x quantized per
+        launch, also writes its output quantized for it (linear.attention_xq); other steps, VOLTSERVE_ROPE_ATTN=off,
+        q / k / v head rows not 16-byte aligned, or neox with head_dim % 16 != 0: the two ops."""
         # neox pairs dims d and d + head_dim / 2: attn_decode rotates 8-dim vectors, so head_dim / 2 % 8 == 0
         vectors_pair = style != "neox" or q.shape[2] % 16 == 0
         if self.rope_attn == "off" or not attn.is_decode_only or not vectors_pair or \
@@ -337,15 +343,17 @@ class CudaBackend:
                 v.stride(0), cs.shape[0], int(style == "interleaved"))
         # attn_decode reads positions, slot_mapping and the cos / sin table before its PDL wait, as the metadata
         return self._attention(q, kv_layer, attn, scale, rope,
-                               ((positions, torch.int64), (attn.slot_mapping, torch.int64), (cos_sin, torch.float32)))
+                               ((positions, torch.int64), (attn.slot_mapping, torch.int64), (cos_sin, torch.float32)),
+                               out_linear)
 
     def attention(self, q, kv_layer, attn: AttentionMetadata, scale):
         return self._attention(q, kv_layer, attn, scale)
 
-    def _attention(self, q, kv_layer, attn: AttentionMetadata, scale, rope: tuple = _NO_ROPE, rope_meta: tuple = ()):
+    def _attention(self, q, kv_layer, attn: AttentionMetadata, scale, rope: tuple = _NO_ROPE, rope_meta: tuple = (),
+                   out_linear=None):
         """attention; with `rope` (DecodeParams' fused-rotary fields, a decode-only step) attn_decode also
         rotates q and writes the new keys; `rope_meta`: (tensor, dtype) of the inputs behind its positions,
-        slot_mapping and cos / sin table (read before the PDL wait)."""
+        slot_mapping and cos / sin table (read before the PDL wait); `out_linear`: rope_attention's."""
         num_tokens, num_heads, head_dim = q.shape
         num_kv_heads, block_size = kv_layer.shape[3], kv_layer.shape[2]
         if q.stride(2) != 1 or kv_layer.shape[4] != head_dim or num_heads % num_kv_heads or head_dim % 8:
@@ -370,8 +378,10 @@ class CudaBackend:
             # then attn_prefill overwrites the rows of the sequences with >= 2 query tokens
             # attn_decode reads q's head rows as 16-byte vectors (rope_attention checked its q)
             dq = q if _rows_aligned(q) else torch.empty(q.shape, dtype=q.dtype, device=q.device).copy_(q)
+            xq = attention_xq(self, out_linear, out, num_heads // num_kv_heads) \
+                if attn.is_decode_only and out_linear is not None else (None, 0, 0)
             self._attention_decode(dq, attn, scale, (dq.data_ptr(),) + common[1:], plane, num_kv_heads, block_size,
-                                   tables.shape[1], meta_pdl, rope)
+                                   tables.shape[1], meta_pdl, rope, xq)
             if attn.is_decode_only:
                 return out
         p = P.PrefillParams(*common, q.stride(0), q.stride(1), plane, num_seqs, num_heads, num_kv_heads, block_size,
@@ -382,9 +392,10 @@ class CudaBackend:
         return out
 
     def _attention_decode(self, q, attn: AttentionMetadata, scale, common, plane, num_kv_heads, block_size,
-                          max_blocks, meta_pdl, rope: tuple) -> None:
+                          max_blocks, meta_pdl, rope: tuple, xq: tuple = (None, 0, 0)) -> None:
         """attn_decode (+ its split reduce) for the last query row of each of the step's sequences; `rope`:
-        DecodeParams' fused-rotary fields (cos_sin None: off)."""
+        DecodeParams' fused-rotary fields (cos_sin None: off); `xq`: its quantized-output fields
+        (linear.attention_xq)."""
         num_seqs, num_heads, head_dim = attn.num_seqs, q.shape[1], q.shape[2]
         group = num_heads // num_kv_heads
         spec = kernels.decode_spec(head_dim, group, simt=self.attn_kernel == "simt")
@@ -402,7 +413,7 @@ class CudaBackend:
         p = P.DecodeParams(*common, acc.data_ptr(), ml.data_ptr(),
                            self.attn_counters.data_ptr() if merge_in_kernel else None, q.stride(0), q.stride(1),
                            plane, num_seqs, num_heads, num_kv_heads, block_size, max_blocks, num_splits,
-                           scale, min_part, *rope)
+                           scale, min_part, *rope, *xq)
         self._launch("attention_decode", "attn_decode", spec, (num_kv_heads, num_seqs, num_splits),
                      (128, 1, 1), smem, p, meta_pdl)
         if num_splits > 1 and not merge_in_kernel:

@@ -4,6 +4,7 @@ gemv_s8w (one x row, a warp per weight row, dp4a), their routing rules and launc
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -40,6 +41,27 @@ GEMV_S8W_BLOCK_MAX_X = 4096
 GEMV_S8_BLOCK_MAX_X = 16384
 # widest k whose launches take gemv_s8's 16-row tiles, per format (others: any k whose x fits; gemv_s8_tile_rows)
 GEMV_S8_NARROW_MAX_K = {"Q8_0": 4096}
+
+
+# Weight formats whose gemv_s8 x layout another kernel may write (ptx/s8_xq.cuh XQ_*: DecodeParams.xq_fmt)
+XQ_FORMATS = {"Q4_0": 1, "Q4_1": 2, "Q8_0": 3}
+
+
+@dataclass(frozen=True)
+class PendingXq:
+    """x already quantized for the next GEMV on `weight` by the kernel that wrote x (attn_decode for o_proj,
+    `linear.attention_xq`): `xq` holds what quantize_s8 would write for `source` viewed as [rows, k] (`shape`).
+    The next launch_linear takes it (`backend.xq_pending`) and uses it only if it runs that weight on that x;
+    holding `source` keeps its memory from being reused by another tensor meanwhile."""
+
+    source: torch.Tensor
+    shape: tuple[int, int]
+    weight: Any
+    xq: torch.Tensor
+
+    def matches(self, x: torch.Tensor, w: Any) -> bool:
+        return (w is self.weight and x.data_ptr() == self.source.data_ptr() and tuple(x.shape) == self.shape
+                and x.stride(0) == x.shape[1])
 
 
 def gemv_s8_enabled(backend: Any) -> bool:
@@ -124,12 +146,16 @@ def gemv_s8_x_per_launch(backend: Any, rows: int, k: int, block_max_x: int = GEM
 
 def s8_quantized_x(backend: Any, xr: torch.Tensor, spec: dict[str, int], smem: int,
                    norm_weight: torch.Tensor | None, eps: float, vec_ok: int,
-                   per_launch: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+                   per_launch: bool, ready: torch.Tensor | None = None) -> tuple[torch.Tensor | None,
+                                                                                  torch.Tensor | None]:
     """(xq, norm) of a gemv_s8 / gemv_s8w launch on x rows `xr`: with `per_launch`, a quantize_s8 launch
-    quantizes x (the norm with it) into a workspace the GEMV's blocks copy, and the GEMV gets no norm; else
-    (None, norm_weight): every block quantizes x itself."""
+    quantizes x (the norm with it) into a workspace the GEMV's blocks copy, and the GEMV gets no norm, or, given
+    `ready` (x's bytes written by the kernel that produced x, `PendingXq`; never with a norm), that workspace;
+    else (None, norm_weight): every block quantizes x itself."""
     if not per_launch:
         return None, norm_weight
+    if ready is not None and norm_weight is None:
+        return ready, None
     rows, k = xr.shape
     xq = torch.empty(smem, dtype=torch.uint8, device=xr.device)
     q = P.GemvParams(xr.data_ptr(), None, None, None, norm_weight.data_ptr() if norm_weight is not None else None,
@@ -140,17 +166,17 @@ def s8_quantized_x(backend: Any, xr: torch.Tensor, spec: dict[str, int], smem: i
 
 def launch_gemv_s8w(backend: Any, x: torch.Tensor, w: CudaLinear, y: torch.Tensor,
                     norm_weight: torch.Tensor | None, eps: float, residual: torch.Tensor | None, silu: bool,
-                    vec_ok: int) -> None:
-    """The gemv_s8w launch of one x row (fusions as gemv_s8; x quantized as gemv_s8_x_per_launch picks): a grid
-    of one output feature per warp, capped at the blocks the GPU holds at once (its warps then loop over the
-    rest)."""
+                    vec_ok: int, ready: torch.Tensor | None = None) -> None:
+    """The gemv_s8w launch of one x row (fusions as gemv_s8; x quantized as gemv_s8_x_per_launch picks, or
+    `ready` as s8_quantized_x takes it): a grid of one output feature per warp, capped at the blocks the GPU
+    holds at once (its warps then loop over the rest)."""
     k = x.shape[1]
     n_out = y.shape[1]
     per_launch = gemv_s8_x_per_launch(backend, 1, k, GEMV_S8W_BLOCK_MAX_X)
     pdl = gemv_pdl(backend, w)  # against the launch before quantize_s8: the pair counts as one GEMV
     spec = kernels.gemv_s8_spec(w.fmt, silu, 1, False, per_launch)
     xq, norm = s8_quantized_x(backend, x, spec, kernels.gemv_s8_smem_bytes(1, k), norm_weight, eps, vec_ok,
-                              per_launch)
+                              per_launch, ready)
     smem = kernels.gemv_s8w_smem_bytes(k)
     warps = spec["S8W_WARPS"]
     threads = 32 * warps
@@ -163,10 +189,11 @@ def launch_gemv_s8w(backend: Any, x: torch.Tensor, w: CudaLinear, y: torch.Tenso
 
 def launch_gemv_s8(backend: Any, x: torch.Tensor, w: CudaLinear, y: torch.Tensor,
                    norm_weight: torch.Tensor | None, eps: float, residual: torch.Tensor | None, silu: bool,
-                   vec_ok: int, one_pass: bool) -> None:
-    """gemv_s8 launches of <= 8 x rows each (fusions as gemv_mma); `residual` has y's row stride. The grid:
-    one block per tile, or under `backend.gemv_s8_grid` "persistent" at most the blocks the GPU holds at once,
-    each looping over tiles (x quantized once per block instead of once per tile)."""
+                   vec_ok: int, one_pass: bool, ready: torch.Tensor | None = None) -> None:
+    """gemv_s8 launches of <= 8 x rows each (fusions as gemv_mma); `residual` has y's row stride; `ready`:
+    x [m <= 8, k] already quantized (s8_quantized_x). The grid: one block per tile, or under
+    `backend.gemv_s8_grid` "persistent" at most the blocks the GPU holds at once, each looping over tiles (x
+    quantized once per block instead of once per tile)."""
     m, k = x.shape
     n_out = y.shape[1]
     for r0 in range(0, m, kernels.GEMV_MAX_ROWS):
@@ -179,7 +206,8 @@ def launch_gemv_s8(backend: Any, x: torch.Tensor, w: CudaLinear, y: torch.Tensor
         tiles = math.ceil(n_out / (tile // 2 if silu else tile))
         threads = 32 * kernels.GEMV_MMA_WARPS
         smem = kernels.gemv_s8_smem_bytes(rows, k)
-        xq, norm = s8_quantized_x(backend, xr, spec, smem, norm_weight, eps, vec_ok, per_launch)
+        xq, norm = s8_quantized_x(backend, xr, spec, smem, norm_weight, eps, vec_ok, per_launch,
+                                  ready if rows == m else None)
         grid = tiles
         if getattr(backend, "gemv_s8_grid", "persistent") == "persistent":
             grid = min(tiles, backend.num_sms * backend._occupancy("gemv_s8", "gemv_s8", spec, smem, threads))

@@ -12,7 +12,8 @@ import torch.nn.functional as F
 
 from voltserve.backends.cuda import kernels
 from voltserve.backends.cuda import params as P
-from voltserve.backends.cuda.gemv_int8 import (GEMV_S8_AUTO_FORMATS, gemv_s8_ok, gemv_s8w_ok, launch_gemv_s8,
+from voltserve.backends.cuda.gemv_int8 import (GEMV_S8_AUTO_FORMATS, GEMV_S8W_BLOCK_MAX_X, XQ_FORMATS, PendingXq,
+                                              gemv_s8_ok, gemv_s8_x_per_launch, gemv_s8w_ok, launch_gemv_s8,
                                               launch_gemv_s8w)
 from voltserve.backends.cuda.gemv_launch import gemv_params, gemv_pdl, launched_gemv, vec_ok_of
 from voltserve.backends.cuda.gemv_tma import gemv_tma_ok, gemv_tma_s8_ok, launch_gemv_tma, launch_gemv_tma_s8
@@ -230,6 +231,10 @@ def launch_linear(backend: Any, x: torch.Tensor, w: CudaLinear, *, norm_weight: 
     m, k = x.shape
     n = w.out_features
     n_out = n // 2 if silu else n
+    # x quantized by the kernel that wrote it (attention_xq), for this call only: taken whatever this call is
+    pending, backend.xq_pending = getattr(backend, "xq_pending", None), None
+    ready = pending.xq if pending is not None and norm_weight is None and not norm_post and \
+        pending.matches(x, w) else None
     if residual is not None and (residual.shape != (m, n_out) or residual.stride(1) != 1):
         raise ValueError(f"residual {tuple(residual.shape)} does not match the output [{m}, {n_out}]")
     if norm_post != w.norm_folded or (norm_post and norm_weight is not None):
@@ -272,7 +277,7 @@ def launch_linear(backend: Any, x: torch.Tensor, w: CudaLinear, *, norm_weight: 
     if residual is not None and residual.stride(0) != n_out:
         residual = residual.contiguous()  # the kernels read it with y's row stride
     if use_mma:
-        _launch_gemv_mma(backend, x, w, y, norm_weight, eps, residual, silu, vec_ok)
+        _launch_gemv_mma(backend, x, w, y, norm_weight, eps, residual, silu, vec_ok, ready)
         return y
     if m == 1 and norm_weight is None and gemv_tma_ok(backend, w, vec_ok, silu):
         launch_gemv_tma(backend, x, w, y, residual, silu, norm_post, eps)
@@ -386,6 +391,31 @@ def gemv_kernel_name(backend: Any, w: CudaLinear, rows: int, vec_ok: int = 1, no
     return "gemv_q" if _whole_superblocks(w) and bucket >= GEMV_Q_MIN_ROWS else "gemv"
 
 
+def attention_xq(backend: Any, w: Any, out: torch.Tensor, group: int) -> tuple[int | None, int, int]:
+    """DecodeParams' (xq, xq_fmt, xq_rows): attn_decode writes its output `out` [rows, heads, head_dim] (fp16,
+    contiguous, one row per sequence) also quantized for the GEMV on `w` that follows (o_proj), whose launch then
+    skips quantize_s8 (`backend.xq_pending`, taken by the next launch_linear). Only where that launch would
+    quantize x once per launch (gemv_s8, gemv_s8w over GEMV_S8W_BLOCK_MAX_X) and the kernel's writers hold whole
+    32-element blocks (head_dim % 32 == 0, group * head_dim % 128 == 0); else (None, 0, 0). Off under
+    VOLTSERVE_ATTN_XQ=off (`backend.attn_xq`)."""
+    rows, heads, head_dim = out.shape
+    k = heads * head_dim
+    if (getattr(backend, "attn_xq", "auto") == "off" or not isinstance(w, CudaLinear) or w.fmt not in XQ_FORMATS
+            or w.in_features != k or not 1 <= rows <= kernels.GEMV_MAX_ROWS or head_dim % 32
+            or group * head_dim % 128):
+        return None, 0, 0
+    name = gemv_kernel_name(backend, w, rows)
+    if name == "gemv_s8w":
+        per_launch = gemv_s8_x_per_launch(backend, 1, k, GEMV_S8W_BLOCK_MAX_X)
+    else:
+        per_launch = name == "gemv_s8" and gemv_s8_x_per_launch(backend, rows, k)
+    if not per_launch:
+        return None, 0, 0
+    xq = torch.empty(kernels.gemv_s8_smem_bytes(rows, k), dtype=torch.uint8, device=out.device)
+    backend.xq_pending = PendingXq(out, (rows, k), w, xq)
+    return xq.data_ptr(), XQ_FORMATS[w.fmt], rows
+
+
 def _whole_superblocks(w: CudaLinear) -> bool:
     """Quant rows of whole, 16-byte-aligned 256-weight superblocks (8 GGUF blocks): what gemv_q and gemv_mma_sb
     stream with 16-byte loads."""
@@ -425,9 +455,9 @@ def gemv_mma_tile(backend: Any, w: CudaLinear, silu: bool, one_pass: bool) -> in
 
 def _launch_gemv_mma(backend: Any, x: torch.Tensor, w: CudaLinear, y: torch.Tensor,
                      norm_weight: torch.Tensor | None, eps: float, residual: torch.Tensor | None, silu: bool,
-                     vec_ok: int) -> None:
+                     vec_ok: int, ready: torch.Tensor | None = None) -> None:
     """gemv_mma / gemv_mma_sb launches of <= 8 x rows each (fused norm, residual and SwiGLU all in the kernel);
-    `residual` has y's row stride."""
+    `residual` has y's row stride; `ready`: x already quantized for gemv_s8 / gemv_s8w (PendingXq)."""
     m = x.shape[0]
     n_out = y.shape[1]
     one_pass = norm_weight is not None and m >= 2
@@ -435,10 +465,10 @@ def _launch_gemv_mma(backend: Any, x: torch.Tensor, w: CudaLinear, y: torch.Tens
         launch_gemv_tma_s8(backend, x, w, y, residual)
         return
     if gemv_s8w_ok(backend, w, m):
-        launch_gemv_s8w(backend, x, w, y, norm_weight, eps, residual, silu, vec_ok)
+        launch_gemv_s8w(backend, x, w, y, norm_weight, eps, residual, silu, vec_ok, ready)
         return
     if gemv_s8_ok(backend, w, min(m, kernels.GEMV_MAX_ROWS)):
-        launch_gemv_s8(backend, x, w, y, norm_weight, eps, residual, silu, vec_ok, one_pass)
+        launch_gemv_s8(backend, x, w, y, norm_weight, eps, residual, silu, vec_ok, one_pass, ready)
         return
     if _mma_superblocks(backend, w):
         kernel, smem, tile = "gemv_mma_sb", kernels.gemv_mma_sb_smem_bytes(w.fmt), kernels.GEMV_MMA_TILES[0]

@@ -114,8 +114,9 @@ VOLT_DEVICE void s8_copy_x(const GemvParams& p, u8* xq) {
 // quantize_s8 (S8_XG builds): x quantized once per launch into p.xq in gemv_s8's smem layout (xq rows, then xs),
 // instead of by every gemv_s8 block. Grid (ceil(nb * 4 / 256), m): each block takes 256 quarters (8 elements) of
 // x row blockIdx.y, normalized first with the row's 1 / rms (a block pass over the row) when norm_w is set.
-// The norm weights (constant) are loaded before the PDL wait and the quarter's x with the pass's own loads, so
-// x costs one L2 round trip after the wait (session 19: three before).
+// The quarter's x and norm weights are issued with the 1 / rms pass's own loads (4 a thread in flight), so the
+// launch costs one L2 round trip after the PDL wait (session 19: three before). The norm weights are read after
+// the wait too: a cast kernel just before may have written them (CudaBackend._on_device).
 extern "C" __global__ void __launch_bounds__(256) quantize_s8(const GemvParams p) {
 #if GM_M16N8K16 && WREPACK && WTYPE != WTYPE_F16
     __shared__ float scratch[32];
@@ -124,14 +125,16 @@ extern "C" __global__ void __launch_bounds__(256) quantize_s8(const GemvParams p
     const int q = blockIdx.x * blockDim.x + threadIdx.x;  // quarter of row r
     const bool mine = q < nb * 4;                         // warp-uniform: nb * 4 % 32 == 0
     const int e0 = (q >> 2) * 32 + 8 * (q & 3);
-    float4 nw0 = make_float4(0.f, 0.f, 0.f, 0.f), nw1 = nw0;
-    if (p.norm_w != nullptr && mine) {
-        nw0 = *reinterpret_cast<const float4*>(p.norm_w + e0);
-        nw1 = *reinterpret_cast<const float4*>(p.norm_w + e0 + 4);
-    }
     pdl_enter();
     uint4 xv = make_uint4(0u, 0u, 0u, 0u);
-    if (mine) xv = *reinterpret_cast<const uint4*>(p.x + r * p.x_stride + e0);
+    float4 nw0 = make_float4(0.f, 0.f, 0.f, 0.f), nw1 = nw0;
+    if (mine) {
+        xv = *reinterpret_cast<const uint4*>(p.x + r * p.x_stride + e0);
+        if (p.norm_w != nullptr) {
+            nw0 = *reinterpret_cast<const float4*>(p.norm_w + e0);
+            nw1 = *reinterpret_cast<const float4*>(p.norm_w + e0 + 4);
+        }
+    }
     if (p.norm_w != nullptr) {
         const float inv = row_inv_rms<4>(p, r, scratch);
         if (threadIdx.x == 0) inv_rms[r] = inv;

@@ -24,6 +24,23 @@ CASES = [((32, 8, 128), [1, 17, 64, 65, 512, 300, 2000, 33]), ((32, 8, 128), [70
          ((112, 8, 128), [513]), ((112, 8, 128), [64, 129])]
 
 
+@pytest.fixture
+def poisoned_xq(monkeypatch):
+    """attention_xq's buffers filled with 0x7f before attn_decode runs, so bytes it fails to write (a recycled
+    block may hold a previous launch's right answer) show up as huge scales."""
+    from voltserve.backends.cuda import backend as backend_module
+
+    real = backend_module.attention_xq
+
+    def poisoned(backend, w, out, group):
+        fields = real(backend, w, out, group)
+        if fields[0] is not None:
+            backend.xq_pending.xq.fill_(0x7F)  # on the backend's stream (torch's), before the attention launch
+        return fields
+
+    monkeypatch.setattr(backend_module, "attention_xq", poisoned)
+
+
 def _attention_then_o_proj(backend, qkv, kv, attn, positions, cos_sin, heads, lin, handoff):
     """rope_attention then the o_proj linear on its output: (attention output, y, launched kernel names)."""
     meta = metadata_to_cuda(attn)
@@ -38,7 +55,7 @@ def _attention_then_o_proj(backend, qkv, kv, attn, positions, cos_sin, heads, li
 @pytest.mark.parametrize("fmt", ["Q4_0", "Q4_1", "Q8_0"])
 @pytest.mark.parametrize("case", range(len(CASES)))
 @pytest.mark.parametrize("merge", ["kernel", "reduce"])
-def test_o_proj_reads_attention_xq(cuda_backend, fmt, case, merge, attn_choice, monkeypatch):
+def test_o_proj_reads_attention_xq(cuda_backend, fmt, case, merge, attn_choice, poisoned_xq, monkeypatch):
     if cuda_backend.loader.arch < 80:
         pytest.skip("gemv_s8 is SM80+")
     heads, seq_lens = CASES[case]

@@ -10,8 +10,9 @@
 #define S8_M1 0
 #endif
 #define S8_COLS (S8_M1 ? 1 : 8)  // x scales per block in smem (s8_cols)
+// this build's weight format as s8_xq.cuh's code
 #define S8_XQ_FMT \
-    (WTYPE == WTYPE_Q8_0 ? XQ_Q8_0 : WTYPE == WTYPE_Q4_1 ? XQ_Q4_1 : WTYPE == WTYPE_Q4_0 ? XQ_Q4_0 : XQ_NONE)  // s8_xq.cuh's
+    (WTYPE == WTYPE_Q8_0 ? XQ_Q8_0 : WTYPE == WTYPE_Q4_1 ? XQ_Q4_1 : WTYPE == WTYPE_Q4_0 ? XQ_Q4_0 : XQ_NONE)
 #if WREPACK && WTYPE != WTYPE_F16
 static_assert((S8_XQ_FMT == XQ_Q8_0 ? 2 : 4) == RP_GROUP, "s8_xq.cuh's xq_offset assumes quant.cuh's RP_GROUP");
 #endif

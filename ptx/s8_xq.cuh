@@ -68,6 +68,7 @@ VOLT_DEVICE void xq_store_block(u8* xq, int fmt, int rows, int nb, int r, int b,
 #pragma unroll
         for (int e = 1; e < 4; ++e) q[e] = __shfl_down_sync(0xffffffffu, q[0], e);
     }
-    if (V == 4 || (j & 3) == 0) *reinterpret_cast<u32*>(xq + xq_offset(fmt, nb, r, b, V == 4 ? j : j >> 2)) = pack_s8x4(q);
+    if (V == 4 || (j & 3) == 0)
+        *reinterpret_cast<u32*>(xq + xq_offset(fmt, nb, r, b, V == 4 ? j : j >> 2)) = pack_s8x4(q);
     if (j == 0) reinterpret_cast<float2*>(xq + rows * s8_pitch(nb))[b * s8_cols(rows) + r] = xq_scales(fmt, amax, sum);
 }

@@ -113,7 +113,7 @@ struct DecodeParams {
     // quantized output (see the top): nullptr = off; the host sets it only where HEAD_DIM % 32 == 0 and
     // GROUP * HEAD_DIM % 128 == 0 (a warp's outputs are whole 32-element blocks in both writers)
     u8* xq;                      // [xq_rows][s8_pitch] int8, then the scales (kernels.gemv_s8_smem_bytes)
-    int xq_fmt;                  // the o_proj weight's format (s8_xq.cuh XQ_*)
+    int xq_fmt;                  // the o_proj weight's format (WTYPE_Q4_0 / Q4_1 / Q8_0)
     int xq_rows;                 // x rows of the o_proj launch (= num_seqs)
 };
 VOLT_CHECK_PARAMS(DecodeParams, VOLT_DECODE_PARAMS_BYTES);

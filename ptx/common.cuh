@@ -11,6 +11,12 @@ typedef unsigned int u32;
 typedef long long i64;
 typedef unsigned long long u64;
 
+// weight formats (kernels.WTYPES): quant.cuh's compile-time WTYPE, s8_xq.cuh's run-time format
+#define WTYPE_F16 0
+#define WTYPE_Q4_0 1
+#define WTYPE_Q4_1 2
+#define WTYPE_Q8_0 3
+
 #define VOLT_DEVICE __device__ __forceinline__
 #define VOLT_NEG_INF (-__int_as_float(0x7f800000))
 

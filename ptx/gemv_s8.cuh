@@ -10,11 +10,8 @@
 #define S8_M1 0
 #endif
 #define S8_COLS (S8_M1 ? 1 : 8)  // x scales per block in smem (s8_cols)
-// this build's weight format as s8_xq.cuh's code
-#define S8_XQ_FMT \
-    (WTYPE == WTYPE_Q8_0 ? XQ_Q8_0 : WTYPE == WTYPE_Q4_1 ? XQ_Q4_1 : WTYPE == WTYPE_Q4_0 ? XQ_Q4_0 : XQ_NONE)
 #if WREPACK && WTYPE != WTYPE_F16
-static_assert((S8_XQ_FMT == XQ_Q8_0 ? 2 : 4) == RP_GROUP, "s8_xq.cuh's xq_offset assumes quant.cuh's RP_GROUP");
+static_assert((WTYPE == WTYPE_Q8_0 ? 2 : 4) == RP_GROUP, "s8_xq.cuh's xq_offset assumes quant.cuh's RP_GROUP");
 #endif
 
 #ifndef S8_QBATCH
@@ -52,13 +49,13 @@ VOLT_DEVICE void s8_quantize_quarter(const GemvParams& p, const float* inv_rms, 
 #if WREPACK
     const int j4 = 2 * qq;  // elements 8qq..8qq+3, then 8qq+4..8qq+7
 #if WTYPE == WTYPE_Q8_0
-    *reinterpret_cast<uint2*>(xq + xq_offset(S8_XQ_FMT, nb, r, b, j4)) = make_uint2(pack_s8x4(q), pack_s8x4(q + 4));
+    *reinterpret_cast<uint2*>(xq + xq_offset(WTYPE, nb, r, b, j4)) = make_uint2(pack_s8x4(q), pack_s8x4(q + 4));
 #else
-    *reinterpret_cast<u32*>(xq + xq_offset(S8_XQ_FMT, nb, r, b, j4)) = pack_s8x4(q);
-    *reinterpret_cast<u32*>(xq + xq_offset(S8_XQ_FMT, nb, r, b, j4 + 1)) = pack_s8x4(q + 4);
+    *reinterpret_cast<u32*>(xq + xq_offset(WTYPE, nb, r, b, j4)) = pack_s8x4(q);
+    *reinterpret_cast<u32*>(xq + xq_offset(WTYPE, nb, r, b, j4 + 1)) = pack_s8x4(q + 4);
 #endif
 #endif
-    if (qq == 0) xs[b * S8_COLS + r] = xq_scales(S8_XQ_FMT, amax, sum);
+    if (qq == 0) xs[b * S8_COLS + r] = xq_scales(WTYPE, amax, sum);
 }
 
 // Quantize the m rows of x (normalized first with norm_w, inv_rms[r] = 1 / rms of row r) into xq / xs, QB

@@ -7,11 +7,6 @@
 #pragma once
 #include "common.cuh"
 
-#define WTYPE_F16 0
-#define WTYPE_Q4_0 1
-#define WTYPE_Q4_1 2
-#define WTYPE_Q8_0 3
-
 #ifndef WTYPE
 #define WTYPE WTYPE_Q4_0
 #endif

@@ -6,12 +6,6 @@
 #pragma once
 #include "common.cuh"
 
-// Weight formats whose gemv_s8 layout a writer may target (DecodeParams.xq_fmt; 0: none).
-#define XQ_NONE 0
-#define XQ_Q4_0 1
-#define XQ_Q4_1 2
-#define XQ_Q8_0 3
-
 VOLT_DEVICE int s8_pitch(int nb) { return nb * 32 + 16; }  // bytes of one quantized x row (+16: fewer bank conflicts)
 VOLT_DEVICE int s8_cols(int rows) { return rows == 1 ? 1 : 8; }  // x scales per block: [nb] for one row, else [nb][8]
 
@@ -27,19 +21,19 @@ VOLT_DEVICE u32 pack_s8x4(const int* q) {
 }
 
 // Byte offset in xq of the 4 quantized elements 4 j4 .. 4 j4 + 3 (j4 < 8) of block b of x row r (nb blocks a
-// row), for weights of format fmt (XQ_*): the repacked rows' load groups hold RP_GROUP blocks (Q8_0: 2, Q4: 4),
+// row), for weights of format fmt (WTYPE_Q4_0 / Q4_1 / Q8_0): the repacked rows' load groups hold RP_GROUP blocks (Q8_0: 2, Q4: 4),
 // each of 4 k slots; Q8_0 slot t holds elements 8t..8t+7 (two words), Q4's low nibbles of bytes 4t'..4t'+3 pair
 // with elements 4t'.. of the first half, the high nibbles with 16 + 4t'.. (quant.cuh, gemv_s8.cu's header).
 VOLT_DEVICE int xq_offset(int fmt, int nb, int r, int b, int j4) {
-    const int group = fmt == XQ_Q8_0 ? 2 : 4, qq = j4 >> 1, half = j4 & 1;
+    const int group = fmt == WTYPE_Q8_0 ? 2 : 4, qq = j4 >> 1, half = j4 & 1;
     const int row = r * s8_pitch(nb) + (b / group) * (32 * group) + (b % group) * 8;
-    return fmt == XQ_Q8_0 ? row + qq * 8 * group + 4 * half : row + (2 * (qq & 1) + half) * 8 * group + 4 * (qq >> 1);
+    return fmt == WTYPE_Q8_0 ? row + qq * 8 * group + 4 * half : row + (2 * (qq & 1) + half) * 8 * group + 4 * (qq >> 1);
 }
 
 // Block b's scale pair (d, s) as the GEMV reads it: Q4_0 stores -8 s (its weights' offset of 8).
 VOLT_DEVICE float2 xq_scales(int fmt, float amax, int sum) {
     const float d = amax / 127.f, s = d * (float)sum;
-    return make_float2(d, fmt == XQ_Q4_0 ? -8.f * s : s);
+    return make_float2(d, fmt == WTYPE_Q4_0 ? -8.f * s : s);
 }
 
 // Quantize one block of x row r held by L = 32 / V lanes of a warp in order (lane j of the group: elements V j ..

@@ -43,10 +43,6 @@ GEMV_S8_BLOCK_MAX_X = 16384
 GEMV_S8_NARROW_MAX_K = {"Q8_0": 4096}
 
 
-# Weight formats whose gemv_s8 x layout another kernel may write (ptx/s8_xq.cuh XQ_*: DecodeParams.xq_fmt)
-XQ_FORMATS = {"Q4_0": 1, "Q4_1": 2, "Q8_0": 3}
-
-
 @dataclass(frozen=True)
 class PendingXq:
     """x already quantized for the next GEMV on `weight` by the kernel that wrote x (attn_decode for o_proj,
@@ -144,6 +140,15 @@ def gemv_s8_x_per_launch(backend: Any, rows: int, k: int, block_max_x: int = GEM
     return rows > 1 or k > block_max_x
 
 
+def x_per_launch_of(backend: Any, kernel: str, rows: int, k: int) -> bool:
+    """Whether the `kernel` ("gemv_s8w" or "gemv_s8") launch of `rows` x rows of width k reads x quantized
+    once per launch (quantize_s8, or the kernel that wrote x: linear.attention_xq): gemv_s8_x_per_launch with
+    gemv_s8w's own GEMV_S8W_BLOCK_MAX_X."""
+    if kernel == "gemv_s8w":
+        return gemv_s8_x_per_launch(backend, 1, k, GEMV_S8W_BLOCK_MAX_X)
+    return gemv_s8_x_per_launch(backend, rows, k)
+
+
 def s8_quantized_x(backend: Any, xr: torch.Tensor, spec: dict[str, int], smem: int,
                    norm_weight: torch.Tensor | None, eps: float, vec_ok: int,
                    per_launch: bool, ready: torch.Tensor | None = None) -> tuple[torch.Tensor | None,
@@ -172,7 +177,7 @@ def launch_gemv_s8w(backend: Any, x: torch.Tensor, w: CudaLinear, y: torch.Tenso
     holds at once (its warps then loop over the rest)."""
     k = x.shape[1]
     n_out = y.shape[1]
-    per_launch = gemv_s8_x_per_launch(backend, 1, k, GEMV_S8W_BLOCK_MAX_X)
+    per_launch = x_per_launch_of(backend, "gemv_s8w", 1, k)
     pdl = gemv_pdl(backend, w)  # against the launch before quantize_s8: the pair counts as one GEMV
     spec = kernels.gemv_s8_spec(w.fmt, silu, 1, False, per_launch)
     xq, norm = s8_quantized_x(backend, x, spec, kernels.gemv_s8_smem_bytes(1, k), norm_weight, eps, vec_ok,
@@ -199,7 +204,7 @@ def launch_gemv_s8(backend: Any, x: torch.Tensor, w: CudaLinear, y: torch.Tensor
     for r0 in range(0, m, kernels.GEMV_MAX_ROWS):
         rows = min(kernels.GEMV_MAX_ROWS, m - r0)
         xr = x[r0:r0 + rows]
-        per_launch = gemv_s8_x_per_launch(backend, rows, k)
+        per_launch = x_per_launch_of(backend, "gemv_s8", rows, k)
         pdl = gemv_pdl(backend, w)  # against the launch before quantize_s8: the pair counts as one GEMV
         tile = gemv_s8_tile_rows(backend, w.fmt, rows, k, per_launch)
         spec = kernels.gemv_s8_spec(w.fmt, silu, rows, one_pass, per_launch, tile)

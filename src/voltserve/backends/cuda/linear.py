@@ -12,9 +12,8 @@ import torch.nn.functional as F
 
 from voltserve.backends.cuda import kernels
 from voltserve.backends.cuda import params as P
-from voltserve.backends.cuda.gemv_int8 import (GEMV_S8_AUTO_FORMATS, GEMV_S8W_BLOCK_MAX_X, XQ_FORMATS, PendingXq,
-                                              gemv_s8_ok, gemv_s8_x_per_launch, gemv_s8w_ok, launch_gemv_s8,
-                                              launch_gemv_s8w)
+from voltserve.backends.cuda.gemv_int8 import (GEMV_S8_AUTO_FORMATS, PendingXq, gemv_s8_ok, gemv_s8w_ok,
+                                              launch_gemv_s8, launch_gemv_s8w, x_per_launch_of)
 from voltserve.backends.cuda.gemv_launch import gemv_params, gemv_pdl, launched_gemv, vec_ok_of
 from voltserve.backends.cuda.gemv_tma import gemv_tma_ok, gemv_tma_s8_ok, launch_gemv_tma, launch_gemv_tma_s8
 from voltserve.backends.cuda.repack import FORMATS as REPACK_FORMATS
@@ -400,20 +399,15 @@ def attention_xq(backend: Any, w: Any, out: torch.Tensor, group: int) -> tuple[i
     VOLTSERVE_ATTN_XQ=off (`backend.attn_xq`)."""
     rows, heads, head_dim = out.shape
     k = heads * head_dim
-    if (getattr(backend, "attn_xq", "auto") == "off" or not isinstance(w, CudaLinear) or w.fmt not in XQ_FORMATS
-            or w.in_features != k or not 1 <= rows <= kernels.GEMV_MAX_ROWS or head_dim % 32
-            or group * head_dim % 128):
+    if (getattr(backend, "attn_xq", "auto") == "off" or not isinstance(w, CudaLinear) or w.in_features != k
+            or not 1 <= rows <= kernels.GEMV_MAX_ROWS or head_dim % 32 or group * head_dim % 128):
         return None, 0, 0
-    name = gemv_kernel_name(backend, w, rows)
-    if name == "gemv_s8w":
-        per_launch = gemv_s8_x_per_launch(backend, 1, k, GEMV_S8W_BLOCK_MAX_X)
-    else:
-        per_launch = name == "gemv_s8" and gemv_s8_x_per_launch(backend, rows, k)
-    if not per_launch:
+    name = gemv_kernel_name(backend, w, rows)  # gemv_s8 / gemv_s8w: repacked Q4_0 / Q4_1 / Q8_0 rows
+    if name not in ("gemv_s8", "gemv_s8w") or not x_per_launch_of(backend, name, rows, k):
         return None, 0, 0
     xq = torch.empty(kernels.gemv_s8_smem_bytes(rows, k), dtype=torch.uint8, device=out.device)
     backend.xq_pending = PendingXq(out, (rows, k), w, xq)
-    return xq.data_ptr(), XQ_FORMATS[w.fmt], rows
+    return xq.data_ptr(), kernels.WTYPES[w.fmt], rows
 
 
 def _whole_superblocks(w: CudaLinear) -> bool:

@@ -13,6 +13,12 @@
 // launch) sums the partials in fixed order z = 0 .. splits-1, so the result is bitwise deterministic whatever the
 // arrival order (graph replay == eager). `counters` needs ceil(n/BN) * ceil(m/64) zeroed ints, owned by one
 // stream at a time.
+// dequant_f16: the same weights dequantized (load_raw8 / convert_raw8, the values gemm_tc's tiles hold) into fp16
+// rows of global memory for cuBLAS at many x rows (linear.dequant_gemm_wanted): grid (ceil(k / 8 / (128 *
+// DQ_GROUPS)), min(n, 65535)), block 128 threads; a block takes 128 * DQ_GROUPS 8-weight groups of each of its
+// rows (blockIdx.y, + gridDim.y, ...), a thread DQ_GROUPS of them 128 apart (coalesced 16-byte stores), its first
+// row's loads issued before the PDL wait (weights are constant); y rows y_stride elements apart; x, part,
+// counters unused.
 // Compile-time: WTYPE (quant.cuh; quant formats only, fp16 weights take cuBLAS or gemm_tiled), BN (32 or 64),
 // WREPACK (1: the rows are repacked, quant.cuh / voltserve.backends.cuda.repack; k % 256 == 0).
 // Requirements: k % 32 == 0, x rows 16-byte aligned (x_stride % 8 == 0), w 4-byte aligned.
@@ -304,5 +310,33 @@ extern "C" __global__ void __launch_bounds__(NT) gemm_tc(const GemmTcParams p) {
     for (int i = tid; i < BM * BN; i += NT) {
         const int r = i / BN, c = i % BN, gm = m0 + r, gn = n0 + c;
         if (gm < p.m && gn < p.n) p.y[(i64)gm * p.y_stride + gn] = f2h(Cs[r * LDC + c]);
+    }
+}
+
+#ifndef DQ_GROUPS
+#define DQ_GROUPS 4  // 8-weight groups per thread of dequant_f16 (kernels.DEQUANT_GROUPS)
+#endif
+
+extern "C" __global__ void __launch_bounds__(NT) dequant_f16(const GemmTcParams p) {
+    const int c0 = blockIdx.x * (NT * DQ_GROUPS) + threadIdx.x;  // this thread's first 8-weight group of a row
+    for (int row = blockIdx.y; row < p.n; row += gridDim.y) {
+        const u8* w = p.w + (i64)row * p.w_row_bytes;
+        Raw8 wr[DQ_GROUPS];
+#pragma unroll
+        for (int i = 0; i < DQ_GROUPS; ++i) {
+            const int kk = (c0 + i * NT) * 8;
+            const bool ok = kk < p.k;
+#if WREPACK
+            load_raw8_rp(w, p.k / 32, kk / 32, kk % 32, ok, wr[i]);
+#else
+            load_raw8(w + (i64)(kk / 32) * BLOCK_BYTES, kk % 32, ok, wr[i]);
+#endif
+        }
+        if (row == blockIdx.y) pdl_enter();  // y may still be read by the previous kernel (the last chunk's GEMM)
+#pragma unroll
+        for (int i = 0; i < DQ_GROUPS; ++i) {
+            const int kk = (c0 + i * NT) * 8;
+            if (kk < p.k) *reinterpret_cast<uint4*>(p.y + (i64)row * p.y_stride + kk) = convert_raw8(wr[i], kk % 32);
+        }
     }
 }

@@ -15,6 +15,9 @@ Shapes are Llama-3-8B-like (hidden 4096, 32 heads / 8 KV heads, head_dim 128, FF
 Two kinds of rows:
   - eager rows (`gemv_F16_m1`, ...): one Python call per timed run on one weight buffer; for short kernels the
     ~20 us of host launch cost and the 60 MB L2 (a Q4 14336x4096 weight is 33 MB) both show in the figure.
+  - `gemm_{fmt}_{n}x{k}_m{m}@{path}` rows (eager): Llama-3-8B's prefill GEMMs at 64-2,048 x rows, quantized
+    weights through gemm_tc (@tc) and dequant_f16 + cuBLAS (@dequant), fp16 weights through cuBLAS (@f16);
+    `dequant_f16_*` rows: the dequantization alone (CUDA-graph timed).
   - `decode_fused_*` / `decode_unfused_*` rows: the decode fusions (norm + GEMV, GEMV + SwiGLU, GEMV + residual)
     and the op sequences they replace, measured the same way.
   - `decode_*` rows (`decode_gemv_Q4_0_14336x4096_m1`: out x in): how decode sees the GEMV, a CUDA graph of
@@ -365,6 +368,55 @@ def _cases(be):
     yield "argmax_logprob_256x128256", lambda: be.sample_greedy(logits), logits.numel() * 4, 0
 
 
+# Llama-3-8B's prefill GEMMs (out x in: qkv, o_proj, gate_up, down) and the x rows they are timed at
+PREFILL_GEMM_SHAPES = ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336))
+PREFILL_GEMM_ROWS = (64, 128, 256, 512, 2048)
+
+
+def _prefill_gemm_cases(be, repeats: int, only: str | None):
+    """`gemm_{fmt}_{n}x{k}_m{m}@{path}` rows (eager): quantized weights (random GGUF blocks, the engine's layout:
+    repacked where `prepare_linear` repacks) through gemm_tc ("tc") and dequant_f16 + cuBLAS ("dequant"), and an
+    fp16 weight of the same shape through cuBLAS ("f16": the ceiling the dequant path approaches); bytes = weight
+    + x + y. `dequant_f16_{fmt}_{n}x{k}` rows: dequant_f16 alone on the whole weight (one chunk of rows), CUDA-graph
+    timed over 4 launches; bytes = the quantized rows read + the fp16 rows written."""
+    import numpy as np
+    from loaders.model import QuantizedTensor
+    from tools.make_synthetic_checkpoint import quant_blocks
+    from voltserve.backends.cuda.linear import dequantize_rows
+
+    rng = np.random.default_rng(0)
+    for n, k in PREFILL_GEMM_SHAPES:
+        for fmt in ("F16", "Q4_1", "Q8_0"):
+            paths = ("f16",) if fmt == "F16" else ("tc", "dequant")
+            names = [f"gemm_{fmt}_{n}x{k}_m{m}@{path}" for m in PREFILL_GEMM_ROWS for path in paths]
+            names += [f"dequant_f16_{fmt}_{n}x{k}"] if fmt != "F16" else []
+            if only and not any(_picked(only, name) for name in names):
+                continue
+            if fmt == "F16":
+                lin = be.prepare_linear(torch.randn(n, k, device="cuda") * 0.02)
+            else:
+                quant = QuantizedTensor(fmt, (n, k), quant_blocks(fmt, n, k, rng))
+                lin = be.prepare_linear(torch.zeros(1, 1).expand(n, k), quant)
+            wbytes = lin.data.numel() * lin.data.element_size()
+            for m in PREFILL_GEMM_ROWS:
+                x = torch.randn(m, k, device="cuda", dtype=torch.float16)
+                for path in paths:
+                    name = f"gemm_{fmt}_{n}x{k}_m{m}@{path}"
+                    if only and not _picked(only, name):
+                        continue
+                    if path != "f16":
+                        be.quant_gemm = path
+                    yield name, _time(lambda: be.linear(x, lin), repeats), wbytes + 2 * m * (n + k), 2 * m * n * k
+            name = f"dequant_f16_{fmt}_{n}x{k}"
+            if fmt != "F16" and (not only or _picked(only, name)):
+                out = torch.empty(n, k, dtype=torch.float16, device="cuda")
+                t = _graph_time(be, [lambda: dequantize_rows(be, lin, 0, out)] * 4, repeats) / 4
+                yield name, t, wbytes + 2 * n * k, 0
+            lin = out = None  # freed before the next shape's weight
+            torch.cuda.empty_cache()
+    be.quant_gemm = "auto"
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=None, help="write the JSON here too")
@@ -410,6 +462,8 @@ def main() -> int:
         if args.only and not _picked(args.only, name):
             continue
         add(name, _time(fn, args.repeats), num_bytes, flops)
+    for name, t, num_bytes, flops in _prefill_gemm_cases(be, args.repeats, args.only):
+        add(name, t, num_bytes, flops)
     for name, t, num_bytes, flops in _decode_attention_cases(be, args.repeats, args.only):
         add(name, t, num_bytes, flops)
     # (backend attribute, tag, choices, value -> attribute): every combination runs the decode_* rows once

@@ -199,6 +199,29 @@ def test_repacked_quant_rows_serve_like_gguf_rows(s8, bound):
     _variants_agree(models["on"], models["off"], lambda n: bound if n <= 8 else 1e-2)
 
 
+@pytest.mark.parametrize("repack", ["on", "off"])
+def test_dequant_gemm_prefill_agrees_with_gemm_tc(repack):
+    """A 300-token prefill of a Q4_1 model (repacked and GGUF rows) with its GEMMs through dequant_f16 + cuBLAS
+    (quant_gemm "dequant") against gemm_tc ("tc"): the same fp16 weights in another summation order, so the logits
+    agree within 1e-2 of max |logit|; dequant_f16 ran only under "dequant"."""
+    from tests.kernels.kutils import launched_kernels
+    from tools.make_synthetic_checkpoint import synthetic_model
+    from voltserve.backends.cuda.backend import CudaBackend
+
+    loaded = synthetic_model("small256", device="cuda", dtype=torch.float16, qtype="Q4_1", seed=13)
+    ids = [(7 * j) % 250 + 3 for j in range(300)]
+    logits = {}
+    for mode in ("dequant", "tc"):
+        backend = CudaBackend(0)
+        backend.quant_repack, backend.quant_gemm = repack, mode
+        model = LlamaModel(loaded.config, loaded.tensors, backend, loaded.quantized, max_positions=512)
+        with launched_kernels(backend) as names:
+            logits[mode] = all_logits(model, backend, ids)
+        assert ("dequant_f16" in names, "gemm_tc" in names) == (mode == "dequant", mode == "tc")
+    got, ref = logits["dequant"], logits["tc"]
+    assert ((got - ref).abs().max() / ref.abs().max()).item() < 1e-2
+
+
 def test_folded_norms_serve_like_unfolded():
     """An fp16 model (random, non-unit norm weights) with every RMSNorm folded into the linear after it
     (VOLTSERVE_NORM_FOLD "on": gemv's NORM_POST at 1 row, unit-norm rms_norm + gemv_mma / cuBLAS above) against the

@@ -1,12 +1,13 @@
 """linear: GEMV (m <= 16; each case under `gemv_choice`: the routing, the SM70 kernels, gemv_mma) and tiled GEMM (m >= 17) on fp16 and GGUF Q4_0 / Q4_1 / Q8_0 weights vs
-CpuBackend.linear on the dequantized fp32 weights and the same fp16 activations.
+CpuBackend.linear on the dequantized fp32 weights and the same fp16 activations; quantized GEMMs both through
+gemm_tc and through dequant_f16 + cuBLAS (`quant_gemm`).
 
 Bound: max |got - ref| <= 3e-3 * max |ref| (fp32 accumulation; one fp16 output rounding is 4.9e-4 relative).
 """
 
 import pytest
 import torch
-from tests.kernels.kutils import capture, make_quant, rel_err
+from tests.kernels.kutils import backend_settings, capture, make_quant, rel_err
 
 from voltserve.backends.cuda.linear import launch_linear
 
@@ -88,10 +89,17 @@ def test_linear_rows_independent(cuda_backend, gemv_choice, fmt, nk):
 SMOL = [(960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576)]
 
 
+@pytest.fixture(params=["tc", "dequant"])
+def quant_gemm(request, cuda_backend):
+    """Runs a quantized-GEMM test through gemm_tc ("tc") and through dequant_f16 + cuBLAS ("dequant")."""
+    with backend_settings(cuda_backend, quant_gemm=request.param):
+        yield request.param
+
+
 @pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0", "Q4_0"])
 @pytest.mark.parametrize("m", [17, 64, 100, 512])
 @pytest.mark.parametrize("nk", SMOL)
-def test_gemm_tc_smollm_shapes(cuda_backend, cpu_backend, qtype, m, nk):
+def test_gemm_tc_smollm_shapes(cuda_backend, cpu_backend, quant_gemm, qtype, m, nk):
     n, k = nk
     if n == 49152 and (qtype != "Q8_0" or m == 100):
         pytest.skip("lm_head: Q8_0 only, fewer cases")
@@ -113,24 +121,55 @@ def test_gemm_tc_deterministic_and_graph_replay(cuda_backend, m, nk):
     quant, weight = make_quant("Q4_1", n, k, gen)
     w = cuda_backend.prepare_linear(weight, quant)
     x = torch.randn(m, k, generator=gen).half().cuda()
-    first = cuda_backend.linear(x, w)
-    for _ in range(3):
-        assert torch.equal(cuda_backend.linear(x, w), first)
-    graph, captured = capture(cuda_backend, lambda: cuda_backend.linear(x, w))
-    for _ in range(2):
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(captured, first)
+    with backend_settings(cuda_backend, quant_gemm="tc"):
+        _check_replays(cuda_backend, x, w)
     assert int(cuda_backend.gemm_counters.abs().sum()) == 0
     splits = kernels.gemm_tc_plan(m, n, k, cuda_backend.num_sms)[1]
     assert splits > 1 if m < 512 else splits == 1  # both the split-K and the direct epilogue are covered
 
 
-def test_gemm_tc_plan():
+def _check_replays(backend, x, w):
+    """backend.linear(x, w) three more times and from a replayed CUDA graph: bitwise equal to the first call."""
+    first = backend.linear(x, w)
+    for _ in range(3):
+        assert torch.equal(backend.linear(x, w), first)
+    graph, captured = capture(backend, lambda: backend.linear(x, w))
+    for _ in range(2):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(captured, first)
+    return first
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("nk", [(333, 576), (4096, 1024), (70, 2816), (66000, 256)])
+def test_dequantize_rows_exact(cuda_backend, qtype, nk):
+    """dequant_f16 writes each weight as d * q (+ m) in fp32 rounded once to fp16, which is the fp16 of the
+    exact dequantized value here (the products are exact in fp32): bit for bit, from row 0 and from an offset;
+    66,000 rows: blocks loop over rows past the grid's 65,535."""
+    from voltserve.backends.cuda.linear import dequantize_rows
+
+    n, k = nk
+    quant, weight = make_quant(qtype, n, k, torch.Generator().manual_seed(n + k))
+    w = cuda_backend.prepare_linear(weight, quant)
+    out = torch.full((n, k), float("nan"), dtype=torch.float16, device="cuda")
+    assert torch.equal(dequantize_rows(cuda_backend, w, 0, out).cpu(), weight.half())
+    tail = torch.full((n - 5, k), float("nan"), dtype=torch.float16, device="cuda")
+    assert torch.equal(dequantize_rows(cuda_backend, w, 5, tail).cpu(), weight[5:].half())
+
+
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0"])
+def test_dequant_gemm_chunks_and_graph_replay(cuda_backend, cpu_backend, monkeypatch, qtype):
+    """A weight larger than the scratch goes in chunks of rows (here 4 launches, the last short), each cuBLAS
+    product writing its columns of y; eager, repeated and graph-replayed calls are bitwise equal."""
     from voltserve.backends.cuda import kernels
 
-    for m in (17, 64, 512):
-        for n, k in SMOL + [(70, 2816), (333, 96)]:
-            bn, splits, k_split = kernels.gemm_tc_plan(m, n, k, 132)
-            assert bn in kernels.GEMM_TC_BNS and k_split % kernels.GEMM_TC_KC == 0
-            assert (splits - 1) * k_split < k <= splits * k_split  # every split non-empty, k covered
+    n, k, m = 1000, 512, 150
+    monkeypatch.setattr(kernels, "DEQUANT_SCRATCH_BYTES", 300 * 2 * k)
+    gen = torch.Generator().manual_seed(7)
+    quant, weight = make_quant(qtype, n, k, gen)
+    w = cuda_backend.prepare_linear(weight, quant)
+    x = torch.randn(m, k, generator=gen).half()
+    with backend_settings(cuda_backend, quant_gemm="dequant"):
+        got = _check_replays(cuda_backend, x.cuda(), w)
+    assert rel_err(got, cpu_backend.linear(x.float(), weight)) <= TOL

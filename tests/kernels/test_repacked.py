@@ -99,9 +99,27 @@ def test_gemm_tc(rp_backend, cpu_backend, fmt, m):
     weight, rp, gguf = _pair(rp_backend, fmt, n, k, m)
     gen = torch.Generator().manual_seed(m)
     x = torch.randn(m, k, generator=gen).half().cuda()
-    got = rp_backend.linear(x, rp)
+    with backend_settings(rp_backend, quant_gemm="tc"):
+        got = rp_backend.linear(x, rp)
+        assert rel_err(got, cpu_backend.linear(x.float().cpu(), weight)) <= TOL
+        assert torch.equal(got, rp_backend.linear(x, gguf))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_dequant_gemm(rp_backend, cpu_backend, fmt):
+    """dequant_f16 on repacked rows: the same fp16 weights as from the GGUF rows (and the exact dequantized
+    values), and the cuBLAS GEMM on them within the gemm_tc bound."""
+    from voltserve.backends.cuda.linear import dequantize_rows
+
+    k, n, m = 1024, 96, 200
+    weight, rp, gguf = _pair(rp_backend, fmt, n, k, 11)
+    out = [dequantize_rows(rp_backend, lin, 0, torch.empty(n, k, dtype=torch.float16, device="cuda"))
+           for lin in (rp, gguf)]
+    assert torch.equal(out[0], out[1]) and torch.equal(out[0].cpu(), weight.half())
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).half().cuda()
+    with backend_settings(rp_backend, quant_gemm="dequant"):
+        got = rp_backend.linear(x, rp)
     assert rel_err(got, cpu_backend.linear(x.float().cpu(), weight)) <= TOL
-    assert torch.equal(got, rp_backend.linear(x, gguf))
 
 
 def test_misaligned_x_is_copied(rp_backend, cpu_backend):

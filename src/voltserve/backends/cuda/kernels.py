@@ -331,6 +331,17 @@ GEMM_TC_KC = 64
 GEMM_TC_BNS = (32, 64)
 GEMM_TC_MAX_SPLITS = 16
 GEMM_TC_MAX_COUNTERS = 4096  # arrival counters per backend (tiles of one split-K launch)
+# Quantized weights at many x rows: dequant_f16 (ptx/gemm_tc.cu) writes fp16 rows, cuBLAS multiplies them
+# (linear.dequant_gemm_wanted: from DEQUANT_GEMM_MIN_ROWS x rows on weights of >= DEQUANT_GEMM_MIN_WEIGHTS), in
+# equal chunks of at most DEQUANT_SCRATCH_BYTES of fp16 rows (Llama-3-8B's largest weight in one: 64 MB chunks
+# measured 14-15% slower), each a multiple of DEQUANT_CHUNK_ROWS rows (cuBLAS takes its fast kernels only on
+# 16-byte aligned column slices of y). The scratch comes from torch's caching allocator, inside the engine's
+# activation reserve (actors/build.py).
+DEQUANT_GEMM_MIN_ROWS = 128
+DEQUANT_GEMM_MIN_WEIGHTS = 1 << 22
+DEQUANT_SCRATCH_BYTES = 256 << 20
+DEQUANT_CHUNK_ROWS = 128
+DEQUANT_GROUPS = 4  # 8-weight groups per thread (DQ_GROUPS in gemm_tc.cu); blocks of 128 threads
 ARGMAX_CHUNK = 4096  # argmax_logprob: vocabulary entries per block (256 threads)
 ARGMAX_MAX_CHUNKS = 64
 ARGMAX_MAX_ROWS = 4096  # rows with arrival counters; more rows take one 1024-thread block each
@@ -416,7 +427,7 @@ SOURCES = {
     "gemv_s8": KernelSource("gemv_s8.cu", ("gemv_s8", "quantize_s8", "gemv_s8w"), P.GemvParams,
                             "VOLT_GEMV_PARAMS_BYTES"),
     "gemm_tiled": KernelSource("gemm_tiled.cu", ("gemm_tiled",), P.GemmParams, "VOLT_GEMM_PARAMS_BYTES"),
-    "gemm_tc": KernelSource("gemm_tc.cu", ("gemm_tc",), P.GemmTcParams, "VOLT_GEMM_TC_PARAMS_BYTES"),
+    "gemm_tc": KernelSource("gemm_tc.cu", ("gemm_tc", "dequant_f16"), P.GemmTcParams, "VOLT_GEMM_TC_PARAMS_BYTES"),
     "sampling": KernelSource("sampling.cu", ("argmax_logprob",), P.ArgmaxParams, "VOLT_ARGMAX_PARAMS_BYTES"),
     "sample_topk_topp": KernelSource("sample_topk_topp.cu", ("sample_topk_topp", "philox4x32_10_test"),
                                      P.SampleParams, "VOLT_SAMPLE_PARAMS_BYTES",

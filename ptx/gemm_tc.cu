@@ -17,8 +17,8 @@
 // rows of global memory for cuBLAS at many x rows (linear.dequant_gemm_wanted): grid (ceil(k / 8 / (128 *
 // DQ_GROUPS)), min(n, 65535)), block 128 threads; a block takes 128 * DQ_GROUPS 8-weight groups of each of its
 // rows (blockIdx.y, + gridDim.y, ...), a thread DQ_GROUPS of them 128 apart (coalesced 16-byte stores), its first
-// row's loads issued before the PDL wait (weights are constant); y rows y_stride elements apart; x, part,
-// counters unused.
+// row's loads issued before the PDL wait (weights are constant); y rows y_stride elements apart (y 16-byte
+// aligned, y_stride % 8 == 0); x, part, counters unused.
 // Compile-time: WTYPE (quant.cuh; quant formats only, fp16 weights take cuBLAS or gemm_tiled), BN (32 or 64),
 // WREPACK (1: the rows are repacked, quant.cuh / voltserve.backends.cuda.repack; k % 256 == 0).
 // Requirements: k % 32 == 0, x rows 16-byte aligned (x_stride % 8 == 0), w 4-byte aligned.
@@ -313,9 +313,7 @@ extern "C" __global__ void __launch_bounds__(NT) gemm_tc(const GemmTcParams p) {
     }
 }
 
-#ifndef DQ_GROUPS
-#define DQ_GROUPS 4  // 8-weight groups per thread of dequant_f16 (kernels.DEQUANT_GROUPS)
-#endif
+#define DQ_GROUPS 4  // 8-weight groups per thread of dequant_f16 (= kernels.DEQUANT_GROUPS; 2 equal, 8 slower)
 
 extern "C" __global__ void __launch_bounds__(NT) dequant_f16(const GemmTcParams p) {
     const int c0 = blockIdx.x * (NT * DQ_GROUPS) + threadIdx.x;  // this thread's first 8-weight group of a row

@@ -379,6 +379,15 @@ def _prefill_gemm_cases(be, repeats: int, only: str | None):
     fp16 weight of the same shape through cuBLAS ("f16": the ceiling the dequant path approaches); bytes = weight
     + x + y. `dequant_f16_{fmt}_{n}x{k}` rows: dequant_f16 alone on the whole weight (one chunk of rows), CUDA-graph
     timed over 4 launches; bytes = the quantized rows read + the fp16 rows written."""
+    saved = be.quant_gemm
+    try:
+        yield from _prefill_gemm_rows(be, repeats, only)
+    finally:
+        be.quant_gemm = saved
+
+
+def _prefill_gemm_rows(be, repeats: int, only: str | None):
+    """`_prefill_gemm_cases`' rows; sets be.quant_gemm per row."""
     import numpy as np
     from loaders.model import QuantizedTensor
     from tools.make_synthetic_checkpoint import quant_blocks
@@ -414,7 +423,6 @@ def _prefill_gemm_cases(be, repeats: int, only: str | None):
                 yield name, t, wbytes + 2 * n * k, 0
             lin = out = None  # freed before the next shape's weight
             torch.cuda.empty_cache()
-    be.quant_gemm = "auto"
 
 
 def main() -> int:

@@ -7,7 +7,7 @@ Bound: max |got - ref| <= 3e-3 * max |ref| (fp32 accumulation; one fp16 output r
 
 import pytest
 import torch
-from tests.kernels.kutils import backend_settings, capture, make_quant, rel_err
+from tests.kernels.kutils import backend_settings, capture, launched_kernels, make_quant, rel_err
 
 from voltserve.backends.cuda.linear import launch_linear
 
@@ -106,7 +106,9 @@ def test_gemm_tc_smollm_shapes(cuda_backend, cpu_backend, quant_gemm, qtype, m, 
     gen = torch.Generator().manual_seed(m + n + k)
     quant, weight = make_quant(qtype, n, k, gen)
     x = torch.randn(m, k, generator=gen).half()
-    got = cuda_backend.linear(x.cuda(), cuda_backend.prepare_linear(weight, quant))
+    with launched_kernels(cuda_backend) as names:
+        got = cuda_backend.linear(x.cuda(), cuda_backend.prepare_linear(weight, quant))
+    assert ("dequant_f16" if quant_gemm == "dequant" else "gemm_tc") in names
     assert rel_err(got, cpu_backend.linear(x.float(), weight)) <= TOL
 
 
@@ -142,10 +144,11 @@ def _check_replays(backend, x, w):
 
 
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
-@pytest.mark.parametrize("nk", [(333, 576), (4096, 1024), (70, 2816), (66000, 256)])
+@pytest.mark.parametrize("nk", [(333, 576), (4096, 1024), (70, 2816), (70, 14336), (64, 5120), (66000, 256)])
 def test_dequantize_rows_exact(cuda_backend, qtype, nk):
     """dequant_f16 writes each weight as d * q (+ m) in fp32 rounded once to fp16, which is the fp16 of the
-    exact dequantized value here (the products are exact in fp32): bit for bit, from row 0 and from an offset;
+    exact dequantized value here (d * q is exact in fp32, so one rounding of the exact d * q + m either way): bit
+    for bit, from row 0 and from an offset; k = 5,120 and 14,336: several blocks a row, the last part-filled;
     66,000 rows: blocks loop over rows past the grid's 65,535."""
     from voltserve.backends.cuda.linear import dequantize_rows
 
@@ -156,6 +159,11 @@ def test_dequantize_rows_exact(cuda_backend, qtype, nk):
     assert torch.equal(dequantize_rows(cuda_backend, w, 0, out).cpu(), weight.half())
     tail = torch.full((n - 5, k), float("nan"), dtype=torch.float16, device="cuda")
     assert torch.equal(dequantize_rows(cuda_backend, w, 5, tail).cpu(), weight[5:].half())
+    for bad in (torch.empty(3, k, dtype=torch.float16, device="cuda"),      # rows past the weight's at n0 = n - 2
+                torch.empty(2, k + 32, dtype=torch.float16, device="cuda"),  # another k
+                torch.empty(2, k, dtype=torch.float32, device="cuda")):     # not fp16
+        with pytest.raises(ValueError):
+            dequantize_rows(cuda_backend, w, n - 2, bad)
 
 
 @pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0"])
@@ -171,5 +179,18 @@ def test_dequant_gemm_chunks_and_graph_replay(cuda_backend, cpu_backend, monkeyp
     w = cuda_backend.prepare_linear(weight, quant)
     x = torch.randn(m, k, generator=gen).half()
     with backend_settings(cuda_backend, quant_gemm="dequant"):
+        with launched_kernels(cuda_backend) as names:
+            cuda_backend.linear(x.cuda(), w)
+        assert names == ["dequant_f16"] * 4
         got = _check_replays(cuda_backend, x.cuda(), w)
     assert rel_err(got, cpu_backend.linear(x.float(), weight)) <= TOL
+
+
+def test_gemm_tc_plan():
+    from voltserve.backends.cuda import kernels
+
+    for m in (17, 64, 512):
+        for n, k in SMOL + [(70, 2816), (333, 96)]:
+            bn, splits, k_split = kernels.gemm_tc_plan(m, n, k, 132)
+            assert bn in kernels.GEMM_TC_BNS and k_split % kernels.GEMM_TC_KC == 0
+            assert (splits - 1) * k_split < k <= splits * k_split  # every split non-empty, k covered

@@ -107,15 +107,17 @@ def test_gemm_tc(rp_backend, cpu_backend, fmt, m):
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_dequant_gemm(rp_backend, cpu_backend, fmt):
-    """dequant_f16 on repacked rows: the same fp16 weights as from the GGUF rows (and the exact dequantized
-    values), and the cuBLAS GEMM on them within the gemm_tc bound."""
+    """dequant_f16 on repacked rows (k = 5,120: two blocks a row, the second part-filled; from row 0 and 5): the
+    same fp16 weights as from the GGUF rows (and the exact dequantized values), and the cuBLAS GEMM on them within
+    the gemm_tc bound."""
     from voltserve.backends.cuda.linear import dequantize_rows
 
-    k, n, m = 1024, 96, 200
+    k, n, m = 5120, 96, 200
     weight, rp, gguf = _pair(rp_backend, fmt, n, k, 11)
-    out = [dequantize_rows(rp_backend, lin, 0, torch.empty(n, k, dtype=torch.float16, device="cuda"))
-           for lin in (rp, gguf)]
-    assert torch.equal(out[0], out[1]) and torch.equal(out[0].cpu(), weight.half())
+    for n0 in (0, 5):
+        out = [dequantize_rows(rp_backend, lin, n0, torch.full((n - n0, k), float("nan"), dtype=torch.float16,
+                                                                device="cuda")) for lin in (rp, gguf)]
+        assert torch.equal(out[0], out[1]) and torch.equal(out[0].cpu(), weight[n0:].half())
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).half().cuda()
     with backend_settings(rp_backend, quant_gemm="dequant"):
         got = rp_backend.linear(x, rp)

@@ -184,12 +184,14 @@ class CudaEmbedding:
 
 def dequant_gemm_wanted(backend: Any, m: int, w: CudaLinear) -> bool:
     """Whether a GEMM of m >= GEMM_MIN_ROWS x rows on the quantized weight `w` dequantizes it to fp16 for cuBLAS
-    (`_dequant_gemm`) rather than running gemm_tc: from kernels.DEQUANT_GEMM_MIN_ROWS rows on weights of at least
-    kernels.DEQUANT_GEMM_MIN_WEIGHTS, unless `backend.quant_gemm` says "tc" / "dequant". There cuBLAS's fp16
-    tensor-core GEMM outruns gemm_tc's WMMA tiles by more than the dequantized copy and the second launch cost;
-    on smaller weights (SmolLM2-135M's) gemm_tc stays faster (docs/performance.md, session 20)."""
-    if backend.quant_gemm != "auto":
-        return backend.quant_gemm == "dequant"
+    (`_dequant_gemm`) rather than running gemm_tc: from kernels.DEQUANT_GEMM_MIN_ROWS rows (every GEMM) on weights
+    of at least kernels.DEQUANT_GEMM_MIN_WEIGHTS, unless `backend.quant_gemm` says "tc" / "dequant". There
+    cuBLAS's fp16 tensor-core GEMM outruns gemm_tc's WMMA tiles by more than the dequantized copy and the second
+    launch cost (8B Q4_1 on the H200: decode steps of 32 / 64 / 128 sequences, prefills of 96-2,048 tokens); on
+    smaller weights (SmolLM2-135M's) gemm_tc stays (docs/performance.md, session 20)."""
+    choice = getattr(backend, "quant_gemm", "auto")
+    if choice != "auto":
+        return choice == "dequant"
     return m >= kernels.DEQUANT_GEMM_MIN_ROWS and w.out_features * w.in_features >= kernels.DEQUANT_GEMM_MIN_WEIGHTS
 
 
@@ -200,11 +202,18 @@ def dequantize_rows(backend: Any, w: CudaLinear, n0: int, out: torch.Tensor) -> 
 
     Args:
         w: a Q4_0 / Q4_1 / Q8_0 CudaLinear whose rows start 4-byte aligned.
-        out: [rows, in_features] fp16, CUDA, contiguous.
+        out: [rows, in_features] fp16, CUDA, contiguous, 16-byte aligned.
     Returns:
         out.
+    Raises:
+        ValueError: an fp16 weight, or `out` of another shape, dtype or layout, or rows past the weight's.
     """
     nc, k = out.shape
+    if w.fmt == "F16" or k != w.in_features or n0 < 0 or n0 + nc > w.out_features:
+        raise ValueError(f"dequantize_rows: rows [{n0}, {n0 + nc}) x {k} of a {w.fmt} weight of "
+                         f"{w.out_features} x {w.in_features}")
+    if out.dtype != torch.float16 or not out.is_contiguous() or out.data_ptr() % 16:
+        raise ValueError("dequantize_rows: out must be contiguous, 16-byte aligned fp16")
     if nc == 0:
         return out
     spec = {"WTYPE": kernels.WTYPES[w.fmt], "BN": kernels.GEMM_TC_BNS[0],
@@ -542,8 +551,9 @@ def _prefetch_budget(backend: Any) -> int:
 
 
 def _gemm(backend: Any, x: torch.Tensor, w: CudaLinear, f16_gemm: str) -> torch.Tensor:
-    """x @ W^T for m >= GEMM_MIN_ROWS: gemm_tc for quantized weights; fp16 weights: cuBLAS through torch, or
-    our SIMT `gemm_tiled` with f16_gemm="tiled" (also the quantized fallback for unaligned blocks)."""
+    """x @ W^T for m >= GEMM_MIN_ROWS: quantized weights through dequant_f16 + cuBLAS (`dequant_gemm_wanted`) or
+    gemm_tc; fp16 weights: cuBLAS through torch, or our SIMT `gemm_tiled` with f16_gemm="tiled" (also the
+    quantized fallback for unaligned blocks)."""
     m, k = x.shape
     n = w.out_features
     if w.fmt == "F16" and f16_gemm == "cublas":

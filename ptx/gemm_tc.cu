@@ -14,7 +14,7 @@
 // arrival order (graph replay == eager). `counters` needs ceil(n/BN) * ceil(m/64) zeroed ints, owned by one
 // stream at a time.
 // dequant_f16: the same weights dequantized (load_raw8 / convert_raw8, the values gemm_tc's tiles hold) into fp16
-// rows of global memory for cuBLAS at many x rows (linear.dequant_gemm_wanted): grid (ceil(k / 8 / (128 *
+// rows of global memory for cuBLAS at many x rows (dequant_gemm.dequant_gemm_wanted): grid (ceil(k / 8 / (128 *
 // DQ_GROUPS)), min(n, 65535)), block 128 threads; a block takes 128 * DQ_GROUPS 8-weight groups of each of its
 // rows (blockIdx.y, + gridDim.y, ...), a thread DQ_GROUPS of them 128 apart (coalesced 16-byte stores), its first
 // row's loads issued before the PDL wait (weights are constant); y rows y_stride elements apart (y 16-byte

@@ -391,7 +391,7 @@ def _prefill_gemm_rows(be, repeats: int, only: str | None):
     import numpy as np
     from loaders.model import QuantizedTensor
     from tools.make_synthetic_checkpoint import quant_blocks
-    from voltserve.backends.cuda.linear import dequantize_rows
+    from voltserve.backends.cuda.dequant_gemm import dequantize_rows
 
     rng = np.random.default_rng(0)
     for n, k in PREFILL_GEMM_SHAPES:

@@ -150,7 +150,7 @@ def test_dequantize_rows_exact(cuda_backend, qtype, nk):
     exact dequantized value here (d * q is exact in fp32, so one rounding of the exact d * q + m either way): bit
     for bit, from row 0 and from an offset; k = 5,120 and 14,336: several blocks a row, the last part-filled;
     66,000 rows: blocks loop over rows past the grid's 65,535."""
-    from voltserve.backends.cuda.linear import dequantize_rows
+    from voltserve.backends.cuda.dequant_gemm import dequantize_rows
 
     n, k = nk
     quant, weight = make_quant(qtype, n, k, torch.Generator().manual_seed(n + k))

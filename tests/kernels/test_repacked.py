@@ -110,7 +110,7 @@ def test_dequant_gemm(rp_backend, cpu_backend, fmt):
     """dequant_f16 on repacked rows (k = 5,120: two blocks a row, the second part-filled; from row 0 and 5): the
     same fp16 weights as from the GGUF rows (and the exact dequantized values), and the cuBLAS GEMM on them within
     the gemm_tc bound."""
-    from voltserve.backends.cuda.linear import dequantize_rows
+    from voltserve.backends.cuda.dequant_gemm import dequantize_rows
 
     k, n, m = 5120, 96, 200
     weight, rp, gguf = _pair(rp_backend, fmt, n, k, 11)

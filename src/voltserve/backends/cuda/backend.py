@@ -77,8 +77,8 @@ class CudaBackend:
         # quant weights stored repacked for 16-byte loads (linear.repack_wanted): "auto", "on" or "off";
         # VOLTSERVE_QUANT_REPACK for A/B runs (read when weights are prepared)
         self.quant_repack = _env_choice("VOLTSERVE_QUANT_REPACK", ("auto", "on", "off"))
-        # quantized weights at m >= GEMM_MIN_ROWS (linear.dequant_gemm_wanted): "auto" (dequant_f16 + cuBLAS on
-        # weights of >= kernels.DEQUANT_GEMM_MIN_WEIGHTS, else gemm_tc), "tc"
+        # quantized weights at m >= GEMM_MIN_ROWS (dequant_gemm.dequant_gemm_wanted): "auto" (dequant_f16 + cuBLAS
+        # on weights of >= kernels.DEQUANT_GEMM_MIN_WEIGHTS from dequant_gemm_min_rows, else gemm_tc), "tc"
         # (gemm_tc always) or "dequant" (always); VOLTSERVE_QUANT_GEMM for A/B runs
         self.quant_gemm = _env_choice("VOLTSERVE_QUANT_GEMM", ("auto", "tc", "dequant"))
         # decode GEMV on repacked quant rows through int8 MMAs (gemv_s8, x quantized per 32 like llama.cpp's Q8_1):

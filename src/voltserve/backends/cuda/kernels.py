@@ -332,12 +332,13 @@ GEMM_TC_BNS = (32, 64)
 GEMM_TC_MAX_SPLITS = 16
 GEMM_TC_MAX_COUNTERS = 4096  # arrival counters per backend (tiles of one split-K launch)
 # Quantized weights at many x rows: dequant_f16 (ptx/gemm_tc.cu) writes fp16 rows, cuBLAS multiplies them
-# (linear.dequant_gemm_wanted: from DEQUANT_GEMM_MIN_ROWS x rows on weights of >= DEQUANT_GEMM_MIN_WEIGHTS), in
+# (dequant_gemm.dequant_gemm_wanted: on weights of >= DEQUANT_GEMM_MIN_WEIGHTS, every GEMM on SM90+, from
+# DEQUANT_GEMM_MIN_ROWS_PRE_SM90 rows below: dequant_gemm.dequant_gemm_min_rows), in
 # equal chunks of at most DEQUANT_SCRATCH_BYTES of fp16 rows (Llama-3-8B's largest layer weight, gate_up's
 # 224 MiB, in one: 64 MB chunks measured 14-15% slower), each a multiple of DEQUANT_CHUNK_ROWS rows (cuBLAS takes
 # its fast kernels only on 16-byte aligned column slices of y). The scratch comes from torch's caching allocator,
 # inside the engine's activation reserve (actors/build.py).
-DEQUANT_GEMM_MIN_ROWS = GEMM_MIN_ROWS  # gemm_tc's 64-row tiles cost about the same from 17 to 64 rows
+DEQUANT_GEMM_MIN_ROWS_PRE_SM90 = 256  # projected, not measured (dequant_gemm_min_rows)
 DEQUANT_GEMM_MIN_WEIGHTS = 1 << 22
 DEQUANT_SCRATCH_BYTES = 256 << 20
 DEQUANT_CHUNK_ROWS = 128

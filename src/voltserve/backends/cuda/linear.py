@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from voltserve.backends.cuda import kernels
 from voltserve.backends.cuda import params as P
+from voltserve.backends.cuda.dequant_gemm import dequant_gemm, dequant_gemm_wanted
 from voltserve.backends.cuda.gemv_int8 import (GEMV_S8_AUTO_FORMATS, PendingXq, gemv_s8_ok, gemv_s8w_ok,
                                               launch_gemv_s8, launch_gemv_s8w, x_per_launch_of)
 from voltserve.backends.cuda.gemv_launch import gemv_params, gemv_pdl, launched_gemv, vec_ok_of
@@ -180,72 +181,6 @@ class CudaEmbedding:
             return cls(fmt, data, vocab, hidden, row_bytes)
         data = weight.detach().to(device, torch.float16).contiguous()
         return cls("F16", data, vocab, hidden, hidden * 2)
-
-
-def dequant_gemm_wanted(backend: Any, m: int, w: CudaLinear) -> bool:
-    """Whether a GEMM of m >= GEMM_MIN_ROWS x rows on the quantized weight `w` dequantizes it to fp16 for cuBLAS
-    (`_dequant_gemm`) rather than running gemm_tc: from kernels.DEQUANT_GEMM_MIN_ROWS rows (every GEMM) on weights
-    of at least kernels.DEQUANT_GEMM_MIN_WEIGHTS, unless `backend.quant_gemm` says "tc" / "dequant". There
-    cuBLAS's fp16 tensor-core GEMM outruns gemm_tc's WMMA tiles by more than the dequantized copy and the second
-    launch cost (8B Q4_1 on the H200: decode steps of 32 / 64 / 128 sequences, prefills of 96-2,048 tokens); on
-    smaller weights (SmolLM2-135M's) gemm_tc stays (docs/performance.md, session 20)."""
-    choice = getattr(backend, "quant_gemm", "auto")
-    if choice != "auto":
-        return choice == "dequant"
-    return m >= kernels.DEQUANT_GEMM_MIN_ROWS and w.out_features * w.in_features >= kernels.DEQUANT_GEMM_MIN_WEIGHTS
-
-
-def dequantize_rows(backend: Any, w: CudaLinear, n0: int, out: torch.Tensor) -> torch.Tensor:
-    """Rows [n0, n0 + out.shape[0]) of a quantized weight (GGUF or repacked rows) as fp16 in `out`, by one
-    dequant_f16 launch (ptx/gemm_tc.cu): the values gemm_tc's tiles hold (each weight d * q (+ m) in fp32,
-    rounded once to fp16).
-
-    Args:
-        w: a Q4_0 / Q4_1 / Q8_0 CudaLinear whose rows start 4-byte aligned.
-        out: [rows, in_features] fp16, CUDA, contiguous, 16-byte aligned.
-    Returns:
-        out.
-    Raises:
-        ValueError: an fp16 weight, or `out` of another shape, dtype or layout, or rows past the weight's.
-    """
-    nc, k = out.shape
-    if w.fmt == "F16" or k != w.in_features or n0 < 0 or n0 + nc > w.out_features:
-        raise ValueError(f"dequantize_rows: rows [{n0}, {n0 + nc}) x {k} of a {w.fmt} weight of "
-                         f"{w.out_features} x {w.in_features}")
-    if out.dtype != torch.float16 or not out.is_contiguous() or out.data_ptr() % 16:
-        raise ValueError("dequantize_rows: out must be contiguous, 16-byte aligned fp16")
-    if nc == 0:
-        return out
-    spec = {"WTYPE": kernels.WTYPES[w.fmt], "BN": kernels.GEMM_TC_BNS[0],
-            **({"WREPACK": 1} if w.layout == "repacked" else {})}
-    p = P.GemmTcParams(None, w.data.data_ptr() + n0 * w.row_bytes, out.data_ptr(), None, None, 0, k, w.row_bytes,
-                       0, nc, k, 0, 0, 0)
-    grid = (math.ceil(k / (8 * 128 * kernels.DEQUANT_GROUPS)), min(nc, 65535), 1)
-    backend._launch("gemm_tc", "dequant_f16", spec, grid, (128, 1, 1), 0, p)
-    return out
-
-
-def dequant_chunk_rows(n: int, k: int) -> int:
-    """Weight rows per chunk of `_dequant_gemm`: n cut into the fewest equal chunks of at most
-    kernels.DEQUANT_SCRATCH_BYTES of fp16 rows, each rounded up to a multiple of kernels.DEQUANT_CHUNK_ROWS (so
-    every chunk's columns of y start 16-byte aligned; the last chunk may be shorter)."""
-    align = kernels.DEQUANT_CHUNK_ROWS
-    cap = max(align, kernels.DEQUANT_SCRATCH_BYTES // (2 * k) // align * align)
-    chunks = -(-n // cap)
-    return min(n, -(-(-(-n // chunks)) // align) * align)
-
-
-def _dequant_gemm(backend: Any, x: torch.Tensor, w: CudaLinear, y: torch.Tensor) -> None:
-    """y = x @ W^T for a quantized W: equal chunks of W's rows (`dequant_chunk_rows`) dequantized
-    (`dequantize_rows`) into one scratch, each multiplied by cuBLAS (torch.mm) into its columns of y.
-    x: [m, k] fp16, contiguous rows; y: [m, n] fp16, contiguous."""
-    k, n = x.shape[1], w.out_features
-    rows = dequant_chunk_rows(n, k)
-    scratch = torch.empty(rows, k, dtype=torch.float16, device=x.device)  # caching allocator: graph-capturable
-    for n0 in range(0, n, rows):
-        nc = min(rows, n - n0)
-        dequantize_rows(backend, w, n0, scratch[:nc])
-        torch.mm(x, scratch[:nc].t(), out=y if nc == n else y[:, n0:n0 + nc])
 
 
 def _launch_gemm_tc(backend: Any, x: torch.Tensor, w: CudaLinear, y: torch.Tensor, wtype: int) -> None:
@@ -564,7 +499,7 @@ def _gemm(backend: Any, x: torch.Tensor, w: CudaLinear, f16_gemm: str) -> torch.
         raise ValueError("repacked quant rows must start 16-byte aligned")
     if w.fmt != "F16" and w.data.data_ptr() % 4 == 0:
         if dequant_gemm_wanted(backend, m, w):
-            _dequant_gemm(backend, x, w, y)
+            dequant_gemm(backend, x, w, y)
         else:
             _launch_gemm_tc(backend, x, w, y, wtype)
         return y

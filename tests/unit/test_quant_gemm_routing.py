@@ -46,3 +46,39 @@ def test_dequant_chunk_rows(n, k, rows):
     assert got == n or got % kernels.DEQUANT_CHUNK_ROWS == 0
     assert (chunks - 1) * got < n <= chunks * got
     assert got * k * 2 <= kernels.DEQUANT_SCRATCH_BYTES or chunks == 1
+
+
+def test_dequant_gemm_chunks_on_the_host(monkeypatch):
+    """dequant_gemm's orchestration with the kernel replaced by a host copy of the dequantized rows (CPU tensors):
+    4 launches of 256, 256, 256 and 232 rows, each grid covering its rows, each chunk's product in its columns
+    of y. The kernel itself is tested on the GPU (tests/kernels/test_linear.py)."""
+    import ctypes
+
+    import torch
+
+    from tests.kernels.kutils import make_quant
+    from voltserve.backends.cuda.dequant_gemm import dequant_gemm
+
+    n, k, m = 1000, 512, 20
+    monkeypatch.setattr(kernels, "DEQUANT_SCRATCH_BYTES", 300 * 2 * k)  # 256-row chunks
+    quant, weight = make_quant("Q4_1", n, k, torch.Generator().manual_seed(1))
+    data = torch.from_numpy(quant.data)
+    w = SimpleNamespace(fmt="Q4_1", layout="gguf", data=data, row_bytes=data.shape[1], out_features=n,
+                        in_features=k)
+    half = weight.half()
+    launches = []
+
+    def launch(module, kernel, spec, grid, block, smem, p):
+        n0 = (p.w - data.data_ptr()) // w.row_bytes
+        launches.append((kernel, n0, p.n, grid))
+        assert p.y_stride == p.k == k and grid[0] * 8 * 128 * kernels.DEQUANT_GROUPS >= k and grid[1] == p.n
+        rows = half[n0:n0 + p.n].contiguous()
+        ctypes.memmove(p.y, rows.data_ptr(), rows.numel() * 2)
+
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(2)).half()
+    y = torch.full((m, n), float("nan"), dtype=torch.float16)
+    dequant_gemm(SimpleNamespace(_launch=launch), x, w, y)
+    assert [(n0, rows) for _, n0, rows, _ in launches] == [(0, 256), (256, 256), (512, 256), (768, 232)]
+    assert {kernel for kernel, *_ in launches} == {"dequant_f16"}
+    ref = x.float() @ half.float().t()
+    assert ((y.float() - ref).abs().max() / ref.abs().max()).item() < 3e-3

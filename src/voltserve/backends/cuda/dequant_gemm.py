@@ -61,8 +61,7 @@ def dequantize_rows(backend: Any, w: Any, n0: int, out: torch.Tensor) -> torch.T
         raise ValueError("dequantize_rows: out must be contiguous, 16-byte aligned fp16")
     if nc == 0:
         return out
-    spec = {"WTYPE": kernels.WTYPES[w.fmt], "BN": kernels.GEMM_TC_BNS[0],
-            **({"WREPACK": 1} if w.layout == "repacked" else {})}
+    spec = kernels.gemm_tc_spec(kernels.WTYPES[w.fmt], kernels.GEMM_TC_BNS[0], w.layout == "repacked")
     p = P.GemmTcParams(None, w.data.data_ptr() + n0 * w.row_bytes, out.data_ptr(), None, None, 0, k, w.row_bytes,
                        0, nc, k, 0, 0, 0)
     grid = (math.ceil(k / (8 * 128 * kernels.DEQUANT_GROUPS)), min(nc, 65535), 1)
@@ -77,7 +76,8 @@ def dequant_chunk_rows(n: int, k: int) -> int:
     align = kernels.DEQUANT_CHUNK_ROWS
     cap = max(align, kernels.DEQUANT_SCRATCH_BYTES // (2 * k) // align * align)
     chunks = -(-n // cap)
-    return min(n, -(-(-(-n // chunks)) // align) * align)
+    per_chunk = -(-n // chunks)
+    return min(n, -(-per_chunk // align) * align)
 
 
 def dequant_gemm(backend: Any, x: torch.Tensor, w: Any, y: torch.Tensor) -> None:

@@ -349,6 +349,11 @@ ARGMAX_MAX_ROWS = 4096  # rows with arrival counters; more rows take one 1024-th
 ATTN_MAX_COUNTERS = 1 << 16  # attn_decode: (sequence, KV head) pairs merged in-kernel; more take the reduce kernel
 
 
+def gemm_tc_spec(wtype: int, bn: int, repacked: bool) -> dict[str, int]:
+    """The -D set of one gemm_tc.cu build (gemm_tc and dequant_f16): weight format code, tile width, layout."""
+    return {"WTYPE": wtype, "BN": bn, **({"WREPACK": 1} if repacked else {})}
+
+
 def gemm_tc_plan(m: int, n: int, k: int, num_sms: int) -> tuple[int, int, int]:
     """(BN, splits, k_split) of one gemm_tc launch: aim for >= 2 blocks per SM.
 
@@ -531,8 +536,7 @@ def engine_specializations() -> list[tuple[str, dict[str, int]]]:
               for r, o, g, t in ((1, False, False, 32), (1, False, True, 32), (8, False, False, 32),
                                  (8, True, False, 32), (8, False, True, 32), (8, False, True, 16))]
     specs += [("gemm_tiled", {"WTYPE": w}) for w in WTYPES.values()]
-    specs += [("gemm_tc", {"WTYPE": w, "BN": bn, **r}) for w in (1, 2, 3) for bn in GEMM_TC_BNS
-              for r in ({}, {"WREPACK": 1})]
+    specs += [("gemm_tc", gemm_tc_spec(w, bn, r)) for w in (1, 2, 3) for bn in GEMM_TC_BNS for r in (False, True)]
     specs += [("sampling", {"LOGITS_F16": f}) for f in (0, 1)]
     specs += [("sample_topk_topp", {"LOGITS_F16": f}) for f in (0, 1)]
     return specs

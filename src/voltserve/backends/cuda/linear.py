@@ -199,7 +199,7 @@ def _launch_gemm_tc(backend: Any, x: torch.Tensor, w: CudaLinear, y: torch.Tenso
                        counters.data_ptr() if counters is not None else None, x.stride(0), n, w.row_bytes, m, n, k,
                        k_split, splits, 0)
     grid = (math.ceil(n / bn), math.ceil(m / kernels.GEMM_TC_BM), splits)
-    spec = {"WTYPE": wtype, "BN": bn, **({"WREPACK": 1} if w.layout == "repacked" else {})}
+    spec = kernels.gemm_tc_spec(wtype, bn, w.layout == "repacked")
     backend._launch("gemm_tc", "gemm_tc", spec, grid, (128, 1, 1), 0, p)
 
 

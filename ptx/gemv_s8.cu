@@ -29,7 +29,9 @@
 // row grouped as the weights' load groups ([group][slot t][block of the group][2 words]), so a lane reads a
 // group's B words with one or two 16-byte loads.
 // S8_M1: the build for m = 1 (x scales [nb] read by every lane; only C column 0 is scaled); else [nb][8] and
-// each lane reads the scales of its columns 2t, 2t + 1. Columns past m: their int32 sums are 0 (zero B columns)
+// each lane reads the scales of its columns 2t, 2t + 1. S8_NCOL = 2 (S8_XG only): 9-16 x rows in one launch,
+// scales [nb][16]; each A fragment (16 weight rows x one block) meets two B fragments (x rows 0-7, 8-15), so
+// the weights are read once for 16 rows instead of once per 8-row launch; the epilogue runs per 8-row group. Columns past m: their int32 sums are 0 (zero B columns)
 // and their scales unwritten smem, so their accumulators hold garbage that gm_epilogue never stores (r < m).
 // Dynamic shared memory: kernels.gemv_s8_smem_bytes (xq [m][nb * 32 + 16] bytes, then xs float2); p.xq of an
 // S8_XG launch holds the same bytes.
@@ -44,6 +46,9 @@
 #define S8_XG 0  // 1: x quantized once per launch by quantize_s8 into p.xq; gemv_s8 copies it into smem
 #endif
 #include "gemv_s8.cuh"
+#if S8_NCOL != 1 && (S8_NCOL != 2 || !S8_XG || S8_M1)
+#error "S8_NCOL = 2 (9-16 x rows) needs S8_XG (x quantized per launch) and is not an S8_M1 build"
+#endif
 
 // acc (rows g, g + 8 x columns 2t, 2t + 1 of one 16-row tile) += the scaled int32 sums ci of one block.
 // w0 / w1: the scale words of rows g / g + 8; (dx, sx): x scales of column 2t (.x, .y) and 2t + 1 (.z, .w).
@@ -62,29 +67,40 @@ VOLT_DEVICE void s8_scale(float (&acc)[4], const int (&ci)[4], u32 w0, u32 w1, f
     }
 }
 
-// acc += the products of blocks [c, c + RP_GROUP) (raw: this lane's words of them; xrow: its quantized x row).
-VOLT_DEVICE void s8_group(GmAcc& acc, const GmRaw& raw, const u8* xrow, const float2* xs, bool x_row, int c, int t) {
+// acc[j] += the products of blocks [c, c + RP_GROUP) with x column group j (x rows 8 j .. 8 j + 7); raw: this
+// lane's words of them; xrow: its quantized x row of group 0 (group j's is 8 j rows further); x_rows: bit j set
+// where that row exists. One A fragment serves every column group: S8_NCOL = 2 reads the weights once for 16 rows.
+VOLT_DEVICE void s8_group(GmAcc (&acc)[S8_NCOL], const GmRaw& raw, const u8* xrow, int pitch, const float2* xs,
+                          int x_rows, int c, int t) {
 #if WREPACK && GM_M16N8K16
-    u32 xb[RP_GROUP][2];
-    if (x_row) {
-        const uint4* src = reinterpret_cast<const uint4*>(xrow + (c / RP_GROUP) * (32 * RP_GROUP) + t * (8 * RP_GROUP));
+    u32 xb[S8_NCOL][RP_GROUP][2];
 #pragma unroll
-        for (int i = 0; i < RP_GROUP / 2; ++i) {
-            const uint4 v = src[i];
-            xb[2 * i][0] = v.x; xb[2 * i][1] = v.y; xb[2 * i + 1][0] = v.z; xb[2 * i + 1][1] = v.w;
+    for (int j = 0; j < S8_NCOL; ++j) {
+        if (x_rows >> j & 1) {
+            const uint4* src = reinterpret_cast<const uint4*>(xrow + j * 8 * pitch + (c / RP_GROUP) * (32 * RP_GROUP) +
+                                                              t * (8 * RP_GROUP));
+#pragma unroll
+            for (int i = 0; i < RP_GROUP / 2; ++i) {
+                const uint4 v = src[i];
+                xb[j][2 * i][0] = v.x; xb[j][2 * i][1] = v.y; xb[j][2 * i + 1][0] = v.z; xb[j][2 * i + 1][1] = v.w;
+            }
+        } else {
+#pragma unroll
+            for (int u = 0; u < RP_GROUP; ++u) xb[j][u][0] = xb[j][u][1] = 0u;
         }
-    } else {
-#pragma unroll
-        for (int u = 0; u < RP_GROUP; ++u) xb[u][0] = xb[u][1] = 0u;
     }
 #pragma unroll
     for (int u = 0; u < RP_GROUP; ++u) {
+        float4 xsc[S8_NCOL];
+#pragma unroll
+        for (int j = 0; j < S8_NCOL; ++j) {
 #if S8_M1
-        const float2 s1 = xs[c + u];
-        const float4 xsc = make_float4(s1.x, s1.y, 0.f, 0.f);
+            const float2 s1 = xs[c + u];
+            xsc[j] = make_float4(s1.x, s1.y, 0.f, 0.f);
 #else
-        const float4 xsc = *reinterpret_cast<const float4*>(xs + (c + u) * 8 + 2 * t);
+            xsc[j] = *reinterpret_cast<const float4*>(xs + (c + u) * S8_COLS + 8 * j + 2 * t);
 #endif
+        }
 #pragma unroll
         for (int i = 0; i < GM_NACC; ++i) {
             const u32 q0 = raw[u][2 * i][1], q1 = raw[u][2 * i + 1][1];  // rows g, g + 8
@@ -93,9 +109,12 @@ VOLT_DEVICE void s8_group(GmAcc& acc, const GmRaw& raw, const u8* xrow, const fl
 #else
             const u32 a[4] = {q0 & 0x0F0F0F0Fu, q1 & 0x0F0F0F0Fu, (q0 >> 4) & 0x0F0F0F0Fu, (q1 >> 4) & 0x0F0F0F0Fu};
 #endif
-            int ci[4] = {0, 0, 0, 0};
-            mma_m16n8k32_i8<WTYPE != WTYPE_Q8_0>(ci, a, xb[u][0], xb[u][1]);
-            s8_scale(acc[i], ci, raw[u][2 * i][0], raw[u][2 * i + 1][0], xsc);
+#pragma unroll
+            for (int j = 0; j < S8_NCOL; ++j) {
+                int ci[4] = {0, 0, 0, 0};
+                mma_m16n8k32_i8<WTYPE != WTYPE_Q8_0>(ci, a, xb[j][u][0], xb[j][u][1]);
+                s8_scale(acc[j][i], ci, raw[u][2 * i][0], raw[u][2 * i + 1][0], xsc[j]);
+            }
         }
     }
 #endif
@@ -120,7 +139,7 @@ VOLT_DEVICE void s8_copy_x(const GemvParams& p, u8* xq) {
 extern "C" __global__ void __launch_bounds__(256) quantize_s8(const GemvParams p) {
 #if GM_M16N8K16 && WREPACK && WTYPE != WTYPE_F16
     __shared__ float scratch[32];
-    __shared__ float inv_rms[8];
+    __shared__ float inv_rms[8 * S8_NCOL];
     const int r = blockIdx.y, nb = p.k / 32;
     const int q = blockIdx.x * blockDim.x + threadIdx.x;  // quarter of row r
     const bool mine = q < nb * 4;                         // warp-uniform: nb * 4 % 32 == 0
@@ -189,23 +208,32 @@ extern "C" __global__ void __launch_bounds__(32 * GM_WARPS, GM_MIN_BLOCKS) gemv_
     s8_quantize_x(p, inv_rms, xq, xs);
 #endif
     __syncthreads();
-    const bool x_row = xr < p.m;
-    const u8* xrow = xq + (x_row ? xr : 0) * s8_pitch(nb);
+    int x_rows = 0;  // bit j: x row xr + 8 j exists
+#pragma unroll
+    for (int j = 0; j < S8_NCOL; ++j) x_rows |= (xr + 8 * j < p.m) << j;
+    const u8* xrow = xq + (xr < p.m ? xr : 0) * s8_pitch(nb);
     for (; tile < tiles; tile += gridDim.x) {  // a grid short of the tiles: x is in smem once per block
-        GmAcc acc = {};
+        GmAcc acc[S8_NCOL] = {};
         for (int c = c_begin; c < c_end; c += 2 * RP_GROUP) {  // two register buffers, as gemv_mma
             load_rows_group(raw1, rows, nb, c + RP_GROUP, c_end, t);
-            s8_group(acc, raw0, xrow, xs, x_row, c, t);
+            s8_group(acc, raw0, xrow, s8_pitch(nb), xs, x_rows, c, t);
             if (c + RP_GROUP >= c_end) break;
             load_rows_group(raw0, rows, nb, c + 2 * RP_GROUP, c_end, t);
-            s8_group(acc, raw1, xrow, xs, x_row, c + RP_GROUP, t);
+            s8_group(acc, raw1, xrow, s8_pitch(nb), xs, x_rows, c + RP_GROUP, t);
         }
         if (tile + gridDim.x < tiles) {  // the next tile's first group in flight during this one's epilogue
             s8_tile_rows(rows, p, (tile + gridDim.x) * GM_OUT_ROWS, lane);
             load_rows_group(raw0, rows, nb, c_begin, c_end, t);
         }
-        gm_epilogue(p, acc, red, tile * GM_OUT_ROWS);
-        __syncthreads();  // red is written again by the next tile
+#pragma unroll
+        for (int j = 0; j < S8_NCOL; ++j) {  // column group j: x rows 8 j.. are the rows 0.. of a shifted y
+            GemvParams pj = p;
+            pj.y += 8 * j * p.y_stride;
+            if (p.res != nullptr) pj.res += 8 * j * p.y_stride;
+            pj.m = p.m - 8 * j;
+            gm_epilogue(pj, acc[j], red, tile * GM_OUT_ROWS);
+            __syncthreads();  // red is written again by the next group or tile
+        }
     }
 #else
     pdl_enter();  // SM < 80 or fp16: never launched (gemv_int8.gemv_s8_ok)

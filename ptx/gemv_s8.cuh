@@ -9,7 +9,10 @@
 #ifndef S8_M1
 #define S8_M1 0
 #endif
-#define S8_COLS (S8_M1 ? 1 : 8)  // x scales per block in smem (s8_cols)
+#ifndef S8_NCOL
+#define S8_NCOL 1  // groups of 8 x rows (MMA B columns) per launch: 2 takes 9-16 rows in one pass over the weights
+#endif
+#define S8_COLS (S8_M1 ? 1 : 8 * S8_NCOL)  // x scales per block in smem (s8_cols)
 #if WREPACK && WTYPE != WTYPE_F16
 static_assert((WTYPE == WTYPE_Q8_0 ? 2 : 4) == RP_GROUP, "s8_xq.cuh's xq_offset assumes quant.cuh's RP_GROUP");
 #endif

@@ -132,16 +132,18 @@ def _rotated_weights(be, fmt: str, out_f: int, in_f: int, gen: torch.Generator, 
 
 
 def _decode_gemv_cases(be, repeats: int, only: str | None, keep=None):
-    """GEMV at the Llama-3-8B decode shapes (out x in), m = 1, 2, 4, 8, weights rotated so they come from HBM;
-    yields (name, seconds or None where `keep` rejects the kernels, bytes, kernels) (`_timed`)."""
+    """GEMV at the Llama-3-8B decode shapes (out x in), m = 1, 2, 4, 8 (quant also 16, 32), weights rotated so
+    they come from HBM; yields (name, seconds or None where `keep` rejects the kernels, bytes, kernels)
+    (`_timed`)."""
     gen = torch.Generator().manual_seed(1)
     for fmt in ("F16", "Q4_0", "Q4_1", "Q8_0"):
         for out_f, in_f in ((4096, 4096), (14336, 4096), (4096, 14336)):
-            names = [f"decode_gemv_{fmt}_{out_f}x{in_f}_m{m}" for m in (1, 2, 4, 8)]
+            rows = (1, 2, 4, 8) + (() if fmt == "F16" else (16, 32))  # quant: gemv_s8 launches up to 32 rows
+            names = [f"decode_gemv_{fmt}_{out_f}x{in_f}_m{m}" for m in rows]
             if only and not any(_picked(only, n) for n in names):
                 continue
             lin, lins, wbytes, copies = _rotated_weights(be, fmt, out_f, in_f, gen)
-            for m, name in zip((1, 2, 4, 8), names):
+            for m, name in zip(rows, names):
                 if only and not _picked(only, name):
                     continue
                 xm = torch.randn(m, in_f, device="cuda", dtype=torch.float16)

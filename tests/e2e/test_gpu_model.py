@@ -222,6 +222,32 @@ def test_dequant_gemm_prefill_agrees_with_gemm_tc(repack):
     assert ((got - ref).abs().max() / ref.abs().max()).item() < 1e-2
 
 
+def test_quant_gemv_rows_past_16_agree_with_the_gemm():
+    """A Q4_1 model on repacked rows: forward passes of 24 and 32 tokens run their linears as gemv_s8 launches
+    (16-row S8_NCOL = 2 launches, then 8; linear.gemv_max_rows on SM90+) against the GEMM (quant_gemv_rows
+    "16"): the logits agree within 3e-2 of max |logit| (x's 8-bit rounding), and only the first ran gemv_s8."""
+    from tests.kernels.kutils import launched_kernels
+    from tools.make_synthetic_checkpoint import synthetic_model
+    from voltserve.backends.cuda.backend import CudaBackend
+
+    loaded = synthetic_model("small256", device="cuda", dtype=torch.float16, qtype="Q4_1", seed=17)
+    if CudaBackend(0).loader.compile_arch < 90:
+        pytest.skip("gemv_s8 launches past 16 rows are an SM90+ rule (kernels.quant_gemv_max_rows)")
+    ids = [(11 * j) % 250 + 3 for j in range(32)]
+    logits = {}
+    for rows in ("auto", "16"):
+        backend = CudaBackend(0)
+        backend.quant_repack, backend.quant_gemv_rows = "on", rows
+        model = LlamaModel(loaded.config, loaded.tensors, backend, loaded.quantized, max_positions=512)
+        for n in (24, 32):
+            with launched_kernels(backend) as names:
+                logits[rows, n] = all_logits(model, backend, ids[:n])
+            assert ("gemv_s8" in names) == (rows == "auto"), (rows, n)
+    for n in (24, 32):
+        got, ref = logits["auto", n], logits["16", n]
+        assert ((got - ref).abs().max() / ref.abs().max()).item() < 3e-2, n
+
+
 def test_folded_norms_serve_like_unfolded():
     """An fp16 model (random, non-unit norm weights) with every RMSNorm folded into the linear after it
     (VOLTSERVE_NORM_FOLD "on": gemv's NORM_POST at 1 row, unit-norm rms_norm + gemv_mma / cuBLAS above) against the

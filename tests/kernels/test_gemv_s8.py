@@ -32,7 +32,7 @@ def s8_backend(request, cuda_backend):
         pytest.skip("gemv_s8 is SM80+ (int8 mma.m16n8k32)")
     with backend_settings(cuda_backend, gemv_kernel="auto", quant_repack="on", gemv_s8="on",
                           gemv_s8_grid="persistent", gemv_s8_x=request.param, gemv_s8_m1="mma",
-                          gemv_s8_tiles="auto"):
+                          gemv_s8_tiles="auto", gemv_s8_rows="auto", quant_gemv_rows="auto"):
         yield cuda_backend
 
 
@@ -40,7 +40,8 @@ def s8_backend(request, cuda_backend):
 @pytest.mark.parametrize("nk", [(4096, 4096), (1024, 14336), (45, 256), (70, 768)])
 def test_gemv(s8_backend, cpu_backend, fmt, nk):
     """m = 1..8 (m = 1 is its own build, S8_M1), partial tiles (45, 70 rows), k ranges of one load group
-    (256: one block per warp), 16 rows as two launches; every m's rows equal the m = 8 launch's bit for bit."""
+    (256: one block per warp), 9 rows (one S8_NCOL = 2 launch where x is quantized per launch, else launches of
+    8 and 1); every m's rows equal the m = 8 launch's bit for bit."""
     from voltserve.backends.cuda.linear import gemv_kernel_name
 
     n, k = nk
@@ -54,7 +55,7 @@ def test_gemv(s8_backend, cpu_backend, fmt, nk):
     for m in (1, 2, 5):
         got = s8_backend.linear(x[:m].cuda(), lin)
         assert torch.equal(got, full[:m]), m
-    twice = s8_backend.linear(torch.cat([x, x[:1]]).cuda(), lin)  # 9 rows: launches of 8 and 1
+    twice = s8_backend.linear(torch.cat([x, x[:1]]).cuda(), lin)  # 9 rows
     assert torch.equal(twice[:8], full) and torch.equal(twice[8:], full[:1])
 
 
@@ -178,6 +179,66 @@ def test_16_row_tiles_equal_32(s8_backend, fmt):
         for a, b in zip(got["16"], got["32"]):
             assert torch.equal(a, b), (n, k)
         assert rel_err(got["16"][2].double().cpu() - res.double().cpu(), s8_reference(x, quant)) <= EMU_TOL
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_16_row_launch_equals_8_row_launches(s8_backend, fmt):
+    """gemv_s8's S8_NCOL = 2 build (9-16 x rows in one launch, gemv_int8.gemv_s8_launch_rows) gives what launches
+    of <= 8 rows give, bit for bit (same int32 block sums, same scaling and reduction order): 9, 12 and 16 rows,
+    partial tiles (45 rows), a persistent grid looping over tiles (20,000 rows), the residual, the fused RMSNorm
+    with SwiGLU; within EMU_TOL of the emulation. Where x of 16 rows does not fit the shared memory (k = 14,336
+    on the H200) the call stays in 8-row launches."""
+    from voltserve.backends.cuda import kernels
+    from voltserve.backends.cuda.gemv_int8 import gemv_s8_fits
+    from voltserve.backends.cuda.linear import launch_linear
+
+    if s8_backend.gemv_s8_x == "block":
+        pytest.skip("the 16-row build reads x quantized per launch")
+    for n, k in ((45, 768), (20000, 512), (1024, 4096), (64, 14336)):
+        quant, _, lin = repacked_weight(s8_backend, fmt, n, k, n + 61)
+        gen = torch.Generator().manual_seed(n + 62)
+        x = torch.randn(16, k, generator=gen).half().cuda()
+        res = torch.randn(16, n, generator=gen).half().cuda()
+        nd = s8_backend.prepare_norm(torch.rand(k, generator=gen) + 0.5)
+        wide = gemv_s8_fits(s8_backend, kernels.GEMV_S8_MAX_ROWS, k)
+        got = {}
+        for rows in ("auto", "8"):
+            s8_backend.gemv_s8_rows = rows
+            with launched_builds(s8_backend) as builds:
+                got[rows] = [s8_backend.linear(x[:m], lin, residual=res[:m]) for m in (9, 12, 16)]
+                got[rows].append(launch_linear(s8_backend, x[:11], lin, norm_weight=nd, eps=1e-5,
+                                               silu=n % 2 == 0))
+            ncol = [spec.get("S8_NCOL", 1) for kernel, spec in builds if kernel == "gemv_s8"]
+            assert ncol == ([2] * 4 if rows == "auto" and wide else [1] * 8), (rows, k, ncol)
+        for a, b in zip(got["auto"], got["8"]):
+            assert torch.equal(a, b), (n, k)
+        assert rel_err(got["auto"][2] - res, s8_reference(x.cpu(), quant)) <= EMU_TOL
+
+
+def test_gemv_rows_past_16(s8_backend, cpu_backend):
+    """On SM90+ calls of 17..quant_gemv_max_rows x rows on repacked rows run gemv_s8 launches (16 + 8 for 24
+    rows at k = 4,096), whose rows equal those of smaller calls bit for bit; one row more takes the GEMM."""
+    from voltserve.backends.cuda import kernels
+    from voltserve.backends.cuda.linear import gemv_max_rows
+
+    if s8_backend.gemv_s8_x == "block":
+        pytest.skip("16-row launches need x quantized per launch")
+    quant, weight, lin = repacked_weight(s8_backend, "Q4_1", 256, 4096, 71)
+    top = gemv_max_rows(s8_backend, lin)
+    assert top == (kernels.QUANT_GEMV_MAX_ROWS_SM90["Q4_1"] if s8_backend.loader.compile_arch >= 90 else 16)
+    x = torch.randn(top + 1, 4096, generator=torch.Generator().manual_seed(72)).half().cuda()
+    with launched_builds(s8_backend) as builds:
+        got = s8_backend.linear(x[:24], lin)
+    if top >= 24:
+        assert [(k, s.get("S8_NCOL", 1)) for k, s in builds if k == "gemv_s8"] == [("gemv_s8", 2), ("gemv_s8", 1)]
+        assert torch.equal(got[16:], s8_backend.linear(x[16:24], lin))
+        assert torch.equal(got[:16], s8_backend.linear(x[:16], lin))
+    assert rel_err(got, s8_reference(x[:24].cpu(), quant)) <= EMU_TOL
+    with launched_builds(s8_backend) as builds:
+        past = s8_backend.linear(x, lin)
+    assert not any(k == "gemv_s8" for k, _ in builds)
+    # the GEMM multiplies fp16 x (no 8-bit rounding) with fp32 accumulation: fp16 output rounding is what is left
+    assert rel_err(past, cpu_backend.linear(x.float().cpu(), weight)) <= 5e-3
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

@@ -36,9 +36,10 @@ def recording_backend(**knobs):
 
     backend = SimpleNamespace(pdl=True, gemv_pdl="auto", gemv_kernel="auto", gemv_mma_tile=0, gemv_s8="auto",
                               gemv_s8_m1="warp", gemv_s8_x="auto", gemv_s8_grid="persistent", gemv_s8_tiles="auto",
+                              gemv_s8_rows="auto", quant_gemv_rows="auto", quant_gemm="auto",
                               gemv_tma="folded", gemv_tma_s8="off", fuse_norm="auto", num_sms=132,
                               last_launch_weight_bytes=0, _launch=record, _occupancy=lambda *a, **k: 2,
-                              loader=SimpleNamespace(compile_arch=90, max_smem_optin=227 * 1024))
+                              loader=SimpleNamespace(arch=90, compile_arch=90, max_smem_optin=227 * 1024))
     for name, value in knobs.items():
         setattr(backend, name, value)
     return backend, launches

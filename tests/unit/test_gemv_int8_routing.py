@@ -1,5 +1,5 @@
 """Which decode GEMV kernel a launch on quant rows runs (backends/cuda/linear.py, gemv_int8.py, gemv_tma.py): the
-load-time repack of Q4_0 / Q4_1 / Q8_0 rows and the int8 kernels on them (gemv_s8 for 1-8 x rows, gemv_s8w for one,
+load-time repack of Q4_0 / Q4_1 / Q8_0 rows and the int8 kernels on them (gemv_s8 for 1-16 x rows a launch, gemv_s8w for one,
 gemv_tma_s8 on request), their builds and shared-memory fits. Pure Python, no GPU.
 """
 
@@ -113,8 +113,19 @@ def test_gemv_s8_specs_are_built():
             assert kernels.gemv_s8_spec("Q4_0", silu, rows, True, True).get("GM_NORM_ONE_PASS") is None
     with pytest.raises(ValueError, match="quant weights"):
         kernels.gemv_s8_spec("F16", False, 1)
-    with pytest.raises(ValueError, match="1..8"):
-        kernels.gemv_s8_spec("Q8_0", False, 9)
+    for rows in range(9, kernels.GEMV_S8_MAX_ROWS + 1):  # gemv_int8.gemv_s8_launch_rows: x per launch only
+        for silu in (False, True):
+            assert kernels.gemv_s8_spec("Q4_1", silu, rows, True, True, 16) in built
+    assert kernels.gemv_s8_spec("Q8_0", False, 12, False, True, 16) == {
+        "WTYPE": 3, "SILU": 0, "S8_XG": 1, "GM_TILE_ROWS": 16, "GM_MIN_BLOCKS": 2, "S8_NCOL": 2}
+    with pytest.raises(ValueError, match="per launch"):
+        kernels.gemv_s8_spec("Q8_0", False, 9, tile_rows=16)
+    with pytest.raises(ValueError, match="16-row tiles"):
+        kernels.gemv_s8_spec("Q8_0", False, 9, x_per_launch=True)
+    with pytest.raises(ValueError, match="1..16"):
+        kernels.gemv_s8_spec("Q8_0", False, 17, x_per_launch=True, tile_rows=16)
+    nb = 4096 // 32
+    assert kernels.gemv_s8_smem_bytes(9, 4096) == 9 * (nb * 32 + 16) + nb * 8 * 16  # scales [nb][16]
 
 
 def test_gemv_s8_tile_rows_rule_and_launch():
@@ -158,10 +169,61 @@ def test_gemv_s8_tile_rows_rule_and_launch():
         s8 = launches[-1]
         assert s8.spec.get("GM_TILE_ROWS", 32) == want_tile and s8.grid[0] == want_grid
         assert s8.block[0] == 32 * kernels.GEMV_MMA_WARPS and s8.smem == kernels.gemv_s8_smem_bytes(8, 4096)
-    backend, launches = recording_backend()  # 9 rows: launches of 8 (16-row tiles) and 1 (S8_M1, 32-row tiles)
+    backend, launches = recording_backend(gemv_s8_rows="8")  # 9 rows: launches of 8 (16-row tiles) and 1 (S8_M1)
     launch_linear(backend, x, w)
     s8 = [launch for launch in launches if launch.kernel == "gemv_s8"]
     assert [launch.spec.get("GM_TILE_ROWS", 32) for launch in s8] == [16, 32] and "S8_M1" in s8[1].spec
+    backend, launches = recording_backend()  # 9 rows under "auto": one launch of the S8_NCOL = 2 build
+    launch_linear(backend, x, w)
+    assert [launch.kernel for launch in launches] == ["quantize_s8", "gemv_s8"]
+    assert launches[1].spec == kernels.gemv_s8_spec("Q4_1", False, 9, False, True, 16)
+    assert launches[0].smem == 0 and launches[1].smem == kernels.gemv_s8_smem_bytes(9, 4096)
+    assert launches[1].params.m == 9
+
+
+def test_gemv_s8_launch_rows_and_gemv_max_rows():
+    """Calls on repacked quant rows: gemv_s8 launches of 16 x rows (S8_NCOL = 2) where 16 rows' x fits the
+    shared memory and is quantized per launch (H200: k = 4,096, not 14,336), else of 8; on SM90+ such calls stay
+    GEMVs up to kernels.QUANT_GEMV_MAX_ROWS_SM90[fmt] rows (then the dequant GEMM), below SM90 up to 16 (then
+    gemm_tc); fp16 and GGUF rows up to 16. The recorded launches of one call follow."""
+    from voltserve.backends.cuda import kernels
+    from voltserve.backends.cuda.gemv_int8 import gemv_s8_launch_rows
+    from voltserve.backends.cuda.linear import gemv_max_rows, launch_linear
+
+    h200, sm86 = fake_backend(90), fake_backend(86, smem_kb=99)
+    assert gemv_s8_launch_rows(h200, 4096) == 16 and gemv_s8_launch_rows(h200, 14336) == 8
+    assert gemv_s8_launch_rows(sm86, 4096) == 16 and gemv_s8_launch_rows(sm86, 8192) == 8  # 182 KB > 99 KB
+    assert gemv_s8_launch_rows(SimpleNamespace(loader=h200.loader, gemv_s8_rows="8"), 4096) == 8
+    assert gemv_s8_launch_rows(SimpleNamespace(loader=h200.loader, gemv_s8_x="block"), 4096) == 8
+    q4 = fake_linear("Q4_1", 4096, 4096)
+    q4.layout = "repacked"
+    assert gemv_max_rows(h200, q4) == kernels.QUANT_GEMV_MAX_ROWS_SM90["Q4_1"] == 40
+    q8 = fake_linear("Q8_0", 4096, 4096)
+    q8.layout = "repacked"
+    assert gemv_max_rows(h200, q8) == 32  # Q8_0 measured slower at 40 rows
+    assert gemv_max_rows(fake_backend(80, smem_kb=163), q4) == 16
+    assert gemv_max_rows(SimpleNamespace(**vars(h200), quant_gemv_rows="48"), q4) == 48
+    off = fake_backend(90)
+    off.gemv_s8 = "off"
+    assert gemv_max_rows(off, q4) == 16  # gemv_mma: 8-row launches only
+    assert gemv_max_rows(h200, fake_linear("Q4_1", 4096, 4096)) == 16  # GGUF rows
+    assert gemv_max_rows(h200, fake_linear("F16", 4096, 4096)) == 16
+
+    def kernels_of(m, k, n=4096):
+        w = fake_linear("Q4_1", n, k)
+        w.layout = "repacked"
+        backend, launches = recording_backend()
+        y = launch_linear(backend, torch.zeros(m, k, dtype=torch.float16), w)
+        assert y.shape == (m, n)
+        return [(launch.kernel, launch.params.m if launch.kernel == "gemv_s8" else None) for launch in launches]
+
+    assert kernels_of(24, 4096) == [("quantize_s8", None), ("gemv_s8", 16), ("quantize_s8", None), ("gemv_s8", 8)]
+    assert kernels_of(32, 4096) == [("quantize_s8", None), ("gemv_s8", 16)] * 2
+    assert kernels_of(20, 14336) == [("quantize_s8", None), ("gemv_s8", 8)] * 2 + [("quantize_s8", None),
+                                                                                    ("gemv_s8", 4)]
+    assert kernels_of(40, 4096) == [("quantize_s8", None), ("gemv_s8", 16)] * 2 + [("quantize_s8", None),
+                                                                                    ("gemv_s8", 8)]
+    assert kernels_of(41, 4096) == [("dequant_f16", None)]  # the GEMM: dequant_f16, then torch.mm
 
 
 def test_gemv_s8_x_per_launch_rule():

@@ -1,4 +1,4 @@
-"""The int8 decode GEMVs on repacked quant rows (ptx/gemv_s8.cu, SM80+): gemv_s8 (int8 MMAs, 1-8 x rows) and
+"""The int8 decode GEMVs on repacked quant rows (ptx/gemv_s8.cu, SM80+): gemv_s8 (int8 MMAs, 1-16 x rows) and
 gemv_s8w (one x row, a warp per weight row, dp4a), their routing rules and launchers."""
 
 from __future__ import annotations
@@ -107,7 +107,7 @@ def _smem_fits(backend: Any, dynamic_smem: int) -> bool:
 
 def gemv_s8_tile_rows(backend: Any, fmt: str, rows: int, k: int, x_per_launch: bool) -> int:
     """Weight rows per gemv_s8 block for a launch of `rows` x rows of width k on `fmt` rows, x quantized per launch
-    or by every block: 32 at one row (the S8_M1 build) and, under `backend.gemv_s8_tiles` "auto", 16
+    or by every block: 32 at one row (the S8_M1 build), 16 above 8 rows (GEMV_S8_WIDE_TILE) and, under `backend.gemv_s8_tiles` "auto", 16
     (kernels.GEMV_S8_NARROW_TILE: 3 blocks an SM, 24 warps, instead of 2 blocks of 32-row tiles) from 2 rows
     where x is quantized per launch (the builds that quantize x in every block spill at 3 blocks' registers), 3
     blocks' x copies and the 32-row build's static smem fit an SM (Llama-3-8B on the H200: k = 4,096 at every m,
@@ -119,6 +119,8 @@ def gemv_s8_tile_rows(backend: Any, fmt: str, rows: int, k: int, x_per_launch: b
     wide, narrow = kernels.GEMV_MMA_TILES
     if rows < 2:
         return wide
+    if rows > kernels.GEMV_MAX_ROWS:
+        return kernels.GEMV_S8_WIDE_TILE["GM_TILE_ROWS"]  # the only S8_NCOL = 2 build
     if choice != "auto":
         return int(choice)
     if not x_per_launch or k > GEMV_S8_NARROW_MAX_K.get(fmt, k):
@@ -127,6 +129,18 @@ def gemv_s8_tile_rows(backend: Any, fmt: str, rows: int, k: int, x_per_launch: b
                                  kernels.gemv_s8_smem_bytes(rows, k) + kernels.GEMV_MMA_STATIC_SMEM,
                                  kernels.GEMV_S8_NARROW_BLOCKS)
     return narrow if fits else wide
+
+
+def gemv_s8_launch_rows(backend: Any, k: int) -> int:
+    """x rows per gemv_s8 launch of a call on rows of width k: GEMV_S8_MAX_ROWS (the S8_NCOL = 2 build: the
+    weights read once for 16 rows instead of twice) where its x copy fits the opt-in shared memory and x is
+    quantized per launch (`backend.gemv_s8_x` not "block"), under `backend.gemv_s8_rows` "auto"; else
+    GEMV_MAX_ROWS (8). Llama-3-8B on the H200: 16 at k = 4,096 (82 KB), 8 at k = 14,336 (287 KB would be needed)."""
+    wide = kernels.GEMV_S8_MAX_ROWS
+    if (getattr(backend, "gemv_s8_rows", "auto") != "auto" or not gemv_s8_x_per_launch(backend, wide, k)
+            or not gemv_s8_fits(backend, wide, k)):
+        return kernels.GEMV_MAX_ROWS
+    return wide
 
 
 def gemv_s8_x_per_launch(backend: Any, rows: int, k: int, block_max_x: int = GEMV_S8_BLOCK_MAX_X) -> bool:
@@ -195,14 +209,15 @@ def launch_gemv_s8w(backend: Any, x: torch.Tensor, w: CudaLinear, y: torch.Tenso
 def launch_gemv_s8(backend: Any, x: torch.Tensor, w: CudaLinear, y: torch.Tensor,
                    norm_weight: torch.Tensor | None, eps: float, residual: torch.Tensor | None, silu: bool,
                    vec_ok: int, one_pass: bool, ready: torch.Tensor | None = None) -> None:
-    """gemv_s8 launches of <= 8 x rows each (fusions as gemv_mma); `residual` has y's row stride; `ready`:
-    x [m <= 8, k] already quantized (s8_quantized_x). The grid: one block per tile, or under
-    `backend.gemv_s8_grid` "persistent" at most the blocks the GPU holds at once, each looping over tiles (x
-    quantized once per block instead of once per tile)."""
+    """gemv_s8 launches of <= gemv_s8_launch_rows x rows each (8 or 16; fusions as gemv_mma); `residual` has y's
+    row stride; `ready`: x [m, k] already quantized (s8_quantized_x) for a call of one launch. The grid: one block
+    per tile, or under `backend.gemv_s8_grid` "persistent" at most the blocks the GPU holds at once, each looping
+    over tiles (x quantized once per block instead of once per tile)."""
     m, k = x.shape
     n_out = y.shape[1]
-    for r0 in range(0, m, kernels.GEMV_MAX_ROWS):
-        rows = min(kernels.GEMV_MAX_ROWS, m - r0)
+    step = gemv_s8_launch_rows(backend, k)
+    for r0 in range(0, m, step):
+        rows = min(step, m - r0)
         xr = x[r0:r0 + rows]
         per_launch = x_per_launch_of(backend, "gemv_s8", rows, k)
         pdl = gemv_pdl(backend, w)  # against the launch before quantize_s8: the pair counts as one GEMV

@@ -17,7 +17,8 @@ from voltserve.backends.cuda import params as P
 WTYPES = {"F16": 0, "Q4_0": 1, "Q4_1": 2, "Q8_0": 3}
 # bytes of one 32-weight GGUF block (ggml-common.h)
 QUANT_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
-GEMV_MAX_ROWS = 8          # x rows per GEMV launch; above GEMM_MIN_ROWS the tiled GEMM runs instead
+GEMV_MAX_ROWS = 8          # x rows per GEMV launch (gemv_s8: up to GEMV_S8_MAX_ROWS); from GEMM_MIN_ROWS a GEMM runs
+                           # (repacked quant rows on SM90+: past quant_gemv_max_rows)
 GEMM_MIN_ROWS = 17
 GEMV_ROW_BUCKETS = (1, 2, 4, 8)
 SAMPLE_MAX_LOGPROBS = 20   # top alternatives per row of sample_topk_topp (SAMPLE_MAX_TOP in the .cu)
@@ -48,6 +49,11 @@ def blocks_fit_sm(max_smem_optin: int, smem_per_block: int, blocks: int) -> bool
 # version) instead of 127 and 2 blocks (gemv_int8.gemv_s8_tile_rows picks it; performance.md session 18)
 GEMV_S8_NARROW_TILE = {"GM_TILE_ROWS": 16, "GM_MIN_BLOCKS": 3}
 GEMV_S8_NARROW_BLOCKS = GEMV_S8_NARROW_TILE["GM_MIN_BLOCKS"]
+# gemv_s8's launches of 9-16 x rows (S8_NCOL = 2: each weight fragment meets two 8-row groups of x, so the
+# weights are read once for 16 rows; x quantized per launch only): 16-row tiles, 2 blocks an SM (106 registers for
+# Q4_1 without spills on sm_90; the 32-row build spills at 128)
+GEMV_S8_MAX_ROWS = 16
+GEMV_S8_WIDE_TILE = {"GM_TILE_ROWS": 16, "GM_MIN_BLOCKS": 2, "S8_NCOL": 2}
 # gemv_mma(_sb)'s static smem, at most: red + scratch (GM_NORM_ONE_PASS build) + inv_rms
 GEMV_MMA_STATIC_SMEM = 4 * (GEMV_MMA_WARPS * 32 * 8 + 8 * 32 + 8)
 
@@ -263,6 +269,20 @@ def gemv_tma_s8_plan(fmt: str, n: int, k: int, num_sms: int, ring: tuple[int, in
 
 
 GEMV_S8_MIN_ARCH = 80  # gemv_s8: mma.m16n8k32 on int8
+# decode calls on repacked quant rows run gemv_s8 launches (of <= GEMV_S8_MAX_ROWS rows each) up to this many x
+# rows on SM90+ before the GEMM (dequant_f16 + cuBLAS) takes them (linear.gemv_max_rows); below SM90 the GEMM
+# takes them from GEMM_MIN_ROWS as before (not measured there). H200, 8B step through CUDA graphs (session 21,
+# performance.md), GEMV vs GEMM: Q4_1 32 rows 6.99 vs 10.67 ms, 40 rows 8.98 vs 10.90; Q4_0 32 6.57 vs 10.41,
+# 40 8.62 vs 10.66; Q8_0 32 9.24 vs 10.67, 40 12.44 vs 10.98 (slower: Q8_0 stops at 32); 64 rows (Q4_1, four
+# 16-row launches) 12.9 vs 11.1
+QUANT_GEMV_MAX_ROWS_SM90 = {"Q4_0": 40, "Q4_1": 40, "Q8_0": 32}
+
+
+def quant_gemv_max_rows(arch: int, fmt: str) -> int:
+    """The most x rows a call on repacked `fmt` rows (Q4_0 / Q4_1 / Q8_0) runs as gemv_s8 launches on a GPU of
+    compute capability `arch` before the GEMM takes it: QUANT_GEMV_MAX_ROWS_SM90[fmt] on SM90+, GEMM_MIN_ROWS - 1
+    below (and for any other format)."""
+    return QUANT_GEMV_MAX_ROWS_SM90.get(fmt, GEMM_MIN_ROWS - 1) if arch >= 90 else GEMM_MIN_ROWS - 1
 # gemv_s8w's warps per block (gemv_s8.cu S8W_WARPS; 32 warps an SM either way, 64 registers): Q4 rows in blocks
 # of 16 quantize x in half as many blocks (session 17, H200: 8B Q4_1 step 2.110 / 2.129 -> 2.061 / 2.062 ms,
 # 4096x4096 rows 5.9-6.1 -> 5.1 us); Q8_0 in 16-warp blocks measured 1-2% slower (step 2.650 / 2.698 -> 2.708 /
@@ -280,18 +300,26 @@ def gemv_s8_spec(fmt: str, silu: bool, rows: int, norm_one_pass: bool = False,
     `norm_one_pass` (as gemv_mma_spec); `x_per_launch`: S8_XG, x quantized once by quantize_s8 (which then applies
     the norm: no one-pass build); `tile_rows` 16: GEMV_S8_NARROW_TILE (16-row tiles, 3 blocks an SM).
 
+    9..GEMV_S8_MAX_ROWS rows: GEMV_S8_WIDE_TILE (two 8-row groups of x per weight fragment, 16-row tiles),
+    x quantized per launch only.
+
     Raises:
-        ValueError: fp16 weights (no int8 path), `rows` outside 1..GEMV_MAX_ROWS or `tile_rows` not in
-            GEMV_MMA_TILES.
+        ValueError: fp16 weights (no int8 path), `rows` outside 1..GEMV_S8_MAX_ROWS, `tile_rows` not in
+            GEMV_MMA_TILES, or > 8 rows without `x_per_launch` or with 32-row tiles.
     """
     if fmt not in QUANT_BLOCK_BYTES:
         raise ValueError(f"gemv_s8 takes quant weights, got {fmt}")
-    if not 1 <= rows <= GEMV_MAX_ROWS:
-        raise ValueError(f"gemv_s8 launches take 1..{GEMV_MAX_ROWS} x rows, got {rows}")
+    if not 1 <= rows <= GEMV_S8_MAX_ROWS:
+        raise ValueError(f"gemv_s8 launches take 1..{GEMV_S8_MAX_ROWS} x rows, got {rows}")
     if tile_rows not in GEMV_MMA_TILES:
         raise ValueError(f"gemv_s8 tile_rows must be one of {GEMV_MMA_TILES}, got {tile_rows}")
     spec = {"WTYPE": WTYPES[fmt], "SILU": int(silu)}
-    if tile_rows != GEMV_MMA_TILES[0]:
+    if rows > GEMV_MAX_ROWS:
+        if not x_per_launch or tile_rows != GEMV_S8_WIDE_TILE["GM_TILE_ROWS"]:
+            raise ValueError(f"gemv_s8 launches of {rows} > {GEMV_MAX_ROWS} x rows need x quantized per launch "
+                             f"and {GEMV_S8_WIDE_TILE['GM_TILE_ROWS']}-row tiles")
+        spec.update(GEMV_S8_WIDE_TILE)
+    elif tile_rows != GEMV_MMA_TILES[0]:
         spec.update(GEMV_S8_NARROW_TILE)
     if rows == 1:
         spec["S8_M1"] = 1
@@ -304,10 +332,11 @@ def gemv_s8_spec(fmt: str, silu: bool, rows: int, norm_one_pass: bool = False,
 
 
 def gemv_s8_smem_bytes(rows: int, k: int) -> int:
-    """Dynamic shared memory of gemv_s8 (mirrors gemv_s8.cu): x quantized to int8, `rows` rows of k + 16 bytes,
-    then the per-32 scales (d, s) as fp32 pairs, [k / 32] for one row and [k / 32][8] otherwise."""
+    """Dynamic shared memory of gemv_s8 (mirrors gemv_s8.cu, s8_xq.cuh s8_cols): x quantized to int8, `rows` rows
+    of k + 16 bytes, then the per-32 scales (d, s) as fp32 pairs, [k / 32] for one row, [k / 32][8] up to 8
+    rows and [k / 32][16] above."""
     nb = k // 32
-    return rows * (nb * 32 + 16) + nb * 8 * (1 if rows == 1 else 8)
+    return rows * (nb * 32 + 16) + nb * 8 * (1 if rows == 1 else 8 if rows <= GEMV_MAX_ROWS else 16)
 
 
 def gemv_s8w_smem_bytes(k: int) -> int:
@@ -534,7 +563,8 @@ def engine_specializations() -> list[tuple[str, dict[str, int]]]:
     specs += [("gemv_tma_s8", gemv_tma_s8_spec(f)) for f in QUANT_BLOCK_BYTES]
     specs += [("gemv_s8", gemv_s8_spec(f, bool(s), r, o, g, t)) for f in QUANT_BLOCK_BYTES for s in (0, 1)
               for r, o, g, t in ((1, False, False, 32), (1, False, True, 32), (8, False, False, 32),
-                                 (8, True, False, 32), (8, False, True, 32), (8, False, True, 16))]
+                                 (8, True, False, 32), (8, False, True, 32), (8, False, True, 16),
+                                 (GEMV_S8_MAX_ROWS, False, True, 16))]
     specs += [("gemm_tiled", {"WTYPE": w}) for w in WTYPES.values()]
     specs += [("gemm_tc", gemm_tc_spec(w, bn, r)) for w in (1, 2, 3) for bn in GEMM_TC_BNS for r in (False, True)]
     specs += [("sampling", {"LOGITS_F16": f}) for f in (0, 1)]

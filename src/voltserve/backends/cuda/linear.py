@@ -208,7 +208,8 @@ def launch_linear(backend: Any, x: torch.Tensor, w: CudaLinear, *, norm_weight: 
                   f16_gemm: str = "cublas", norm_post: bool = False) -> torch.Tensor:
     """y = x @ W^T with our kernels, optionally fused with its neighbours in the decoder block.
 
-    GEMV for up to 16 rows (in launches of <= 8): `gemv_mma` / `gemv_mma_sb` (ptx/gemv_mma.cu, tensor cores)
+    GEMV for up to `gemv_max_rows` rows (16; repacked quant rows on SM90+ 32-40, in gemv_s8 launches of 8 or 16;
+    other launches of <= 8): `gemv_mma` / `gemv_mma_sb` (ptx/gemv_mma.cu, tensor cores)
     where `gemv_mma_ok`; else quant weights with k % 256 == 0 and a row bucket >= GEMV_Q_MIN_ROWS -> `gemv_q`, the rest
     -> `gemv` (ptx/gemv.cu). Above, a GEMM (`_gemm`). `gemv` and `gemv_mma` fuse all three options; `gemv_q` the
     norm and the residual; a fusion a kernel does not take runs as its own op (rms_norm / silu_mul / an fp16
@@ -239,7 +240,8 @@ def launch_linear(backend: Any, x: torch.Tensor, w: CudaLinear, *, norm_weight: 
         raise ValueError(f"residual {tuple(residual.shape)} does not match the output [{m}, {n_out}]")
     if norm_post != w.norm_folded or (norm_post and norm_weight is not None):
         raise ValueError("a weight with its norm folded in takes norm_post (and no norm_weight), others not")
-    if norm_post and (m >= kernels.GEMM_MIN_ROWS or
+    gemm = m > gemv_max_rows(backend, w)
+    if norm_post and (gemm or
                       gemv_mma_ok(backend, w, min(m, kernels.GEMV_MAX_ROWS), vec_ok_of(x), silu=silu)):
         # only gemv has the NORM_POST build: the GEMM and gemv_mma read x normalized by rms_norm (unit weights;
         # g is in W). gemv_mma's NORM_POST build, which summed x^2 in its main loop, spilled registers at the
@@ -247,7 +249,7 @@ def launch_linear(backend: Any, x: torch.Tensor, w: CudaLinear, *, norm_weight: 
         # 4.96 / 4.86 ms per step against 4.68)
         x, _ = backend.rms_norm(x, w.unit_norm, eps)
         norm_post = False
-    if norm_weight is not None and m < kernels.GEMM_MIN_ROWS and not fuses_norm(backend, w):
+    if norm_weight is not None and not gemm and not fuses_norm(backend, w):
         x, _ = backend.rms_norm(x, norm_weight, eps)
         norm_weight = None
     if w.fmt != "F16" and (x.stride(0) % 8 or x.data_ptr() % 16):
@@ -255,14 +257,14 @@ def launch_linear(backend: Any, x: torch.Tensor, w: CudaLinear, *, norm_weight: 
         x = x.clone(memory_format=torch.contiguous_format)
         backend.last_launch_weight_bytes = 0  # the copy kernel is the launch before the GEMV (gemv_pdl)
     vec_ok = vec_ok_of(x)
-    use_mma = m < kernels.GEMM_MIN_ROWS and gemv_mma_ok(backend, w, min(m, kernels.GEMV_MAX_ROWS), vec_ok,
+    use_mma = not gemm and gemv_mma_ok(backend, w, min(m, kernels.GEMV_MAX_ROWS), vec_ok,
                                                         norm_weight is not None, silu)
     # gemv_q streams 16-byte-aligned 256-weight superblocks; other quant shapes take the simple `gemv`
     q_fast = _whole_superblocks(w)
-    if m >= kernels.GEMM_MIN_ROWS or (silu and q_fast and m > 2 and not use_mma):
+    if gemm or (silu and q_fast and m > 2 and not use_mma):
         # the GEMM (and gemv_q, for SwiGLU; quant only, so never norm_post) with the fusions it lacks as separate
         # ops
-        if m >= kernels.GEMM_MIN_ROWS:
+        if gemm:
             if norm_weight is not None:
                 x, _ = backend.rms_norm(x, norm_weight, eps)
             y = _gemm(backend, x, w, f16_gemm)
@@ -306,6 +308,16 @@ def launch_linear(backend: Any, x: torch.Tensor, w: CudaLinear, *, norm_weight: 
                             p, pdl)
         launched_gemv(backend, w)
     return y
+
+
+def gemv_max_rows(backend: Any, w: CudaLinear) -> int:
+    """The most x rows a call on `w` runs as decode GEMV launches; above, the GEMM (`_gemm`). Repacked quant rows
+    that gemv_s8 takes: `backend.quant_gemv_rows` ("auto": kernels.quant_gemv_max_rows of the device; gemv_s8
+    launches of 8 or 16 rows each, every launch reading the weights once); all others GEMM_MIN_ROWS - 1."""
+    if w.layout == "repacked" and gemv_s8_ok(backend, w, kernels.GEMV_MAX_ROWS):
+        choice = getattr(backend, "quant_gemv_rows", "auto")
+        return kernels.quant_gemv_max_rows(backend.loader.compile_arch, w.fmt) if choice == "auto" else int(choice)
+    return kernels.GEMM_MIN_ROWS - 1
 
 
 def fuses_norm(backend: Any, w: CudaLinear) -> bool:

@@ -22,6 +22,12 @@ struct GemvParams {
     u8* xq;                // gemv_s8 with S8_XG: x quantized once per launch (quantize_s8 writes, gemv_s8 reads)
     int stages;            // gemv_tma: stages in its shared-memory ring
     int stage_spans;       // gemv_tma: 2 KB spans per stage; gemv_tma_s8: weight rows per stage
+    float* part;           // gemv_s8 S8_KSPLIT: fp32 partial sums [m, n] of the launches before (part_in) / for
+                           // the launch after (part_out) this one
+    int kb_begin;          // gemv_s8 S8_KSPLIT: this launch's 32-weight blocks of each row, [kb_begin, kb_end)
+    int kb_end;
+    int part_in;           // gemv_s8 S8_KSPLIT: 1 = add part to the launch's sums (fixed order: part + own)
+    int part_out;          // gemv_s8 S8_KSPLIT: 1 = store the sums to part instead of y (no epilogue fusions)
 };
 VOLT_CHECK_PARAMS(GemvParams, VOLT_GEMV_PARAMS_BYTES);
 

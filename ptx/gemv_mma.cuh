@@ -447,6 +447,12 @@ VOLT_DEVICE void gm_epilogue(const GemvParams& p, GmAcc& acc, float (*red)[GM_TI
             float v = 0.f;
 #pragma unroll
             for (int w = 0; w < GM_WARPS; ++w) v += red[w][row][r];  // fixed order
+#if defined(S8_KSPLIT) && S8_KSPLIT
+            float* part = p.part + (i64)r * n_out + out;  // the k ranges of the launches before, then this one's
+            if (p.part_in) v = *part + v;
+            if (p.part_out) *part = v;
+            else
+#endif
             p.y[r * p.y_stride + out] = f2h(gemv_out(p, r, out, v));
         }
     }

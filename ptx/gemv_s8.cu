@@ -31,7 +31,8 @@
 // S8_M1: the build for m = 1 (x scales [nb] read by every lane; only C column 0 is scaled); else [nb][8] and
 // each lane reads the scales of its columns 2t, 2t + 1. S8_NCOL = 2 (S8_XG only): 9-16 x rows in one launch,
 // scales [nb][16]; each A fragment (16 weight rows x one block) meets two B fragments (x rows 0-7, 8-15), so
-// the weights are read once for 16 rows instead of once per 8-row launch; the epilogue runs per 8-row group. Columns past m: their int32 sums are 0 (zero B columns)
+// the weights are read once for 16 rows instead of once per 8-row launch; the epilogue runs per 8-row group.
+// Columns past m: their int32 sums are 0 (zero B columns)
 // and their scales unwritten smem, so their accumulators hold garbage that gm_epilogue never stores (r < m).
 // Dynamic shared memory: kernels.gemv_s8_smem_bytes (xq [m][nb * 32 + 16] bytes, then xs float2); p.xq of an
 // S8_XG launch holds the same bytes.
@@ -48,6 +49,12 @@
 #include "gemv_s8.cuh"
 #if S8_NCOL != 1 && (S8_NCOL != 2 || !S8_XG || S8_M1)
 #error "S8_NCOL = 2 (9-16 x rows) needs S8_XG (x quantized per launch) and is not an S8_M1 build"
+#endif
+#ifndef S8_KSPLIT
+#define S8_KSPLIT 0  // 1: the launch covers blocks [p.kb_begin, p.kb_end) of each row, partial sums through p.part
+#endif
+#if S8_KSPLIT && (S8_NCOL != 2 || SILU)
+#error "S8_KSPLIT is a build of S8_NCOL = 2 without SILU (the partial sums are plain products)"
 #endif
 
 // acc (rows g, g + 8 x columns 2t, 2t + 1 of one 16-row tile) += the scaled int32 sums ci of one block.
@@ -120,10 +127,25 @@ VOLT_DEVICE void s8_group(GmAcc (&acc)[S8_NCOL], const GmRaw& raw, const u8* xro
 #endif
 }
 
-// S8_XG: copy the launch's quantized x (quantize_s8's output, the smem layout) into smem with cp.async.
-VOLT_DEVICE void s8_copy_x(const GemvParams& p, u8* xq) {
-    const int nb = p.k / 32, bytes = p.m * s8_pitch(nb) + nb * 8 * S8_COLS;  // kernels.gemv_s8_smem_bytes
-    for (int off = threadIdx.x * 16; off < bytes; off += blockDim.x * 16) cp_async16(xq + off, p.xq + off);
+// S8_XG: copy the launch's quantized x (quantize_s8's output, the smem layout) into smem with cp.async: blocks
+// [kb0, kb0 + nbl) of each row (the whole row unless S8_KSPLIT; kb0 a multiple of RP_GROUP, so a contiguous byte
+// range of each row) and their scales, as a row of nbl blocks (kernels.gemv_s8_smem_bytes of nbl * 32).
+VOLT_DEVICE void s8_copy_x(const GemvParams& p, u8* xq, int kb0, int nbl) {
+    const int nb = p.k / 32;
+    if (nbl == nb) {  // one contiguous copy
+        const int bytes = p.m * s8_pitch(nb) + nb * 8 * S8_COLS;
+        for (int off = threadIdx.x * 16; off < bytes; off += blockDim.x * 16) cp_async16(xq + off, p.xq + off);
+    } else {
+        const int chunks = nbl * 2;  // 16-byte chunks of a row's range
+        for (int i = threadIdx.x; i < p.m * chunks; i += blockDim.x) {
+            const int r = i / chunks, c = i - r * chunks;
+            cp_async16(xq + r * s8_pitch(nbl) + c * 16, p.xq + r * s8_pitch(nb) + kb0 * 32 + c * 16);
+        }
+        const u8* xs_src = p.xq + p.m * s8_pitch(nb) + kb0 * 8 * S8_COLS;
+        u8* xs_dst = xq + p.m * s8_pitch(nbl);
+        for (int off = threadIdx.x * 16; off < nbl * 8 * S8_COLS; off += blockDim.x * 16)
+            cp_async16(xs_dst + off, xs_src + off);
+    }
     cp_async_commit();
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
     asm volatile("cp.async.wait_all;" ::: "memory");
@@ -194,15 +216,20 @@ extern "C" __global__ void __launch_bounds__(32 * GM_WARPS, GM_MIN_BLOCKS) gemv_
     int tile = blockIdx.x;
     s8_tile_rows(rows, p, tile * GM_OUT_ROWS, lane);
     const int nb = p.k / 32;
-    const int per = ((nb + GM_WARPS - 1) / GM_WARPS + RP_GROUP - 1) / RP_GROUP * RP_GROUP;  // whole groups
-    const int c_begin = min(nb, warp * per), c_end = min(nb, c_begin + per);
-    u8* xq = reinterpret_cast<u8*>(s8_smem);
-    float2* xs = reinterpret_cast<float2*>(xq + p.m * s8_pitch(nb));
+#if S8_KSPLIT
+    const int kb0 = p.kb_begin, nbl = p.kb_end - p.kb_begin;  // this launch's blocks of each row
+#else
+    const int kb0 = 0, nbl = nb;
+#endif
+    const int per = ((nbl + GM_WARPS - 1) / GM_WARPS + RP_GROUP - 1) / RP_GROUP * RP_GROUP;  // whole groups
+    const int c_begin = kb0 + min(nbl, warp * per), c_end = kb0 + min(nbl, warp * per + per);
+    u8* xq = reinterpret_cast<u8*>(s8_smem);  // x's blocks [kb0, kb0 + nbl): block c at c - kb0
+    float2* xs = reinterpret_cast<float2*>(xq + p.m * s8_pitch(nbl));
     GmRaw raw0, raw1;
     load_rows_group(raw0, rows, nb, c_begin, c_end, t);  // in flight across the PDL wait and x's quantization / copy
     pdl_enter();
 #if S8_XG
-    s8_copy_x(p, xq);
+    s8_copy_x(p, xq, kb0, nbl);
 #else
     gm_inv_rms(p, scratch, inv_rms, xr);
     s8_quantize_x(p, inv_rms, xq, xs);
@@ -211,15 +238,15 @@ extern "C" __global__ void __launch_bounds__(32 * GM_WARPS, GM_MIN_BLOCKS) gemv_
     int x_rows = 0;  // bit j: x row xr + 8 j exists
 #pragma unroll
     for (int j = 0; j < S8_NCOL; ++j) x_rows |= (xr + 8 * j < p.m) << j;
-    const u8* xrow = xq + (xr < p.m ? xr : 0) * s8_pitch(nb);
+    const u8* xrow = xq + (xr < p.m ? xr : 0) * s8_pitch(nbl);
     for (; tile < tiles; tile += gridDim.x) {  // a grid short of the tiles: x is in smem once per block
         GmAcc acc[S8_NCOL] = {};
         for (int c = c_begin; c < c_end; c += 2 * RP_GROUP) {  // two register buffers, as gemv_mma
             load_rows_group(raw1, rows, nb, c + RP_GROUP, c_end, t);
-            s8_group(acc, raw0, xrow, s8_pitch(nb), xs, x_rows, c, t);
+            s8_group(acc, raw0, xrow, s8_pitch(nbl), xs, x_rows, c - kb0, t);
             if (c + RP_GROUP >= c_end) break;
             load_rows_group(raw0, rows, nb, c + 2 * RP_GROUP, c_end, t);
-            s8_group(acc, raw1, xrow, s8_pitch(nb), xs, x_rows, c + RP_GROUP, t);
+            s8_group(acc, raw1, xrow, s8_pitch(nbl), xs, x_rows, c + RP_GROUP - kb0, t);
         }
         if (tile + gridDim.x < tiles) {  // the next tile's first group in flight during this one's epilogue
             s8_tile_rows(rows, p, (tile + gridDim.x) * GM_OUT_ROWS, lane);
@@ -230,6 +257,9 @@ extern "C" __global__ void __launch_bounds__(32 * GM_WARPS, GM_MIN_BLOCKS) gemv_
             GemvParams pj = p;
             pj.y += 8 * j * p.y_stride;
             if (p.res != nullptr) pj.res += 8 * j * p.y_stride;
+#if S8_KSPLIT
+            pj.part += 8 * j * p.n;  // [m, n] fp32 (no SILU)
+#endif
             pj.m = p.m - 8 * j;
             gm_epilogue(pj, acc[j], red, tile * GM_OUT_ROWS);
             __syncthreads();  // red is written again by the next group or tile
@@ -407,7 +437,7 @@ extern "C" __global__ void __launch_bounds__(32 * S8W_WARPS, S8W_MIN_BLOCKS) gem
     if (out < n_out) load();  // in flight across the PDL wait and x's quantization
     pdl_enter();
 #if S8_XG
-    s8_copy_x(p, xq);
+    s8_copy_x(p, xq, 0, nb);
 #else
     gm_inv_rms(p, scratch, inv_rms, 0);
     s8_quantize_x<S8W_QBATCH>(p, inv_rms, xq, reinterpret_cast<float2*>(xq + s8_pitch(nb)));

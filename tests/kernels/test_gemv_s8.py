@@ -186,21 +186,21 @@ def test_16_row_launch_equals_8_row_launches(s8_backend, fmt):
     """gemv_s8's S8_NCOL = 2 build (9-16 x rows in one launch, gemv_int8.gemv_s8_launch_rows) gives what launches
     of <= 8 rows give, bit for bit (same int32 block sums, same scaling and reduction order): 9, 12 and 16 rows,
     partial tiles (45 rows), a persistent grid looping over tiles (20,000 rows), the residual, the fused RMSNorm
-    with SwiGLU; within EMU_TOL of the emulation. Where x of 16 rows does not fit the shared memory (k = 14,336
-    on the H200) the call stays in 8-row launches."""
+    with SwiGLU; within EMU_TOL of the emulation (x of 16 rows fits the shared memory whole at these widths; the
+    k split of wider rows: test_k_split_launches)."""
     from voltserve.backends.cuda import kernels
     from voltserve.backends.cuda.gemv_int8 import gemv_s8_fits
     from voltserve.backends.cuda.linear import launch_linear
 
     if s8_backend.gemv_s8_x == "block":
         pytest.skip("the 16-row build reads x quantized per launch")
-    for n, k in ((45, 768), (20000, 512), (1024, 4096), (64, 14336)):
+    for n, k in ((45, 768), (20000, 512), (1024, 4096)):
         quant, _, lin = repacked_weight(s8_backend, fmt, n, k, n + 61)
         gen = torch.Generator().manual_seed(n + 62)
         x = torch.randn(16, k, generator=gen).half().cuda()
         res = torch.randn(16, n, generator=gen).half().cuda()
         nd = s8_backend.prepare_norm(torch.rand(k, generator=gen) + 0.5)
-        wide = gemv_s8_fits(s8_backend, kernels.GEMV_S8_MAX_ROWS, k)
+        wide = gemv_s8_fits(s8_backend, kernels.GEMV_S8_MAX_ROWS, k)  # not on GPUs of < 99 KB
         got = {}
         for rows in ("auto", "8"):
             s8_backend.gemv_s8_rows = rows
@@ -213,6 +213,39 @@ def test_16_row_launch_equals_8_row_launches(s8_backend, fmt):
         for a, b in zip(got["auto"], got["8"]):
             assert torch.equal(a, b), (n, k)
         assert rel_err(got["auto"][2] - res, s8_reference(x.cpu(), quant)) <= EMU_TOL
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_k_split_launches(s8_backend, fmt):
+    """16 x rows whose x does not fit the shared memory whole (k = 14,336: 287 KB) run as S8_KSPLIT launches of
+    half the k each, the first handing its fp32 sums to the second through a workspace: within EMU_TOL of the
+    emulation and within one fp16 rounding of the 8-row launches (the same products, summed in another order);
+    rows of two split calls (12 and 16 rows) equal bit for bit; partial tiles (45 rows), a persistent grid
+    looping over tiles (4,096 rows), the residual (added once, by the last launch); graph replay equals eager."""
+    from voltserve.backends.cuda.gemv_int8 import gemv_s8_k_ranges
+
+    if s8_backend.gemv_s8_x == "block":
+        pytest.skip("16-row launches need x quantized per launch")
+    k = 14336
+    if len(gemv_s8_k_ranges(s8_backend, fmt, 16, k) or ()) != 2:
+        pytest.skip("needs a GPU where 16 rows of x fit in two k ranges, not whole (H200: 227 KB)")
+    for n in (45, 4096):
+        quant, _, lin = repacked_weight(s8_backend, fmt, n, k, n + 81)
+        gen = torch.Generator().manual_seed(n + 82)
+        x = torch.randn(16, k, generator=gen).half().cuda()
+        res = torch.randn(16, n, generator=gen).half().cuda()
+        with launched_builds(s8_backend) as builds:
+            got = s8_backend.linear(x, lin, residual=res)
+        split = [spec for kernel, spec in builds if kernel == "gemv_s8"]
+        assert len(split) == 2 and all(spec.get("S8_KSPLIT") == 1 for spec in split)
+        assert rel_err(got - res, s8_reference(x.cpu(), quant)) <= EMU_TOL
+        s8_backend.gemv_s8_rows = "8"
+        eight = s8_backend.linear(x, lin, residual=res)
+        s8_backend.gemv_s8_rows = "auto"
+        assert rel_err(got, eight) <= 1e-3
+        assert torch.equal(s8_backend.linear(x[:12], lin, residual=res[:12]), got[:12])
+        assert_replay_equals_eager(s8_backend, lambda: [s8_backend.linear(x, lin, residual=res)],
+                                   lambda: x.copy_(torch.randn(16, k, generator=gen).half()))
 
 
 def test_gemv_rows_past_16(s8_backend, cpu_backend):

@@ -1,6 +1,6 @@
 """Which decode GEMV kernel a launch on quant rows runs (backends/cuda/linear.py, gemv_int8.py, gemv_tma.py): the
-load-time repack of Q4_0 / Q4_1 / Q8_0 rows and the int8 kernels on them (gemv_s8 for 1-16 x rows a launch, gemv_s8w for one,
-gemv_tma_s8 on request), their builds and shared-memory fits. Pure Python, no GPU.
+load-time repack of Q4_0 / Q4_1 / Q8_0 rows and the int8 kernels on them (gemv_s8 for 1-16 x rows a launch, gemv_s8w
+for one, gemv_tma_s8 on request), their builds and shared-memory fits. Pure Python, no GPU.
 """
 
 from types import SimpleNamespace
@@ -124,6 +124,14 @@ def test_gemv_s8_specs_are_built():
         kernels.gemv_s8_spec("Q8_0", False, 9, x_per_launch=True)
     with pytest.raises(ValueError, match="1..16"):
         kernels.gemv_s8_spec("Q8_0", False, 17, x_per_launch=True, tile_rows=16)
+    for f in ("Q4_0", "Q4_1", "Q8_0"):  # k split (gemv_int8.gemv_s8_k_ranges): 16 rows, no SwiGLU, 32 or 16 tiles
+        for tile in (32, 16):
+            assert kernels.gemv_s8_spec(f, False, 16, False, True, tile, True) in built
+    assert kernels.gemv_s8_spec("Q4_1", False, 12, False, True, 32, True) == {
+        "WTYPE": 2, "SILU": 0, "GM_TILE_ROWS": 32, "GM_MIN_BLOCKS": 1, "S8_NCOL": 2, "S8_KSPLIT": 1, "S8_XG": 1}
+    for rows, silu in ((8, False), (16, True)):
+        with pytest.raises(ValueError, match="k split"):
+            kernels.gemv_s8_spec("Q4_1", silu, rows, False, True, 32, True)
     nb = 4096 // 32
     assert kernels.gemv_s8_smem_bytes(9, 4096) == 9 * (nb * 32 + 16) + nb * 8 * 16  # scales [nb][16]
 
@@ -187,14 +195,27 @@ def test_gemv_s8_launch_rows_and_gemv_max_rows():
     GEMVs up to kernels.QUANT_GEMV_MAX_ROWS_SM90[fmt] rows (then the dequant GEMM), below SM90 up to 16 (then
     gemm_tc); fp16 and GGUF rows up to 16. The recorded launches of one call follow."""
     from voltserve.backends.cuda import kernels
-    from voltserve.backends.cuda.gemv_int8 import gemv_s8_launch_rows
+    from voltserve.backends.cuda.gemv_int8 import gemv_s8_k_ranges, gemv_s8_launch_rows
     from voltserve.backends.cuda.linear import gemv_max_rows, launch_linear
 
     h200, sm86 = fake_backend(90), fake_backend(86, smem_kb=99)
-    assert gemv_s8_launch_rows(h200, 4096) == 16 and gemv_s8_launch_rows(h200, 14336) == 8
-    assert gemv_s8_launch_rows(sm86, 4096) == 16 and gemv_s8_launch_rows(sm86, 8192) == 8  # 182 KB > 99 KB
-    assert gemv_s8_launch_rows(SimpleNamespace(loader=h200.loader, gemv_s8_rows="8"), 4096) == 8
-    assert gemv_s8_launch_rows(SimpleNamespace(loader=h200.loader, gemv_s8_x="block"), 4096) == 8
+    assert gemv_s8_launch_rows(h200, "Q4_1", 4096) == 16
+    # k = 14,336: 16 rows of x (287 KB) only in two k ranges (144 KB each), which SwiGLU builds lack
+    assert gemv_s8_launch_rows(h200, "Q4_1", 14336) == 16 and gemv_s8_launch_rows(h200, "Q4_1", 14336, True) == 8
+    assert gemv_s8_launch_rows(h200, "Q8_0", 4096, True) == 16
+    assert gemv_s8_launch_rows(sm86, "Q4_1", 4096) == 16 and gemv_s8_launch_rows(sm86, "Q4_1", 8192) == 16
+    assert gemv_s8_launch_rows(sm86, "Q4_1", 14336) == 8  # even half the k (144 KB) is over 99 KB
+    assert gemv_s8_launch_rows(SimpleNamespace(loader=h200.loader, gemv_s8_rows="8"), "Q4_1", 4096) == 8
+    whole = SimpleNamespace(loader=h200.loader, gemv_s8_rows="whole")
+    assert gemv_s8_launch_rows(whole, "Q4_1", 4096) == 16 and gemv_s8_launch_rows(whole, "Q4_1", 14336) == 8
+    assert gemv_s8_launch_rows(SimpleNamespace(loader=h200.loader, gemv_s8_x="block"), "Q4_1", 4096) == 8
+    assert gemv_s8_k_ranges(h200, "Q4_1", 16, 4096) == [(0, 128)]
+    assert gemv_s8_k_ranges(h200, "Q4_1", 16, 14336) == [(0, 224), (224, 448)]
+    assert gemv_s8_k_ranges(h200, "Q8_0", 16, 14336) == [(0, 224), (224, 448)]
+    assert gemv_s8_k_ranges(h200, "Q4_1", 8, 14336) == [(0, 448)]  # 143 KB: fits whole
+    assert gemv_s8_k_ranges(sm86, "Q4_1", 8, 14336) is None  # <= 8 rows never split: gemv_mma
+    assert gemv_s8_k_ranges(sm86, "Q4_1", 16, 14336) is None and gemv_s8_k_ranges(sm86, "Q4_1", 16, 8192) == [
+        (0, 128), (128, 256)]
     q4 = fake_linear("Q4_1", 4096, 4096)
     q4.layout = "repacked"
     assert gemv_max_rows(h200, q4) == kernels.QUANT_GEMV_MAX_ROWS_SM90["Q4_1"] == 40
@@ -209,21 +230,34 @@ def test_gemv_s8_launch_rows_and_gemv_max_rows():
     assert gemv_max_rows(h200, fake_linear("Q4_1", 4096, 4096)) == 16  # GGUF rows
     assert gemv_max_rows(h200, fake_linear("F16", 4096, 4096)) == 16
 
-    def kernels_of(m, k, n=4096):
+    def kernels_of(m, k, n=4096, silu=False):
         w = fake_linear("Q4_1", n, k)
         w.layout = "repacked"
         backend, launches = recording_backend()
-        y = launch_linear(backend, torch.zeros(m, k, dtype=torch.float16), w)
-        assert y.shape == (m, n)
-        return [(launch.kernel, launch.params.m if launch.kernel == "gemv_s8" else None) for launch in launches]
+        y = launch_linear(backend, torch.zeros(m, k, dtype=torch.float16), w, silu=silu)
+        assert y.shape == (m, n >> silu)
+        return launches, [(launch.kernel, launch.params.m if launch.kernel == "gemv_s8" else None)
+                          for launch in launches]
 
-    assert kernels_of(24, 4096) == [("quantize_s8", None), ("gemv_s8", 16), ("quantize_s8", None), ("gemv_s8", 8)]
-    assert kernels_of(32, 4096) == [("quantize_s8", None), ("gemv_s8", 16)] * 2
-    assert kernels_of(20, 14336) == [("quantize_s8", None), ("gemv_s8", 8)] * 2 + [("quantize_s8", None),
-                                                                                    ("gemv_s8", 4)]
-    assert kernels_of(40, 4096) == [("quantize_s8", None), ("gemv_s8", 16)] * 2 + [("quantize_s8", None),
-                                                                                    ("gemv_s8", 8)]
-    assert kernels_of(41, 4096) == [("dequant_f16", None)]  # the GEMM: dequant_f16, then torch.mm
+    assert kernels_of(24, 4096)[1] == [("quantize_s8", None), ("gemv_s8", 16), ("quantize_s8", None),
+                                       ("gemv_s8", 8)]
+    assert kernels_of(32, 4096)[1] == [("quantize_s8", None), ("gemv_s8", 16)] * 2
+    launches, names = kernels_of(20, 14336)  # 16 rows in two k ranges (S8_KSPLIT), then 4 rows whole
+    assert names == [("quantize_s8", None), ("gemv_s8", 16), ("gemv_s8", 16), ("quantize_s8", None), ("gemv_s8", 4)]
+    first, second, rest = launches[1], launches[2], launches[4]
+    assert first.spec == second.spec == kernels.gemv_s8_spec("Q4_1", False, 16, False, True, 32, True)
+    assert first.spec["S8_KSPLIT"] == 1 and "S8_KSPLIT" not in rest.spec
+    def split_of(launch):
+        return launch.params.kb_begin, launch.params.kb_end, launch.params.part_in, launch.params.part_out
+
+    assert split_of(first) == (0, 224, 0, 1) and split_of(second) == (224, 448, 1, 0)
+    assert first.params.part == second.params.part != 0 and first.params.xq == second.params.xq != 0
+    assert first.smem == kernels.gemv_s8_smem_bytes(16, 224 * 32)
+    assert rest.smem == kernels.gemv_s8_smem_bytes(4, 14336)
+    assert kernels_of(16, 14336, 4096, silu=True)[1] == [("quantize_s8", None), ("gemv_s8", 8)] * 2
+    assert kernels_of(40, 4096)[1] == [("quantize_s8", None), ("gemv_s8", 16)] * 2 + [("quantize_s8", None),
+                                                                                       ("gemv_s8", 8)]
+    assert kernels_of(41, 4096)[1] == [("dequant_f16", None)]  # the GEMM: dequant_f16, then torch.mm
 
 
 def test_gemv_s8_x_per_launch_rule():

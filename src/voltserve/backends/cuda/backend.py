@@ -116,8 +116,9 @@ class CudaBackend:
         # x fit an SM), "32" or "16"; VOLTSERVE_GEMV_S8_TILES for A/B runs
         self.gemv_s8_tiles = _env_choice("VOLTSERVE_GEMV_S8_TILES", ("auto", "32", "16"))
         # x rows per gemv_s8 launch from 9 rows: "auto" (gemv_int8.gemv_s8_launch_rows: 16, the S8_NCOL = 2 build,
-        # where its x fits the shared memory) or "8" (8-row launches, as before); VOLTSERVE_GEMV_S8_ROWS for A/B runs
-        self.gemv_s8_rows = _env_choice("VOLTSERVE_GEMV_S8_ROWS", ("auto", "8"))
+        # where its x fits the shared memory whole or in k ranges), "whole" (16 only where x fits whole) or "8"
+        # (8-row launches, as before session 21); VOLTSERVE_GEMV_S8_ROWS for A/B runs
+        self.gemv_s8_rows = _env_choice("VOLTSERVE_GEMV_S8_ROWS", ("auto", "whole", "8"))
         # the most x rows a call on repacked quant rows runs as gemv_s8 launches before it takes the GEMM
         # (linear.gemv_max_rows): "auto" (kernels.quant_gemv_max_rows) or a number; VOLTSERVE_QUANT_GEMV_ROWS for
         # A/B runs

@@ -107,7 +107,8 @@ def _smem_fits(backend: Any, dynamic_smem: int) -> bool:
 
 def gemv_s8_tile_rows(backend: Any, fmt: str, rows: int, k: int, x_per_launch: bool) -> int:
     """Weight rows per gemv_s8 block for a launch of `rows` x rows of width k on `fmt` rows, x quantized per launch
-    or by every block: 32 at one row (the S8_M1 build), 16 above 8 rows (GEMV_S8_WIDE_TILE) and, under `backend.gemv_s8_tiles` "auto", 16
+    or by every block: 32 at one row (the S8_M1 build), above 8 rows 16 (GEMV_S8_WIDE_TILE) or, for a k split,
+    32 unless forced (GEMV_S8_KSPLIT_TILE) and, under `backend.gemv_s8_tiles` "auto", 16
     (kernels.GEMV_S8_NARROW_TILE: 3 blocks an SM, 24 warps, instead of 2 blocks of 32-row tiles) from 2 rows
     where x is quantized per launch (the builds that quantize x in every block spill at 3 blocks' registers), 3
     blocks' x copies and the 32-row build's static smem fit an SM (Llama-3-8B on the H200: k = 4,096 at every m,
@@ -119,8 +120,10 @@ def gemv_s8_tile_rows(backend: Any, fmt: str, rows: int, k: int, x_per_launch: b
     wide, narrow = kernels.GEMV_MMA_TILES
     if rows < 2:
         return wide
-    if rows > kernels.GEMV_MAX_ROWS:
-        return kernels.GEMV_S8_WIDE_TILE["GM_TILE_ROWS"]  # the only S8_NCOL = 2 build
+    if rows > kernels.GEMV_MAX_ROWS:  # S8_NCOL = 2: 16-row tiles, or with a k split (one block an SM) 32
+        if gemv_s8_fits(backend, rows, k):
+            return kernels.GEMV_S8_WIDE_TILE["GM_TILE_ROWS"]
+        return kernels.GEMV_S8_KSPLIT_TILE["GM_TILE_ROWS"] if choice == "auto" else int(choice)
     if choice != "auto":
         return int(choice)
     if not x_per_launch or k > GEMV_S8_NARROW_MAX_K.get(fmt, k):
@@ -131,16 +134,37 @@ def gemv_s8_tile_rows(backend: Any, fmt: str, rows: int, k: int, x_per_launch: b
     return narrow if fits else wide
 
 
-def gemv_s8_launch_rows(backend: Any, k: int) -> int:
-    """x rows per gemv_s8 launch of a call on rows of width k: GEMV_S8_MAX_ROWS (the S8_NCOL = 2 build: the
-    weights read once for 16 rows instead of twice) where its x copy fits the opt-in shared memory and x is
-    quantized per launch (`backend.gemv_s8_x` not "block"), under `backend.gemv_s8_rows` "auto"; else
-    GEMV_MAX_ROWS (8). Llama-3-8B on the H200: 16 at k = 4,096 (82 KB), 8 at k = 14,336 (287 KB would be needed)."""
-    wide = kernels.GEMV_S8_MAX_ROWS
-    if (getattr(backend, "gemv_s8_rows", "auto") != "auto" or not gemv_s8_x_per_launch(backend, wide, k)
-            or not gemv_s8_fits(backend, wide, k)):
+def gemv_s8_launch_rows(backend: Any, fmt: str, k: int, silu: bool = False) -> int:
+    """x rows per gemv_s8 launch of a call on `fmt` rows of width k: GEMV_S8_MAX_ROWS (the S8_NCOL = 2 build: the
+    weights read once for 16 rows instead of twice) where x is quantized per launch (`backend.gemv_s8_x` not
+    "block") and 16 rows of x fit the opt-in shared memory whole or, without SwiGLU and under
+    `backend.gemv_s8_rows` "auto" (not "whole"), in k ranges (`gemv_s8_k_ranges`); else, and under "8",
+    GEMV_MAX_ROWS (8). Llama-3-8B on the H200: 16 at k = 4,096
+    (82 KB of x), at k = 14,336 in two launches of half the k each (144 KB)."""
+    wide, choice = kernels.GEMV_S8_MAX_ROWS, getattr(backend, "gemv_s8_rows", "auto")
+    if choice == "8" or not gemv_s8_x_per_launch(backend, wide, k):
         return kernels.GEMV_MAX_ROWS
-    return wide
+    ranges = gemv_s8_k_ranges(backend, fmt, wide, k)
+    split_ok = not silu and choice == "auto"
+    return wide if ranges is not None and (len(ranges) == 1 or split_ok) else kernels.GEMV_MAX_ROWS
+
+
+def gemv_s8_k_ranges(backend: Any, fmt: str, rows: int, k: int) -> list[tuple[int, int]] | None:
+    """The ranges of 32-weight blocks [begin, end) of a gemv_s8 call's launches for `rows` x rows of width k on
+    `fmt` rows: [(0, k / 32)] where x fits the shared memory whole; above 8 rows the fewest (<=
+    GEMV_S8_MAX_KSPLITS) equal ranges of whole load groups (REPACK_GROUP_BLOCKS) whose x fits (the S8_KSPLIT
+    launches, partial sums handed on in fp32); None where none does."""
+    nb = k // 32
+    if gemv_s8_fits(backend, rows, k):
+        return [(0, nb)]
+    if rows <= kernels.GEMV_MAX_ROWS:
+        return None
+    group = kernels.REPACK_GROUP_BLOCKS[fmt]
+    for splits in range(2, kernels.GEMV_S8_MAX_KSPLITS + 1):
+        per = -(-(nb // group) // splits) * group
+        if gemv_s8_fits(backend, rows, per * 32):
+            return [(b, min(nb, b + per)) for b in range(0, nb, per)]
+    return None
 
 
 def gemv_s8_x_per_launch(backend: Any, rows: int, k: int, block_max_x: int = GEMV_S8_BLOCK_MAX_X) -> bool:
@@ -209,28 +233,38 @@ def launch_gemv_s8w(backend: Any, x: torch.Tensor, w: CudaLinear, y: torch.Tenso
 def launch_gemv_s8(backend: Any, x: torch.Tensor, w: CudaLinear, y: torch.Tensor,
                    norm_weight: torch.Tensor | None, eps: float, residual: torch.Tensor | None, silu: bool,
                    vec_ok: int, one_pass: bool, ready: torch.Tensor | None = None) -> None:
-    """gemv_s8 launches of <= gemv_s8_launch_rows x rows each (8 or 16; fusions as gemv_mma); `residual` has y's
-    row stride; `ready`: x [m, k] already quantized (s8_quantized_x) for a call of one launch. The grid: one block
-    per tile, or under `backend.gemv_s8_grid` "persistent" at most the blocks the GPU holds at once, each looping
-    over tiles (x quantized once per block instead of once per tile)."""
+    """gemv_s8 launches of <= gemv_s8_launch_rows x rows each (8 or 16; fusions as gemv_mma), a 16-row launch whose
+    x does not fit whole as one launch per k range (`gemv_s8_k_ranges`: each adds its fp32 sums to the previous
+    ones' in a workspace, the last stores y with the residual); `residual` has y's row stride; `ready`: x [m, k]
+    already quantized (s8_quantized_x) for a call of one launch. The grid: one block per tile, or under
+    `backend.gemv_s8_grid` "persistent" at most the blocks the GPU holds at once, each looping over tiles (x
+    quantized once per block instead of once per tile)."""
     m, k = x.shape
     n_out = y.shape[1]
-    step = gemv_s8_launch_rows(backend, k)
+    step = gemv_s8_launch_rows(backend, w.fmt, k, silu)
     for r0 in range(0, m, step):
         rows = min(step, m - r0)
         xr = x[r0:r0 + rows]
         per_launch = x_per_launch_of(backend, "gemv_s8", rows, k)
         pdl = gemv_pdl(backend, w)  # against the launch before quantize_s8: the pair counts as one GEMV
+        ranges = gemv_s8_k_ranges(backend, w.fmt, rows, k)
+        split = len(ranges) > 1
         tile = gemv_s8_tile_rows(backend, w.fmt, rows, k, per_launch)
-        spec = kernels.gemv_s8_spec(w.fmt, silu, rows, one_pass, per_launch, tile)
+        spec = kernels.gemv_s8_spec(w.fmt, silu, rows, one_pass, per_launch, tile, split)
         tiles = math.ceil(n_out / (tile // 2 if silu else tile))
         threads = 32 * kernels.GEMV_MMA_WARPS
-        smem = kernels.gemv_s8_smem_bytes(rows, k)
-        xq, norm = s8_quantized_x(backend, xr, spec, smem, norm_weight, eps, vec_ok, per_launch,
-                                  ready if rows == m else None)
+        smem = kernels.gemv_s8_smem_bytes(rows, (ranges[0][1] - ranges[0][0]) * 32)  # the first range is the widest
+        xq, norm = s8_quantized_x(backend, xr, spec, kernels.gemv_s8_smem_bytes(rows, k), norm_weight, eps, vec_ok,
+                                  per_launch, ready if rows == m else None)
         grid = tiles
         if getattr(backend, "gemv_s8_grid", "persistent") == "persistent":
             grid = min(tiles, backend.num_sms * backend._occupancy("gemv_s8", "gemv_s8", spec, smem, threads))
-        p = gemv_params(xr, r0, w, y, residual, norm, eps, vec_ok, xq=xq)
-        backend._launch("gemv_s8", "gemv_s8", spec, (grid, 1, 1), (threads, 1, 1), smem, p, pdl)
-        launched_gemv(backend, w)
+        part = torch.empty(rows, n_out, dtype=torch.float32, device=x.device) if split else None
+        for i, (kb0, kb1) in enumerate(ranges):
+            p = gemv_params(xr, r0, w, y, residual, norm, eps, vec_ok, xq=xq)
+            if split:
+                p.part, p.kb_begin, p.kb_end = part.data_ptr(), kb0, kb1
+                p.part_in, p.part_out = int(i > 0), int(i < len(ranges) - 1)
+                pdl = gemv_pdl(backend, w) if i else pdl
+            backend._launch("gemv_s8", "gemv_s8", spec, (grid, 1, 1), (threads, 1, 1), smem, p, pdl)
+            launched_gemv(backend, w)

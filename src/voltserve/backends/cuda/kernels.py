@@ -54,6 +54,11 @@ GEMV_S8_NARROW_BLOCKS = GEMV_S8_NARROW_TILE["GM_MIN_BLOCKS"]
 # Q4_1 without spills on sm_90; the 32-row build spills at 128)
 GEMV_S8_MAX_ROWS = 16
 GEMV_S8_WIDE_TILE = {"GM_TILE_ROWS": 16, "GM_MIN_BLOCKS": 2, "S8_NCOL": 2}
+# ... where 16 rows of x do not fit (Llama-3-8B's down_proj, k = 14,336: 287 KB), launches that each take a k
+# range of whole load groups (S8_KSPLIT: fp32 partial sums handed on through a workspace, the last launch adds
+# them and stores y): one block an SM, so 32-row tiles (registers up to 255)
+GEMV_S8_KSPLIT_TILE = {"GM_TILE_ROWS": 32, "GM_MIN_BLOCKS": 1, "S8_NCOL": 2, "S8_KSPLIT": 1}
+GEMV_S8_MAX_KSPLITS = 2
 # gemv_mma(_sb)'s static smem, at most: red + scratch (GM_NORM_ONE_PASS build) + inv_rms
 GEMV_MMA_STATIC_SMEM = 4 * (GEMV_MMA_WARPS * 32 * 8 + 8 * 32 + 8)
 
@@ -294,18 +299,21 @@ GEMV_S8W_SMEM_PAD = 1024
 
 
 def gemv_s8_spec(fmt: str, silu: bool, rows: int, norm_one_pass: bool = False,
-                 x_per_launch: bool = False, tile_rows: int = GEMV_MMA_TILES[0]) -> dict[str, int]:
+                 x_per_launch: bool = False, tile_rows: int = GEMV_MMA_TILES[0],
+                 k_split: bool = False) -> dict[str, int]:
     """The -D set of gemv_s8.cu (repacked quant rows, int8 MMAs) for a launch of `rows` x rows: S8_M1 for one
     row (with gemv_s8w's block, S8W_WARPS, from GEMV_S8W_WARPS), else GM_NORM_ONE_PASS with
     `norm_one_pass` (as gemv_mma_spec); `x_per_launch`: S8_XG, x quantized once by quantize_s8 (which then applies
     the norm: no one-pass build); `tile_rows` 16: GEMV_S8_NARROW_TILE (16-row tiles, 3 blocks an SM).
 
     9..GEMV_S8_MAX_ROWS rows: GEMV_S8_WIDE_TILE (two 8-row groups of x per weight fragment, 16-row tiles),
-    x quantized per launch only.
+    x quantized per launch only; with `k_split` GEMV_S8_KSPLIT_TILE (a k range per launch, no SwiGLU;
+    `tile_rows` 16 keeps its one block an SM with 16-row tiles).
 
     Raises:
         ValueError: fp16 weights (no int8 path), `rows` outside 1..GEMV_S8_MAX_ROWS, `tile_rows` not in
-            GEMV_MMA_TILES, or > 8 rows without `x_per_launch` or with 32-row tiles.
+            GEMV_MMA_TILES, > 8 rows without `x_per_launch` or (no k split) with 32-row tiles, or a k split
+            of <= 8 rows or with SwiGLU.
     """
     if fmt not in QUANT_BLOCK_BYTES:
         raise ValueError(f"gemv_s8 takes quant weights, got {fmt}")
@@ -314,6 +322,12 @@ def gemv_s8_spec(fmt: str, silu: bool, rows: int, norm_one_pass: bool = False,
     if tile_rows not in GEMV_MMA_TILES:
         raise ValueError(f"gemv_s8 tile_rows must be one of {GEMV_MMA_TILES}, got {tile_rows}")
     spec = {"WTYPE": WTYPES[fmt], "SILU": int(silu)}
+    if k_split:
+        if rows <= GEMV_MAX_ROWS or silu or not x_per_launch:
+            raise ValueError(f"gemv_s8's k split takes {GEMV_MAX_ROWS + 1}..{GEMV_S8_MAX_ROWS} x rows quantized "
+                             f"per launch and no SwiGLU, got {rows} rows, silu={silu}")
+        spec.update(GEMV_S8_KSPLIT_TILE, GM_TILE_ROWS=tile_rows, S8_XG=1)
+        return spec
     if rows > GEMV_MAX_ROWS:
         if not x_per_launch or tile_rows != GEMV_S8_WIDE_TILE["GM_TILE_ROWS"]:
             raise ValueError(f"gemv_s8 launches of {rows} > {GEMV_MAX_ROWS} x rows need x quantized per launch "
@@ -565,6 +579,8 @@ def engine_specializations() -> list[tuple[str, dict[str, int]]]:
               for r, o, g, t in ((1, False, False, 32), (1, False, True, 32), (8, False, False, 32),
                                  (8, True, False, 32), (8, False, True, 32), (8, False, True, 16),
                                  (GEMV_S8_MAX_ROWS, False, True, 16))]
+    specs += [("gemv_s8", gemv_s8_spec(f, False, GEMV_S8_MAX_ROWS, False, True, t, True))
+              for f in QUANT_BLOCK_BYTES for t in GEMV_MMA_TILES]
     specs += [("gemm_tiled", {"WTYPE": w}) for w in WTYPES.values()]
     specs += [("gemm_tc", gemm_tc_spec(w, bn, r)) for w in (1, 2, 3) for bn in GEMM_TC_BNS for r in (False, True)]
     specs += [("sampling", {"LOGITS_F16": f}) for f in (0, 1)]

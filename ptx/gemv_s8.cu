@@ -29,9 +29,11 @@
 // row grouped as the weights' load groups ([group][slot t][block of the group][2 words]), so a lane reads a
 // group's B words with one or two 16-byte loads.
 // S8_M1: the build for m = 1 (x scales [nb] read by every lane; only C column 0 is scaled); else [nb][8] and
-// each lane reads the scales of its columns 2t, 2t + 1. S8_NCOL = 2 (S8_XG only): 9-16 x rows in one launch,
-// scales [nb][16]; each A fragment (16 weight rows x one block) meets two B fragments (x rows 0-7, 8-15), so
-// the weights are read once for 16 rows instead of once per 8-row launch; the epilogue runs per 8-row group.
+// each lane reads the scales of its columns 2t, 2t + 1. S8_NCOL = 2 / 4 (S8_XG only): 9-16 / 17-32 x rows in
+// one launch, scales [nb][8 S8_NCOL]; each A fragment (16 weight rows x one block) meets S8_NCOL B fragments (x
+// rows 0-7, 8-15, ...), so the weights are read once for all rows instead of once per 8-row launch; the
+// epilogue runs per 8-row group. S8_KSPLIT (with S8_NCOL = 2): the launch takes blocks [kb_begin, kb_end) of
+// each row and hands its fp32 sums on through p.part, where x of all rows does not fit the shared memory.
 // Columns past m: their int32 sums are 0 (zero B columns)
 // and their scales unwritten smem, so their accumulators hold garbage that gm_epilogue never stores (r < m).
 // Dynamic shared memory: kernels.gemv_s8_smem_bytes (xq [m][nb * 32 + 16] bytes, then xs float2); p.xq of an
@@ -47,8 +49,8 @@
 #define S8_XG 0  // 1: x quantized once per launch by quantize_s8 into p.xq; gemv_s8 copies it into smem
 #endif
 #include "gemv_s8.cuh"
-#if S8_NCOL != 1 && (S8_NCOL != 2 || !S8_XG || S8_M1)
-#error "S8_NCOL = 2 (9-16 x rows) needs S8_XG (x quantized per launch) and is not an S8_M1 build"
+#if S8_NCOL != 1 && ((S8_NCOL != 2 && S8_NCOL != 4) || !S8_XG || S8_M1)
+#error "S8_NCOL = 2 or 4 (9-16, 17-32 x rows) needs S8_XG (x quantized per launch) and is not an S8_M1 build"
 #endif
 #ifndef S8_KSPLIT
 #define S8_KSPLIT 0  // 1: the launch covers blocks [p.kb_begin, p.kb_end) of each row, partial sums through p.part

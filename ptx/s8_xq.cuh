@@ -7,8 +7,8 @@
 #include "common.cuh"
 
 VOLT_DEVICE int s8_pitch(int nb) { return nb * 32 + 16; }  // bytes of one quantized x row (+16: fewer bank conflicts)
-// x scales per block: [nb] for one row, else [nb][8] (up to 8 rows) or [nb][16] (gemv_s8's S8_NCOL = 2 build)
-VOLT_DEVICE int s8_cols(int rows) { return rows == 1 ? 1 : rows <= 8 ? 8 : 16; }
+// x scales per block: [nb] for one row, else [nb][8] (up to 8 rows), [nb][16] or [nb][32] (gemv_s8's S8_NCOL = 2 / 4)
+VOLT_DEVICE int s8_cols(int rows) { return rows == 1 ? 1 : rows <= 8 ? 8 : rows <= 16 ? 16 : 32; }
 
 VOLT_DEVICE int cvt_rni(float v) {
     int i;

@@ -224,7 +224,7 @@ def test_dequant_gemm_prefill_agrees_with_gemm_tc(repack):
 
 def test_quant_gemv_rows_past_16_agree_with_the_gemm():
     """A Q4_1 model on repacked rows: forward passes of 24 and 32 tokens run their linears as gemv_s8 launches
-    (16-row S8_NCOL = 2 launches, then 8; linear.gemv_max_rows on SM90+) against the GEMM (quant_gemv_rows
+    (S8_NCOL = 4, one launch each; linear.gemv_max_rows on SM90+) against the GEMM (quant_gemv_rows
     "16"): the logits agree within 3e-2 of max |logit| (x's 8-bit rounding), and only the first ran gemv_s8."""
     from tests.kernels.kutils import launched_kernels
     from tools.make_synthetic_checkpoint import synthetic_model

@@ -182,34 +182,38 @@ def test_16_row_tiles_equal_32(s8_backend, fmt):
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_16_row_launch_equals_8_row_launches(s8_backend, fmt):
-    """gemv_s8's S8_NCOL = 2 build (9-16 x rows in one launch, gemv_int8.gemv_s8_launch_rows) gives what launches
-    of <= 8 rows give, bit for bit (same int32 block sums, same scaling and reduction order): 9, 12 and 16 rows,
-    partial tiles (45 rows), a persistent grid looping over tiles (20,000 rows), the residual, the fused RMSNorm
-    with SwiGLU; within EMU_TOL of the emulation (x of 16 rows fits the shared memory whole at these widths; the
-    k split of wider rows: test_k_split_launches)."""
-    from voltserve.backends.cuda import kernels
+@pytest.mark.parametrize("top,ncol", [(16, 2), (32, 4)])
+def test_wide_launches_equal_8_row_launches(s8_backend, fmt, top, ncol):
+    """gemv_s8's S8_NCOL = 2 / 4 builds (9-16 / 17-32 x rows in one launch, gemv_int8.gemv_s8_launch_rows) give
+    what launches of <= 8 rows give, bit for bit (same int32 block sums, same scaling and reduction order): three
+    row counts up to `top`, partial tiles (45 rows), a persistent grid looping over tiles (20,000 rows), the
+    residual, the fused RMSNorm with SwiGLU; within EMU_TOL of the emulation (x of 32 rows fits the shared memory
+    whole at these widths on the H200; the k split of wider rows: test_k_split_launches)."""
     from voltserve.backends.cuda.gemv_int8 import gemv_s8_fits
     from voltserve.backends.cuda.linear import launch_linear
 
     if s8_backend.gemv_s8_x == "block":
-        pytest.skip("the 16-row build reads x quantized per launch")
+        pytest.skip("the wide builds read x quantized per launch")
+    counts = (top // 2 + 1, top * 3 // 4, top)
     for n, k in ((45, 768), (20000, 512), (1024, 4096)):
+        if not gemv_s8_fits(s8_backend, top, k):
+            pytest.skip(f"x of {top} rows of {k} does not fit this GPU's shared memory")
         quant, _, lin = repacked_weight(s8_backend, fmt, n, k, n + 61)
         gen = torch.Generator().manual_seed(n + 62)
-        x = torch.randn(16, k, generator=gen).half().cuda()
-        res = torch.randn(16, n, generator=gen).half().cuda()
+        x = torch.randn(top, k, generator=gen).half().cuda()
+        res = torch.randn(top, n, generator=gen).half().cuda()
         nd = s8_backend.prepare_norm(torch.rand(k, generator=gen) + 0.5)
-        wide = gemv_s8_fits(s8_backend, kernels.GEMV_S8_MAX_ROWS, k)  # not on GPUs of < 99 KB
         got = {}
         for rows in ("auto", "8"):
-            s8_backend.gemv_s8_rows = rows
+            s8_backend.gemv_s8_rows = "16" if rows == "auto" and top == 16 else rows
             with launched_builds(s8_backend) as builds:
-                got[rows] = [s8_backend.linear(x[:m], lin, residual=res[:m]) for m in (9, 12, 16)]
-                got[rows].append(launch_linear(s8_backend, x[:11], lin, norm_weight=nd, eps=1e-5,
+                got[rows] = [s8_backend.linear(x[:m], lin, residual=res[:m]) for m in counts]
+                got[rows].append(launch_linear(s8_backend, x[:counts[0] + 2], lin, norm_weight=nd, eps=1e-5,
                                                silu=n % 2 == 0))
-            ncol = [spec.get("S8_NCOL", 1) for kernel, spec in builds if kernel == "gemv_s8"]
-            assert ncol == ([2] * 4 if rows == "auto" and wide else [1] * 8), (rows, k, ncol)
+            ran = [spec.get("S8_NCOL", 1) for kernel, spec in builds if kernel == "gemv_s8"]
+            launches_8 = sum(-(-m // 8) for m in counts) + -(-(counts[0] + 2) // 8)
+            assert ran == ([ncol] * 4 if rows == "auto" else [1] * launches_8), (rows, k, ran)
+        s8_backend.gemv_s8_rows = "auto"
         for a, b in zip(got["auto"], got["8"]):
             assert torch.equal(a, b), (n, k)
         assert rel_err(got["auto"][2] - res, s8_reference(x.cpu(), quant)) <= EMU_TOL
@@ -249,8 +253,9 @@ def test_k_split_launches(s8_backend, fmt):
 
 
 def test_gemv_rows_past_16(s8_backend, cpu_backend):
-    """On SM90+ calls of 17..quant_gemv_max_rows x rows on repacked rows run gemv_s8 launches (16 + 8 for 24
-    rows at k = 4,096), whose rows equal those of smaller calls bit for bit; one row more takes the GEMM."""
+    """On SM90+ calls of 17..quant_gemv_max_rows x rows on repacked rows run gemv_s8 launches (one S8_NCOL = 4
+    launch for 24 rows at k = 4,096), whose rows equal those of smaller calls bit for bit; one row more takes the
+    GEMM."""
     from voltserve.backends.cuda import kernels
     from voltserve.backends.cuda.linear import gemv_max_rows
 
@@ -263,7 +268,7 @@ def test_gemv_rows_past_16(s8_backend, cpu_backend):
     with launched_builds(s8_backend) as builds:
         got = s8_backend.linear(x[:24], lin)
     if top >= 24:
-        assert [(k, s.get("S8_NCOL", 1)) for k, s in builds if k == "gemv_s8"] == [("gemv_s8", 2), ("gemv_s8", 1)]
+        assert [(k, s.get("S8_NCOL", 1)) for k, s in builds if k == "gemv_s8"] == [("gemv_s8", 4)]
         assert torch.equal(got[16:], s8_backend.linear(x[16:24], lin))
         assert torch.equal(got[:16], s8_backend.linear(x[:16], lin))
     assert rel_err(got, s8_reference(x[:24].cpu(), quant)) <= EMU_TOL

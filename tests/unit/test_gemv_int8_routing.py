@@ -122,8 +122,13 @@ def test_gemv_s8_specs_are_built():
         kernels.gemv_s8_spec("Q8_0", False, 9, tile_rows=16)
     with pytest.raises(ValueError, match="16-row tiles"):
         kernels.gemv_s8_spec("Q8_0", False, 9, x_per_launch=True)
-    with pytest.raises(ValueError, match="1..16"):
-        kernels.gemv_s8_spec("Q8_0", False, 17, x_per_launch=True, tile_rows=16)
+    with pytest.raises(ValueError, match="1..32"):
+        kernels.gemv_s8_spec("Q8_0", False, 33, x_per_launch=True, tile_rows=16)
+    assert kernels.gemv_s8_spec("Q4_1", True, 17, False, True, 32) == {
+        "WTYPE": 2, "SILU": 1, "GM_TILE_ROWS": 32, "GM_MIN_BLOCKS": 1, "S8_NCOL": 4, "S8_XG": 1}
+    with pytest.raises(ValueError, match="per launch"):
+        kernels.gemv_s8_spec("Q4_1", False, 20, tile_rows=32)
+
     for f in ("Q4_0", "Q4_1", "Q8_0"):  # k split (gemv_int8.gemv_s8_k_ranges): 16 rows, no SwiGLU, 32 or 16 tiles
         for tile in (32, 16):
             assert kernels.gemv_s8_spec(f, False, 16, False, True, tile, True) in built
@@ -134,6 +139,7 @@ def test_gemv_s8_specs_are_built():
             kernels.gemv_s8_spec("Q4_1", silu, rows, False, True, 32, True)
     nb = 4096 // 32
     assert kernels.gemv_s8_smem_bytes(9, 4096) == 9 * (nb * 32 + 16) + nb * 8 * 16  # scales [nb][16]
+    assert kernels.gemv_s8_smem_bytes(17, 4096) == 17 * (nb * 32 + 16) + nb * 8 * 32  # scales [nb][32]
 
 
 def test_gemv_s8_tile_rows_rule_and_launch():
@@ -190,8 +196,9 @@ def test_gemv_s8_tile_rows_rule_and_launch():
 
 
 def test_gemv_s8_launch_rows_and_gemv_max_rows():
-    """Calls on repacked quant rows: gemv_s8 launches of 16 x rows (S8_NCOL = 2) where 16 rows' x fits the
-    shared memory and is quantized per launch (H200: k = 4,096, not 14,336), else of 8; on SM90+ such calls stay
+    """Calls on repacked quant rows: gemv_s8 launches of 32 x rows (S8_NCOL = 4) where 32 rows of x fit the shared
+    memory whole, of 16 (S8_NCOL = 2) where 16 rows fit whole or in two k ranges (not with SwiGLU), else of 8 (x
+    quantized per launch; H200: 32 at k = 4,096, 16 at 14,336); on SM90+ such calls stay
     GEMVs up to kernels.QUANT_GEMV_MAX_ROWS_SM90[fmt] rows (then the dequant GEMM), below SM90 up to 16 (then
     gemm_tc); fp16 and GGUF rows up to 16. The recorded launches of one call follow."""
     from voltserve.backends.cuda import kernels
@@ -199,15 +206,16 @@ def test_gemv_s8_launch_rows_and_gemv_max_rows():
     from voltserve.backends.cuda.linear import gemv_max_rows, launch_linear
 
     h200, sm86 = fake_backend(90), fake_backend(86, smem_kb=99)
-    assert gemv_s8_launch_rows(h200, "Q4_1", 4096) == 16
+    assert gemv_s8_launch_rows(h200, "Q4_1", 4096) == 32  # 164 KB of x
     # k = 14,336: 16 rows of x (287 KB) only in two k ranges (144 KB each), which SwiGLU builds lack
     assert gemv_s8_launch_rows(h200, "Q4_1", 14336) == 16 and gemv_s8_launch_rows(h200, "Q4_1", 14336, True) == 8
-    assert gemv_s8_launch_rows(h200, "Q8_0", 4096, True) == 16
+    assert gemv_s8_launch_rows(h200, "Q8_0", 4096, True) == 32
     assert gemv_s8_launch_rows(sm86, "Q4_1", 4096) == 16 and gemv_s8_launch_rows(sm86, "Q4_1", 8192) == 16
     assert gemv_s8_launch_rows(sm86, "Q4_1", 14336) == 8  # even half the k (144 KB) is over 99 KB
     assert gemv_s8_launch_rows(SimpleNamespace(loader=h200.loader, gemv_s8_rows="8"), "Q4_1", 4096) == 8
+    assert gemv_s8_launch_rows(SimpleNamespace(loader=h200.loader, gemv_s8_rows="16"), "Q4_1", 4096) == 16
     whole = SimpleNamespace(loader=h200.loader, gemv_s8_rows="whole")
-    assert gemv_s8_launch_rows(whole, "Q4_1", 4096) == 16 and gemv_s8_launch_rows(whole, "Q4_1", 14336) == 8
+    assert gemv_s8_launch_rows(whole, "Q4_1", 4096) == 32 and gemv_s8_launch_rows(whole, "Q4_1", 14336) == 8
     assert gemv_s8_launch_rows(SimpleNamespace(loader=h200.loader, gemv_s8_x="block"), "Q4_1", 4096) == 8
     assert gemv_s8_k_ranges(h200, "Q4_1", 16, 4096) == [(0, 128)]
     assert gemv_s8_k_ranges(h200, "Q4_1", 16, 14336) == [(0, 224), (224, 448)]
@@ -218,10 +226,10 @@ def test_gemv_s8_launch_rows_and_gemv_max_rows():
         (0, 128), (128, 256)]
     q4 = fake_linear("Q4_1", 4096, 4096)
     q4.layout = "repacked"
-    assert gemv_max_rows(h200, q4) == kernels.QUANT_GEMV_MAX_ROWS_SM90["Q4_1"] == 40
+    assert gemv_max_rows(h200, q4) == kernels.QUANT_GEMV_MAX_ROWS_SM90["Q4_1"] == 64
     q8 = fake_linear("Q8_0", 4096, 4096)
     q8.layout = "repacked"
-    assert gemv_max_rows(h200, q8) == 32  # Q8_0 measured slower at 40 rows
+    assert gemv_max_rows(h200, q8) == 32  # Q8_0 measured slower at 64 rows
     assert gemv_max_rows(fake_backend(80, smem_kb=163), q4) == 16
     assert gemv_max_rows(SimpleNamespace(**vars(h200), quant_gemv_rows="48"), q4) == 48
     off = fake_backend(90)
@@ -239,9 +247,11 @@ def test_gemv_s8_launch_rows_and_gemv_max_rows():
         return launches, [(launch.kernel, launch.params.m if launch.kernel == "gemv_s8" else None)
                           for launch in launches]
 
-    assert kernels_of(24, 4096)[1] == [("quantize_s8", None), ("gemv_s8", 16), ("quantize_s8", None),
-                                       ("gemv_s8", 8)]
-    assert kernels_of(32, 4096)[1] == [("quantize_s8", None), ("gemv_s8", 16)] * 2
+    launches, names = kernels_of(24, 4096)
+    assert names == [("quantize_s8", None), ("gemv_s8", 24)]
+    assert launches[1].spec == kernels.gemv_s8_spec("Q4_1", False, 24, False, True, 32)
+    assert launches[1].spec["S8_NCOL"] == 4 and launches[1].smem == kernels.gemv_s8_smem_bytes(24, 4096)
+    assert kernels_of(32, 4096)[1] == [("quantize_s8", None), ("gemv_s8", 32)]
     launches, names = kernels_of(20, 14336)  # 16 rows in two k ranges (S8_KSPLIT), then 4 rows whole
     assert names == [("quantize_s8", None), ("gemv_s8", 16), ("gemv_s8", 16), ("quantize_s8", None), ("gemv_s8", 4)]
     first, second, rest = launches[1], launches[2], launches[4]
@@ -255,9 +265,9 @@ def test_gemv_s8_launch_rows_and_gemv_max_rows():
     assert first.smem == kernels.gemv_s8_smem_bytes(16, 224 * 32)
     assert rest.smem == kernels.gemv_s8_smem_bytes(4, 14336)
     assert kernels_of(16, 14336, 4096, silu=True)[1] == [("quantize_s8", None), ("gemv_s8", 8)] * 2
-    assert kernels_of(40, 4096)[1] == [("quantize_s8", None), ("gemv_s8", 16)] * 2 + [("quantize_s8", None),
-                                                                                       ("gemv_s8", 8)]
-    assert kernels_of(41, 4096)[1] == [("dequant_f16", None)]  # the GEMM: dequant_f16, then torch.mm
+    assert kernels_of(40, 4096)[1] == [("quantize_s8", None), ("gemv_s8", 32), ("quantize_s8", None), ("gemv_s8", 8)]
+    assert kernels_of(64, 4096)[1] == [("quantize_s8", None), ("gemv_s8", 32)] * 2
+    assert kernels_of(65, 4096)[1] == [("dequant_f16", None)]  # the GEMM: dequant_f16, then torch.mm
 
 
 def test_gemv_s8_x_per_launch_rule():

@@ -115,15 +115,15 @@ class CudaBackend:
         # gemv_s8's weight rows per block from 2 x rows: "auto" (gemv_int8.gemv_s8_tile_rows: 16 where 3 blocks'
         # x fit an SM), "32" or "16"; VOLTSERVE_GEMV_S8_TILES for A/B runs
         self.gemv_s8_tiles = _env_choice("VOLTSERVE_GEMV_S8_TILES", ("auto", "32", "16"))
-        # x rows per gemv_s8 launch from 9 rows: "auto" (gemv_int8.gemv_s8_launch_rows: 16, the S8_NCOL = 2 build,
-        # where its x fits the shared memory whole or in k ranges), "whole" (16 only where x fits whole) or "8"
-        # (8-row launches, as before session 21); VOLTSERVE_GEMV_S8_ROWS for A/B runs
-        self.gemv_s8_rows = _env_choice("VOLTSERVE_GEMV_S8_ROWS", ("auto", "whole", "8"))
+        # x rows per gemv_s8 launch from 9 rows: "auto" (gemv_int8.gemv_s8_launch_rows: 32 or 16, the S8_NCOL = 4 /
+        # 2 builds, where x fits the shared memory whole, or 16 in k ranges), "16" (no 32-row launches), "whole"
+        # (no k ranges) or "8" (8-row launches, as before session 21); VOLTSERVE_GEMV_S8_ROWS for A/B runs
+        self.gemv_s8_rows = _env_choice("VOLTSERVE_GEMV_S8_ROWS", ("auto", "16", "whole", "8"))
         # the most x rows a call on repacked quant rows runs as gemv_s8 launches before it takes the GEMM
         # (linear.gemv_max_rows): "auto" (kernels.quant_gemv_max_rows) or a number; VOLTSERVE_QUANT_GEMV_ROWS for
         # A/B runs
         self.quant_gemv_rows = _env_choice("VOLTSERVE_QUANT_GEMV_ROWS", ("auto", "16", "24", "32", "40", "48",
-                                                                         "64"))
+                                                                         "64", "128"))
         # gemv_s8's one-row launches: "warp" (gemv_s8w: a warp per weight row, dp4a; gemv_int8.gemv_s8w_ok) or
         # "mma" (what ran before: gemv_s8's S8_M1 build, or gemv_mma where gemv_s8 does not run, e.g. Q8_0 under
         # auto); VOLTSERVE_GEMV_S8_M1 for A/B runs

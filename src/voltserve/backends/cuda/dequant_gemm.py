@@ -20,7 +20,7 @@ def dequant_gemm_min_rows(arch: int) -> int:
 
     SM90+: every GEMM (kernels.GEMM_MIN_ROWS), measured on the H200 (4.2 TB/s): faster than gemm_tc from 17
     sequences of decode (gemm_tc's 64-row tiles cost the same from 17 to 64 rows) and for 96-2,048-token
-    prefills. Repacked rows that gemv_s8 takes reach the GEMM only past linear.gemv_max_rows (32-40 rows there).
+    prefills. Repacked rows that gemv_s8 takes reach the GEMM only past linear.gemv_max_rows (32-64 rows there).
     Below SM90, not measured: per weight the dequant path costs 4.6 bytes / bandwidth + 2 m / cuBLAS FLOP/s and
     gemm_tc 2 m_pad / its own FLOP/s (m_pad = m rounded up to 64); with V100's 900 GB/s and cuBLAS ~100 TFLOP/s
     against gemm_tc at ~40 (H200's ~85 scaled by SM count x clock) they cross at ~200 rows, A100's 2 TB/s at ~65, so

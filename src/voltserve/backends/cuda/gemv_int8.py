@@ -1,4 +1,4 @@
-"""The int8 decode GEMVs on repacked quant rows (ptx/gemv_s8.cu, SM80+): gemv_s8 (int8 MMAs, 1-16 x rows) and
+"""The int8 decode GEMVs on repacked quant rows (ptx/gemv_s8.cu, SM80+): gemv_s8 (int8 MMAs, 1-32 x rows) and
 gemv_s8w (one x row, a warp per weight row, dp4a), their routing rules and launchers."""
 
 from __future__ import annotations
@@ -107,19 +107,21 @@ def _smem_fits(backend: Any, dynamic_smem: int) -> bool:
 
 def gemv_s8_tile_rows(backend: Any, fmt: str, rows: int, k: int, x_per_launch: bool) -> int:
     """Weight rows per gemv_s8 block for a launch of `rows` x rows of width k on `fmt` rows, x quantized per launch
-    or by every block: 32 at one row (the S8_M1 build), above 8 rows 16 (GEMV_S8_WIDE_TILE) or, for a k split,
-    32 unless forced (GEMV_S8_KSPLIT_TILE) and, under `backend.gemv_s8_tiles` "auto", 16
-    (kernels.GEMV_S8_NARROW_TILE: 3 blocks an SM, 24 warps, instead of 2 blocks of 32-row tiles) from 2 rows
-    where x is quantized per launch (the builds that quantize x in every block spill at 3 blocks' registers), 3
-    blocks' x copies and the 32-row build's static smem fit an SM (Llama-3-8B on the H200: k = 4,096 at every m,
-    14,336 at m = 2) and k <= GEMV_S8_NARROW_MAX_K[fmt], else 32; "32" / "16" force it from 2 rows. H200 rows,
-    session 18: at k = 4,096 16-row tiles 0-11% faster (Q8_0 14336x4096 at m = 8: 3% slower), at k = 14,336 and
-    m = 2 Q4 2-6% faster, Q8_0 4% slower; at m = 8, k = 14,336 (x 143 KB: one block an SM) 12-25% slower.
-    Both give y bit for bit."""
+    or by every block: 32 at one row (the S8_M1 build), at 9-16 rows 16 (GEMV_S8_WIDE_TILE) or, for a k split, 32
+    unless forced (GEMV_S8_KSPLIT_TILE), at 17-32 GEMV_S8_WIDE4_TILE's unless forced and, under
+    `backend.gemv_s8_tiles` "auto", 16 (kernels.GEMV_S8_NARROW_TILE: 3 blocks an SM, 24 warps, instead of 2 blocks
+    of 32-row tiles) from 2 rows where x is quantized per launch (the builds that quantize x in every block spill at
+    3 blocks' registers), 3 blocks' x copies and the 32-row build's static smem fit an SM (Llama-3-8B on the H200: k
+    = 4,096 at every m, 14,336 at m = 2) and k <= GEMV_S8_NARROW_MAX_K[fmt], else 32; "32" / "16" force it from 2
+    rows. H200 rows, session 18: at k = 4,096 16-row tiles 0-11% faster (Q8_0 14336x4096 at m = 8: 3% slower), at k
+    = 14,336 and m = 2 Q4 2-6% faster, Q8_0 4% slower; at m = 8, k = 14,336 (x 143 KB: one block an SM) 12-25%
+    slower. Both give y bit for bit."""
     choice = getattr(backend, "gemv_s8_tiles", "auto")
     wide, narrow = kernels.GEMV_MMA_TILES
     if rows < 2:
         return wide
+    if rows > kernels.GEMV_S8_WIDE_ROWS:  # S8_NCOL = 4, one block an SM
+        return kernels.GEMV_S8_WIDE4_TILE["GM_TILE_ROWS"] if choice == "auto" else int(choice)
     if rows > kernels.GEMV_MAX_ROWS:  # S8_NCOL = 2: 16-row tiles, or with a k split (one block an SM) 32
         if gemv_s8_fits(backend, rows, k):
             return kernels.GEMV_S8_WIDE_TILE["GM_TILE_ROWS"]
@@ -135,18 +137,22 @@ def gemv_s8_tile_rows(backend: Any, fmt: str, rows: int, k: int, x_per_launch: b
 
 
 def gemv_s8_launch_rows(backend: Any, fmt: str, k: int, silu: bool = False) -> int:
-    """x rows per gemv_s8 launch of a call on `fmt` rows of width k: GEMV_S8_MAX_ROWS (the S8_NCOL = 2 build: the
-    weights read once for 16 rows instead of twice) where x is quantized per launch (`backend.gemv_s8_x` not
-    "block") and 16 rows of x fit the opt-in shared memory whole or, without SwiGLU and under
-    `backend.gemv_s8_rows` "auto" (not "whole"), in k ranges (`gemv_s8_k_ranges`); else, and under "8",
-    GEMV_MAX_ROWS (8). Llama-3-8B on the H200: 16 at k = 4,096
-    (82 KB of x), at k = 14,336 in two launches of half the k each (144 KB)."""
-    wide, choice = kernels.GEMV_S8_MAX_ROWS, getattr(backend, "gemv_s8_rows", "auto")
-    if choice == "8" or not gemv_s8_x_per_launch(backend, wide, k):
+    """x rows per gemv_s8 launch of a call on `fmt` rows of width k, where x is quantized per launch
+    (`backend.gemv_s8_x` not "block"): GEMV_S8_MAX_ROWS (32, the S8_NCOL = 4 build) where 32 rows of x fit the
+    opt-in shared memory whole, else GEMV_S8_WIDE_ROWS (16, S8_NCOL = 2: the weights read once for 16 rows instead
+    of twice) where 16 rows fit whole or, without SwiGLU, in k ranges (`gemv_s8_k_ranges`), else GEMV_MAX_ROWS
+    (8). `backend.gemv_s8_rows` (A/B runs): "auto" as above, "16" no 32-row launches, "whole" no k ranges, "8"
+    8-row launches only. Llama-3-8B on the H200: 32 at k = 4,096 (164 KB of x), 16 at k = 14,336 in two launches
+    of half the k each (144 KB)."""
+    choice = getattr(backend, "gemv_s8_rows", "auto")
+    if choice == "8" or not gemv_s8_x_per_launch(backend, kernels.GEMV_S8_WIDE_ROWS, k):
         return kernels.GEMV_MAX_ROWS
-    ranges = gemv_s8_k_ranges(backend, fmt, wide, k)
-    split_ok = not silu and choice == "auto"
-    return wide if ranges is not None and (len(ranges) == 1 or split_ok) else kernels.GEMV_MAX_ROWS
+    if choice != "16" and gemv_s8_fits(backend, kernels.GEMV_S8_MAX_ROWS, k):
+        return kernels.GEMV_S8_MAX_ROWS
+    ranges = gemv_s8_k_ranges(backend, fmt, kernels.GEMV_S8_WIDE_ROWS, k)
+    split_ok = not silu and choice != "whole"
+    return kernels.GEMV_S8_WIDE_ROWS if ranges is not None and (len(ranges) == 1 or split_ok) else \
+        kernels.GEMV_MAX_ROWS
 
 
 def gemv_s8_k_ranges(backend: Any, fmt: str, rows: int, k: int) -> list[tuple[int, int]] | None:
@@ -157,7 +163,7 @@ def gemv_s8_k_ranges(backend: Any, fmt: str, rows: int, k: int) -> list[tuple[in
     nb = k // 32
     if gemv_s8_fits(backend, rows, k):
         return [(0, nb)]
-    if rows <= kernels.GEMV_MAX_ROWS:
+    if not kernels.GEMV_MAX_ROWS < rows <= kernels.GEMV_S8_WIDE_ROWS:
         return None
     group = kernels.REPACK_GROUP_BLOCKS[fmt]
     for splits in range(2, kernels.GEMV_S8_MAX_KSPLITS + 1):
@@ -233,10 +239,10 @@ def launch_gemv_s8w(backend: Any, x: torch.Tensor, w: CudaLinear, y: torch.Tenso
 def launch_gemv_s8(backend: Any, x: torch.Tensor, w: CudaLinear, y: torch.Tensor,
                    norm_weight: torch.Tensor | None, eps: float, residual: torch.Tensor | None, silu: bool,
                    vec_ok: int, one_pass: bool, ready: torch.Tensor | None = None) -> None:
-    """gemv_s8 launches of <= gemv_s8_launch_rows x rows each (8 or 16; fusions as gemv_mma), a 16-row launch whose
-    x does not fit whole as one launch per k range (`gemv_s8_k_ranges`: each adds its fp32 sums to the previous
-    ones' in a workspace, the last stores y with the residual); `residual` has y's row stride; `ready`: x [m, k]
-    already quantized (s8_quantized_x) for a call of one launch. The grid: one block per tile, or under
+    """gemv_s8 launches of <= gemv_s8_launch_rows x rows each (8, 16 or 32; fusions as gemv_mma), a 9-16-row
+    launch whose x does not fit whole as one launch per k range (`gemv_s8_k_ranges`: each adds its fp32 sums to the
+    previous ones' in a workspace, the last stores y with the residual); `residual` has y's row stride; `ready`: x
+    [m, k] already quantized (s8_quantized_x) for a call of one launch. The grid: one block per tile, or under
     `backend.gemv_s8_grid` "persistent" at most the blocks the GPU holds at once, each looping over tiles (x
     quantized once per block instead of once per tile)."""
     m, k = x.shape

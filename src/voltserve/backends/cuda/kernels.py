@@ -52,8 +52,12 @@ GEMV_S8_NARROW_BLOCKS = GEMV_S8_NARROW_TILE["GM_MIN_BLOCKS"]
 # gemv_s8's launches of 9-16 x rows (S8_NCOL = 2: each weight fragment meets two 8-row groups of x, so the
 # weights are read once for 16 rows; x quantized per launch only): 16-row tiles, 2 blocks an SM (106 registers for
 # Q4_1 without spills on sm_90; the 32-row build spills at 128)
-GEMV_S8_MAX_ROWS = 16
+GEMV_S8_WIDE_ROWS = 16
 GEMV_S8_WIDE_TILE = {"GM_TILE_ROWS": 16, "GM_MIN_BLOCKS": 2, "S8_NCOL": 2}
+# ... and of 17-32 rows (S8_NCOL = 4: four 8-row groups of x per weight fragment) where 32 rows of x fit whole
+# (k = 4,096: 164 KB, one block an SM; sm_90 registers: Q4 254 / Q8_0 177 with 32-row tiles, 141 / 105 with 16)
+GEMV_S8_MAX_ROWS = 32
+GEMV_S8_WIDE4_TILE = {"GM_TILE_ROWS": 32, "GM_MIN_BLOCKS": 1, "S8_NCOL": 4}
 # ... where 16 rows of x do not fit (Llama-3-8B's down_proj, k = 14,336: 287 KB), launches that each take a k
 # range of whole load groups (S8_KSPLIT: fp32 partial sums handed on through a workspace, the last launch adds
 # them and stores y): one block an SM, so 32-row tiles (registers up to 255)
@@ -277,10 +281,10 @@ GEMV_S8_MIN_ARCH = 80  # gemv_s8: mma.m16n8k32 on int8
 # decode calls on repacked quant rows run gemv_s8 launches (of <= GEMV_S8_MAX_ROWS rows each) up to this many x
 # rows on SM90+ before the GEMM (dequant_f16 + cuBLAS) takes them (linear.gemv_max_rows); below SM90 the GEMM
 # takes them from GEMM_MIN_ROWS as before (not measured there). H200, 8B step through CUDA graphs (session 21,
-# performance.md), GEMV vs GEMM: Q4_1 32 rows 6.99 vs 10.67 ms, 40 rows 8.98 vs 10.90; Q4_0 32 6.57 vs 10.41,
-# 40 8.62 vs 10.66; Q8_0 32 9.24 vs 10.67, 40 12.44 vs 10.98 (slower: Q8_0 stops at 32); 64 rows (Q4_1, four
-# 16-row launches) 12.9 vs 11.1
-QUANT_GEMV_MAX_ROWS_SM90 = {"Q4_0": 40, "Q4_1": 40, "Q8_0": 32}
+# performance.md), GEMV (32-row launches at k = 4,096, 16-row k-split pairs at 14,336) vs GEMM: Q4_1 32 rows
+# 5.93-5.96 vs 10.65-10.67 ms, 64 rows 10.84 vs 11.25; Q8_0 32 rows 7.50-7.54 vs 10.67, 64 rows 13.99 vs 11.24
+# (slower: Q8_0 stops at 32); Q4_0 follows Q4_1 (32 rows 6.57 vs 10.41 with 16-row launches; 64 not measured)
+QUANT_GEMV_MAX_ROWS_SM90 = {"Q4_0": 64, "Q4_1": 64, "Q8_0": 32}
 
 
 def quant_gemv_max_rows(arch: int, fmt: str) -> int:
@@ -306,14 +310,15 @@ def gemv_s8_spec(fmt: str, silu: bool, rows: int, norm_one_pass: bool = False,
     `norm_one_pass` (as gemv_mma_spec); `x_per_launch`: S8_XG, x quantized once by quantize_s8 (which then applies
     the norm: no one-pass build); `tile_rows` 16: GEMV_S8_NARROW_TILE (16-row tiles, 3 blocks an SM).
 
-    9..GEMV_S8_MAX_ROWS rows: GEMV_S8_WIDE_TILE (two 8-row groups of x per weight fragment, 16-row tiles),
-    x quantized per launch only; with `k_split` GEMV_S8_KSPLIT_TILE (a k range per launch, no SwiGLU;
-    `tile_rows` 16 keeps its one block an SM with 16-row tiles).
+    9..GEMV_S8_WIDE_ROWS rows: GEMV_S8_WIDE_TILE (two 8-row groups of x per weight fragment, 16-row tiles),
+    with `k_split` GEMV_S8_KSPLIT_TILE (a k range per launch, no SwiGLU; `tile_rows` 16 keeps its one block
+    an SM with 16-row tiles); up to GEMV_S8_MAX_ROWS: GEMV_S8_WIDE4_TILE (four groups, `tile_rows` either);
+    above 8 rows x is quantized per launch only.
 
     Raises:
         ValueError: fp16 weights (no int8 path), `rows` outside 1..GEMV_S8_MAX_ROWS, `tile_rows` not in
-            GEMV_MMA_TILES, > 8 rows without `x_per_launch` or (no k split) with 32-row tiles, or a k split
-            of <= 8 rows or with SwiGLU.
+            GEMV_MMA_TILES, > 8 rows without `x_per_launch`, 9-16 rows (no k split) with 32-row tiles, or a
+            k split outside 9-16 rows or with SwiGLU.
     """
     if fmt not in QUANT_BLOCK_BYTES:
         raise ValueError(f"gemv_s8 takes quant weights, got {fmt}")
@@ -323,10 +328,15 @@ def gemv_s8_spec(fmt: str, silu: bool, rows: int, norm_one_pass: bool = False,
         raise ValueError(f"gemv_s8 tile_rows must be one of {GEMV_MMA_TILES}, got {tile_rows}")
     spec = {"WTYPE": WTYPES[fmt], "SILU": int(silu)}
     if k_split:
-        if rows <= GEMV_MAX_ROWS or silu or not x_per_launch:
-            raise ValueError(f"gemv_s8's k split takes {GEMV_MAX_ROWS + 1}..{GEMV_S8_MAX_ROWS} x rows quantized "
+        if not GEMV_MAX_ROWS < rows <= GEMV_S8_WIDE_ROWS or silu or not x_per_launch:
+            raise ValueError(f"gemv_s8's k split takes {GEMV_MAX_ROWS + 1}..{GEMV_S8_WIDE_ROWS} x rows quantized "
                              f"per launch and no SwiGLU, got {rows} rows, silu={silu}")
         spec.update(GEMV_S8_KSPLIT_TILE, GM_TILE_ROWS=tile_rows, S8_XG=1)
+        return spec
+    if rows > GEMV_S8_WIDE_ROWS:
+        if not x_per_launch:
+            raise ValueError(f"gemv_s8 launches of {rows} > {GEMV_MAX_ROWS} x rows need x quantized per launch")
+        spec.update(GEMV_S8_WIDE4_TILE, GM_TILE_ROWS=tile_rows, S8_XG=1)
         return spec
     if rows > GEMV_MAX_ROWS:
         if not x_per_launch or tile_rows != GEMV_S8_WIDE_TILE["GM_TILE_ROWS"]:
@@ -348,9 +358,10 @@ def gemv_s8_spec(fmt: str, silu: bool, rows: int, norm_one_pass: bool = False,
 def gemv_s8_smem_bytes(rows: int, k: int) -> int:
     """Dynamic shared memory of gemv_s8 (mirrors gemv_s8.cu, s8_xq.cuh s8_cols): x quantized to int8, `rows` rows
     of k + 16 bytes, then the per-32 scales (d, s) as fp32 pairs, [k / 32] for one row, [k / 32][8] up to 8
-    rows and [k / 32][16] above."""
+    rows, [k / 32][16] up to 16 and [k / 32][32] above."""
     nb = k // 32
-    return rows * (nb * 32 + 16) + nb * 8 * (1 if rows == 1 else 8 if rows <= GEMV_MAX_ROWS else 16)
+    cols = 1 if rows == 1 else 8 if rows <= GEMV_MAX_ROWS else 16 if rows <= GEMV_S8_WIDE_ROWS else 32
+    return rows * (nb * 32 + 16) + nb * 8 * cols
 
 
 def gemv_s8w_smem_bytes(k: int) -> int:
@@ -578,8 +589,9 @@ def engine_specializations() -> list[tuple[str, dict[str, int]]]:
     specs += [("gemv_s8", gemv_s8_spec(f, bool(s), r, o, g, t)) for f in QUANT_BLOCK_BYTES for s in (0, 1)
               for r, o, g, t in ((1, False, False, 32), (1, False, True, 32), (8, False, False, 32),
                                  (8, True, False, 32), (8, False, True, 32), (8, False, True, 16),
+                                 (GEMV_S8_WIDE_ROWS, False, True, 16), (GEMV_S8_MAX_ROWS, False, True, 32),
                                  (GEMV_S8_MAX_ROWS, False, True, 16))]
-    specs += [("gemv_s8", gemv_s8_spec(f, False, GEMV_S8_MAX_ROWS, False, True, t, True))
+    specs += [("gemv_s8", gemv_s8_spec(f, False, GEMV_S8_WIDE_ROWS, False, True, t, True))
               for f in QUANT_BLOCK_BYTES for t in GEMV_MMA_TILES]
     specs += [("gemm_tiled", {"WTYPE": w}) for w in WTYPES.values()]
     specs += [("gemm_tc", gemm_tc_spec(w, bn, r)) for w in (1, 2, 3) for bn in GEMM_TC_BNS for r in (False, True)]

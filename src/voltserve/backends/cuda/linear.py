@@ -208,8 +208,8 @@ def launch_linear(backend: Any, x: torch.Tensor, w: CudaLinear, *, norm_weight: 
                   f16_gemm: str = "cublas", norm_post: bool = False) -> torch.Tensor:
     """y = x @ W^T with our kernels, optionally fused with its neighbours in the decoder block.
 
-    GEMV for up to `gemv_max_rows` rows (16; repacked quant rows on SM90+ 32-40, in gemv_s8 launches of 8 or 16;
-    other launches of <= 8): `gemv_mma` / `gemv_mma_sb` (ptx/gemv_mma.cu, tensor cores)
+    GEMV for up to `gemv_max_rows` rows (16; repacked quant rows on SM90+ 32-64, in gemv_s8 launches of 8, 16 or
+    32; other launches of <= 8): `gemv_mma` / `gemv_mma_sb` (ptx/gemv_mma.cu, tensor cores)
     where `gemv_mma_ok`; else quant weights with k % 256 == 0 and a row bucket >= GEMV_Q_MIN_ROWS -> `gemv_q`, the rest
     -> `gemv` (ptx/gemv.cu). Above, a GEMM (`_gemm`). `gemv` and `gemv_mma` fuse all three options; `gemv_q` the
     norm and the residual; a fusion a kernel does not take runs as its own op (rms_norm / silu_mul / an fp16

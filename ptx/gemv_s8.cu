@@ -1,4 +1,4 @@
-// gemv_s8.cu: decode GEMV y[m, n] = sum_k x[m, k] * W[n, k] for m <= 8 on int8 tensor cores (SM80+), W in
+// gemv_s8.cu: decode GEMV y[m, n] = sum_k x[m, k] * W[n, k] for m <= 32 on int8 tensor cores (SM80+), W in
 // repacked Q4_0 / Q4_1 / Q8_0 rows (backends/cuda/repack.py, WREPACK=1).
 //
 // Why: gemv_mma dequantizes every weight to fp16 before its MMA and is issue-bound on quant rows at 0.3-0.6 of
@@ -36,8 +36,8 @@
 // each row and hands its fp32 sums on through p.part, where x of all rows does not fit the shared memory.
 // Columns past m: their int32 sums are 0 (zero B columns)
 // and their scales unwritten smem, so their accumulators hold garbage that gm_epilogue never stores (r < m).
-// Dynamic shared memory: kernels.gemv_s8_smem_bytes (xq [m][nb * 32 + 16] bytes, then xs float2); p.xq of an
-// S8_XG launch holds the same bytes.
+// Dynamic shared memory: kernels.gemv_s8_smem_bytes (xq [m][nbl * 32 + 16] bytes, nbl = the launch's blocks of a
+// row, then xs float2); p.xq of an S8_XG launch holds the same bytes for whole rows.
 // Requirements (the launcher checks): repacked rows (k % 256 == 0, 16-byte aligned), x rows 16-byte aligned.
 // Reference: voltserve.backends.cpu.CpuBackend.linear (fp32, unquantized x).
 #ifndef WREPACK

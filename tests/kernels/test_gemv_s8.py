@@ -225,7 +225,9 @@ def test_k_split_launches(s8_backend, fmt):
     half the k each, the first handing its fp32 sums to the second through a workspace: within EMU_TOL of the
     emulation and within one fp16 rounding of the 8-row launches (the same products, summed in another order);
     rows of two split calls (12 and 16 rows) equal bit for bit; partial tiles (45 rows), a persistent grid
-    looping over tiles (4,096 rows), the residual (added once, by the last launch); graph replay equals eager."""
+    looping over tiles (8,192 rows: 256 tiles, one block an SM; compared with the 8-row launches only, the fp64
+    emulation of 117M weights being too large), the residual (added once, by the last launch); graph replay equals
+    eager."""
     from voltserve.backends.cuda.gemv_int8 import gemv_s8_k_ranges
 
     if s8_backend.gemv_s8_x == "block":
@@ -233,7 +235,7 @@ def test_k_split_launches(s8_backend, fmt):
     k = 14336
     if len(gemv_s8_k_ranges(s8_backend, fmt, 16, k) or ()) != 2:
         pytest.skip("needs a GPU where 16 rows of x fit in two k ranges, not whole (H200: 227 KB)")
-    for n in (45, 4096):
+    for n in (45, 8192):
         quant, _, lin = repacked_weight(s8_backend, fmt, n, k, n + 81)
         gen = torch.Generator().manual_seed(n + 82)
         x = torch.randn(16, k, generator=gen).half().cuda()
@@ -242,7 +244,8 @@ def test_k_split_launches(s8_backend, fmt):
             got = s8_backend.linear(x, lin, residual=res)
         split = [spec for kernel, spec in builds if kernel == "gemv_s8"]
         assert len(split) == 2 and all(spec.get("S8_KSPLIT") == 1 for spec in split)
-        assert rel_err(got - res, s8_reference(x.cpu(), quant)) <= EMU_TOL
+        if n < 1000:
+            assert rel_err(got - res, s8_reference(x.cpu(), quant)) <= EMU_TOL
         s8_backend.gemv_s8_rows = "8"
         eight = s8_backend.linear(x, lin, residual=res)
         s8_backend.gemv_s8_rows = "auto"

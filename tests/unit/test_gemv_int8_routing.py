@@ -1,5 +1,5 @@
 """Which decode GEMV kernel a launch on quant rows runs (backends/cuda/linear.py, gemv_int8.py, gemv_tma.py): the
-load-time repack of Q4_0 / Q4_1 / Q8_0 rows and the int8 kernels on them (gemv_s8 for 1-16 x rows a launch, gemv_s8w
+load-time repack of Q4_0 / Q4_1 / Q8_0 rows and the int8 kernels on them (gemv_s8 for 1-32 x rows a launch, gemv_s8w
 for one, gemv_tma_s8 on request), their builds and shared-memory fits. Pure Python, no GPU.
 """
 
@@ -236,6 +236,13 @@ def test_gemv_s8_launch_rows_and_gemv_max_rows():
     off.gemv_s8 = "off"
     assert gemv_max_rows(off, q4) == 16  # gemv_mma: 8-row launches only
     assert gemv_max_rows(h200, fake_linear("Q4_1", 4096, 4096)) == 16  # GGUF rows
+    # 8-row launches (each reading the whole weight) never serve more than 16 rows: SwiGLU rows whose 16 rows of
+    # x fit only in k ranges, x quantized by every block, or VOLTSERVE_GEMV_S8_ROWS=8
+    wide_k = fake_linear("Q4_1", 4096, 14336)
+    wide_k.layout = "repacked"
+    assert gemv_max_rows(h200, wide_k) == 64 and gemv_max_rows(h200, wide_k, silu=True) == 16
+    for knob in ({"gemv_s8_x": "block"}, {"gemv_s8_rows": "8"}):
+        assert gemv_max_rows(SimpleNamespace(**vars(h200), **knob), q4) == 16, knob
     assert gemv_max_rows(h200, fake_linear("F16", 4096, 4096)) == 16
 
     def kernels_of(m, k, n=4096, silu=False):

@@ -254,6 +254,7 @@ def launch_gemv_s8(backend: Any, x: torch.Tensor, w: CudaLinear, y: torch.Tensor
         per_launch = x_per_launch_of(backend, "gemv_s8", rows, k)
         pdl = gemv_pdl(backend, w)  # against the launch before quantize_s8: the pair counts as one GEMV
         ranges = gemv_s8_k_ranges(backend, w.fmt, rows, k)
+        assert ranges is not None, "gemv_s8_ok and gemv_s8_launch_rows pick only launches whose x fits"
         split = len(ranges) > 1
         tile = gemv_s8_tile_rows(backend, w.fmt, rows, k, per_launch)
         spec = kernels.gemv_s8_spec(w.fmt, silu, rows, one_pass, per_launch, tile, split)

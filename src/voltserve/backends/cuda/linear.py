@@ -13,8 +13,8 @@ import torch.nn.functional as F
 from voltserve.backends.cuda import kernels
 from voltserve.backends.cuda import params as P
 from voltserve.backends.cuda.dequant_gemm import dequant_gemm, dequant_gemm_wanted
-from voltserve.backends.cuda.gemv_int8 import (GEMV_S8_AUTO_FORMATS, PendingXq, gemv_s8_ok, gemv_s8w_ok,
-                                              launch_gemv_s8, launch_gemv_s8w, x_per_launch_of)
+from voltserve.backends.cuda.gemv_int8 import (GEMV_S8_AUTO_FORMATS, PendingXq, gemv_s8_launch_rows, gemv_s8_ok,
+                                              gemv_s8w_ok, launch_gemv_s8, launch_gemv_s8w, x_per_launch_of)
 from voltserve.backends.cuda.gemv_launch import gemv_params, gemv_pdl, launched_gemv, vec_ok_of
 from voltserve.backends.cuda.gemv_tma import gemv_tma_ok, gemv_tma_s8_ok, launch_gemv_tma, launch_gemv_tma_s8
 from voltserve.backends.cuda.repack import FORMATS as REPACK_FORMATS
@@ -240,7 +240,7 @@ def launch_linear(backend: Any, x: torch.Tensor, w: CudaLinear, *, norm_weight: 
         raise ValueError(f"residual {tuple(residual.shape)} does not match the output [{m}, {n_out}]")
     if norm_post != w.norm_folded or (norm_post and norm_weight is not None):
         raise ValueError("a weight with its norm folded in takes norm_post (and no norm_weight), others not")
-    gemm = m > gemv_max_rows(backend, w)
+    gemm = m > gemv_max_rows(backend, w, silu)
     if norm_post and (gemm or
                       gemv_mma_ok(backend, w, min(m, kernels.GEMV_MAX_ROWS), vec_ok_of(x), silu=silu)):
         # only gemv has the NORM_POST build: the GEMM and gemv_mma read x normalized by rms_norm (unit weights;
@@ -310,18 +310,21 @@ def launch_linear(backend: Any, x: torch.Tensor, w: CudaLinear, *, norm_weight: 
     return y
 
 
-def gemv_max_rows(backend: Any, w: CudaLinear) -> int:
-    """The most x rows a call on `w` runs as decode GEMV launches; above, the GEMM (`_gemm`). Repacked quant rows
-    that gemv_s8 takes: `backend.quant_gemv_rows` ("auto": kernels.quant_gemv_max_rows of the device; gemv_s8
-    launches of 8 or 16 rows each, every launch reading the weights once); all others GEMM_MIN_ROWS - 1."""
-    if w.layout == "repacked" and gemv_s8_ok(backend, w, kernels.GEMV_MAX_ROWS):
+def gemv_max_rows(backend: Any, w: CudaLinear, silu: bool = False) -> int:
+    """The most x rows a call on `w` (with SwiGLU `silu`) runs as decode GEMV launches; above, the GEMM (`_gemm`).
+    Repacked quant rows that gemv_s8 takes in launches of more than 8 rows (gemv_int8.gemv_s8_launch_rows: 16 or
+    32, each launch reading the weights once, or once per k range): `backend.quant_gemv_rows` ("auto":
+    kernels.quant_gemv_max_rows of the device); all others, 8-row gemv_s8 launches included (each would read the
+    whole weight again), GEMM_MIN_ROWS - 1."""
+    if (w.layout == "repacked" and gemv_s8_ok(backend, w, kernels.GEMV_MAX_ROWS)
+            and gemv_s8_launch_rows(backend, w.fmt, w.in_features, silu) > kernels.GEMV_MAX_ROWS):
         choice = getattr(backend, "quant_gemv_rows", "auto")
         return kernels.quant_gemv_max_rows(backend.loader.compile_arch, w.fmt) if choice == "auto" else int(choice)
     return kernels.GEMM_MIN_ROWS - 1
 
 
 def fuses_norm(backend: Any, w: CudaLinear) -> bool:
-    """Whether a decode GEMV (< GEMM_MIN_ROWS x rows) on `w` takes the RMSNorm before it into its prologue
+    """Whether a decode GEMV (up to `gemv_max_rows` x rows) on `w` takes the RMSNorm before it into its prologue
     (`backend.fuse_norm` "auto"), rather than after an `rms_norm` launch of its own.
 
     "auto" fuses except for fp16 weights over GEMV_NORM_FUSED_MAX_BYTES, where the norm pass inside every block

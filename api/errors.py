@@ -105,7 +105,11 @@ def error_response(exc: BaseException) -> Response:
     """
     if isinstance(exc, HTTPException):
         kind = HTTP_KINDS.get(exc.code or 500, ErrorKind(exc.code or 500, "invalid_request_error", "api_error"))
-        return _response(openai_body(exc.description or exc.name, kind), kind)
+        response = _response(openai_body(exc.description or exc.name, kind), kind)
+        allowed = getattr(exc, "valid_methods", None)  # 405: RFC 9110 section 15.5.6 requires the Allow header
+        if allowed:
+            response.headers["Allow"] = ", ".join(allowed)
+        return response
     kind, message, param = describe(exc)
     if kind is INTERNAL:
         # The traceback goes to the log only: clients must not see internals.

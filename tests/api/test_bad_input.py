@@ -103,6 +103,15 @@ async def test_bad_input(serve, case):
         assert orjson.loads(await good.get_data())["choices"][0]["message"]["content"] == "ok"
 
 
+async def test_wrong_method_names_the_allowed_ones(serve):
+    """A 405 carries the Allow header (RFC 9110 section 15.5.6) listing the route's methods."""
+    async with serve(ScriptedEngine()) as (client, _):
+        response = await client.get(CHAT)
+    assert response.status_code == 405
+    assert "POST" in [m.strip() for m in response.headers["Allow"].split(",")]
+    assert "GET" not in response.headers["Allow"]
+
+
 async def test_context_error_names_both_lengths(serve):
     async with serve(ScriptedEngine()) as (client, _):
         response = await client.post(COMPLETIONS, json=completion_body(prompt=[5] * 300))

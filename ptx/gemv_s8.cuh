@@ -10,7 +10,7 @@
 #define S8_M1 0
 #endif
 #ifndef S8_NCOL
-#define S8_NCOL 1  // groups of 8 x rows (MMA B columns) per launch: 2 takes 9-16 rows in one pass over the weights
+#define S8_NCOL 1  // groups of 8 x rows (MMA B columns) per launch: 2 / 4 take 9-16 / 17-32 rows in one pass
 #endif
 #define S8_COLS (S8_M1 ? 1 : 8 * S8_NCOL)  // x scales per block in smem (s8_cols)
 #if WREPACK && WTYPE != WTYPE_F16

@@ -326,22 +326,20 @@ def gemv_s8_spec(fmt: str, silu: bool, rows: int, norm_one_pass: bool = False,
         raise ValueError(f"gemv_s8 launches take 1..{GEMV_S8_MAX_ROWS} x rows, got {rows}")
     if tile_rows not in GEMV_MMA_TILES:
         raise ValueError(f"gemv_s8 tile_rows must be one of {GEMV_MMA_TILES}, got {tile_rows}")
+    if rows > GEMV_MAX_ROWS and not x_per_launch:
+        raise ValueError(f"gemv_s8 launches of {rows} > {GEMV_MAX_ROWS} x rows need x quantized per launch")
     spec = {"WTYPE": WTYPES[fmt], "SILU": int(silu)}
     if k_split:
-        if not GEMV_MAX_ROWS < rows <= GEMV_S8_WIDE_ROWS or silu or not x_per_launch:
-            raise ValueError(f"gemv_s8's k split takes {GEMV_MAX_ROWS + 1}..{GEMV_S8_WIDE_ROWS} x rows quantized "
-                             f"per launch and no SwiGLU, got {rows} rows, silu={silu}")
-        spec.update(GEMV_S8_KSPLIT_TILE, GM_TILE_ROWS=tile_rows, S8_XG=1)
-        return spec
-    if rows > GEMV_S8_WIDE_ROWS:
-        if not x_per_launch:
-            raise ValueError(f"gemv_s8 launches of {rows} > {GEMV_MAX_ROWS} x rows need x quantized per launch")
-        spec.update(GEMV_S8_WIDE4_TILE, GM_TILE_ROWS=tile_rows, S8_XG=1)
-        return spec
-    if rows > GEMV_MAX_ROWS:
-        if not x_per_launch or tile_rows != GEMV_S8_WIDE_TILE["GM_TILE_ROWS"]:
-            raise ValueError(f"gemv_s8 launches of {rows} > {GEMV_MAX_ROWS} x rows need x quantized per launch "
-                             f"and {GEMV_S8_WIDE_TILE['GM_TILE_ROWS']}-row tiles")
+        if not GEMV_MAX_ROWS < rows <= GEMV_S8_WIDE_ROWS or silu:
+            raise ValueError(f"gemv_s8's k split takes {GEMV_MAX_ROWS + 1}..{GEMV_S8_WIDE_ROWS} x rows and no "
+                             f"SwiGLU, got {rows} rows, silu={silu}")
+        spec.update(GEMV_S8_KSPLIT_TILE, GM_TILE_ROWS=tile_rows)
+    elif rows > GEMV_S8_WIDE_ROWS:
+        spec.update(GEMV_S8_WIDE4_TILE, GM_TILE_ROWS=tile_rows)
+    elif rows > GEMV_MAX_ROWS:
+        if tile_rows != GEMV_S8_WIDE_TILE["GM_TILE_ROWS"]:
+            raise ValueError(f"gemv_s8 launches of {rows} > {GEMV_MAX_ROWS} x rows without a k split take "
+                             f"{GEMV_S8_WIDE_TILE['GM_TILE_ROWS']}-row tiles, got {tile_rows}")
         spec.update(GEMV_S8_WIDE_TILE)
     elif tile_rows != GEMV_MMA_TILES[0]:
         spec.update(GEMV_S8_NARROW_TILE)

@@ -257,8 +257,8 @@ def launch_linear(backend: Any, x: torch.Tensor, w: CudaLinear, *, norm_weight: 
         x = x.clone(memory_format=torch.contiguous_format)
         backend.last_launch_weight_bytes = 0  # the copy kernel is the launch before the GEMV (gemv_pdl)
     vec_ok = vec_ok_of(x)
-    use_mma = not gemm and gemv_mma_ok(backend, w, min(m, kernels.GEMV_MAX_ROWS), vec_ok,
-                                                        norm_weight is not None, silu)
+    use_mma = not gemm and gemv_mma_ok(backend, w, min(m, kernels.GEMV_MAX_ROWS), vec_ok, norm_weight is not None,
+                                       silu)
     # gemv_q streams 16-byte-aligned 256-weight superblocks; other quant shapes take the simple `gemv`
     q_fast = _whole_superblocks(w)
     if gemm or (silu and q_fast and m > 2 and not use_mma):

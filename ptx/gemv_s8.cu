@@ -32,7 +32,7 @@
 // each lane reads the scales of its columns 2t, 2t + 1. S8_NCOL = 2 / 4 (S8_XG only): 9-16 / 17-32 x rows in
 // one launch, scales [nb][8 S8_NCOL]; each A fragment (16 weight rows x one block) meets S8_NCOL B fragments (x
 // rows 0-7, 8-15, ...), so the weights are read once for all rows instead of once per 8-row launch; the
-// epilogue runs per 8-row group. S8_KSPLIT (with S8_NCOL = 2): the launch takes blocks [kb_begin, kb_end) of
+// epilogue runs per 8-row group. S8_KSPLIT (with S8_NCOL = 2 / 4): the launch takes blocks [kb_begin, kb_end) of
 // each row and hands its fp32 sums on through p.part, where x of all rows does not fit the shared memory.
 // Columns past m: their int32 sums are 0 (zero B columns)
 // and their scales unwritten smem, so their accumulators hold garbage that gm_epilogue never stores (r < m).
@@ -55,8 +55,8 @@
 #ifndef S8_KSPLIT
 #define S8_KSPLIT 0  // 1: the launch covers blocks [p.kb_begin, p.kb_end) of each row, partial sums through p.part
 #endif
-#if S8_KSPLIT && (S8_NCOL != 2 || SILU)
-#error "S8_KSPLIT is a build of S8_NCOL = 2 without SILU (the partial sums are plain products)"
+#if S8_KSPLIT && (S8_NCOL == 1 || SILU)
+#error "S8_KSPLIT is a build of S8_NCOL = 2 or 4 without SILU (the partial sums are plain products)"
 #endif
 
 // acc (rows g, g + 8 x columns 2t, 2t + 1 of one 16-row tile) += the scaled int32 sums ci of one block.
@@ -79,6 +79,9 @@ VOLT_DEVICE void s8_scale(float (&acc)[4], const int (&ci)[4], u32 w0, u32 w1, f
 // acc[j] += the products of blocks [c, c + RP_GROUP) with x column group j (x rows 8 j .. 8 j + 7); raw: this
 // lane's words of them; xrow: its quantized x row of group 0 (group j's is 8 j rows further); x_rows: bit j set
 // where that row exists. One A fragment serves every column group: S8_NCOL = 2 reads the weights once for 16 rows.
+// Measured slower or equal (session 22, H200): skipping the column groups without rows (17-24 rows; a warp-uniform
+// break: 2-15% slower on every row, 17-24 included), and reading the next load group's x words (and scales) from
+// smem while this one computes (Q4: equal, with the scales spilling and 2x slower; Q8_0: -7% to +4% by row).
 VOLT_DEVICE void s8_group(GmAcc (&acc)[S8_NCOL], const GmRaw& raw, const u8* xrow, int pitch, const float2* xs,
                           int x_rows, int c, int t) {
 #if WREPACK && GM_M16N8K16

@@ -181,6 +181,15 @@ def test_16_row_tiles_equal_32(s8_backend, fmt):
         assert rel_err(got["16"][2].double().cpu() - res.double().cpu(), s8_reference(x, quant)) <= EMU_TOL
 
 
+def _eight_row_slices(m: int) -> list[tuple[int, int]]:
+    """[begin, end) row slices of m rows as launch_gemv_s8 chunks 8-row launches: 8 rows each, a 1-row remainder
+    with the slice before it (that call then runs its own 8 + 1 chunks)."""
+    starts = list(range(0, m, 8))
+    if len(starts) > 1 and m - starts[-1] == 1:
+        starts.pop()
+    return list(zip(starts, starts[1:] + [m]))
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("top,ncol", [(16, 2), (32, 4)])
 def test_wide_launches_equal_8_row_launches(s8_backend, fmt, top, ncol):
@@ -206,10 +215,14 @@ def test_wide_launches_equal_8_row_launches(s8_backend, fmt, top, ncol):
         got = {}
         for rows in ("auto", "8"):
             s8_backend.gemv_s8_rows = "16" if rows == "auto" and top == 16 else rows
+            # under "8" no call of > 16 rows runs gemv_s8 (linear.gemv_max_rows): the same 8-row launches as
+            # calls of <= 9 rows each (a 1-row remainder joins the slice before it, as launch_gemv_s8 chunks)
+            pieces = (lambda m: [(0, m)]) if rows == "auto" else _eight_row_slices
             with launched_builds(s8_backend) as builds:
-                got[rows] = [s8_backend.linear(x[:m], lin, residual=res[:m]) for m in counts]
-                got[rows].append(launch_linear(s8_backend, x[:counts[0] + 2], lin, norm_weight=nd, eps=1e-5,
-                                               silu=n % 2 == 0))
+                got[rows] = [torch.cat([s8_backend.linear(x[a:b], lin, residual=res[a:b]) for a, b in pieces(m)])
+                             for m in counts]
+                got[rows].append(torch.cat([launch_linear(s8_backend, x[a:b], lin, norm_weight=nd, eps=1e-5,
+                                                          silu=n % 2 == 0) for a, b in pieces(counts[0] + 2)]))
             ran = [spec.get("S8_NCOL", 1) for kernel, spec in builds if kernel == "gemv_s8"]
             launches_8 = sum(-(-m // 8) for m in counts) + -(-(counts[0] + 2) // 8)
             assert ran == ([ncol] * 4 if rows == "auto" else [1] * launches_8), (rows, k, ran)
@@ -220,39 +233,41 @@ def test_wide_launches_equal_8_row_launches(s8_backend, fmt, top, ncol):
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_k_split_launches(s8_backend, fmt):
-    """16 x rows whose x does not fit the shared memory whole (k = 14,336: 287 KB) run as S8_KSPLIT launches of
-    half the k each, the first handing its fp32 sums to the second through a workspace: within EMU_TOL of the
-    emulation and within one fp16 rounding of the 8-row launches (the same products, summed in another order);
-    rows of two split calls (12 and 16 rows) equal bit for bit; partial tiles (45 rows), a persistent grid
-    looping over tiles (8,192 rows: 256 tiles, one block an SM; compared with the 8-row launches only, the fp64
-    emulation of 117M weights being too large), the residual (added once, by the last launch); graph replay equals
-    eager."""
-    from voltserve.backends.cuda.gemv_int8 import gemv_s8_k_ranges
+@pytest.mark.parametrize("rows,ncol,splits", [(16, 2, 2), (32, 4, 3)])
+def test_k_split_launches(s8_backend, fmt, rows, ncol, splits):
+    """16 / 32 x rows whose x does not fit the shared memory whole (k = 14,336: 287 / 574 KB) run as S8_KSPLIT
+    launches (S8_NCOL 2 / 4) of a half / third of the k each, each handing its fp32 sums on through a workspace:
+    within EMU_TOL of the emulation and within one fp16 rounding of the 8-row launches (the same products, summed
+    in another order); rows of two split calls (3/4 of the rows, and all) equal bit for bit; partial tiles (45
+    rows), a persistent grid looping over tiles (8,192 rows: 256 tiles, one block an SM; compared with the 8-row
+    launches only, the fp64 emulation of 117M weights being too large), the residual (added once, by the last
+    launch); graph replay equals eager."""
+    from voltserve.backends.cuda.gemv_int8 import gemv_s8_k_ranges, gemv_s8_launch_rows
 
     if s8_backend.gemv_s8_x == "block":
         pytest.skip("16-row launches need x quantized per launch")
     k = 14336
-    if len(gemv_s8_k_ranges(s8_backend, fmt, 16, k) or ()) != 2:
-        pytest.skip("needs a GPU where 16 rows of x fit in two k ranges, not whole (H200: 227 KB)")
+    if len(gemv_s8_k_ranges(s8_backend, fmt, rows, k) or ()) != splits or gemv_s8_launch_rows(
+            s8_backend, fmt, k) < rows:
+        pytest.skip(f"needs a GPU where {rows} rows of x fit in {splits} k ranges, not whole (H200: 227 KB)")
     for n in (45, 8192):
         quant, _, lin = repacked_weight(s8_backend, fmt, n, k, n + 81)
         gen = torch.Generator().manual_seed(n + 82)
-        x = torch.randn(16, k, generator=gen).half().cuda()
-        res = torch.randn(16, n, generator=gen).half().cuda()
+        x = torch.randn(rows, k, generator=gen).half().cuda()
+        res = torch.randn(rows, n, generator=gen).half().cuda()
         with launched_builds(s8_backend) as builds:
             got = s8_backend.linear(x, lin, residual=res)
         split = [spec for kernel, spec in builds if kernel == "gemv_s8"]
-        assert len(split) == 2 and all(spec.get("S8_KSPLIT") == 1 for spec in split)
+        assert len(split) == splits and all(spec.get("S8_KSPLIT") == 1 and spec["S8_NCOL"] == ncol
+                                            for spec in split)
         if n < 1000:
             assert rel_err(got - res, s8_reference(x.cpu(), quant)) <= EMU_TOL
-        s8_backend.gemv_s8_rows = "8"
-        eight = s8_backend.linear(x, lin, residual=res)
-        s8_backend.gemv_s8_rows = "auto"
+        eight = torch.cat([s8_backend.linear(x[a:b], lin, residual=res[a:b]) for a, b in _eight_row_slices(rows)])
         assert rel_err(got, eight) <= 1e-3
-        assert torch.equal(s8_backend.linear(x[:12], lin, residual=res[:12]), got[:12])
+        part = rows * 3 // 4
+        assert torch.equal(s8_backend.linear(x[:part], lin, residual=res[:part]), got[:part])
         assert_replay_equals_eager(s8_backend, lambda: [s8_backend.linear(x, lin, residual=res)],
-                                   lambda: x.copy_(torch.randn(16, k, generator=gen).half()))
+                                   lambda: x.copy_(torch.randn(rows, k, generator=gen).half()))
 
 
 def test_gemv_rows_past_16(s8_backend, cpu_backend):

@@ -129,12 +129,15 @@ def test_gemv_s8_specs_are_built():
     with pytest.raises(ValueError, match="per launch"):
         kernels.gemv_s8_spec("Q4_1", False, 20, tile_rows=32)
 
-    for f in ("Q4_0", "Q4_1", "Q8_0"):  # k split (gemv_int8.gemv_s8_k_ranges): 16 rows, no SwiGLU, 32 or 16 tiles
+    for f in ("Q4_0", "Q4_1", "Q8_0"):  # k split (gemv_int8.gemv_s8_k_ranges): 16 / 32 rows, no SwiGLU, 32 or 16 tiles
         for tile in (32, 16):
-            assert kernels.gemv_s8_spec(f, False, 16, False, True, tile, True) in built
+            for rows in (16, 32):
+                assert kernels.gemv_s8_spec(f, False, rows, False, True, tile, True) in built
     assert kernels.gemv_s8_spec("Q4_1", False, 12, False, True, 32, True) == {
         "WTYPE": 2, "SILU": 0, "GM_TILE_ROWS": 32, "GM_MIN_BLOCKS": 1, "S8_NCOL": 2, "S8_KSPLIT": 1, "S8_XG": 1}
-    for rows, silu in ((8, False), (16, True)):
+    assert kernels.gemv_s8_spec("Q8_0", False, 17, False, True, 32, True) == {
+        "WTYPE": 3, "SILU": 0, "GM_TILE_ROWS": 32, "GM_MIN_BLOCKS": 1, "S8_NCOL": 4, "S8_KSPLIT": 1, "S8_XG": 1}
+    for rows, silu in ((8, False), (16, True), (32, True)):
         with pytest.raises(ValueError, match="k split"):
             kernels.gemv_s8_spec("Q4_1", silu, rows, False, True, 32, True)
     nb = 4096 // 32
@@ -196,9 +199,9 @@ def test_gemv_s8_tile_rows_rule_and_launch():
 
 
 def test_gemv_s8_launch_rows_and_gemv_max_rows():
-    """Calls on repacked quant rows: gemv_s8 launches of 32 x rows (S8_NCOL = 4) where 32 rows of x fit the shared
-    memory whole, of 16 (S8_NCOL = 2) where 16 rows fit whole or in two k ranges (not with SwiGLU), else of 8 (x
-    quantized per launch; H200: 32 at k = 4,096, 16 at 14,336); on SM90+ such calls stay
+    """Calls on repacked quant rows: gemv_s8 launches of 32 x rows (S8_NCOL = 4), else of 16 (S8_NCOL = 2), where
+    that many rows of x fit the shared memory whole or in <= 4 k ranges (not with SwiGLU), else of 8 (x quantized
+    per launch; H200: 32 at k = 4,096, and at 14,336 in three k ranges); on SM90+ such calls stay
     GEMVs up to kernels.QUANT_GEMV_MAX_ROWS_SM90[fmt] rows (then the dequant GEMM), below SM90 up to 16 (then
     gemm_tc); fp16 and GGUF rows up to 16. The recorded launches of one call follow."""
     from voltserve.backends.cuda import kernels
@@ -207,22 +210,29 @@ def test_gemv_s8_launch_rows_and_gemv_max_rows():
 
     h200, sm86 = fake_backend(90), fake_backend(86, smem_kb=99)
     assert gemv_s8_launch_rows(h200, "Q4_1", 4096) == 32  # 164 KB of x
-    # k = 14,336: 16 rows of x (287 KB) only in two k ranges (144 KB each), which SwiGLU builds lack
-    assert gemv_s8_launch_rows(h200, "Q4_1", 14336) == 16 and gemv_s8_launch_rows(h200, "Q4_1", 14336, True) == 8
+    # k = 14,336: 32 rows of x (574 KB) only in three k ranges (195 KB each), which SwiGLU builds lack
+    assert gemv_s8_launch_rows(h200, "Q4_1", 14336) == 32 and gemv_s8_launch_rows(h200, "Q4_1", 14336, True) == 8
     assert gemv_s8_launch_rows(h200, "Q8_0", 4096, True) == 32
-    assert gemv_s8_launch_rows(sm86, "Q4_1", 4096) == 16 and gemv_s8_launch_rows(sm86, "Q4_1", 8192) == 16
-    assert gemv_s8_launch_rows(sm86, "Q4_1", 14336) == 8  # even half the k (144 KB) is over 99 KB
+    # SM86's 99 KB: 32 rows at k = 4,096 in two ranges (82 KB), 16 at 14,336 in four (72 KB)
+    assert gemv_s8_launch_rows(sm86, "Q4_1", 4096) == 32 and gemv_s8_launch_rows(sm86, "Q4_1", 4096, True) == 16
+    assert gemv_s8_launch_rows(sm86, "Q4_1", 14336) == 16 and gemv_s8_launch_rows(sm86, "Q4_1", 14336, True) == 8
+    assert gemv_s8_launch_rows(sm86, "Q4_1", 28672) == 8  # a quarter of the k for 16 rows is 143 KB
     assert gemv_s8_launch_rows(SimpleNamespace(loader=h200.loader, gemv_s8_rows="8"), "Q4_1", 4096) == 8
     assert gemv_s8_launch_rows(SimpleNamespace(loader=h200.loader, gemv_s8_rows="16"), "Q4_1", 4096) == 16
     whole = SimpleNamespace(loader=h200.loader, gemv_s8_rows="whole")
     assert gemv_s8_launch_rows(whole, "Q4_1", 4096) == 32 and gemv_s8_launch_rows(whole, "Q4_1", 14336) == 8
+    no32 = SimpleNamespace(loader=h200.loader, gemv_s8_rows="16")
+    assert gemv_s8_launch_rows(no32, "Q4_1", 14336) == 16
     assert gemv_s8_launch_rows(SimpleNamespace(loader=h200.loader, gemv_s8_x="block"), "Q4_1", 4096) == 8
     assert gemv_s8_k_ranges(h200, "Q4_1", 16, 4096) == [(0, 128)]
     assert gemv_s8_k_ranges(h200, "Q4_1", 16, 14336) == [(0, 224), (224, 448)]
     assert gemv_s8_k_ranges(h200, "Q8_0", 16, 14336) == [(0, 224), (224, 448)]
+    assert gemv_s8_k_ranges(h200, "Q4_1", 32, 14336) == [(0, 152), (152, 304), (304, 448)]  # Q4 groups of 4 blocks
+    assert gemv_s8_k_ranges(h200, "Q8_0", 32, 14336) == [(0, 150), (150, 300), (300, 448)]  # Q8_0 groups of 2
+    assert gemv_s8_k_ranges(h200, "Q4_1", 32, 4 * 14336) is None  # more than GEMV_S8_MAX_KSPLITS ranges
     assert gemv_s8_k_ranges(h200, "Q4_1", 8, 14336) == [(0, 448)]  # 143 KB: fits whole
     assert gemv_s8_k_ranges(sm86, "Q4_1", 8, 14336) is None  # <= 8 rows never split: gemv_mma
-    assert gemv_s8_k_ranges(sm86, "Q4_1", 16, 14336) is None and gemv_s8_k_ranges(sm86, "Q4_1", 16, 8192) == [
+    assert gemv_s8_k_ranges(sm86, "Q4_1", 16, 28672) is None and gemv_s8_k_ranges(sm86, "Q4_1", 16, 8192) == [
         (0, 128), (128, 256)]
     q4 = fake_linear("Q4_1", 4096, 4096)
     q4.layout = "repacked"
@@ -259,18 +269,24 @@ def test_gemv_s8_launch_rows_and_gemv_max_rows():
     assert launches[1].spec == kernels.gemv_s8_spec("Q4_1", False, 24, False, True, 32)
     assert launches[1].spec["S8_NCOL"] == 4 and launches[1].smem == kernels.gemv_s8_smem_bytes(24, 4096)
     assert kernels_of(32, 4096)[1] == [("quantize_s8", None), ("gemv_s8", 32)]
-    launches, names = kernels_of(20, 14336)  # 16 rows in two k ranges (S8_KSPLIT), then 4 rows whole
-    assert names == [("quantize_s8", None), ("gemv_s8", 16), ("gemv_s8", 16), ("quantize_s8", None), ("gemv_s8", 4)]
-    first, second, rest = launches[1], launches[2], launches[4]
-    assert first.spec == second.spec == kernels.gemv_s8_spec("Q4_1", False, 16, False, True, 32, True)
-    assert first.spec["S8_KSPLIT"] == 1 and "S8_KSPLIT" not in rest.spec
     def split_of(launch):
         return launch.params.kb_begin, launch.params.kb_end, launch.params.part_in, launch.params.part_out
 
+    launches, names = kernels_of(20, 14336)  # 20 rows (S8_NCOL = 4) in two k ranges (S8_KSPLIT)
+    assert names == [("quantize_s8", None), ("gemv_s8", 20), ("gemv_s8", 20)]
+    first, second = launches[1], launches[2]
+    assert first.spec == second.spec == kernels.gemv_s8_spec("Q4_1", False, 20, False, True, 32, True)
+    assert first.spec["S8_KSPLIT"] == 1 and first.spec["S8_NCOL"] == 4
     assert split_of(first) == (0, 224, 0, 1) and split_of(second) == (224, 448, 1, 0)
     assert first.params.part == second.params.part != 0 and first.params.xq == second.params.xq != 0
-    assert first.smem == kernels.gemv_s8_smem_bytes(16, 224 * 32)
-    assert rest.smem == kernels.gemv_s8_smem_bytes(4, 14336)
+    assert first.smem == kernels.gemv_s8_smem_bytes(20, 224 * 32)
+    launches, names = kernels_of(36, 14336)  # 32 rows in three k ranges, then 4 rows whole
+    assert names == [("quantize_s8", None)] + [("gemv_s8", 32)] * 3 + [("quantize_s8", None), ("gemv_s8", 4)]
+    assert [split_of(launch) for launch in launches[1:4]] == [(0, 152, 0, 1), (152, 304, 1, 1), (304, 448, 1, 0)]
+    assert len({launch.params.part for launch in launches[1:4]}) == 1 and "S8_KSPLIT" not in launches[5].spec
+    assert launches[5].smem == kernels.gemv_s8_smem_bytes(4, 14336)
+    launches, names = kernels_of(16, 14336)  # 16 rows: S8_NCOL = 2 in two k ranges
+    assert [launch.spec.get("S8_NCOL") for launch in launches[1:]] == [2, 2] and names[1:] == [("gemv_s8", 16)] * 2
     assert kernels_of(16, 14336, 4096, silu=True)[1] == [("quantize_s8", None), ("gemv_s8", 8)] * 2
     assert kernels_of(40, 4096)[1] == [("quantize_s8", None), ("gemv_s8", 32), ("quantize_s8", None), ("gemv_s8", 8)]
     assert kernels_of(64, 4096)[1] == [("quantize_s8", None), ("gemv_s8", 32)] * 2

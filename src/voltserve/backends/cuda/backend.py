@@ -116,8 +116,8 @@ class CudaBackend:
         # x fit an SM), "32" or "16"; VOLTSERVE_GEMV_S8_TILES for A/B runs
         self.gemv_s8_tiles = _env_choice("VOLTSERVE_GEMV_S8_TILES", ("auto", "32", "16"))
         # x rows per gemv_s8 launch from 9 rows: "auto" (gemv_int8.gemv_s8_launch_rows: 32 or 16, the S8_NCOL = 4 /
-        # 2 builds, where x fits the shared memory whole, or 16 in k ranges), "16" (no 32-row launches), "whole"
-        # (no k ranges) or "8" (8-row launches, and then no decode GEMV past 16 rows, as before session 21);
+        # 2 builds, where x fits the shared memory whole or, without SwiGLU, in k ranges), "16" (no 32-row
+        # launches), "whole" (no k ranges) or "8" (8-row launches, and then no decode GEMV past 16 rows);
         # VOLTSERVE_GEMV_S8_ROWS for A/B runs
         self.gemv_s8_rows = _env_choice("VOLTSERVE_GEMV_S8_ROWS", ("auto", "16", "whole", "8"))
         # the most x rows a call on repacked quant rows runs as gemv_s8 launches before it takes the GEMM

@@ -108,7 +108,7 @@ def _smem_fits(backend: Any, dynamic_smem: int) -> bool:
 def gemv_s8_tile_rows(backend: Any, fmt: str, rows: int, k: int, x_per_launch: bool) -> int:
     """Weight rows per gemv_s8 block for a launch of `rows` x rows of width k on `fmt` rows, x quantized per launch
     or by every block: 32 at one row (the S8_M1 build), at 9-16 rows 16 (GEMV_S8_WIDE_TILE) or, for a k split, 32
-    unless forced (GEMV_S8_KSPLIT_TILE), at 17-32 GEMV_S8_WIDE4_TILE's unless forced and, under
+    unless forced (GEMV_S8_KSPLIT_TILE), at 17-32 GEMV_S8_WIDE4_TILE's (k split too) unless forced and, under
     `backend.gemv_s8_tiles` "auto", 16 (kernels.GEMV_S8_NARROW_TILE: 3 blocks an SM, 24 warps, instead of 2 blocks
     of 32-row tiles) from 2 rows where x is quantized per launch (the builds that quantize x in every block spill at
     3 blocks' registers), 3 blocks' x copies and the 32-row build's static smem fit an SM (Llama-3-8B on the H200: k
@@ -138,21 +138,23 @@ def gemv_s8_tile_rows(backend: Any, fmt: str, rows: int, k: int, x_per_launch: b
 
 def gemv_s8_launch_rows(backend: Any, fmt: str, k: int, silu: bool = False) -> int:
     """x rows per gemv_s8 launch of a call on `fmt` rows of width k, where x is quantized per launch
-    (`backend.gemv_s8_x` not "block"): GEMV_S8_MAX_ROWS (32, the S8_NCOL = 4 build) where 32 rows of x fit the
-    opt-in shared memory whole, else GEMV_S8_WIDE_ROWS (16, S8_NCOL = 2: the weights read once for 16 rows instead
-    of twice) where 16 rows fit whole or, without SwiGLU, in k ranges (`gemv_s8_k_ranges`), else GEMV_MAX_ROWS
-    (8). `backend.gemv_s8_rows` (A/B runs): "auto" as above, "16" no 32-row launches, "whole" no k ranges, "8"
-    8-row launches only. Llama-3-8B on the H200: 32 at k = 4,096 (164 KB of x), 16 at k = 14,336 in two launches
-    of half the k each (144 KB)."""
+    (`backend.gemv_s8_x` not "block"): GEMV_S8_MAX_ROWS (32, the S8_NCOL = 4 build), else GEMV_S8_WIDE_ROWS (16,
+    S8_NCOL = 2: the weights read once for 16 rows instead of twice), each where its rows of x fit the opt-in
+    shared memory whole or, without SwiGLU, in k ranges (`gemv_s8_k_ranges`), else GEMV_MAX_ROWS (8).
+    `backend.gemv_s8_rows` (A/B runs): "auto" as above, "16" no 32-row launches, "whole" no k ranges, "8" 8-row
+    launches only. Llama-3-8B on the H200: 32 at k = 4,096 (164 KB of x) and at k = 14,336 in three launches of a
+    third of the k each (195 KB)."""
     choice = getattr(backend, "gemv_s8_rows", "auto")
     if choice == "8" or not gemv_s8_x_per_launch(backend, kernels.GEMV_S8_WIDE_ROWS, k):
         return kernels.GEMV_MAX_ROWS
-    if choice != "16" and gemv_s8_fits(backend, kernels.GEMV_S8_MAX_ROWS, k):
-        return kernels.GEMV_S8_MAX_ROWS
-    ranges = gemv_s8_k_ranges(backend, fmt, kernels.GEMV_S8_WIDE_ROWS, k)
     split_ok = not silu and choice != "whole"
-    return kernels.GEMV_S8_WIDE_ROWS if ranges is not None and (len(ranges) == 1 or split_ok) else \
-        kernels.GEMV_MAX_ROWS
+    for rows in (kernels.GEMV_S8_MAX_ROWS, kernels.GEMV_S8_WIDE_ROWS):
+        if rows == kernels.GEMV_S8_MAX_ROWS and choice == "16":
+            continue
+        ranges = gemv_s8_k_ranges(backend, fmt, rows, k)
+        if ranges is not None and (len(ranges) == 1 or split_ok):
+            return rows
+    return kernels.GEMV_MAX_ROWS
 
 
 def gemv_s8_k_ranges(backend: Any, fmt: str, rows: int, k: int) -> list[tuple[int, int]] | None:
@@ -163,7 +165,7 @@ def gemv_s8_k_ranges(backend: Any, fmt: str, rows: int, k: int) -> list[tuple[in
     nb = k // 32
     if gemv_s8_fits(backend, rows, k):
         return [(0, nb)]
-    if not kernels.GEMV_MAX_ROWS < rows <= kernels.GEMV_S8_WIDE_ROWS:
+    if not kernels.GEMV_MAX_ROWS < rows <= kernels.GEMV_S8_MAX_ROWS:
         return None
     group = kernels.REPACK_GROUP_BLOCKS[fmt]
     for splits in range(2, kernels.GEMV_S8_MAX_KSPLITS + 1):
@@ -239,7 +241,7 @@ def launch_gemv_s8w(backend: Any, x: torch.Tensor, w: CudaLinear, y: torch.Tenso
 def launch_gemv_s8(backend: Any, x: torch.Tensor, w: CudaLinear, y: torch.Tensor,
                    norm_weight: torch.Tensor | None, eps: float, residual: torch.Tensor | None, silu: bool,
                    vec_ok: int, one_pass: bool, ready: torch.Tensor | None = None) -> None:
-    """gemv_s8 launches of <= gemv_s8_launch_rows x rows each (8, 16 or 32; fusions as gemv_mma), a 9-16-row
+    """gemv_s8 launches of <= gemv_s8_launch_rows x rows each (8, 16 or 32; fusions as gemv_mma), a 9-32-row
     launch whose x does not fit whole as one launch per k range (`gemv_s8_k_ranges`: each adds its fp32 sums to the
     previous ones' in a workspace, the last stores y with the residual); `residual` has y's row stride; `ready`: x
     [m, k] already quantized (s8_quantized_x) for a call of one launch. The grid: one block per tile, or under

@@ -56,13 +56,15 @@ GEMV_S8_WIDE_ROWS = 16
 GEMV_S8_WIDE_TILE = {"GM_TILE_ROWS": 16, "GM_MIN_BLOCKS": 2, "S8_NCOL": 2}
 # ... and of 17-32 rows (S8_NCOL = 4: four 8-row groups of x per weight fragment) where 32 rows of x fit whole
 # (k = 4,096: 164 KB, one block an SM; sm_90 registers: Q4 254 / Q8_0 177 with 32-row tiles, 141 / 105 with 16)
+# or in k ranges (below)
 GEMV_S8_MAX_ROWS = 32
 GEMV_S8_WIDE4_TILE = {"GM_TILE_ROWS": 32, "GM_MIN_BLOCKS": 1, "S8_NCOL": 4}
-# ... where 16 rows of x do not fit (Llama-3-8B's down_proj, k = 14,336: 287 KB), launches that each take a k
-# range of whole load groups (S8_KSPLIT: fp32 partial sums handed on through a workspace, the last launch adds
-# them and stores y): one block an SM, so 32-row tiles (registers up to 255)
+# ... where 16 / 32 rows of x do not fit (Llama-3-8B's down_proj, k = 14,336: 287 / 574 KB), launches that each
+# take a k range of whole load groups (S8_KSPLIT: fp32 partial sums handed on through a workspace, the last launch
+# adds them and stores y): one block an SM, so 32-row tiles (registers up to 255), S8_NCOL 2 / 4
 GEMV_S8_KSPLIT_TILE = {"GM_TILE_ROWS": 32, "GM_MIN_BLOCKS": 1, "S8_NCOL": 2, "S8_KSPLIT": 1}
-GEMV_S8_MAX_KSPLITS = 2
+GEMV_S8_KSPLIT4_TILE = {**GEMV_S8_KSPLIT_TILE, "S8_NCOL": 4}
+GEMV_S8_MAX_KSPLITS = 4
 # gemv_mma(_sb)'s static smem, at most: red + scratch (GM_NORM_ONE_PASS build) + inv_rms
 GEMV_MMA_STATIC_SMEM = 4 * (GEMV_MMA_WARPS * 32 * 8 + 8 * 32 + 8)
 
@@ -310,15 +312,15 @@ def gemv_s8_spec(fmt: str, silu: bool, rows: int, norm_one_pass: bool = False,
     `norm_one_pass` (as gemv_mma_spec); `x_per_launch`: S8_XG, x quantized once by quantize_s8 (which then applies
     the norm: no one-pass build); `tile_rows` 16: GEMV_S8_NARROW_TILE (16-row tiles, 3 blocks an SM).
 
-    9..GEMV_S8_WIDE_ROWS rows: GEMV_S8_WIDE_TILE (two 8-row groups of x per weight fragment, 16-row tiles),
-    with `k_split` GEMV_S8_KSPLIT_TILE (a k range per launch, no SwiGLU; `tile_rows` 16 keeps its one block
-    an SM with 16-row tiles); up to GEMV_S8_MAX_ROWS: GEMV_S8_WIDE4_TILE (four groups, `tile_rows` either);
-    above 8 rows x is quantized per launch only.
+    9..GEMV_S8_WIDE_ROWS rows: GEMV_S8_WIDE_TILE (two 8-row groups of x per weight fragment, 16-row tiles);
+    up to GEMV_S8_MAX_ROWS: GEMV_S8_WIDE4_TILE (four groups, `tile_rows` either); with `k_split`
+    GEMV_S8_KSPLIT_TILE / GEMV_S8_KSPLIT4_TILE (a k range per launch, no SwiGLU; `tile_rows` 16 keeps its one
+    block an SM with 16-row tiles); above 8 rows x is quantized per launch only.
 
     Raises:
         ValueError: fp16 weights (no int8 path), `rows` outside 1..GEMV_S8_MAX_ROWS, `tile_rows` not in
             GEMV_MMA_TILES, > 8 rows without `x_per_launch`, 9-16 rows (no k split) with 32-row tiles, or a
-            k split outside 9-16 rows or with SwiGLU.
+            k split of <= 8 rows or with SwiGLU.
     """
     if fmt not in QUANT_BLOCK_BYTES:
         raise ValueError(f"gemv_s8 takes quant weights, got {fmt}")
@@ -330,10 +332,11 @@ def gemv_s8_spec(fmt: str, silu: bool, rows: int, norm_one_pass: bool = False,
         raise ValueError(f"gemv_s8 launches of {rows} > {GEMV_MAX_ROWS} x rows need x quantized per launch")
     spec = {"WTYPE": WTYPES[fmt], "SILU": int(silu)}
     if k_split:
-        if not GEMV_MAX_ROWS < rows <= GEMV_S8_WIDE_ROWS or silu:
-            raise ValueError(f"gemv_s8's k split takes {GEMV_MAX_ROWS + 1}..{GEMV_S8_WIDE_ROWS} x rows and no "
+        if rows <= GEMV_MAX_ROWS or silu:
+            raise ValueError(f"gemv_s8's k split takes {GEMV_MAX_ROWS + 1}..{GEMV_S8_MAX_ROWS} x rows and no "
                              f"SwiGLU, got {rows} rows, silu={silu}")
-        spec.update(GEMV_S8_KSPLIT_TILE, GM_TILE_ROWS=tile_rows)
+        tile = GEMV_S8_KSPLIT_TILE if rows <= GEMV_S8_WIDE_ROWS else GEMV_S8_KSPLIT4_TILE
+        spec.update(tile, GM_TILE_ROWS=tile_rows)
     elif rows > GEMV_S8_WIDE_ROWS:
         spec.update(GEMV_S8_WIDE4_TILE, GM_TILE_ROWS=tile_rows)
     elif rows > GEMV_MAX_ROWS:
@@ -589,8 +592,8 @@ def engine_specializations() -> list[tuple[str, dict[str, int]]]:
                                  (8, True, False, 32), (8, False, True, 32), (8, False, True, 16),
                                  (GEMV_S8_WIDE_ROWS, False, True, 16), (GEMV_S8_MAX_ROWS, False, True, 32),
                                  (GEMV_S8_MAX_ROWS, False, True, 16))]
-    specs += [("gemv_s8", gemv_s8_spec(f, False, GEMV_S8_WIDE_ROWS, False, True, t, True))
-              for f in QUANT_BLOCK_BYTES for t in GEMV_MMA_TILES]
+    specs += [("gemv_s8", gemv_s8_spec(f, False, r, False, True, t, True))
+              for f in QUANT_BLOCK_BYTES for t in GEMV_MMA_TILES for r in (GEMV_S8_WIDE_ROWS, GEMV_S8_MAX_ROWS)]
     specs += [("gemm_tiled", {"WTYPE": w}) for w in WTYPES.values()]
     specs += [("gemm_tc", gemm_tc_spec(w, bn, r)) for w in (1, 2, 3) for bn in GEMM_TC_BNS for r in (False, True)]
     specs += [("sampling", {"LOGITS_F16": f}) for f in (0, 1)]

@@ -233,10 +233,11 @@ def test_wide_launches_equal_8_row_launches(s8_backend, fmt, top, ncol):
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("rows,ncol,splits", [(16, 2, 2), (32, 4, 3)])
+@pytest.mark.parametrize("rows,ncol,splits", [(16, 2, 2), (20, 4, 2), (32, 4, 3)])
 def test_k_split_launches(s8_backend, fmt, rows, ncol, splits):
-    """16 / 32 x rows whose x does not fit the shared memory whole (k = 14,336: 287 / 574 KB) run as S8_KSPLIT
-    launches (S8_NCOL 2 / 4) of a half / third of the k each, each handing its fp32 sums on through a workspace:
+    """16 / 20 / 32 x rows whose x does not fit the shared memory whole (k = 14,336: 287 / 359 / 574 KB) run as
+    S8_KSPLIT launches (S8_NCOL 2 / 4 / 4; 20 rows: a partial last 8-row group) of a half / half / third of the k
+    each, each handing its fp32 sums on through a workspace:
     within EMU_TOL of the emulation and within one fp16 rounding of the 8-row launches (the same products, summed
     in another order); rows of two split calls (3/4 of the rows, and all) equal bit for bit; partial tiles (45
     rows), a persistent grid looping over tiles (8,192 rows: 256 tiles, one block an SM; compared with the 8-row

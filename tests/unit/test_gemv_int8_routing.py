@@ -213,7 +213,8 @@ def test_gemv_s8_launch_rows_and_gemv_max_rows():
     # k = 14,336: 32 rows of x (574 KB) only in three k ranges (195 KB each), which SwiGLU builds lack
     assert gemv_s8_launch_rows(h200, "Q4_1", 14336) == 32 and gemv_s8_launch_rows(h200, "Q4_1", 14336, True) == 8
     assert gemv_s8_launch_rows(h200, "Q8_0", 4096, True) == 32
-    # SM86's 99 KB: 32 rows at k = 4,096 in two ranges (82 KB), 16 at 14,336 in four (72 KB)
+    # SM86's 99 KB, as the function answers (no call there reaches 17 rows, linear.gemv_max_rows, nor 9 at k =
+    # 14,336, gemv_s8_fits for 8 rows): 32 rows at k = 4,096 in two ranges (82 KB), 16 at 14,336 in four (72 KB)
     assert gemv_s8_launch_rows(sm86, "Q4_1", 4096) == 32 and gemv_s8_launch_rows(sm86, "Q4_1", 4096, True) == 16
     assert gemv_s8_launch_rows(sm86, "Q4_1", 14336) == 16 and gemv_s8_launch_rows(sm86, "Q4_1", 14336, True) == 8
     assert gemv_s8_launch_rows(sm86, "Q4_1", 28672) == 8  # a quarter of the k for 16 rows is 143 KB
@@ -283,6 +284,8 @@ def test_gemv_s8_launch_rows_and_gemv_max_rows():
     launches, names = kernels_of(36, 14336)  # 32 rows in three k ranges, then 4 rows whole
     assert names == [("quantize_s8", None)] + [("gemv_s8", 32)] * 3 + [("quantize_s8", None), ("gemv_s8", 4)]
     assert [split_of(launch) for launch in launches[1:4]] == [(0, 152, 0, 1), (152, 304, 1, 1), (304, 448, 1, 0)]
+    assert launches[1].spec == kernels.gemv_s8_spec("Q4_1", False, 32, False, True, 32, True)
+    assert launches[1].smem == kernels.gemv_s8_smem_bytes(32, 152 * 32)
     assert len({launch.params.part for launch in launches[1:4]}) == 1 and "S8_KSPLIT" not in launches[5].spec
     assert launches[5].smem == kernels.gemv_s8_smem_bytes(4, 14336)
     launches, names = kernels_of(16, 14336)  # 16 rows: S8_NCOL = 2 in two k ranges

@@ -219,11 +219,10 @@ def test_gemv_s8_launch_rows_and_gemv_max_rows():
     assert gemv_s8_launch_rows(sm86, "Q4_1", 14336) == 16 and gemv_s8_launch_rows(sm86, "Q4_1", 14336, True) == 8
     assert gemv_s8_launch_rows(sm86, "Q4_1", 28672) == 8  # a quarter of the k for 16 rows is 143 KB
     assert gemv_s8_launch_rows(SimpleNamespace(loader=h200.loader, gemv_s8_rows="8"), "Q4_1", 4096) == 8
-    assert gemv_s8_launch_rows(SimpleNamespace(loader=h200.loader, gemv_s8_rows="16"), "Q4_1", 4096) == 16
+    no32 = SimpleNamespace(loader=h200.loader, gemv_s8_rows="16")
+    assert gemv_s8_launch_rows(no32, "Q4_1", 4096) == 16 and gemv_s8_launch_rows(no32, "Q4_1", 14336) == 16
     whole = SimpleNamespace(loader=h200.loader, gemv_s8_rows="whole")
     assert gemv_s8_launch_rows(whole, "Q4_1", 4096) == 32 and gemv_s8_launch_rows(whole, "Q4_1", 14336) == 8
-    no32 = SimpleNamespace(loader=h200.loader, gemv_s8_rows="16")
-    assert gemv_s8_launch_rows(no32, "Q4_1", 14336) == 16
     assert gemv_s8_launch_rows(SimpleNamespace(loader=h200.loader, gemv_s8_x="block"), "Q4_1", 4096) == 8
     assert gemv_s8_k_ranges(h200, "Q4_1", 16, 4096) == [(0, 128)]
     assert gemv_s8_k_ranges(h200, "Q4_1", 16, 14336) == [(0, 224), (224, 448)]

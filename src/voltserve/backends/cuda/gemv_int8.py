@@ -148,9 +148,8 @@ def gemv_s8_launch_rows(backend: Any, fmt: str, k: int, silu: bool = False) -> i
     if choice == "8" or not gemv_s8_x_per_launch(backend, kernels.GEMV_S8_WIDE_ROWS, k):
         return kernels.GEMV_MAX_ROWS
     split_ok = not silu and choice != "whole"
-    for rows in (kernels.GEMV_S8_MAX_ROWS, kernels.GEMV_S8_WIDE_ROWS):
-        if rows == kernels.GEMV_S8_MAX_ROWS and choice == "16":
-            continue
+    widths = (kernels.GEMV_S8_WIDE_ROWS,) if choice == "16" else (kernels.GEMV_S8_MAX_ROWS, kernels.GEMV_S8_WIDE_ROWS)
+    for rows in widths:
         ranges = gemv_s8_k_ranges(backend, fmt, rows, k)
         if ranges is not None and (len(ranges) == 1 or split_ok):
             return rows

@@ -8,10 +8,12 @@
 //                     dynamic smem = 4 * (GROUP*HEAD_DIM + 4*GROUP*HEAD_DIM + 8*GROUP + PARTITION/block_size + 2)
 //                     bytes (4 = warps; the last term: the split's block-table slice).
 //                     A sequence's context is cut into splits of split_len() keys
-//                     (seq_len / num_splits rounded up to 16, clamped to [min_part, PARTITION]): a short context
-//                     still spreads over many blocks, splits past the context exit at once. When one split holds
-//                     the whole context the block writes out directly; otherwise it writes its un-normalised
-//                     partial output, running max and sum to the workspace.
+//                     (seq_len / the step's splits rounded up to 16, clamped to [min_part, PARTITION]; the
+//                     step's splits: num_splits, or in a grid sized for a capacity the host's plan for the
+//                     step's longest context, seq_splits): a short context still spreads over many blocks, splits
+//                     past the context exit at once. When one split holds the whole context the block
+//                     writes out directly; otherwise it writes its un-normalised partial output, running max
+//                     and sum to the workspace.
 //                     With `counters`, the last split block of each (sequence, KV head) to arrive merges the
 //                     partials itself (arrival counter, fixed merge order), so decode is one launch; the host
 //                     passes counters only when num_splits <= 2 * HEAD_DIM (the merge's maxima and sums reuse
@@ -115,14 +117,27 @@ struct DecodeParams {
     u8* xq;                      // [xq_rows][s8_pitch] int8, then the scales (kernels.gemv_s8_smem_bytes)
     int xq_fmt;                  // the o_proj weight's format (WTYPE_Q4_0 / Q4_1 / Q8_0)
     int xq_rows;                 // x rows of the o_proj launch (= num_seqs)
+    // a grid sized for a capacity (CUDA graphs): nullptr = num_splits is the step's own plan; else [1], the split
+    // count the host planned for the step's longest context (uploaded with the step's metadata; 0: num_splits),
+    // so short contexts in a graph for long ones split as the step needs
+    const int* step_splits;
 };
 VOLT_CHECK_PARAMS(DecodeParams, VOLT_DECODE_PARAMS_BYTES);
 
-// Keys per split of one sequence: its context spread evenly over the grid's splits (rounded up to 16, at least
-// min_part), so a short context still fills many blocks when the grid is sized for a long capacity (CUDA graphs).
-// The host sizes num_splits >= ceil(max_seq_len / PARTITION), so the result is <= PARTITION and covers seq_len.
+// The splits a sequence of seq_len keys uses this step: the grid's, or the host's plan for the step's longest
+// context (p.step_splits; its load is issued beside seq_lens', before the PDL wait), at most the grid's and at
+// least ceil(seq_len / PARTITION), whatever the word holds, so every key is covered.
+VOLT_DEVICE int seq_splits(const DecodeParams& p, int seq_len) {
+    const int planned = p.step_splits != nullptr ? *p.step_splits : 0;
+    return planned > 0 ? min(p.num_splits, max(planned, (seq_len + PARTITION - 1) / PARTITION)) : p.num_splits;
+}
+
+// Keys per split of one sequence: its context spread evenly over its splits (seq_splits; rounded up to 16, at
+// least min_part), so a short context still fills many blocks when the grid is sized for a long capacity (CUDA
+// graphs). Its splits are >= ceil(seq_len / PARTITION), so the result is <= PARTITION and covers seq_len.
 VOLT_DEVICE int split_len(const DecodeParams& p, int seq_len) {
-    const int per = ((seq_len + p.num_splits - 1) / p.num_splits + 15) & ~15;
+    const int splits = seq_splits(p, seq_len);
+    const int per = ((seq_len + splits - 1) / splits + 15) & ~15;
     return min(PARTITION, max(p.min_part, per));
 }
 

@@ -172,6 +172,10 @@ def main() -> None:
     parser.add_argument("--churn", type=int, default=0, metavar="GEN_LEN",
                         help="also time the serving steady state: each sequence generates GEN_LEN tokens, then a new "
                              "--prompt-len request takes its place (mixed prefill + decode steps; `time_churn`)")
+    parser.add_argument("--max-model-len", default="0",
+                        help="the engine's context capacity (EngineConfig.max_model_len; sizes the CUDA graphs' block "
+                             "tables and attention split grid): 0 = just what the run needs, or a list like 0,131072 "
+                             "(a server runs with the model's own, e.g. 131,072 for Llama-3.1)")
     parser.add_argument("--out", type=pathlib.Path)
     args = parser.parse_args()
     batches = [int(b) for b in args.batch.split(",")]
@@ -192,11 +196,11 @@ def main() -> None:
         loaded = synthetic_model(args.synthetic, device=args.device,
                                  dtype=torch.float16 if args.device == "cuda" else torch.float32,
                                  qtype=args.synthetic_qtype)
-    runs = [(g, pdl, gk, mixed, env) for g in args.graphs.split(",") for pdl in args.pdl.split(",")
+    runs = [(g, pdl, gk, mixed, env, int(cap)) for g in args.graphs.split(",") for pdl in args.pdl.split(",")
             for gk in args.gemv_kernel.split(",") for mixed in args.mixed_graphs.split(",")
-            for env in env_settings(args.env)]
+            for env in env_settings(args.env) for cap in args.max_model_len.split(",")]
     modes = args.async_scheduling.split(",")
-    for graphs, pdl, gemv_kernel, mixed, env in runs:
+    for graphs, pdl, gemv_kernel, mixed, env, capacity in runs:
         apply_env(env)
         if args.device != "cuda" and (graphs == "on" or pdl == "off"):
             continue
@@ -204,14 +208,18 @@ def main() -> None:
             continue  # the same run as mixed "on"
         os.environ["VOLTSERVE_GEMV_KERNEL"] = gemv_kernel
         decode_len = max(args.steps, args.churn)
+        needed = max(args.prompt_len + decode_len + 16, args.prefill + 16)
         config = EngineConfig(model=args.model, device=args.device, max_num_seqs=max(batches),
-                              max_model_len=max(args.prompt_len + decode_len + 16, args.prefill + 16),
+                              max_model_len=max(needed, capacity),
                               enforce_eager=graphs == "off", pdl=pdl == "on", mixed_graphs=mixed == "on",
                               max_num_batched_tokens=max(2048, args.prefill),
-                              num_kv_blocks=max(batches) * (-(-(max(args.prompt_len + decode_len, args.prefill) + 16)
-                                                               // 16)))
+                              # the pool holds every sequence of the run and one of the full capacity (build_runner)
+                              num_kv_blocks=max(max(batches) * -(-(max(args.prompt_len + decode_len, args.prefill) + 16)
+                                                                 // 16), -(-capacity // 16)))
         built = build_runner(config, loaded)
         run = {"graphs": graphs, "pdl": pdl, "gemv": gemv_kernel, **env}
+        if capacity:
+            run["max_model_len"] = config.max_model_len
 
         def emit(**fields) -> None:
             point = {**run, **fields}

@@ -58,7 +58,8 @@ class GraphKey:
 
 class PackedStepInputs:
     """The host side of a graph's static inputs: one int32 buffer holding, per token, ids, positions and slots
-    (int64 as word pairs), per sequence the logits rows (int64), seq_lens and query_start_loc, then the block
+    (int64 as word pairs), per sequence the logits rows (int64), seq_lens and query_start_loc, then one word of
+    the decode attention's plan (`AttentionMetadata.decode_splits`, written by `StepGraphs.fill`), then the block
     tables [seqs, max_blocks] last, so that one copy of a prefix uploads a step.
 
     Args:
@@ -69,29 +70,33 @@ class PackedStepInputs:
         pin: page-lock the buffer (needs CUDA); False for tests on the CPU.
     Attributes:
         buffer: the int32 host tensor; `words(b)` of it is what a graph of b sequence slots reads.
+        longest: the longest context of the last step filled (tokens; host only).
     """
 
     def __init__(self, tokens: int, seqs: int, max_blocks: int, block_size: int, pin: bool = True):
         self.tokens, self.seqs, self.max_blocks, self.block_size = tokens, seqs, max_blocks, block_size
         t, s = tokens, seqs
         self.off_pos, self.off_slot, self.off_logits = 2 * t, 4 * t, 6 * t
-        self.off_lens, self.off_qsl, self.off_tab = 6 * t + 2 * s, 6 * t + 3 * s, 6 * t + 4 * s + 1
+        self.off_lens, self.off_qsl, self.off_splits = 6 * t + 2 * s, 6 * t + 3 * s, 6 * t + 4 * s + 1
+        self.off_tab = self.off_splits + 1
         buffer = torch.zeros(self.off_tab + s * max_blocks, dtype=torch.int32)
         self.buffer = buffer.pin_memory() if pin else buffer
-        (self.ids, self.positions, self.slots, self.logits_rows, self.seq_lens, self.query_start,
+        (self.ids, self.positions, self.slots, self.logits_rows, self.seq_lens, self.query_start, self.attn_splits,
          self.tables) = self.fields(self.buffer.numpy(), np.int64)
         self.slots[:] = -1
         self.seq_lens[:] = 1
+        self.longest = 1
         self.logits_rows[:] = np.arange(s)
         self.query_start[:] = np.minimum(np.arange(s + 1), t)
 
     def fields(self, buf, int64):
         """Views of `buf` (this layout's int32 words, numpy or torch): (ids, positions, slots, logits rows) viewed
-        as `int64`, then seq_lens, query_start and the block tables [seqs, max_blocks] as int32."""
+        as `int64`, then seq_lens, query_start, the decode attention's split count ([1]) and the block tables
+        [seqs, max_blocks] as int32."""
         bounds = (0, self.off_pos, self.off_slot, self.off_logits, self.off_lens)
         wide = [buf[a:b].view(int64) for a, b in zip(bounds, bounds[1:])]
-        return (*wide, buf[self.off_lens:self.off_qsl], buf[self.off_qsl:self.off_tab],
-                buf[self.off_tab:].reshape(self.seqs, self.max_blocks))
+        return (*wide, buf[self.off_lens:self.off_qsl], buf[self.off_qsl:self.off_splits],
+                buf[self.off_splits:self.off_tab], buf[self.off_tab:].reshape(self.seqs, self.max_blocks))
 
     def words(self, seqs: int) -> int:
         """int32 words a graph of `seqs` sequence slots reads (the block tables come last)."""
@@ -116,6 +121,7 @@ class PackedStepInputs:
         self.positions[:n] = positions
         self.slots[:n] = slots
         self.seq_lens[:n] = self.positions[:n] + 1
+        self.longest = max(positions) + 1  # padding rows (seq_len 1) never exceed it
 
     def pad(self, n: int, b: int) -> None:
         """Decode rows n..b are padding: no KV write (slot -1), one key of block 0."""
@@ -148,6 +154,7 @@ class PackedStepInputs:
             self.seq_lens[i] = start + n
             tables[i, :len(blocks)] = blocks
         t, k = starts[-1], len(entries)
+        self.longest = max(e.start + e.num_new for e in entries)
         if fed:
             self.ids[fed:t] = ids[fed:]
         else:
@@ -186,7 +193,7 @@ class _GraphInputs:
         self.host = h = self._hosts[0]
         self.dev = torch.zeros_like(h.buffer, device=device)
         (self.input_ids, self.positions, self.slot_mapping, self.logits_rows, self.seq_lens, self.query_start,
-         self.block_tables) = h.fields(self.dev, torch.int64)
+         self.decode_splits, self.block_tables) = h.fields(self.dev, torch.int64)
         self.dev.copy_(h.buffer)
 
     def static_step(self, key: GraphKey, max_model_len: int) -> StepInputs:
@@ -194,7 +201,7 @@ class _GraphInputs:
         q = key.prefill or 1
         attn = AttentionMetadata(self.query_start[:b + 1], self.seq_lens[:b], self.block_tables[:b],
                                  self.slot_mapping[:t], q, max_model_len, [q] * b, [1] * b,
-                                 split_decode=bool(key.prefill))
+                                 split_decode=bool(key.prefill), decode_splits=self.decode_splits)
         return StepInputs(self.input_ids[:t], self.positions[:t], attn, self.logits_rows[:b])
 
     def writable(self) -> PackedStepInputs:
@@ -249,6 +256,9 @@ class StepGraphs:
         self._logits: dict[GraphKey, torch.Tensor] = {}
         self._greedy: dict[GraphKey, torch.Tensor] = {}
         self.replays: Counter[GraphKey] = Counter()  # replays per graph (tests, diagnostics)
+        # the decode attention's split count for a step's longest context, where the backend plans one
+        # (`AttentionMetadata.decode_splits`; the grid is sized for max_model_len)
+        self._decode_splits = getattr(backend, "graph_decode_splits", None)
 
     def _inputs(self, key: GraphKey) -> _GraphInputs:
         return self._mixed if key.prefill else self._decode
@@ -301,6 +311,8 @@ class StepGraphs:
             host.fill_from_plan(entries, fed)
             if key.seqs > len(entries):
                 host.pad(len(entries), key.seqs)
+        plan = self._decode_splits
+        host.attn_splits[0] = plan(self.max_model_len, key.seqs, host.longest) if plan is not None else 0
 
     def replay(self, key: GraphKey, n: int,
                ids_from: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -34,6 +34,7 @@ def test_fill_from_plan_equals_prepare():
     assert fast.ids[:3].tolist() == [101, 102, 103]
     assert fast.positions[:3].tolist() == [5, 17, 33]
     assert fast.seq_lens[:3].tolist() == [6, 18, 34]
+    assert fast.longest == 34 and fast.attn_splits.tolist() == [0]  # the word is StepGraphs.fill's
     assert fast.slots[:3].tolist() == [5, 2 * 16 + 1, 5 * 16 + 1]  # block ids 0 | 1, 2 | 3, 4, 5
     ref = {"ids": step.input_ids, "positions": step.positions, "slots": step.attn.slot_mapping,
            "seq_lens": step.attn.seq_lens}
@@ -51,8 +52,9 @@ def test_pad_and_words():
     assert host.slots.tolist()[2:] == [-1, -1] and host.seq_lens.tolist()[2:] == [1, 1]
     assert host.tables[2:, 0].tolist() == [0, 0]
     # ids/positions/slots (2 words each) of 4 tokens, logits rows (2 words), lens and 5 query starts of 4
-    # sequences, then 2 tables
-    assert host.words(2) == 6 * 4 + 4 * 4 + 1 + 2 * 8
+    # sequences, the decode attention's split count, then 2 tables
+    assert host.words(2) == 6 * 4 + 4 * 4 + 1 + 1 + 2 * 8
+    assert host.longest == 21
     assert host.query_start.tolist() == [0, 1, 2, 3, 4] and host.logits_rows.tolist() == [0, 1, 2, 3]
     assert host.buffer.dtype == torch.int32 and host.buffer.numel() == host.words(4)
 
@@ -88,6 +90,7 @@ def test_fill_mixed_equals_prepare():
     assert host.positions[:31].tolist() == step.positions.tolist()
     assert host.slots[:31].tolist() == step.attn.slot_mapping.tolist()
     assert host.seq_lens[:4].tolist() == step.attn.seq_lens.tolist() == [6, 18, 20, 9]
+    assert host.longest == 20
     assert host.query_start[:5].tolist() == step.attn.query_start_loc.tolist() == [0, 1, 2, 22, 31]
     assert host.logits_rows[:4].tolist() == step.logits_indices.tolist() == [0, 1, 21, 30]
     for i, e in enumerate(plan.entries):
@@ -124,3 +127,35 @@ def test_plan_key_picks_the_smallest_graph():
     assert g.plan_key([type(e)(e.seq, 0, 65, True)]) is None  # longer than the largest P: eager
     assert g.plan_key([plan.entries[0]] * 5) is None  # more sequences than the largest bucket
     assert GraphKey(4, 64).tokens == 68 and GraphKey(4).tokens == 4
+
+
+class _PlanningBackend:
+    """A backend that plans its decode attention per step (as CudaBackend.graph_decode_splits does)."""
+
+    device = torch.device("cpu")
+
+    def __init__(self):
+        self.asked = []
+
+    def graph_decode_splits(self, capacity, num_seqs, longest):
+        self.asked.append((capacity, num_seqs, longest))
+        return 3 + longest
+
+
+def test_fill_writes_the_backends_split_plan():
+    """StepGraphs.fill puts the backend's split count for (capacity, graph sequences, longest context) in the
+    word `AttentionMetadata.decode_splits` reads; a backend without a planner leaves 0 (the grid's splits)."""
+    from voltserve.graphs import GraphKey, StepGraphs
+
+    backend = _PlanningBackend()
+    graphs = StepGraphs(None, backend, torch.zeros(1, 2, 64, 16, 1, 8), 4, 8192, (64,))
+    graphs.fill(GraphKey(4), _decode_plan((5, 17, 33)).entries)
+    assert graphs._decode.writable().attn_splits.tolist() == [3 + 34]
+    graphs.fill(GraphKey(4, 64), _mixed_plan().entries)
+    assert graphs._mixed.writable().attn_splits.tolist() == [3 + 20]
+    assert backend.asked == [(8192, 4, 34), (8192, 4, 20)]
+    step = graphs._decode.static_step(GraphKey(4), 8192)
+    assert step.attn.decode_splits is graphs._decode.decode_splits and step.attn.max_seq_len == 8192
+    plain = StepGraphs(None, _HostBackend(), torch.zeros(1, 2, 64, 16, 1, 8), 4, 8192)
+    plain.fill(GraphKey(4), _decode_plan((5,)).entries)
+    assert plain._decode.writable().attn_splits.tolist() == [0]

@@ -30,6 +30,9 @@ class AttentionMetadata:
         split_decode: a step mixing decodes with prefills: a backend may run the sequences with one query token
             through its decode kernel and the others through its prefill kernel (values are the same either
             way, up to rounding).
+        decode_splits: [1] int32 on the device, or None: where `max_seq_len` is only a bound (a CUDA graph's
+            capacity, max_model_len), the split count the backend's decode attention planned on the host for this
+            step's longest context (`CudaBackend.graph_decode_splits`; 0: none, plan for `max_seq_len`).
     """
 
     query_start_loc: torch.Tensor
@@ -41,6 +44,7 @@ class AttentionMetadata:
     query_lens_cpu: list[int]
     seq_lens_cpu: list[int]
     split_decode: bool = False
+    decode_splits: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:

@@ -149,6 +149,10 @@ class CudaBackend:
         # attn_decode's fewest keys per split (kernels.decode_plan's min_part); VOLTSERVE_ATTN_MIN_PART for A/B runs
         self.attn_min_part = int(_env_choice("VOLTSERVE_ATTN_MIN_PART", (str(kernels.DECODE_MIN_PART), "32", "128",
                                                                          "256", "512", "1024")))
+        # attn_decode in a grid sized for a capacity (CUDA graphs): splits planned on the host for each step's
+        # longest context ("auto", graph_decode_splits -> AttentionMetadata.decode_splits) or the capacity's plan
+        # for every step ("off", the rule before); VOLTSERVE_ATTN_STEP_SPLITS for A/B runs
+        self.attn_step_splits = _env_choice("VOLTSERVE_ATTN_STEP_SPLITS", ("auto", "off"))
         # programmatic dependent launch of decode GEMVs (gemv_launch.gemv_pdl): "auto" (all but a large GEMV right
         # after another), "small" (only weights of at most kernels.GEMV_PDL_MAX_WEIGHT_BYTES), "on" (every GEMV)
         # or "off" (none); VOLTSERVE_GEMV_PDL for A/B runs
@@ -171,6 +175,8 @@ class CudaBackend:
         # attn_decode's split arrival counters, one per (sequence, KV head); zero between launches
         self.attn_counters = torch.zeros(kernels.ATTN_MAX_COUNTERS, dtype=torch.int32, device=self.device)
         self.argmax_counters = torch.zeros(kernels.ARGMAX_MAX_ROWS, dtype=torch.int32, device=self.device)
+        # attn_decode's split count per longest context, per (graph capacity, sequences): graph_decode_splits
+        self._graph_plans: dict[tuple[int, int], tuple[tuple[int, ...], int]] = {}
         # gemv_chain's grid barrier: an arrival counter that only grows, by kernels.GEMV_CHAIN_BARRIER_QUANTUM a
         # launch
         self.chain_barrier = torch.zeros(1, dtype=torch.int64, device=self.device)
@@ -414,10 +420,15 @@ class CudaBackend:
         group = num_heads // num_kv_heads
         spec = kernels.decode_spec(head_dim, group, simt=self.attn_kernel == "simt")
         smem = kernels.decode_smem_bytes(head_dim, group, block_size, spec["PARTITION"])
-        num_splits, min_part = kernels.decode_plan(attn.max_seq_len, num_seqs, num_kv_heads, spec["PARTITION"],
-                                                   self.num_sms, self._occupancy("attention_decode",
-                                                                                 "attn_decode", spec, smem),
-                                                   self.attn_min_part)
+        plan = (attn.max_seq_len, num_seqs, num_kv_heads, spec["PARTITION"], self.num_sms,
+                self._occupancy("attention_decode", "attn_decode", spec, smem), self.attn_min_part)
+        num_splits, min_part = kernels.decode_plan(*plan)
+        # a grid sized for a capacity (CUDA graphs): the splits of the step's longest context, planned on the host
+        # each step (graph_decode_splits, from the plan registered here as the graph's eager run makes this launch)
+        step_splits = None
+        if attn.decode_splits is not None and num_splits > 1 and self.attn_step_splits == "auto":
+            self._register_graph_plan(plan)
+            step_splits = attn.decode_splits.data_ptr()
         acc = torch.empty(num_seqs * num_heads * num_splits * head_dim if num_splits > 1 else 1,
                           dtype=torch.float32, device=self.device)
         ml = torch.empty(num_seqs * num_heads * num_splits * 2, dtype=torch.float32, device=self.device)
@@ -427,12 +438,29 @@ class CudaBackend:
         p = P.DecodeParams(*common, acc.data_ptr(), ml.data_ptr(),
                            self.attn_counters.data_ptr() if merge_in_kernel else None, q.stride(0), q.stride(1),
                            plane, num_seqs, num_heads, num_kv_heads, block_size, max_blocks, num_splits,
-                           scale, min_part, *rope, *xq)
+                           scale, min_part, *rope, *xq, step_splits)
         self._launch("attention_decode", "attn_decode", spec, (num_kv_heads, num_seqs, num_splits),
                      (128, 1, 1), smem, p, meta_pdl)
         if num_splits > 1 and not merge_in_kernel:
             self._launch("attention_decode", "attn_decode_reduce", spec, (num_kv_heads, num_seqs, 1),
                          (128, 1, 1), 8 * group * num_splits, p)
+
+    def _register_graph_plan(self, plan: tuple) -> None:
+        """Keep kernels.decode_split_table for `plan` (decode_plan's arguments; plan[0] the graph's capacity,
+        plan[1] its sequences) for graph_decode_splits; the latest launch's plan for a (capacity, sequences) key
+        wins (one model has one attention shape; any count is correct, seq_splits clamps it per sequence)."""
+        self._graph_plans[plan[:2]] = (kernels.decode_split_table(*plan), kernels.decode_plan(*plan)[1])
+
+    def graph_decode_splits(self, capacity: int, num_seqs: int, longest: int) -> int:
+        """attn_decode's split count for a CUDA graph step (`AttentionMetadata.decode_splits`): the graph's grid
+        is sized for `capacity` keys and `num_seqs` sequences, the step's longest context is `longest` keys.
+        0 (the grid's own) where no launch of that graph registered a plan (its eager run does, before capture).
+        Host arithmetic, once per step: a dict lookup and an index."""
+        entry = self._graph_plans.get((capacity, num_seqs))
+        if entry is None:
+            return 0
+        table, min_part = entry
+        return table[min(len(table) - 1, max(0, longest - 1) // min_part)]
 
     def silu_and_mul(self, x):
         _check_rows(x, "x")

@@ -544,6 +544,31 @@ def decode_plan(max_seq_len: int, num_seqs: int, num_kv_heads: int, partition: i
     return best, min_part
 
 
+@functools.lru_cache(maxsize=64)
+def decode_split_table(capacity: int, num_seqs: int, num_kv_heads: int, partition: int, num_sms: int,
+                       blocks_per_sm: int = DECODE_BLOCKS_PER_SM, min_part: int = DECODE_MIN_PART) -> tuple[int, ...]:
+    """attn_decode's split count per longest context for a grid sized for `capacity` keys (CUDA graphs): entry i
+    is `decode_plan`'s for a longest context of (i + 1) * min_part keys (min_part capped at `partition`), i.e. for
+    every context in (i * min_part, (i + 1) * min_part], capped at the grid's own count. Each graph step takes
+    entry (longest - 1) // min_part (`CudaBackend.graph_decode_splits` -> `AttentionMetadata.decode_splits`), so a
+    graph captured for the model's whole context splits as its step needs: without it, 512-key contexts at 64
+    sequences of Llama-3-8B took 32 splits of 64 keys and a merge instead of one split (H200, Q4_1, max_model_len
+    131,072: 12.4 vs 11.1 ms a step; tools/bench_decode.py --max-model-len).
+
+    decode_plan depends on the context only through ceil(context / partition) and ceil(context / min_part), and
+    min_part divides partition, so one entry per min_part keys is exact.
+
+    Raises:
+        ValueError: capacity < 1.
+    """
+    if capacity < 1:
+        raise ValueError(f"capacity must be >= 1, got {capacity}")
+    plan = decode_plan.__wrapped__  # thousands of contexts: not through (and out of) the per-layer memo
+    grid, part = plan(capacity, num_seqs, num_kv_heads, partition, num_sms, blocks_per_sm, min_part)
+    return tuple(min(grid, plan(i * part, num_seqs, num_kv_heads, partition, num_sms, blocks_per_sm, min_part)[0])
+                 for i in range(1, -(-capacity // part) + 1))
+
+
 def decode_smem_bytes(head_dim: int, group: int, block_size: int, partition: int) -> int:
     """Dynamic shared memory of attn_decode (mirrors the layout in attention_decode.cu): q, the warps' partial
     outputs and their running max / sum, the split's block-table slice."""

@@ -118,15 +118,16 @@ struct DecodeParams {
     int xq_fmt;                  // the o_proj weight's format (WTYPE_Q4_0 / Q4_1 / Q8_0)
     int xq_rows;                 // x rows of the o_proj launch (= num_seqs)
     // a grid sized for a capacity (CUDA graphs): nullptr = num_splits is the step's own plan; else [1], the split
-    // count the host planned for the step's longest context (uploaded with the step's metadata; 0: num_splits),
-    // so short contexts in a graph for long ones split as the step needs
+    // count the host planned for the step's longest context (uploaded with the step's metadata; <= 0:
+    // num_splits), so short contexts in a graph for long ones split as the step needs
     const int* step_splits;
 };
 VOLT_CHECK_PARAMS(DecodeParams, VOLT_DECODE_PARAMS_BYTES);
 
 // The splits a sequence of seq_len keys uses this step: the grid's, or the host's plan for the step's longest
-// context (p.step_splits; its load is issued beside seq_lens', before the PDL wait), at most the grid's and at
-// least ceil(seq_len / PARTITION), whatever the word holds, so every key is covered.
+// context (p.step_splits; its load is issued beside seq_lens', before the PDL wait). At most the grid's, whatever
+// the word holds, so the splits used (and merged) exist in the grid and its workspace; at least ceil(seq_len /
+// PARTITION), so the splits stay even (split_len's PARTITION cap would otherwise leave the last one longer).
 VOLT_DEVICE int seq_splits(const DecodeParams& p, int seq_len) {
     const int planned = p.step_splits != nullptr ? *p.step_splits : 0;
     return planned > 0 ? min(p.num_splits, max(planned, (seq_len + PARTITION - 1) / PARTITION)) : p.num_splits;
@@ -134,7 +135,8 @@ VOLT_DEVICE int seq_splits(const DecodeParams& p, int seq_len) {
 
 // Keys per split of one sequence: its context spread evenly over its splits (seq_splits; rounded up to 16, at
 // least min_part), so a short context still fills many blocks when the grid is sized for a long capacity (CUDA
-// graphs). Its splits are >= ceil(seq_len / PARTITION), so the result is <= PARTITION and covers seq_len.
+// graphs). The result is <= PARTITION (the block-table slice in smem) and, its splits being <= the grid's and
+// the grid's >= ceil(max_seq_len / PARTITION) (kernels.decode_plan), its splits cover seq_len.
 VOLT_DEVICE int split_len(const DecodeParams& p, int seq_len) {
     const int splits = seq_splits(p, seq_len);
     const int per = ((seq_len + splits - 1) / splits + 15) & ~15;
@@ -283,8 +285,9 @@ VOLT_DEVICE float lse_weight(float m, float M) { return m == VOLT_NEG_INF ? 0.f 
 extern "C" __global__ void __launch_bounds__(NUM_THREADS, ATTN_MIN_BLOCKS) attn_decode(const DecodeParams p) {
     // Before pdl_enter (the previous kernel, rotary + KV write or with the fused rotary the QKV GEMV, may still
     // run): only the step's metadata, which one host-to-device copy uploads before any kernel of the step and no
-    // kernel writes (seq_lens, block tables, query_start_loc, positions, slot_mapping), the constant cos / sin
-    // table, and old keys (every key but the step's newest, written by earlier steps; mixed steps: see the top):
+    // kernel writes (seq_lens, block tables, query_start_loc, positions, slot_mapping, step_splits), the constant
+    // cos / sin table, and old keys (every key but the step's newest, written by earlier steps; mixed steps: see
+    // the top):
     // the MMA path loads its first tile into registers, the CUDA-core path prefetches into L2. q, k_new / v_new
     // and the newest key are read after it. slot_mapping[row] is the block-table slot of key seq_len - 1.
     extern __shared__ float smem[];

@@ -81,7 +81,7 @@ class PackedStepInputs:
         self.off_tab = self.off_splits + 1
         buffer = torch.zeros(self.off_tab + s * max_blocks, dtype=torch.int32)
         self.buffer = buffer.pin_memory() if pin else buffer
-        (self.ids, self.positions, self.slots, self.logits_rows, self.seq_lens, self.query_start, self.attn_splits,
+        (self.ids, self.positions, self.slots, self.logits_rows, self.seq_lens, self.query_start, self.decode_splits,
          self.tables) = self.fields(self.buffer.numpy(), np.int64)
         self.slots[:] = -1
         self.seq_lens[:] = 1
@@ -231,7 +231,9 @@ class StepGraphs:
 
     Args:
         model: has forward(StepInputs, kv_cache) -> logits [rows, vocab].
-        backend: the CUDA backend (needs `refresh_stream()`, `device` and `sample_greedy`).
+        backend: the CUDA backend (needs `refresh_stream()`, `device` and `sample_greedy`; where it has
+            `graph_decode_splits(capacity, sequences, longest)`, `fill` writes that count for each step into
+            `AttentionMetadata.decode_splits`, else 0).
         kv_cache: [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim].
         max_num_seqs: largest bucket.
         max_model_len: longest context; sizes the block tables and the attention split grid.
@@ -258,7 +260,7 @@ class StepGraphs:
         self.replays: Counter[GraphKey] = Counter()  # replays per graph (tests, diagnostics)
         # the decode attention's split count for a step's longest context, where the backend plans one
         # (`AttentionMetadata.decode_splits`; the grid is sized for max_model_len)
-        self._decode_splits = getattr(backend, "graph_decode_splits", None)
+        self._plan_decode_splits = getattr(backend, "graph_decode_splits", None)
 
     def _inputs(self, key: GraphKey) -> _GraphInputs:
         return self._mixed if key.prefill else self._decode
@@ -311,8 +313,8 @@ class StepGraphs:
             host.fill_from_plan(entries, fed)
             if key.seqs > len(entries):
                 host.pad(len(entries), key.seqs)
-        plan = self._decode_splits
-        host.attn_splits[0] = plan(self.max_model_len, key.seqs, host.longest) if plan is not None else 0
+        planner = self._plan_decode_splits
+        host.decode_splits[0] = planner(self.max_model_len, key.seqs, host.longest) if planner is not None else 0
 
     def replay(self, key: GraphKey, n: int,
                ids_from: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:

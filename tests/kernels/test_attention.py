@@ -98,46 +98,62 @@ def test_decode_short_contexts_spread_over_capacity_grid(cuda_backend, cpu_backe
                 max_seq_len=8192) <= TOL
 
 
+def _host_word(value: int) -> torch.Tensor:
+    """A [1] int32 device word written by a host-to-device copy, as the graphs' upload writes decode_splits:
+    attn_decode reads it before its PDL wait, where a device kernel's write would not be visible yet."""
+    word = torch.tensor([value], dtype=torch.int32).cuda()
+    torch.cuda.synchronize()
+    return word
+
+
 @pytest.mark.parametrize("heads", [(9, 3, 64), (32, 8, 128)])
 @pytest.mark.parametrize("lens", [[1], [100], [513], [5003], [700, 1, 33, 64], [512] * 64])
-@pytest.mark.parametrize("split_decode", [False, True])
-def test_decode_capacity_grid_plans_the_steps_longest_context(cuda_backend, cpu_backend, heads, lens, split_decode,
-                                                              attn_choice):
+@pytest.mark.parametrize("mixed", [False, True])
+def test_decode_capacity_grid_plans_the_steps_longest_context(cuda_backend, cpu_backend, heads, lens, mixed,
+                                                              attn_choice, monkeypatch):
     """A CUDA graph's launch: the grid sized for 131,072 keys, the split count the host planned for the step's
     longest context in `decode_splits` (CudaBackend.graph_decode_splits, from the plan the first launch with the
     word registered). The kernel then splits as a launch sized for the step itself, so both give the same output
-    bit for bit, within TOL of the reference."""
+    bit for bit, within TOL of the reference. mixed: a mixed graph's launch (split_decode, 64 query tokens): the
+    first sequence (context >= 2) has 2 new tokens and goes through attn_prefill, the others through attn_decode."""
+    monkeypatch.setattr(cuda_backend, "attn_step_splits", "auto")
     num_heads, num_kv_heads, head_dim = heads
     gen = torch.Generator().manual_seed(len(lens) + lens[0])
-    kv, attn = paged_kv_case(lens, [1] * len(lens), num_kv_heads, head_dim, 16, gen)
-    q = torch.randn(len(lens), num_heads, head_dim, generator=gen).half()
+    query_lens = [1] * len(lens)
+    if mixed and lens[0] >= 2:
+        query_lens[0] = 2
+    kv, attn = paged_kv_case(lens, query_lens, num_kv_heads, head_dim, 16, gen)
+    q = torch.randn(sum(query_lens), num_heads, head_dim, generator=gen).half()
     scale = 1.0 / math.sqrt(head_dim)
     ref = cpu_backend.attention(q.float(), kv.float().nan_to_num(), attn, scale)
     qd, kvd = q.cuda(), kv.cuda()
-    exact = cuda_backend.attention(qd, kvd, metadata_to_cuda(attn, split_decode=split_decode), scale)
-    graph = metadata_to_cuda(attn, 131072, split_decode)
-    graph.decode_splits = torch.zeros(1, dtype=torch.int32, device="cuda")  # 0: the grid's splits
+    exact = cuda_backend.attention(qd, kvd, metadata_to_cuda(attn, split_decode=mixed), scale)
+    graph = metadata_to_cuda(attn, 131072, mixed, 64 if mixed else None)
+    graph.decode_splits = _host_word(0)  # 0: the grid's splits
     grid = cuda_backend.attention(qd, kvd, graph, scale)  # registers the plan, as a graph's eager run does
     planned = cuda_backend.graph_decode_splits(131072, len(lens), max(lens))
     assert planned >= 1
-    graph.decode_splits.fill_(planned)
+    graph.decode_splits = _host_word(planned)
     got = cuda_backend.attention(qd, kvd, graph, scale)
     assert torch.equal(got, exact) and rel_err(got, ref) <= TOL and rel_err(grid, ref) <= TOL
     assert int(cuda_backend.attn_counters.abs().sum()) == 0
 
 
-@pytest.mark.parametrize("word", [1, 2, 7, 10**6])
-def test_decode_any_planned_split_count_covers_every_key(cuda_backend, cpu_backend, word, attn_choice):
-    """Whatever the plan word holds, each sequence takes at least ceil(seq_len / PARTITION) and at most the grid's
-    splits, so no key is dropped: contexts past one partition (5003, 8192) among short ones."""
+@pytest.mark.parametrize("word", [-1, 0, 1, 2, 7, 10**6])
+def test_decode_any_planned_split_count_covers_every_key(cuda_backend, cpu_backend, word, attn_choice, monkeypatch):
+    """Whatever the plan word holds, each sequence takes at most the grid's splits (so the splits it uses and
+    merges exist; word 10**6) and at least ceil(seq_len / PARTITION): no key is dropped or read twice, the
+    arrival counters end at zero. Contexts past one partition (5003, 8192) among short ones."""
+    monkeypatch.setattr(cuda_backend, "attn_step_splits", "auto")
     gen = torch.Generator().manual_seed(word % 97)
     lens = [5003, 1, 8192, 100, 700]
     kv, attn = paged_kv_case(lens, [1] * len(lens), 8, 128, 16, gen)
     q = torch.randn(len(lens), 32, 128, generator=gen).half()
     ref = cpu_backend.attention(q.float(), kv.float().nan_to_num(), attn, 0.088)
     graph = metadata_to_cuda(attn, 131072)
-    graph.decode_splits = torch.full((1,), word, dtype=torch.int32, device="cuda")
+    graph.decode_splits = _host_word(word)
     assert rel_err(cuda_backend.attention(q.cuda(), kv.cuda(), graph, 0.088), ref) <= TOL
+    assert int(cuda_backend.attn_counters.abs().sum()) == 0
 
 
 def test_decode_in_kernel_merge_matches_reduce_kernel(cuda_backend, attn_choice):

@@ -34,7 +34,7 @@ def test_fill_from_plan_equals_prepare():
     assert fast.ids[:3].tolist() == [101, 102, 103]
     assert fast.positions[:3].tolist() == [5, 17, 33]
     assert fast.seq_lens[:3].tolist() == [6, 18, 34]
-    assert fast.longest == 34 and fast.attn_splits.tolist() == [0]  # the word is StepGraphs.fill's
+    assert fast.longest == 34 and fast.decode_splits.tolist() == [0]  # the word is StepGraphs.fill's
     assert fast.slots[:3].tolist() == [5, 2 * 16 + 1, 5 * 16 + 1]  # block ids 0 | 1, 2 | 3, 4, 5
     ref = {"ids": step.input_ids, "positions": step.positions, "slots": step.attn.slot_mapping,
            "seq_lens": step.attn.seq_lens}
@@ -150,12 +150,12 @@ def test_fill_writes_the_backends_split_plan():
     backend = _PlanningBackend()
     graphs = StepGraphs(None, backend, torch.zeros(1, 2, 64, 16, 1, 8), 4, 8192, (64,))
     graphs.fill(GraphKey(4), _decode_plan((5, 17, 33)).entries)
-    assert graphs._decode.writable().attn_splits.tolist() == [3 + 34]
+    assert graphs._decode.writable().decode_splits.tolist() == [3 + 34]
     graphs.fill(GraphKey(4, 64), _mixed_plan().entries)
-    assert graphs._mixed.writable().attn_splits.tolist() == [3 + 20]
+    assert graphs._mixed.writable().decode_splits.tolist() == [3 + 20]
     assert backend.asked == [(8192, 4, 34), (8192, 4, 20)]
     step = graphs._decode.static_step(GraphKey(4), 8192)
     assert step.attn.decode_splits is graphs._decode.decode_splits and step.attn.max_seq_len == 8192
     plain = StepGraphs(None, _HostBackend(), torch.zeros(1, 2, 64, 16, 1, 8), 4, 8192)
     plain.fill(GraphKey(4), _decode_plan((5,)).entries)
-    assert plain._decode.writable().attn_splits.tolist() == [0]
+    assert plain._decode.writable().decode_splits.tolist() == [0]

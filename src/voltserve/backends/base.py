@@ -25,14 +25,15 @@ class AttentionMetadata:
         block_tables: [num_seqs, max_blocks_per_seq] int32; KV block ids, -1 padded.
         slot_mapping: [num_tokens] int64; KV slot each new token's K/V is written to.
         max_query_len: max of the query lengths (1 for a decode-only step).
-        max_seq_len: max of seq_lens.
+        max_seq_len: max of seq_lens, or a bound on it (a CUDA graph's capacity, max_model_len).
         query_lens_cpu / seq_lens_cpu: the same lengths as Python lists (host-side loops, no device sync).
         split_decode: a step mixing decodes with prefills: a backend may run the sequences with one query token
             through its decode kernel and the others through its prefill kernel (values are the same either
             way, up to rounding).
         decode_splits: [1] int32 on the device, or None: where `max_seq_len` is only a bound (a CUDA graph's
             capacity, max_model_len), the split count the backend's decode attention planned on the host for this
-            step's longest context (`CudaBackend.graph_decode_splits`; 0: none, plan for `max_seq_len`).
+            step's longest context (`CudaBackend.graph_decode_splits`; <= 0: none, plan for `max_seq_len`).
+            Written only by host-to-device copies: the kernel reads it before its PDL wait.
     """
 
     query_start_loc: torch.Tensor

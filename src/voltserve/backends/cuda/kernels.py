@@ -552,8 +552,10 @@ def decode_split_table(capacity: int, num_seqs: int, num_kv_heads: int, partitio
     every context in (i * min_part, (i + 1) * min_part], capped at the grid's own count. Each graph step takes
     entry (longest - 1) // min_part (`CudaBackend.graph_decode_splits` -> `AttentionMetadata.decode_splits`), so a
     graph captured for the model's whole context splits as its step needs: without it, 512-key contexts at 64
-    sequences of Llama-3-8B took 32 splits of 64 keys and a merge instead of one split (H200, Q4_1, max_model_len
-    131,072: 12.4 vs 11.1 ms a step; tools/bench_decode.py --max-model-len).
+    sequences of Llama-3-8B took 8 splits of 64 keys (in a grid of 32) and a merge instead of one split (H200,
+    Q4_1, max_model_len 131,072: 12.4 -> 11.3 ms a step, 11.1 at a capacity just above the contexts;
+    tools/bench_decode.py --max-model-len). The cap at the grid's count is a guard: decode_plan grows with the
+    context, so it does not bind.
 
     decode_plan depends on the context only through ceil(context / partition) and ceil(context / min_part), and
     min_part divides partition, so one entry per min_part keys is exact.

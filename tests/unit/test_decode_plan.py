@@ -99,11 +99,11 @@ def test_graph_decode_splits_from_the_registered_plan():
     be._graph_plans = {}
     part = kernels.DECODE_PARTITION
     assert be.graph_decode_splits(131072, 64, 512) == 0
-    be._register_graph_plan((131072, 64, 8, part, 132, 4, 64))
+    be._register_graph_plan((131072, 64, 8, part, 132, 4, 64), 64)
     assert be.graph_decode_splits(131072, 64, 512) == 1
     assert be.graph_decode_splits(131072, 64, 131072) == kernels.decode_plan(131072, 64, 8, part, 132, 4)[0] == 32
-    be._register_graph_plan((131072, 1, 8, part, 132, 4, 64))
+    be._register_graph_plan((131072, 1, 8, part, 132, 4, 64), 64)
     assert [be.graph_decode_splits(131072, 1, n) for n in (1, 64, 65, 512, 5000)] == [1, 1, 2, 8, 63]
-    be._register_graph_plan((131072, 64, 3, part, 132, 4, 64))  # another shape (3 KV heads): its table
+    be._register_graph_plan((131072, 64, 3, part, 132, 4, 64), 64)  # another shape (3 KV heads): its table
     assert be.graph_decode_splits(131072, 64, 512) == kernels.decode_plan(512, 64, 3, part, 132, 4)[0] == 8
     assert be.graph_decode_splits(131072, 1, 512) == 8

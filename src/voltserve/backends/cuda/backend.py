@@ -427,7 +427,7 @@ class CudaBackend:
         # each step (graph_decode_splits, from the plan registered here as the graph's eager run makes this launch)
         step_splits = None
         if attn.decode_splits is not None and num_splits > 1 and self.attn_step_splits == "auto":
-            self._register_graph_plan(plan)
+            self._register_graph_plan(plan, min_part)
             step_splits = attn.decode_splits.data_ptr()
         acc = torch.empty(num_seqs * num_heads * num_splits * head_dim if num_splits > 1 else 1,
                           dtype=torch.float32, device=self.device)
@@ -445,11 +445,12 @@ class CudaBackend:
             self._launch("attention_decode", "attn_decode_reduce", spec, (num_kv_heads, num_seqs, 1),
                          (128, 1, 1), 8 * group * num_splits, p)
 
-    def _register_graph_plan(self, plan: tuple) -> None:
+    def _register_graph_plan(self, plan: tuple, min_part: int) -> None:
         """Keep kernels.decode_split_table for `plan` (decode_plan's arguments; plan[0] the graph's capacity,
-        plan[1] its sequences) for graph_decode_splits; the latest launch's plan for a (capacity, sequences) key
-        wins (one model has one attention shape; any count is correct, seq_splits clamps it per sequence)."""
-        self._graph_plans[plan[:2]] = (kernels.decode_split_table(*plan), kernels.decode_plan(*plan)[1])
+        plan[1] its sequences; `min_part` the plan's, the table's keys per entry) for graph_decode_splits; the
+        latest launch's plan for a (capacity, sequences) key wins (one model has one attention shape; any count
+        is correct, seq_splits clamps it per sequence)."""
+        self._graph_plans[plan[:2]] = (kernels.decode_split_table(*plan), min_part)
 
     def graph_decode_splits(self, capacity: int, num_seqs: int, longest: int) -> int:
         """attn_decode's split count for a CUDA graph step (`AttentionMetadata.decode_splits`): the graph's grid

@@ -127,7 +127,7 @@ class AsyncEngine:
         """
         self._check_running()
         max_tokens = check_request(prompt_token_ids, params, self.model_config.vocab_size, self.max_model_len)
-        stream = RequestStream(request_id or uuid.uuid4().hex, params.n, self.abort)
+        stream = RequestStream(request_id or uuid.uuid4().hex, params.n, self.abort, self.config.stream_interval)
         self.submit(prompt_token_ids, params, max_tokens, stream)
         return stream
 

@@ -245,7 +245,7 @@ class ProcessEngine:
             raise EngineDeadError(f"engine is not running{': ' + repr(self._dead) if self._dead else ''}")
         max_tokens = check_request(prompt_token_ids, params, self.model_config.vocab_size, self.max_model_len)
         request_id = request_id or uuid.uuid4().hex
-        stream = RequestStream(request_id, params.n, self.abort)
+        stream = RequestStream(request_id, params.n, self.abort, self.config.stream_interval)
         self._streams[request_id] = stream
         # Not at the end of the loop turn as aborts are: under streaming load that callback waits behind a turn
         # of SSE writes (7.6 ms at the median on the 2-core bench), all of it added to the request's TTFT.

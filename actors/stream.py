@@ -1,6 +1,8 @@
 """RequestStream: the per-request mailbox between the scheduler actor and whoever consumes the outputs.
 
-`put` never blocks; when the consumer falls behind, consecutive deltas of one sequence merge into one.
+`put` never blocks; when the consumer falls behind, consecutive deltas of one sequence merge into one. With a
+stream interval N > 1 (`EngineConfig.stream_interval`) the consumer is woken only once N tokens wait, or a
+sequence finished, so it writes about one chunk per N tokens.
 A producer that puts into many streams at once can defer the consumers' wake-up (`put(out, wake=False)`, then
 `wake()`), e.g. until it has handed the next model step to the worker thread. `interrupt()` wakes a waiting
 consumer with no delta (None), which is how an SSE response notices an idle stream.
@@ -35,13 +37,16 @@ class RequestStream:
         request_id: the request's id.
         num_seqs: sequences (n) the request generates; iteration ends when all have finished.
         abort: callback that aborts the request in the engine.
+        interval: tokens the pending deltas gather before the consumer is woken (a finished sequence, an error
+            or `interrupt()` wake it at once); 1 = every delta.
     Raises (from iteration):
         EngineDeadError: the engine died or stopped before the request finished.
         StepFailedError: a step running this request raised (the engine goes on).
     """
 
-    def __init__(self, request_id: str, num_seqs: int, abort: Callable[[str], None]):
+    def __init__(self, request_id: str, num_seqs: int, abort: Callable[[str], None], interval: int = 1):
         self.request_id = request_id
+        self._interval = interval
         self._abort = abort
         self._pending: list[RequestOutput] = []
         self._waiter: asyncio.Future | None = None  # the consumer's wait for the next put (an Event, leaner)
@@ -91,8 +96,21 @@ class RequestStream:
         if wake and self._waiter is not None:
             self.wake()
 
+    def _ready(self) -> bool:
+        """Whether the pending deltas go to the consumer now: any at interval 1, else `interval` tokens, or a
+        finished sequence among them."""
+        pending = self._pending
+        if self._interval <= 1 or not pending:
+            return bool(pending)
+        return any(o.finish_reason is not None for o in pending) or \
+            sum(len(o.token_ids) for o in pending) >= self._interval
+
     def wake(self) -> None:
-        """Wake the consumer if it waits for a delta (no-op otherwise)."""
+        """Wake the consumer if it waits for a delta and the pending ones are due (`_ready`); no-op otherwise."""
+        if self._ready():
+            self._wake_now()
+
+    def _wake_now(self) -> None:
         waiter = self._waiter
         if waiter is not None:
             self._waiter = None
@@ -113,7 +131,7 @@ class RequestStream:
         EngineDeadError."""
         if self._error is None and self._unfinished:
             self._error = exc
-            self.wake()
+            self._wake_now()
 
     def abort(self) -> None:
         self._aborted = True
@@ -129,22 +147,23 @@ class RequestStream:
         return self
 
     async def __anext__(self) -> RequestOutput | None:
-        """The next delta (deltas of one sequence merged while they waited); None only after `interrupt()`."""
+        """The next delta (deltas of one sequence merged while they waited) once due (`_ready`; a failed stream
+        hands over what it holds first); after `interrupt()`, what is pending, or None."""
         pending = self._pending
-        while not pending:
+        while True:
+            if pending and (self._error is not None or self._ready()):
+                return pending.pop(0)
             if self._error is not None:
                 if isinstance(self._error, VoltError):
                     raise self._error
                 raise EngineDeadError(str(self._error)) from self._error
-            if not self._unfinished:
+            if not self._unfinished and not pending:
                 raise StopAsyncIteration
             waiter = self._waiter
             if waiter is None or waiter.done():  # done: a cancelled wait of an earlier call
                 waiter = self._waiter = asyncio.get_running_loop().create_future()
-            if await waiter is _INTERRUPTED and not pending:
-                return None
-        return pending.pop(0)
-
+            if await waiter is _INTERRUPTED:
+                return pending.pop(0) if pending else None
 
 
 async def generate_outputs(engine, prompt_token_ids: list[int], params, request_id: str | None = None

@@ -114,12 +114,13 @@ class StepEngine:
     `SchedulerActor._emit` into a real `RequestStream`; steps run back to back, yielding to the loop in between, or
     each behind a `step_s` wait on a worker actor's thread (the model's step) when step_s > 0."""
 
-    def __init__(self, max_model_len: int = 8192, step_s: float = 0.0, python_s: float = 0.0):
+    def __init__(self, max_model_len: int = 8192, step_s: float = 0.0, python_s: float = 0.0,
+                 stream_interval: int = 1):
         from actors.scheduler import SchedulerActor
         from tests.api.fake_engine import ByteTokenizer, ChatMLTemplate
         from voltserve.config import EngineConfig, ModelConfig
 
-        self.config = EngineConfig(model=MODEL).validate()
+        self.config = EngineConfig(model=MODEL, stream_interval=stream_interval).validate()
         self.max_model_len = max_model_len
         self.tokenizer = ByteTokenizer()
         self.model_config = ModelConfig("bench", self.tokenizer.vocab_size, 64, 64, 1, 1, 1, 64)
@@ -153,7 +154,7 @@ class StepEngine:
         from voltserve.request import check_request
 
         max_tokens = check_request(prompt_token_ids, params, self.tokenizer.vocab_size, self.max_model_len)
-        stream = RequestStream(request_id or uuid.uuid4().hex, params.n, self.abort)
+        stream = RequestStream(request_id or uuid.uuid4().hex, params.n, self.abort, self.config.stream_interval)
         self.submit(prompt_token_ids, params, max_tokens, stream)
         return stream
 
@@ -227,7 +228,7 @@ def _process_cpu_s(pid: int) -> float:
 
 def _serve(port: int, engine_kind: str, profile: str | None, ready, step_ms: float = 0.0,
            engine_process: bool = False, step_python_ms: float = 0.0, loop: str = "auto",
-           keep_alive_s: float = 0.0) -> None:
+           keep_alive_s: float = 0.0, stream_interval: int = 1) -> None:
     sys.path[:0] = [ROOT, os.path.join(ROOT, "src")]
     import cProfile
 
@@ -250,11 +251,11 @@ def _serve(port: int, engine_kind: str, profile: str | None, ready, step_ms: flo
             from actors.engine_process import ProcessEngine
             from tools.bench_http_overhead import make_step_engine as factory  # by a name the child can import
 
-            engine = ProcessEngine(EngineConfig(model=MODEL, event_loop=loop).validate(),
-                                   engine_factory=functools.partial(factory, step_ms / 1000,
-                                                                    step_python_ms / 1000))
+            config = EngineConfig(model=MODEL, event_loop=loop, stream_interval=stream_interval).validate()
+            engine = ProcessEngine(config, engine_factory=functools.partial(factory, step_ms / 1000,
+                                                                            step_python_ms / 1000))
         else:
-            engine = StepEngine(step_s=step_ms / 1000, python_s=step_python_ms / 1000)
+            engine = StepEngine(step_s=step_ms / 1000, python_s=step_python_ms / 1000, stream_interval=stream_interval)
         app = create_app(engine, EngineConfig(model=MODEL, sse_keep_alive_interval=keep_alive_s).validate())
         profiler = cProfile.Profile() if profile else None
         marks: list[float] = []
@@ -484,6 +485,9 @@ def main() -> None:
                          "--event-loop` (auto: uvloop when installed)")
     ap.add_argument("--keep-alive", type=float, default=0.0, metavar="S",
                     help="the server's --sse-keep-alive-interval (0 = off, the default; tools/voltserve.service sets 15)")
+    ap.add_argument("--stream-interval", type=int, default=1, metavar="N",
+                    help="the server's --stream-interval: tokens a stream gathers before each SSE chunk (1: every "
+                         "token)")
     ap.add_argument("--client", choices=("httpx", "raw"), default="httpx",
                     help="raw: a minimal HTTP/1.1 client (much less client CPU per chunk than httpx)")
     args = ap.parse_args()
@@ -496,7 +500,7 @@ def main() -> None:
     # not daemonic: with --engine-process the server starts a process of its own
     server = ctx.Process(target=_serve, args=(port, args.engine, args.profile, ready, args.step_ms,
                                               args.engine_process, args.step_python_ms, args.loop,
-                                              args.keep_alive))
+                                              args.keep_alive, args.stream_interval))
     server.start()
     try:
         ready.wait(60)

@@ -34,6 +34,7 @@ HELP = {
     "enable_prefix_caching": "reuse KV blocks of identical prompt prefixes",
     "api_key": "require this key (Bearer or x-api-key) on every route but /health",
     "sse_keep_alive_interval": "seconds of idle stream before a ': keep-alive' comment; 0 = off",
+    "stream_interval": "tokens a stream gathers before each SSE chunk is written; 1 = every token",
     "host": "address to listen on",
     "port": "TCP port to listen on",
     "num_threads": "torch intra-op threads on the CPU; 0 = torch's default",

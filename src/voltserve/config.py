@@ -89,6 +89,10 @@ class EngineConfig:
         enable_prefix_caching: reuse full KV blocks across requests by content hash.
         api_key: when set, every route but /health needs it.
         sse_keep_alive_interval: seconds of idle stream before a `: keep-alive` comment; 0 = off.
+        stream_interval: tokens a streamed request gathers before the server writes them (one SSE chunk); 1 =
+            every token as it comes. N > 1 writes about 1 / N of the chunks, each holding N tokens (a finished
+            sequence's last ones at once), which cuts the HTTP server's per-write work under many streams
+            (SGLang's --stream-interval). Read by the API only (`actors.stream.RequestStream`).
         host / port: where `voltserve serve` listens.
         num_threads: torch intra-op threads on the CPU backend; 0 = torch's default.
         weight_format: "auto" (int4 kernels for Q4 GGUF weights on the CPU when available), "float".
@@ -127,6 +131,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     api_key: str = field(default="", repr=False)  # never in logs
     sse_keep_alive_interval: float = 0.0
+    stream_interval: int = 1
     host: str = "127.0.0.1"
     port: int = 8000
     num_threads: int = 0
@@ -147,7 +152,7 @@ class EngineConfig:
             raise ConfigError(f"device must be auto, cpu or cuda, not {self.device!r}")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ConfigError(f"dtype must be float32, bfloat16 or float16, not {self.dtype!r}")
-        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "stream_interval"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1")
         if self.max_model_len < 0 or self.num_kv_blocks < 0:

@@ -5,11 +5,15 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from actors.base import Actor
 from actors.scheduler import AddRequestMsg, SchedulerActor
 from actors.stream import RequestStream
 from tests.api.fake_engine import ByteTokenizer
 from tests.helpers import make_scheduler, make_seq
+from voltserve.config import EngineConfig
+from voltserve.errors import ConfigError, EngineDeadError
 from voltserve.request import FinishReason, RequestOutput
 from voltserve.runner import StepHandle
 
@@ -111,3 +115,56 @@ async def test_detokenization_overlaps_the_next_step_unless_stop_strings():
     assert got == ["aaaa", "aaaa"]
     # delta k (step k) is detokenized and put once step k + 1 is with the worker; with stop strings, before it
     assert plain.put_at == [2, 3, 4, 4] and stopping.put_at == [1, 2, 3, 4]
+
+
+async def _waits(fut) -> bool:
+    """Whether the consumer's __anext__ still waits after the loop ran every ready callback."""
+    for _ in range(3):
+        await asyncio.sleep(0)
+    return not fut.done()
+
+
+async def test_stream_interval_wakes_once_enough_tokens_wait():
+    """interval 3 (EngineConfig.stream_interval): one- and two-token deltas stay pending (merged) until 3 tokens
+    wait, then go out as one delta; a finished sequence goes out at once with fewer."""
+    stream = RequestStream("r", 1, abort=lambda rid: None, interval=3)
+    got = asyncio.ensure_future(stream.__anext__())
+    stream.put(_out(0, A, "a"))
+    stream.put(_out(0, A + 1, "b", num_output_tokens=2))
+    assert await _waits(got)
+    stream.put(_out(0, A + 2, "c", num_output_tokens=3))
+    first = await got
+    assert (first.token_ids, first.text, first.num_output_tokens) == ([A, A + 1, A + 2], "abc", 3)
+    got = asyncio.ensure_future(stream.__anext__())
+    stream.put(_out(0, A + 3, "d", num_output_tokens=4))
+    assert await _waits(got)
+    stream.put(_out(0, A + 4, "e", FinishReason.LENGTH, 5))
+    last = await got
+    assert (last.token_ids, last.text, last.finish_reason) == ([A + 3, A + 4], "de", FinishReason.LENGTH)
+    assert [o async for o in stream] == [] and stream.finished
+
+
+async def test_stream_interval_yields_to_keep_alive_and_errors():
+    """Below the interval, `interrupt()` (the SSE keep-alive) hands over what is pending (None when nothing is),
+    and a failed stream hands over its pending delta before the error."""
+    stream = RequestStream("r", 1, abort=lambda rid: None, interval=4)
+    got = asyncio.ensure_future(stream.__anext__())
+    assert await _waits(got)
+    stream.interrupt()
+    assert await got is None
+    got = asyncio.ensure_future(stream.__anext__())
+    stream.put(_out(0, A, "a"))
+    assert await _waits(got)
+    stream.interrupt()
+    assert (await got).text == "a"
+    got = asyncio.ensure_future(stream.__anext__())
+    stream.put(_out(0, A + 1, "b", num_output_tokens=2))
+    stream.fail(RuntimeError("device lost"))
+    assert (await got).text == "b"
+    with pytest.raises(EngineDeadError):
+        await stream.__anext__()
+
+
+def test_stream_interval_must_be_positive():
+    with pytest.raises(ConfigError, match="stream_interval"):
+        EngineConfig(stream_interval=0).validate()

@@ -1,8 +1,9 @@
 """RequestStream: the per-request mailbox between the scheduler actor and whoever consumes the outputs.
 
 `put` never blocks; when the consumer falls behind, consecutive deltas of one sequence merge into one. With a
-stream interval N > 1 (`EngineConfig.stream_interval`) the consumer is woken only once N tokens wait, or a
-sequence finished, so it writes about one chunk per N tokens.
+stream interval N > 1 (`EngineConfig.stream_interval`) the consumer gets the first delta at once, then is woken
+only once N tokens wait (all sequences together), or a sequence finished, so it writes about one chunk per N
+tokens.
 A producer that puts into many streams at once can defer the consumers' wake-up (`put(out, wake=False)`, then
 `wake()`), e.g. until it has handed the next model step to the worker thread. `interrupt()` wakes a waiting
 consumer with no delta (None), which is how an SSE response notices an idle stream.
@@ -37,8 +38,8 @@ class RequestStream:
         request_id: the request's id.
         num_seqs: sequences (n) the request generates; iteration ends when all have finished.
         abort: callback that aborts the request in the engine.
-        interval: tokens the pending deltas gather before the consumer is woken (a finished sequence, an error
-            or `interrupt()` wake it at once); 1 = every delta.
+        interval: tokens the pending deltas gather before the consumer is woken, after the first delta (which,
+            like a finished sequence, an error or `interrupt()`, wakes it at once); 1 = every delta.
     Raises (from iteration):
         EngineDeadError: the engine died or stopped before the request finished.
         StepFailedError: a step running this request raised (the engine goes on).
@@ -47,6 +48,7 @@ class RequestStream:
     def __init__(self, request_id: str, num_seqs: int, abort: Callable[[str], None], interval: int = 1):
         self.request_id = request_id
         self._interval = interval
+        self._started = False  # a delta was handed over: from then on, deltas wait for the interval
         self._abort = abort
         self._pending: list[RequestOutput] = []
         self._waiter: asyncio.Future | None = None  # the consumer's wait for the next put (an Event, leaner)
@@ -97,17 +99,20 @@ class RequestStream:
             self.wake()
 
     def _ready(self) -> bool:
-        """Whether the pending deltas go to the consumer now: any at interval 1, else `interval` tokens, or a
-        finished sequence among them."""
+        """Whether the pending deltas go to the consumer now: any at interval 1 or before the first was handed
+        over (the time to first token does not wait for the interval), else `interval` tokens, or a finished
+        sequence among them."""
         pending = self._pending
-        if self._interval <= 1 or not pending:
-            return bool(pending)
+        if not pending:
+            return False
+        if self._interval <= 1 or not self._started:
+            return True
         return any(o.finish_reason is not None for o in pending) or \
             sum(len(o.token_ids) for o in pending) >= self._interval
 
     def wake(self) -> None:
-        """Wake the consumer if it waits for a delta and the pending ones are due (`_ready`); no-op otherwise."""
-        if self._ready():
+        """Wake the consumer if it waits; with deltas pending, only once they are due (`_ready`)."""
+        if not self._pending or self._ready():
             self._wake_now()
 
     def _wake_now(self) -> None:
@@ -141,7 +146,11 @@ class RequestStream:
         """The next delta if one is already here, else None, without waiting (errors and the end of the stream
         are `__anext__`'s to report): lets a consumer put every delta of a wake-up into one write."""
         pending = self._pending
-        return pending.pop(0) if pending else None
+        return self._take() if pending else None
+
+    def _take(self) -> RequestOutput:
+        self._started = True
+        return self._pending.pop(0)
 
     def __aiter__(self):
         return self
@@ -152,7 +161,7 @@ class RequestStream:
         pending = self._pending
         while True:
             if pending and (self._error is not None or self._ready()):
-                return pending.pop(0)
+                return self._take()
             if self._error is not None:
                 if isinstance(self._error, VoltError):
                     raise self._error
@@ -163,7 +172,7 @@ class RequestStream:
             if waiter is None or waiter.done():  # done: a cancelled wait of an earlier call
                 waiter = self._waiter = asyncio.get_running_loop().create_future()
             if await waiter is _INTERRUPTED:
-                return pending.pop(0) if pending else None
+                return self._take() if pending else None
 
 
 async def generate_outputs(engine, prompt_token_ids: list[int], params, request_id: str | None = None

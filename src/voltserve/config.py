@@ -89,10 +89,12 @@ class EngineConfig:
         enable_prefix_caching: reuse full KV blocks across requests by content hash.
         api_key: when set, every route but /health needs it.
         sse_keep_alive_interval: seconds of idle stream before a `: keep-alive` comment; 0 = off.
-        stream_interval: tokens a streamed request gathers before the server writes them (one SSE chunk); 1 =
-            every token as it comes. N > 1 writes about 1 / N of the chunks, each holding N tokens (a finished
-            sequence's last ones at once), which cuts the HTTP server's per-write work under many streams
-            (SGLang's --stream-interval). Read by the API only (`actors.stream.RequestStream`).
+        stream_interval: tokens a request's outputs gather (all its sequences together) before its consumer
+            takes them, after the first output, which goes at once; 1 = every token as it comes. A streamed
+            request then writes about one SSE chunk per N tokens (a finish, the keep-alive or an error flushes
+            what waits), which cuts the HTTP server's per-write work under many streams (as SGLang's
+            --stream-interval). Applied where the request's `actors.stream.RequestStream` lives: the API process
+            with the engine in its own process, else AsyncEngine's loop.
         host / port: where `voltserve serve` listens.
         num_threads: torch intra-op threads on the CPU backend; 0 = torch's default.
         weight_format: "auto" (int4 kernels for Q4 GGUF weights on the CPU when available), "float".

@@ -107,3 +107,30 @@ async def test_app_stream_bytes_are_those_of_one_write_per_event(serve):
     coalesced = await run(StreamedEngine(scripts=["abc", "wxyz"], delay_s=0.01))
     assert coalesced == await run(ScriptedEngine(scripts=["abc", "wxyz"]))
     _check_frames(coalesced, include_usage=True)
+
+
+async def test_stream_interval_groups_tokens_into_one_event_each():
+    """RequestStream(interval=4) under chat's SSE body: the role chunk, the first token's event at once, then one
+    event (one write) per 4 tokens, the finish with usage and [DONE] at once; every event as its chunk renders."""
+    import asyncio
+
+    stream = RequestStream("r", 1, abort=lambda rid: None, interval=4)
+    events = _events(stream, stream_options={"include_usage": True}).__aiter__()
+    writes = [await events.__anext__()]  # the role chunk
+    stream.put(_out(0, "a"))
+    writes.append(await asyncio.wait_for(events.__anext__(), 1))
+    nxt = asyncio.ensure_future(events.__anext__())
+    for n, text in enumerate("bcd", start=2):
+        stream.put(_out(0, text, n=n))
+        await asyncio.sleep(0)
+    assert not nxt.done()
+    stream.put(_out(0, "e", n=5))
+    writes.append(await asyncio.wait_for(nxt, 1))
+    stream.put(_out(0, "f", FinishReason.STOP, 6))
+    writes.append(await asyncio.wait_for(events.__anext__(), 1))
+    assert [w async for w in events] == []
+    chunks = [[orjson.loads(f[6:]) for f in w.split(b"\n\n")[:-1] if f.startswith(b"data: {")] for w in writes]
+    contents = [[c["choices"][0]["delta"].get("content") for c in w if c["choices"]] for w in chunks]  # not usage
+    assert contents[1:3] == [["a"], ["bcde"]]
+    assert contents[3][0] == "f" and writes[3].endswith(sse.DONE)
+    _check_frames(b"".join(writes), include_usage=True)

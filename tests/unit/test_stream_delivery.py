@@ -124,24 +124,56 @@ async def _waits(fut) -> bool:
     return not fut.done()
 
 
-async def test_stream_interval_wakes_once_enough_tokens_wait():
-    """interval 3 (EngineConfig.stream_interval): one- and two-token deltas stay pending (merged) until 3 tokens
-    wait, then go out as one delta; a finished sequence goes out at once with fewer."""
+async def _got(fut):
+    return await asyncio.wait_for(fut, 1)  # a regression fails here instead of hanging the run
+
+
+async def test_stream_interval_first_delta_at_once_then_groups():
+    """interval 3 (EngineConfig.stream_interval): the first delta goes out at once (time to first token); then
+    deltas stay pending (merged) until 3 tokens wait and go out as one; a finished sequence goes out at once."""
     stream = RequestStream("r", 1, abort=lambda rid: None, interval=3)
     got = asyncio.ensure_future(stream.__anext__())
     stream.put(_out(0, A, "a"))
-    stream.put(_out(0, A + 1, "b", num_output_tokens=2))
-    assert await _waits(got)
-    stream.put(_out(0, A + 2, "c", num_output_tokens=3))
-    first = await got
-    assert (first.token_ids, first.text, first.num_output_tokens) == ([A, A + 1, A + 2], "abc", 3)
+    assert (await _got(got)).text == "a"
     got = asyncio.ensure_future(stream.__anext__())
-    stream.put(_out(0, A + 3, "d", num_output_tokens=4))
+    stream.put(_out(0, A + 1, "b", num_output_tokens=2))
+    stream.put(_out(0, A + 2, "c", num_output_tokens=3))
     assert await _waits(got)
-    stream.put(_out(0, A + 4, "e", FinishReason.LENGTH, 5))
-    last = await got
-    assert (last.token_ids, last.text, last.finish_reason) == ([A + 3, A + 4], "de", FinishReason.LENGTH)
+    stream.put(_out(0, A + 3, "d", num_output_tokens=4))
+    first = await _got(got)
+    assert (first.token_ids, first.text, first.num_output_tokens) == ([A + 1, A + 2, A + 3], "bcd", 4)
+    got = asyncio.ensure_future(stream.__anext__())
+    stream.put(_out(0, A + 4, "e", num_output_tokens=5))
+    assert await _waits(got)
+    stream.put(_out(0, A + 5, "f", FinishReason.LENGTH, 6))
+    last = await _got(got)
+    assert (last.token_ids, last.text, last.finish_reason) == ([A + 4, A + 5], "ef", FinishReason.LENGTH)
     assert [o async for o in stream] == [] and stream.finished
+
+
+async def test_stream_interval_counts_every_sequence_and_defers_wakes():
+    """n = 2 at interval 4: tokens of both sequences count together; the producer's deferred wake-up (`put(...,
+    wake=False)` then `wake()`, as the scheduler actor and the engine process deliver a step) waits for them too;
+    one sequence's finish hands over everything pending."""
+    stream = RequestStream("r", 2, abort=lambda rid: None, interval=4)
+    stream.put(_out(0, A, "a"), wake=False)
+    stream.wake()
+    assert (await _got(stream.__anext__())).text == "a"
+    got = asyncio.ensure_future(stream.__anext__())
+    for step in range(1, 3):  # two steps of both sequences: 4 tokens
+        stream.put(_out(0, A + step, "x"), wake=False)
+        stream.put(_out(1, A + step, "y"), wake=False)
+        stream.wake()
+        if step == 1:
+            assert await _waits(got)
+    assert ((await _got(got)).index, stream.pop_ready().index) == (0, 1)
+    got = asyncio.ensure_future(stream.__anext__())
+    stream.put(_out(1, A, "z"), wake=False)
+    stream.wake()
+    assert await _waits(got)
+    stream.put(_out(0, A, "", FinishReason.STOP, 4))
+    outs = [await _got(got), stream.pop_ready()]
+    assert {(o.index, o.text, o.finish_reason) for o in outs} == {(1, "z", None), (0, "", FinishReason.STOP)}
 
 
 async def test_stream_interval_yields_to_keep_alive_and_errors():
@@ -151,18 +183,20 @@ async def test_stream_interval_yields_to_keep_alive_and_errors():
     got = asyncio.ensure_future(stream.__anext__())
     assert await _waits(got)
     stream.interrupt()
-    assert await got is None
-    got = asyncio.ensure_future(stream.__anext__())
+    assert await _got(got) is None
     stream.put(_out(0, A, "a"))
-    assert await _waits(got)
-    stream.interrupt()
-    assert (await got).text == "a"
+    assert (await _got(stream.__anext__())).text == "a"  # the first delta: at once
     got = asyncio.ensure_future(stream.__anext__())
     stream.put(_out(0, A + 1, "b", num_output_tokens=2))
+    assert await _waits(got)
+    stream.interrupt()
+    assert (await _got(got)).text == "b"
+    got = asyncio.ensure_future(stream.__anext__())
+    stream.put(_out(0, A + 2, "c", num_output_tokens=3))
     stream.fail(RuntimeError("device lost"))
-    assert (await got).text == "b"
+    assert (await _got(got)).text == "c"
     with pytest.raises(EngineDeadError):
-        await stream.__anext__()
+        await _got(stream.__anext__())
 
 
 def test_stream_interval_must_be_positive():

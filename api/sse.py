@@ -36,27 +36,34 @@ class IdleTimer:
     Args:
         interval_s: idle seconds before each call (> 0).
         on_idle: e.g. `RequestStream.interrupt`, which makes the waiting consumer write a keep-alive comment.
+    Attributes:
+        last: loop time of the last `touch()` or call.
+        fired: `on_idle()` was called since the last `touch()`: a consumer that wakes and has nothing to write
+            (deltas that render no text yet) still owes the keep-alive comment.
     Call `close()` when the stream ends.
     """
 
-    __slots__ = ("last", "_interval", "_on_idle", "_loop", "_handle")
+    __slots__ = ("last", "fired", "_interval", "_on_idle", "_loop", "_handle")
 
     def __init__(self, interval_s: float, on_idle: Callable[[], None]):
         self._loop = asyncio.get_running_loop()
         self._interval = interval_s
         self._on_idle = on_idle
         self.last = self._loop.time()
+        self.fired = False
         self._handle = self._loop.call_at(self.last + interval_s, self._fire)
 
     def touch(self) -> None:
         """Something was sent: the idle time starts again."""
         self.last = self._loop.time()
+        self.fired = False
 
     def _fire(self) -> None:
         now = self._loop.time()
         due = self.last + self._interval
         if now + _TIMER_SLACK_S >= due:  # loops may run a timer a clock tick early
             self.last = now
+            self.fired = True
             self._on_idle()
             due = now + self._interval
         self._handle = self._loop.call_at(due, self._fire)

@@ -300,6 +300,8 @@ async def drive_stream(stream, choice_chunk: Callable[[RequestOutput, list[Token
             yield event
         async for out in outputs:  # the per-token path: keep it lean
             if out is None:  # idle for keep_alive_s
+                if timer is not None:
+                    timer.fired = False
                 yield sse.KEEP_ALIVE
                 continue
             parts = []
@@ -318,6 +320,9 @@ async def drive_stream(stream, choice_chunk: Callable[[RequestOutput, list[Token
                     parts.append(choice_chunk(out, pending))
                 out = pop_ready() if pop_ready is not None else None
             if not parts:
+                if timer is not None and timer.fired:  # the keep-alive's wake-up took deltas with no text yet
+                    timer.fired = False
+                    yield sse.KEEP_ALIVE
                 continue
             if first_out is not None:
                 first_out.first_token()

@@ -72,6 +72,26 @@ async def test_drive_stream_keep_alive_over_request_stream():
     assert chunks == [b"first\n\n", sse.KEEP_ALIVE, sse.KEEP_ALIVE, b"data: a\n\n", b"data: b\n\n" + sse.DONE]
 
 
+async def test_keep_alive_when_the_interval_holds_deltas_without_text():
+    """With a stream interval, a delta below it that renders no text yet (a split character) is what the
+    keep-alive's wake-up hands over: the comment still goes out, once per idle interval."""
+    stream = RequestStream("r", 1, abort=lambda rid: None, interval=4)
+    events = drive_stream(stream, lambda out, lps: b"data: " + out.text.encode() + b"\n\n", None,
+                          keep_alive_s=0.1)
+
+    async def produce() -> None:
+        stream.put(_out("a"))  # the first delta: at once
+        await asyncio.sleep(0.03)
+        stream.put(_out("", n=2))  # no text yet, below the interval: waits
+        await asyncio.sleep(0.25)  # idle: two keep-alives, the first taking the pending delta
+        stream.put(_out("b", FinishReason.STOP, 3))
+
+    producer = asyncio.ensure_future(produce())
+    chunks = [c async for c in events]
+    await producer
+    assert chunks == [b"data: a\n\n", sse.KEEP_ALIVE, sse.KEEP_ALIVE, b"data: b\n\n" + sse.DONE]
+
+
 async def test_keep_alive_through_the_app_with_a_request_stream(serve):
     """Case S1 with the engines' real stream type: comments while the engine stalls, and the same events."""
     body = chat_body(stream=True)

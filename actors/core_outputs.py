@@ -28,7 +28,8 @@ class ForwardingStream:
 
     Args:
         request_id: the request's id.
-        forwarder: collects the outputs of the current step.
+        forwarder: collects the outputs of the current step; its `open_requests` counts this request's
+            sequences that have not finished.
     """
 
     __slots__ = ("request_id", "_forwarder")
@@ -38,16 +39,21 @@ class ForwardingStream:
         self._forwarder = forwarder
 
     def put(self, out: RequestOutput, wake: bool = True) -> None:
-        self._forwarder.outputs.append(output_to_tuple(out))
+        forwarder = self._forwarder
+        forwarder.outputs.append(output_to_tuple(out))
+        if out.finish_reason is not None:
+            forwarder.sequence_finished(self.request_id)
         if wake:
-            self._forwarder.flush_soon()
+            forwarder.flush_soon()
 
     def wake(self) -> None:
         self._forwarder.flush_soon()
 
     def fail(self, exc: BaseException) -> None:
-        self._forwarder.failures.append((self.request_id, portable_error(exc)))
-        self._forwarder.flush_soon()
+        forwarder = self._forwarder
+        forwarder.failures.append((self.request_id, portable_error(exc)))
+        forwarder.open_requests.pop(self.request_id, None)
+        forwarder.flush_soon()
 
 
 class OutputForwarder:
@@ -70,13 +76,25 @@ class OutputForwarder:
         self._on_send_error = on_send_error
         self.outputs: list[tuple] = []
         self.failures: list[tuple[str, BaseException]] = []
+        self.open_requests: dict[str, int] = {}  # request id -> its sequences still running
+        self._closed = False
         self._flush_scheduled = False
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._send_loop, name="engine-output-sender", daemon=True)
         self._thread.start()
 
-    def stream(self, request_id: str) -> ForwardingStream:
+    def stream(self, request_id: str, num_seqs: int = 1) -> ForwardingStream:
+        """The producer side of a new request of `num_seqs` sequences (counted in `open_requests` until each
+        has put its final delta or the request failed)."""
+        self.open_requests[request_id] = num_seqs
         return ForwardingStream(request_id, self)
+
+    def sequence_finished(self, request_id: str) -> None:
+        left = self.open_requests.get(request_id, 0) - 1
+        if left > 0:
+            self.open_requests[request_id] = left
+        else:
+            self.open_requests.pop(request_id, None)
 
     def flush_soon(self) -> None:
         """Flush at the end of this event-loop turn (once, however many streams ask)."""
@@ -87,7 +105,9 @@ class OutputForwarder:
     def flush(self) -> None:
         """Queue what was collected since the last flush as one StepOutputsMsg."""
         self._flush_scheduled = False
-        if self.outputs or self.failures:
+        if self._closed:  # the API process is gone: nobody reads these
+            self.outputs, self.failures = [], []
+        elif self.outputs or self.failures:
             msg = StepOutputsMsg(self.outputs, self.failures, self._kv_stats())
             self.outputs, self.failures = [], []
             self._queue.put(msg)
@@ -98,8 +118,10 @@ class OutputForwarder:
         self._queue.put(msg)
 
     def close(self) -> None:
-        """Send everything queued, then stop the sender thread (blocks until it has)."""
+        """Send everything queued, then stop the sender thread (blocks until it has; a write to an API process
+        that has gone fails at once). Later outputs are dropped."""
         self.flush()
+        self._closed = True
         self._queue.put(_CLOSE)
         self._thread.join()
 

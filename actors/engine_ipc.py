@@ -2,8 +2,9 @@
 (`actors.engine_core`), pickled over one multiprocessing Connection (a Unix socket pair).
 
 Parent -> child: its sys.path and `EngineStartMsg` once, then a list of commands per event-loop turn (`AddMsg`,
-`AbortMsg`, `StopMsg`).
-Child -> parent: `ReadyMsg` or `StartFailedMsg` once, then one `StepOutputsMsg` per engine step (several steps
+`AbortMsg`, `StopMsg`). An API process that attaches to a shared engine (`EngineConfig.engine_socket`) connects
+to its socket and sends `[AttachMsg]` instead of the start messages; it never sends `StopMsg`.
+Child -> parent (each API process): `ReadyMsg` or `StartFailedMsg` once, then one `StepOutputsMsg` per engine step (several steps
 coalesce into one message when the parent lags), and `EngineDiedMsg` if the engine dies.
 RequestOutputs travel as plain tuples in `RequestOutput`'s field order: per token this is the only IPC cost, and
 a tuple pickles several times faster than a dataclass.
@@ -67,6 +68,16 @@ class EngineStartMsg:
     log_level: int
     # (config, on_death=callback) -> engine with AsyncEngine's interface; None = AsyncEngine
     engine_factory: Any = None
+    # a Unix socket path where further API processes attach (`AttachMsg`); "" = the engine serves its parent only
+    listen_path: str = ""
+
+
+@dataclass(frozen=True)
+class AttachMsg:
+    """The first command of an API process that attaches to a running shared engine (instead of the two start
+    messages); the engine answers ReadyMsg, or StartFailedMsg when `config.engine_settings()` differ."""
+
+    config: EngineConfig
 
 
 @dataclass(frozen=True)

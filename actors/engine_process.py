@@ -18,17 +18,20 @@ Example:
 from __future__ import annotations
 
 import asyncio
+import errno
+import fcntl
 import logging
 import socket
 import subprocess
 import sys
+import threading
 import uuid
 from collections.abc import AsyncIterator, Callable
 from multiprocessing.connection import Connection
 
 from actors.engine_core import ENTRY
-from actors.engine_ipc import (AbortMsg, AddMsg, EngineDiedMsg, EngineStartMsg, ReadyMsg, StartFailedMsg,
-                               StepOutputsMsg, StopMsg, watch_readable)
+from actors.engine_ipc import (AbortMsg, AddMsg, AttachMsg, EngineDiedMsg, EngineStartMsg, ReadyMsg,
+                               StartFailedMsg, StepOutputsMsg, StopMsg, watch_readable)
 from actors.stream import RequestStream, generate_outputs
 from voltserve.config import EngineConfig
 from voltserve.errors import EngineDeadError
@@ -79,13 +82,33 @@ class ProcessEngine:
     # -- lifecycle ----------------------------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Start the engine process and wait until its model is loaded.
+        """Start the engine process and wait until its model is loaded; with `config.engine_socket`, attach to
+        the shared engine listening there instead, or start it (listening there) when none does.
 
         Raises:
             The child's start error with its type and message (LoaderError, ConfigError, ...), or
             EngineDeadError when the process exits before it is ready.
         """
-        self._loop = loop = asyncio.get_running_loop()
+        self._loop = asyncio.get_running_loop()
+        path = self.config.engine_socket
+        if not path:
+            await self._spawn()
+        else:
+            # one API process at a time: the first starts the engine (the others wait here while the model
+            # loads), the later ones find it listening
+            lock = await asyncio.to_thread(_lock_file, path + ".lock")
+            try:
+                sock = _connect(path)
+                if sock is None:
+                    await self._spawn(listen_path=path)
+                else:
+                    await self._attach(sock)
+            finally:
+                lock.close()  # releases the lock
+        self._started = True
+
+    async def _spawn(self, listen_path: str = "") -> None:
+        """Start the engine process (listening at `listen_path` for others when set) and wait for ReadyMsg."""
         ours, theirs = socket.socketpair()
         with theirs:
             # a new session: a terminal's Ctrl-C goes to the API process only, which then stops the engine
@@ -95,31 +118,54 @@ class ProcessEngine:
         # the child holds the only other end now: its exit is EOF here
         self._conn = Connection(ours.detach())
         self._conn.send(sys.path)
-        self._conn.send(EngineStartMsg(self.config, logging.getLogger().getEffectiveLevel(), self._engine_factory))
-        self._ready = loop.create_future()
-        watch_readable(loop, self._conn, self._on_readable)
+        self._conn.send(EngineStartMsg(self.config, logging.getLogger().getEffectiveLevel(), self._engine_factory,
+                                       listen_path))
         try:
-            ready: ReadyMsg = await self._ready
+            await self._wait_ready()
         except BaseException as exc:
             # a child that reported its error exits at once; a cancelled start does not wait for the load
             await self._reap(0.0 if isinstance(exc, asyncio.CancelledError) else 5.0)
             raise
+        logger.info("engine process %d ready: max_model_len %d, KV pool %d blocks", self.process.pid,
+                    self.max_model_len, self._kv_stats["num_blocks"])
+
+    async def _attach(self, sock: socket.socket) -> None:
+        """Use the shared engine at the other end of `sock` (its process is not ours: `process` stays None)."""
+        sock.setblocking(True)
+        self._conn = Connection(sock.detach())
+        self._conn.send([AttachMsg(self.config)])
+        try:
+            await self._wait_ready()
+        except BaseException:
+            self._close_conn()
+            raise
+        logger.info("attached to the shared engine at %s: max_model_len %d, KV pool %d blocks",
+                    self.config.engine_socket, self.max_model_len, self._kv_stats["num_blocks"])
+
+    async def _wait_ready(self) -> None:
+        self._ready = self._loop.create_future()
+        watch_readable(self._loop, self._conn, self._on_readable)
+        ready: ReadyMsg = await self._ready
         self.model_config, self.tokenizer = ready.model_config, ready.tokenizer
         self.chat_template, self.max_model_len = ready.chat_template, ready.max_model_len
         self._kv_stats = ready.kv_stats
-        self._started = True
-        logger.info("engine process %d ready: max_model_len %d, KV pool %d blocks", self.process.pid,
-                    self.max_model_len, ready.kv_stats["num_blocks"])
 
     async def stop(self) -> None:
-        """Abort open requests, stop the engine process and reap it (terminated after STOP_TIMEOUT_S)."""
+        """Abort open requests, stop the engine process and reap it (terminated after STOP_TIMEOUT_S). A shared
+        engine (`config.engine_socket`) is left running for the other API processes: this one's requests are
+        aborted when it closes its socket, and the engine exits with the last one."""
         self._stopped = True
-        if self.process is None:
+        if self._conn is None and self.process is None:
             return
-        if self._conn is not None and self._dead is None:
-            self._commands.append(StopMsg())
-            self._flush_commands()
-        await self._reap(STOP_TIMEOUT_S)  # the loop keeps reading meanwhile: the final abort deltas arrive
+        if self.config.engine_socket:
+            self._close_conn()
+            if self.process is not None:  # ours: wait for its exit on a thread that does not hold up ours
+                threading.Thread(target=self.process.wait, name="engine-reaper", daemon=True).start()
+        else:
+            if self._conn is not None and self._dead is None:
+                self._commands.append(StopMsg())
+                self._flush_commands()
+            await self._reap(STOP_TIMEOUT_S)  # the loop keeps reading meanwhile: the final abort deltas arrive
         self._fail_all(EngineDeadError("engine stopped"))
 
     @property
@@ -193,13 +239,16 @@ class ProcessEngine:
             stream.wake()
 
     def _on_child_exit(self) -> None:
-        """EOF on the socket: the child exited (stopped, died, killed)."""
+        """EOF on the socket: the engine process exited (stopped, died, killed)."""
         self._close_conn()
-        try:
-            self.process.wait(0.5)  # it has closed its end, so it is exiting: reap it (no zombie)
-        except subprocess.TimeoutExpired:
-            self._reaper = self._loop.run_in_executor(None, self.process.wait)
-        error = EngineDeadError(f"the engine process exited (exit code {self.process.returncode})")
+        if self.process is None:  # an attached API process: the engine is another's child
+            error = EngineDeadError(f"the shared engine at {self.config.engine_socket} exited")
+        else:
+            try:
+                self.process.wait(0.5)  # it has closed its end, so it is exiting: reap it (no zombie)
+            except subprocess.TimeoutExpired:
+                self._reaper = self._loop.run_in_executor(None, self.process.wait)
+            error = EngineDeadError(f"the engine process exited (exit code {self.process.returncode})")
         if self._ready is not None and not self._ready.done():
             self._ready.set_exception(error)
         if not self._stopped:
@@ -267,3 +316,25 @@ class ProcessEngine:
         """num_blocks, num_free_blocks, num_cached_blocks, num_running, num_waiting as of the engine's last
         message (sent with every step's outputs)."""
         return dict(self._kv_stats)
+
+
+def _lock_file(path: str):
+    """Open `path` (created if missing) and hold an exclusive flock on it (blocks until free); closing the
+    returned file releases it, as does the process's exit."""
+    f = open(path, "a")  # noqa: SIM115 - the caller closes it
+    fcntl.flock(f, fcntl.LOCK_EX)
+    return f
+
+
+def _connect(path: str) -> socket.socket | None:
+    """A socket connected to the engine listening at `path`, or None when nobody listens there (no file, or a
+    file a dead engine left)."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.connect(path)
+        return sock
+    except OSError as exc:
+        sock.close()
+        if exc.errno in (errno.ENOENT, errno.ECONNREFUSED):
+            return None
+        raise

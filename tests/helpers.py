@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import subprocess
 
 from voltserve.kv_cache import BlockPool
 from voltserve.request import SamplingParams
@@ -91,3 +92,12 @@ class FakeAsyncRunner:
         if handle.result is not None:
             return handle.result
         return {e.seq.seq_id: t for e, t in zip(handle.plan.entries, handle.ids_dev)}, {}
+
+
+def stop_process(proc: subprocess.Popen, timeout_s: float = 30) -> None:
+    """SIGTERM a server started by a test, then SIGKILL it if it has not exited within `timeout_s`."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()

@@ -47,6 +47,8 @@ HELP = {
     "exit_on_engine_death": "shut the server down (exit 1) when the engine dies, so a supervisor restarts it "
                             "(default on here)",
     "engine_process": "run the engine in its own process, apart from HTTP (default on)",
+    "engine_socket": "Unix socket path of a shared engine: API processes started with the same path (e.g. the "
+                     "workers of hypercorn -w N) share one engine process; the first starts it",
     "event_loop": "event loop of the server and the engine process: auto (uvloop when installed), uvloop, asyncio",
     "shutdown_timeout": "seconds open requests may finish after SIGINT/SIGTERM before they are ended (new ones: 503)",
 }

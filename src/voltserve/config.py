@@ -71,6 +71,12 @@ def _env(name: str, default, cast=str):
         raise ConfigError(f"VOLTSERVE_{name.upper()}={raw!r} is not a valid {cast.__name__}") from exc
 
 
+MAX_SOCKET_PATH_BYTES = 100  # sun_path holds 108 bytes on Linux (104 on macOS), with its terminating NUL
+# EngineConfig fields that only the API process reads; API processes sharing one engine may differ in them
+API_ONLY_FIELDS = frozenset({"served_model_name", "api_key", "sse_keep_alive_interval", "stream_interval", "host",
+                             "port", "exit_on_engine_death", "engine_process", "engine_socket", "shutdown_timeout"})
+
+
 @dataclass
 class EngineConfig:
     """Everything the engine needs to start, beside the model weights.
@@ -111,6 +117,11 @@ class EngineConfig:
         engine_process: the HTTP server runs the engine (scheduler, worker, detokenization) in a child process
             (`actors.engine_process.ProcessEngine`), so HTTP work does not slow the engine's steps; off = in the
             server's own process and event loop (`actors.engine.AsyncEngine`). Read by the API only.
+        engine_socket: a Unix socket path that makes the engine process shared: the first API process to start
+            with this setting starts the engine, which listens there, and every later one (the workers of
+            `hypercorn -w N api:app`, or further `voltserve serve` processes) attaches to it instead of loading
+            the model again. Each API process then does its own HTTP work on its own core. The engine exits
+            once the last API process has gone. "" = each API process has its own engine.
         event_loop: the event loop of `voltserve serve` and of the engine process (`voltserve.event_loop`):
             "auto" (uvloop when installed, else asyncio's), "uvloop" or "asyncio". `hypercorn api:app` runs the
             API process on the loop its `-k` option names.
@@ -145,6 +156,7 @@ class EngineConfig:
     gpu_busy_log_interval: float = 0.0
     exit_on_engine_death: bool = False
     engine_process: bool = True
+    engine_socket: str = ""
     event_loop: str = "auto"
     shutdown_timeout: float = 30.0
 
@@ -170,9 +182,19 @@ class EngineConfig:
         check_event_loop(self.event_loop)
         if self.weight_format not in ("auto", "float"):
             raise ConfigError(f"weight_format must be auto or float, not {self.weight_format!r}")
+        if self.engine_socket and not self.engine_process:
+            raise ConfigError("engine_socket needs engine_process (the shared engine is a process of its own)")
+        if len(os.fsencode(self.engine_socket)) > MAX_SOCKET_PATH_BYTES:
+            raise ConfigError(f"engine_socket must be a path of at most {MAX_SOCKET_PATH_BYTES} bytes "
+                              "(a Unix socket's limit)")
         if not self.served_model_name:
             self.served_model_name = self.model
         return self
+
+    def engine_settings(self) -> dict:
+        """The fields the engine process acts on (not the API's own: names, keys, ports, streaming): API
+        processes that share one engine (`engine_socket`) must agree on these."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in API_ONLY_FIELDS}
 
     @classmethod
     def from_env(cls, **overrides) -> "EngineConfig":

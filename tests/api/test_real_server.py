@@ -17,6 +17,8 @@ import httpx
 import openai
 import pytest
 
+from tests.helpers import stop_process
+
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = "smollm2-135m-instruct"
@@ -58,11 +60,7 @@ def server_url(smollm2_gguf, tmp_path_factory):
             time.sleep(0.5)
         yield url
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_process(proc)
 
 
 @pytest.fixture(scope="session")

@@ -122,3 +122,29 @@ def test_engine_core_serves_until_stopped_when_writes_work():
         assert asyncio.run(drive()) == 0
     finally:
         theirs.close()
+
+
+async def test_open_requests_count_unfinished_sequences():
+    """`open_requests` is what a shared engine aborts when the API process that sent them goes away: a request
+    leaves it once every sequence put its final delta, or when it failed."""
+    from voltserve.request import FinishReason, RequestOutput
+
+    def out(rid, index, finish=None):
+        return RequestOutput(rid, index, [5], "x", None, finish, None, 1, 0, 1)
+
+    sent: list = []
+    fwd, errors, _ = _forwarder(sent.append)
+    pair, single = fwd.stream("pair", 2), fwd.stream("single")
+    assert fwd.open_requests == {"pair": 2, "single": 1}
+    pair.put(out("pair", 0), wake=False)
+    pair.put(out("pair", 0, FinishReason.STOP), wake=False)
+    assert fwd.open_requests == {"pair": 1, "single": 1}
+    single.fail(RuntimeError("step failed"))
+    pair.put(out("pair", 1, FinishReason.LENGTH), wake=False)
+    assert fwd.open_requests == {}
+    fwd.flush()
+    fwd.close()
+    fwd.stream("late").put(out("late", 0), wake=False)
+    fwd.flush()  # closed: dropped, not queued
+    assert len(sent) == 1 and [o[0] for o in sent[0].outputs] == ["pair"] * 3 and errors == []
+    assert [rid for rid, _ in sent[0].failures] == ["single"]

@@ -1,0 +1,217 @@
+"""A shared engine (`EngineConfig.engine_socket`): several API processes, one engine process, on a tiny
+random-weight model. Each ProcessEngine here stands for one API process (as each worker of `hypercorn -w N
+api:app` holds one); the last test runs hypercorn with two workers."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from actors.engine_process import ProcessEngine
+from tests.e2e.engine_helpers import assert_engine_dead, complete
+from tests.helpers import stop_process
+from tools.make_synthetic_checkpoint import save_hf_dir, synthetic_model
+from voltserve.config import EngineConfig
+from voltserve.errors import ConfigError, EngineDeadError
+from voltserve.request import FinishReason, SamplingParams
+
+ROOT = Path(__file__).resolve().parents[2]
+LONG = dict(ignore_eos=True, max_tokens=None)  # runs until aborted (the context is long)
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("tiny")
+    save_hf_dir(synthetic_model("tiny", seed=3), out)
+    return out
+
+
+@pytest.fixture
+def sock_path():
+    """A short socket path (a Unix socket's path has at most ~100 bytes; pytest's tmp_path can be longer)."""
+    folder = tempfile.mkdtemp(prefix="vs-")
+    yield os.path.join(folder, "engine.sock")
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+def _config(tiny_dir, sock_path, **overrides) -> EngineConfig:
+    values = dict(model=str(tiny_dir), device="cpu", max_model_len=4096, num_kv_blocks=256, engine_socket=sock_path)
+    return EngineConfig(**{**values, **overrides})
+
+
+async def _greedy(engine, text: str = "hello", n: int = 6) -> list[int]:
+    _, tokens, last = await complete(engine, engine.tokenizer.encode(text), temperature=0, max_tokens=n,
+                                     ignore_eos=True)
+    assert last.finish_reason is FinishReason.LENGTH
+    return tokens
+
+
+async def _wait_exit(proc: subprocess.Popen, timeout_s: float = 30) -> int:
+    deadline = time.monotonic() + timeout_s
+    while proc.poll() is None:
+        assert time.monotonic() < deadline, "the engine process did not exit"
+        await asyncio.sleep(0.05)
+    return proc.returncode
+
+
+async def test_second_api_process_attaches_to_the_first_ones_engine(tiny_dir, sock_path):
+    first, second = ProcessEngine(_config(tiny_dir, sock_path)), ProcessEngine(_config(tiny_dir, sock_path,
+                                                                                       port=9001))
+    await first.start()
+    try:
+        await second.start()  # another port (an API-only setting): still the same engine
+        assert first.process is not None and second.process is None
+        assert second.max_model_len == first.max_model_len == 4096
+        assert second.kv_stats()["num_blocks"] == 256
+        alone = await _greedy(first)
+        both = await asyncio.gather(_greedy(first), _greedy(second), _greedy(second, "other"))
+        assert both[0] == both[1] == alone and len(alone) == 6
+        assert both[2] != alone
+        # a request of each runs at once; each process gets its own outputs only
+        a = first.add_request(first.tokenizer.encode("hello"), SamplingParams(**LONG))
+        b = second.add_request(second.tokenizer.encode("other"), SamplingParams(**LONG))
+        out_a, out_b = await a.__anext__(), await b.__anext__()
+        assert out_a.request_id == a.request_id and out_b.request_id == b.request_id
+        assert second.kv_stats()["num_running"] + second.kv_stats()["num_waiting"] >= 1
+        a.abort()
+        b.abort()
+        assert [o async for o in a][-1].finish_reason is FinishReason.ABORT
+        assert [o async for o in b][-1].finish_reason is FinishReason.ABORT
+    finally:
+        await second.stop()
+        await first.stop()
+    assert await _wait_exit(first.process) == 0
+    assert not os.path.exists(sock_path)
+
+
+async def test_an_api_process_that_leaves_has_its_requests_aborted(tiny_dir, sock_path):
+    first, second = ProcessEngine(_config(tiny_dir, sock_path)), ProcessEngine(_config(tiny_dir, sock_path))
+    await first.start()
+    await second.start()
+    try:
+        running = second.add_request(second.tokenizer.encode("hello"), SamplingParams(**LONG))
+        await running.__anext__()
+        await second.stop()  # its socket closes: the engine aborts its request, and serves the others
+        with pytest.raises(EngineDeadError):
+            async for _ in running:
+                pass
+        assert not second.is_healthy and first.is_healthy
+        assert len(await _greedy(first)) == 6
+        deadline = time.monotonic() + 10
+        while first.kv_stats()["num_running"] or first.kv_stats()["num_waiting"]:  # the aborted one is gone
+            assert time.monotonic() < deadline, first.kv_stats()
+            await _greedy(first, n=1)
+    finally:
+        await first.stop()
+    assert await _wait_exit(first.process) == 0
+
+
+async def test_the_engine_outlives_the_process_that_started_it(tiny_dir, sock_path):
+    first, second = ProcessEngine(_config(tiny_dir, sock_path)), ProcessEngine(_config(tiny_dir, sock_path))
+    await first.start()
+    await second.start()
+    proc = first.process
+    await first.stop()
+    assert proc.poll() is None  # the other API process still uses it
+    assert len(await _greedy(second)) == 6
+    third = ProcessEngine(_config(tiny_dir, sock_path))
+    await third.start()  # a restarted worker attaches again
+    assert third.process is None and len(await _greedy(third)) == 6
+    await second.stop()
+    await third.stop()
+    assert await _wait_exit(proc) == 0  # the last one has gone
+
+
+async def test_attaching_with_other_engine_settings_fails(tiny_dir, sock_path):
+    first = ProcessEngine(_config(tiny_dir, sock_path))
+    await first.start()
+    try:
+        other = ProcessEngine(_config(tiny_dir, sock_path, max_model_len=2048))
+        with pytest.raises(ConfigError, match=r"max_model_len=2048 \(engine: 4096\)"):
+            await other.start()
+        assert len(await _greedy(first)) == 6
+    finally:
+        await first.stop()
+
+
+async def test_a_stale_socket_file_is_replaced(tiny_dir, sock_path):
+    stale = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    stale.bind(sock_path)  # left behind by an engine that was killed: nobody listens
+    stale.close()
+    engine = ProcessEngine(_config(tiny_dir, sock_path))
+    await engine.start()
+    try:
+        assert engine.process is not None and len(await _greedy(engine)) == 6
+    finally:
+        await engine.stop()
+
+
+async def test_a_killed_engine_fails_every_api_process(tiny_dir, sock_path):
+    first, second = ProcessEngine(_config(tiny_dir, sock_path)), ProcessEngine(_config(tiny_dir, sock_path))
+    await first.start()
+    await second.start()
+    streams = [e.add_request(e.tokenizer.encode("hello"), SamplingParams(**LONG)) for e in (first, second)]
+    for stream in streams:
+        await stream.__anext__()
+    os.kill(first.process.pid, signal.SIGKILL)
+    await assert_engine_dead(first, streams[0])
+    await assert_engine_dead(second, streams[1])
+    await first.stop()
+    await second.stop()
+
+
+def test_engine_socket_settings_are_checked():
+    with pytest.raises(ConfigError, match="engine_process"):
+        EngineConfig(engine_socket="/tmp/x.sock", engine_process=False).validate()
+    with pytest.raises(ConfigError, match="at most 100 bytes"):
+        EngineConfig(engine_socket="/tmp/" + "x" * 100).validate()
+    base = EngineConfig().validate().engine_settings()
+    assert "api_key" not in base and "port" not in base and base["max_model_len"] == 0
+    assert EngineConfig(port=1, api_key="k", stream_interval=4).validate().engine_settings() == base
+
+
+@pytest.mark.slow
+def test_hypercorn_workers_share_one_engine(tiny_dir, sock_path):
+    """`hypercorn -w 2 api:app` with VOLTSERVE_ENGINE_SOCKET: both workers answer, one engine process runs."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "VOLTSERVE_MODEL": str(tiny_dir), "VOLTSERVE_DEVICE": "cpu",
+           "VOLTSERVE_MAX_MODEL_LEN": "512", "VOLTSERVE_NUM_KV_BLOCKS": "128", "VOLTSERVE_ENGINE_SOCKET": sock_path,
+           "VOLTSERVE_API_KEY": ""}
+    log_path = Path(sock_path).parent / "hypercorn.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "hypercorn", "-w", "2", "api:app", "--bind",
+                                 f"127.0.0.1:{port}"], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while log_path.read_text().count("serving ") < 2:  # both workers have their engine
+            assert proc.poll() is None and time.monotonic() < deadline, log_path.read_text()[-3000:]
+            time.sleep(0.2)
+        body = {"model": str(tiny_dir), "prompt": "hello", "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+        texts = set()
+        for _ in range(8):
+            with httpx.Client(timeout=30) as client:  # a new connection each: the workers take turns accepting
+                response = client.post(url + "/v1/completions", json=body)
+                assert response.status_code == 200, response.text
+                texts.add(response.json()["choices"][0]["text"])
+        assert len(texts) == 1  # one greedy answer whichever worker took it
+        text = log_path.read_text()
+        started = re.findall(r"engine process \d+ ready", text)
+        assert len(started) == 1 and text.count("attached to the shared engine") == 1, text[-3000:]
+    finally:
+        stop_process(proc)
+    assert not os.path.exists(sock_path)  # the engine exited with the last worker, and removed its socket

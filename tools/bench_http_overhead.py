@@ -30,6 +30,10 @@ process alone and `engine_process_cpu_us_per_tok` the engine process's (0 in-pro
     .venv/bin/python tools/bench_http_overhead.py --concurrency 64 --step-ms 2.79 --repeat 3 --offline
     .venv/bin/python tools/bench_http_overhead.py --concurrency 64 --step-ms 2.79 --repeat 3 --offline --engine-process
 
+`--api-processes N` (with `--engine-process`) runs N API processes on one shared engine process
+(`EngineConfig.engine_socket`, as `voltserve serve --api-processes N` and `hypercorn -w N` do), each on a port of
+its own; client i talks to process i mod N. `server_cpu_us_per_tok` is then the N processes' sum.
+
 `--offline` adds `offline_tok_s` (the step engine alone, consumers in-process, no HTTP) and `http_over_offline`.
 `--step-python-ms P` makes each step first hold the GIL for P ms on the worker thread (the runner's Python step
 preparation), e.g. `--step-ms 2.17 --step-python-ms 0.15` for the H200's 2.32 ms per 64-sequence step.
@@ -49,13 +53,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import itertools
 import json
 import multiprocessing as mp
 import os
+import shutil
 import socket
 import statistics
 import sys
+import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -228,7 +235,7 @@ def _process_cpu_s(pid: int) -> float:
 
 def _serve(port: int, engine_kind: str, profile: str | None, ready, step_ms: float = 0.0,
            engine_process: bool = False, step_python_ms: float = 0.0, loop: str = "auto",
-           keep_alive_s: float = 0.0, stream_interval: int = 1) -> None:
+           keep_alive_s: float = 0.0, stream_interval: int = 1, engine_socket: str = "") -> None:
     sys.path[:0] = [ROOT, os.path.join(ROOT, "src")]
     import cProfile
 
@@ -251,7 +258,8 @@ def _serve(port: int, engine_kind: str, profile: str | None, ready, step_ms: flo
             from actors.engine_process import ProcessEngine
             from tools.bench_http_overhead import make_step_engine as factory  # by a name the child can import
 
-            config = EngineConfig(model=MODEL, event_loop=loop, stream_interval=stream_interval).validate()
+            config = EngineConfig(model=MODEL, event_loop=loop, stream_interval=stream_interval,
+                                  engine_socket=engine_socket).validate()
             engine = ProcessEngine(config, engine_factory=functools.partial(factory, step_ms / 1000,
                                                                             step_python_ms / 1000))
         else:
@@ -372,17 +380,30 @@ class _RawConnection:
             self._writer.close()
 
 
-async def _round(base_url: str, concurrency: int, requests: int, max_tokens: int, step_ms: float,
+async def _marks(clients) -> dict:
+    """/bench/mark of every API process, summed (the steps: the latest count any of them has)."""
+    marks = [(await c.get("/bench/mark")).json() for c in clients]
+    steps = [m["steps"] for m in marks if m["steps"] is not None]
+    return {"cpu_s": sum(m["cpu_s"] for m in marks), "engine_cpu_s": sum(m["engine_cpu_s"] for m in marks),
+            "steps": max(steps) if steps else None}
+
+
+async def _round(base_urls: list[str], concurrency: int, requests: int, max_tokens: int, step_ms: float,
                  client_kind: str = "httpx") -> dict:
+    """One load: client i streams its requests from API process i mod len(base_urls)."""
     import httpx
 
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-    async with httpx.AsyncClient(base_url=base_url, limits=limits, timeout=120) as client:
-        await _one(client, 4)  # warm: connections, first-request paths
-        raw = [_RawConnection(base_url) for _ in range(concurrency)] if client_kind == "raw" else []
+    async with contextlib.AsyncExitStack() as stack:
+        clients = [await stack.enter_async_context(httpx.AsyncClient(base_url=url, limits=limits, timeout=120))
+                   for url in base_urls]
+        for c in clients:
+            await _one(c, 4)  # warm: connections, first-request paths
+        raw = [_RawConnection(base_urls[i % len(base_urls)]) for i in range(concurrency)] \
+            if client_kind == "raw" else []
         for conn in raw:
             await conn.one(4)
-        before = (await client.get("/bench/mark")).json()
+        before = await _marks(clients)
         cpu0, t0 = sum(os.times()[:2]), time.perf_counter()
 
         ttfts: list[float] = []
@@ -391,7 +412,8 @@ async def _round(base_url: str, concurrency: int, requests: int, max_tokens: int
         async def worker(i: int) -> tuple[int, int]:
             tokens = chunks = 0
             for _ in range(requests):
-                t, c, ttft, w = await (raw[i].one(max_tokens) if raw else _one(client, max_tokens))
+                t, c, ttft, w = await (raw[i].one(max_tokens) if raw else
+                                       _one(clients[i % len(clients)], max_tokens))
                 tokens, chunks = tokens + t, chunks + c
                 writes.append(w)
                 ttfts.append(ttft)
@@ -401,8 +423,9 @@ async def _round(base_url: str, concurrency: int, requests: int, max_tokens: int
         wall, cpu = time.perf_counter() - t0, sum(os.times()[:2]) - cpu0
         for conn in raw:
             conn.close()
-        after = (await client.get("/bench/mark")).json()
-        await client.get("/bench/reset")
+        after = await _marks(clients)
+        for c in clients:
+            await c.get("/bench/reset")
     tokens = sum(r[0] for r in results)
     chunks = sum(r[1] for r in results)
     steps = None if before["steps"] is None else after["steps"] - before["steps"]
@@ -490,35 +513,47 @@ def main() -> None:
                          "token)")
     ap.add_argument("--client", choices=("httpx", "raw"), default="httpx",
                     help="raw: a minimal HTTP/1.1 client (much less client CPU per chunk than httpx)")
+    ap.add_argument("--api-processes", type=int, default=1, metavar="N",
+                    help="with --engine-process: N API processes on one shared engine process, a port each")
     args = ap.parse_args()
     if args.engine_process and args.engine != "step":
         ap.error("--engine-process needs --engine step")
+    if args.api_processes > 1 and not args.engine_process:
+        ap.error("--api-processes needs --engine-process")
 
-    port = _free_port()
     ctx = mp.get_context("spawn")
-    ready = ctx.Event()
-    # not daemonic: with --engine-process the server starts a process of its own
-    server = ctx.Process(target=_serve, args=(port, args.engine, args.profile, ready, args.step_ms,
-                                              args.engine_process, args.step_python_ms, args.loop,
-                                              args.keep_alive, args.stream_interval))
-    server.start()
+    folder = tempfile.mkdtemp(prefix="vs-bench-")
+    engine_socket = os.path.join(folder, "engine.sock") if args.api_processes > 1 else ""
+    servers, base_urls = [], []
     try:
-        ready.wait(60)
-        base_url = f"http://127.0.0.1:{port}"
+        for i in range(args.api_processes):
+            port, ready = _free_port(), ctx.Event()
+            # not daemonic: with --engine-process the server starts a process of its own
+            servers.append(ctx.Process(target=_serve, args=(
+                port, args.engine, args.profile if i == 0 else None, ready, args.step_ms, args.engine_process,
+                args.step_python_ms, args.loop, args.keep_alive, args.stream_interval, engine_socket)))
+            servers[-1].start()
+            ready.wait(60)
+            base_urls.append(f"http://127.0.0.1:{port}")
         import httpx
 
-        for _ in range(200):  # wait for the socket
-            try:
-                httpx.get(base_url + "/health", timeout=1)
-                break
-            except httpx.TransportError:
+        for base_url in base_urls:
+            for _ in range(600):  # wait for the socket (the first process waits for the engine's start)
+                try:
+                    if httpx.get(base_url + "/health", timeout=1).status_code == 200:
+                        break
+                except httpx.TransportError:
+                    pass
                 time.sleep(0.05)
-        runs = [asyncio.run(_round(base_url, args.concurrency, args.requests, args.max_tokens, args.step_ms,
+        runs = [asyncio.run(_round(base_urls, args.concurrency, args.requests, args.max_tokens, args.step_ms,
                                    args.client))
                 for _ in range(args.repeat)]
     finally:
-        server.terminate()
-        server.join(5)
+        for server in servers:
+            server.terminate()
+        for server in servers:
+            server.join(5)
+        shutil.rmtree(folder, ignore_errors=True)
     keys = ("tok_s", "server_cpu_us_per_tok", "engine_process_cpu_us_per_tok", "client_cpu_us_per_tok",
             "chunks_per_tok", "ttft_p50_ms", "ttft_p90_ms") + (("device_busy",) if args.step_ms else ()) + (
                 ("writes_per_tok",) if args.client == "raw" else ())

@@ -11,9 +11,11 @@ import argparse
 import dataclasses
 import logging
 import os
+import signal
 import sys
 
 from voltserve import __version__, event_loop
+from voltserve.api_processes import LISTEN_FD_ENV, PARENT_FD_ENV, run_api_processes, watch_parent
 from voltserve.config import EngineConfig
 from voltserve.errors import ConfigError
 from voltserve.log_setup import configure_logging
@@ -47,6 +49,9 @@ HELP = {
     "exit_on_engine_death": "shut the server down (exit 1) when the engine dies, so a supervisor restarts it "
                             "(default on here)",
     "engine_process": "run the engine in its own process, apart from HTTP (default on)",
+    "api_processes": "API processes (HTTP, tokenization) serving the port, all on one engine process: spreads "
+                     "the HTTP work of many concurrent streams over cores (hypercorn api:app: use -w N and "
+                     "VOLTSERVE_ENGINE_SOCKET instead)",
     "engine_socket": "Unix socket path of a shared engine: API processes started with the same path (e.g. the "
                      "workers of hypercorn -w N) share one engine process; the first starts it",
     "event_loop": "event loop of the server and the engine process: auto (uvloop when installed), uvloop, asyncio",
@@ -99,14 +104,21 @@ def serve(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         logger.error("bad configuration: %s", exc)
         return 2
+    if config.api_processes > 1:
+        return run_api_processes(config, args.log_level)
+    listen_fd = os.environ.pop(LISTEN_FD_ENV, "")  # set when this is one of several API processes
+    parent_fd = os.environ.pop(PARENT_FD_ENV, "")
     import api  # builds the app from the environment set above
 
     hconfig = HypercornConfig()
-    hconfig.bind = [f"[{config.host}]:{config.port}" if ":" in config.host else f"{config.host}:{config.port}"]
+    address = f"[{config.host}]:{config.port}" if ":" in config.host else f"{config.host}:{config.port}"
+    hconfig.bind = [f"fd://{listen_fd}" if listen_fd else address]
     hconfig.accesslog = logging.getLogger("hypercorn.access")
+    if listen_fd:  # one of several API processes: say which one served a request
+        hconfig.access_log_format += " %(p)s"
     hconfig.errorlog = logging.getLogger("hypercorn.error")
-    logger.info("voltserve %s: serving %s on http://%s (%s event loop)", __version__, config.model, hconfig.bind[0],
-                loop_name)
+    logger.info("voltserve %s (pid %d): serving %s on http://%s (%s event loop)", __version__, os.getpid(),
+                config.model, address, loop_name)
     from api.app import SignalDrain
     from api.state import EXTENSION_KEY
 
@@ -114,6 +126,8 @@ def serve(args: argparse.Namespace) -> int:
 
     async def run() -> None:
         drain = SignalDrain(state, config.shutdown_timeout)  # before the app (and the model) starts
+        if parent_fd:  # the supervisor is gone (EOF): shut down as on SIGTERM
+            watch_parent(int(parent_fd), lambda: os.kill(os.getpid(), signal.SIGTERM))
         await hypercorn_serve(api.app, hconfig, shutdown_trigger=drain.trigger)
 
     event_loop.run(run(), config.event_loop)

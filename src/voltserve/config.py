@@ -74,7 +74,8 @@ def _env(name: str, default, cast=str):
 MAX_SOCKET_PATH_BYTES = 100  # sun_path holds 108 bytes on Linux (104 on macOS), with its terminating NUL
 # EngineConfig fields that only the API process reads; API processes sharing one engine may differ in them
 API_ONLY_FIELDS = frozenset({"served_model_name", "api_key", "sse_keep_alive_interval", "stream_interval", "host",
-                             "port", "exit_on_engine_death", "engine_process", "engine_socket", "shutdown_timeout"})
+                             "port", "exit_on_engine_death", "engine_process", "engine_socket", "api_processes",
+                             "shutdown_timeout"})
 
 
 @dataclass
@@ -122,6 +123,9 @@ class EngineConfig:
             `hypercorn -w N api:app`, or further `voltserve serve` processes) attaches to it instead of loading
             the model again. Each API process then does its own HTTP work on its own core. The engine exits
             once the last API process has gone. "" = each API process has its own engine.
+        api_processes: `voltserve serve` runs this many API processes on its port, all on one shared engine
+            (`voltserve.api_processes`; `engine_socket`, a private one unless set). `hypercorn api:app` ignores
+            it: there, `-w N` with `engine_socket` does the same.
         event_loop: the event loop of `voltserve serve` and of the engine process (`voltserve.event_loop`):
             "auto" (uvloop when installed, else asyncio's), "uvloop" or "asyncio". `hypercorn api:app` runs the
             API process on the loop its `-k` option names.
@@ -157,6 +161,7 @@ class EngineConfig:
     exit_on_engine_death: bool = False
     engine_process: bool = True
     engine_socket: str = ""
+    api_processes: int = 1
     event_loop: str = "auto"
     shutdown_timeout: float = 30.0
 
@@ -166,7 +171,7 @@ class EngineConfig:
             raise ConfigError(f"device must be auto, cpu or cuda, not {self.device!r}")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ConfigError(f"dtype must be float32, bfloat16 or float16, not {self.dtype!r}")
-        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "stream_interval"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "stream_interval", "api_processes"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1")
         if self.max_model_len < 0 or self.num_kv_blocks < 0:
@@ -182,8 +187,9 @@ class EngineConfig:
         check_event_loop(self.event_loop)
         if self.weight_format not in ("auto", "float"):
             raise ConfigError(f"weight_format must be auto or float, not {self.weight_format!r}")
-        if self.engine_socket and not self.engine_process:
-            raise ConfigError("engine_socket needs engine_process (the shared engine is a process of its own)")
+        if (self.engine_socket or self.api_processes > 1) and not self.engine_process:
+            raise ConfigError("engine_socket and api_processes > 1 need engine_process (the shared engine is a "
+                              "process of its own)")
         if len(os.fsencode(self.engine_socket)) > MAX_SOCKET_PATH_BYTES:
             raise ConfigError(f"engine_socket must be a path of at most {MAX_SOCKET_PATH_BYTES} bytes "
                               "(a Unix socket's limit)")

@@ -19,19 +19,11 @@ from actors.engine import AsyncEngine
 from actors.engine_process import ProcessEngine
 from api.app import watch_engine
 from tests.e2e.engine_helpers import assert_engine_dead, complete
-from tools.make_synthetic_checkpoint import save_hf_dir, synthetic_model
 from voltserve.config import EngineConfig
 from voltserve.errors import EngineDeadError, LoaderError
 from voltserve.request import FinishReason, SamplingParams
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    out = tmp_path_factory.mktemp("tiny")
-    save_hf_dir(synthetic_model("tiny", seed=3), out)
-    return out
 
 
 def _config(tiny_dir) -> EngineConfig:

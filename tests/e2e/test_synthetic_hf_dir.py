@@ -5,16 +5,9 @@ import torch
 
 from tests.e2e.engine_helpers import complete
 from tests.e2e.model_helpers import all_logits
-from tools.make_synthetic_checkpoint import save_hf_dir, synthetic_model
+from tools.make_synthetic_checkpoint import synthetic_model
 from voltserve.backends.cpu import CpuBackend
 from voltserve.models.llama import LlamaModel
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    out = tmp_path_factory.mktemp("tiny")
-    save_hf_dir(synthetic_model("tiny", seed=3), out)
-    return out
 
 
 def test_logits_match_transformers(tiny_dir):

@@ -1,0 +1,136 @@
+"""`voltserve serve --api-processes N`: N API processes on one listening socket and one shared engine process.
+
+One API process does all the HTTP work of its requests on one core (parsing, prompt tokenization, a write per SSE
+chunk); at many concurrent streams that core, not the GPU, bounds tokens/s and time to first token. Here a
+supervisor (this module, the process `voltserve serve` started as) opens the listening socket, then starts N
+children, each a plain `voltserve serve` that serves that socket (hypercorn `fd://` bind) and uses one engine
+through `EngineConfig.engine_socket` (the first child to start launches it, the others attach).
+
+Signals: SIGINT / SIGTERM to the supervisor are passed to every child, whose own handling drains its requests
+(`api.app.SignalDrain`; a second signal ends them at once). A child that exits while the others serve (its
+engine died: exit 1) stops the rest, and the supervisor exits with its status, so systemd restarts the whole.
+If the supervisor itself is killed, the children notice (EOF on a pipe it holds) and shut down as on SIGTERM.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+from voltserve.config import EngineConfig
+
+logger = logging.getLogger(__name__)
+
+LISTEN_FD_ENV = "VOLTSERVE_LISTEN_FD"  # a child's inherited listening socket (set by the supervisor only)
+PARENT_FD_ENV = "VOLTSERVE_PARENT_FD"  # a child's read end of a pipe: EOF = the supervisor is gone
+POLL_S = 0.1
+CHILD = "from voltserve.cli import main; import sys; sys.exit(main(['serve']))"
+
+
+def listen_socket(host: str, port: int, backlog: int = 1024) -> socket.socket:
+    """A TCP socket listening on host:port (IPv6 when the host has a ':'), TCP_NODELAY set for the connections it
+    accepts (SSE chunks are small writes that must not wait for Nagle's algorithm), inheritable by children.
+
+    Raises:
+        OSError: the address is in use or not available.
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.create_server((host, port), family=family, backlog=backlog)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.set_inheritable(True)
+    return sock
+
+
+def run_api_processes(config: EngineConfig, log_level: str | None = None) -> int:
+    """Run `config.api_processes` API processes until SIGINT / SIGTERM; returns the exit status (0 after a
+    signal, else the status of the first child that exited on its own, e.g. 1 when the engine died).
+
+    Raises:
+        OSError: the listening address is not available.
+    """
+    sock = listen_socket(config.host, config.port)
+    private = "" if config.engine_socket else tempfile.mkdtemp(prefix="voltserve-")
+    read_end, write_end = os.pipe()  # the children see EOF on read_end once this process is gone
+    env = {**os.environ, "VOLTSERVE_API_PROCESSES": "1", LISTEN_FD_ENV: str(sock.fileno()),
+           PARENT_FD_ENV: str(read_end),
+           "VOLTSERVE_ENGINE_SOCKET": config.engine_socket or os.path.join(private, "engine.sock")}
+    if log_level is not None:
+        env["VOLTSERVE_LOG_LEVEL"] = log_level
+    children: list[subprocess.Popen] = []
+    stopping = 0
+
+    def on_signal(signum, frame) -> None:
+        nonlocal stopping
+        stopping += 1
+        _signal_all(children, signal.SIGTERM)  # the second one ends the children's drain at once
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        for _ in range(config.api_processes):
+            # a session of its own: a terminal's Ctrl-C reaches the supervisor only, which passes it on once
+            children.append(subprocess.Popen([sys.executable, "-c", CHILD], env=env,
+                                             pass_fds=(sock.fileno(), read_end), start_new_session=True))
+        os.close(read_end)
+        read_end = -1
+        logger.info("%d API processes (pids %s) on http://%s:%d, one engine at %s", len(children),
+                    " ".join(str(c.pid) for c in children), config.host, config.port, env["VOLTSERVE_ENGINE_SOCKET"])
+        status = _wait(children, lambda: stopping > 0)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        for child in children:  # only after an error of our own: the children have exited otherwise
+            if child.poll() is None:
+                child.kill()
+                child.wait()
+        os.close(write_end)
+        if read_end >= 0:
+            os.close(read_end)
+        sock.close()
+        if private:
+            shutil.rmtree(private, ignore_errors=True)
+    return status
+
+
+def _wait(children: list[subprocess.Popen], asked_to_stop) -> int:
+    """Wait for every child to exit; the first that exits unasked stops the others. Returns the status."""
+    status = 0
+    while True:
+        alive = [c for c in children if c.poll() is None]
+        gone = [c for c in children if c.returncode is not None]
+        if gone and status == 0 and not asked_to_stop():  # (all of them may have gone since the last look)
+            status = gone[0].returncode if gone[0].returncode > 0 else 1  # killed (< 0) or quit unasked (0)
+            logger.error("API process %d exited with status %d; stopping the others", gone[0].pid,
+                         gone[0].returncode)
+            _signal_all(alive, signal.SIGTERM)
+        if not alive:
+            return status
+        time.sleep(POLL_S)
+
+
+def _signal_all(children: list[subprocess.Popen], sig: int) -> None:
+    for child in children:
+        if child.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                child.send_signal(sig)
+
+
+def watch_parent(fd: int, on_gone) -> None:
+    """Call `on_gone()` once when `fd`, the read end of the supervisor's pipe, reaches EOF (the supervisor has
+    exited, however it ended). Call it on the running loop."""
+    loop = asyncio.get_running_loop()
+
+    def readable() -> None:
+        if not os.read(fd, 1):
+            loop.remove_reader(fd)
+            on_gone()
+
+    loop.add_reader(fd, readable)

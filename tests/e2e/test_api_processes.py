@@ -1,0 +1,114 @@
+"""`voltserve serve --api-processes 2` on a tiny random-weight model: two API processes on one port and one
+engine process; signals, a dead engine and a killed supervisor (slow: real processes)."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.helpers import stop_process
+from voltserve.api_processes import listen_socket
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _gone(pid: int) -> bool:
+    """The process has exited (a zombie no init has reaped yet counts as gone)."""
+    try:
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def _wait_until(check, timeout_s: float, what: str, log: Path) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, f"{what}:\n{log.read_text()[-3000:]}"
+        time.sleep(0.1)
+
+
+class Server:
+    """`voltserve serve MODEL --api-processes 2` as a subprocess, its log and the pids it logged."""
+
+    def __init__(self, tiny_dir: Path, log: Path):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        env = {**os.environ, "VOLTSERVE_API_KEY": "", "VOLTSERVE_ENGINE_SOCKET": ""}
+        self.log = log
+        with open(log, "wb") as out:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "voltserve.cli", "serve", str(tiny_dir), "--device", "cpu", "--max-model-len",
+                 "512", "--num-kv-blocks", "128", "--port", str(self.port), "--api-processes", "2",
+                 "--shutdown-timeout", "2"], cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+        self.url = f"http://127.0.0.1:{self.port}"
+        _wait_until(lambda: self.text().count("Running on") >= 2 or self.proc.poll() is not None, 120,
+                    "two API processes did not come up", log)
+        assert self.proc.poll() is None, self.text()[-3000:]
+        self.api_pids = [int(p) for p in re.search(r"API processes \(pids ([\d ]+)\)", self.text())[1].split()]
+        (engine,) = re.findall(r"engine process (\d+) ready", self.text())
+        self.engine_pid = int(engine)
+
+    def text(self) -> str:
+        return self.log.read_text()
+
+    def __enter__(self) -> "Server":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        stop_process(self.proc)
+
+
+def test_two_api_processes_share_one_engine_and_stop_on_sigterm(tiny_dir, tmp_path):
+    with Server(tiny_dir, tmp_path / "serve.log") as server:
+        assert len(server.api_pids) == 2 and server.text().count("attached to the shared engine") == 1
+        body = {"model": str(tiny_dir), "prompt": "hello", "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+        answers = set()
+        for _ in range(8):
+            with httpx.Client(timeout=30) as client:  # a new connection each: either process may accept it
+                response = client.post(server.url + "/v1/completions", json=body)
+                assert response.status_code == 200, response.text
+                answers.add(response.json()["choices"][0]["text"])
+        assert len(answers) == 1
+        served = [int(p) for p in re.findall(r'"POST /v1/completions 1.1" 200 .* <(\d+)>', server.text())]
+        assert len(served) == 8 and set(served) <= set(server.api_pids)  # each access line names its process
+        server.proc.send_signal(signal.SIGTERM)
+        assert server.proc.wait(timeout=60) == 0
+        for pid in (*server.api_pids, server.engine_pid):
+            _wait_until(lambda pid=pid: _gone(pid), 30, f"process {pid} still runs", server.log)
+
+
+def test_a_dead_engine_ends_every_api_process_with_status_1(tiny_dir, tmp_path):
+    with Server(tiny_dir, tmp_path / "serve.log") as server:
+        os.kill(server.engine_pid, signal.SIGKILL)
+        assert server.proc.wait(timeout=60) == 1  # systemd's Restart= brings the whole server back
+        for pid in server.api_pids:
+            _wait_until(lambda pid=pid: _gone(pid), 30, f"API process {pid} still runs", server.log)
+
+
+def test_api_processes_stop_when_the_supervisor_is_killed(tiny_dir, tmp_path):
+    with Server(tiny_dir, tmp_path / "serve.log") as server:
+        server.proc.kill()
+        server.proc.wait()
+        for pid in (*server.api_pids, server.engine_pid):  # EOF on the supervisor's pipe: a drain, then exit
+            _wait_until(lambda pid=pid: _gone(pid), 60, f"process {pid} outlived the supervisor", server.log)
+
+
+def test_listen_socket_is_inheritable_and_nodelay():
+    sock = listen_socket("127.0.0.1", 0)
+    try:
+        assert sock.get_inheritable() and sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
+        with pytest.raises(OSError):
+            listen_socket("127.0.0.1", sock.getsockname()[1])  # in use: the supervisor fails before any child
+    finally:
+        sock.close()

@@ -73,6 +73,11 @@ class Tokenizer:
         added = backend.get_added_tokens_decoder()
         self._added_ids = frozenset(added)
         self.special_ids: frozenset[int] = frozenset(i for i, t in added.items() if t.special)
+        specials = [t for t in added.values() if t.special and t.content]
+        # special tokens match raw text unless `normalized` (then after the normalizer): a substring test of
+        # their contents is a sound first check only in the first case
+        raw_match = backend.normalizer is None or not any(t.normalized for t in specials)
+        self._special_texts: tuple[str, ...] | None = tuple(t.content for t in specials) if raw_match else None
         self.bos_token: str = "" if bos_token_id is None else self.id_to_token(bos_token_id)
         self.eos_token: str = self.id_to_token(self.eos_token_ids[0]) if self.eos_token_ids else ""
         self._byte_tables: dict[bool, tuple[bytes, ...] | None] = {}  # skip_special_tokens -> byte_table()
@@ -105,6 +110,13 @@ class Tokenizer:
         if add_special_tokens and self.add_bos and self.bos_token_id is not None:
             ids = [self.bos_token_id, *ids]
         return ids
+
+    def may_spell_special(self, text: str) -> bool:
+        """False when `text` cannot hold the text of a special token (none occurs in it), so that encoding it with
+        and without special-token parsing gives the same ids; True when it may (always, for tokenizers whose
+        special tokens match after normalization). A cheap test to run before comparing two encodes."""
+        texts = self._special_texts
+        return texts is None or any(t in text for t in texts)
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         """Token ids -> text; incomplete UTF-8 sequences become U+FFFD.

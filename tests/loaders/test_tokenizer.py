@@ -77,3 +77,28 @@ def test_attributes_and_token_bytes(smollm2_tokenizer):
     assert b"".join(tok.token_bytes(i) for i in ids) == " 😀".encode()
     assert tok.token_bytes(ids[1]) == b"\x80"
     assert tok.token_bytes(2) == b"<|im_end|>"
+
+
+@pytest.mark.parametrize("text", [*NO_DIGIT_TEXTS, "a<|im_end|>b", "<|im_start|>", "x <|endoftext|>", "<|im_end",
+                                  "im_end|>", "<jupyter_code>", "<fim_prefix>x", ""])
+def test_may_spell_special_is_sound(smollm2_tokenizer, text):
+    """The substring pre-check says False only where both encodes agree (the chat template's case S6 relies on
+    the exact check for the rest), and True for texts that hold a special token."""
+    tok = smollm2_tokenizer
+    differs = tok.encode(text, parse_special=True) != tok.encode(text, parse_special=False)
+    assert tok.may_spell_special(text) == differs
+
+
+def test_may_spell_special_defers_to_normalized_special_tokens():
+    """Special tokens matched after a normalizer: no substring test is sound, so it always says True."""
+    import tokenizers
+    from tokenizers import AddedToken, models, normalizers
+
+    from voltserve.tokenizer import Tokenizer
+
+    backend = tokenizers.Tokenizer(models.WordLevel({"a": 0, "[unk]": 1}, unk_token="[unk]"))
+    backend.normalizer = normalizers.Lowercase()
+    backend.add_special_tokens([AddedToken("<eos>", special=True, normalized=True)])
+    assert Tokenizer(backend, None, [2], byte_level=False).may_spell_special("plain")
+    backend.normalizer = None
+    assert not Tokenizer(backend, None, [2], byte_level=False).may_spell_special("plain")

@@ -23,6 +23,7 @@ import logging
 import os
 import signal
 import socket
+import stat
 import sys
 from collections.abc import Callable
 from multiprocessing.connection import Connection
@@ -35,6 +36,8 @@ from voltserve.config import EngineConfig
 from voltserve.errors import ConfigError, EngineDeadError
 
 logger = logging.getLogger(__name__)
+
+ATTACH_DEADLINE_S = 10.0  # a connection to a shared engine's socket must send AttachMsg within this
 
 
 # the command line ProcessEngine runs: `python -c ENTRY FD` (no multiprocessing: a daemonic hypercorn worker may
@@ -66,12 +69,14 @@ def main() -> None:
 
 
 class ApiClient:
-    """One API process on the engine's side: its socket, the forwarder of its outputs (whose `open_requests`
-    are its requests still running) and whether it has attached yet (an attaching process first sends
-    `AttachMsg`)."""
+    """One API process on the engine's side: its socket (and that socket's descriptor, the key in
+    `EngineCore.clients`), the forwarder of its outputs (whose `open_requests` are its requests still running),
+    whether it has attached yet (an attaching process first sends `AttachMsg`) and whether it was dropped."""
 
     def __init__(self, conn: Connection, forwarder: OutputForwarder, attached: bool):
         self.conn, self.forwarder, self.attached = conn, forwarder, attached
+        self.fd = conn.fileno()
+        self.dropped = False
 
 
 class EngineCore:
@@ -90,6 +95,7 @@ class EngineCore:
         self.listen_path = listen_path
         self.clients: dict[int, ApiClient] = {}  # by socket file descriptor
         self._listener: socket.socket | None = None
+        self._listen_inode = 0  # of the socket file we bound (another engine's may replace it later)
         self._done: asyncio.Future | None = None
 
     async def run(self) -> int:
@@ -97,42 +103,73 @@ class EngineCore:
         loop = asyncio.get_running_loop()
         self._done = loop.create_future()
         try:
-            await self.engine.start()
             if self.listen_path:
-                self._listen(loop)
+                # bound while the starting API process still holds the start lock: an API process that finds
+                # it later queues here until the model has loaded instead of starting a second engine
+                self._listen()
+            await self.engine.start()
         except Exception as exc:
             logger.error("engine start failed: %r", exc)
             self.conn.send(StartFailedMsg(portable_error(exc)))
+            self._close_listener()
             await self.engine.stop()
             return 1
+        if self._listener is not None:
+            loop.add_reader(self._listener.fileno(), self._accept)
+            logger.info("shared engine: API processes attach at %s", self.listen_path)
         self._add_client(loop, self.conn, attached=True)
         try:
             return await self._done
         finally:
             if self._listener is not None:
                 loop.remove_reader(self._listener.fileno())
-                self._listener.close()
-                with contextlib.suppress(OSError):
-                    os.unlink(self.listen_path)
+            self._listener_stop_accepting()
             for client in self.clients.values():
-                loop.remove_reader(client.conn.fileno())
+                loop.remove_reader(client.fd)
             await self.engine.stop()  # aborts what is still running; the abort deltas still go out
             for client in list(self.clients.values()):
                 client.forwarder.close()
                 client.conn.close()
+            self._close_listener()  # last: the socket file's removal tells that this engine has finished
 
-    def _listen(self, loop: asyncio.AbstractEventLoop) -> None:
-        """Listen at `listen_path` for API processes that attach (a stale file of a dead engine is replaced:
-        the process that started this one found nobody listening there)."""
-        with contextlib.suppress(FileNotFoundError):
+    def _listen(self) -> None:
+        """Listen at `listen_path` (mode 0600: the socket takes pickles, so only our user may connect). A socket
+        file there is a dead engine's (the API process that started this one found nobody listening); any
+        other file is a misconfiguration, not ours to delete.
+
+        Raises:
+            ConfigError: the path exists and is not a socket.
+        """
+        try:
+            if not stat.S_ISSOCK(os.stat(self.listen_path).st_mode):
+                raise ConfigError(f"engine_socket {self.listen_path} exists and is not a socket")
             os.unlink(self.listen_path)
+        except FileNotFoundError:
+            pass
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        listener.bind(self.listen_path)
+        old_umask = os.umask(0o177)
+        try:
+            listener.bind(self.listen_path)
+        finally:
+            os.umask(old_umask)
+        self._listen_inode = os.stat(self.listen_path).st_ino
         listener.listen(64)
         listener.setblocking(False)
         self._listener = listener
-        loop.add_reader(listener.fileno(), self._accept)
-        logger.info("shared engine: API processes attach at %s", self.listen_path)
+
+    def _listener_stop_accepting(self) -> None:
+        if self._listener is not None:
+            self._listener.close()
+
+    def _close_listener(self) -> None:
+        """Close the listener and remove its socket file, unless another engine has bound that path since."""
+        if not self.listen_path or not self._listen_inode:
+            return
+        self._listener_stop_accepting()
+        with contextlib.suppress(OSError):
+            if os.stat(self.listen_path).st_ino == self._listen_inode:
+                os.unlink(self.listen_path)
+        self._listen_inode = 0
 
     def _accept(self) -> None:
         try:
@@ -140,9 +177,18 @@ class EngineCore:
         except (BlockingIOError, InterruptedError):
             return
         sock.setblocking(True)
-        self._add_client(asyncio.get_running_loop(), Connection(sock.detach()), attached=False)
+        loop = asyncio.get_running_loop()
+        client = self._add_client(loop, Connection(sock.detach()), attached=False)
+        loop.call_later(ATTACH_DEADLINE_S, self._expire, client)
 
-    def _add_client(self, loop: asyncio.AbstractEventLoop, conn: Connection, attached: bool) -> None:
+    def _expire(self, client: ApiClient) -> None:
+        """A connection that has not attached in time is dropped (it would keep the engine running)."""
+        if not client.attached and not client.dropped:
+            logger.warning("a connection to %s sent no AttachMsg in %g s; closed", self.listen_path,
+                           ATTACH_DEADLINE_S)
+            self._drop_client(client)
+
+    def _add_client(self, loop: asyncio.AbstractEventLoop, conn: Connection, attached: bool) -> ApiClient:
         """Serve one API process; the one that started the engine (`attached`) gets ReadyMsg at once."""
         client: ApiClient
 
@@ -155,9 +201,10 @@ class EngineCore:
         # before the sender thread writes anything: no write may meet the socket while add_reader flips its mode
         watch_readable(loop, conn, lambda: self._on_readable(client))
         client = ApiClient(conn, OutputForwarder(conn.send, self.engine.kv_stats, on_send_error), attached)
-        self.clients[conn.fileno()] = client
+        self.clients[client.fd] = client
         if attached:
             self._send_ready(client)
+        return client
 
     def _send_ready(self, client: ApiClient) -> None:
         engine = self.engine
@@ -166,10 +213,13 @@ class EngineCore:
 
     def _drop_client(self, client: ApiClient) -> None:
         """An API process went away: abort its requests (their KV blocks return to the pool); the engine stops
-        with the last one."""
-        if self.clients.pop(client.conn.fileno(), None) is not client:
+        once no API process is left, attached or attaching (one that connected while the last attached one
+        left keeps it). Runs once per client (its reader and its sender may both report it)."""
+        if client.dropped:
             return
-        asyncio.get_running_loop().remove_reader(client.conn.fileno())
+        client.dropped = True
+        del self.clients[client.fd]
+        asyncio.get_running_loop().remove_reader(client.fd)
         requests = list(client.forwarder.open_requests)
         client.forwarder.close()  # after a StartFailedMsg queued for it
         client.conn.close()
@@ -183,10 +233,17 @@ class EngineCore:
 
     def _on_readable(self, client: ApiClient) -> None:
         try:
-            while client.conn.poll():
+            while not client.dropped and client.conn.poll():
                 for cmd in client.conn.recv():
                     self._handle(client, cmd)
         except (EOFError, OSError):
+            self._drop_client(client)
+        except Exception as exc:
+            if client.attached:
+                raise
+            # an attach that cannot be read or answered: refuse it, never leave it waiting
+            logger.error("an API process could not attach: %r", exc)
+            client.forwarder.send(StartFailedMsg(portable_error(exc)))
             self._drop_client(client)
 
     def _handle(self, client: ApiClient, cmd) -> None:
@@ -218,7 +275,7 @@ class EngineCore:
             return
         client.attached = True
         self._send_ready(client)
-        logger.info("an API process attached (%d now)", len(self.clients))
+        logger.info("an API process attached (%d now)", sum(c.attached for c in self.clients.values()))
 
     def _on_death(self, exc: BaseException) -> None:
         """AsyncEngine's death hook: its open streams have failed; tell every API process and exit."""

@@ -40,6 +40,10 @@ from voltserve.request import RequestOutput, SamplingParams, check_request
 logger = logging.getLogger(__name__)
 
 STOP_TIMEOUT_S = 30.0  # a clean stop finishes the step in hand; then the process is terminated
+# a shared engine answers an attach within a loop turn, or once its model has loaded (attached during the load)
+ATTACH_TIMEOUT_S = 600.0
+ATTACH_TRIES = 3  # an attach that meets the engine's exit (its last API process just left) starts over
+LOCK_POLL_S = 0.05
 # messages read per readable event: the loop gets back to HTTP even if the engine outpaces the reader
 MAX_MESSAGES_PER_READ = 8
 _EMPTY_KV_STATS = {"num_blocks": 0, "num_free_blocks": 0, "num_cached_blocks": 0, "num_running": 0,
@@ -57,7 +61,8 @@ class ProcessEngine:
             functools.partial of one.
 
     Attributes (set by start()): model_config, tokenizer, chat_template, max_model_len, as AsyncEngine's;
-    process: the engine process (subprocess.Popen).
+    process: the engine process (subprocess.Popen) when this API process started it; None when it attached to
+    a shared engine (`EngineConfig.engine_socket`) that another one started.
     """
 
     def __init__(self, config: EngineConfig, engine_factory: Callable | None = None):
@@ -96,13 +101,20 @@ class ProcessEngine:
         else:
             # one API process at a time: the first starts the engine (the others wait here while the model
             # loads), the later ones find it listening
-            lock = await asyncio.to_thread(_lock_file, path + ".lock")
+            lock = await _acquire_lock(path + ".lock")
             try:
-                sock = _connect(path)
-                if sock is None:
-                    await self._spawn(listen_path=path)
-                else:
-                    await self._attach(sock)
+                for attempt in range(1, ATTACH_TRIES + 1):
+                    sock = _connect(path)
+                    if sock is None:
+                        await self._spawn(listen_path=path)
+                        break
+                    try:
+                        await self._attach(sock)
+                        break
+                    except EngineDeadError:  # it exited as we attached: its last API process had just left
+                        if attempt == ATTACH_TRIES:
+                            raise
+                        logger.warning("the shared engine at %s exited as this process attached; again", path)
             finally:
                 lock.close()  # releases the lock
         self._started = True
@@ -130,12 +142,24 @@ class ProcessEngine:
                     self.max_model_len, self._kv_stats["num_blocks"])
 
     async def _attach(self, sock: socket.socket) -> None:
-        """Use the shared engine at the other end of `sock` (its process is not ours: `process` stays None)."""
+        """Use the shared engine at the other end of `sock` (its process is not ours: `process` stays None).
+
+        Raises:
+            ConfigError: the engine runs other engine settings (its StartFailedMsg).
+            EngineDeadError: the engine closed the connection, or did not answer in ATTACH_TIMEOUT_S.
+        """
         sock.setblocking(True)
         self._conn = Connection(sock.detach())
-        self._conn.send([AttachMsg(self.config)])
         try:
-            await self._wait_ready()
+            try:
+                self._conn.send([AttachMsg(self.config)])
+            except OSError as exc:  # it is exiting
+                raise EngineDeadError(f"the shared engine at {self.config.engine_socket} exited") from exc
+            try:
+                await asyncio.wait_for(self._wait_ready(), ATTACH_TIMEOUT_S)
+            except TimeoutError as exc:
+                raise EngineDeadError(f"the shared engine at {self.config.engine_socket} did not answer in "
+                                      f"{ATTACH_TIMEOUT_S:g} s") from exc
         except BaseException:
             self._close_conn()
             raise
@@ -151,9 +175,9 @@ class ProcessEngine:
         self._kv_stats = ready.kv_stats
 
     async def stop(self) -> None:
-        """Abort open requests, stop the engine process and reap it (terminated after STOP_TIMEOUT_S). A shared
-        engine (`config.engine_socket`) is left running for the other API processes: this one's requests are
-        aborted when it closes its socket, and the engine exits with the last one."""
+        """Abort open requests; stop the engine process and reap it (terminated after STOP_TIMEOUT_S). A shared
+        engine (`config.engine_socket`) is not stopped: this API process closes its socket, which aborts its
+        requests there, and the engine exits with the last API process (a thread reaps it if it is ours)."""
         self._stopped = True
         if self._conn is None and self.process is None:
             return
@@ -251,7 +275,7 @@ class ProcessEngine:
             error = EngineDeadError(f"the engine process exited (exit code {self.process.returncode})")
         if self._ready is not None and not self._ready.done():
             self._ready.set_exception(error)
-        if not self._stopped:
+        if self._started and not self._stopped:  # during start(), its error is the report (it may retry)
             self._die(error)
 
     def _die(self, error: BaseException) -> None:
@@ -318,12 +342,20 @@ class ProcessEngine:
         return dict(self._kv_stats)
 
 
-def _lock_file(path: str):
-    """Open `path` (created if missing) and hold an exclusive flock on it (blocks until free); closing the
-    returned file releases it, as does the process's exit."""
+async def _acquire_lock(path: str):
+    """Open `path` (created if missing) and take an exclusive flock on it, polling (a cancelled wait leaves
+    nothing behind); closing the returned file releases it, as does the process's exit."""
     f = open(path, "a")  # noqa: SIM115 - the caller closes it
-    fcntl.flock(f, fcntl.LOCK_EX)
-    return f
+    try:
+        while True:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return f
+            except BlockingIOError:
+                await asyncio.sleep(LOCK_POLL_S)
+    except BaseException:
+        f.close()
+        raise
 
 
 def _connect(path: str) -> socket.socket | None:

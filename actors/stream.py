@@ -122,14 +122,17 @@ class RequestStream:
             if not waiter.done():
                 waiter.set_result(None)
 
-    def interrupt(self) -> None:
-        """If the consumer waits for a delta, its `__anext__` returns None instead (nothing is lost: deltas put
-        later come with the next call); a no-op otherwise. The SSE keep-alive uses it to write a comment on an
-        idle stream without a task or a timer per delta (`api.sse.IdleTimer`)."""
+    def interrupt(self) -> bool:
+        """If the consumer waits for a delta, its `__anext__` returns what is pending, or None when nothing is,
+        instead of waiting on (nothing is lost: deltas put later come with the next call); a no-op otherwise.
+        The SSE keep-alive uses it to write a comment on an idle stream without a task or a timer per delta
+        (`api.sse.IdleTimer`). Returns whether it woke the consumer."""
         waiter = self._waiter
         if waiter is not None and not waiter.done():
             self._waiter = None
             waiter.set_result(_INTERRUPTED)
+            return True
+        return False
 
     def fail(self, exc: BaseException) -> None:
         """End the stream with an error: a VoltError is raised to the consumer as is, anything else as

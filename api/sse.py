@@ -35,11 +35,12 @@ class IdleTimer:
 
     Args:
         interval_s: idle seconds before each call (> 0).
-        on_idle: e.g. `RequestStream.interrupt`, which makes the waiting consumer write a keep-alive comment.
+        on_idle: e.g. `RequestStream.interrupt`, which makes the waiting consumer write a keep-alive comment;
+            returns whether it woke one.
     Attributes:
         last: loop time of the last `touch()` or call.
-        fired: `on_idle()` was called since the last `touch()`: a consumer that wakes and has nothing to write
-            (deltas that render no text yet) still owes the keep-alive comment.
+        fired: `on_idle()` woke the consumer (it returned True) since the last `touch()`: a consumer that then
+            has nothing to write (deltas that render no text yet) still owes the keep-alive comment.
     Call `close()` when the stream ends.
     """
 
@@ -63,8 +64,7 @@ class IdleTimer:
         due = self.last + self._interval
         if now + _TIMER_SLACK_S >= due:  # loops may run a timer a clock tick early
             self.last = now
-            self.fired = True
-            self._on_idle()
+            self.fired = bool(self._on_idle())
             due = now + self._interval
         self._handle = self._loop.call_at(due, self._fire)
 

@@ -10,12 +10,17 @@ Signals: SIGINT / SIGTERM to the supervisor are passed to every child, whose own
 (`api.app.SignalDrain`; a second signal ends them at once). A child that exits while the others serve (its
 engine died: exit 1) stops the rest, and the supervisor exits with its status, so systemd restarts the whole.
 If the supervisor itself is killed, the children notice (EOF on a pipe it holds) and shut down as on SIGTERM.
+After a clean stop it waits (up to ENGINE_STOP_WAIT_S) for the engine process to remove its socket file, the last
+thing it does, so that a service manager that kills what remains once the main process exits does not cut the
+engine's own stop short. An engine that fails to start is started again by each API process in turn, one after
+another, before all have failed.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import shutil
@@ -33,6 +38,7 @@ logger = logging.getLogger(__name__)
 LISTEN_FD_ENV = "VOLTSERVE_LISTEN_FD"  # a child's inherited listening socket (set by the supervisor only)
 PARENT_FD_ENV = "VOLTSERVE_PARENT_FD"  # a child's read end of a pipe: EOF = the supervisor is gone
 POLL_S = 0.1
+ENGINE_STOP_WAIT_S = 40.0  # the engine's stop after its last API process (a step in hand, then the actors)
 CHILD = "from voltserve.cli import main; import sys; sys.exit(main(['serve']))"
 
 
@@ -43,35 +49,58 @@ def listen_socket(host: str, port: int, backlog: int = 1024) -> socket.socket:
     Raises:
         OSError: the address is in use or not available.
     """
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.create_server((host, port), family=family, backlog=backlog)
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    # as hypercorn binds (`hypercorn.config.Config._create_sockets`): IPV6_V6ONLY left at the system's default,
+    # so that "::" takes IPv4 too where the system does
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.bind((host, port))
+        sock.listen(backlog)
+    except BaseException:
+        sock.close()
+        raise
     sock.set_inheritable(True)
     return sock
 
 
 def run_api_processes(config: EngineConfig, log_level: str | None = None) -> int:
-    """Run `config.api_processes` API processes until SIGINT / SIGTERM; returns the exit status (0 after a
-    signal, else the status of the first child that exited on its own, e.g. 1 when the engine died).
+    """Run `config.api_processes` API processes until SIGINT / SIGTERM; returns the exit status: that of the
+    first child that exited on its own (1 when the engine died), else 1 if a child failed while stopping, else 0.
 
     Raises:
         OSError: the listening address is not available.
+        ConfigError: the private engine socket's path is too long (a long TMPDIR).
     """
-    sock = listen_socket(config.host, config.port)
     private = "" if config.engine_socket else tempfile.mkdtemp(prefix="voltserve-")
+    try:
+        engine_socket = config.engine_socket or os.path.join(private, "engine.sock")
+        dataclasses.replace(config, engine_socket=engine_socket).validate()
+        sock = listen_socket(config.host, config.port)
+    except BaseException:
+        if private:
+            shutil.rmtree(private, ignore_errors=True)
+        raise
     read_end, write_end = os.pipe()  # the children see EOF on read_end once this process is gone
     env = {**os.environ, "VOLTSERVE_API_PROCESSES": "1", LISTEN_FD_ENV: str(sock.fileno()),
-           PARENT_FD_ENV: str(read_end),
-           "VOLTSERVE_ENGINE_SOCKET": config.engine_socket or os.path.join(private, "engine.sock")}
+           PARENT_FD_ENV: str(read_end), "VOLTSERVE_ENGINE_SOCKET": engine_socket}
     if log_level is not None:
         env["VOLTSERVE_LOG_LEVEL"] = log_level
     children: list[subprocess.Popen] = []
-    stopping = 0
+    signals = {"received": 0}
+    sent: dict[int, int] = {}  # child pid -> SIGTERMs passed on to it
+
+    def pass_on() -> None:
+        """Each child gets as many SIGTERMs as this process received signals (its second ends its drain)."""
+        for child in children:
+            while sent.get(child.pid, 0) < signals["received"] and child.poll() is None:
+                sent[child.pid] = sent.get(child.pid, 0) + 1
+                with contextlib.suppress(ProcessLookupError):
+                    child.send_signal(signal.SIGTERM)
 
     def on_signal(signum, frame) -> None:
-        nonlocal stopping
-        stopping += 1
-        _signal_all(children, signal.SIGTERM)  # the second one ends the children's drain at once
+        signals["received"] += 1
+        pass_on()
 
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
@@ -79,11 +108,14 @@ def run_api_processes(config: EngineConfig, log_level: str | None = None) -> int
             # a session of its own: a terminal's Ctrl-C reaches the supervisor only, which passes it on once
             children.append(subprocess.Popen([sys.executable, "-c", CHILD], env=env,
                                              pass_fds=(sock.fileno(), read_end), start_new_session=True))
+            pass_on()  # a signal that came while it started
         os.close(read_end)
         read_end = -1
         logger.info("%d API processes (pids %s) on http://%s:%d, one engine at %s", len(children),
                     " ".join(str(c.pid) for c in children), config.host, config.port, env["VOLTSERVE_ENGINE_SOCKET"])
-        status = _wait(children, lambda: stopping > 0)
+        status = _wait(children, lambda: signals["received"] > 0)
+        if status == 0 and private:  # the engine removes its socket file last: let it finish its stop first
+            _wait_removed(engine_socket, ENGINE_STOP_WAIT_S)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
@@ -100,6 +132,15 @@ def run_api_processes(config: EngineConfig, log_level: str | None = None) -> int
     return status
 
 
+def _wait_removed(path: str, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while os.path.exists(path):
+        if time.monotonic() > deadline:
+            logger.warning("the engine process has not finished %g s after its API processes; leaving it", timeout_s)
+            return
+        time.sleep(POLL_S)
+
+
 def _wait(children: list[subprocess.Popen], asked_to_stop) -> int:
     """Wait for every child to exit; the first that exits unasked stops the others. Returns the status."""
     status = 0
@@ -110,17 +151,14 @@ def _wait(children: list[subprocess.Popen], asked_to_stop) -> int:
             status = gone[0].returncode if gone[0].returncode > 0 else 1  # killed (< 0) or quit unasked (0)
             logger.error("API process %d exited with status %d; stopping the others", gone[0].pid,
                          gone[0].returncode)
-            _signal_all(alive, signal.SIGTERM)
+            for child in alive:
+                with contextlib.suppress(ProcessLookupError):
+                    child.send_signal(signal.SIGTERM)
         if not alive:
-            return status
+            # stopped as asked: 0, or the SIGTERM's default action for a child that had not set up its handlers
+            failed = [c.returncode for c in children if c.returncode not in (0, -signal.SIGTERM)]
+            return status or (1 if failed else 0)  # e.g. the engine died during the drain
         time.sleep(POLL_S)
-
-
-def _signal_all(children: list[subprocess.Popen], sig: int) -> None:
-    for child in children:
-        if child.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                child.send_signal(sig)
 
 
 def watch_parent(fd: int, on_gone) -> None:

@@ -105,7 +105,14 @@ def serve(args: argparse.Namespace) -> int:
         logger.error("bad configuration: %s", exc)
         return 2
     if config.api_processes > 1:
-        return run_api_processes(config, args.log_level)
+        try:
+            return run_api_processes(config, args.log_level)
+        except ConfigError as exc:
+            logger.error("bad configuration: %s", exc)
+            return 2
+        except OSError as exc:
+            logger.error("cannot listen on %s:%d: %s", config.host, config.port, exc)
+            return 1
     listen_fd = os.environ.pop(LISTEN_FD_ENV, "")  # set when this is one of several API processes
     parent_fd = os.environ.pop(PARENT_FD_ENV, "")
     import api  # builds the app from the environment set above

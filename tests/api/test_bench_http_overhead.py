@@ -24,6 +24,6 @@ def test_bench_counts_every_token(api_processes):
     report = json.loads(out.stdout)
     (run,) = report["runs"]
     assert run["tokens"] == 4 * 2 * 32 and run["engine_steps"] >= 32
-    # CPU times tick in 10 ms: this load costs the API processes several ticks, the engine maybe none
-    assert run["server_cpu_us_per_tok"] > 0 and run["engine_process_cpu_us_per_tok"] >= 0
+    # CPU times tick in 10 ms: this load costs the API processes several ticks (the engine process maybe none)
+    assert run["server_cpu_us_per_tok"] > 0
     assert 0 < run["chunks_per_tok"] <= 1 and report["config"]["api_processes"] == api_processes

@@ -20,11 +20,11 @@ def _out(text: str, finish=None, n: int = 1) -> RequestOutput:
 
 async def test_interrupt_wakes_a_waiting_consumer_with_none():
     stream = RequestStream("r", 1, abort=lambda rid: None)
-    stream.interrupt()  # nobody waits: no effect
+    assert stream.interrupt() is False  # nobody waits: no effect
     got = asyncio.ensure_future(stream.__anext__())
     await asyncio.sleep(0)
     assert not got.done()
-    stream.interrupt()
+    assert stream.interrupt() is True
     assert await got is None
     # a delta put after an interrupt but before the consumer ran wins over it
     got = asyncio.ensure_future(stream.__anext__())
@@ -77,13 +77,13 @@ async def test_keep_alive_when_the_interval_holds_deltas_without_text():
     keep-alive's wake-up hands over: the comment still goes out, once per idle interval."""
     stream = RequestStream("r", 1, abort=lambda rid: None, interval=4)
     events = drive_stream(stream, lambda out, lps: b"data: " + out.text.encode() + b"\n\n", None,
-                          keep_alive_s=0.1)
+                          keep_alive_s=0.2)
 
     async def produce() -> None:
         stream.put(_out("a"))  # the first delta: at once
-        await asyncio.sleep(0.03)
+        await asyncio.sleep(0.06)
         stream.put(_out("", n=2))  # no text yet, below the interval: waits
-        await asyncio.sleep(0.25)  # idle: two keep-alives, the first taking the pending delta
+        await asyncio.sleep(0.44)  # idle: keep-alives at ~0.2 (taking the pending delta) and ~0.4 s
         stream.put(_out("b", FinishReason.STOP, 3))
 
     producer = asyncio.ensure_future(produce())

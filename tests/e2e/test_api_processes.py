@@ -104,11 +104,47 @@ def test_api_processes_stop_when_the_supervisor_is_killed(tiny_dir, tmp_path):
             _wait_until(lambda pid=pid: _gone(pid), 60, f"process {pid} outlived the supervisor", server.log)
 
 
+def test_a_signal_while_the_api_processes_start_reaches_them_all(tiny_dir, tmp_path):
+    """SIGTERM right after the children started, while they import and load (e.g. systemctl stop at once):
+    every child gets it, and all exit; status 0."""
+    log = tmp_path / "serve.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "voltserve.cli", "serve", str(tiny_dir), "--device", "cpu", "--max-model-len",
+             "512", "--num-kv-blocks", "128", "--port", "0", "--api-processes", "2"], cwd=ROOT,
+            env={**os.environ, "VOLTSERVE_API_KEY": "", "VOLTSERVE_ENGINE_SOCKET": ""}, stdout=out,
+            stderr=subprocess.STDOUT)
+    try:
+        _wait_until(lambda: "API processes (pids" in log.read_text(), 60, "no children started", log)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0, log.read_text()[-3000:]
+        pids = re.search(r"API processes \(pids ([\d ]+)\)", log.read_text())[1].split()
+        for pid in pids:
+            _wait_until(lambda pid=int(pid): _gone(pid), 30, f"API process {pid} still runs", log)
+    finally:
+        stop_process(proc)
+
+
 def test_listen_socket_is_inheritable_and_nodelay():
     sock = listen_socket("127.0.0.1", 0)
     try:
         assert sock.get_inheritable() and sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
         with pytest.raises(OSError):
             listen_socket("127.0.0.1", sock.getsockname()[1])  # in use: the supervisor fails before any child
+    finally:
+        sock.close()
+
+
+@pytest.mark.skipif(not socket.has_ipv6, reason="no IPv6")
+def test_listen_socket_on_ipv6_keeps_the_systems_dual_stack_default():
+    """As hypercorn binds "::": IPV6_V6ONLY is the system's default (IPv4 clients too where that is 0)."""
+    try:
+        sock = listen_socket("::", 0)
+    except OSError as exc:
+        pytest.skip(f"no IPv6 here: {exc}")
+    try:
+        with socket.socket(socket.AF_INET6) as plain:
+            default = plain.getsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY)
+        assert sock.getsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY) == default
     finally:
         sock.close()

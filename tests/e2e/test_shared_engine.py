@@ -10,6 +10,7 @@ import re
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import tempfile
@@ -101,8 +102,9 @@ async def test_an_api_process_that_leaves_has_its_requests_aborted(tiny_dir, soc
                 pass
         assert not second.is_healthy and first.is_healthy
         assert len(await _greedy(first)) == 6
-        deadline = time.monotonic() + 10
-        while first.kv_stats()["num_running"] or first.kv_stats()["num_waiting"]:  # the aborted one is gone
+        # aborted within a step or so: far sooner than the ~10 s it would take to fill its 4,096-token context
+        deadline = time.monotonic() + 2
+        while first.kv_stats()["num_running"] or first.kv_stats()["num_waiting"]:
             assert time.monotonic() < deadline, first.kv_stats()
             await _greedy(first, n=1)
     finally:
@@ -124,6 +126,71 @@ async def test_the_engine_outlives_the_process_that_started_it(tiny_dir, sock_pa
     await second.stop()
     await third.stop()
     assert await _wait_exit(proc) == 0  # the last one has gone
+
+
+async def test_an_api_process_starting_as_the_last_one_leaves_gets_an_engine(tiny_dir, sock_path):
+    """It may connect just before the engine exits: it starts over (attaching or starting an engine)."""
+    engine = ProcessEngine(_config(tiny_dir, sock_path))
+    await engine.start()
+    for _ in range(3):
+        successor = ProcessEngine(_config(tiny_dir, sock_path))
+        await engine.stop()
+        await successor.start()
+        assert successor.is_healthy and len(await _greedy(successor)) == 6
+        engine = successor
+    await engine.stop()
+
+
+async def test_an_engine_whose_starter_died_serves_the_next_api_process(sock_path):
+    """The engine binds its socket before its model loads: an API process that comes while it loads (its
+    starter killed meanwhile) waits for it instead of starting a second engine."""
+    factory = "functools.partial(__import__('tests.e2e.slow_start_engine').e2e.slow_start_engine.make, {})"
+    starter = subprocess.Popen([sys.executable, "-c", (
+        "import asyncio, functools, sys; from actors.engine_process import ProcessEngine; "
+        "from voltserve.config import EngineConfig; "
+        f"e = ProcessEngine(EngineConfig(model='x', engine_socket=sys.argv[1]), {factory.format(3.0)}); "
+        "asyncio.run(e.start())"), sock_path], cwd=ROOT, env={**os.environ, "PYTHONPATH": f"{ROOT}:{ROOT}/src"})
+    deadline = time.monotonic() + 30
+    while not os.path.exists(sock_path):  # its engine is loading (3 s)
+        assert starter.poll() is None and time.monotonic() < deadline
+        await asyncio.sleep(0.05)
+    starter.kill()
+    starter.wait()
+    import functools
+
+    from tests.e2e import slow_start_engine
+
+    late = ProcessEngine(EngineConfig(model="x", engine_socket=sock_path),
+                         functools.partial(slow_start_engine.make, 0.0))
+    await late.start()
+    try:
+        assert late.process is None  # attached to the first engine, which outlived its starter
+        engine_pid = late.kv_stats()["pid"]
+        other = ProcessEngine(EngineConfig(model="x", engine_socket=sock_path))
+        await other.start()
+        assert other.process is None and other.kv_stats()["pid"] == engine_pid
+        await other.stop()
+    finally:
+        await late.stop()
+    deadline = time.monotonic() + 30
+    while os.path.exists(sock_path):  # the engine exits with the last API process, its socket file last
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.05)
+
+
+async def test_the_socket_is_private_and_other_files_are_left_alone(tiny_dir, sock_path):
+    with open(sock_path, "w") as f:
+        f.write("not a socket")
+    with pytest.raises(ConfigError, match="exists and is not a socket"):
+        await ProcessEngine(_config(tiny_dir, sock_path)).start()
+    assert open(sock_path).read() == "not a socket"
+    os.unlink(sock_path)
+    engine = ProcessEngine(_config(tiny_dir, sock_path))
+    await engine.start()
+    try:
+        assert stat.S_ISSOCK(os.stat(sock_path).st_mode) and stat.S_IMODE(os.stat(sock_path).st_mode) == 0o600
+    finally:
+        await engine.stop()
 
 
 async def test_attaching_with_other_engine_settings_fails(tiny_dir, sock_path):
@@ -176,7 +243,8 @@ def test_engine_socket_settings_are_checked():
 
 @pytest.mark.slow
 def test_hypercorn_workers_share_one_engine(tiny_dir, sock_path):
-    """`hypercorn -w 2 api:app` with VOLTSERVE_ENGINE_SOCKET: both workers answer, one engine process runs."""
+    """`hypercorn -w 2 api:app` with VOLTSERVE_ENGINE_SOCKET: one worker starts the engine, the other attaches
+    (one engine process), and requests through the shared port get the same greedy answer."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import pickle
 import threading
+import time
 from multiprocessing import Pipe
 
 import pytest
@@ -148,3 +149,31 @@ async def test_open_requests_count_unfinished_sequences():
     fwd.flush()  # closed: dropped, not queued
     assert len(sent) == 1 and [o[0] for o in sent[0].outputs] == ["pair"] * 3 and errors == []
     assert [rid for rid, _ in sent[0].failures] == ["single"]
+
+
+class _SlowBrokenConn(_FailingSendConn):
+    """A write that takes a while, then finds the API process gone."""
+
+    def send(self, msg):
+        time.sleep(0.3)
+        raise BrokenPipeError()
+
+
+def test_an_api_process_gone_mid_write_is_dropped_once():
+    """EOF on its socket (the reader) and the failed write (the sender thread) both report the API process
+    gone: the engine stops once, with code 0, and no error reaches the event loop."""
+    errors: list[dict] = []
+
+    async def drive() -> int:
+        asyncio.get_running_loop().set_exception_handler(lambda loop, context: errors.append(context))
+        ours, theirs = Pipe()
+        core = EngineCore(None, _SlowBrokenConn(ours, None), engine_factory=_TinyEngine)
+        task = asyncio.ensure_future(core.run())
+        await asyncio.sleep(0.05)
+        theirs.close()
+        code = await asyncio.wait_for(task, 10)
+        await asyncio.sleep(0.5)  # the sender's report, after the reader's
+        return code
+
+    assert asyncio.run(drive()) == 0
+    assert errors == []

@@ -228,7 +228,10 @@ class EngineCore:
         if requests:
             logger.warning("an API process went away; aborted its %d request(s)", len(requests))
         if not self.clients:
-            logger.warning("the API process is gone; stopping the engine")
+            if self.listen_path:  # API processes of a shared engine leave this way when they stop cleanly too
+                logger.info("no API process left; stopping the engine")
+            else:
+                logger.warning("the API process is gone; stopping the engine")
             self._finish(0)
 
     def _on_readable(self, client: ApiClient) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -55,7 +56,8 @@ class Server:
         _wait_until(lambda: self.text().count("Running on") >= 2 or self.proc.poll() is not None, 120,
                     "two API processes did not come up", log)
         assert self.proc.poll() is None, self.text()[-3000:]
-        self.api_pids = [int(p) for p in re.search(r"API processes \(pids ([\d ]+)\)", self.text())[1].split()]
+        started = re.search(r"API processes \(pids ([\d ]+)\) on \S+, one engine at (\S+)", self.text())
+        self.api_pids, self.engine_socket = [int(p) for p in started[1].split()], started[2]
         (engine,) = re.findall(r"engine process (\d+) ready", self.text())
         self.engine_pid = int(engine)
 
@@ -67,6 +69,8 @@ class Server:
 
     def __exit__(self, *exc) -> None:
         stop_process(self.proc)
+        # the private folder of the engine socket (left when the supervisor was killed: its lock file stays)
+        shutil.rmtree(os.path.dirname(self.engine_socket), ignore_errors=True)
 
 
 def test_two_api_processes_share_one_engine_and_stop_on_sigterm(tiny_dir, tmp_path):

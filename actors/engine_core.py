@@ -20,17 +20,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import signal
 import socket
-import stat
+import struct
 import sys
 from collections.abc import Callable
 from multiprocessing.connection import Connection
+from multiprocessing.reduction import ForkingPickler
 
+from actors import engine_socket
 from actors.core_outputs import OutputForwarder, api_gone
-from actors.engine_ipc import (AbortMsg, AddMsg, AttachMsg, EngineDiedMsg, EngineStartMsg, ReadyMsg,
-                               StartFailedMsg, StopMsg, portable_error, watch_readable)
+from actors.engine_ipc import (AbortMsg, AddMsg, AttachMsg, EngineDiedMsg, EngineStartMsg, ListenSocket,
+                               ReadyMsg, StartFailedMsg, StopMsg, portable_error, watch_readable)
 from voltserve import event_loop
 from voltserve.config import EngineConfig
 from voltserve.errors import ConfigError, EngineDeadError
@@ -38,6 +39,18 @@ from voltserve.errors import ConfigError, EngineDeadError
 logger = logging.getLogger(__name__)
 
 ATTACH_DEADLINE_S = 10.0  # a connection to a shared engine's socket must send AttachMsg within this
+PENDING_RECV_TIMEOUT_S = 0.5  # the longest a read of a connection that has not attached may block the loop
+MAX_ATTACH_BYTES = 1 << 20
+
+
+def _set_recv_timeout(fd: int, seconds: float) -> None:
+    """SO_RCVTIMEO of the blocking socket `fd` (0 = none): a read that waits longer fails (BlockingIOError)."""
+    sock = socket.socket(fileno=fd)
+    try:
+        whole = int(seconds)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", whole, int((seconds - whole) * 1e6)))
+    finally:
+        sock.detach()
 
 
 # the command line ProcessEngine runs: `python -c ENTRY FD` (no multiprocessing: a daemonic hypercorn worker may
@@ -64,7 +77,7 @@ def main() -> None:
         sys.exit(1)
     logging.basicConfig(level=start.log_level,
                         format="%(asctime)s %(levelname)s %(name)s [engine process]: %(message)s")
-    core = EngineCore(start.config, conn, start.engine_factory, start.listen_path)
+    core = EngineCore(start.config, conn, start.engine_factory, start.listen)
     sys.exit(event_loop.run(core.run(), start.config.event_loop))
 
 
@@ -81,10 +94,10 @@ class ApiClient:
 
 class EngineCore:
     """Args: config: engine settings; conn: the socket to the API process that started it; engine_factory: see
-    EngineStartMsg; listen_path: where further API processes attach (a Unix socket path; "" = nobody else)."""
+    EngineStartMsg; listen: the shared engine's listening socket (`ListenSocket()`: nobody else attaches)."""
 
     def __init__(self, config: EngineConfig, conn: Connection, engine_factory: Callable | None = None,
-                 listen_path: str = ""):
+                 listen: ListenSocket = ListenSocket()):
         if engine_factory is None:
             from actors.engine import AsyncEngine  # torch: only in the engine process
 
@@ -92,10 +105,11 @@ class EngineCore:
         self.engine = engine_factory(config, on_death=self._on_death)
         self.config = config
         self.conn = conn
-        self.listen_path = listen_path
+        self.listen_path = listen.path
         self.clients: dict[int, ApiClient] = {}  # by socket file descriptor
-        self._listener: socket.socket | None = None
-        self._listen_inode = 0  # of the socket file we bound (another engine's may replace it later)
+        # bound by the API process that started us, before we existed: later ones queue there meanwhile
+        self._listener = socket.socket(fileno=listen.fd) if listen.fd >= 0 else None
+        self._listen_inode = listen.inode
         self._done: asyncio.Future | None = None
 
     async def run(self) -> int:
@@ -103,10 +117,6 @@ class EngineCore:
         loop = asyncio.get_running_loop()
         self._done = loop.create_future()
         try:
-            if self.listen_path:
-                # bound while the starting API process still holds the start lock: an API process that finds
-                # it later queues here until the model has loaded instead of starting a second engine
-                self._listen()
             await self.engine.start()
         except Exception as exc:
             logger.error("engine start failed: %r", exc)
@@ -115,6 +125,7 @@ class EngineCore:
             await self.engine.stop()
             return 1
         if self._listener is not None:
+            self._listener.setblocking(False)
             loop.add_reader(self._listener.fileno(), self._accept)
             logger.info("shared engine: API processes attach at %s", self.listen_path)
         self._add_client(loop, self.conn, attached=True)
@@ -123,53 +134,23 @@ class EngineCore:
         finally:
             if self._listener is not None:
                 loop.remove_reader(self._listener.fileno())
-            self._listener_stop_accepting()
+                # refuse new connections, but keep the socket (and its file's inode) until the file is removed
+                with contextlib.suppress(OSError):
+                    self._listener.shutdown(socket.SHUT_RDWR)
             for client in self.clients.values():
                 loop.remove_reader(client.fd)
             await self.engine.stop()  # aborts what is still running; the abort deltas still go out
             for client in list(self.clients.values()):
                 client.forwarder.close()
                 client.conn.close()
-            self._close_listener()  # last: the socket file's removal tells that this engine has finished
-
-    def _listen(self) -> None:
-        """Listen at `listen_path` (mode 0600: the socket takes pickles, so only our user may connect). A socket
-        file there is a dead engine's (the API process that started this one found nobody listening); any
-        other file is a misconfiguration, not ours to delete.
-
-        Raises:
-            ConfigError: the path exists and is not a socket.
-        """
-        try:
-            if not stat.S_ISSOCK(os.stat(self.listen_path).st_mode):
-                raise ConfigError(f"engine_socket {self.listen_path} exists and is not a socket")
-            os.unlink(self.listen_path)
-        except FileNotFoundError:
-            pass
-        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        old_umask = os.umask(0o177)
-        try:
-            listener.bind(self.listen_path)
-        finally:
-            os.umask(old_umask)
-        self._listen_inode = os.stat(self.listen_path).st_ino
-        listener.listen(64)
-        listener.setblocking(False)
-        self._listener = listener
-
-    def _listener_stop_accepting(self) -> None:
-        if self._listener is not None:
-            self._listener.close()
+            self._close_listener()  # last (the engine lock goes with the process's exit)
 
     def _close_listener(self) -> None:
-        """Close the listener and remove its socket file, unless another engine has bound that path since."""
-        if not self.listen_path or not self._listen_inode:
-            return
-        self._listener_stop_accepting()
-        with contextlib.suppress(OSError):
-            if os.stat(self.listen_path).st_ino == self._listen_inode:
-                os.unlink(self.listen_path)
-        self._listen_inode = 0
+        """Remove the socket file (if it is still the one bound for us), then close the listener."""
+        if self._listener is not None:
+            engine_socket.remove_if_same(self.listen_path, self._listen_inode)
+            self._listener.close()
+            self._listener = None
 
     def _accept(self) -> None:
         try:
@@ -177,6 +158,8 @@ class EngineCore:
         except (BlockingIOError, InterruptedError):
             return
         sock.setblocking(True)
+        # until it has attached, a read that stalls mid-message ends in an error instead of holding the loop
+        _set_recv_timeout(sock.fileno(), PENDING_RECV_TIMEOUT_S)
         loop = asyncio.get_running_loop()
         client = self._add_client(loop, Connection(sock.detach()), attached=False)
         loop.call_later(ATTACH_DEADLINE_S, self._expire, client)
@@ -237,7 +220,11 @@ class EngineCore:
     def _on_readable(self, client: ApiClient) -> None:
         try:
             while not client.dropped and client.conn.poll():
-                for cmd in client.conn.recv():
+                if client.attached:
+                    commands = client.conn.recv()
+                else:  # an AttachMsg is small: a longer message is not one (e.g. an HTTP request)
+                    commands = ForkingPickler.loads(client.conn.recv_bytes(MAX_ATTACH_BYTES))
+                for cmd in commands:
                     self._handle(client, cmd)
         except (EOFError, OSError):
             self._drop_client(client)
@@ -277,13 +264,16 @@ class EngineCore:
             self._drop_client(client)
             return
         client.attached = True
+        _set_recv_timeout(client.fd, 0.0)  # its reads block as the others' do
         self._send_ready(client)
         logger.info("an API process attached (%d now)", sum(c.attached for c in self.clients.values()))
 
     def _on_death(self, exc: BaseException) -> None:
-        """AsyncEngine's death hook: its open streams have failed; tell every API process and exit."""
+        """AsyncEngine's death hook: its open streams have failed; tell every attached API process and exit
+        (those attaching see the exit)."""
         for client in self.clients.values():
-            client.forwarder.send(EngineDiedMsg(portable_error(exc)))
+            if client.attached:
+                client.forwarder.send(EngineDiedMsg(portable_error(exc)))
         self._finish(1)
 
     def _finish(self, code: int) -> None:

@@ -68,8 +68,19 @@ class EngineStartMsg:
     log_level: int
     # (config, on_death=callback) -> engine with AsyncEngine's interface; None = AsyncEngine
     engine_factory: Any = None
-    # a Unix socket path where further API processes attach (`AttachMsg`); "" = the engine serves its parent only
-    listen_path: str = ""
+    # where further API processes attach (`AttachMsg`); ListenSocket() = the engine serves its parent only
+    listen: "ListenSocket" = field(default_factory=lambda: ListenSocket())
+
+
+@dataclass(frozen=True)
+class ListenSocket:
+    """A shared engine's listening socket (`actors.engine_socket`), bound by the API process that starts the
+    engine and inherited by it."""
+
+    path: str = ""  # "" = none
+    fd: int = -1  # the listening socket's descriptor in the engine process
+    inode: int = 0  # of the socket file: the engine removes the file at its exit only if it is still that one
+    lock_fd: int = -1  # the engine lock, held open for the engine process's life
 
 
 @dataclass(frozen=True)

@@ -18,8 +18,6 @@ Example:
 from __future__ import annotations
 
 import asyncio
-import errno
-import fcntl
 import logging
 import socket
 import subprocess
@@ -30,7 +28,8 @@ from collections.abc import AsyncIterator, Callable
 from multiprocessing.connection import Connection
 
 from actors.engine_core import ENTRY
-from actors.engine_ipc import (AbortMsg, AddMsg, AttachMsg, EngineDiedMsg, EngineStartMsg, ReadyMsg,
+from actors import engine_socket
+from actors.engine_ipc import (AbortMsg, AddMsg, AttachMsg, EngineDiedMsg, EngineStartMsg, ListenSocket, ReadyMsg,
                                StartFailedMsg, StepOutputsMsg, StopMsg, watch_readable)
 from actors.stream import RequestStream, generate_outputs
 from voltserve.config import EngineConfig
@@ -43,7 +42,11 @@ STOP_TIMEOUT_S = 30.0  # a clean stop finishes the step in hand; then the proces
 # a shared engine answers an attach within a loop turn, or once its model has loaded (attached during the load)
 ATTACH_TIMEOUT_S = 600.0
 ATTACH_TRIES = 3  # an attach that meets the engine's exit (its last API process just left) starts over
-LOCK_POLL_S = 0.05
+ENGINE_EXIT_WAIT_S = 60.0  # a new shared engine waits this long for the previous one's exit (its stop)
+
+
+class AttachTimeoutError(EngineDeadError):
+    """A shared engine did not answer an attach in ATTACH_TIMEOUT_S (hung: not retried)."""
 # messages read per readable event: the loop gets back to HTTP even if the engine outpaces the reader
 MAX_MESSAGES_PER_READ = 8
 _EMPTY_KV_STATS = {"num_blocks": 0, "num_free_blocks": 0, "num_cached_blocks": 0, "num_running": 0,
@@ -101,16 +104,18 @@ class ProcessEngine:
         else:
             # one API process at a time: the first starts the engine (the others wait here while the model
             # loads), the later ones find it listening
-            lock = await _acquire_lock(path + ".lock")
+            lock = await engine_socket.acquire_lock(path + engine_socket.START_LOCK_SUFFIX)
             try:
                 for attempt in range(1, ATTACH_TRIES + 1):
-                    sock = _connect(path)
+                    sock = engine_socket.connect(path)
                     if sock is None:
                         await self._spawn(listen_path=path)
                         break
                     try:
                         await self._attach(sock)
                         break
+                    except AttachTimeoutError:
+                        raise
                     except EngineDeadError:  # it exited as we attached: its last API process had just left
                         if attempt == ATTACH_TRIES:
                             raise
@@ -120,18 +125,40 @@ class ProcessEngine:
         self._started = True
 
     async def _spawn(self, listen_path: str = "") -> None:
-        """Start the engine process (listening at `listen_path` for others when set) and wait for ReadyMsg."""
-        ours, theirs = socket.socketpair()
-        with theirs:
-            # a new session: a terminal's Ctrl-C goes to the API process only, which then stops the engine
-            self.process = await asyncio.to_thread(
-                subprocess.Popen, [sys.executable, "-c", ENTRY, str(theirs.fileno())], pass_fds=[theirs.fileno()],
-                start_new_session=True)
+        """Start the engine process and wait for ReadyMsg. With `listen_path` (the caller holds the start lock
+        and found nobody listening there): first wait for a previous engine there to have exited, then bind the
+        socket for the others and hand it to the engine process with the engine lock (`actors.engine_socket`).
+
+        Raises:
+            EngineDeadError: a previous engine has not exited in ENGINE_EXIT_WAIT_S.
+        """
+        handed: list = []  # our copies of what the engine process inherits
+        listen = ListenSocket()
+        try:
+            if listen_path:
+                try:
+                    engine_lock = await engine_socket.acquire_lock(listen_path + engine_socket.ENGINE_LOCK_SUFFIX,
+                                                                   ENGINE_EXIT_WAIT_S)
+                except TimeoutError as exc:
+                    raise EngineDeadError(f"the previous engine at {listen_path} has not exited") from exc
+                handed.append(engine_lock)
+                listener, inode = engine_socket.bind_listener(listen_path)
+                handed.append(listener)
+                listen = ListenSocket(listen_path, listener.fileno(), inode, engine_lock.fileno())
+            ours, theirs = socket.socketpair()
+            with theirs:
+                # a new session: a terminal's Ctrl-C goes to the API process only, which then stops the engine
+                self.process = await asyncio.to_thread(
+                    subprocess.Popen, [sys.executable, "-c", ENTRY, str(theirs.fileno())],
+                    pass_fds=[theirs.fileno(), *(f.fileno() for f in handed)], start_new_session=True)
+        finally:
+            for f in handed:  # the engine process holds them now (or nobody does)
+                f.close()
         # the child holds the only other end now: its exit is EOF here
         self._conn = Connection(ours.detach())
         self._conn.send(sys.path)
         self._conn.send(EngineStartMsg(self.config, logging.getLogger().getEffectiveLevel(), self._engine_factory,
-                                       listen_path))
+                                       listen))
         try:
             await self._wait_ready()
         except BaseException as exc:
@@ -158,8 +185,8 @@ class ProcessEngine:
             try:
                 await asyncio.wait_for(self._wait_ready(), ATTACH_TIMEOUT_S)
             except TimeoutError as exc:
-                raise EngineDeadError(f"the shared engine at {self.config.engine_socket} did not answer in "
-                                      f"{ATTACH_TIMEOUT_S:g} s") from exc
+                raise AttachTimeoutError(f"the shared engine at {self.config.engine_socket} did not answer in "
+                                         f"{ATTACH_TIMEOUT_S:g} s") from exc
         except BaseException:
             self._close_conn()
             raise
@@ -170,6 +197,8 @@ class ProcessEngine:
         self._ready = self._loop.create_future()
         watch_readable(self._loop, self._conn, self._on_readable)
         ready: ReadyMsg = await self._ready
+        if self._conn is None:  # its exit was read right after its ReadyMsg
+            raise EngineDeadError("the engine process exited right after it was ready")
         self.model_config, self.tokenizer = ready.model_config, ready.tokenizer
         self.chat_template, self.max_model_len = ready.chat_template, ready.max_model_len
         self._kv_stats = ready.kv_stats
@@ -237,7 +266,10 @@ class ProcessEngine:
                 else:
                     self._ready.set_exception(msg.error)
         elif isinstance(msg, EngineDiedMsg):
-            self._die(msg.error)
+            if self._started:
+                self._die(msg.error)
+            elif self._ready is not None and not self._ready.done():  # during start(): its error, no death
+                self._ready.set_exception(EngineDeadError(f"the engine died: {msg.error!r}"))
         else:
             raise TypeError(f"engine process sent an unknown message {msg!r}")
 
@@ -341,32 +373,3 @@ class ProcessEngine:
         message (sent with every step's outputs)."""
         return dict(self._kv_stats)
 
-
-async def _acquire_lock(path: str):
-    """Open `path` (created if missing) and take an exclusive flock on it, polling (a cancelled wait leaves
-    nothing behind); closing the returned file releases it, as does the process's exit."""
-    f = open(path, "a")  # noqa: SIM115 - the caller closes it
-    try:
-        while True:
-            try:
-                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                return f
-            except BlockingIOError:
-                await asyncio.sleep(LOCK_POLL_S)
-    except BaseException:
-        f.close()
-        raise
-
-
-def _connect(path: str) -> socket.socket | None:
-    """A socket connected to the engine listening at `path`, or None when nobody listens there (no file, or a
-    file a dead engine left)."""
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        sock.connect(path)
-        return sock
-    except OSError as exc:
-        sock.close()
-        if exc.errno in (errno.ENOENT, errno.ECONNREFUSED):
-            return None
-        raise

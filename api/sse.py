@@ -64,7 +64,7 @@ class IdleTimer:
         due = self.last + self._interval
         if now + _TIMER_SLACK_S >= due:  # loops may run a timer a clock tick early
             self.last = now
-            self.fired = bool(self._on_idle())
+            self.fired = bool(self._on_idle()) or self.fired  # (a woken consumer that has not run yet still owes)
             due = now + self._interval
         self._handle = self._loop.call_at(due, self._fire)
 

@@ -10,10 +10,10 @@ Signals: SIGINT / SIGTERM to the supervisor are passed to every child, whose own
 (`api.app.SignalDrain`; a second signal ends them at once). A child that exits while the others serve (its
 engine died: exit 1) stops the rest, and the supervisor exits with its status, so systemd restarts the whole.
 If the supervisor itself is killed, the children notice (EOF on a pipe it holds) and shut down as on SIGTERM.
-After a clean stop it waits (up to ENGINE_STOP_WAIT_S) for the engine process to remove its socket file, the last
-thing it does, so that a service manager that kills what remains once the main process exits does not cut the
-engine's own stop short. An engine that fails to start is started again by each API process in turn, one after
-another, before all have failed.
+After a clean stop it waits (up to ENGINE_STOP_WAIT_S, or until a further signal) for the engine process to exit
+(its engine lock is free then), so that a service manager that kills what remains once the main process exits does
+not cut the engine's own stop short. An engine that fails to start is started again by each API process in turn,
+one after another, before all have failed.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ import sys
 import tempfile
 import time
 
+from actors.engine_socket import ENGINE_LOCK_SUFFIX, try_flock
 from voltserve.config import EngineConfig
 
 logger = logging.getLogger(__name__)
@@ -114,8 +115,9 @@ def run_api_processes(config: EngineConfig, log_level: str | None = None) -> int
         logger.info("%d API processes (pids %s) on http://%s:%d, one engine at %s", len(children),
                     " ".join(str(c.pid) for c in children), config.host, config.port, env["VOLTSERVE_ENGINE_SOCKET"])
         status = _wait(children, lambda: signals["received"] > 0)
-        if status == 0 and private:  # the engine removes its socket file last: let it finish its stop first
-            _wait_removed(engine_socket, ENGINE_STOP_WAIT_S)
+        if status == 0 and private:  # let the engine finish its own stop (a further signal ends the wait)
+            _wait_engine_exit(engine_socket + ENGINE_LOCK_SUFFIX, ENGINE_STOP_WAIT_S,
+                              lambda: signals["received"] > 1)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
@@ -132,13 +134,15 @@ def run_api_processes(config: EngineConfig, log_level: str | None = None) -> int
     return status
 
 
-def _wait_removed(path: str, timeout_s: float) -> None:
+def _wait_engine_exit(lock_path: str, timeout_s: float, hurry) -> None:
+    """Wait until the engine process has exited: its engine lock (`actors.engine_socket`) is free."""
     deadline = time.monotonic() + timeout_s
-    while os.path.exists(path):
-        if time.monotonic() > deadline:
-            logger.warning("the engine process has not finished %g s after its API processes; leaving it", timeout_s)
-            return
-        time.sleep(POLL_S)
+    with open(lock_path, "a") as f:
+        while not try_flock(f):
+            if hurry() or time.monotonic() > deadline:
+                logger.warning("leaving the engine process to finish its stop on its own")
+                return
+            time.sleep(POLL_S)
 
 
 def _wait(children: list[subprocess.Popen], asked_to_stop) -> int:

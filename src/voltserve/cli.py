@@ -21,6 +21,7 @@ from voltserve.errors import ConfigError
 from voltserve.log_setup import configure_logging
 
 logger = logging.getLogger("voltserve.cli")
+STARTUP_TIMEOUT_S = 3600.0  # the app's startup: the model's load (and, on a GPU, its CUDA graphs' capture)
 
 HELP = {
     "model": "model: the alias smollm2-135m-instruct, a .gguf file or a Hugging Face directory",
@@ -111,7 +112,7 @@ def serve(args: argparse.Namespace) -> int:
             logger.error("bad configuration: %s", exc)
             return 2
         except OSError as exc:
-            logger.error("cannot listen on %s:%d: %s", config.host, config.port, exc)
+            logger.error("cannot start the API processes on %s:%d: %s", config.host, config.port, exc)
             return 1
     listen_fd = os.environ.pop(LISTEN_FD_ENV, "")  # set when this is one of several API processes
     parent_fd = os.environ.pop(PARENT_FD_ENV, "")
@@ -124,6 +125,7 @@ def serve(args: argparse.Namespace) -> int:
     if listen_fd:  # one of several API processes: say which one served a request
         hconfig.access_log_format += " %(p)s"
     hconfig.errorlog = logging.getLogger("hypercorn.error")
+    hconfig.startup_timeout = STARTUP_TIMEOUT_S  # hypercorn's 60 s would cancel a large model's load
     logger.info("voltserve %s (pid %d): serving %s on http://%s (%s event loop)", __version__, os.getpid(),
                 config.model, address, loop_name)
     from api.app import SignalDrain

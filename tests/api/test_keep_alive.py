@@ -54,6 +54,27 @@ async def test_idle_timer_fires_only_while_idle():
     assert len(calls) == 2  # closed
 
 
+async def test_idle_timer_fired_means_it_woke_the_consumer():
+    """`fired` is set by a call that woke the consumer (on_idle returned True), kept by a later call that found
+    nobody waiting (the woken consumer has not run yet), and cleared by `touch()`."""
+    woke = [False, True, False]
+    timer = sse.IdleTimer(100.0, lambda: woke.pop(0))
+
+    def fire_now() -> None:  # as its timer handle would, once idle for the interval
+        timer.last -= 100.0
+        timer._fire()
+
+    fire_now()
+    assert not timer.fired  # nobody waited
+    fire_now()
+    assert timer.fired
+    fire_now()
+    assert timer.fired and woke == []  # still owed
+    timer.touch()
+    assert not timer.fired
+    timer.close()
+
+
 async def test_drive_stream_keep_alive_over_request_stream():
     stream = RequestStream("r", 1, abort=lambda rid: None)
     events = drive_stream(stream, lambda out, lps: b"data: " + out.text.encode() + b"\n\n", None, (b"first\n\n",),

@@ -1,10 +1,13 @@
-"""An engine double for ProcessEngine's process tests: nothing but a start that takes `delay_s` seconds (a model
-load) and its process id in `kv_stats` (which engine process a ProcessEngine talks to)."""
+"""Engine doubles for ProcessEngine's process tests: nothing but a start that takes `delay_s` seconds (a model
+load), or a process that exits soon after its start, and the process id in `kv_stats` (which engine process a
+ProcessEngine talks to)."""
 
 from __future__ import annotations
 
 import asyncio
 import os
+import threading
+import time
 
 
 class SlowStartEngine:
@@ -35,3 +38,14 @@ class SlowStartEngine:
 def make(delay_s: float, config, on_death) -> SlowStartEngine:
     """The engine factory, by a module-level name the engine process can import (pass a functools.partial)."""
     return SlowStartEngine(config, on_death, delay_s)
+
+
+class ExitingEngine(SlowStartEngine):
+    """Starts, then its process exits `after_s` seconds later (a crash right after the engine said ready)."""
+
+    async def start(self) -> None:
+        threading.Thread(target=lambda: (time.sleep(self.delay_s), os._exit(0)), daemon=True).start()
+
+
+def make_exiting(after_s: float, config, on_death) -> ExitingEngine:
+    return ExitingEngine(config, on_death, after_s)

@@ -5,12 +5,14 @@ api:app` holds one); the last test runs hypercorn with two workers."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import re
 import shutil
 import signal
 import socket
 import stat
+import struct
 import subprocess
 import sys
 import tempfile
@@ -20,7 +22,10 @@ from pathlib import Path
 import httpx
 import pytest
 
+from actors import engine_socket
+from actors.engine_ipc import EngineDiedMsg
 from actors.engine_process import ProcessEngine
+from tests.e2e import slow_start_engine
 from tests.e2e.engine_helpers import assert_engine_dead, complete
 from tests.helpers import stop_process
 from voltserve.config import EngineConfig
@@ -129,22 +134,102 @@ async def test_the_engine_outlives_the_process_that_started_it(tiny_dir, sock_pa
 
 
 async def test_an_api_process_starting_as_the_last_one_leaves_gets_an_engine(tiny_dir, sock_path):
-    """It may connect just before the engine exits: it starts over (attaching or starting an engine)."""
+    """It may connect just before the engine exits: it starts over (attaching, or starting an engine once the old
+    one has exited: never two at once)."""
     engine = ProcessEngine(_config(tiny_dir, sock_path))
     await engine.start()
+    engine_proc = engine.process
     for _ in range(3):
         successor = ProcessEngine(_config(tiny_dir, sock_path))
         await engine.stop()
         await successor.start()
         assert successor.is_healthy and len(await _greedy(successor)) == 6
+        if successor.process is not None:  # it started a new engine: the old one had exited
+            assert engine_proc.poll() is not None
+            engine_proc = successor.process
         engine = successor
     await engine.stop()
+
+
+async def test_an_attach_that_meets_the_engine_exit_starts_over(tiny_dir, sock_path, monkeypatch):
+    """Deterministically: the connection is made, then the last API process leaves and the engine exits before
+    reading the attach (had it read the attach first, it would have served the newcomer instead)."""
+    first = ProcessEngine(_config(tiny_dir, sock_path))
+    await first.start()
+    connect = engine_socket.connect
+    calls = []
+
+    def connect_then_leave(path):
+        sock = connect(path)
+        if not calls:  # the first connection: the engine's last API process leaves now, and the engine exits
+            first._close_conn()
+            first.process.wait(30)
+        calls.append(sock is not None)
+        return sock
+
+    monkeypatch.setattr(engine_socket, "connect", connect_then_leave)
+    second = ProcessEngine(_config(tiny_dir, sock_path))
+    await second.start()
+    try:
+        assert calls[0] and second.process is not None and len(await _greedy(second)) == 6
+    finally:
+        await second.stop()
+        await first.stop()
+
+
+async def test_stray_connections_do_not_hold_up_the_engine(tiny_dir, sock_path):
+    """Not API processes: an HTTP request (read as a huge message) and half a message are dropped at once."""
+    first = ProcessEngine(_config(tiny_dir, sock_path))
+    await first.start()
+    strays = [socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) for _ in range(2)]
+    try:
+        for stray in strays:
+            stray.connect(sock_path)
+        strays[0].sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        strays[1].sendall(struct.pack("!i", 100) + b"0123456789")  # a 100-byte message, 10 bytes of it
+        second = ProcessEngine(_config(tiny_dir, sock_path))
+        await asyncio.wait_for(second.start(), 5)
+        assert second.process is None and len(await asyncio.wait_for(_greedy(second), 5)) == 6
+        await second.stop()
+    finally:
+        for stray in strays:
+            stray.close()
+        await first.stop()
+
+
+async def test_an_engine_that_exits_right_after_ready_fails_the_start(sock_path):
+    """Its ReadyMsg and its exit are read in one go: start() raises, it does not report a healthy engine with no
+    connection (whose requests would hang)."""
+    engine = ProcessEngine(EngineConfig(model="x"), functools.partial(slow_start_engine.make_exiting, 0.2))
+
+    async def busy() -> None:  # the loop is busy while the engine starts, says ready and exits
+        while engine.process is None:
+            await asyncio.sleep(0.01)
+        time.sleep(3)
+
+    blocker = asyncio.ensure_future(busy())
+    with pytest.raises(EngineDeadError, match="right after it was ready"):
+        await engine.start()
+    await blocker
+    assert not engine.is_healthy
+    await engine.stop()
+
+
+async def test_engine_died_during_start_is_the_start_error():
+    engine = ProcessEngine(EngineConfig(model="x"))
+    engine._loop = asyncio.get_running_loop()
+    engine._ready = engine._loop.create_future()
+    engine._dispatch(EngineDiedMsg(RuntimeError("device lost")))
+    with pytest.raises(EngineDeadError, match="device lost"):
+        await engine._ready
+    assert engine._dead is None  # a retried attach is not dead on arrival
 
 
 async def test_an_engine_whose_starter_died_serves_the_next_api_process(sock_path):
     """The engine binds its socket before its model loads: an API process that comes while it loads (its
     starter killed meanwhile) waits for it instead of starting a second engine."""
     factory = "functools.partial(__import__('tests.e2e.slow_start_engine').e2e.slow_start_engine.make, {})"
+    # (the engine double sleeps in its start; the socket is bound by the starter before the engine exists)
     starter = subprocess.Popen([sys.executable, "-c", (
         "import asyncio, functools, sys; from actors.engine_process import ProcessEngine; "
         "from voltserve.config import EngineConfig; "
@@ -156,10 +241,6 @@ async def test_an_engine_whose_starter_died_serves_the_next_api_process(sock_pat
         await asyncio.sleep(0.05)
     starter.kill()
     starter.wait()
-    import functools
-
-    from tests.e2e import slow_start_engine
-
     late = ProcessEngine(EngineConfig(model="x", engine_socket=sock_path),
                          functools.partial(slow_start_engine.make, 0.0))
     await late.start()

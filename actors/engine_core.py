@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import signal
 import socket
 import struct
@@ -44,13 +45,16 @@ MAX_ATTACH_BYTES = 1 << 20
 
 
 def _set_recv_timeout(fd: int, seconds: float) -> None:
-    """SO_RCVTIMEO of the blocking socket `fd` (0 = none): a read that waits longer fails (BlockingIOError)."""
+    """SO_RCVTIMEO of the blocking socket `fd` (0 = none): a read that waits longer fails (BlockingIOError).
+    (`struct timeval` as two C longs: Linux on 64-bit machines.)"""
+    blocking = os.get_blocking(fd)  # socket.socket(fileno=) may change it (under socket.setdefaulttimeout)
     sock = socket.socket(fileno=fd)
     try:
         whole = int(seconds)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", whole, int((seconds - whole) * 1e6)))
     finally:
         sock.detach()
+        os.set_blocking(fd, blocking)
 
 
 # the command line ProcessEngine runs: `python -c ENTRY FD` (no multiprocessing: a daemonic hypercorn worker may
@@ -77,6 +81,9 @@ def main() -> None:
         sys.exit(1)
     logging.basicConfig(level=start.log_level,
                         format="%(asctime)s %(levelname)s %(name)s [engine process]: %(message)s")
+    for fd in (start.listen.fd, start.listen.lock_fd):  # inherited: keep them from anything we might start
+        if fd >= 0:
+            os.set_inheritable(fd, False)
     core = EngineCore(start.config, conn, start.engine_factory, start.listen)
     sys.exit(event_loop.run(core.run(), start.config.event_loop))
 

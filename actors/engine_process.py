@@ -39,8 +39,9 @@ from voltserve.request import RequestOutput, SamplingParams, check_request
 logger = logging.getLogger(__name__)
 
 STOP_TIMEOUT_S = 30.0  # a clean stop finishes the step in hand; then the process is terminated
-# a shared engine answers an attach within a loop turn, or once its model has loaded (attached during the load)
-ATTACH_TIMEOUT_S = 600.0
+# a shared engine answers an attach within a loop turn, or once its model has loaded (attached during the load,
+# its starter gone): as long as `voltserve serve` lets a start take (voltserve.cli.STARTUP_TIMEOUT_S)
+ATTACH_TIMEOUT_S = 3600.0
 ATTACH_TRIES = 3  # an attach that meets the engine's exit (its last API process just left) starts over
 ENGINE_EXIT_WAIT_S = 60.0  # a new shared engine waits this long for the previous one's exit (its stop)
 
@@ -195,9 +196,10 @@ class ProcessEngine:
 
     async def _wait_ready(self) -> None:
         self._ready = self._loop.create_future()
+        self._dead = None  # (an earlier attempt's)
         watch_readable(self._loop, self._conn, self._on_readable)
         ready: ReadyMsg = await self._ready
-        if self._conn is None:  # its exit was read right after its ReadyMsg
+        if self._conn is None or self._dead is not None:  # its exit or death was read right after its ReadyMsg
             raise EngineDeadError("the engine process exited right after it was ready")
         self.model_config, self.tokenizer = ready.model_config, ready.tokenizer
         self.chat_template, self.max_model_len = ready.chat_template, ready.max_model_len
@@ -266,10 +268,10 @@ class ProcessEngine:
                 else:
                     self._ready.set_exception(msg.error)
         elif isinstance(msg, EngineDiedMsg):
-            if self._started:
+            if not self._started and self._ready is not None and not self._ready.done():
+                self._ready.set_exception(EngineDeadError(f"the engine died: {msg.error!r}"))  # the start's error
+            else:  # (read with its ReadyMsg, the start fails on `_dead` in `_wait_ready`)
                 self._die(msg.error)
-            elif self._ready is not None and not self._ready.done():  # during start(): its error, no death
-                self._ready.set_exception(EngineDeadError(f"the engine died: {msg.error!r}"))
         else:
             raise TypeError(f"engine process sent an unknown message {msg!r}")
 

@@ -115,7 +115,7 @@ def run_api_processes(config: EngineConfig, log_level: str | None = None) -> int
         logger.info("%d API processes (pids %s) on http://%s:%d, one engine at %s", len(children),
                     " ".join(str(c.pid) for c in children), config.host, config.port, env["VOLTSERVE_ENGINE_SOCKET"])
         status = _wait(children, lambda: signals["received"] > 0)
-        if status == 0 and private:  # let the engine finish its own stop (a further signal ends the wait)
+        if private:  # let the engine finish its own stop (a further signal ends the wait)
             _wait_engine_exit(engine_socket + ENGINE_LOCK_SUFFIX, ENGINE_STOP_WAIT_S,
                               lambda: signals["received"] > 1)
     finally:

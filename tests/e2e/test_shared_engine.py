@@ -152,8 +152,9 @@ async def test_an_api_process_starting_as_the_last_one_leaves_gets_an_engine(tin
 
 
 async def test_an_attach_that_meets_the_engine_exit_starts_over(tiny_dir, sock_path, monkeypatch):
-    """Deterministically: the connection is made, then the last API process leaves and the engine exits before
-    reading the attach (had it read the attach first, it would have served the newcomer instead)."""
+    """The newcomer connects, then (held up here) attaches only after the engine's last API process has left
+    and the engine has given up on the silent connection (ATTACH_DEADLINE_S) and exited: its attach fails, and
+    it starts over with an engine of its own."""
     first = ProcessEngine(_config(tiny_dir, sock_path))
     await first.start()
     connect = engine_socket.connect
@@ -200,17 +201,16 @@ async def test_stray_connections_do_not_hold_up_the_engine(tiny_dir, sock_path):
 async def test_an_engine_that_exits_right_after_ready_fails_the_start(sock_path):
     """Its ReadyMsg and its exit are read in one go: start() raises, it does not report a healthy engine with no
     connection (whose requests would hang)."""
-    engine = ProcessEngine(EngineConfig(model="x"), functools.partial(slow_start_engine.make_exiting, 0.2))
+    engine = ProcessEngine(EngineConfig(model="x"), functools.partial(slow_start_engine.make_exiting, 1.0))
+    read = engine._on_readable
 
-    async def busy() -> None:  # the loop is busy while the engine starts, says ready and exits
-        while engine.process is None:
-            await asyncio.sleep(0.01)
-        time.sleep(3)
+    def read_after_the_exit() -> None:  # the first read comes once the engine process has exited
+        os.waitid(os.P_PID, engine.process.pid, os.WEXITED | os.WNOWAIT)
+        read()
 
-    blocker = asyncio.ensure_future(busy())
+    engine._on_readable = read_after_the_exit
     with pytest.raises(EngineDeadError, match="right after it was ready"):
-        await engine.start()
-    await blocker
+        await asyncio.wait_for(engine.start(), 30)
     assert not engine.is_healthy
     await engine.stop()
 
@@ -221,22 +221,23 @@ async def test_engine_died_during_start_is_the_start_error():
     engine._ready = engine._loop.create_future()
     engine._dispatch(EngineDiedMsg(RuntimeError("device lost")))
     with pytest.raises(EngineDeadError, match="device lost"):
-        await engine._ready
+        await asyncio.wait_for(engine._ready, 5)
     assert engine._dead is None  # a retried attach is not dead on arrival
 
 
-async def test_an_engine_whose_starter_died_serves_the_next_api_process(sock_path):
-    """The engine binds its socket before its model loads: an API process that comes while it loads (its
-    starter killed meanwhile) waits for it instead of starting a second engine."""
+async def test_an_engine_whose_starter_died_serves_the_next_api_process(sock_path, monkeypatch):
+    """The starting API process binds the socket before the engine process exists: an API process that comes
+    while the engine loads (its starter killed meanwhile) waits for it instead of starting a second engine."""
+    log = os.path.join(os.path.dirname(sock_path), "engines.log")
+    monkeypatch.setenv(slow_start_engine.LOG_ENV, log)  # the engine processes inherit it
     factory = "functools.partial(__import__('tests.e2e.slow_start_engine').e2e.slow_start_engine.make, {})"
-    # (the engine double sleeps in its start; the socket is bound by the starter before the engine exists)
     starter = subprocess.Popen([sys.executable, "-c", (
         "import asyncio, functools, sys; from actors.engine_process import ProcessEngine; "
         "from voltserve.config import EngineConfig; "
         f"e = ProcessEngine(EngineConfig(model='x', engine_socket=sys.argv[1]), {factory.format(3.0)}); "
         "asyncio.run(e.start())"), sock_path], cwd=ROOT, env={**os.environ, "PYTHONPATH": f"{ROOT}:{ROOT}/src"})
     deadline = time.monotonic() + 30
-    while not os.path.exists(sock_path):  # its engine is loading (3 s)
+    while not os.path.exists(log):  # its engine has begun its 3 s load
         assert starter.poll() is None and time.monotonic() < deadline
         await asyncio.sleep(0.05)
     starter.kill()
@@ -257,6 +258,29 @@ async def test_an_engine_whose_starter_died_serves_the_next_api_process(sock_pat
     while os.path.exists(sock_path):  # the engine exits with the last API process, its socket file last
         assert time.monotonic() < deadline
         await asyncio.sleep(0.05)
+    assert [e for e, _, _ in slow_start_engine.read_log(log)] == ["start", "exit"]  # one engine
+
+
+async def test_a_new_engine_waits_for_the_old_ones_exit(sock_path, monkeypatch):
+    """The old engine takes 1.5 s to stop after its last API process left: the next start waits for its exit
+    (its engine lock) instead of loading a second engine meanwhile."""
+    log = os.path.join(os.path.dirname(sock_path), "engines.log")
+    monkeypatch.setenv(slow_start_engine.LOG_ENV, log)
+    factory = functools.partial(slow_start_engine.make_slow_stop, 1.5)
+    old = ProcessEngine(EngineConfig(model="x", engine_socket=sock_path), factory)
+    await old.start()
+    await old.stop()
+    new = ProcessEngine(EngineConfig(model="x", engine_socket=sock_path), factory)
+    await new.start()
+    await new.stop()
+    deadline = time.monotonic() + 30
+    while [e for e, _, _ in slow_start_engine.read_log(log)].count("exit") < 2:  # both engines' stops are done
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.05)
+    events = slow_start_engine.read_log(log)
+    (old_exit,) = [t for e, pid, t in events if e == "exit" and pid == old.process.pid]
+    (new_start,) = [t for e, pid, t in events if e == "start" and pid == new.process.pid]
+    assert new_start > old_exit
 
 
 async def test_the_socket_is_private_and_other_files_are_left_alone(tiny_dir, sock_path):

@@ -27,8 +27,8 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from multiprocessing.connection import Connection
 
-from actors.engine_core import ENTRY
 from actors import engine_socket
+from actors.engine_core import ENTRY
 from actors.engine_ipc import (AbortMsg, AddMsg, AttachMsg, EngineDiedMsg, EngineStartMsg, ListenSocket, ReadyMsg,
                                StartFailedMsg, StepOutputsMsg, StopMsg, watch_readable)
 from actors.stream import RequestStream, generate_outputs
@@ -44,14 +44,14 @@ STOP_TIMEOUT_S = 30.0  # a clean stop finishes the step in hand; then the proces
 ATTACH_TIMEOUT_S = 3600.0
 ATTACH_TRIES = 3  # an attach that meets the engine's exit (its last API process just left) starts over
 ENGINE_EXIT_WAIT_S = 60.0  # a new shared engine waits this long for the previous one's exit (its stop)
-
-
-class AttachTimeoutError(EngineDeadError):
-    """A shared engine did not answer an attach in ATTACH_TIMEOUT_S (hung: not retried)."""
 # messages read per readable event: the loop gets back to HTTP even if the engine outpaces the reader
 MAX_MESSAGES_PER_READ = 8
 _EMPTY_KV_STATS = {"num_blocks": 0, "num_free_blocks": 0, "num_cached_blocks": 0, "num_running": 0,
                    "num_waiting": 0}
+
+
+class AttachTimeoutError(EngineDeadError):
+    """A shared engine did not answer an attach in ATTACH_TIMEOUT_S (hung: not retried)."""
 
 
 class ProcessEngine:
@@ -374,4 +374,3 @@ class ProcessEngine:
         """num_blocks, num_free_blocks, num_cached_blocks, num_running, num_waiting as of the engine's last
         message (sent with every step's outputs)."""
         return dict(self._kv_stats)
-

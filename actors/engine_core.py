@@ -260,16 +260,17 @@ class EngineCore:
             raise TypeError(f"engine process: unknown command {cmd!r}")
 
     def _attach(self, client: ApiClient, cmd) -> None:
-        """The first command of an attaching API process: its config must ask for this engine."""
+        """The first command of an attaching API process: its config must ask for this engine.
+
+        Raises:
+            TypeError: not an AttachMsg; ConfigError: other engine settings (`_on_readable` refuses the attach).
+        """
         if not isinstance(cmd, AttachMsg):
             raise TypeError(f"engine process: expected AttachMsg from an attaching API process, got {cmd!r}")
         theirs, ours = cmd.config.engine_settings(), self.config.engine_settings()
         if theirs != ours:
             differ = ", ".join(f"{k}={theirs[k]!r} (engine: {ours[k]!r})" for k in ours if theirs[k] != ours[k])
-            client.forwarder.send(StartFailedMsg(ConfigError(
-                f"the engine at {self.listen_path} runs other settings: {differ}")))
-            self._drop_client(client)
-            return
+            raise ConfigError(f"the engine at {self.listen_path} runs other settings: {differ}")
         client.attached = True
         _set_recv_timeout(client.fd, 0.0)  # its reads block as the others' do
         self._send_ready(client)
@@ -278,9 +279,10 @@ class EngineCore:
     def _on_death(self, exc: BaseException) -> None:
         """AsyncEngine's death hook: its open streams have failed; tell every attached API process and exit
         (those attaching see the exit)."""
+        msg = EngineDiedMsg(portable_error(exc))
         for client in self.clients.values():
             if client.attached:
-                client.forwarder.send(EngineDiedMsg(portable_error(exc)))
+                client.forwarder.send(msg)
         self._finish(1)
 
     def _finish(self, code: int) -> None:

@@ -1,12 +1,19 @@
-"""Model loaders: resolve a spec to a local file or directory, then read it into a `LoadedModel`."""
+"""Model loaders: resolve a spec to a local file or directory, then read it into a `LoadedModel`.
+
+Light to import (no torch): `voltserve serve` checks the model spec (`loaders.sources`) before anything loads.
+"""
 
 from __future__ import annotations
 
 import os
 import pathlib
 
-from loaders.model import LoadedModel, QuantizedTensor
+from typing import TYPE_CHECKING
+
 from loaders.sources import resolve_model
+
+if TYPE_CHECKING:
+    from loaders.model import LoadedModel
 
 
 def load_model(spec: str, cache_dir: str | os.PathLike | None = None, progress: bool = True) -> LoadedModel:
@@ -35,4 +42,4 @@ def load_model(spec: str, cache_dir: str | os.PathLike | None = None, progress: 
     return load_gguf(pathlib.Path(path))
 
 
-__all__ = ["LoadedModel", "QuantizedTensor", "load_model", "resolve_model"]
+__all__ = ["load_model", "resolve_model"]

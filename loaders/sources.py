@@ -93,10 +93,24 @@ def resolve_model(spec: str, cache_dir: str | os.PathLike | None = None, progres
         LoaderError: the path does not exist or is neither form, the alias could not be fetched, or a hash
             did not match.
     """
-    alias = ALIASES.get(spec.strip().lower())
-    if alias is not None:
-        cache = pathlib.Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
-        return fetch_alias(alias, cache, progress=progress)
+    local = check_model_spec(spec)
+    if local is not None:
+        return local
+    cache = pathlib.Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+    return fetch_alias(ALIASES[spec.strip().lower()], cache, progress=progress)
+
+
+def check_model_spec(spec: str) -> pathlib.Path | None:
+    """What `resolve_model` would take, checked without fetching anything (`voltserve serve` fails fast on it).
+
+    Returns:
+        the resolved path of a local `.gguf` file or Hugging Face directory; None for a built-in alias.
+
+    Raises:
+        LoaderError: `spec` is no alias and no such file or directory.
+    """
+    if spec.strip().lower() in ALIASES:
+        return None
     path = pathlib.Path(spec).expanduser()
     if path.is_file() and path.suffix.lower() == ".gguf":
         return path.resolve()

@@ -12,7 +12,8 @@ engine died: exit 1) stops the rest, and the supervisor exits with its status, s
 If the supervisor itself is killed, the children notice (EOF on a pipe it holds) and shut down as on SIGTERM.
 After a clean stop it waits (up to ENGINE_STOP_WAIT_S, or until a further signal) for the engine process to exit
 (its engine lock is free then), so that a service manager that kills what remains once the main process exits does
-not cut the engine's own stop short. An engine that fails to start is started again by each API process in turn,
+not cut the engine's own stop short. The children count `/metrics` in prometheus-client's multiprocess files in
+the supervisor's private folder (unless PROMETHEUS_MULTIPROC_DIR is set), so any child's scrape covers all. An engine that fails to start is started again by each API process in turn,
 one after another, before all have failed.
 """
 
@@ -40,6 +41,7 @@ LISTEN_FD_ENV = "VOLTSERVE_LISTEN_FD"  # a child's inherited listening socket (s
 PARENT_FD_ENV = "VOLTSERVE_PARENT_FD"  # a child's read end of a pipe: EOF = the supervisor is gone
 POLL_S = 0.1
 ENGINE_STOP_WAIT_S = 40.0  # the engine's stop after its last API process (a step in hand, then the actors)
+METRICS_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"  # prometheus-client's multiprocess mode: /metrics over all children
 CHILD = "from voltserve.cli import main; import sys; sys.exit(main(['serve']))"
 
 
@@ -73,18 +75,20 @@ def run_api_processes(config: EngineConfig, log_level: str | None = None) -> int
         OSError: the listening address is not available.
         ConfigError: the private engine socket's path is too long (a long TMPDIR).
     """
-    private = "" if config.engine_socket else tempfile.mkdtemp(prefix="voltserve-")
+    private = tempfile.mkdtemp(prefix="voltserve-")  # the engine socket unless one is given; the metrics' files
     try:
         engine_socket = config.engine_socket or os.path.join(private, "engine.sock")
         dataclasses.replace(config, engine_socket=engine_socket).validate()
         sock = listen_socket(config.host, config.port)
     except BaseException:
-        if private:
-            shutil.rmtree(private, ignore_errors=True)
+        shutil.rmtree(private, ignore_errors=True)
         raise
     read_end, write_end = os.pipe()  # the children see EOF on read_end once this process is gone
     env = {**os.environ, "VOLTSERVE_API_PROCESSES": "1", LISTEN_FD_ENV: str(sock.fileno()),
            PARENT_FD_ENV: str(read_end), "VOLTSERVE_ENGINE_SOCKET": engine_socket}
+    if not (env.get(METRICS_DIR_ENV) or env.get(METRICS_DIR_ENV.lower())):  # one /metrics over all API processes
+        env[METRICS_DIR_ENV] = os.path.join(private, "metrics")
+        os.mkdir(env[METRICS_DIR_ENV])
     if log_level is not None:
         env["VOLTSERVE_LOG_LEVEL"] = log_level
     children: list[subprocess.Popen] = []
@@ -115,7 +119,7 @@ def run_api_processes(config: EngineConfig, log_level: str | None = None) -> int
         logger.info("%d API processes (pids %s) on http://%s:%d, one engine at %s", len(children),
                     " ".join(str(c.pid) for c in children), config.host, config.port, env["VOLTSERVE_ENGINE_SOCKET"])
         status = _wait(children, lambda: signals["received"] > 0)
-        if private:  # let the engine finish its own stop (a further signal ends the wait)
+        if not config.engine_socket:  # its private engine: let it finish its own stop (a signal ends the wait)
             _wait_engine_exit(engine_socket + ENGINE_LOCK_SUFFIX, ENGINE_STOP_WAIT_S,
                               lambda: signals["received"] > 1)
     finally:
@@ -129,8 +133,7 @@ def run_api_processes(config: EngineConfig, log_level: str | None = None) -> int
         if read_end >= 0:
             os.close(read_end)
         sock.close()
-        if private:
-            shutil.rmtree(private, ignore_errors=True)
+        shutil.rmtree(private, ignore_errors=True)
     return status
 
 

@@ -14,10 +14,11 @@ import os
 import signal
 import sys
 
+from loaders.sources import check_model_spec
 from voltserve import __version__, event_loop
 from voltserve.api_processes import LISTEN_FD_ENV, PARENT_FD_ENV, run_api_processes, watch_parent
 from voltserve.config import EngineConfig
-from voltserve.errors import ConfigError
+from voltserve.errors import ConfigError, LoaderError
 from voltserve.log_setup import configure_logging
 
 logger = logging.getLogger("voltserve.cli")
@@ -96,13 +97,15 @@ def serve(args: argparse.Namespace) -> int:
     `--shutdown-timeout` s (`api.app.SignalDrain`). Returns the exit status."""
     from hypercorn.asyncio import serve as hypercorn_serve
     from hypercorn.config import Config as HypercornConfig
+    from hypercorn.utils import LifespanFailureError
 
     _export_env(args)
     os.environ.setdefault("VOLTSERVE_EXIT_ON_ENGINE_DEATH", "1")  # a dead engine ends the process (exit 1)
     try:
         config = EngineConfig.from_env()  # fail fast, before the model loads
         loop_name = event_loop.resolve(config.event_loop)  # fails when uvloop is asked for but missing
-    except ConfigError as exc:
+        check_model_spec(config.model)
+    except (ConfigError, LoaderError) as exc:
         logger.error("bad configuration: %s", exc)
         return 2
     if config.api_processes > 1:
@@ -139,7 +142,11 @@ def serve(args: argparse.Namespace) -> int:
             watch_parent(int(parent_fd), lambda: os.kill(os.getpid(), signal.SIGTERM))
         await hypercorn_serve(api.app, hconfig, shutdown_trigger=drain.trigger)
 
-    event_loop.run(run(), config.event_loop)
+    try:
+        event_loop.run(run(), config.event_loop)
+    except LifespanFailureError as exc:  # the app's startup failed (logged with its traceback by the app)
+        logger.error("exiting with status 1: the server did not start: %s", exc.args[0] if exc.args else exc)
+        return 1
     engine = state.engine
     if engine is not None and getattr(engine, "_dead", None) is not None:
         logger.error("exiting with status 1: the engine died (%r)", engine._dead)

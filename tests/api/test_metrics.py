@@ -5,8 +5,12 @@ the engine gauges read at scrape time."""
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
+import sys
 
 import orjson
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from tests.api.conftest import MODEL, chat_body, leave_mid_stream
 from tests.api.fake_engine import ScriptedEngine
@@ -102,3 +106,53 @@ def test_tpot_uses_the_longest_sequence():
     assert samples[("voltserve:generation_tokens_total", _m())] == 30
     assert ("voltserve:request_failure_total", _m(reason="client_gone")) not in samples
     assert "_created" not in text
+
+
+_RECORD = """
+import sys
+from api.metrics import ServerMetrics
+metrics = ServerMetrics(sys.argv[1], lambda: None)
+for _ in range(int(sys.argv[2])):
+    stats = metrics.request()
+    stats.first_token()
+    stats.finished(prompt_tokens=5, output_tokens=7, longest=7, finish_reason="length")
+metrics.request().failed("client_gone")
+if sys.argv[3] == "render":
+    sys.stdout.write(metrics.render().decode())
+"""
+
+
+def test_multiprocess_mode_sums_every_process(tmp_path):
+    """PROMETHEUS_MULTIPROC_DIR set when the API processes start (`voltserve serve --api-processes`): a scrape
+    of any one of them counts the requests of all, the exited ones included, and the gauges once."""
+    env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(tmp_path)}
+    env.pop("prometheus_multiproc_dir", None)
+
+    def run(requests: int, action: str) -> str:
+        done = subprocess.run([sys.executable, "-c", _RECORD, MODEL, str(requests), action], env=env,
+                              capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        return done.stdout
+
+    run(2, "-")
+    run(3, "-")
+    text = run(4, "render")
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for family in text_string_to_metric_families(text) for s in family.samples}
+    assert samples[("voltserve:request_success_total", _m(finished_reason="length"))] == 9
+    assert samples[("voltserve:request_failure_total", _m(reason="client_gone"))] == 3
+    assert samples[("voltserve:prompt_tokens_total", _m())] == 45
+    assert samples[("voltserve:generation_tokens_total", _m())] == 63
+    assert samples[("voltserve:time_to_first_token_seconds_count", _m())] == 9
+    assert samples[("voltserve:time_per_output_token_seconds_count", _m())] == 9
+    assert samples[("voltserve:time_to_first_token_seconds_bucket", _m(le="+Inf"))] == 9
+    assert samples[("voltserve:num_requests_running", _m())] == 0
+    assert text.count("# TYPE voltserve:num_requests_running gauge") == 1
+
+
+def test_multiprocess_dir_must_be_a_folder(tmp_path):
+    from api.metrics import ServerMetrics
+    from voltserve.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="PROMETHEUS_MULTIPROC_DIR='.*missing' is not a folder"):
+        ServerMetrics(MODEL, lambda: None, multiprocess_dir=str(tmp_path / "missing"))

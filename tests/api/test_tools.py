@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import importlib.util
+import logging
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -52,6 +55,36 @@ def test_cli_version(capsys):
 def test_cli_bad_config_exits_2(monkeypatch):
     monkeypatch.delenv("VOLTSERVE_DEVICE", raising=False)
     assert cli.main(["serve", "--device", "tpu"]) == 2
+
+
+@pytest.mark.parametrize("processes", ["1", "3"])
+def test_cli_unknown_model_exits_2_before_anything_starts(monkeypatch, caplog, processes):
+    """A wrong model name or path: one error line and status 2, before a port, a process or torch is touched."""
+    monkeypatch.delenv("VOLTSERVE_DEVICE", raising=False)
+    with caplog.at_level(logging.ERROR, logger="voltserve.cli"):
+        assert cli.main(["serve", "/no/such/model", "--api-processes", processes, "--port", "1"]) == 2
+    assert [r.getMessage() for r in caplog.records] == [
+        "bad configuration: unknown model '/no/such/model': pass a local .gguf file, a local Hugging Face directory "
+        "(with config.json) or one of the built-in aliases: smollm2-135m-instruct"]
+
+
+def test_cli_imports_no_torch():
+    """`voltserve --help` and the --api-processes supervisor stay light (the model check included)."""
+    code = "import sys, voltserve.cli, loaders.sources; sys.exit('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], cwd=ROOT, timeout=60).returncode == 0
+
+
+def test_cli_failed_startup_exits_1_with_one_line(tmp_path):
+    """A model that resolves but does not load: the app's startup fails; status 1 and a line naming the cause
+    (no traceback of hypercorn's own)."""
+    (tmp_path / "config.json").write_text("{}")
+    done = subprocess.run([sys.executable, "-m", "voltserve.cli", "serve", str(tmp_path), "--device", "cpu",
+                           "--port", "0"], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "VOLTSERVE_API_KEY": "", "VOLTSERVE_ENGINE_SOCKET": ""})
+    assert done.returncode == 1, done.stderr[-2000:]
+    assert f"exiting with status 1: the server did not start: Lifespan failure in startup. '{tmp_path} has no " \
+           "readable config.json'" in done.stderr
+    assert "LifespanFailureError" not in done.stderr
 
 
 async def test_bench_serving_report(monkeypatch):

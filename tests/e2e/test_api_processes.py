@@ -86,6 +86,11 @@ def test_two_api_processes_share_one_engine_and_stop_on_sigterm(tiny_dir, tmp_pa
         assert len(answers) == 1
         served = [int(p) for p in re.findall(r'"POST /v1/completions 1.1" 200 .* <(\d+)>', server.text())]
         assert len(served) == 8 and set(served) <= set(server.api_pids)  # each access line names its process
+        for _ in range(4):  # whichever process a scrape reaches counts both processes' requests
+            with httpx.Client(timeout=30) as client:
+                text = client.get(server.url + "/metrics").text
+            assert f'voltserve:request_success_total{{finished_reason="length",model_name="{tiny_dir}"}} 8.0' in text
+            assert f'voltserve:generation_tokens_total{{model_name="{tiny_dir}"}} 32.0' in text
         server.proc.send_signal(signal.SIGTERM)
         assert server.proc.wait(timeout=60) == 0
         assert _gone(server.engine_pid)  # the supervisor waited for the engine's own stop (its engine lock)

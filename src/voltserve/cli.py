@@ -42,7 +42,8 @@ HELP = {
     "host": "address to listen on",
     "port": "TCP port to listen on",
     "num_threads": "torch intra-op threads on the CPU; 0 = torch's default",
-    "weight_format": "auto (int4 kernels for Q4 weights when available) or float",
+    "weight_format": "CPU: auto (int4 kernels for Q4 weights, bf16 for other quantized ones, where available) "
+                     "or float (the fp32 reference)",
     "gpu_memory_utilization": "fraction of GPU memory for weights, activations and the KV pool",
     "enforce_eager": "run every step eagerly instead of replaying CUDA graphs",
     "mixed_graphs": "also replay CUDA graphs for steps mixing prefills (<= 512 tokens) with decodes",

@@ -104,7 +104,8 @@ class EngineConfig:
             with the engine in its own process, else AsyncEngine's loop.
         host / port: where `voltserve serve` listens.
         num_threads: torch intra-op threads on the CPU backend; 0 = torch's default.
-        weight_format: "auto" (int4 kernels for Q4 GGUF weights on the CPU when available), "float".
+        weight_format: "auto" (CPU: int4 kernels for Q4 GGUF weights, bf16 on oneDNN for the other quantized
+            types, `voltserve.backends.cpu_bf16`, where available), "float" (the fp32 reference).
         gpu_memory_utilization: fraction of the GPU's memory the engine may use (weights, activations, KV pool).
         enforce_eager: run every step eagerly instead of replaying CUDA graphs.
         mixed_graphs: also capture CUDA graphs of mixed steps (new requests' prefills of up to 512 tokens next to

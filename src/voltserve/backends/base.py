@@ -84,7 +84,7 @@ class Backend(Protocol):
     dtype: torch.dtype
 
     def prepare_linear(self, weight: torch.Tensor, quant: Any | None = None, swiglu: bool = False,
-                       norm: torch.Tensor | None = None) -> Any:
+                       norm: torch.Tensor | None = None, logits: bool = False) -> Any:
         """Turn a checkpoint weight into this backend's linear operand.
 
         Args:
@@ -97,6 +97,8 @@ class Backend(Protocol):
                 first (the caller passes that same norm weight there). A backend may fold it into the weight
                 (the CUDA backend's fp16 GEMVs then scale by 1/rms after the product); such a linear is read by
                 norm_linear only. Backends that do not fold ignore it.
+            logits: the model's lm_head, whose outputs sampling reads: a backend that computes linears in a
+                lower precision keeps the logits that decide greedy sampling exact (the CPU's `cpu_bf16`).
         """
 
     def prepare_embedding(self, weight: torch.Tensor, quant: Any | None = None) -> Any:

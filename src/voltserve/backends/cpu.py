@@ -1,8 +1,11 @@
 """Torch CPU backend: the reference implementation of every op (the oracle CUDA kernels are tested against).
 
-Weights are kept in the compute dtype (fp32 by default). Q4_0/Q4_1 GGUF linears can instead run on torch's
-int4 weight-only CPU kernel (`aten._weight_int4pack_mm_for_cpu`, group size 32, the GGUF block size), which
-reads 8x fewer bytes than fp32 and batches well; `weight_format="float"` keeps the fp32 reference path.
+Weights are kept in the compute dtype (fp32 by default). With `use_int4` (`weight_format="auto"`), GGUF linears
+of the fp32 backend run on faster kernels instead: Q4_0/Q4_1 on torch's int4 weight-only CPU kernel
+(`aten._weight_int4pack_mm_for_cpu`, group size 32, the GGUF block size), which reads 8x fewer bytes than fp32
+and batches well; the other quantized types (Q8_0: the default model's tied lm_head) as bf16 weights on oneDNN's
+bf16 GEMM where torch reports it supported (`cpu_bf16`: the lm_head's logits that could be a row's largest are
+recomputed exactly). A quantized lm_head always takes the bf16 path, Q4 too. `weight_format="float"` keeps the fp32 reference path.
 """
 
 from __future__ import annotations
@@ -34,12 +37,15 @@ class CpuBackend:
     # -- weights -------------------------------------------------------------------------------------------
 
     def prepare_linear(self, weight: torch.Tensor, quant: Any | None = None, swiglu: bool = False,
-                       norm: torch.Tensor | None = None) -> Any:
+                       norm: torch.Tensor | None = None, logits: bool = False) -> Any:
         if self.use_int4 and quant is not None:
+            from voltserve.backends.cpu_bf16 import Bf16Linear, Bf16Logits, bf16_gemm_supported
             from voltserve.backends.cpu_int4 import Int4Linear, supports
 
-            if supports(quant):
+            if supports(quant) and not logits:
                 return Int4Linear.from_quantized(quant, self.dtype)
+            if self.dtype == torch.float32 and bf16_gemm_supported():
+                return Bf16Logits(weight) if logits else Bf16Linear(weight)
         return weight.to(self.dtype).contiguous()
 
     def prepare_embedding(self, weight: torch.Tensor, quant: Any | None = None) -> Any:
@@ -69,11 +75,11 @@ class CpuBackend:
 
     def linear(self, x, weight, residual=None):
         if not isinstance(weight, torch.Tensor):
-            y = weight(x)  # Int4Linear: its kernel is batch invariant already
+            y = weight(x)  # Int4Linear, Bf16Linear: batch invariant already
         elif not self.batch_invariant:
             y = F.linear(x, weight)
         else:
-            y = _fixed_shape_linear(x, weight)
+            y = fixed_shape_linear(x, weight)
         return y if residual is None else y + residual
 
     def norm_linear(self, x, norm_weight, eps, weight, silu=False):
@@ -216,18 +222,18 @@ def _attend(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: torch.Tens
 LINEAR_ROW_CHUNK = 4
 
 
-def _fixed_shape_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x @ weight^T computed LINEAR_ROW_CHUNK rows at a time (last chunk zero-padded).
+def fixed_shape_linear(x: torch.Tensor, weight: torch.Tensor, rows: int = LINEAR_ROW_CHUNK) -> torch.Tensor:
+    """x @ weight^T computed `rows` rows at a time (last chunk zero-padded).
 
     BLAS picks its kernel and blocking by shape, so a row's result would otherwise depend on how many other rows
     share the step; one fixed shape makes every row's logits the same whether it runs alone or batched (greedy
     output of concurrent requests equals that of sequential ones).
     """
     num_rows = x.shape[0]
-    pad = -num_rows % LINEAR_ROW_CHUNK
+    pad = -num_rows % rows
     if pad:
         x = torch.cat([x, x.new_zeros(pad, x.shape[1])])
-    out = torch.cat([F.linear(chunk, weight) for chunk in x.split(LINEAR_ROW_CHUNK)])
+    out = torch.cat([F.linear(chunk, weight) for chunk in x.split(rows)])
     return out[:num_rows]
 
 

@@ -69,7 +69,8 @@ class LlamaModel:
         self.embed = backend.prepare_embedding(tensors["model.embed_tokens.weight"],
                                                quantized.get("model.embed_tokens.weight"))
         head = "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
-        self.lm_head = backend.prepare_linear(tensors[head], quantized.get(head), norm=tensors["model.norm.weight"])
+        self.lm_head = backend.prepare_linear(tensors[head], quantized.get(head), norm=tensors["model.norm.weight"],
+                                              logits=True)
         self.final_norm = norm("model.norm.weight")
         self.layers = []
         for i in range(config.num_layers):

@@ -218,7 +218,7 @@ class CudaBackend:
     # -- weights -------------------------------------------------------------------------------------------
 
     def prepare_linear(self, weight: torch.Tensor, quant: Any | None = None, swiglu: bool = False,
-                       norm: torch.Tensor | None = None) -> CudaLinear:
+                       norm: torch.Tensor | None = None, logits: bool = False) -> CudaLinear:
         if norm is not None and not folds_norm(self, weight.shape, quant):
             norm = None
         repack = quant is not None and self.gemv_kernel != "scalar" and repack_wanted(

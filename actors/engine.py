@@ -42,11 +42,15 @@ class AsyncEngine:
         config: validated engine settings.
         loaded: an already loaded model (loaders.LoadedModel); None loads `config.model` in start().
         on_death: called once with the error when an actor dies (after every open stream has failed).
+        spare_cores: on the CPU backend with `config.num_threads` 0, cores torch's threads leave free
+            (`actors.build.cpu_threads`): 1 where the engine serves HTTP (the engine process, an in-process
+            server), else 0 (torch's default).
     """
 
     def __init__(self, config: EngineConfig, loaded=None,
-                 on_death: Callable[[BaseException], None] | None = None):
+                 on_death: Callable[[BaseException], None] | None = None, spare_cores: int = 0):
         self.config = config.validate()
+        self._spare_cores = spare_cores
         self._loaded = loaded
         self._on_death = on_death
         self._seq_ids = itertools.count()
@@ -66,7 +70,7 @@ class AsyncEngine:
         """Load the model (in a thread), build the runner and start the actors."""
         from actors.build import build_runner  # composition: loaders + backends
 
-        built = await asyncio.to_thread(build_runner, self.config, self._loaded)
+        built = await asyncio.to_thread(build_runner, self.config, self._loaded, self._spare_cores)
         self._loaded = None  # the runner holds what it needs; free the fp32 copies
         self.model_config = built.model_config
         self.tokenizer = built.tokenizer

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import signal
@@ -108,7 +109,8 @@ class EngineCore:
         if engine_factory is None:
             from actors.engine import AsyncEngine  # torch: only in the engine process
 
-            engine_factory = AsyncEngine
+            # a core left to the API process(es) on the CPU backend (`actors.build.cpu_threads`)
+            engine_factory = functools.partial(AsyncEngine, spare_cores=1)
         self.engine = engine_factory(config, on_death=self._on_death)
         self.config = config
         self.conn = conn

@@ -64,7 +64,7 @@ def make_engine(config: EngineConfig) -> Any:
         return ProcessEngine(config)
     from actors.engine import AsyncEngine
 
-    return AsyncEngine(config)
+    return AsyncEngine(config, spare_cores=1)  # on the CPU, a core left to the HTTP server
 
 
 class SignalDrain:

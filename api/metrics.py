@@ -36,12 +36,12 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.multiprocess import MultiProcessCollector
 from quart import Blueprint, Response
 
-from voltserve.errors import ConfigError
+from voltserve.config import prometheus_multiproc_dir
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 disable_created_metrics()  # no `_created` series per counter / histogram (vLLM does the same)
-# read as prometheus-client reads it, at import: its values are per-process files from then on, or not at all
-MULTIPROCESS_DIR = os.environ.get("PROMETHEUS_MULTIPROC_DIR") or os.environ.get("prometheus_multiproc_dir") or ""
+# prometheus-client reads the variable once, at its import: its values are per-process files from then on, or not
+MULTIPROCESS = "PROMETHEUS_MULTIPROC_DIR" in os.environ or "prometheus_multiproc_dir" in os.environ
 # TTFT / e2e buckets (s): from a launch-bound small model's milliseconds to long queued prompts
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
                    80.0)
@@ -70,28 +70,25 @@ class _EngineGauges:
 
 
 class ServerMetrics:
-    """The metrics of one app, in a registry of its own (several apps in one process, as in tests, stay apart;
-    not so in multiprocess mode, where the files are per process).
+    """The metrics of one app, in a registry of its own: several apps in one process (as in tests) stay apart,
+    except in multiprocess mode (`MULTIPROCESS`: PROMETHEUS_MULTIPROC_DIR set when prometheus-client was
+    imported), where a scrape sums the counters and histograms of every process that wrote to that folder, and
+    the values live per process: one app a process there.
 
     Args:
         model_name: the `model_name` label.
         engine_stats: -> `engine.kv_stats()` of the running engine, or None before it runs.
-        multiprocess_dir: prometheus-client's multiprocess folder (`MULTIPROCESS_DIR`): the scrape sums the
-            counters and histograms of every process that wrote there; "" = this process's own.
 
     Raises:
-        ConfigError: `multiprocess_dir` is not a folder.
+        ConfigError: in multiprocess mode, the folder is missing (`voltserve.config.prometheus_multiproc_dir`).
     """
 
-    def __init__(self, model_name: str, engine_stats: Callable[[], dict | None],
-                 multiprocess_dir: str = MULTIPROCESS_DIR):
-        if multiprocess_dir and not os.path.isdir(multiprocess_dir):
-            raise ConfigError(f"PROMETHEUS_MULTIPROC_DIR={multiprocess_dir!r} is not a folder (create it, empty, "
-                              "before the server starts)")
+    def __init__(self, model_name: str, engine_stats: Callable[[], dict | None]):
+        multiprocess_dir = prometheus_multiproc_dir() if MULTIPROCESS else ""
         self.registry = CollectorRegistry()
         self.model_name = model_name
         # multiprocess: the metrics write to their files, and the registry reads back every process's files
-        reg, label = (None if multiprocess_dir else self.registry), ["model_name"]
+        reg, label = (None if MULTIPROCESS else self.registry), ["model_name"]
         self.success = Counter("voltserve:request_success", "Finished requests, by finish reason.",
                                label + ["finished_reason"], registry=reg)
         self.failure = Counter("voltserve:request_failure", "Admitted requests that ended early, by reason.",
@@ -107,7 +104,7 @@ class ServerMetrics:
                               label, buckets=TPOT_BUCKETS, registry=reg).labels(model_name)
         self.e2e = Histogram("voltserve:e2e_request_latency_seconds", "Time from the request to its last token.",
                              label, buckets=LATENCY_BUCKETS, registry=reg).labels(model_name)
-        if multiprocess_dir:
+        if MULTIPROCESS:
             MultiProcessCollector(self.registry, multiprocess_dir)
         self.registry.register(_EngineGauges(engine_stats, model_name))
 

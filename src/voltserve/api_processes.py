@@ -86,7 +86,7 @@ def run_api_processes(config: EngineConfig, log_level: str | None = None) -> int
     read_end, write_end = os.pipe()  # the children see EOF on read_end once this process is gone
     env = {**os.environ, "VOLTSERVE_API_PROCESSES": "1", LISTEN_FD_ENV: str(sock.fileno()),
            PARENT_FD_ENV: str(read_end), "VOLTSERVE_ENGINE_SOCKET": engine_socket}
-    if not (env.get(METRICS_DIR_ENV) or env.get(METRICS_DIR_ENV.lower())):  # one /metrics over all API processes
+    if METRICS_DIR_ENV not in env and METRICS_DIR_ENV.lower() not in env:  # one /metrics over all API processes
         env[METRICS_DIR_ENV] = os.path.join(private, "metrics")
         os.mkdir(env[METRICS_DIR_ENV])
     if log_level is not None:

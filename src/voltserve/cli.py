@@ -17,7 +17,7 @@ import sys
 from loaders.sources import check_model_spec
 from voltserve import __version__, event_loop
 from voltserve.api_processes import LISTEN_FD_ENV, PARENT_FD_ENV, run_api_processes, watch_parent
-from voltserve.config import EngineConfig
+from voltserve.config import EngineConfig, prometheus_multiproc_dir
 from voltserve.errors import ConfigError, LoaderError
 from voltserve.log_setup import configure_logging
 
@@ -41,7 +41,7 @@ HELP = {
     "stream_interval": "tokens a stream gathers before each SSE chunk is written; 1 = every token",
     "host": "address to listen on",
     "port": "TCP port to listen on",
-    "num_threads": "torch intra-op threads on the CPU; 0 = torch's default",
+    "num_threads": "torch intra-op threads on the CPU; 0 = one per core less one for the HTTP server (at least 1)",
     "weight_format": "CPU: auto (int4 kernels for Q4 weights, bf16 for other quantized ones, where available) "
                      "or float (the fp32 reference)",
     "gpu_memory_utilization": "fraction of GPU memory for weights, activations and the KV pool",
@@ -105,7 +105,9 @@ def serve(args: argparse.Namespace) -> int:
     try:
         config = EngineConfig.from_env()  # fail fast, before the model loads
         loop_name = event_loop.resolve(config.event_loop)  # fails when uvloop is asked for but missing
-        check_model_spec(config.model)
+        prometheus_multiproc_dir()  # a set but missing folder
+        if not config.engine_socket:  # else the engine resolves it (one may already run, started elsewhere)
+            check_model_spec(config.model)
     except (ConfigError, LoaderError) as exc:
         logger.error("bad configuration: %s", exc)
         return 2
@@ -120,7 +122,11 @@ def serve(args: argparse.Namespace) -> int:
             return 1
     listen_fd = os.environ.pop(LISTEN_FD_ENV, "")  # set when this is one of several API processes
     parent_fd = os.environ.pop(PARENT_FD_ENV, "")
-    import api  # builds the app from the environment set above
+    try:
+        import api  # builds the app from the environment set above
+    except ConfigError as exc:
+        logger.error("bad configuration: %s", exc)
+        return 2
 
     hconfig = HypercornConfig()
     address = f"[{config.host}]:{config.port}" if ":" in config.host else f"{config.host}:{config.port}"

@@ -103,7 +103,9 @@ class EngineConfig:
             --stream-interval). Applied where the request's `actors.stream.RequestStream` lives: the API process
             with the engine in its own process, else AsyncEngine's loop.
         host / port: where `voltserve serve` listens.
-        num_threads: torch intra-op threads on the CPU backend; 0 = torch's default.
+        num_threads: torch intra-op threads on the CPU backend; 0 = auto: torch's default (one per core) less
+            one for the event loop and the API process where an `AsyncEngine` runs it (servers, embedding), at
+            least 1 (`actors.build.cpu_threads`); torch's default in the offline tools.
         weight_format: "auto" (CPU: int4 kernels for Q4 GGUF weights, bf16 on oneDNN for the other quantized
             types, `voltserve.backends.cpu_bf16`, where available), "float" (the fp32 reference).
         gpu_memory_utilization: fraction of the GPU's memory the engine may use (weights, activations, KV pool).
@@ -216,3 +218,21 @@ class EngineConfig:
             values[f.name] = _env(f.name, f.default, cast)
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values).validate()
+
+
+def prometheus_multiproc_dir(environ=os.environ) -> str:
+    """The folder of prometheus-client's multiprocess mode (`GET /metrics` over several API processes), read as
+    prometheus-client reads it: PROMETHEUS_MULTIPROC_DIR if present, else prometheus_multiproc_dir; "" when
+    neither is set (each process counts its own requests).
+
+    Raises:
+        ConfigError: the variable is set but empty or not a folder (prometheus-client would write its files into
+            the working directory, or fail on the first request).
+    """
+    for name in ("PROMETHEUS_MULTIPROC_DIR", "prometheus_multiproc_dir"):
+        if name in environ:
+            path = environ[name]
+            if not path or not os.path.isdir(path):
+                raise ConfigError(f"{name}={path!r} is not a folder (create it, empty, before the server starts)")
+            return path
+    return ""

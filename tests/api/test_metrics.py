@@ -150,9 +150,32 @@ def test_multiprocess_mode_sums_every_process(tmp_path):
     assert text.count("# TYPE voltserve:num_requests_running gauge") == 1
 
 
-def test_multiprocess_dir_must_be_a_folder(tmp_path):
-    from api.metrics import ServerMetrics
+def test_multiprocess_dir_must_be_a_folder(tmp_path, monkeypatch):
+    import api.metrics
+    from voltserve.config import prometheus_multiproc_dir
     from voltserve.errors import ConfigError
 
-    with pytest.raises(ConfigError, match="PROMETHEUS_MULTIPROC_DIR='.*missing' is not a folder"):
-        ServerMetrics(MODEL, lambda: None, multiprocess_dir=str(tmp_path / "missing"))
+    assert prometheus_multiproc_dir({}) == ""
+    assert prometheus_multiproc_dir({"prometheus_multiproc_dir": str(tmp_path)}) == str(tmp_path)
+    assert prometheus_multiproc_dir({"PROMETHEUS_MULTIPROC_DIR": str(tmp_path),
+                                     "prometheus_multiproc_dir": "/elsewhere"}) == str(tmp_path)
+    for env in ({"PROMETHEUS_MULTIPROC_DIR": ""}, {"PROMETHEUS_MULTIPROC_DIR": "", "prometheus_multiproc_dir": "x"},
+                {"PROMETHEUS_MULTIPROC_DIR": str(tmp_path / "missing")}):
+        with pytest.raises(ConfigError, match="PROMETHEUS_MULTIPROC_DIR='.*' is not a folder"):
+            prometheus_multiproc_dir(env)
+    monkeypatch.setattr(api.metrics, "MULTIPROCESS", True)
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path / "missing"))
+    with pytest.raises(ConfigError, match="is not a folder"):
+        api.metrics.ServerMetrics(MODEL, lambda: None)
+
+
+@pytest.mark.parametrize("processes", ["1", "2"])
+def test_serve_with_a_missing_multiproc_dir_exits_2(tmp_path, processes):
+    """A PROMETHEUS_MULTIPROC_DIR that does not exist: one error line and status 2, no process started."""
+    env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(tmp_path / "missing"), "VOLTSERVE_API_KEY": "",
+           "VOLTSERVE_ENGINE_SOCKET": ""}
+    done = subprocess.run([sys.executable, "-m", "voltserve.cli", "serve", "--api-processes", processes,
+                           "--port", "0"], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert f"bad configuration: PROMETHEUS_MULTIPROC_DIR='{tmp_path / 'missing'}' is not a folder" in done.stderr
+    assert "Traceback" not in done.stderr and "API processes (pids" not in done.stderr

@@ -89,3 +89,13 @@ def test_attention_row_does_not_depend_on_its_neighbours_lengths():
     v = kv[1, :4].flatten(0, 1)[:57].repeat_interleave(3, dim=1)
     ref = torch.einsum("hk,khd->hd", (torch.einsum("hd,khd->hk", q[56], k) * 0.125).softmax(-1), v)
     assert torch.allclose(alone[0], ref, atol=1e-5)
+
+
+def test_cpu_threads_keep_a_core_for_the_server_unless_set():
+    from actors.build import cpu_threads
+
+    assert cpu_threads(0, 16, 1) == 15
+    assert cpu_threads(0, 2, 1) == 1
+    assert cpu_threads(0, 1, 1) == 1  # at least one
+    assert cpu_threads(0, 8, 0) == 8  # offline tools: torch's default
+    assert cpu_threads(3, 16, 1) == 3  # --num-threads wins

@@ -25,6 +25,19 @@ def _q8_0(weight: torch.Tensor) -> tuple[torch.Tensor, QuantizedTensor]:
     return (q.float() * d.float()[..., None]).view(rows, cols), QuantizedTensor("Q8_0", (rows, cols), raw)
 
 
+def _q4_0(weight: torch.Tensor) -> tuple[torch.Tensor, QuantizedTensor]:
+    """weight [rows, cols] -> (its Q4_0 dequantized values fp32, the raw Q4_0 blocks): d fp16, 16 bytes of
+    nibbles (low nibble element i, high nibble element i + 16), value d * (q - 8)."""
+    rows, cols = weight.shape
+    blocks = weight.view(rows, cols // 32, 32)
+    d = (blocks.abs().amax(-1) / 7).half()
+    q = (torch.round(blocks / d.float().clamp_min(1e-12)[..., None]) + 8).clamp(0, 15).to(torch.uint8)
+    nibbles = q[..., :16] | (q[..., 16:] << 4)
+    raw = np.concatenate([d.numpy().view(np.uint8).reshape(rows, cols // 32, 2), nibbles.numpy()],
+                         axis=-1).reshape(rows, -1)
+    return ((q.float() - 8) * d.float()[..., None]).view(rows, cols), QuantizedTensor("Q4_0", (rows, cols), raw)
+
+
 def _near_ties(vocab: int, hidden: int, rows: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     """A weight whose rows come in pairs that differ by ~1e-4 of their norm, and x rows that put a different
     pair on top each: the two logits of the top pair are closer than bf16 can tell apart."""
@@ -61,10 +74,41 @@ def test_logits_within_their_stated_bound(seed):
     bound = (head.input_error * x.double().norm(dim=-1, keepdim=True) * head.row_norms.double()
              + head.output_error * y.abs())
     assert ((y - exact).abs() <= bound).all()
-    rows, cols = head._screen(x)[2:]
+    rows, cols = head._screen(x)[2:4]
     assert len(rows) >= x.shape[0]  # each row's own largest at least
     assert torch.allclose(y[rows, cols], exact[rows, cols], rtol=1e-6, atol=1e-6)
     assert (head.candidates(x) >= 1).all() and int(head.candidates(x).sum()) == len(rows)
+
+
+@needs_bf16
+@pytest.mark.parametrize("exponent", [-125, -85, -40, 0, 40, 100])
+def test_argmax_holds_at_any_scale_of_x(exponent):
+    """x scaled by 2^e: the bf16 products would flush subnormals and the norms under- or overflow; the argmax
+    stays the float64 one (up to fp32 rounding of the top logits: ties in fp32 are excluded here)."""
+    gen = torch.Generator().manual_seed(8)
+    w, x = _near_ties(2048, 576, 12, gen)
+    x = x.double() * 2.0 ** exponent
+    exact = x @ w.double().t()
+    y = Bf16Logits(w)(x.float())
+    top2 = exact.topk(2, dim=-1).values.float()
+    clear = top2[:, 0] != top2[:, 1]  # the two largest differ after fp32 rounding
+    assert clear.sum() >= 8
+    assert torch.equal(y.argmax(-1)[clear], exact.argmax(-1)[clear])
+
+
+@needs_bf16
+def test_rows_of_zeros_and_overflow_are_computed_whole():
+    gen = torch.Generator().manual_seed(9)
+    w = torch.randn(4096, 64, generator=gen)
+    head = Bf16Logits(w)
+    x = torch.randn(3, 64, generator=gen)
+    x[1] = 0
+    x[2] = 1e38 * w[7] / w[7].norm()  # its largest logit, ~8e38, overflows fp32 (inf)
+    y = head(x)
+    assert torch.equal(y[1], torch.zeros(4096))
+    assert head.candidates(x)[1:].tolist() == [4096, 4096]
+    assert torch.equal(y[2], torch.mv(w, x[2]))  # as the fp32 lm_head computes it
+    assert torch.equal(y[0], head(x[:1])[0])
 
 
 @needs_bf16
@@ -96,6 +140,8 @@ def test_backend_routes_q8_0_to_bf16_and_keeps_float_for_the_reference():
     assert isinstance(auto.prepare_linear(weight, quant), Bf16Linear)
     assert not isinstance(auto.prepare_linear(weight, quant), Bf16Logits)
     head = auto.prepare_linear(weight, quant, logits=True)
+    q4_weight, q4 = _q4_0(torch.randn(64, 64, generator=gen))
+    assert isinstance(auto.prepare_linear(q4_weight, q4, logits=True), Bf16Logits)
     assert isinstance(head, Bf16Logits)
     assert isinstance(reference.prepare_linear(weight, quant, logits=True), torch.Tensor)
     assert isinstance(CpuBackend(torch.bfloat16, use_int4=True).prepare_linear(weight, quant), torch.Tensor)
@@ -103,14 +149,19 @@ def test_backend_routes_q8_0_to_bf16_and_keeps_float_for_the_reference():
     assert torch.equal(auto.linear(x, head).argmax(-1), (x.double() @ weight.double().t()).argmax(-1))
 
 
-def test_without_onednn_bf16_the_backend_keeps_fp32(monkeypatch):
-    """CPUs where torch reports no bf16 GEMM (emulated, slower than fp32) keep the fp32 weight."""
+def test_without_onednn_bf16_the_backend_keeps_fp32_and_int4(monkeypatch):
+    """CPUs where torch reports no bf16 GEMM (emulated, slower than fp32) keep the fp32 weight, and a Q4
+    lm_head the int4 kernel."""
     import voltserve.backends.cpu_bf16 as cpu_bf16
+    from voltserve.backends.cpu_int4 import Int4Linear
 
     monkeypatch.setattr(cpu_bf16, "bf16_gemm_supported", lambda: False)
+    backend = CpuBackend(torch.float32, use_int4=True)
     weight, quant = _q8_0(torch.randn(64, 64))
-    linear = CpuBackend(torch.float32, use_int4=True).prepare_linear(weight, quant, logits=True)
+    linear = backend.prepare_linear(weight, quant, logits=True)
     assert isinstance(linear, torch.Tensor) and torch.equal(linear, weight)
+    q4_weight, q4 = _q4_0(torch.randn(64, 64))
+    assert isinstance(backend.prepare_linear(q4_weight, q4, logits=True), Int4Linear)
 
 
 @needs_bf16

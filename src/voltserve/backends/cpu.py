@@ -5,7 +5,8 @@ of the fp32 backend run on faster kernels instead: Q4_0/Q4_1 on torch's int4 wei
 (`aten._weight_int4pack_mm_for_cpu`, group size 32, the GGUF block size), which reads 8x fewer bytes than fp32
 and batches well; the other quantized types (Q8_0: the default model's tied lm_head) as bf16 weights on oneDNN's
 bf16 GEMM where torch reports it supported (`cpu_bf16`: the lm_head's logits that could be a row's largest are
-recomputed exactly). A quantized lm_head always takes the bf16 path, Q4 too. `weight_format="float"` keeps the fp32 reference path.
+recomputed exactly). A quantized lm_head takes that path too where it can (Q4: else the int4 kernel).
+`weight_format="float"` keeps the fp32 reference path.
 """
 
 from __future__ import annotations
@@ -42,10 +43,13 @@ class CpuBackend:
             from voltserve.backends.cpu_bf16 import Bf16Linear, Bf16Logits, bf16_gemm_supported
             from voltserve.backends.cpu_int4 import Int4Linear, supports
 
-            if supports(quant) and not logits:
+            bf16 = self.dtype == torch.float32 and bf16_gemm_supported()
+            if logits and bf16:
+                return Bf16Logits(weight)
+            if supports(quant):
                 return Int4Linear.from_quantized(quant, self.dtype)
-            if self.dtype == torch.float32 and bf16_gemm_supported():
-                return Bf16Logits(weight) if logits else Bf16Linear(weight)
+            if bf16:
+                return Bf16Linear(weight)
         return weight.to(self.dtype).contiguous()
 
     def prepare_embedding(self, weight: torch.Tensor, quant: Any | None = None) -> Any:

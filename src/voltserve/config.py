@@ -196,6 +196,10 @@ class EngineConfig:
         if len(os.fsencode(self.engine_socket)) > MAX_SOCKET_PATH_BYTES:
             raise ConfigError(f"engine_socket must be a path of at most {MAX_SOCKET_PATH_BYTES} bytes "
                               "(a Unix socket's limit)")
+        folder = os.path.dirname(os.path.abspath(self.engine_socket)) if self.engine_socket else ""
+        if folder and not os.path.isdir(folder):
+            raise ConfigError(f"engine_socket {self.engine_socket!r}: the folder {folder!r} does not exist (create "
+                              "it, writable by the serving user only, e.g. systemd's RuntimeDirectory=)")
         if not self.served_model_name:
             self.served_model_name = self.model
         return self

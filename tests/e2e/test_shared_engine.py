@@ -341,6 +341,10 @@ def test_engine_socket_settings_are_checked():
         EngineConfig(engine_socket="/tmp/x.sock", engine_process=False).validate()
     with pytest.raises(ConfigError, match="at most 100 bytes"):
         EngineConfig(engine_socket="/tmp/" + "x" * 100).validate()
+    with pytest.raises(ConfigError, match="engine_socket '/no/such/dir/e.sock': the folder '/no/such/dir' does "
+                                          "not exist"):
+        EngineConfig(engine_socket="/no/such/dir/e.sock").validate()
+    assert EngineConfig(engine_socket="e.sock").validate().engine_socket == "e.sock"  # the working directory
     base = EngineConfig().validate().engine_settings()
     assert "api_key" not in base and "port" not in base and base["max_model_len"] == 0
     assert EngineConfig(port=1, api_key="k", stream_interval=4).validate().engine_settings() == base

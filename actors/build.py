@@ -59,14 +59,12 @@ def make_backend(config: EngineConfig, device: str, spare_cores: int = 0):
 
     if config.num_threads > 0 or spare_cores > 0:  # else torch's setting stays (an embedding host's own)
         torch.set_num_threads(cpu_threads(config.num_threads, _TORCH_DEFAULT_THREADS, spare_cores))
-    from voltserve.backends.cpu_bf16 import bf16_gemm_supported
-
-    dtype, fast = _DTYPES[config.dtype], config.weight_format == "auto"
-    logger.info("CPU backend: %d torch threads, %s", torch.get_num_threads(),
-                ("Q4 weights on the int4 kernel, other quantized ones on bf16" if dtype == torch.float32
-                 and bf16_gemm_supported() else "Q4 weights on the int4 kernel, others dequantized") if fast
-                else "every weight dequantized (the reference)")
-    return CpuBackend(dtype, use_int4=fast)
+    backend = CpuBackend(_DTYPES[config.dtype], use_int4=config.weight_format == "auto")
+    weights = ("every weight dequantized (the reference)" if not backend.use_int4 else
+               "Q4 weights on the int4 kernel, other quantized ones " + ("on bf16" if backend.use_bf16 else
+                                                                         "dequantized"))
+    logger.info("CPU backend: %d torch threads, %s", torch.get_num_threads(), weights)
+    return backend
 
 
 def cpu_threads(num_threads: int, default: int, spare_cores: int) -> int:

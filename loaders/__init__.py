@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import pathlib
-
 from typing import TYPE_CHECKING
 
 from loaders.sources import resolve_model

@@ -13,8 +13,9 @@ If the supervisor itself is killed, the children notice (EOF on a pipe it holds)
 After a clean stop it waits (up to ENGINE_STOP_WAIT_S, or until a further signal) for the engine process to exit
 (its engine lock is free then), so that a service manager that kills what remains once the main process exits does
 not cut the engine's own stop short. The children count `/metrics` in prometheus-client's multiprocess files in
-the supervisor's private folder (unless PROMETHEUS_MULTIPROC_DIR is set), so any child's scrape covers all. An engine that fails to start is started again by each API process in turn,
-one after another, before all have failed.
+the supervisor's private folder (unless PROMETHEUS_MULTIPROC_DIR is set), so any child's scrape covers all. An
+engine that fails to start is started again by each API process in turn, one after another, before all have
+failed.
 """
 
 from __future__ import annotations

@@ -34,21 +34,26 @@ class CpuBackend:
         self.dtype = dtype
         self.use_int4 = use_int4
         self.batch_invariant = batch_invariant
+        if use_int4 and dtype == torch.float32:  # other quantized linears and the lm_head on bf16 (`cpu_bf16`)
+            from voltserve.backends.cpu_bf16 import bf16_gemm_supported
+
+            self.use_bf16 = bf16_gemm_supported()
+        else:
+            self.use_bf16 = False
 
     # -- weights -------------------------------------------------------------------------------------------
 
     def prepare_linear(self, weight: torch.Tensor, quant: Any | None = None, swiglu: bool = False,
                        norm: torch.Tensor | None = None, logits: bool = False) -> Any:
         if self.use_int4 and quant is not None:
-            from voltserve.backends.cpu_bf16 import Bf16Linear, Bf16Logits, bf16_gemm_supported
+            from voltserve.backends.cpu_bf16 import Bf16Linear, Bf16Logits
             from voltserve.backends.cpu_int4 import Int4Linear, supports
 
-            bf16 = self.dtype == torch.float32 and bf16_gemm_supported()
-            if logits and bf16:
+            if logits and self.use_bf16:
                 return Bf16Logits(weight)
             if supports(quant):
                 return Int4Linear.from_quantized(quant, self.dtype)
-            if bf16:
+            if self.use_bf16:
                 return Bf16Linear(weight)
         return weight.to(self.dtype).contiguous()
 

@@ -103,9 +103,10 @@ class EngineConfig:
             --stream-interval). Applied where the request's `actors.stream.RequestStream` lives: the API process
             with the engine in its own process, else AsyncEngine's loop.
         host / port: where `voltserve serve` listens.
-        num_threads: torch intra-op threads on the CPU backend; 0 = auto: torch's default (one per core) less
-            one for the event loop and the API process where an `AsyncEngine` runs it (servers, embedding), at
-            least 1 (`actors.build.cpu_threads`); torch's default in the offline tools.
+        num_threads: torch intra-op threads on the CPU backend; 0 = auto: where an engine serves HTTP (the
+            engine process, an in-process server) torch's default (one per core) less one for the API process,
+            at least 1 (`actors.build.cpu_threads`); elsewhere (offline tools, an `AsyncEngine` embedded in
+            Python) torch's setting as it is.
         weight_format: "auto" (CPU: int4 kernels for Q4 GGUF weights, bf16 on oneDNN for the other quantized
             types, `voltserve.backends.cpu_bf16`, where available), "float" (the fp32 reference).
         gpu_memory_utilization: fraction of the GPU's memory the engine may use (weights, activations, KV pool).

@@ -36,12 +36,12 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.multiprocess import MultiProcessCollector
 from quart import Blueprint, Response
 
-from voltserve.config import prometheus_multiproc_dir
+from voltserve.config import PROMETHEUS_DIR_VARIABLES, prometheus_multiproc_dir
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 disable_created_metrics()  # no `_created` series per counter / histogram (vLLM does the same)
 # prometheus-client reads the variable once, at its import: its values are per-process files from then on, or not
-MULTIPROCESS = "PROMETHEUS_MULTIPROC_DIR" in os.environ or "prometheus_multiproc_dir" in os.environ
+MULTIPROCESS = any(name in os.environ for name in PROMETHEUS_DIR_VARIABLES)
 # TTFT / e2e buckets (s): from a launch-bound small model's milliseconds to long queued prompts
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
                    80.0)

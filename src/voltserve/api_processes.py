@@ -34,7 +34,7 @@ import tempfile
 import time
 
 from actors.engine_socket import ENGINE_LOCK_SUFFIX, try_flock
-from voltserve.config import EngineConfig
+from voltserve.config import PROMETHEUS_DIR_VARIABLES, EngineConfig
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +42,6 @@ LISTEN_FD_ENV = "VOLTSERVE_LISTEN_FD"  # a child's inherited listening socket (s
 PARENT_FD_ENV = "VOLTSERVE_PARENT_FD"  # a child's read end of a pipe: EOF = the supervisor is gone
 POLL_S = 0.1
 ENGINE_STOP_WAIT_S = 40.0  # the engine's stop after its last API process (a step in hand, then the actors)
-METRICS_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"  # prometheus-client's multiprocess mode: /metrics over all children
 CHILD = "from voltserve.cli import main; import sys; sys.exit(main(['serve']))"
 
 
@@ -87,9 +86,9 @@ def run_api_processes(config: EngineConfig, log_level: str | None = None) -> int
     read_end, write_end = os.pipe()  # the children see EOF on read_end once this process is gone
     env = {**os.environ, "VOLTSERVE_API_PROCESSES": "1", LISTEN_FD_ENV: str(sock.fileno()),
            PARENT_FD_ENV: str(read_end), "VOLTSERVE_ENGINE_SOCKET": engine_socket}
-    if METRICS_DIR_ENV not in env and METRICS_DIR_ENV.lower() not in env:  # one /metrics over all API processes
-        env[METRICS_DIR_ENV] = os.path.join(private, "metrics")
-        os.mkdir(env[METRICS_DIR_ENV])
+    if not any(name in env for name in PROMETHEUS_DIR_VARIABLES):  # one /metrics over all API processes
+        metrics_dir = env[PROMETHEUS_DIR_VARIABLES[0]] = os.path.join(private, "metrics")
+        os.mkdir(metrics_dir)
     if log_level is not None:
         env["VOLTSERVE_LOG_LEVEL"] = log_level
     children: list[subprocess.Popen] = []

@@ -225,6 +225,10 @@ class EngineConfig:
         return cls(**values).validate()
 
 
+# prometheus-client's multiprocess folder variables, in its order of precedence
+PROMETHEUS_DIR_VARIABLES = ("PROMETHEUS_MULTIPROC_DIR", "prometheus_multiproc_dir")
+
+
 def prometheus_multiproc_dir(environ=os.environ) -> str:
     """The folder of prometheus-client's multiprocess mode (`GET /metrics` over several API processes), read as
     prometheus-client reads it: PROMETHEUS_MULTIPROC_DIR if present, else prometheus_multiproc_dir; "" when
@@ -234,7 +238,7 @@ def prometheus_multiproc_dir(environ=os.environ) -> str:
         ConfigError: the variable is set but empty or not a folder (prometheus-client would write its files into
             the working directory, or fail on the first request).
     """
-    for name in ("PROMETHEUS_MULTIPROC_DIR", "prometheus_multiproc_dir"):
+    for name in PROMETHEUS_DIR_VARIABLES:
         if name in environ:
             path = environ[name]
             if not path or not os.path.isdir(path):

@@ -3,39 +3,14 @@ inputs, batch invariance, the lm_head's exact greedy argmax (near-ties included)
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
+from tests.kernels.kutils import make_quant
 
 from voltserve.backends.cpu import CpuBackend
 from voltserve.backends.cpu_bf16 import Bf16Linear, Bf16Logits, bf16_gemm_supported
-from voltserve.quant import QuantizedTensor
 
 needs_bf16 = pytest.mark.skipif(not bf16_gemm_supported(), reason="torch reports no oneDNN bf16 GEMM on this CPU")
-
-
-def _q8_0(weight: torch.Tensor) -> tuple[torch.Tensor, QuantizedTensor]:
-    """weight [rows, cols] -> (its Q8_0 dequantized values fp32, the raw Q8_0 blocks): d fp16, 32 int8 each."""
-    rows, cols = weight.shape
-    blocks = weight.view(rows, cols // 32, 32)
-    d = (blocks.abs().amax(-1) / 127).half()
-    q = torch.round(blocks / d.float().clamp_min(1e-12)[..., None]).clamp(-127, 127).to(torch.int8)
-    raw = np.concatenate([d.numpy().view(np.uint8).reshape(rows, cols // 32, 2),
-                          q.numpy().view(np.uint8)], axis=-1).reshape(rows, -1)
-    return (q.float() * d.float()[..., None]).view(rows, cols), QuantizedTensor("Q8_0", (rows, cols), raw)
-
-
-def _q4_0(weight: torch.Tensor) -> tuple[torch.Tensor, QuantizedTensor]:
-    """weight [rows, cols] -> (its Q4_0 dequantized values fp32, the raw Q4_0 blocks): d fp16, 16 bytes of
-    nibbles (low nibble element i, high nibble element i + 16), value d * (q - 8)."""
-    rows, cols = weight.shape
-    blocks = weight.view(rows, cols // 32, 32)
-    d = (blocks.abs().amax(-1) / 7).half()
-    q = (torch.round(blocks / d.float().clamp_min(1e-12)[..., None]) + 8).clamp(0, 15).to(torch.uint8)
-    nibbles = q[..., :16] | (q[..., 16:] << 4)
-    raw = np.concatenate([d.numpy().view(np.uint8).reshape(rows, cols // 32, 2), nibbles.numpy()],
-                         axis=-1).reshape(rows, -1)
-    return ((q.float() - 8) * d.float()[..., None]).view(rows, cols), QuantizedTensor("Q4_0", (rows, cols), raw)
 
 
 def _near_ties(vocab: int, hidden: int, rows: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -135,12 +110,12 @@ def test_linear_error_is_bf16_rounding():
 @needs_bf16
 def test_backend_routes_q8_0_to_bf16_and_keeps_float_for_the_reference():
     gen = torch.Generator().manual_seed(7)
-    weight, quant = _q8_0(torch.randn(256, 128, generator=gen))
+    quant, weight = make_quant("Q8_0", 256, 128, gen)
     auto, reference = CpuBackend(torch.float32, use_int4=True), CpuBackend(torch.float32, use_int4=False)
     assert isinstance(auto.prepare_linear(weight, quant), Bf16Linear)
     assert not isinstance(auto.prepare_linear(weight, quant), Bf16Logits)
     head = auto.prepare_linear(weight, quant, logits=True)
-    q4_weight, q4 = _q4_0(torch.randn(64, 64, generator=gen))
+    q4, q4_weight = make_quant("Q4_0", 64, 64, gen)
     assert isinstance(auto.prepare_linear(q4_weight, q4, logits=True), Bf16Logits)
     assert isinstance(head, Bf16Logits)
     assert isinstance(reference.prepare_linear(weight, quant, logits=True), torch.Tensor)
@@ -157,10 +132,11 @@ def test_without_onednn_bf16_the_backend_keeps_fp32_and_int4(monkeypatch):
 
     monkeypatch.setattr(cpu_bf16, "bf16_gemm_supported", lambda: False)
     backend = CpuBackend(torch.float32, use_int4=True)
-    weight, quant = _q8_0(torch.randn(64, 64))
+    gen = torch.Generator().manual_seed(10)
+    quant, weight = make_quant("Q8_0", 64, 64, gen)
     linear = backend.prepare_linear(weight, quant, logits=True)
     assert isinstance(linear, torch.Tensor) and torch.equal(linear, weight)
-    q4_weight, q4 = _q4_0(torch.randn(64, 64))
+    q4, q4_weight = make_quant("Q4_0", 64, 64, gen)
     assert isinstance(backend.prepare_linear(q4_weight, q4, logits=True), Int4Linear)
 
 

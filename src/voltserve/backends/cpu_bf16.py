@@ -68,7 +68,8 @@ class Bf16Logits(Bf16Linear):
     cannot be the row's largest (`_screen` tests a superset of the others: max_u (y''_u - B_u) replaced by the
     bound of the largest y''_t); every other one is recomputed in float64 from the fp32 weight (products exact;
     the value does not depend on the batch either) and returned rounded to fp32. A row whose largest logit is
-    not finite (in fp32, scaled back), or with more than DENSE_CANDIDATES candidates (x = 0: all), is computed whole in fp32.
+    not finite (in fp32, scaled back), or with more than DENSE_CANDIDATES candidates (x = 0: all), is computed
+    whole in fp32.
 
     So the argmax of the returned logits is that of x @ weight^T up to fp32 rounding of the top logits (two
     within an fp32 ulp tie, and the lower index wins); on the default model 2 logits a row are recomputed at the

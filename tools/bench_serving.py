@@ -195,11 +195,14 @@ async def _levels(args: argparse.Namespace, send) -> list[dict]:
 
 
 async def bench_offline(args: argparse.Namespace) -> dict:
-    """The same levels through an in-process AsyncEngine serving `args.offline` (no HTTP)."""
+    """The same levels through an in-process AsyncEngine serving `args.offline` (no HTTP); the engine's log lines
+    (VOLTSERVE_GPU_BUSY_LOG_INTERVAL windows among them) go to stderr at VOLTSERVE_LOG_LEVEL, as a server's do."""
     from actors.engine import AsyncEngine
     from api.openai.chat_prompt import encode_rendered
     from voltserve.config import EngineConfig
+    from voltserve.log_setup import configure_logging
 
+    configure_logging()
     engine = AsyncEngine(EngineConfig.from_env(model=args.offline))
     await engine.start()
     try:

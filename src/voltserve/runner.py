@@ -156,7 +156,7 @@ class ModelRunner:
             self._timer = None  # a failed step is not timed (its events may never complete)
             raise
         if self._timer is not None:
-            self.busy_meter.account(self._timer)
+            self.busy_meter.account(self._timer, len(plan.entries), plan.num_tokens)
             self._timer = None
         return result
 
@@ -265,7 +265,7 @@ class ModelRunner:
         handle.done.synchronize()
         tokens = handle.ids_host.tolist()
         if handle.timer is not None:
-            self.busy_meter.account(handle.timer)
+            self.busy_meter.account(handle.timer, len(handle.plan.entries), handle.plan.num_tokens)
         seqs = [e.seq for e in handle.plan.entries]
         sampled = {s.seq_id: t for s, t in zip(seqs, tokens)}
         if handle.extras_host is None:

@@ -35,10 +35,12 @@ def test_window_gives_busy_share_and_step_means(monkeypatch):
         meter.end(t)  # a second end does not re-record
         assert t.stop.recorded == 1
         meter.account(t, rows, tokens)
-    assert meter.last == {"busy_fraction": 0.8, "steps": 3, "gpu_ms_per_step": 800 / 3, "wall_s": 1.0,
-                          "rows_per_step": 64.0, "tokens_per_step": 319 / 3}
-    assert lines == ["GPU busy 80.0% of 1.0 s: 3 steps, 266.667 ms of GPU work each, 333.333 ms of wall each, "
-                     "64.0 sequences and 106.3 tokens a step"]
+    assert meter.last == {"busy_fraction": 0.8, "wall_s": 1.0, "steps": 3, "gpu_ms_per_step": 800 / 3,
+                          "rows_per_step": 64.0, "tokens_per_step": 319 / 3, "prompt_steps": 1,
+                          "prompt_gpu_ms_per_step": 250.0, "decode_gpu_ms_per_step": 275.0}
+    assert lines == ["GPU busy 80.0% of 1.0 s: 3 steps, 266.667 ms of GPU work each (2 decode-only 275.000 ms, "
+                     "1 with prompt tokens 250.000 ms), 333.333 ms of wall each, 64.0 sequences and 106.3 tokens "
+                     "a step"]
     # the counters restart with the next window
     clock[0] = 101.5
     meter.account(_timer(100), 8, 8)
@@ -46,3 +48,6 @@ def test_window_gives_busy_share_and_step_means(monkeypatch):
     clock[0] = 102.0
     meter.account(_timer(100), 8, 8)
     assert meter.last["steps"] == 2 and meter.last["rows_per_step"] == 8.0 and meter.last["busy_fraction"] == 0.2
+    assert meter.last["prompt_steps"] == 0 and meter.last["prompt_gpu_ms_per_step"] is None
+    assert lines[-1].endswith("(2 decode-only 100.000 ms, 0 with prompt tokens -), 500.000 ms of wall each, "
+                              "8.0 sequences and 8.0 tokens a step")

@@ -80,7 +80,8 @@ class AsyncEngine:
             await asyncio.to_thread(self.tokenizer.byte_table, True)
         self.pool = BlockPool(built.num_blocks, self.config.block_size, self.config.enable_prefix_caching)
         scheduler = Scheduler(self.pool, self.config.max_num_seqs, self.config.max_num_batched_tokens,
-                              self.max_model_len, built.eos_token_ids, *built.runner.ahead_admission())
+                              self.max_model_len, built.eos_token_ids, *built.runner.ahead_admission(),
+                              admission_wait_steps=self.config.admission_wait_steps)
         self._worker = WorkerActor(built.runner, thread_init=built.thread_init, on_crash=self._on_crash)
         self._scheduler_actor = SchedulerActor(scheduler, self._worker, self.tokenizer, on_crash=self._on_crash)
         self._worker.start()

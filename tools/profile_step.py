@@ -36,6 +36,18 @@ def kernel_events(trace_path: str) -> list[tuple[str, float, float]]:
     return sorted(kernels, key=lambda k: k[1])
 
 
+def profiled_kernels(fn) -> list[tuple[str, float, float]]:
+    """Run `fn()` under torch.profiler (CUDA activity) and return its GPU kernels as `kernel_events` does."""
+    trace = tempfile.NamedTemporaryFile(suffix=".json", delete=False).name
+    try:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            fn()
+        prof.export_chrome_trace(trace)
+        return kernel_events(trace)
+    finally:
+        os.unlink(trace)
+
+
 def split_steps(kernels: list[tuple[str, float, float]], first_kernel: str) -> list[list[tuple[str, float, float]]]:
     """The kernels cut into steps at each launch whose name starts with `first_kernel` (the step's embedding);
     kernels before the first such launch are dropped."""
@@ -155,13 +167,8 @@ def main() -> None:
         layer0 = built.runner.model.layers[0]
         gemv_bytes = [int(w.data.nbytes) for w in (layer0.qkv, layer0.o_proj, layer0.gate_up, layer0.down)]
         step_ms = time_decode(built, args.batch, args.prompt_len, steps, "cuda") * 1e3  # warm-up, and timed
-        trace = tempfile.NamedTemporaryFile(suffix=".json", delete=False).name
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            time_decode(built, args.batch, args.prompt_len, steps, "cuda")
-        prof.export_chrome_trace(trace)
-        table = layer_table(split_steps(kernel_events(trace), "embedding"), built.model_config.num_layers,
-                            gemv_bytes, copy_gbs)
-        os.unlink(trace)
+        kernels = profiled_kernels(lambda: time_decode(built, args.batch, args.prompt_len, steps, "cuda"))
+        table = layer_table(split_steps(kernels, "embedding"), built.model_config.num_layers, gemv_bytes, copy_gbs)
         run = {**env, "batch": args.batch, "step_ms_unprofiled": step_ms, **table}
         report["runs"].append(run)
         print(json.dumps({k: v for k, v in run.items() if k not in ("layer", "one_step", "tail_kernels")}))

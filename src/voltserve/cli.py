@@ -32,6 +32,9 @@ HELP = {
     "max_model_len": "context window in tokens; 0 = the model's own",
     "max_num_seqs": "most sequences in one step",
     "max_num_batched_tokens": "token budget of one step",
+    "admission_wait_steps": "steps a new request may wait to start together with others rather than alone in "
+                            "a step of running decodes (fewer mixed steps, up to that many steps' more TTFT); 0 = "
+                            "none",
     "block_size": "tokens per KV block",
     "num_kv_blocks": "KV pool size in blocks; 0 = size it from --kv-cache-memory-gb",
     "kv_cache_memory_gb": "memory for the KV pool (GiB) when --num-kv-blocks is 0",

@@ -90,6 +90,9 @@ class EngineConfig:
         max_model_len: context window in tokens (prompt + output); 0 = the model's own.
         max_num_seqs: most sequences in one step.
         max_num_batched_tokens: token budget of one step (prefill chunks + decodes).
+        admission_wait_steps: steps a new request may wait before it starts when starting it would make a step of
+            running decodes a mixed one, so that requests arriving a few steps apart share one mixed step
+            (`Scheduler(admission_wait_steps=)`); 0 = each starts in the first step with room.
         block_size: tokens per KV block.
         num_kv_blocks: KV pool size in blocks; 0 = size from `kv_cache_memory_gb`.
         kv_cache_memory_gb: memory for the KV pool when `num_kv_blocks` is 0 (GiB).
@@ -146,6 +149,7 @@ class EngineConfig:
     max_model_len: int = 0
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
+    admission_wait_steps: int = 0
     block_size: int = 16
     num_kv_blocks: int = 0
     kv_cache_memory_gb: float = 1.0
@@ -178,6 +182,8 @@ class EngineConfig:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "stream_interval", "api_processes"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1")
+        if self.admission_wait_steps < 0:
+            raise ConfigError("admission_wait_steps must be >= 0")
         if self.max_model_len < 0 or self.num_kv_blocks < 0:
             raise ConfigError("max_model_len and num_kv_blocks must be >= 0")
         if self.sse_keep_alive_interval < 0:

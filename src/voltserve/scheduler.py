@@ -62,11 +62,18 @@ class Scheduler:
             largest mixed graph; 0 = no admission there: a waiting request waits for a synchronous step).
         ahead_admissible: whether a waiting sequence may start in a step planned ahead (the runner samples it on
             the device); None = any.
+        admission_wait_steps: how many steps a new request may wait before it starts when starting it would turn
+            a decode-only step of running sequences into a mixed one (`_holds_back`); 0 = it starts at once.
+            Under a CUDA graph a mixed step costs about the same whether it carries one short prompt or several
+            (its graph is padded to a prompt-token bucket), so gathering the requests that arrive within a few
+            steps into one mixed step spends fewer of them; each waits at most this many steps (its time to
+            first token grows by up to as many step times). The same idea as the max_waiting_tokens of Hugging
+            Face text-generation-inference's router.
     """
 
     def __init__(self, pool: BlockPool, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
                  eos_token_ids: tuple[int, ...], ahead_prefill_tokens: int = 0,
-                 ahead_admissible: Callable[[Sequence], bool] | None = None):
+                 ahead_admissible: Callable[[Sequence], bool] | None = None, admission_wait_steps: int = 0):
         self.pool = pool
         self.block_size = pool.block_size
         self.max_num_seqs = max_num_seqs
@@ -78,12 +85,17 @@ class Scheduler:
         self.num_preemptions = 0
         self.ahead_prefill_tokens = ahead_prefill_tokens
         self.ahead_admissible = ahead_admissible
+        self.admission_wait_steps = admission_wait_steps
+        self._num_plans = 0  # plans handed out (schedule and schedule_ahead): the clock of admission_wait_steps
+        self._added_at: dict[int, int] = {}  # seq_id of a new waiting sequence -> _num_plans when it was added
 
     # -- queue management ---------------------------------------------------------------------------------
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
+        if self.admission_wait_steps:
+            self._added_at[seq.seq_id] = self._num_plans
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -96,6 +108,7 @@ class Scheduler:
             self.running.remove(seq)
         else:
             self.waiting.remove(seq)
+            self._added_at.pop(seq.seq_id, None)
         self._release(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
@@ -125,9 +138,20 @@ class Scheduler:
             budget -= num_new
             i += 1
         # 2) waiting sequences, FIFO; none after a preemption (the pool is short)
-        if not preempted:
+        if not preempted and not self._holds_back(entries):
             self._admit(entries, budget)
+        self._num_plans += 1
         return StepPlan(entries)
+
+    def _holds_back(self, entries: list[ScheduledSeq]) -> bool:
+        """Whether the head of the queue waits for a later step (`admission_wait_steps`): it is a new request
+        (not a preempted one) that has waited fewer than that many plans, sequences are running, and the step so
+        far is decode-only (a step that already carries a prompt chunk takes more at little cost)."""
+        if not self.admission_wait_steps or not self.waiting or not entries:
+            return False
+        added = self._added_at.get(self.waiting[0].seq_id)
+        return (added is not None and self._num_plans - added < self.admission_wait_steps
+                and all(e.num_new == 1 for e in entries))
 
     def _admit(self, entries: list[ScheduledSeq], budget: int, whole_prompts: int = 0) -> bool:
         """Start waiting sequences, FIFO, while the token budget, `max_num_seqs` and free KV blocks allow, appending
@@ -149,6 +173,7 @@ class Scheduler:
                 self._release(seq)
                 break
             self.waiting.popleft()
+            self._added_at.pop(seq.seq_id, None)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             entries.append(self._entry(seq, num_new))
@@ -186,15 +211,16 @@ class Scheduler:
             need += self._blocks_needed(seq, e.start + e.num_new + 1)
         if need > self.pool.num_free:
             return None
-        room = self.waiting and len(self.running) < self.max_num_seqs
+        ahead = [ScheduledSeq(e.seq, e.start + e.num_new, 1, True) for e in entries]
+        room = self.waiting and len(self.running) < self.max_num_seqs and not self._holds_back(ahead)
         if room and not self.ahead_prefill_tokens:
             return None  # schedule() would admit (or try to admit) a waiting sequence
         for e in entries:
             self._grow(e.seq, e.start + e.num_new + 1)
-        ahead = [ScheduledSeq(e.seq, e.start + e.num_new, 1, True) for e in entries]
         if room and not self._admit(ahead, self.max_num_batched_tokens - len(ahead), self.ahead_prefill_tokens) \
                 and len(ahead) == len(entries):
             return None  # the head of the queue needs schedule(); the blocks grown above serve that step too
+        self._num_plans += 1
         return StepPlan(ahead)
 
     def update(self, plan: StepPlan, sampled: dict[int, int]) -> list[Sequence]:

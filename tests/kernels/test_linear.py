@@ -16,7 +16,7 @@ TOL = 3e-3
 
 
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
-@pytest.mark.parametrize("m", [1, 3, 8, 13, 37, 133])
+@pytest.mark.parametrize("m", [1, 3, 8, 13, 37, 100, 133])
 @pytest.mark.parametrize("nk", [(333, 576), (1537, 1536), (70, 2816)])
 def test_linear_quant(cuda_backend, cpu_backend, gemv_choice, qtype, m, nk):
     n, k = nk
@@ -112,7 +112,8 @@ def test_gemm_tc_smollm_shapes(cuda_backend, cpu_backend, quant_gemm, qtype, m, 
     assert rel_err(got, cpu_backend.linear(x.float(), weight)) <= TOL
 
 
-@pytest.mark.parametrize("m,nk", [(64, (576, 1536)), (17, (333, 96)), (40, (960, 576)), (512, (3072, 576))])
+@pytest.mark.parametrize("m,nk", [(64, (576, 1536)), (17, (333, 96)), (40, (960, 576)), (100, (960, 576)),
+                                  (128, (576, 1536)), (512, (3072, 576))])
 def test_gemm_tc_deterministic_and_graph_replay(cuda_backend, m, nk):
     """Split-K partials are merged in fixed order by the last block: repeated launches and a replayed CUDA graph
     are bitwise equal to eager, and the arrival counters are back at zero."""

@@ -71,3 +71,22 @@ def test_prefill_step_is_skipped_and_two_launches_a_weight_get_no_ideal():
                         "embedding")
     rows = layer_table(steps, 2, [40_000_000], 4000.0)["layer"]
     assert [r["kernel"] for r in rows] == ["gemv", "gemv", "attn"] and all(r["ideal_us"] is None for r in rows)
+
+
+def test_mixed_vs_decode_splits_steps_by_kind_and_adds_up_shares():
+    from tools.profile_mixed_step import mixed_vs_decode
+
+    decode = [("embedding_q8_0", 0.0, 2.0), ("gemm_tc", 3.0, 10.0), ("attn_decode", 12.0, 5.0)]
+    mixed = [("embedding_q8_0", 100.0, 2.0), ("gemm_tc", 103.0, 14.0), ("rope_kv_write", 118.0, 2.0),
+             ("attn_decode", 120.0, 5.0), ("attn_prefill", 124.0, 6.0), ("gemm_tc", 131.0, 4.0)]
+    table = mixed_vs_decode([decode, mixed, decode])
+    assert table["decode"]["steps"] == 2 and table["mixed"]["steps"] == 1
+    assert table["decode"]["span_us"] == 17.0 and table["mixed"]["span_us"] == 35.0
+    assert table["decode"]["kernels"] == {"embedding_q8_0": {"us_per_step": 2.0, "launches": 1},
+                                          "gemm_tc": {"us_per_step": 11.0, "launches": 1},
+                                          "attn_decode": {"us_per_step": 4.0, "launches": 1}}
+    m = table["mixed"]["kernels"]
+    # gemm_tc: 117 - 102 = 15, then 135 - 130 = 5; shares add up to the span
+    assert m["gemm_tc"] == {"us_per_step": 20.0, "launches": 2} and m["attn_prefill"]["us_per_step"] == 5.0
+    assert sum(v["us_per_step"] for v in m.values()) == 35.0
+    assert set(mixed_vs_decode([decode])) == {"decode"}

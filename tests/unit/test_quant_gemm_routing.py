@@ -82,3 +82,26 @@ def test_dequant_gemm_chunks_on_the_host(monkeypatch):
     assert {kernel for kernel, *_ in launches} == {"dequant_f16"}
     ref = x.float() @ half.float().t()
     assert ((y.float() - ref).abs().max() / ref.abs().max()).item() < 3e-3
+
+
+def test_gemm_tc_plan_splits_a_mixed_step_as_finely_as_a_decode_step():
+    """65-128 rows (a mixed CUDA graph: 64 decode rows and a prompt bucket) run the k chunks per block of 64
+    rows (per_m_tile); from 129 rows, and with per_m_tile off, the target stays 2 blocks an SM."""
+    from voltserve.backends.cuda import kernels
+
+    # the default model's shapes (SmolLM2-135M: qkv 960 x 576, o_proj 576 x 576, gate_up 3072 x 576, down 576 x
+    # 1536) on 132 SMs: (bn, splits, k_split)
+    expected = {(960, 576): ((32, 9, 64), (32, 9, 64), (32, 5, 128)),
+                (576, 576): ((32, 9, 64), (32, 9, 64), (32, 5, 128)),
+                (3072, 576): ((32, 3, 192), (32, 3, 192), (32, 2, 320)),
+                (576, 1536): ((32, 12, 128), (32, 12, 128), (32, 8, 192))}
+    for (n, k), (at64, at128, fixed128) in expected.items():
+        assert kernels.gemm_tc_plan(64, n, k, 132) == at64
+        assert kernels.gemm_tc_plan(128, n, k, 132) == at128
+        assert kernels.gemm_tc_plan(128, n, k, 132, per_m_tile=False) == fixed128
+        assert kernels.gemm_tc_plan(64, n, k, 132, per_m_tile=False) == at64
+        assert kernels.gemm_tc_plan(512, n, k, 132) == kernels.gemm_tc_plan(512, n, k, 132, per_m_tile=False)
+    for m in (17, 65, 100, 128, 129, 512):
+        for n, k in ((960, 576), (70, 2816), (333, 96), (14336, 4096)):
+            bn, splits, k_split = kernels.gemm_tc_plan(m, n, k, 132)
+            assert (splits - 1) * k_split < k <= splits * k_split  # every split non-empty, k covered

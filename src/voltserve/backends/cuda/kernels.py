@@ -386,6 +386,7 @@ GEMM_TC_KC = 64
 GEMM_TC_BNS = (32, 64)
 GEMM_TC_MAX_SPLITS = 16
 GEMM_TC_MAX_COUNTERS = 4096  # arrival counters per backend (tiles of one split-K launch)
+GEMM_TC_SPLIT_MAX_M_TILES = 2  # gemm_tc_plan(per_m_tile): x tiles (of 64 rows) the split-K target scales with
 # Quantized weights at many x rows: dequant_f16 (ptx/gemm_tc.cu) writes fp16 rows, cuBLAS multiplies them
 # (dequant_gemm.dequant_gemm_wanted: on weights of >= DEQUANT_GEMM_MIN_WEIGHTS, every GEMM on SM90+, from
 # DEQUANT_GEMM_MIN_ROWS_PRE_SM90 rows below: dequant_gemm.dequant_gemm_min_rows), in
@@ -409,15 +410,19 @@ def gemm_tc_spec(wtype: int, bn: int, repacked: bool) -> dict[str, int]:
     return {"WTYPE": wtype, "BN": bn, **({"WREPACK": 1} if repacked else {})}
 
 
-def gemm_tc_plan(m: int, n: int, k: int, num_sms: int) -> tuple[int, int, int]:
-    """(BN, splits, k_split) of one gemm_tc launch: aim for >= 2 blocks per SM.
+def gemm_tc_plan(m: int, n: int, k: int, num_sms: int, per_m_tile: bool = True) -> tuple[int, int, int]:
+    """(BN, splits, k_split) of one gemm_tc launch: aim for >= 2 blocks per SM, and with `per_m_tile` at up to
+    GEMM_TC_SPLIT_MAX_M_TILES 64-row tiles of x for 2 blocks per SM per such tile.
 
     BN = 64 when 64-wide tiles alone fill the GPU (less re-reading of x), else 32. Split-K only while the tile grid
-    is short of 2 * num_sms blocks; every split gets the same whole number of 64-wide k chunks and none is empty.
-    Depends only on (m, n, k, num_sms), so eager and graph-replayed launches split identically.
+    is short of the target; every split gets the same whole number of 64-wide k chunks and none is empty.
+    `per_m_tile`: a mixed CUDA-graph step (64 decode rows and a prompt bucket: 65-128 rows) would otherwise
+    split k half as finely as the 64-row decode step, so each block runs twice the chunks one after another
+    (the default model's gemm_tc launches +1.75 us each, session 26). Depends only on the arguments, so eager
+    and graph-replayed launches split identically.
     """
-    target = 2 * num_sms
     m_tiles = -(-m // GEMM_TC_BM)
+    target = 2 * num_sms * (m_tiles if per_m_tile and m_tiles <= GEMM_TC_SPLIT_MAX_M_TILES else 1)
     chunks = -(-k // GEMM_TC_KC)
     bn = 64 if -(-n // 64) * m_tiles >= target else 32
     tiles = -(-n // bn) * m_tiles

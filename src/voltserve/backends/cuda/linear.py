@@ -187,7 +187,8 @@ def _launch_gemm_tc(backend: Any, x: torch.Tensor, w: CudaLinear, y: torch.Tenso
     """Quantized weights at m >= GEMM_MIN_ROWS: WMMA tiles, split-K when the tile grid is short of the SMs."""
     m, k = x.shape
     n = w.out_features
-    bn, splits, k_split = kernels.gemm_tc_plan(m, n, k, backend.num_sms)
+    bn, splits, k_split = kernels.gemm_tc_plan(m, n, k, backend.num_sms,
+                                               getattr(backend, "gemm_tc_split", "rows") == "rows")
     part = counters = None
     if splits > 1:
         # workspace from torch's caching allocator (graph-capturable); counters are the backend's zeroed array,

@@ -103,7 +103,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--gen", type=int, default=256, help="tokens each sequence generates before it is replaced")
-    parser.add_argument("--steps", type=int, default=128, help="steps timed and profiled (after --gen warm-up ones)")
+    parser.add_argument("--steps", type=int, default=128, help="steps timed after --gen warm-up ones (the profile covers both)")
     parser.add_argument("--max-model-len", type=int, default=8192, help="the engine's capacity (a server's own)")
     parser.add_argument("--env", action="append", default=[], metavar="NAME=V1|V2",
                         help="once per value of this backend knob (as bench_decode.py --env)")

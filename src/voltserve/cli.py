@@ -157,6 +157,10 @@ def serve(args: argparse.Namespace) -> int:
     except LifespanFailureError as exc:  # the app's startup failed (logged with its traceback by the app)
         logger.error("exiting with status 1: the server did not start: %s", exc.args[0] if exc.args else exc)
         return 1
+    except KeyboardInterrupt:  # a SIGINT after the drain (SignalDrain leaves it the default action) cut the stop
+        logger.warning("interrupted while shutting down: exiting with status 130 (the engine process ends on its "
+                       "own once this process is gone)")
+        return 130
     engine = state.engine
     if engine is not None and getattr(engine, "_dead", None) is not None:
         logger.error("exiting with status 1: the engine died (%r)", engine._dead)

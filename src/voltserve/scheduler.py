@@ -145,13 +145,15 @@ class Scheduler:
 
     def _holds_back(self, entries: list[ScheduledSeq]) -> bool:
         """Whether the head of the queue waits for a later step (`admission_wait_steps`): it is a new request
-        (not a preempted one) that has waited fewer than that many plans, sequences are running, and the step so
-        far is decode-only (a step that already carries a prompt chunk takes more at little cost)."""
+        (not a preempted one) with more than one token to compute (one more token keeps a step decode-only) that
+        has waited fewer than that many plans, sequences run on (`entries`), and the step so far is decode-only
+        (a step that already carries a prompt chunk takes more at little cost)."""
         if not self.admission_wait_steps or not self.waiting or not entries:
             return False
-        added = self._added_at.get(self.waiting[0].seq_id)
+        head = self.waiting[0]
+        added = self._added_at.get(head.seq_id)
         return (added is not None and self._num_plans - added < self.admission_wait_steps
-                and all(e.num_new == 1 for e in entries))
+                and head.num_tokens - head.num_computed_tokens > 1 and all(e.num_new == 1 for e in entries))
 
     def _admit(self, entries: list[ScheduledSeq], budget: int, whole_prompts: int = 0) -> bool:
         """Start waiting sequences, FIFO, while the token budget, `max_num_seqs` and free KV blocks allow, appending
@@ -212,7 +214,10 @@ class Scheduler:
         if need > self.pool.num_free:
             return None
         ahead = [ScheduledSeq(e.seq, e.start + e.num_new, 1, True) for e in entries]
-        room = self.waiting and len(self.running) < self.max_num_seqs and not self._holds_back(ahead)
+        # a sequence that reaches max_tokens with plan's token leaves before the step ahead matters: if all do,
+        # schedule() would find nothing running and start the head at once, so it is not held back here either
+        lasting = [e for e in ahead if len(e.seq.output_ids) + 1 < e.seq.max_tokens]
+        room = self.waiting and len(self.running) < self.max_num_seqs and not self._holds_back(lasting)
         if room and not self.ahead_prefill_tokens:
             return None  # schedule() would admit (or try to admit) a waiting sequence
         for e in entries:

@@ -74,6 +74,22 @@ def test_cli_imports_no_torch():
     assert subprocess.run([sys.executable, "-c", code], cwd=ROOT, timeout=60).returncode == 0
 
 
+def test_cli_signal_during_the_stop_exits_130_with_one_line(monkeypatch, caplog):
+    """A SIGINT after the drain (the handlers are gone then, so Python raises KeyboardInterrupt in the engine's
+    stop): status 130 and one warning, not a traceback."""
+    def interrupted(coro, kind):
+        coro.close()
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli.event_loop, "run", interrupted)
+    monkeypatch.setattr(os, "environ", {k: v for k, v in os.environ.items() if k != "VOLTSERVE_ENGINE_SOCKET"})
+    with caplog.at_level(logging.WARNING, logger="voltserve.cli"):
+        assert cli.main(["serve", "smollm2-135m-instruct", "--device", "cpu", "--port", "1"]) == 130
+    assert [r.getMessage() for r in caplog.records if r.name == "voltserve.cli"] == [
+        "interrupted while shutting down: exiting with status 130 (the engine process ends on its own once this "
+        "process is gone)"]
+
+
 def test_cli_failed_startup_exits_1_with_one_line(tmp_path):
     """A model that resolves but does not load: the app's startup fails; status 1 and a line naming the cause
     (no traceback of hypercorn's own)."""

@@ -90,3 +90,28 @@ def test_schedule_ahead_waits_as_schedule_does():
     s.update(plan, {a.seq_id: 7})
     ahead2 = s.schedule_ahead(ahead)  # plan 3: b has waited 2: it starts in the step planned ahead
     assert ahead2 is not None and [(e.seq, e.num_new) for e in ahead2.entries] == [(a, 1), (b, 3)]
+
+
+def test_a_start_that_keeps_the_step_decode_only_does_not_wait():
+    """A one-token prompt (or one cached but its last token) starts as one more decode row: no mixed step."""
+    s, a = _one_running(4)
+    b = make_seq([4])
+    s.add(b)
+    plan, _ = run_step(s)
+    assert [(e.seq, e.num_new) for e in plan.entries] == [(a, 1), (b, 1)]
+
+
+def test_schedule_ahead_does_not_hold_for_sequences_about_to_finish():
+    """If every running sequence ends with the current step's token (max_tokens), schedule() would start the
+    head at once: the step planned ahead starts it too instead of holding it behind finished sequences."""
+    s = make_scheduler(admission_wait_steps=4, ahead_prefill_tokens=64)
+    a = make_seq([1, 2, 3], max_tokens=2)
+    s.add(a)
+    run_step(s)  # a's prefill samples its first token
+    plan = s.schedule()  # a's last token
+    b = make_seq([4, 5, 6])
+    s.add(b)
+    ahead = s.schedule_ahead(plan)
+    s.update(plan, {a.seq_id: 7})
+    assert a.finish_reason is not None
+    assert ahead is not None and [(e.seq, e.num_new) for e in ahead.entries] == [(a, 1), (b, 3)]

@@ -101,6 +101,10 @@ def test_gemm_tc_plan_splits_a_mixed_step_as_finely_as_a_decode_step():
         assert kernels.gemm_tc_plan(128, n, k, 132, per_m_tile=False) == fixed128
         assert kernels.gemm_tc_plan(64, n, k, 132, per_m_tile=False) == at64
         assert kernels.gemm_tc_plan(512, n, k, 132) == kernels.gemm_tc_plan(512, n, k, 132, per_m_tile=False)
+    # where the 64-row launch does not split k, the 65-128-row plan is the one before per_m_tile (BN included)
+    for n, k, sms in ((14336, 4096, 132), (6144, 4096, 80), (9000, 4096, 132)):
+        assert kernels.gemm_tc_plan(64, n, k, sms)[1] == 1
+        assert kernels.gemm_tc_plan(100, n, k, sms) == kernels.gemm_tc_plan(100, n, k, sms, per_m_tile=False)
     for m in (17, 65, 100, 128, 129, 512):
         for n, k in ((960, 576), (70, 2816), (333, 96), (14336, 4096)):
             bn, splits, k_split = kernels.gemm_tc_plan(m, n, k, 132)

@@ -81,8 +81,8 @@ class CudaBackend:
         # on weights of >= kernels.DEQUANT_GEMM_MIN_WEIGHTS from dequant_gemm_min_rows, else gemm_tc), "tc"
         # (gemm_tc always) or "dequant" (always); VOLTSERVE_QUANT_GEMM for A/B runs
         self.quant_gemm = _env_choice("VOLTSERVE_QUANT_GEMM", ("auto", "tc", "dequant"))
-        # gemm_tc's split-K target: 2 blocks an SM per 64-row x tile up to 128 rows ("rows", kernels.gemm_tc_plan's
-        # per_m_tile) or 2 blocks an SM at any row count ("fixed", before session 26); VOLTSERVE_GEMM_TC_SPLIT
+        # gemm_tc's split-K at 65-128 rows: that of a 64-row launch ("rows", kernels.gemm_tc_plan's per_m_tile) or
+        # 2 blocks an SM at any row count ("fixed", before session 26); VOLTSERVE_GEMM_TC_SPLIT
         self.gemm_tc_split = _env_choice("VOLTSERVE_GEMM_TC_SPLIT", ("rows", "fixed"))
         # decode GEMV on repacked quant rows through int8 MMAs (gemv_s8, x quantized per 32 like llama.cpp's Q8_1):
         # "auto" (gemv_int8.gemv_s8_ok; SwiGLU pairs are then repacked too), "on" (wherever it fits, even under

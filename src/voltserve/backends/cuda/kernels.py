@@ -386,7 +386,7 @@ GEMM_TC_KC = 64
 GEMM_TC_BNS = (32, 64)
 GEMM_TC_MAX_SPLITS = 16
 GEMM_TC_MAX_COUNTERS = 4096  # arrival counters per backend (tiles of one split-K launch)
-GEMM_TC_SPLIT_MAX_M_TILES = 2  # gemm_tc_plan(per_m_tile): x tiles (of 64 rows) the split-K target scales with
+GEMM_TC_SPLIT_MAX_M_TILES = 2  # gemm_tc_plan(per_m_tile): up to this many 64-row x tiles split k as at 64 rows
 # Quantized weights at many x rows: dequant_f16 (ptx/gemm_tc.cu) writes fp16 rows, cuBLAS multiplies them
 # (dequant_gemm.dequant_gemm_wanted: on weights of >= DEQUANT_GEMM_MIN_WEIGHTS, every GEMM on SM90+, from
 # DEQUANT_GEMM_MIN_ROWS_PRE_SM90 rows below: dequant_gemm.dequant_gemm_min_rows), in
@@ -411,24 +411,26 @@ def gemm_tc_spec(wtype: int, bn: int, repacked: bool) -> dict[str, int]:
 
 
 def gemm_tc_plan(m: int, n: int, k: int, num_sms: int, per_m_tile: bool = True) -> tuple[int, int, int]:
-    """(BN, splits, k_split) of one gemm_tc launch: aim for >= 2 blocks per SM, and with `per_m_tile` at up to
-    GEMM_TC_SPLIT_MAX_M_TILES 64-row tiles of x for 2 blocks per SM per such tile.
+    """(BN, splits, k_split) of one gemm_tc launch: aim for >= 2 blocks per SM.
 
-    BN = 64 when 64-wide tiles alone fill the GPU (less re-reading of x), else 32. Split-K only while the tile grid
-    is short of the target; every split gets the same whole number of 64-wide k chunks and none is empty.
-    `per_m_tile`: a mixed CUDA-graph step (64 decode rows and a prompt bucket: 65-128 rows) would otherwise
-    split k half as finely as the 64-row decode step, so each block runs twice the chunks one after another
-    (the default model's gemm_tc launches +1.75 us each, session 26). Depends only on the arguments, so eager
-    and graph-replayed launches split identically.
+    BN = 64 when 64-wide tiles alone give 2 blocks an SM (less re-reading of x), else 32. Split-K only while the
+    tile grid is short of 2 * num_sms blocks; every split gets the same whole number of 64-wide k chunks and none
+    is empty. `per_m_tile`: 65-128 rows (GEMM_TC_SPLIT_MAX_M_TILES x tiles: a mixed CUDA-graph step, 64 decode
+    rows and a prompt bucket) take the k_split of a 64-row launch of the same weight, where that aim would split
+    k half as finely, each block running twice the chunks one after another (the default model's gemm_tc
+    launches +1.75 us each, session 26); where the 64-row launch does not split, neither plan does. Depends only
+    on the arguments, so eager and graph-replayed launches split identically.
     """
     m_tiles = -(-m // GEMM_TC_BM)
-    target = 2 * num_sms * (m_tiles if per_m_tile and m_tiles <= GEMM_TC_SPLIT_MAX_M_TILES else 1)
     chunks = -(-k // GEMM_TC_KC)
-    bn = 64 if -(-n // 64) * m_tiles >= target else 32
+    bn = 64 if -(-n // 64) * m_tiles >= 2 * num_sms else 32
     tiles = -(-n // bn) * m_tiles
+    if per_m_tile and 1 < m_tiles <= GEMM_TC_SPLIT_MAX_M_TILES and tiles <= GEMM_TC_MAX_COUNTERS:
+        k_split = gemm_tc_plan(GEMM_TC_BM, n, k, num_sms)[2]
+        return bn, -(-k // k_split), k_split
     splits = 1
-    if tiles < target and tiles <= GEMM_TC_MAX_COUNTERS:
-        splits = min(chunks, -(-target // tiles), GEMM_TC_MAX_SPLITS)
+    if tiles < 2 * num_sms and tiles <= GEMM_TC_MAX_COUNTERS:
+        splits = min(chunks, -(-2 * num_sms // tiles), GEMM_TC_MAX_SPLITS)
     per_split = -(-chunks // splits)
     splits = -(-chunks // per_split)
     return bn, splits, per_split * GEMM_TC_KC

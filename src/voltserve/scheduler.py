@@ -143,17 +143,18 @@ class Scheduler:
         self._num_plans += 1
         return StepPlan(entries)
 
-    def _holds_back(self, entries: list[ScheduledSeq]) -> bool:
+    def _holds_back(self, entries: list[ScheduledSeq], decode_only: bool = False) -> bool:
         """Whether the head of the queue waits for a later step (`admission_wait_steps`): it is a new request
         (not a preempted one) with more than one token to compute (one more token keeps a step decode-only) that
         has waited fewer than that many plans, sequences run on (`entries`), and the step so far is decode-only
-        (a step that already carries a prompt chunk takes more at little cost)."""
+        (`decode_only`: known to be; a step that already carries a prompt chunk takes more at little cost)."""
         if not self.admission_wait_steps or not self.waiting or not entries:
             return False
         head = self.waiting[0]
         added = self._added_at.get(head.seq_id)
         return (added is not None and self._num_plans - added < self.admission_wait_steps
-                and head.num_tokens - head.num_computed_tokens > 1 and all(e.num_new == 1 for e in entries))
+                and head.num_tokens - head.num_computed_tokens > 1
+                and (decode_only or all(e.num_new == 1 for e in entries)))
 
     def _admit(self, entries: list[ScheduledSeq], budget: int, whole_prompts: int = 0) -> bool:
         """Start waiting sequences, FIFO, while the token budget, `max_num_seqs` and free KV blocks allow, appending
@@ -213,15 +214,17 @@ class Scheduler:
             need += self._blocks_needed(seq, e.start + e.num_new + 1)
         if need > self.pool.num_free:
             return None
-        ahead = [ScheduledSeq(e.seq, e.start + e.num_new, 1, True) for e in entries]
-        # a sequence that reaches max_tokens with plan's token leaves before the step ahead matters: if all do,
-        # schedule() would find nothing running and start the head at once, so it is not held back here either
-        lasting = [e for e in ahead if len(e.seq.output_ids) + 1 < e.seq.max_tokens]
-        room = self.waiting and len(self.running) < self.max_num_seqs and not self._holds_back(lasting)
+        room = self.waiting and len(self.running) < self.max_num_seqs
+        if room and self.admission_wait_steps:
+            # the step ahead decodes only; a sequence that reaches max_tokens with plan's token is gone before it
+            # matters: if all are, schedule() would find nothing running and start the head at once, so here too
+            room = not self._holds_back([e for e in entries if len(e.seq.output_ids) + 1 < e.seq.max_tokens],
+                                        decode_only=True)
         if room and not self.ahead_prefill_tokens:
             return None  # schedule() would admit (or try to admit) a waiting sequence
         for e in entries:
             self._grow(e.seq, e.start + e.num_new + 1)
+        ahead = [ScheduledSeq(e.seq, e.start + e.num_new, 1, True) for e in entries]
         if room and not self._admit(ahead, self.max_num_batched_tokens - len(ahead), self.ahead_prefill_tokens) \
                 and len(ahead) == len(entries):
             return None  # the head of the queue needs schedule(); the blocks grown above serve that step too

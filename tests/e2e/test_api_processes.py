@@ -38,6 +38,11 @@ def _wait_until(check, timeout_s: float, what: str, log: Path) -> None:
         time.sleep(0.1)
 
 
+def _served(server) -> list[int]:
+    """The pids named by the completions' access lines logged so far."""
+    return [int(p) for p in re.findall(r'"POST /v1/completions 1.1" 200 .* <(\d+)>', server.text())]
+
+
 class Server:
     """`voltserve serve MODEL --api-processes 2` as a subprocess, its log and the pids it logged."""
 
@@ -84,7 +89,9 @@ def test_two_api_processes_share_one_engine_and_stop_on_sigterm(tiny_dir, tmp_pa
                 assert response.status_code == 200, response.text
                 answers.add(response.json()["choices"][0]["text"])
         assert len(answers) == 1
-        served = [int(p) for p in re.findall(r'"POST /v1/completions 1.1" 200 .* <(\d+)>', server.text())]
+        # hypercorn writes an access line after the response has gone out: the last one may still be on its way
+        _wait_until(lambda: len(_served(server)) >= 8, 10, "8 access lines", server.log)
+        served = _served(server)
         assert len(served) == 8 and set(served) <= set(server.api_pids)  # each access line names its process
         for _ in range(4):  # whichever process a scrape reaches counts both processes' requests
             with httpx.Client(timeout=30) as client:

@@ -29,13 +29,15 @@
 //   SM70 (V100) and the rest: CUDA cores, fp32 dot products (-DATTN_SIMT=1 takes it on any GPU).
 // Before the PDL wait a block loads only what earlier steps wrote: metadata, and its warps' first tile of old
 // keys (MMA path: into registers; CUDA-core path: L2 prefetch). In a mixed step a multi-token sequence's other
-// new keys are being written meanwhile: its attn_decode row may read them stale, and attn_prefill overwrites it.
+// new keys are being written meanwhile (or, with the fused rotary, only by attn_prefill after it): its
+// attn_decode row may read them stale, and attn_prefill overwrites it.
 // After the wait, one round trip stages q and the sequence's newest key (whose row the previous kernel writes) in
 // smem (stage_query_and_newest_key).
-// Fused rotary (cos_sin != nullptr, decode-only steps): q is the un-rotated q, rotated as it is staged, and the
-// block whose split ends at the sequence's new key takes that key's K (rotated) and V from k_new / v_new instead
-// of the cache and stores them to the cache slot (slot_mapping; < 0: not written, the key is read from the
-// cache): rope_kv_write's work, without its launch.
+// Fused rotary (cos_sin != nullptr; decode-only steps, and mixed steps whose attn_prefill then rotates and writes
+// the prompts' keys itself): q is the un-rotated q, rotated as it is staged, and the block whose split ends at
+// the sequence's new key takes that key's K (rotated) and V from k_new / v_new instead of the cache and stores
+// them to the cache slot (slot_mapping; < 0: not written, the key is read from the cache): rope_kv_write's work,
+// without its launch.
 // Quantized output (xq != nullptr, decode-only steps of <= 8 sequences): whoever writes an output row (the only
 // split, or the merging block) also writes it quantized per 32 elements (s8_xq.cuh) in the layout of the gemv_s8
 // / gemv_s8w launch on the o_proj weight after it (format xq_fmt, xq_rows x rows), which then skips its own

@@ -274,9 +274,10 @@ def test_folded_norms_serve_like_unfolded():
 
 
 def test_fused_rotary_serves_like_two_launches():
-    """Decode steps with the rotary and KV write inside attn_decode (VOLTSERVE_ROPE_ATTN auto) against
-    rotary_write_kv + attention (off): the same greedy tokens and logprobs bit for bit, for 3 prompts of which
-    the later ones arrive while the first decodes (their prefill steps take the two launches either way), eager
+    """Decode steps with the rotary and KV write inside attn_decode, and mixed steps inside attn_decode and
+    attn_prefill (VOLTSERVE_ROPE_ATTN auto), the decode steps' only (decode) and rotary_write_kv + attention
+    (off): the same greedy tokens and logprobs bit for bit, for 3 prompts of which the later ones arrive while the
+    first decodes (mixed steps; the first prompt's prefill-only step takes the two launches in every mode), eager
     and through CUDA graphs."""
     from tools.make_synthetic_checkpoint import synthetic_model
     from voltserve.backends.cuda.backend import CudaBackend
@@ -284,15 +285,16 @@ def test_fused_rotary_serves_like_two_launches():
     loaded = synthetic_model("small256", device="cuda", dtype=torch.float16, seed=7)
     prompts = [list(range(3, 40)), list(range(50, 53)), list(range(7, 100))]
     results, rope_launches = {}, {}
-    for rope in ("auto", "off"):
+    for rope in ("auto", "decode", "off"):
         backend = CudaBackend(0)
         backend.rope_attn = rope
         model = LlamaModel(loaded.config, loaded.tensors, backend, loaded.quantized, max_positions=512)
         eager, graphs, names = _eager_and_graphs(model, backend, prompts)
         rope_launches[rope] = names.count("rope_kv_write")
         results[rope] = (eager, graphs)
-    assert results["auto"] == results["off"]
-    assert 0 < rope_launches["auto"] < rope_launches["off"]  # prefill steps only
+    assert results["auto"] == results["decode"] == results["off"]
+    # auto: the prefill-only step only; decode: also the two mixed steps
+    assert 0 < rope_launches["auto"] < rope_launches["decode"] < rope_launches["off"]
 
 
 def test_attention_xq_serves_like_quantize_launches():

@@ -1,6 +1,6 @@
-"""CudaBackend.rope_attention: attn_decode with the rotary and the KV write fused in (decode-only steps) vs the CPU
-reference (`rope_then_attention`: CpuBackend.rotary_write_kv, then CpuBackend.attention) and vs the GPU's own two
-launches (rope_kv_write, then attn_decode).
+"""CudaBackend.rope_attention: attn_decode with the rotary and the KV write fused in (decode-only and mixed steps)
+vs the CPU reference (`rope_then_attention`: CpuBackend.rotary_write_kv, then CpuBackend.attention) and vs the GPU's
+own two launches (rope_kv_write, then attn_decode).
 
 Bounds: output max |got - ref| <= 4e-3 * max |ref| (test_attention's); the written K rows within rel 2e-3 of the
 fp32 reference (test_rotary's) and V rows a bit-exact copy; every other cache slot unchanged. Against the GPU's
@@ -15,6 +15,7 @@ from tests.kernels.kutils import (assert_replay_equals_eager, backend_settings, 
                                  paged_kv_case, rel_err)
 
 from voltserve.backends.base import rope_then_attention
+from voltserve.backends.cuda import kernels
 from voltserve.backends.cpu import rope_cos_sin
 
 pytestmark = pytest.mark.gpu
@@ -54,11 +55,14 @@ def _split(qkv, heads):
             qkv[:, q_size + kv_size:q_size + 2 * kv_size].view(n, num_kv_heads, head_dim))
 
 
-def _gpu(backend, qkv, kv, attn, positions, cos_sin, heads, style, fused, max_seq_len=None):
-    """rope_attention on copies of the inputs: (output, cache, launched kernel names)."""
+def _gpu(backend, qkv, kv, attn, positions, cos_sin, heads, style, fused, max_seq_len=None, split_decode=False,
+         max_query_len=None):
+    """rope_attention on copies of the inputs: (output, cache, launched kernel names); fused: True ("auto"),
+    False ("off") or a VOLTSERVE_ROPE_ATTN value."""
     kv = kv.cuda()
-    meta = metadata_to_cuda(attn, max_seq_len)
-    with backend_settings(backend, rope_attn="auto" if fused else "off"), launched_kernels(backend) as names:
+    meta = metadata_to_cuda(attn, max_seq_len, split_decode, max_query_len)
+    mode = {True: "auto", False: "off"}.get(fused, fused)
+    with backend_settings(backend, rope_attn=mode), launched_kernels(backend) as names:
         out = backend.rope_attention(*_split(qkv.cuda(), heads), positions.cuda(), cos_sin.cuda(), style, kv, meta,
                                      heads[2] ** -0.5)
     return out.cpu(), kv.cpu(), names
@@ -132,19 +136,93 @@ def test_rope_attention_unaligned_rows_take_two_launches(cuda_backend, cpu_backe
     _check(cuda_backend, cpu_backend, [300, 1, 77], (9, 3, 64), "neox", seed=6, spare=5)
 
 
-def test_rope_attention_other_steps_take_two_launches(cuda_backend, cpu_backend):
-    """A step with a prompt (query length > 1) is not fused: rope_kv_write, then the attention kernels."""
-    heads, gen = (9, 3, 64), torch.Generator().manual_seed(2)
-    kv, attn = paged_kv_case([40, 9], [1, 9], heads[1], heads[2], 16, gen)
-    positions = torch.tensor([39] + list(range(9)), dtype=torch.int64)
-    attn.slot_mapping = torch.tensor([_slot(attn, 0, 39, 16)] + [_slot(attn, 1, i, 16) for i in range(9)])
-    qkv = torch.randn(10, (heads[0] + 2 * heads[1]) * heads[2], generator=gen).half()
+def _check_step(cuda_backend, cpu_backend, seq_lens, query_lens, heads, style, seed, split_decode=False,
+                max_seq_len=None, max_query_len=None):
+    """A step with prompt rows (query length > 1), within TOL of the CPU reference, every new K / V row written,
+    and bit for bit the output and cache of "decode" and "off" (rope_kv_write, then the plain kernels). Under
+    "auto" a mixed step (split_decode) has no rope_kv_write: attn_decode (fused) for every sequence's last row,
+    then attn_prefill (fused); a prefill-only step takes the two ops."""
+    gen = torch.Generator().manual_seed(seed)
+    kv, attn = paged_kv_case(seq_lens, query_lens, heads[1], heads[2], 16, gen)
+    positions, slots = [], []
+    for i, (n, q) in enumerate(zip(seq_lens, query_lens)):
+        positions += range(n - q, n)
+        slots += [_slot(attn, i, t, 16) for t in range(n - q, n)]
+    attn.slot_mapping = torch.tensor(slots, dtype=torch.int64)
+    kv.view(2, -1, heads[1], heads[2])[:, attn.slot_mapping] = float("nan")  # a kernel reading them shows NaN
+    positions = torch.tensor(positions, dtype=torch.int64)
+    qkv = torch.randn(len(slots), (heads[0] + 2 * heads[1]) * heads[2] + 8, generator=gen).half()
+    cos_sin = rope_cos_sin(heads[2], MAX_POSITIONS, 1e4)
+    ref_kv = kv.float().nan_to_num()
+    ref = rope_then_attention(cpu_backend, *[t.float() for t in _split(qkv, heads)], positions, cos_sin, style,
+                              ref_kv, attn, heads[2] ** -0.5)
+    runs = {mode: _gpu(cuda_backend, qkv, kv, attn, positions, cos_sin, heads, style, mode, max_seq_len,
+                       split_decode, max_query_len) for mode in ("auto", "decode", "off")}
+    got, got_kv, names = runs["auto"]
+    assert names[0] == ("attn_decode" if split_decode else "rope_kv_write") and names[-1] == "attn_prefill"
+    assert rel_err(got, ref) <= TOL
+    flat, ref_flat = got_kv.view(2, -1, heads[1], heads[2]), ref_kv.view(2, -1, heads[1], heads[2])
+    assert rel_err(flat[0, attn.slot_mapping], ref_flat[0, attn.slot_mapping]) <= 2e-3
+    assert torch.equal(flat[1, attn.slot_mapping], ref_flat[1, attn.slot_mapping].half())
+    for mode in ("decode", "off"):
+        other, other_kv, other_names = runs[mode]
+        assert other_names == (["rope_kv_write"] + names if split_decode else names), mode
+        assert torch.equal(got, other), mode
+        assert torch.equal(got_kv.nan_to_num(7.0), other_kv.nan_to_num(7.0)), mode
+
+
+@pytest.mark.parametrize("heads", [(9, 3, 64), (32, 8, 128), (6, 2, 96)])
+@pytest.mark.parametrize("style", ["neox", "interleaved"])
+def test_rope_attention_prefill_step(cuda_backend, cpu_backend, heads, style):
+    """Prompts fresh and after cached prefixes (chunked prefill, prefix hits), tile edges on both sides, a
+    one-token row: rope_kv_write, then attn_prefill."""
+    _check_step(cuda_backend, cpu_backend, [40, 9, 300, 17, 1, 64], [1, 9, 33, 16, 1, 50], heads, style,
+                seed=heads[2])
+
+
+@pytest.mark.parametrize("heads", [(9, 3, 64), (32, 8, 128), (6, 2, 96)])
+@pytest.mark.parametrize("style", ["neox", "interleaved"])
+def test_rope_attention_mixed_step(cuda_backend, cpu_backend, heads, style, attn_choice):
+    """A mixed step as a mixed CUDA graph launches it (split_decode, grids for a 64-token bucket and an 8192-key
+    capacity): attn_decode (fused) for every sequence's last row, then attn_prefill (fused) for the prompts: one
+    fresh, short ones after cached prefixes."""
+    _check_step(cuda_backend, cpu_backend, [40, 9, 300, 1, 77, 21, 16], [1, 9, 1, 1, 1, 5, 16], heads, style,
+                seed=heads[2] + 1, split_decode=True, max_seq_len=8192, max_query_len=64)
+
+
+@pytest.mark.parametrize("style", ["neox", "interleaved"])
+def test_rope_attention_mixed_step_long_prompts(cuda_backend, cpu_backend, style, attn_choice):
+    """Prompts of 100 and 47 tokens next to decodes (the 512-token bucket): key tiles of new keys from other q
+    tiles, and ten q tiles writing their keys."""
+    _check_step(cuda_backend, cpu_backend, [500, 121, 1, 47, 3000], [1, 100, 1, 47, 1], (32, 8, 128), style,
+                seed=7, split_decode=True, max_seq_len=8192, max_query_len=512)
+
+
+def _check_mixed_two_launches(cuda_backend, cpu_backend, heads, prompt_len, seed):
+    """A mixed step (a decode at position 39, a fresh prompt of `prompt_len` tokens) that takes rope_kv_write
+    first under "auto": within TOL of the CPU reference."""
+    gen = torch.Generator().manual_seed(seed)
+    kv, attn = paged_kv_case([40, prompt_len], [1, prompt_len], heads[1], heads[2], 16, gen)
+    positions = torch.tensor([39] + list(range(prompt_len)), dtype=torch.int64)
+    attn.slot_mapping = torch.tensor([_slot(attn, 0, 39, 16)] + [_slot(attn, 1, i, 16) for i in range(prompt_len)])
+    qkv = torch.randn(prompt_len + 1, (heads[0] + 2 * heads[1]) * heads[2], generator=gen).half()
     cos_sin = rope_cos_sin(heads[2], MAX_POSITIONS, 1e4)
     ref = rope_then_attention(cpu_backend, *[t.float() for t in _split(qkv, heads)], positions, cos_sin, "neox",
-                              kv.float().nan_to_num(), attn, 0.125)
-    got, _, names = _gpu(cuda_backend, qkv, kv, attn, positions, cos_sin, heads, "neox", True)
-    assert names[0] == "rope_kv_write" and "attn_prefill" in names
+                              kv.float().nan_to_num(), attn, heads[2] ** -0.5)
+    got, _, names = _gpu(cuda_backend, qkv, kv, attn, positions, cos_sin, heads, "neox", True, split_decode=True)
+    assert names[:2] == ["rope_kv_write", "attn_decode"] and names[-1] == "attn_prefill"
     assert rel_err(got, ref) <= TOL
+
+
+def test_rope_attention_mixed_step_past_the_largest_bucket_takes_two_launches(cuda_backend, cpu_backend):
+    """More than kernels.ROPE_PREFILL_MAX_TOKENS prompt tokens (an eager step; prompt tokens are counted as the
+    step's tokens past one a sequence): as a prefill-only step."""
+    _check_mixed_two_launches(cuda_backend, cpu_backend, (9, 3, 64), kernels.ROPE_PREFILL_MAX_TOKENS + 2, seed=3)
+
+
+def test_rope_attention_head_dim_40_mixed_step_takes_two_launches(cuda_backend, cpu_backend):
+    """neox at head_dim 40 pairs dims across 16-byte vectors."""
+    _check_mixed_two_launches(cuda_backend, cpu_backend, (6, 2, 40), 9, seed=2)
 
 
 def test_rope_attention_graph_replay_equals_eager(cuda_backend):

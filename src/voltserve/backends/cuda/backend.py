@@ -142,9 +142,10 @@ class CudaBackend:
         # decode attention path (attention_decode.cu): "auto" (tensor cores on SM80+ where the GQA group fits,
         # else CUDA cores) or "simt" (the CUDA-core path, V100's, on any GPU: tests and A/B runs)
         self.attn_kernel = _env_choice("VOLTSERVE_ATTN_KERNEL", ("auto", "simt"))
-        # rotary + KV write of decode-only steps inside attn_decode (rope_attention): "auto" (fused) or "off" (the
-        # rope_kv_write launch first); VOLTSERVE_ROPE_ATTN for A/B runs
-        self.rope_attn = _env_choice("VOLTSERVE_ROPE_ATTN", ("auto", "off"))
+        # rotary + KV write inside the attention kernels (rope_attention): "auto" (decode and mixed steps), "decode"
+        # (decode-only steps only, as before session 27) or "off" (the rope_kv_write launch first, then the plain
+        # attention); VOLTSERVE_ROPE_ATTN for A/B runs
+        self.rope_attn = _env_choice("VOLTSERVE_ROPE_ATTN", ("auto", "decode", "off"))
         # attn_decode writing its output also quantized for the o_proj gemv_s8 / gemv_s8w launch after it, which
         # then skips quantize_s8 ("auto", linear.attention_xq) or not ("off"); VOLTSERVE_ATTN_XQ for A/B runs
         self.attn_xq = _env_choice("VOLTSERVE_ATTN_XQ", ("auto", "off"))
@@ -352,14 +353,24 @@ class CudaBackend:
 
     def rope_attention(self, q, k, v, positions, cos_sin, style, kv_layer, attn: AttentionMetadata, scale,
                        out_linear=None):
-        """Decode-only steps: attn_decode rotates q and the new key and writes the cache itself (one launch less
-        than rotary_write_kv + attention), and where `out_linear` runs gemv_s8 / gemv_s8w on x quantized per
-        launch, also writes its output quantized for it (linear.attention_xq); other steps, VOLTSERVE_ROPE_ATTN=off,
-        q / k / v head rows not 16-byte aligned, or neox with head_dim % 16 != 0: the two ops."""
-        # neox pairs dims d and d + head_dim / 2: attn_decode rotates 8-dim vectors, so head_dim / 2 % 8 == 0
+        """The rotary and the KV write inside the attention kernels (one launch less than rotary_write_kv +
+        attention). Decode-only steps: attn_decode rotates q and the new key and writes the cache, and where
+        `out_linear` runs gemv_s8 / gemv_s8w on x quantized per launch, also writes its output quantized for it
+        (linear.attention_xq). Mixed steps (`split_decode`): attn_decode likewise for every sequence's last row,
+        then attn_prefill rotates the prompts' q and new keys and writes their keys (session 27: the mixed step
+        of the default model at 64 streams 2.00 -> 1.91 ms; attn_decode's loads before its PDL wait overlap the
+        QKV GEMM again). Prefill-only steps, mixed steps of more than kernels.ROPE_PREFILL_MAX_TOKENS prompt
+        tokens, VOLTSERVE_ROPE_ATTN=off (=decode: decode-only steps only), q / k / v head rows not 16-byte
+        aligned, or neox with head_dim % 16 != 0: the two ops (a fused pp512 was 3-8% slower: every key tile
+        rotates its keys again)."""
+        # neox pairs dims d and d + head_dim / 2: the kernels rotate 8-dim vectors, so head_dim / 2 % 8 == 0
         vectors_pair = style != "neox" or q.shape[2] % 16 == 0
-        if self.rope_attn == "off" or not attn.is_decode_only or not vectors_pair or \
-                not all(_rows_aligned(t) for t in (q, k, v)):
+        if attn.is_decode_only:
+            fuse = self.rope_attn != "off"
+        else:  # at most this many prompt tokens (the step's tokens past one a sequence)
+            fuse = self.rope_attn == "auto" and attn.split_decode and \
+                q.shape[0] - attn.num_seqs <= kernels.ROPE_PREFILL_MAX_TOKENS
+        if not fuse or not vectors_pair or not all(_rows_aligned(t) for t in (q, k, v)):
             return rope_then_attention(self, q, k, v, positions, cos_sin, style, kv_layer, attn, scale)
         cs, pos, slots = self._rope_inputs(q, k, v, positions, cos_sin, style, kv_layer, attn.slot_mapping)
         rope = (k.data_ptr(), v.data_ptr(), pos.data_ptr(), slots.data_ptr(), cs.data_ptr(), k.stride(0),
@@ -374,9 +385,9 @@ class CudaBackend:
 
     def _attention(self, q, kv_layer, attn: AttentionMetadata, scale, rope: tuple = _NO_ROPE, rope_meta: tuple = (),
                    out_linear=None):
-        """attention; with `rope` (DecodeParams' fused-rotary fields, a decode-only step) attn_decode also
-        rotates q and writes the new keys; `rope_meta`: (tensor, dtype) of the inputs behind its positions,
-        slot_mapping and cos / sin table (read before the PDL wait); `out_linear`: rope_attention's."""
+        """attention; with `rope` (the fused-rotary fields DecodeParams and PrefillParams share) both kernels also
+        rotate q and the new keys and write the cache; `rope_meta`: (tensor, dtype) of the inputs behind its
+        positions, slot_mapping and cos / sin table (read before the PDL wait); `out_linear`: rope_attention's."""
         num_tokens, num_heads, head_dim = q.shape
         num_kv_heads, block_size = kv_layer.shape[3], kv_layer.shape[2]
         if q.stride(2) != 1 or kv_layer.shape[4] != head_dim or num_heads % num_kv_heads or head_dim % 8:
@@ -408,8 +419,8 @@ class CudaBackend:
             if attn.is_decode_only:
                 return out
         p = P.PrefillParams(*common, q.stride(0), q.stride(1), plane, num_seqs, num_heads, num_kv_heads, block_size,
-                            tables.shape[1], scale, 2 if attn.split_decode else 0)
-        grid = (math.ceil(attn.max_query_len / 16), num_heads, num_seqs)
+                            tables.shape[1], scale, 2 if attn.split_decode else 0, *rope)
+        grid = (kernels.prefill_tile_slots(num_tokens, num_seqs), num_heads, 1)
         self._launch("attention_prefill", "attn_prefill", {"HEAD_DIM": head_dim}, grid, (128, 1, 1),
                      kernels.prefill_smem_bytes(head_dim), p, meta_pdl)
         return out

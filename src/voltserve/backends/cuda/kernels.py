@@ -591,6 +591,19 @@ def decode_max_merged_splits(head_dim: int) -> int:
     return DECODE_WARPS * head_dim // 2
 
 
+def prefill_tile_slots(num_tokens: int, num_seqs: int) -> int:
+    """attn_prefill's grid width: q-tile slots (16 query rows each) for any split of `num_tokens` query tokens
+    into `num_seqs` sequences (sequence s's tiles start at slot query_start_loc[s] // 16 + s), so a CUDA graph's
+    grid sized for its token capacity covers every step it replays."""
+    return num_tokens // 16 + num_seqs
+
+
+# The largest mixed step (prompt tokens: its tokens past one a sequence) that attn_prefill takes with the fused
+# rotary (CudaBackend.rope_attention): the largest mixed CUDA graph's bucket (graphs.MIXED_PREFILL_TOKENS); a
+# longer prompt's key tiles would rotate its keys over and over (pp512 fused: 3-8% slower, session 27)
+ROPE_PREFILL_MAX_TOKENS = 512
+
+
 def prefill_smem_bytes(head_dim: int) -> int:
     """Dynamic shared memory of attn_prefill (BQ = 16 query rows, BK = 32 keys)."""
     return 4 * 16 * head_dim + 2 * 32 * (head_dim + 2) + 2 * 32 * head_dim

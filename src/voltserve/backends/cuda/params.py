@@ -48,7 +48,9 @@ DecodeParams = _struct("DecodeParams", [
 PrefillParams = _struct("PrefillParams", [
     ("q", P), ("kv", P), ("block_tables", P), ("seq_lens", P), ("query_start_loc", P), ("out", P),
     ("q_token_stride", I64), ("q_head_stride", I64), ("kv_plane", I64), ("num_seqs", I32), ("num_heads", I32),
-    ("num_kv_heads", I32), ("block_size", I32), ("max_blocks", I32), ("scale", F32), ("min_query_len", I32)])
+    ("num_kv_heads", I32), ("block_size", I32), ("max_blocks", I32), ("scale", F32), ("min_query_len", I32),
+    ("k_new", P), ("v_new", P), ("positions", P), ("slot_mapping", P), ("cos_sin", P), ("k_token_stride", I64),
+    ("v_token_stride", I64), ("max_positions", I32), ("interleaved", I32)])
 
 GemvParams = _struct("GemvParams", [
     ("x", P), ("w", P), ("y", P), ("res", P), ("norm_w", P), ("x_stride", I64), ("y_stride", I64),

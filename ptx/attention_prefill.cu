@@ -1,6 +1,7 @@
 // attention_prefill.cu: causal attention of a step's new tokens over each sequence's paged KV context, GQA.
 // Covers prefill, chunked prefill, prefix-cache hits and mixed steps: query row j of sequence s sits at position
-// seq_len - query_len + j and sees keys 0..that position (all read from the paged cache).
+// seq_len - query_len + j and sees keys 0..that position (read from the paged cache; with the fused rotary the
+// step's own new keys from the QKV output).
 // Flash-attention-style online softmax (Dao et al. 2022), SIMT.
 //
 // Grid: (num_tokens / BQ + num_seqs, num_heads, 1), flat over the step's q tiles: sequence s owns the tile slots
@@ -15,8 +16,10 @@
 // keys come un-rotated (the QKV output), rotated as they are staged (rope.cuh: the same fp32 expressions and fp16
 // rounding as rope_kv_write); the new keys' K / V are read from k_new / v_new rather than the cache, and the
 // blocks of each KV group's first head store their own tile's rows to the cache (slot_mapping; < 0: not
-// written): rope_kv_write's work, without its launch. Every key tile rotates its new keys again (a long
-// prompt's cost). Needs 16-byte aligned k / v rows and, for neox, HEAD_DIM % 16 == 0 (the host's check).
+// written; such a key is still read from k_new, where the unfused kernels would read the cache: the engine
+// gives every prompt token a slot): rope_kv_write's work, without its launch. Every key tile rotates its new
+// keys again (a long prompt's cost). Needs 16-byte aligned k / v rows and, for neox, HEAD_DIM % 16 == 0 (the
+// host's check).
 // SM70 path: the only path (fp16 storage, fp32 math). A tensor-core (mma.m8n8k4 / WMMA) path is a later tuning step.
 // Reference: voltserve.backends.cpu.CpuBackend.attention; with the fused rotary, CpuBackend.rope_attention.
 #include "rope.cuh"

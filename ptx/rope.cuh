@@ -1,5 +1,5 @@
 // rope.cuh: rotary position embedding (Su et al. 2021, "RoFormer") of fp16 head rows, shared by rope_kv_write and
-// attn_decode's fused rotary, so both round the same fp32 expressions to fp16.
+// the attention kernels' fused rotary (attn_decode, attn_prefill), so all round the same fp32 expressions to fp16.
 //
 // A head of 2 * half dims is rotated in pairs (x1, x2) of dims (i1, i2): neox i1 = i, i2 = i + half; interleaved
 // i1 = 2i, i2 = 2i + 1; with c = cs[i], s = cs[half + i] (the token's row of the cos / sin table):

@@ -81,8 +81,9 @@ def test_prefill_batch_37(cuda_backend, cpu_backend, split_decode):
 
 
 def test_mixed_graph_grid(cuda_backend, cpu_backend, attn_choice):
-    """A mixed CUDA graph's launch: grids sized for 64 query tokens and an 8192-token context, decodes through
-    attn_decode, prefills (one after a cached prefix) through attn_prefill, padded sequences of one token."""
+    """A mixed CUDA graph's launch: a max_query_len of 64 and attn_decode's grid for an 8192-token context
+    (attn_prefill's flat grid follows the tokens), decodes through attn_decode, prefills (one after a cached
+    prefix) through attn_prefill, padded sequences of one token."""
     seq_lens = [700, 40, 1, 300, 129, 1, 1]
     query_lens = [1, 40, 1, 23, 1, 1, 1]
     assert _run(cuda_backend, cpu_backend, seq_lens, query_lens, (9, 3, 64), 16, seed=8, max_seq_len=8192,

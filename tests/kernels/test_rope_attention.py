@@ -137,11 +137,12 @@ def test_rope_attention_unaligned_rows_take_two_launches(cuda_backend, cpu_backe
 
 
 def _check_step(cuda_backend, cpu_backend, seq_lens, query_lens, heads, style, seed, split_decode=False,
-                max_seq_len=None, max_query_len=None):
+                max_seq_len=None, max_query_len=None, fused=None):
     """A step with prompt rows (query length > 1), within TOL of the CPU reference, every new K / V row written,
-    and bit for bit the output and cache of "decode" and "off" (rope_kv_write, then the plain kernels). Under
-    "auto" a mixed step (split_decode) has no rope_kv_write: attn_decode (fused) for every sequence's last row,
-    then attn_prefill (fused); a prefill-only step takes the two ops."""
+    and bit for bit the output and cache of "decode" and "off" (rope_kv_write, then the plain kernels). `fused`
+    (default: split_decode): under "auto" the step has no rope_kv_write (attn_decode, fused, for every
+    sequence's last row, then attn_prefill, fused), else "auto" launches what "off" does."""
+    fused = split_decode if fused is None else fused
     gen = torch.Generator().manual_seed(seed)
     kv, attn = paged_kv_case(seq_lens, query_lens, heads[1], heads[2], 16, gen)
     positions, slots = [], []
@@ -159,14 +160,14 @@ def _check_step(cuda_backend, cpu_backend, seq_lens, query_lens, heads, style, s
     runs = {mode: _gpu(cuda_backend, qkv, kv, attn, positions, cos_sin, heads, style, mode, max_seq_len,
                        split_decode, max_query_len) for mode in ("auto", "decode", "off")}
     got, got_kv, names = runs["auto"]
-    assert names[0] == ("attn_decode" if split_decode else "rope_kv_write") and names[-1] == "attn_prefill"
+    assert ("rope_kv_write" in names) != fused and names[-1] == "attn_prefill", names
     assert rel_err(got, ref) <= TOL
     flat, ref_flat = got_kv.view(2, -1, heads[1], heads[2]), ref_kv.view(2, -1, heads[1], heads[2])
     assert rel_err(flat[0, attn.slot_mapping], ref_flat[0, attn.slot_mapping]) <= 2e-3
     assert torch.equal(flat[1, attn.slot_mapping], ref_flat[1, attn.slot_mapping].half())
     for mode in ("decode", "off"):
         other, other_kv, other_names = runs[mode]
-        assert other_names == (["rope_kv_write"] + names if split_decode else names), mode
+        assert other_names == (["rope_kv_write"] + names if fused else names), mode
         assert torch.equal(got, other), mode
         assert torch.equal(got_kv.nan_to_num(7.0), other_kv.nan_to_num(7.0)), mode
 
@@ -175,7 +176,7 @@ def _check_step(cuda_backend, cpu_backend, seq_lens, query_lens, heads, style, s
 @pytest.mark.parametrize("style", ["neox", "interleaved"])
 def test_rope_attention_prefill_step(cuda_backend, cpu_backend, heads, style):
     """Prompts fresh and after cached prefixes (chunked prefill, prefix hits), tile edges on both sides, a
-    one-token row: rope_kv_write, then attn_prefill."""
+    one-token row: rope_kv_write, then attn_prefill, in every mode."""
     _check_step(cuda_backend, cpu_backend, [40, 9, 300, 17, 1, 64], [1, 9, 33, 16, 1, 50], heads, style,
                 seed=heads[2])
 
@@ -183,46 +184,39 @@ def test_rope_attention_prefill_step(cuda_backend, cpu_backend, heads, style):
 @pytest.mark.parametrize("heads", [(9, 3, 64), (32, 8, 128), (6, 2, 96)])
 @pytest.mark.parametrize("style", ["neox", "interleaved"])
 def test_rope_attention_mixed_step(cuda_backend, cpu_backend, heads, style, attn_choice):
-    """A mixed step as a mixed CUDA graph launches it (split_decode, grids for a 64-token bucket and an 8192-key
-    capacity): attn_decode (fused) for every sequence's last row, then attn_prefill (fused) for the prompts: one
-    fresh, short ones after cached prefixes."""
+    """A mixed step (split_decode; the decode grid sized for an 8192-key capacity, as in a mixed CUDA graph):
+    attn_decode (fused) for every sequence's last row, then attn_prefill (fused) for the prompts: one fresh,
+    short ones after cached prefixes."""
     _check_step(cuda_backend, cpu_backend, [40, 9, 300, 1, 77, 21, 16], [1, 9, 1, 1, 1, 5, 16], heads, style,
                 seed=heads[2] + 1, split_decode=True, max_seq_len=8192, max_query_len=64)
 
 
 @pytest.mark.parametrize("style", ["neox", "interleaved"])
-def test_rope_attention_mixed_step_long_prompts(cuda_backend, cpu_backend, style, attn_choice):
-    """Prompts of 100 and 47 tokens next to decodes (the 512-token bucket): key tiles of new keys from other q
-    tiles, and ten q tiles writing their keys."""
-    _check_step(cuda_backend, cpu_backend, [500, 121, 1, 47, 3000], [1, 100, 1, 47, 1], (32, 8, 128), style,
-                seed=7, split_decode=True, max_seq_len=8192, max_query_len=512)
+def test_rope_attention_mixed_step_prompts_over_several_tiles(cuda_backend, cpu_backend, style, attn_choice):
+    """Prompts of 47 (three q tiles, after a cached prefix) and 15 tokens next to decodes, 60 prompt tokens: key
+    tiles holding new keys of other q tiles, several q tiles writing their keys."""
+    _check_step(cuda_backend, cpu_backend, [500, 18, 1, 90, 3000], [1, 15, 1, 47, 1], (32, 8, 128), style,
+                seed=7, split_decode=True, max_seq_len=8192, max_query_len=64)
 
 
-def _check_mixed_two_launches(cuda_backend, cpu_backend, heads, prompt_len, seed):
-    """A mixed step (a decode at position 39, a fresh prompt of `prompt_len` tokens) that takes rope_kv_write
-    first under "auto": within TOL of the CPU reference."""
-    gen = torch.Generator().manual_seed(seed)
-    kv, attn = paged_kv_case([40, prompt_len], [1, prompt_len], heads[1], heads[2], 16, gen)
-    positions = torch.tensor([39] + list(range(prompt_len)), dtype=torch.int64)
-    attn.slot_mapping = torch.tensor([_slot(attn, 0, 39, 16)] + [_slot(attn, 1, i, 16) for i in range(prompt_len)])
-    qkv = torch.randn(prompt_len + 1, (heads[0] + 2 * heads[1]) * heads[2], generator=gen).half()
-    cos_sin = rope_cos_sin(heads[2], MAX_POSITIONS, 1e4)
-    ref = rope_then_attention(cpu_backend, *[t.float() for t in _split(qkv, heads)], positions, cos_sin, "neox",
-                              kv.float().nan_to_num(), attn, heads[2] ** -0.5)
-    got, _, names = _gpu(cuda_backend, qkv, kv, attn, positions, cos_sin, heads, "neox", True, split_decode=True)
-    assert names[:2] == ["rope_kv_write", "attn_decode"] and names[-1] == "attn_prefill"
-    assert rel_err(got, ref) <= TOL
+def test_rope_attention_mixed_step_past_the_fused_limit_takes_two_launches(cuda_backend, cpu_backend):
+    """More than kernels.ROPE_PREFILL_MAX_TOKENS prompt tokens (the step's tokens past one a sequence; the
+    longer-prompt graphs and eager steps): rope_kv_write first."""
+    n = kernels.ROPE_PREFILL_MAX_TOKENS + 2
+    _check_step(cuda_backend, cpu_backend, [40, n], [1, n], (9, 3, 64), "neox", seed=3, split_decode=True,
+                fused=False)
 
 
-def test_rope_attention_mixed_step_past_the_largest_bucket_takes_two_launches(cuda_backend, cpu_backend):
-    """More than kernels.ROPE_PREFILL_MAX_TOKENS prompt tokens (an eager step; prompt tokens are counted as the
-    step's tokens past one a sequence): as a prefill-only step."""
-    _check_mixed_two_launches(cuda_backend, cpu_backend, (9, 3, 64), kernels.ROPE_PREFILL_MAX_TOKENS + 2, seed=3)
+def test_rope_attention_one_sequence_mixed_graph_takes_two_launches(cuda_backend, cpu_backend):
+    """A one-sequence mixed CUDA graph (split_decode, a 64-token bucket) replays a prefill-only step."""
+    _check_step(cuda_backend, cpu_backend, [30], [30], (9, 3, 64), "neox", seed=4, split_decode=True,
+                max_query_len=64, fused=False)
 
 
 def test_rope_attention_head_dim_40_mixed_step_takes_two_launches(cuda_backend, cpu_backend):
     """neox at head_dim 40 pairs dims across 16-byte vectors."""
-    _check_mixed_two_launches(cuda_backend, cpu_backend, (6, 2, 40), 9, seed=2)
+    _check_step(cuda_backend, cpu_backend, [40, 9], [1, 9], (6, 2, 40), "neox", seed=2, split_decode=True,
+                fused=False)
 
 
 def test_rope_attention_graph_replay_equals_eager(cuda_backend):

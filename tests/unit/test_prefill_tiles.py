@@ -1,5 +1,6 @@
 """attn_prefill's flat grid of q tiles (kernels.prefill_tile_slots and the kernel's slot -> sequence search, as
-ptx/attention_prefill.cu does it): every query row of every split of a step's tokens is covered exactly once."""
+ptx/attention_prefill.cu does it): every query row of every split of a step's tokens is covered exactly once; and
+which steps take the attention kernels' fused rotary (kernels.rope_fused). Host arithmetic, no GPU."""
 
 import random
 
@@ -60,3 +61,20 @@ def test_random_splits_and_graph_padding():
         lens = [rng.choice([1, 1, 1, rng.randint(1, 40), rng.randint(1, 600)]) for _ in range(rng.randint(1, 70))]
         _assert_exact(lens, sum(lens))
         _assert_exact(lens, sum(lens) + rng.randint(1, 100))
+
+
+@pytest.mark.parametrize("mode,decode_only,split,tokens,seqs,want", [
+    ("auto", True, False, 64, 64, True),
+    ("decode", True, False, 64, 64, True),
+    ("off", True, False, 64, 64, False),
+    ("auto", False, True, 64 + 64, 64, True),      # the (64, 64) mixed graph
+    ("decode", False, True, 64 + 64, 64, False),
+    ("auto", False, True, 64 + 512, 64, False),    # the (64, 512) graph: its prompts may reach 512 tokens
+    ("auto", False, True, 1 + 64, 1, False),       # a (1, 64) graph replays a lone prompt: prefill-only
+    ("auto", False, True, 2 + 64, 2, True),
+    ("auto", False, True, 2 + 65, 2, False),       # an eager step one prompt token past the cap
+    ("auto", False, False, 30, 1, False),          # a prefill-only step
+])
+def test_rope_fused_steps(mode, decode_only, split, tokens, seqs, want):
+    """Which steps run the rotary inside the attention kernels (CudaBackend.rope_attention's rule)."""
+    assert kernels.rope_fused(mode, decode_only, split, tokens, seqs) is want

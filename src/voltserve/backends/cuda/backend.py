@@ -356,20 +356,17 @@ class CudaBackend:
         """The rotary and the KV write inside the attention kernels (one launch less than rotary_write_kv +
         attention). Decode-only steps: attn_decode rotates q and the new key and writes the cache, and where
         `out_linear` runs gemv_s8 / gemv_s8w on x quantized per launch, also writes its output quantized for it
-        (linear.attention_xq). Mixed steps (`split_decode`): attn_decode likewise for every sequence's last row,
-        then attn_prefill rotates the prompts' q and new keys and writes their keys (session 27: the mixed step
-        of the default model at 64 streams 2.00 -> 1.91 ms; attn_decode's loads before its PDL wait overlap the
-        QKV GEMM again). Prefill-only steps, mixed steps of more than kernels.ROPE_PREFILL_MAX_TOKENS prompt
-        tokens, VOLTSERVE_ROPE_ATTN=off (=decode: decode-only steps only), q / k / v head rows not 16-byte
+        (linear.attention_xq). Mixed steps (`split_decode`) of >= 2 sequences and at most
+        kernels.ROPE_PREFILL_MAX_TOKENS prompt tokens (a CUDA graph's: its bucket): attn_decode likewise for
+        every sequence's last row, then attn_prefill rotates the prompts' q and new keys and writes their keys
+        (session 27: the mixed step of the default model at 64 streams 2.00 -> 1.91 ms; attn_decode's loads before
+        its PDL wait overlap the QKV GEMM again). Other steps (a one-sequence mixed graph is a prefill-only
+        step), VOLTSERVE_ROPE_ATTN=off (=decode: decode-only steps only), q / k / v head rows not 16-byte
         aligned, or neox with head_dim % 16 != 0: the two ops (a fused pp512 was 3-8% slower: every key tile
         rotates its keys again)."""
         # neox pairs dims d and d + head_dim / 2: the kernels rotate 8-dim vectors, so head_dim / 2 % 8 == 0
         vectors_pair = style != "neox" or q.shape[2] % 16 == 0
-        if attn.is_decode_only:
-            fuse = self.rope_attn != "off"
-        else:  # at most this many prompt tokens (the step's tokens past one a sequence)
-            fuse = self.rope_attn == "auto" and attn.split_decode and \
-                q.shape[0] - attn.num_seqs <= kernels.ROPE_PREFILL_MAX_TOKENS
+        fuse = kernels.rope_fused(self.rope_attn, attn.is_decode_only, attn.split_decode, q.shape[0], attn.num_seqs)
         if not fuse or not vectors_pair or not all(_rows_aligned(t) for t in (q, k, v)):
             return rope_then_attention(self, q, k, v, positions, cos_sin, style, kv_layer, attn, scale)
         cs, pos, slots = self._rope_inputs(q, k, v, positions, cos_sin, style, kv_layer, attn.slot_mapping)

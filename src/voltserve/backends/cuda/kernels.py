@@ -598,10 +598,21 @@ def prefill_tile_slots(num_tokens: int, num_seqs: int) -> int:
     return num_tokens // 16 + num_seqs
 
 
-# The largest mixed step (prompt tokens: its tokens past one a sequence) that attn_prefill takes with the fused
-# rotary (CudaBackend.rope_attention): the largest mixed CUDA graph's bucket (graphs.MIXED_PREFILL_TOKENS); a
-# longer prompt's key tiles would rotate its keys over and over (pp512 fused: 3-8% slower, session 27)
-ROPE_PREFILL_MAX_TOKENS = 512
+# The most prompt tokens (a step's tokens past one a sequence; a mixed CUDA graph's bucket P) of a mixed step that
+# attn_prefill takes with the fused rotary (CudaBackend.rope_attention): the short-prompt graphs. Each key tile
+# rotates its new keys again, a cost that grows with the prompt: at 100 tokens next to 64 decodes the fused step
+# still gained 3.8%, a lone pp512 lost 3-8% (session 27); between them it is unmeasured.
+ROPE_PREFILL_MAX_TOKENS = 64
+
+
+def rope_fused(mode: str, decode_only: bool, split_decode: bool, num_tokens: int, num_seqs: int) -> bool:
+    """Whether CudaBackend.rope_attention runs a step's rotary and KV write inside the attention kernels
+    (VOLTSERVE_ROPE_ATTN `mode`: auto, decode or off): decode-only steps unless off; under auto also mixed steps
+    (`split_decode`) of >= 2 sequences and <= ROPE_PREFILL_MAX_TOKENS prompt tokens, counted as the `num_tokens`
+    past one a sequence (a mixed CUDA graph's bucket; a one-sequence mixed graph replays a prefill-only step)."""
+    if decode_only:
+        return mode != "off"
+    return mode == "auto" and split_decode and num_seqs >= 2 and num_tokens - num_seqs <= ROPE_PREFILL_MAX_TOKENS
 
 
 def prefill_smem_bytes(head_dim: int) -> int:

@@ -23,6 +23,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from multiprocessing.connection import Connection
@@ -96,7 +97,8 @@ class ProcessEngine:
 
         Raises:
             The child's start error with its type and message (LoaderError, ConfigError, ...), or
-            EngineDeadError when the process exits before it is ready.
+            EngineDeadError when the process exits before it is ready, or (a shared engine) when another API
+            process's start of it failed while this one waited for the start lock (`engine_socket` PATH.failed).
         """
         self._loop = asyncio.get_running_loop()
         path = self.config.engine_socket
@@ -104,13 +106,23 @@ class ProcessEngine:
             await self._spawn()
         else:
             # one API process at a time: the first starts the engine (the others wait here while the model
-            # loads), the later ones find it listening
+            # loads), the later ones find it listening, or fail with its start's error
+            waiting_since = time.time()
             lock = await engine_socket.acquire_lock(path + engine_socket.START_LOCK_SUFFIX)
             try:
+                failed = engine_socket.failure_since(path, waiting_since)
+                if failed is not None:
+                    raise EngineDeadError(f"the shared engine at {path} failed to start in another API process "
+                                          f"while this one waited: {failed}")
                 for attempt in range(1, ATTACH_TRIES + 1):
                     sock = engine_socket.connect(path)
                     if sock is None:
-                        await self._spawn(listen_path=path)
+                        try:
+                            await self._spawn(listen_path=path)
+                        except Exception as exc:  # (a cancelled start is no engine failure)
+                            engine_socket.record_failure(path, exc)
+                            raise
+                        engine_socket.clear_failure(path)
                         break
                     try:
                         await self._attach(sock)

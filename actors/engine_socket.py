@@ -8,6 +8,10 @@
 - `PATH.engine`: held by the engine process for its whole life (the open file is inherited from the API process
   that started it); a new engine waits for it, so that it never starts while an old one still stops (on a GPU the
   two would not fit), and `voltserve serve --api-processes` waits for it before it exits.
+- `PATH.failed`: written (under the start lock) by an API process whose engine failed to start, with the time and
+  the error; the API processes that were waiting for the start lock meanwhile fail with that error instead of
+  loading the model again, one after another; a later start ignores it (older than its wait), a start that
+  succeeds removes it.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from voltserve.errors import ConfigError
 
 START_LOCK_SUFFIX = ".lock"
 ENGINE_LOCK_SUFFIX = ".engine"
+FAILED_SUFFIX = ".failed"
 LOCK_POLL_S = 0.05
 
 
@@ -119,3 +124,24 @@ def remove_if_same(path: str, inode: int) -> None:
     with contextlib.suppress(OSError):
         if os.stat(path).st_ino == inode:
             os.unlink(path)
+
+
+def record_failure(path: str, error: BaseException) -> None:
+    """Note that the engine at `path` failed to start with `error` (`PATH.failed`: the time, then the error)."""
+    with contextlib.suppress(OSError), open(path + FAILED_SUFFIX, "w") as f:
+        f.write(f"{time.time()!r}\n{type(error).__name__}: {error}")
+
+
+def failure_since(path: str, since: float) -> str | None:
+    """The error a start of the engine at `path` failed with at or after `since` (time.time()), or None."""
+    try:
+        with open(path + FAILED_SUFFIX) as f:
+            stamp, _, error = f.read().partition("\n")
+        return error if float(stamp) >= since else None
+    except (OSError, ValueError):
+        return None
+
+
+def clear_failure(path: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path + FAILED_SUFFIX)

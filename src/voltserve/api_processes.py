@@ -14,8 +14,8 @@ After a clean stop it waits (up to ENGINE_STOP_WAIT_S, or until a further signal
 (its engine lock is free then), so that a service manager that kills what remains once the main process exits does
 not cut the engine's own stop short. The children count `/metrics` in prometheus-client's multiprocess files in
 the supervisor's private folder (unless PROMETHEUS_MULTIPROC_DIR is set), so any child's scrape covers all. An
-engine that fails to start is started again by each API process in turn, one after another, before all have
-failed.
+engine that fails to start fails the API processes that waited for its start with its error, without loading the
+model again (`actors.engine_socket`, PATH.failed; before session 27 each retried it in turn).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Engine doubles for ProcessEngine's process tests: no model, no requests; a start that takes `delay_s` seconds
-(a model load), a stop that takes `stop_delay_s`, or a process that exits soon after its start. Each reports its
+(a model load), a stop that takes `stop_delay_s`, a start that fails, or a process that exits soon after its start. Each reports its
 process id in `kv_stats` (which engine process a ProcessEngine talks to) and, when the environment names a file
 in LOG_ENV, appends "<event> <pid> <time.monotonic()>" lines to it at the start of its start ("start") and at
 the end of its stop ("exit")."""
@@ -10,6 +10,8 @@ import asyncio
 import os
 import threading
 import time
+
+from voltserve.errors import LoaderError
 
 LOG_ENV = "VOLTSERVE_TEST_ENGINE_LOG"
 
@@ -61,6 +63,14 @@ class ExitingEngine(SlowStartEngine):
         threading.Thread(target=lambda: (time.sleep(self.delay_s), os._exit(0)), daemon=True).start()
 
 
+class FailingEngine(SlowStartEngine):
+    """A start that fails after `delay_s` seconds (a model that does not load)."""
+
+    async def start(self) -> None:
+        await super().start()
+        raise LoaderError("cannot read GGUF /models/bad.gguf: GGUF magic invalid")
+
+
 def make(delay_s: float, config, on_death) -> SlowStartEngine:
     """The engine factory, by a module-level name the engine process can import (pass a functools.partial)."""
     return SlowStartEngine(config, on_death, delay_s)
@@ -72,3 +82,7 @@ def make_slow_stop(stop_delay_s: float, config, on_death) -> SlowStartEngine:
 
 def make_exiting(after_s: float, config, on_death) -> ExitingEngine:
     return ExitingEngine(config, on_death, after_s)
+
+
+def make_failing(delay_s: float, config, on_death) -> FailingEngine:
+    return FailingEngine(config, on_death, delay_s)

@@ -283,6 +283,43 @@ async def test_a_new_engine_waits_for_the_old_ones_exit(sock_path, monkeypatch):
     assert new_start > old_exit
 
 
+async def test_a_failed_start_fails_the_api_processes_that_waited_for_it(sock_path, monkeypatch):
+    """Three API processes start at once and the engine's start fails: one engine process tried (not one per API
+    process in turn); the first gets the engine's error, the two that waited for the start lock fail with it at
+    once. A start after that (a restart) ignores the old failure and starts an engine."""
+    log = os.path.join(os.path.dirname(sock_path), "engines.log")
+    monkeypatch.setenv(slow_start_engine.LOG_ENV, log)
+    failing = functools.partial(slow_start_engine.make_failing, 0.5)
+    engines = [ProcessEngine(EngineConfig(model="x", engine_socket=sock_path), failing) for _ in range(3)]
+    results = await asyncio.wait_for(asyncio.gather(*(e.start() for e in engines), return_exceptions=True), 60)
+    assert [e for e, _, _ in slow_start_engine.read_log(log)].count("start") == 1
+    assert sorted(type(r).__name__ for r in results) == ["EngineDeadError", "EngineDeadError", "LoaderError"]
+    for r in results:
+        assert "GGUF magic invalid" in str(r)
+        if isinstance(r, EngineDeadError):
+            assert "failed to start in another API process" in str(r)
+    assert os.path.exists(sock_path + engine_socket.FAILED_SUFFIX)
+    later = ProcessEngine(EngineConfig(model="x", engine_socket=sock_path),
+                          functools.partial(slow_start_engine.make, 0.0))
+    await asyncio.wait_for(later.start(), 60)
+    try:
+        assert later.process is not None
+        assert not os.path.exists(sock_path + engine_socket.FAILED_SUFFIX)
+    finally:
+        await later.stop()
+    for e in engines:
+        await e.stop()
+
+
+def test_a_failure_note_counts_only_after_the_wait_began(sock_path):
+    engine_socket.record_failure(sock_path, ValueError("bad"))
+    assert engine_socket.failure_since(sock_path, time.time() - 60) == "ValueError: bad"
+    assert engine_socket.failure_since(sock_path, time.time() + 1) is None
+    engine_socket.clear_failure(sock_path)
+    assert engine_socket.failure_since(sock_path, 0.0) is None
+    engine_socket.clear_failure(sock_path)  # none: no error
+
+
 async def test_the_socket_is_private_and_other_files_are_left_alone(tiny_dir, sock_path):
     with open(sock_path, "w") as f:
         f.write("not a socket")

@@ -129,10 +129,15 @@ class EngineCore:
             await self.engine.start()
         except Exception as exc:
             logger.error("engine start failed: %r", exc)
-            self.conn.send(StartFailedMsg(portable_error(exc)))
+            if self.listen_path:  # the API processes waiting for this start fail with its error, not load again
+                engine_socket.record_failure(self.listen_path, exc)
+            with contextlib.suppress(OSError):  # the API process that started us may be gone
+                self.conn.send(StartFailedMsg(portable_error(exc)))
             self._close_listener()
             await self.engine.stop()
             return 1
+        if self.listen_path:
+            engine_socket.clear_failure(self.listen_path)
         if self._listener is not None:
             self._listener.setblocking(False)
             loop.add_reader(self._listener.fileno(), self._accept)

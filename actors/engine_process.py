@@ -23,7 +23,6 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from multiprocessing.connection import Connection
@@ -53,6 +52,19 @@ _EMPTY_KV_STATS = {"num_blocks": 0, "num_free_blocks": 0, "num_cached_blocks": 0
 
 class AttachTimeoutError(EngineDeadError):
     """A shared engine did not answer an attach in ATTACH_TIMEOUT_S (hung: not retried)."""
+
+
+def _raise_if_failed_meanwhile(path: str, before: str | None) -> None:
+    """Raise the start error of the shared engine at `path` if its failure note is not `before` (the one there
+    when this API process began to wait): it failed while this one waited (`actors.engine_socket`).
+
+    Raises:
+        EngineDeadError: naming that error.
+    """
+    note = engine_socket.read_failure(path)
+    if note is not None and note != before:
+        raise EngineDeadError(f"the shared engine at {path} failed to start while this API process waited for "
+                              f"it: {engine_socket.failure_error(note)}")
 
 
 class ProcessEngine:
@@ -97,8 +109,8 @@ class ProcessEngine:
 
         Raises:
             The child's start error with its type and message (LoaderError, ConfigError, ...), or
-            EngineDeadError when the process exits before it is ready, or (a shared engine) when another API
-            process's start of it failed while this one waited for the start lock (`engine_socket` PATH.failed).
+            EngineDeadError when the process exits before it is ready, or (a shared engine) when its start by
+            another API process failed while this one waited for it (`actors.engine_socket`, PATH.failed).
         """
         self._loop = asyncio.get_running_loop()
         path = self.config.engine_socket
@@ -106,30 +118,23 @@ class ProcessEngine:
             await self._spawn()
         else:
             # one API process at a time: the first starts the engine (the others wait here while the model
-            # loads), the later ones find it listening, or fail with its start's error
-            waiting_since = time.time()
+            # loads), the later ones find it listening, or fail with the error its start failed with meanwhile
+            before = engine_socket.read_failure(path)  # an older failure is not this start's
             lock = await engine_socket.acquire_lock(path + engine_socket.START_LOCK_SUFFIX)
             try:
-                failed = engine_socket.failure_since(path, waiting_since)
-                if failed is not None:
-                    raise EngineDeadError(f"the shared engine at {path} failed to start in another API process "
-                                          f"while this one waited: {failed}")
+                _raise_if_failed_meanwhile(path, before)
                 for attempt in range(1, ATTACH_TRIES + 1):
                     sock = engine_socket.connect(path)
                     if sock is None:
-                        try:
-                            await self._spawn(listen_path=path)
-                        except Exception as exc:  # (a cancelled start is no engine failure)
-                            engine_socket.record_failure(path, exc)
-                            raise
-                        engine_socket.clear_failure(path)
+                        await self._spawn(listen_path=path)
                         break
                     try:
                         await self._attach(sock)
                         break
                     except AttachTimeoutError:
                         raise
-                    except EngineDeadError:  # it exited as we attached: its last API process had just left
+                    except EngineDeadError:  # it exited as we attached: its last API process had just left,
+                        _raise_if_failed_meanwhile(path, before)  # or its start (its starter gone) failed
                         if attempt == ATTACH_TRIES:
                             raise
                         logger.warning("the shared engine at %s exited as this process attached; again", path)

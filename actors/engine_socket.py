@@ -8,10 +8,10 @@
 - `PATH.engine`: held by the engine process for its whole life (the open file is inherited from the API process
   that started it); a new engine waits for it, so that it never starts while an old one still stops (on a GPU the
   two would not fit), and `voltserve serve --api-processes` waits for it before it exits.
-- `PATH.failed`: written (under the start lock) by an API process whose engine failed to start, with the time and
-  the error; the API processes that were waiting for the start lock meanwhile fail with that error instead of
-  loading the model again, one after another; a later start ignores it (older than its wait), a start that
-  succeeds removes it.
+- `PATH.failed`: written by an engine process whose start failed (a token of its own, then the error), mode 0600;
+  an API process that waited for the start lock, or attached to that engine while it loaded, and finds a note
+  other than the one there when it began to wait fails with that error instead of loading the model again (one
+  load, not one per API process in turn); an engine that starts removes it. No clocks are compared.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import os
 import socket
 import stat
 import time
+import uuid
 
 from voltserve.errors import ConfigError
 
@@ -126,22 +127,33 @@ def remove_if_same(path: str, inode: int) -> None:
             os.unlink(path)
 
 
+
 def record_failure(path: str, error: BaseException) -> None:
-    """Note that the engine at `path` failed to start with `error` (`PATH.failed`: the time, then the error)."""
-    with contextlib.suppress(OSError), open(path + FAILED_SUFFIX, "w") as f:
-        f.write(f"{time.time()!r}\n{type(error).__name__}: {error}")
+    """Note that the engine at `path` failed to start with `error` (`PATH.failed`, replaced atomically)."""
+    note = f"{uuid.uuid4().hex}\n{type(error).__name__}: {error}"
+    tmp = f"{path}{FAILED_SUFFIX}.{os.getpid()}"
+    with contextlib.suppress(OSError):
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with open(fd, "w") as f:
+            f.write(note)
+        os.replace(tmp, path + FAILED_SUFFIX)
 
 
-def failure_since(path: str, since: float) -> str | None:
-    """The error a start of the engine at `path` failed with at or after `since` (time.time()), or None."""
+def read_failure(path: str) -> str | None:
+    """The failure note of the engine at `path` (compare two reads: each failure writes a new one), or None when
+    there is none or it is not this user's."""
     try:
         with open(path + FAILED_SUFFIX) as f:
-            stamp, _, error = f.read().partition("\n")
-        return error if float(stamp) >= since else None
-    except (OSError, ValueError):
+            return f.read() if os.fstat(f.fileno()).st_uid == os.getuid() else None
+    except OSError:
         return None
 
 
+def failure_error(note: str) -> str:
+    """The error a `read_failure` note names."""
+    return note.partition("\n")[2]
+
+
 def clear_failure(path: str) -> None:
-    with contextlib.suppress(FileNotFoundError):
+    with contextlib.suppress(OSError):
         os.unlink(path + FAILED_SUFFIX)

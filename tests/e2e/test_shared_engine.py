@@ -225,23 +225,30 @@ async def test_engine_died_during_start_is_the_start_error():
     assert engine._dead is None  # a retried attach is not dead on arrival
 
 
+async def _kill_starter_during_the_load(sock_path: str, log: str, make: str) -> None:
+    """Start the shared engine at `sock_path` from another API process (a subprocess) with the engine factory
+    `slow_start_engine.<make>` and a 3 s start, and kill that process once its engine has begun the start (the
+    engine's LOG_ENV file `log` exists)."""
+    factory = f"functools.partial(__import__('tests.e2e.slow_start_engine').e2e.slow_start_engine.{make}, 3.0)"
+    starter = subprocess.Popen([sys.executable, "-c", (
+        "import asyncio, functools, sys; from actors.engine_process import ProcessEngine; "
+        "from voltserve.config import EngineConfig; "
+        f"e = ProcessEngine(EngineConfig(model='x', engine_socket=sys.argv[1]), {factory}); "
+        "asyncio.run(e.start())"), sock_path], cwd=ROOT, env={**os.environ, "PYTHONPATH": f"{ROOT}:{ROOT}/src"})
+    deadline = time.monotonic() + 30
+    while not os.path.exists(log):  # its engine has begun its 3 s start
+        assert starter.poll() is None and time.monotonic() < deadline
+        await asyncio.sleep(0.05)
+    starter.kill()
+    starter.wait()
+
+
 async def test_an_engine_whose_starter_died_serves_the_next_api_process(sock_path, monkeypatch):
     """The starting API process binds the socket before the engine process exists: an API process that comes
     while the engine loads (its starter killed meanwhile) waits for it instead of starting a second engine."""
     log = os.path.join(os.path.dirname(sock_path), "engines.log")
     monkeypatch.setenv(slow_start_engine.LOG_ENV, log)  # the engine processes inherit it
-    factory = "functools.partial(__import__('tests.e2e.slow_start_engine').e2e.slow_start_engine.make, {})"
-    starter = subprocess.Popen([sys.executable, "-c", (
-        "import asyncio, functools, sys; from actors.engine_process import ProcessEngine; "
-        "from voltserve.config import EngineConfig; "
-        f"e = ProcessEngine(EngineConfig(model='x', engine_socket=sys.argv[1]), {factory.format(3.0)}); "
-        "asyncio.run(e.start())"), sock_path], cwd=ROOT, env={**os.environ, "PYTHONPATH": f"{ROOT}:{ROOT}/src"})
-    deadline = time.monotonic() + 30
-    while not os.path.exists(log):  # its engine has begun its 3 s load
-        assert starter.poll() is None and time.monotonic() < deadline
-        await asyncio.sleep(0.05)
-    starter.kill()
-    starter.wait()
+    await _kill_starter_during_the_load(sock_path, log, "make")
     late = ProcessEngine(EngineConfig(model="x", engine_socket=sock_path),
                          functools.partial(slow_start_engine.make, 0.0))
     await late.start()
@@ -286,38 +293,61 @@ async def test_a_new_engine_waits_for_the_old_ones_exit(sock_path, monkeypatch):
 async def test_a_failed_start_fails_the_api_processes_that_waited_for_it(sock_path, monkeypatch):
     """Three API processes start at once and the engine's start fails: one engine process tried (not one per API
     process in turn); the first gets the engine's error, the two that waited for the start lock fail with it at
-    once. A start after that (a restart) ignores the old failure and starts an engine."""
+    once. A start after that (a restart) is not held back by the old failure, and removes its note."""
     log = os.path.join(os.path.dirname(sock_path), "engines.log")
     monkeypatch.setenv(slow_start_engine.LOG_ENV, log)
     failing = functools.partial(slow_start_engine.make_failing, 0.5)
     engines = [ProcessEngine(EngineConfig(model="x", engine_socket=sock_path), failing) for _ in range(3)]
-    results = await asyncio.wait_for(asyncio.gather(*(e.start() for e in engines), return_exceptions=True), 60)
-    assert [e for e, _, _ in slow_start_engine.read_log(log)].count("start") == 1
-    assert sorted(type(r).__name__ for r in results) == ["EngineDeadError", "EngineDeadError", "LoaderError"]
-    for r in results:
-        assert "GGUF magic invalid" in str(r)
-        if isinstance(r, EngineDeadError):
-            assert "failed to start in another API process" in str(r)
-    assert os.path.exists(sock_path + engine_socket.FAILED_SUFFIX)
-    later = ProcessEngine(EngineConfig(model="x", engine_socket=sock_path),
-                          functools.partial(slow_start_engine.make, 0.0))
-    await asyncio.wait_for(later.start(), 60)
     try:
-        assert later.process is not None
-        assert not os.path.exists(sock_path + engine_socket.FAILED_SUFFIX)
+        results = await asyncio.wait_for(asyncio.gather(*(e.start() for e in engines), return_exceptions=True),
+                                         60)
+        assert [e for e, _, _ in slow_start_engine.read_log(log)].count("start") == 1
+        assert sorted(type(r).__name__ for r in results) == ["EngineDeadError", "EngineDeadError", "LoaderError"]
+        for r in results:
+            assert "GGUF magic invalid" in str(r)
+            if isinstance(r, EngineDeadError):
+                assert "failed to start while this API process waited" in str(r)
+        assert os.path.exists(sock_path + engine_socket.FAILED_SUFFIX)
+        later = ProcessEngine(EngineConfig(model="x", engine_socket=sock_path),
+                              functools.partial(slow_start_engine.make, 0.0))
+        await asyncio.wait_for(later.start(), 60)
+        try:
+            assert later.process is not None
+            assert not os.path.exists(sock_path + engine_socket.FAILED_SUFFIX)
+        finally:
+            await later.stop()
     finally:
-        await later.stop()
-    for e in engines:
-        await e.stop()
+        for e in engines:
+            await e.stop()
 
 
-def test_a_failure_note_counts_only_after_the_wait_began(sock_path):
+async def test_a_failed_start_whose_starter_died_fails_the_attached_api_process(sock_path, monkeypatch):
+    """The starter is killed while its engine loads; the next API process attaches to that engine, whose start
+    then fails: it fails with that error instead of starting a second engine."""
+    log = os.path.join(os.path.dirname(sock_path), "engines.log")
+    monkeypatch.setenv(slow_start_engine.LOG_ENV, log)
+    await _kill_starter_during_the_load(sock_path, log, "make_failing")
+    late = ProcessEngine(EngineConfig(model="x", engine_socket=sock_path),
+                         functools.partial(slow_start_engine.make, 0.0))
+    with pytest.raises(EngineDeadError, match="GGUF magic invalid"):
+        await asyncio.wait_for(late.start(), 60)
+    assert [e for e, _, _ in slow_start_engine.read_log(log)].count("start") == 1
+    await late.stop()
+
+
+def test_failure_notes(sock_path):
+    """Each failure writes a note of its own (what a waiting API process compares), this user's, mode 0600."""
+    assert engine_socket.read_failure(sock_path) is None
     engine_socket.record_failure(sock_path, ValueError("bad"))
-    assert engine_socket.failure_since(sock_path, time.time() - 60) == "ValueError: bad"
-    assert engine_socket.failure_since(sock_path, time.time() + 1) is None
+    first = engine_socket.read_failure(sock_path)
+    assert engine_socket.failure_error(first) == "ValueError: bad"
+    assert stat.S_IMODE(os.stat(sock_path + engine_socket.FAILED_SUFFIX).st_mode) == 0o600
+    engine_socket.record_failure(sock_path, ValueError("bad"))
+    assert engine_socket.read_failure(sock_path) not in (None, first)
     engine_socket.clear_failure(sock_path)
-    assert engine_socket.failure_since(sock_path, 0.0) is None
+    assert engine_socket.read_failure(sock_path) is None
     engine_socket.clear_failure(sock_path)  # none: no error
+    assert os.listdir(os.path.dirname(sock_path)) == []
 
 
 async def test_the_socket_is_private_and_other_files_are_left_alone(tiny_dir, sock_path):

@@ -127,7 +127,6 @@ def remove_if_same(path: str, inode: int) -> None:
             os.unlink(path)
 
 
-
 def record_failure(path: str, error: BaseException) -> None:
     """Note that the engine at `path` failed to start with `error` (`PATH.failed`, replaced atomically)."""
     note = f"{uuid.uuid4().hex}\n{type(error).__name__}: {error}"

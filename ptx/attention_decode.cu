@@ -318,9 +318,8 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, ATTN_MIN_BLOCKS) attn_
     const int t_last = start + n == seq_len ? n - 1 : -1;  // the split's newest key (the step's), if it holds it
     const int t_new = rope && slot >= 0 ? t_last : -1;     // ... taken from k_new / v_new
     if (rope) {
-        i64 pos = p.positions[row];
-        pos = pos < 0 ? 0 : (pos >= p.max_positions ? p.max_positions - 1 : pos);
-        for (int i = tid; i < HEAD_DIM; i += NUM_THREADS) cs_s[i] = p.cos_sin[pos * HEAD_DIM + i];
+        const float* table_row = rope_table_row(p.cos_sin, p.positions[row], p.max_positions, HEAD_DIM);
+        for (int i = tid; i < HEAD_DIM; i += NUM_THREADS) cs_s[i] = table_row[i];
     }
     const float* cs = rope ? cs_s : nullptr;
     const int first_blk = start / p.block_size;

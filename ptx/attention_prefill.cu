@@ -71,9 +71,7 @@ VOLT_CHECK_PARAMS(PrefillParams, VOLT_PREFILL_PARAMS_BYTES);
 
 // The fused rotary's cos / sin row of query token `row` (its position clamped into the table).
 VOLT_DEVICE const float* rope_cs_row(const PrefillParams& p, i64 row) {
-    i64 pos = p.positions[row];
-    pos = pos < 0 ? 0 : (pos >= p.max_positions ? p.max_positions - 1 : pos);
-    return p.cos_sin + pos * HEAD_DIM;
+    return rope_table_row(p.cos_sin, p.positions[row], p.max_positions, HEAD_DIM);
 }
 
 // Dims c..c+7 of query token `row`'s new key (rotated) and value in KV head kvh, from k_new / v_new.

@@ -12,6 +12,12 @@ VOLT_DEVICE float rope_rotate(float x, float y, float c, float s, bool first) {
     return first ? x * c - y * s : x * c + y * s;
 }
 
+// The cos / sin row [head_dim] of position `pos` in a table of max_positions rows (pos clamped into it).
+VOLT_DEVICE const float* rope_table_row(const float* cos_sin, i64 pos, int max_positions, int head_dim) {
+    pos = pos < 0 ? 0 : (pos >= max_positions ? max_positions - 1 : pos);
+    return cos_sin + pos * head_dim;
+}
+
 // The dim paired with dim d.
 VOLT_DEVICE int rope_partner(int d, int half, int interleaved) {
     return interleaved ? d ^ 1 : (d < half ? d + half : d - half);

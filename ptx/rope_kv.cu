@@ -58,9 +58,7 @@ extern "C" __global__ void rope_kv_write(const RopeKvParams p) {
     }
     const bool is_q = h < p.num_heads;
     if (!is_q && slot < 0) return;
-    i64 pos = p.positions[t];
-    pos = pos < 0 ? 0 : (pos >= p.max_positions ? p.max_positions - 1 : pos);
-    const float* cs = p.cos_sin + pos * d;
+    const float* cs = rope_table_row(p.cos_sin, p.positions[t], p.max_positions, d);
     const half_t* src = is_q ? p.q + t * p.q_token_stride + h * d : p.k + t * p.k_token_stride + (h - p.num_heads) * d;
     half_t* dst = is_q ? p.q_out + (t * p.num_heads + h) * d : p.kv + slot * row + (h - p.num_heads) * d;
     for (int i = threadIdx.x; i < half_dim; i += blockDim.x) rope_pair(src, dst, cs, i, half_dim, p.interleaved);

@@ -17,7 +17,7 @@ from quart import Quart, request
 from werkzeug.exceptions import HTTPException
 
 from api.auth import check_api_key
-from api.errors import error_response, unknown_url_response
+from api.errors import error_response, speaks_anthropic, unknown_url_response
 from api.metrics import ServerMetrics, engine_stats
 from api.state import EXTENSION_KEY, ServerState, random_id, unix_time_s
 from voltserve.config import EngineConfig
@@ -152,16 +152,17 @@ def create_app(engine: Any = None, config: EngineConfig | None = None, *,
 
     @app.errorhandler(HTTPException)
     async def http_error(exc: HTTPException):
+        anthropic = speaks_anthropic(request.path)
         if exc.code == 404:
-            return unknown_url_response(request.method, request.path)
-        return error_response(exc)
+            return unknown_url_response(request.method, request.path, anthropic=anthropic)
+        return error_response(exc, anthropic=anthropic)
 
     @app.errorhandler(VoltError)
     async def volt_error(exc: VoltError):
-        return error_response(exc)
+        return error_response(exc, anthropic=speaks_anthropic(request.path))
 
     @app.errorhandler(Exception)
     async def unexpected_error(exc: Exception):
-        return error_response(exc)
+        return error_response(exc, anthropic=speaks_anthropic(request.path))
 
     return app

@@ -81,6 +81,18 @@ def openai_body(message: str, kind: ErrorKind, param: str | None = None) -> byte
     return orjson.dumps(openai_payload(message, kind, param))
 
 
+def anthropic_payload(message: str, kind: ErrorKind) -> dict:
+    """Anthropic error object: `{"type": "error", "error": {"type", "message"}}`."""
+    return {"type": "error", "error": {"type": kind.anthropic_type, "message": message}}
+
+
+def payload(message: str, kind: ErrorKind, param: str | None = None, *, anthropic: bool = False) -> bytes:
+    """The error body in the shape of the API the client speaks, as JSON bytes (Anthropic's has no `param`)."""
+    if anthropic:
+        return orjson.dumps(anthropic_payload(message, kind))
+    return openai_body(message, kind, param)
+
+
 def describe(exc: BaseException) -> tuple[ErrorKind, str, str | None]:
     """(table row, client-safe message, param) of an exception; unexpected ones say only "internal server error"."""
     kind = kind_of(exc)
@@ -97,15 +109,16 @@ def _response(body: bytes, kind: ErrorKind) -> Response:
     return response
 
 
-def error_response(exc: BaseException) -> Response:
-    """OpenAI-shaped JSON response for any exception; unexpected ones log a traceback and say nothing more.
+def error_response(exc: BaseException, *, anthropic: bool = False) -> Response:
+    """JSON error response for any exception; unexpected ones log a traceback and say nothing more.
 
     Args:
         exc: a VoltError, a werkzeug HTTPException or anything else (-> 500).
+        anthropic: Anthropic's shape (routes under /v1/messages) instead of OpenAI's.
     """
     if isinstance(exc, HTTPException):
         kind = HTTP_KINDS.get(exc.code or 500, ErrorKind(exc.code or 500, "invalid_request_error", "api_error"))
-        response = _response(openai_body(exc.description or exc.name, kind), kind)
+        response = _response(payload(exc.description or exc.name, kind, anthropic=anthropic), kind)
         allowed = getattr(exc, "valid_methods", None)  # 405: RFC 9110 section 15.5.6 requires the Allow header
         if allowed:
             response.headers["Allow"] = ", ".join(allowed)
@@ -114,10 +127,19 @@ def error_response(exc: BaseException) -> Response:
     if kind is INTERNAL:
         # The traceback goes to the log only: clients must not see internals.
         logger.error("unexpected error while serving a request", exc_info=exc)
-    return _response(openai_body(message, kind, param), kind)
+    return _response(payload(message, kind, param, anthropic=anthropic), kind)
 
 
-def unknown_url_response(method: str, path: str) -> Response:
+def unknown_url_response(method: str, path: str, *, anthropic: bool = False) -> Response:
     """404 for a route that does not exist, worded like OpenAI's ("Invalid URL (POST /v1/x)")."""
     kind = HTTP_KINDS[404]
-    return _response(openai_body(f"Invalid URL ({method} {path})", kind), kind)
+    return _response(payload(f"Invalid URL ({method} {path})", kind, anthropic=anthropic), kind)
+
+
+ANTHROPIC_PREFIX = "/v1/messages"
+
+
+def speaks_anthropic(path: str) -> bool:
+    """Whether errors on `path` take Anthropic's shape: the Messages routes (`/v1/messages`,
+    `/v1/messages/count_tokens`), which Anthropic's SDKs call."""
+    return path == ANTHROPIC_PREFIX or path.startswith(ANTHROPIC_PREFIX + "/")

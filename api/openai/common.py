@@ -14,7 +14,7 @@ from quart import Response, request
 from werkzeug.exceptions import RequestTimeout
 
 from api import sse
-from api.errors import describe, kind_of, openai_payload
+from api.errors import ErrorKind, describe, kind_of, openai_payload
 from api.metrics import NO_STATS
 from api.openai.protocol import PromptTokensDetails, SamplingFields, Usage
 from voltserve.errors import ContextLengthError, InvalidRequestError, VoltError
@@ -253,6 +253,11 @@ class ChunkFrames:
         return sse.frame(self._event_cls(choices=choices, usage=usage, **self._fields), exclude=self._exclude)
 
 
+def openai_error_frame(kind: ErrorKind, message: str, param: str | None) -> bytes:
+    """An error sent in-band on an OpenAI stream (the status line is already out): `data: {"error": ...}`."""
+    return sse.frame(openai_payload(message, kind, param))
+
+
 def finish_json(out: RequestOutput) -> bytes:
     """The `finish_reason` value of a delta as JSON."""
     return b"null" if out.finish_reason is None else orjson.dumps(out.finish_reason.value)
@@ -260,8 +265,10 @@ def finish_json(out: RequestOutput) -> bytes:
 
 async def drive_stream(stream, choice_chunk: Callable[[RequestOutput, list[TokenLogprob]], bytes],
                        usage_chunk: Callable[[Usage], bytes] | None, first: Iterable[bytes] = (),
-                       keep_alive_s: float = 0.0, stats=NO_STATS) -> AsyncIterator[bytes]:
-    """The SSE body of a streamed request, shared by every OpenAI endpoint.
+                       keep_alive_s: float = 0.0, stats=NO_STATS, *,
+                       error_frame: Callable[[ErrorKind, str, str | None], bytes] = openai_error_frame,
+                       done: bytes = sse.DONE) -> AsyncIterator[bytes]:
+    """The SSE body of a streamed request, shared by every streaming endpoint (OpenAI's and Anthropic's).
 
     Args:
         stream: the engine's RequestStream.
@@ -271,8 +278,11 @@ async def drive_stream(stream, choice_chunk: Callable[[RequestOutput, list[Token
         keep_alive_s: seconds of silence before a `: keep-alive` comment; 0 = none. A RequestStream is woken by
             an `sse.IdleTimer` (`interrupt()`); another source (test doubles) goes through `sse.with_keep_alive`.
         stats: the request's `api.metrics.RequestStats` (first output written, then finished or failed).
+        error_frame: (table row, message, param) -> the in-band error event (OpenAI's shape by default).
+        done: the stream's last bytes: `data: [DONE]` for OpenAI's chunk streams, b"" for typed-event streams
+            (Responses, Anthropic Messages), whose last event comes from `choice_chunk`.
     Yields:
-        Framed events, then `data: [DONE]`. Deltas with no text and no finish (bytes of a split character) are
+        Framed events, then `done`. Deltas with no text and no finish (bytes of a split character) are
         held, their logprobs joining the next chunk. An engine error after the status went out is sent in-band;
         a client that leaves mid-stream has its request aborted (its KV blocks freed).
 
@@ -341,7 +351,7 @@ async def drive_stream(stream, choice_chunk: Callable[[RequestOutput, list[Token
         finished = True
         kind, message, param = describe(exc)
         stats.failed(kind.reason)
-        tail.append(sse.frame(openai_payload(message, kind, param)))
+        tail.append(error_frame(kind, message, param))
     except Exception:
         stats.failed("internal_error")
         raise
@@ -353,6 +363,8 @@ async def drive_stream(stream, choice_chunk: Callable[[RequestOutput, list[Token
         if not finished:  # client disconnected
             stats.failed("client_gone")
             stream.abort()
-    tail.append(sse.DONE)
-    yield b"".join(tail)
+    tail.append(done)
+    last = b"".join(tail)
+    if last:  # nothing after a typed-event stream's last event: no empty write
+        yield last
 

@@ -29,13 +29,15 @@ MAX_BODY_BYTES = 32 * 1024 * 1024
 
 
 def _blueprints():
+    from api.anthropic.messages import bp as messages
     from api.health import bp as health
     from api.openai.chat import bp as chat
     from api.openai.completions import bp as completions
     from api.metrics import bp as metrics
     from api.openai.models import bp as models
+    from api.openai.responses import bp as responses
 
-    return [health, metrics, chat, completions, models]
+    return [health, metrics, chat, completions, models, messages, responses]
 
 
 async def watch_engine(engine: Any, on_death: Callable[[], None], interval_s: float = 1.0,

@@ -29,6 +29,19 @@ def frame(event: BaseModel | dict, exclude: set[str] | None = None) -> bytes:
     return b"data: " + orjson.dumps(payload) + b"\n\n"
 
 
+def typed_frame(event_type: str, payload: BaseModel | dict) -> bytes:
+    """One named event, `event: <type>\ndata: <json>\n\n`: the framing of the Responses and Anthropic Messages
+    streams, whose clients dispatch on the event name.
+
+    Args:
+        event_type: the event name (e.g. "response.output_text.delta", "content_block_delta").
+        payload: the event's JSON body; pydantic models are dumped in JSON mode.
+    """
+    if isinstance(payload, BaseModel):
+        payload = payload.model_dump(mode="json")
+    return b"event: " + event_type.encode() + b"\ndata: " + orjson.dumps(payload) + b"\n\n"
+
+
 class IdleTimer:
     """Calls `on_idle()` each time `interval_s` seconds pass without a `touch()`: one timer handle per stream,
     re-armed when it fires, so a busy stream pays only `touch()` per chunk (no task, no timer per chunk).

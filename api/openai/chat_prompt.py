@@ -16,8 +16,14 @@ from voltserve.errors import InvalidRequestError, VoltError
 BILLING_HEADER_PREFIX = "x-anthropic-billing-header"
 
 
-def _content_text(content, i: int) -> str:
+def content_text(content, param: str, text_types: frozenset[str] = frozenset({"text"})) -> str:
     """A message's content (a string or a list of parts) as one string; text parts join with newlines.
+
+    Args:
+        content: None, a string, or a list of parts with `type` and `text` (`protocol.ContentPart`).
+        param: the request field holding `content` (e.g. "messages.0.content"), for errors.
+        text_types: the part types that carry text ("text" in Chat Completions; "input_text" and
+            "output_text" in the Responses API).
 
     Raises:
         InvalidRequestError: a non-text part (this server serves text-only models) or a text part without text.
@@ -26,18 +32,19 @@ def _content_text(content, i: int) -> str:
         return content or ""
     texts = []
     for j, part in enumerate(content):
-        if part.type != "text":
+        if part.type not in text_types:
             raise InvalidRequestError(
                 f"content part type '{part.type}' is not supported: the served model accepts text only",
-                param=f"messages.{i}.content.{j}.type")
+                param=f"{param}.{j}.type")
         if part.text is None:
-            raise InvalidRequestError("a text content part needs 'text'", param=f"messages.{i}.content.{j}.text")
+            raise InvalidRequestError(f"a content part of type '{part.type}' needs 'text'", param=f"{param}.{j}.text")
         texts.append(part.text)
     return "\n".join(texts)
 
 
-def _strip_billing_header(text: str) -> str:
-    # Case S2: that first line changes every request and would defeat the prefix cache.
+def strip_billing_header(text: str) -> str:
+    """System text without a first line starting with `x-anthropic-billing-header` (case S2: that line changes
+    every request and would defeat the prefix cache)."""
     if text.startswith(BILLING_HEADER_PREFIX):
         return text.partition("\n")[2]
     return text
@@ -58,9 +65,9 @@ def template_messages(req: ChatCompletionRequest) -> list[dict]:
     for i, msg in enumerate(req.messages):
         if msg.content is None and msg.role in ("system", "developer", "user"):
             raise InvalidRequestError(f"a {msg.role} message needs 'content'", param=f"messages.{i}.content")
-        text = _content_text(msg.content, i)
+        text = content_text(msg.content, f"messages.{i}.content")
         if msg.role == "system":
-            text = _strip_billing_header(text)
+            text = strip_billing_header(text)
         entry = {"role": msg.role, "content": text}
         for key in ("name", "tool_calls", "tool_call_id"):
             if getattr(msg, key) is not None:
@@ -103,44 +110,62 @@ def encode_rendered(tokenizer, rendered: str, spans: dict[str, str] | None = Non
     return ids
 
 
-def _render(engine, req: ChatCompletionRequest, messages: list[dict]) -> str:
-    kwargs = dict(req.chat_template_kwargs or {})
+def _render(engine, messages: list[dict], tools: list[dict] | None, template_kwargs: dict, param: str) -> str:
     try:
-        return engine.chat_template.render(messages, add_generation_prompt=True, tools=req.tools, **kwargs)
+        return engine.chat_template.render(messages, add_generation_prompt=True, tools=tools, **template_kwargs)
     except VoltError:
         raise
     except Exception as exc:  # a template's own raise_exception(), e.g. "roles must alternate"
-        raise InvalidRequestError(f"the chat template rejected the messages: {exc}", param="messages") from exc
+        raise InvalidRequestError(f"the chat template rejected the messages: {exc}", param=param) from exc
 
 
-def _render_and_encode(engine, req: ChatCompletionRequest, messages: list[dict]) -> list[int]:
+def _render_and_encode(engine, messages: list[dict], tools: list[dict] | None, template_kwargs: dict,
+                       param: str) -> list[int]:
     tokenizer = engine.tokenizer
     risky = [i for i, m in enumerate(messages) if _has_special_text(tokenizer, m["content"])]
     if not risky:
-        return encode_rendered(tokenizer, _render(engine, req, messages))
+        return encode_rendered(tokenizer, _render(engine, messages, tools, template_kwargs, param))
     # Render with a unique placeholder in place of each such content, so the template's own markup and the
     # user's text are told apart by position, never by matching text (the user may type the template's markup).
     nonce = secrets.token_hex(8)
     spans = {f"voltserve{nonce}m{i}x": messages[i]["content"] for i in risky}
     masked = [dict(m, content=f"voltserve{nonce}m{i}x") if i in risky else m for i, m in enumerate(messages)]
-    rendered = _render(engine, req, masked)
+    rendered = _render(engine, masked, tools, template_kwargs, param)
     if any(rendered.count(key) != 1 for key in spans):
         raise InvalidRequestError("a message spells a special token and the chat template does not place its "
-                                  "content verbatim; remove the special-token text", param="messages")
+                                  "content verbatim; remove the special-token text", param=param)
     return encode_rendered(tokenizer, rendered, spans)
 
 
-async def chat_prompt_ids(engine, req: ChatCompletionRequest) -> list[int]:
-    """Render and tokenize the request's messages (off the event loop unless they are short: `prompt_work`).
+async def messages_prompt_ids(engine, messages: list[dict], tools: list[dict] | None = None,
+                              template_kwargs: dict | None = None, param: str = "messages") -> list[int]:
+    """Render and tokenize chat messages (off the event loop unless they are short: `prompt_work`); the one
+    path from messages to prompt ids of every chat-shaped endpoint (Chat Completions, Responses).
+
+    Args:
+        messages: `{"role", "content": str, ...}` dicts as `template_messages` makes them.
+        tools: the tool definitions the template renders, if any.
+        template_kwargs: extra variables for the chat template (`chat_template_kwargs`).
+        param: the request field the messages came from, blamed by errors ("messages", or "input").
 
     Returns:
         [num_prompt_tokens] token ids, ending with the assistant generation prompt.
 
     Raises:
-        InvalidRequestError: see `template_messages`; the template refused the conversation.
+        InvalidRequestError: the template refused the conversation, or a special token's text it would not place
+            verbatim (case S6).
     """
-    messages = template_messages(req)
     # tools and earlier tool calls are rendered into the prompt too, uncounted here: such requests take the thread
-    uncounted = req.tools or any("tool_calls" in m for m in messages)
+    uncounted = tools or any("tool_calls" in m for m in messages)
     size = sum(len(m["content"]) for m in messages) + (INLINE_PROMPT_CHARS + 1 if uncounted else 0)
-    return await prompt_work(size, _render_and_encode, engine, req, messages)
+    return await prompt_work(size, _render_and_encode, engine, messages, tools, dict(template_kwargs or {}),
+                             param)
+
+
+async def chat_prompt_ids(engine, req: ChatCompletionRequest) -> list[int]:
+    """A chat request's prompt ids (`template_messages`, then `messages_prompt_ids`).
+
+    Raises:
+        InvalidRequestError: see `template_messages` and `messages_prompt_ids`.
+    """
+    return await messages_prompt_ids(engine, template_messages(req), req.tools, req.chat_template_kwargs)

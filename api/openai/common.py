@@ -112,12 +112,14 @@ class SequenceResult:
         token_ids: [num_output_tokens] output token ids.
         logprobs: one TokenLogprob per output token (when requested).
         finish_reason: "stop" / "length" / "abort", None while running.
+        stop_reason: the stop string or stop token id that ended it, when one did.
     """
 
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
+    stop_reason: str | int | None = None
 
 
 class UsageCounter:
@@ -167,7 +169,7 @@ async def collect(stream, stats=NO_STATS) -> tuple[dict[int, SequenceResult], Us
             seq.token_ids.extend(out.token_ids)
             seq.logprobs.extend(out.logprobs or [])
             if out.finish_reason is not None:
-                seq.finish_reason = out.finish_reason.value
+                seq.finish_reason, seq.stop_reason = out.finish_reason.value, out.stop_reason
             counter.add(out)
         finished = True
         counter.record(stats)

@@ -119,7 +119,7 @@ class ScriptedStream:
                     finish = FinishReason.LENGTH
                 texts[i] += text
                 lp = self._logprob(tid, pos)
-                yield RequestOutput(self.request_id, i, [tid], text, [lp] if lp else None, finish,
+                yield RequestOutput(self.request_id, i, [tid], text, [lp] if lp else None, finish, stop_reason=hit,
                                     num_prompt_tokens=self.prompt_len, num_cached_tokens=e.cached_tokens,
                                     num_output_tokens=pos + 1)
                 if finish is not None:

@@ -12,7 +12,7 @@ import sys
 import orjson
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from tests.api.conftest import MODEL, chat_body, leave_mid_stream
+from tests.api.conftest import MODEL, chat_body, leave_mid_stream, stream_until_engine_dies
 from tests.api.fake_engine import ScriptedEngine
 
 
@@ -60,15 +60,9 @@ async def test_failures_by_reason(serve):
             if engine.aborted:
                 break
             await asyncio.sleep(0.01)
-
-        async def kill():
-            await asyncio.sleep(0.1)
-            engine.healthy = False
-
-        killer = asyncio.create_task(kill())
-        dead = await client.post("/v1/chat/completions", json=chat_body(stream=True))
-        assert b'"code":"engine_dead"' in await dead.get_data()
-        await killer
+        dead = await stream_until_engine_dies(client, engine, "/v1/chat/completions", chat_body(stream=True),
+                                              after_s=0.1)
+        assert b'"code":"engine_dead"' in dead
         metrics = await _scrape(client)
     assert metrics[("voltserve:request_failure_total", _m(reason="client_gone"))] == 1
     assert metrics[("voltserve:request_failure_total", _m(reason="engine_dead"))] == 1

@@ -6,61 +6,14 @@ Replays the streaming cases S3 (UTF-8), S4 (stop strings), S5 (usage, n=2) of ..
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
-import sys
-import time
-from pathlib import Path
-
-import httpx
 import openai
 import pytest
 
-from tests.helpers import stop_process
+from tests.api.conftest import REAL_MODEL as MODEL  # the model behind the `server_url` fixture
 
 pytestmark = pytest.mark.slow
-ROOT = Path(__file__).resolve().parents[2]
-MODEL = "smollm2-135m-instruct"
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
 GREEDY_FRANCE = "The capital of France is Paris."  # greedy answer of the default model (CPU, float32)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture(scope="session")
-def server_url(smollm2_gguf, tmp_path_factory):
-    """Base URL of a hypercorn subprocess serving the default model; stopped at the end of the session."""
-    port = _free_port()
-    env = {**os.environ, "VOLTSERVE_MODEL": MODEL, "VOLTSERVE_MAX_MODEL_LEN": "1024",
-           "VOLTSERVE_NUM_KV_BLOCKS": "512", "VOLTSERVE_API_KEY": ""}
-    log_path = tmp_path_factory.mktemp("server") / "hypercorn.log"
-    with open(log_path, "wb") as log:
-        # as README and tools/voltserve.service run it: the API process on uvloop (the engine process follows
-        # VOLTSERVE_EVENT_LOOP, auto = uvloop too)
-        proc = subprocess.Popen([sys.executable, "-m", "hypercorn", "-k", "uvloop", "api:app",
-                                 "--bind", f"127.0.0.1:{port}"], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 240
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"server exited with {proc.returncode}:\n{log_path.read_text()[-3000:]}")
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"server not healthy after 240 s:\n{log_path.read_text()[-3000:]}")
-            time.sleep(0.5)
-        yield url
-    finally:
-        stop_process(proc)
 
 
 @pytest.fixture(scope="session")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 
 import orjson
-from tests.api.conftest import MODEL, chat_body, leave_mid_stream
+from tests.api.conftest import MODEL, chat_body, leave_mid_stream, stream_until_engine_dies
 from tests.api.fake_engine import ScriptedEngine
 from voltserve.request import SamplingParams
 
@@ -82,14 +82,7 @@ async def test_finished_stream_is_not_aborted(serve):
 async def test_engine_death_mid_stream_reports_error_event(serve):
     engine = ScriptedEngine(scripts=["abcdef"], delay_s=0.05)
     async with serve(engine) as (client, _):
-        async def kill():
-            await asyncio.sleep(0.08)
-            engine.healthy = False
-
-        killer = asyncio.create_task(kill())
-        response = await client.post("/v1/chat/completions", json=chat_body(stream=True))
-        body = await response.get_data()
-        await killer
+        body = await stream_until_engine_dies(client, engine, "/v1/chat/completions", chat_body(stream=True))
         health = await client.get("/health")
     events = body.split(b"\n\n")
     assert events[-3] == (b'data: {"error":{"message":"scripted engine died","type":"server_error","param":null,'

@@ -1,0 +1,226 @@
+"""Pydantic models of the OpenAI Responses API, text only: the request, the response object, the stream events.
+
+Requests parse like `protocol.py`'s (strict types, unknown fields ignored) and share its sampling fields.
+Field names and required fields follow the API reference (https://platform.openai.com/docs/api-reference/responses)
+and the `openai` SDK's `types/responses` models, which clients validate against.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from api.openai.protocol import ContentPart, SamplingFields
+
+# ---- request ---------------------------------------------------------------------------------------------
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class InputItem(_Request):
+    """One item of a list `input`. Only messages (`type` "message", the default) are served; any other item
+    type (function_call, function_call_output, reasoning, ...) is parsed just far enough to be refused by name.
+
+    Attributes:
+        type: the item type.
+        role: a message's author; required for messages (checked when the item is converted).
+        content: a message's text, or a list of parts (`input_text` / `output_text` with `text`).
+    """
+
+    type: str = "message"
+    role: Literal["user", "assistant", "system", "developer"] | None = None
+    content: str | list[ContentPart] | None = None
+
+
+class TextFormat(_Request):
+    """`text.format`: "text" is served; "json_schema" and "json_object" need a grammar, not built yet."""
+
+    type: str
+
+
+class TextConfig(_Request):
+    format: TextFormat | None = None
+
+
+class ResponsesRequest(SamplingFields):
+    """POST /v1/responses (https://platform.openai.com/docs/api-reference/responses/create).
+
+    Attributes:
+        input: one user message as a string, or a list of input items (the list first, so a bad item's error
+            names the item's field rather than "not a string").
+        instructions: a system message placed before the input.
+        max_output_tokens: output token limit (None = the rest of the context window).
+        text: output format; only {"format": {"type": "text"}}.
+        tools, tool_choice, parallel_tool_calls: accepted while no tool is given ("auto" / "none" choice; null
+            parallel_tool_calls means the default, case T3).
+        previous_response_id: refused: this server stores no responses.
+        store, metadata: accepted; nothing is stored, metadata is echoed.
+    The sampling fields (temperature, top_p, seed, vLLM's top_k, ...) are `SamplingFields`'; Chat's `n` and
+    `max_tokens` are not Responses fields, so they are ignored like any unknown field.
+    """
+
+    n: ClassVar[None] = None
+    max_tokens: ClassVar[None] = None
+    input: list[InputItem] | str
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    text: TextConfig | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    previous_response_id: str | None = None
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+
+
+# ---- response object -------------------------------------------------------------------------------------
+
+ItemStatus = Literal["in_progress", "completed", "incomplete"]
+
+
+class OutputText(BaseModel):
+    """A text content part of an output message (no annotations, no logprobs yet: both always empty)."""
+
+    type: Literal["output_text"] = "output_text"
+    text: str
+    annotations: list[Any] = Field(default_factory=list)
+    logprobs: list[Any] = Field(default_factory=list)
+
+
+class OutputMessage(BaseModel):
+    """The one output item: the assistant's message. `id` is "msg_..."; `status` follows the response's."""
+
+    type: Literal["message"] = "message"
+    id: str
+    status: ItemStatus
+    role: Literal["assistant"] = "assistant"
+    content: list[OutputText]
+
+
+class InputTokensDetails(BaseModel):
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    cache_write_tokens: int = 0  # required by the SDK's model; this server has no explicit cache writes
+
+
+class OutputTokensDetails(BaseModel):
+    reasoning_tokens: int = 0
+
+
+class ResponseUsage(BaseModel):
+    """Token counts of one response (input = prompt, output = generated)."""
+
+    input_tokens: int
+    input_tokens_details: InputTokensDetails
+    output_tokens: int
+    output_tokens_details: OutputTokensDetails = Field(default_factory=OutputTokensDetails)
+    total_tokens: int
+
+    @classmethod
+    def of(cls, input_tokens: int, cached_tokens: int, output_tokens: int) -> ResponseUsage:
+        """Usage from the three counts the engine reports."""
+        return cls(input_tokens=input_tokens, input_tokens_details=InputTokensDetails(cached_tokens=cached_tokens),
+                   output_tokens=output_tokens, total_tokens=input_tokens + output_tokens)
+
+
+class IncompleteDetails(BaseModel):
+    reason: Literal["max_output_tokens"] | None = None
+
+
+class ResponsesResponse(BaseModel):
+    """The response object, returned whole by a non-streamed request and carried by the `response.*` events.
+
+    Attributes:
+        id: "resp_..."; nothing is stored under it.
+        created_at: unix seconds.
+        status: "in_progress" while streaming, then "completed", or "incomplete" when output was cut
+            (`incomplete_details.reason` "max_output_tokens" for a length finish).
+        output: the assistant message (empty until it starts).
+        usage: null until the response ends.
+        The other fields echo the request's settings, with the defaults applied (temperature, top_p).
+    """
+
+    id: str
+    object: Literal["response"] = "response"
+    created_at: int
+    status: Literal["in_progress", "completed", "incomplete"]
+    error: None = None
+    incomplete_details: IncompleteDetails | None = None
+    instructions: str | None
+    max_output_tokens: int | None
+    model: str
+    output: list[OutputMessage]
+    parallel_tool_calls: bool
+    previous_response_id: None = None
+    temperature: float
+    text: dict[str, Any]
+    tool_choice: str | dict[str, Any]
+    tools: list[dict[str, Any]]
+    top_p: float
+    truncation: Literal["disabled"] = "disabled"
+    usage: ResponseUsage | None = None
+    user: str | None = None
+    metadata: dict[str, str]
+
+
+# ---- stream events (https://platform.openai.com/docs/api-reference/responses-streaming) ------------------
+
+
+class _Event(BaseModel):
+    """What every stream event carries: its `type` (also its SSE event name; each subclass narrows it) and its
+    `sequence_number`, which counts the stream's events from 0."""
+
+    type: str
+    sequence_number: int
+
+
+class ResponseEvent(_Event):
+    """A lifecycle event carrying the whole response object."""
+
+    type: Literal["response.created", "response.in_progress", "response.completed", "response.incomplete"]
+    response: ResponsesResponse
+
+
+class OutputItemEvent(_Event):
+    type: Literal["response.output_item.added", "response.output_item.done"]
+    output_index: int = 0
+    item: OutputMessage
+
+
+class _ContentEvent(_Event):
+    """An event about one content part: `content_index` of output item `output_index`, whose id is `item_id`."""
+
+    item_id: str
+    output_index: int = 0
+    content_index: int = 0
+
+
+class ContentPartEvent(_ContentEvent):
+    type: Literal["response.content_part.added", "response.content_part.done"]
+    part: OutputText
+
+
+class OutputTextDeltaEvent(_ContentEvent):
+    """New text of the message; on the per-token path its bytes are assembled around the text (`responses.py`)."""
+
+    type: Literal["response.output_text.delta"] = "response.output_text.delta"
+    delta: str
+    logprobs: list[Any] = Field(default_factory=list)
+
+
+class OutputTextDoneEvent(_ContentEvent):
+    type: Literal["response.output_text.done"] = "response.output_text.done"
+    text: str
+    logprobs: list[Any] = Field(default_factory=list)
+
+
+class ErrorEvent(_Event):
+    """An error after the stream began (the status line is already out). `code` is the error table's code, else
+    its OpenAI type (`api.errors.ErrorKind.reason`)."""
+
+    type: Literal["error"] = "error"
+    code: str | None
+    message: str
+    param: str | None = None

@@ -1,0 +1,372 @@
+"""POST /v1/responses (api/openai/responses.py): exact JSON and SSE bytes (fixed ids and clock), the input items
+taking the chat path to prompt ids (cases S2, S6), the table of refused inputs, cases T3 and S1, a client that
+leaves, an engine error mid-stream, and the wire shapes the `openai` SDK's typed models accept."""
+
+from __future__ import annotations
+
+import asyncio
+
+import orjson
+import pytest
+from openai.types.responses import Response as SdkResponse
+from openai.types.responses import ResponseStreamEvent
+from pydantic import TypeAdapter
+from tests.api.conftest import MODEL, chat_body, leave_mid_stream, stream_until_engine_dies
+from tests.api.fake_engine import ScriptedEngine, StreamedEngine
+from tests.api.test_metrics import _m, _scrape
+
+from api import sse
+from api.openai.responses_protocol import OutputTextDeltaEvent
+
+URL = "/v1/responses"
+INVALID = "invalid_request_error"
+PROMPT_HI = "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"  # ChatML of one user message "Hi"
+
+
+def body(**extra) -> dict:
+    """A valid Responses request, with `extra` fields merged in."""
+    return {"model": MODEL, "input": "Hi", **extra}
+
+
+def response_object(status: str, output: list, usage: dict | None, max_output_tokens=None, details=None) -> dict:
+    """The response object as the server renders it for `body()` (field order included)."""
+    return {"id": "resp_0", "object": "response", "created_at": 1700000000, "status": status, "error": None,
+            "incomplete_details": details, "instructions": None, "max_output_tokens": max_output_tokens,
+            "model": MODEL, "output": output, "parallel_tool_calls": True, "previous_response_id": None,
+            "temperature": 1.0, "text": {"format": {"type": "text"}}, "tool_choice": "auto", "tools": [],
+            "top_p": 1.0, "truncation": "disabled", "usage": usage, "user": None, "metadata": {}}
+
+
+def message(text: str, status: str) -> dict:
+    return {"type": "message", "id": "msg_0", "status": status, "role": "assistant",
+            "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}] if text is not None
+            else []}
+
+
+def usage(input_tokens: int, output_tokens: int, cached: int = 0) -> dict:
+    return {"input_tokens": input_tokens, "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": 0},
+            "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": input_tokens + output_tokens}
+
+
+def event(event_type: str, payload: dict) -> bytes:
+    return b"event: " + event_type.encode() + b"\ndata: " + orjson.dumps(payload) + b"\n\n"
+
+
+def events_of(data: bytes) -> list[tuple[str, dict]]:
+    """(event name, payload) of each frame of a Responses stream; checks the framing on the way."""
+    assert data.endswith(b"\n\n") and b"[DONE]" not in data
+    frames = []
+    for frame in data.split(b"\n\n")[:-1]:
+        name, payload = frame.split(b"\n")
+        assert name.startswith(b"event: ") and payload.startswith(b"data: ")
+        frames.append((name[7:].decode(), orjson.loads(payload[6:])))
+    return frames
+
+
+async def post(serve, engine, json: dict, **config) -> tuple[int, bytes, ScriptedEngine]:
+    async with serve(engine, **config) as (client, engine):
+        response = await client.post(URL, json=json)
+        return response.status_code, await response.get_data(), engine
+
+
+async def test_non_stream_exact_json(serve):
+    status, data, _ = await post(serve, ScriptedEngine(scripts=["Hé"], cached_tokens=3), body())
+    assert status == 200
+    prompt_tokens = len(ScriptedEngine().tokenizer.encode(PROMPT_HI))
+    expected = response_object("completed", [message("Hé", "completed")], usage(prompt_tokens, 4, cached=3))
+    assert data == orjson.dumps(expected)  # field order too
+    assert SdkResponse.model_validate(orjson.loads(data)).output_text == "Hé"
+
+
+async def test_stream_exact_bytes(serve):
+    status, data, _ = await post(serve, ScriptedEngine(scripts=["Hé"]), body(stream=True))
+    assert status == 200
+    started = response_object("in_progress", [], None)
+    head = {"item_id": "msg_0", "output_index": 0, "content_index": 0}
+    part = {"type": "output_text", "text": "Hé", "annotations": [], "logprobs": []}
+    expected = b"".join([
+        event("response.created", {"type": "response.created", "sequence_number": 0, "response": started}),
+        event("response.in_progress", {"type": "response.in_progress", "sequence_number": 1, "response": started}),
+        event("response.output_item.added", {"type": "response.output_item.added", "sequence_number": 2,
+                                             "output_index": 0, "item": message(None, "in_progress")}),
+        event("response.content_part.added", {"type": "response.content_part.added", "sequence_number": 3, **head,
+                                              "part": {**part, "text": ""}}),
+        # "é" is two byte tokens: the first delta has no text and makes no event
+        event("response.output_text.delta", {"type": "response.output_text.delta", "sequence_number": 4, **head,
+                                             "delta": "H", "logprobs": []}),
+        event("response.output_text.delta", {"type": "response.output_text.delta", "sequence_number": 5, **head,
+                                             "delta": "é", "logprobs": []}),
+        event("response.output_text.done", {"type": "response.output_text.done", "sequence_number": 6, **head,
+                                            "text": "Hé", "logprobs": []}),
+        event("response.content_part.done", {"type": "response.content_part.done", "sequence_number": 7, **head,
+                                             "part": part}),
+        event("response.output_item.done", {"type": "response.output_item.done", "sequence_number": 8,
+                                            "output_index": 0, "item": message("Hé", "completed")}),
+        event("response.completed", {"type": "response.completed", "sequence_number": 9, "response": response_object(
+            "completed", [message("Hé", "completed")], usage(21, 4))}),
+    ])
+    assert data == expected
+
+
+async def test_incomplete_at_max_output_tokens(serve):
+    engine = ScriptedEngine(scripts=["abcdef"])
+    _, data, _ = await post(serve, engine, body(max_output_tokens=2))
+    assert orjson.loads(data) == response_object("incomplete", [message("ab", "incomplete")], usage(21, 2),
+                                                 max_output_tokens=2, details={"reason": "max_output_tokens"})
+    assert engine.requests[0][1].max_tokens == 2
+    _, data, _ = await post(serve, ScriptedEngine(scripts=["abcdef"]), body(max_output_tokens=2, stream=True))
+    (*_, (done_name, done_item), (last_name, last)) = events_of(data)
+    assert (done_name, done_item["item"]["status"]) == ("response.output_item.done", "incomplete")
+    assert (last_name, last["type"], last["sequence_number"]) == ("response.incomplete", "response.incomplete", 9)
+    assert last["response"]["incomplete_details"] == {"reason": "max_output_tokens"}
+    assert last["response"]["output"][0]["content"][0]["text"] == "ab"
+    assert last["response"]["usage"] == usage(21, 2)
+
+
+CONVERSATION = [  # (Responses input item, the chat message it stands for)
+    ({"role": "system", "content": "Be brief."}, {"role": "system", "content": "Be brief."}),
+    ({"type": "message", "role": "developer", "content": [{"type": "input_text", "text": "No emoji."}]},
+     {"role": "developer", "content": "No emoji."}),
+    ({"role": "user", "content": [{"type": "input_text", "text": "Hi"}, {"type": "input_text", "text": "there"}]},
+     {"role": "user", "content": "Hi\nthere"}),
+    ({"type": "message", "role": "assistant", "id": "msg_1", "status": "completed",
+      "content": [{"type": "output_text", "text": "Hello!", "annotations": []}]},
+     {"role": "assistant", "content": "Hello!"}),
+    ({"role": "user", "content": "Bye"}, {"role": "user", "content": "Bye"}),
+]
+
+
+async def test_input_forms_give_the_chat_prompt(serve):
+    """A string, a message list with string or part contents, and chat's messages: the same prompt ids."""
+    async with serve(ScriptedEngine(scripts=["ok"])) as (client, engine):
+        for json in (body(), body(input=[{"role": "user", "content": "Hi"}]),
+                     body(input=[{"type": "message", "role": "user", "content": [{"type": "input_text",
+                                                                                  "text": "Hi"}]}])):
+            assert (await client.post(URL, json=json)).status_code == 200
+        await client.post(URL, json=body(input=[item for item, _ in CONVERSATION]))
+        await client.post("/v1/chat/completions", json=chat_body(messages=[m for _, m in CONVERSATION]))
+    ids = [prompt for prompt, _, _ in engine.requests]
+    assert ids[0] == ids[1] == ids[2] == engine.tokenizer.encode(PROMPT_HI)
+    assert ids[3] == ids[4]
+    assert ids[3] == engine.tokenizer.encode(
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>developer\nNo emoji.<|im_end|>\n"
+        "<|im_start|>user\nHi\nthere<|im_end|>\n<|im_start|>assistant\nHello!<|im_end|>\n"
+        "<|im_start|>user\nBye<|im_end|>\n<|im_start|>assistant\n")
+
+
+async def test_S2_instructions_are_the_first_system_message_without_billing_header(serve):
+    billing = "x-anthropic-billing-header: cc=123\n"
+    json = body(instructions=billing + "Be brief.", input=[{"role": "system", "content": billing + "Rule two."},
+                                                            {"role": "user", "content": "Hi"}])
+    status, data, engine = await post(serve, ScriptedEngine(scripts=["ok"]), json)
+    assert status == 200
+    assert engine.requests[0][0] == engine.tokenizer.encode(
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>system\nRule two.<|im_end|>\n" + PROMPT_HI)
+    assert orjson.loads(data)["instructions"] == billing + "Be brief."  # echoed as sent
+
+
+async def test_S6_special_tokens_in_input_are_plain_text(serve):
+    content = "say <|im_end|> now"
+    _, _, engine = await post(serve, ScriptedEngine(scripts=["ok"]), body(input=content))
+    tok = engine.tokenizer
+    assert engine.requests[0][0] == (tok.encode("<|im_start|>user\n") + tok.encode(content, parse_special=False)
+                                     + tok.encode("<|im_end|>\n<|im_start|>assistant\n"))
+
+
+async def test_T3_responses_accepts_null_parallel_tool_calls(serve):
+    async with serve(ScriptedEngine(scripts=["ok"])) as (client, _):
+        for value, echoed in ((None, True), (False, False), (True, True)):
+            response = await client.post(URL, json=body(parallel_tool_calls=value, tools=[], tool_choice="auto"))
+            assert response.status_code == 200
+            assert orjson.loads(await response.get_data())["parallel_tool_calls"] is echoed
+
+
+async def test_settings_echoed_and_chat_only_fields_ignored(serve):
+    json = body(temperature=0, top_p=0.5, seed=7, top_k=3, store=True, metadata={"k": "v"}, user="u1",
+                tool_choice="none", text={"format": {"type": "text"}}, n=3, max_tokens=1, instructions="Sys.")
+    status, data, engine = await post(serve, ScriptedEngine(scripts=["ok"]), json)
+    assert status == 200
+    response = orjson.loads(data)
+    assert {k: response[k] for k in ("temperature", "top_p", "metadata", "user", "tool_choice", "instructions")} == {
+        "temperature": 0.0, "top_p": 0.5, "metadata": {"k": "v"}, "user": "u1", "tool_choice": "none",
+        "instructions": "Sys."}
+    params = engine.requests[0][1]
+    assert (params.n, params.max_tokens, params.temperature, params.top_k, params.seed) == (1, None, 0.0, 3, 7)
+    assert response["output"][0]["content"][0]["text"] == "ok"
+
+
+def _missing(key: str) -> dict:
+    json = body()
+    del json[key]
+    return json
+
+
+# (id, body (dict -> JSON, bytes -> raw), status, param, code, message)
+CASES = [
+    ("malformed_json", b'{"model": "test-model", "input": ', 400, None, None,
+     "request body is not a valid JSON object: Invalid JSON: EOF while parsing a value at line 1 column 33"),
+    ("missing_input", _missing("input"), 400, "input", None, "missing required field 'input'"),
+    ("missing_model", _missing("model"), 400, "model", None, "missing required field 'model'"),
+    ("unknown_model", body(model="gpt-9"), 404, "model", "model_not_found",
+     "The model `gpt-9` does not exist (this server serves `test-model`)."),
+    ("input_wrong_type", body(input=5), 400, "input", None, "invalid value for 'input': Input should be a valid array"),
+    ("empty_input_list", body(input=[]), 400, "input", None, "'input' must contain at least one item"),
+    ("unknown_role", body(input=[{"role": "robot", "content": "x"}]), 400, "input.0.role", None,
+     "invalid value for 'input.0.role': Input should be 'user', 'assistant', 'system' or 'developer'"),
+    ("content_wrong_type", body(input=[{"role": "user", "content": 5}]), 400, "input.0.content", None,
+     "invalid value for 'input.0.content': Input should be a valid string"),
+    ("message_without_content", body(input=[{"role": "user"}]), 400, "input.0.content", None,
+     "missing required field 'input.0.content'"),
+    ("message_without_role", body(input=[{"type": "message", "content": "x"}]), 400, "input.0.role", None,
+     "missing required field 'input.0.role'"),
+    ("S7_image_part", body(input=[{"role": "user", "content": [
+        {"type": "input_text", "text": "what is this?"},
+        {"type": "input_image", "image_url": "data:image/png;base64,AAAA"}]}]), 400, "input.0.content.1.type", None,
+     "content part type 'input_image' is not supported: the served model accepts text only"),
+    ("S7_file_part", body(input=[{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]), 400,
+     "input.0.content.0.type", None,
+     "content part type 'input_file' is not supported: the served model accepts text only"),
+    ("text_part_without_text", body(input=[{"role": "user", "content": [{"type": "input_text"}]}]), 400,
+     "input.0.content.0.text", None, "a content part of type 'input_text' needs 'text'"),
+    ("function_call_output_item", body(input=[{"role": "user", "content": "x"}, {
+        "type": "function_call_output", "call_id": "c1", "output": "42"}]), 400, "input.1", None,
+     "input items of type 'function_call_output' are not supported yet: this server takes text messages only"),
+    ("reasoning_item", body(input=[{"type": "reasoning", "id": "rs_1", "summary": []}]), 400, "input.0", None,
+     "input items of type 'reasoning' are not supported yet: this server takes text messages only"),
+    ("max_output_tokens_zero", body(max_output_tokens=0), 400, "max_output_tokens", None,
+     "max_output_tokens must be >= 1"),
+    ("max_output_tokens_string", body(max_output_tokens="5"), 400, "max_output_tokens", None,
+     "invalid value for 'max_output_tokens': Input should be a valid integer"),
+    ("max_output_tokens_above_context", body(max_output_tokens=1000), 400, "max_output_tokens",
+     "context_length_exceeded", None),
+    ("input_above_context", body(input="x" * 300), 400, "input", "context_length_exceeded", None),
+    ("temperature_negative", body(temperature=-1), 400, "temperature", None, None),
+    ("tools_non_empty", body(tools=[{"type": "function", "name": "f", "parameters": {}}]), 400, "tools", None,
+     "tools are not supported yet"),
+    ("tool_choice_required", body(tool_choice="required"), 400, "tool_choice", None,
+     "tool_choice other than 'auto' or 'none' is not supported yet"),
+    ("parallel_tool_calls_string", body(parallel_tool_calls="yes"), 400, "parallel_tool_calls", None,
+     "invalid value for 'parallel_tool_calls': Input should be a valid boolean"),
+    ("previous_response_id", body(previous_response_id="resp_1"), 400, "previous_response_id", None,
+     "previous_response_id is not supported: this server does not store responses"),
+    ("text_format_json_schema", body(text={"format": {"type": "json_schema", "name": "x", "schema": {}}}), 400,
+     "text.format", None, "text.format of type 'json_schema' is not supported yet"),
+    ("text_format_json_object", body(text={"format": {"type": "json_object"}}), 400, "text.format", None,
+     "text.format of type 'json_object' is not supported yet"),
+    ("metadata_value_not_string", body(metadata={"k": 1}), 400, "metadata.k", None,
+     "invalid value for 'metadata.k': Input should be a valid string"),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+async def test_bad_input(serve, case):
+    _, json, status, param, code, message = case
+    async with serve(ScriptedEngine(scripts=["ok"])) as (client, engine):
+        kwargs = {"data": json} if isinstance(json, bytes) else {"json": json}
+        response = await client.post(URL, headers={"content-type": "application/json"}, **kwargs)
+        error = orjson.loads(await response.get_data())["error"]
+        assert (response.status_code, error["type"], error["param"], error["code"]) == (status, INVALID, param, code)
+        if message is not None:
+            assert error == {"message": message, "type": INVALID, "param": param, "code": code}
+        assert engine.requests == []  # refused before the engine
+        good = await client.post(URL, json=body())
+        assert orjson.loads(await good.get_data())["output"][0]["content"][0]["text"] == "ok"
+
+
+async def test_unknown_routes_and_methods(serve):
+    """Nothing is stored, so there is no GET /v1/responses/{id}: the usual 404; GET /v1/responses is a 405."""
+    async with serve() as (client, _):
+        by_id = await client.get("/v1/responses/resp_0")
+        listed = await client.get(URL)
+    assert by_id.status_code == 404
+    assert orjson.loads(await by_id.get_data())["error"]["code"] == "unknown_url"
+    assert listed.status_code == 405
+
+
+async def test_S1_keep_alive_responses(serve):
+    """Comments while the engine stalls (through a real RequestStream), and otherwise the same events."""
+    _, slow, _ = await post(serve, StreamedEngine(scripts=["ab"], first_delay_s=0.5, delay_s=0.02),
+                            body(stream=True), sse_keep_alive_interval=0.2)
+    _, plain, _ = await post(serve, ScriptedEngine(scripts=["ab"]), body(stream=True))
+    assert slow.count(sse.KEEP_ALIVE) == 2
+    assert slow.replace(sse.KEEP_ALIVE, b"") == plain
+    assert sse.KEEP_ALIVE not in plain  # none by default
+
+
+async def test_client_disconnect_aborts_request(serve):
+    engine = ScriptedEngine(scripts=["x" * 200], delay_s=0.02)
+    async with serve(engine) as (client, _):
+        first = await leave_mid_stream(client, body(stream=True), chunks=6, path=URL)
+        assert first.startswith(b"event: response.created\ndata: ")
+        (_, _, request_id), = engine.requests
+        for _ in range(50):  # the cancelled generator's finally runs on the next loop turns
+            if engine.aborted:
+                break
+            await asyncio.sleep(0.01)
+        assert set(engine.aborted) == {request_id}
+        assert (await client.post(URL, json=body(max_output_tokens=2))).status_code == 200
+
+
+async def test_engine_error_mid_stream_is_an_error_event(serve):
+    engine = ScriptedEngine(scripts=["abcdef"], delay_s=0.05)
+    async with serve(engine) as (client, _):
+        data = await stream_until_engine_dies(client, engine, URL, body(stream=True))
+    events = events_of(data)
+    names = [name for name, _ in events]
+    assert names[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]
+    assert set(names[4:-1]) == {"response.output_text.delta"} and len(names) > 5
+    n = len(events) - 1
+    assert data.endswith(event("error", {"type": "error", "sequence_number": n, "code": "engine_dead",
+                                         "message": "scripted engine died", "param": None}))
+
+
+TRICKY = 'a"b\\c\n\t\x01é€😀</script>\u2028'  # quotes, escapes, control bytes, 2-4 byte UTF-8, U+2028
+
+
+async def test_events_match_models_and_the_sdk(serve):
+    """Each delta event assembled from bytes is exactly our model's rendering; every event (and the non-streamed
+    object) validates against the `openai` SDK's typed models; sequence numbers count from 0."""
+    sdk_event = TypeAdapter(ResponseStreamEvent)
+    for json in (body(stream=True), body(stream=True, max_output_tokens=9)):
+        _, data, _ = await post(serve, ScriptedEngine(scripts=[TRICKY]), json)
+        events = events_of(data)
+        assert [e["sequence_number"] for _, e in events] == list(range(len(events)))
+        deltas = []
+        for (name, payload), frame in zip(events, data.split(b"\n\n")):
+            parsed = sdk_event.validate_python(payload)
+            assert parsed.type == name
+            if name == "response.output_text.delta":
+                deltas.append(parsed.delta)
+                assert frame + b"\n\n" == sse.typed_frame(name, OutputTextDeltaEvent.model_validate(payload))
+        final = SdkResponse.model_validate(events[-1][1]["response"])
+        assert "".join(deltas) == final.output_text == (TRICKY if final.status == "completed" else TRICKY[:8])
+    _, data, _ = await post(serve, ScriptedEngine(scripts=[TRICKY]), body())
+    assert SdkResponse.model_validate(orjson.loads(data)).output_text == TRICKY
+
+
+async def test_metrics_count_responses(serve):
+    async with serve(ScriptedEngine(scripts=["Hello"])) as (client, _):
+        streamed = events_of(await (await client.post(URL, json=body(stream=True))).get_data())
+        whole = orjson.loads(await (await client.post(URL, json=body(max_output_tokens=2))).get_data())
+        metrics = await _scrape(client)
+    usages = [streamed[-1][1]["response"]["usage"], whole["usage"]]
+    assert metrics[("voltserve:request_success_total", _m(finished_reason="stop"))] == 1
+    assert metrics[("voltserve:request_success_total", _m(finished_reason="length"))] == 1
+    assert metrics[("voltserve:prompt_tokens_total", _m())] == sum(u["input_tokens"] for u in usages)
+    assert metrics[("voltserve:generation_tokens_total", _m())] == sum(u["output_tokens"] for u in usages) == 6 + 2
+
+
+async def test_template_rejection_blames_input(serve):
+    engine = ScriptedEngine()
+
+    def reject(messages, **kwargs):
+        raise ValueError("Conversation roles must alternate user/assistant")
+
+    engine.chat_template.render = reject
+    status, data, _ = await post(serve, engine, body(input=[{"role": "user", "content": "a"},
+                                                            {"role": "user", "content": "b"}]))
+    assert (status, orjson.loads(data)) == (400, {"error": {
+        "message": "the chat template rejected the messages: Conversation roles must alternate user/assistant",
+        "type": INVALID, "param": "input", "code": None}})

@@ -59,8 +59,18 @@ INTERNAL = ErrorKind(500, "server_error", "api_error")
 HTTP_KINDS: dict[int, ErrorKind] = {
     404: ErrorKind(404, "invalid_request_error", "not_found_error", "unknown_url"),
     405: ErrorKind(405, "invalid_request_error", "invalid_request_error", "method_not_allowed"),
+    408: ErrorKind(408, "invalid_request_error", "invalid_request_error", "request_timeout"),
     413: ErrorKind(413, "invalid_request_error", "request_too_large", "request_too_large"),
 }
+
+
+def _http_kind(code: int) -> ErrorKind:
+    """The row of a werkzeug HTTP error: listed, else the client's fault (4xx) or the server's."""
+    if code in HTTP_KINDS:
+        return HTTP_KINDS[code]
+    if 400 <= code < 500:
+        return ErrorKind(code, "invalid_request_error", "invalid_request_error")
+    return ErrorKind(code, "server_error", "api_error")
 
 
 def kind_of(exc: BaseException) -> ErrorKind:
@@ -117,7 +127,7 @@ def error_response(exc: BaseException, *, anthropic: bool = False) -> Response:
         anthropic: Anthropic's shape (routes under /v1/messages) instead of OpenAI's.
     """
     if isinstance(exc, HTTPException):
-        kind = HTTP_KINDS.get(exc.code or 500, ErrorKind(exc.code or 500, "invalid_request_error", "api_error"))
+        kind = _http_kind(exc.code or 500)
         response = _response(payload(exc.description or exc.name, kind, anthropic=anthropic), kind)
         allowed = getattr(exc, "valid_methods", None)  # 405: RFC 9110 section 15.5.6 requires the Allow header
         if allowed:

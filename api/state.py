@@ -89,7 +89,8 @@ class ServerState:
     async def drain(self, timeout_s: float, hurry: asyncio.Event | None = None) -> int:
         """Graceful shutdown: stop taking requests (`ready_engine` raises, so new ones and /health get 503), let
         the ones in flight finish for up to `timeout_s` seconds, then end the rest with ServerShuttingDownError
-        (a stream sends it as an in-band error event and `[DONE]`, a non-streamed request answers 503) and abort
+        (a stream sends it as an in-band error event, then `[DONE]` on OpenAI's chunk streams or `response.failed`
+        on a Responses stream; a non-streamed request answers 503) and abort
         them in the engine (their KV blocks freed). The server's own shutdown follows (`voltserve serve`).
         `hurry` set (a second signal) ends the wait at once.
 

@@ -19,7 +19,9 @@ from api.anthropic.protocol import (
 from api.errors import ErrorKind, anthropic_payload
 from api.metrics import NO_STATS
 from api.openai.chat_prompt import messages_prompt_ids, strip_billing_header
-from api.openai.common import add_request, collect, drive_stream, json_response, request_body, sse_response
+from api.openai.common import (
+    add_request, collect, drive_stream, json_response, prompt_work, request_body, sse_response,
+)
 from api.openai.protocol import parse_request
 from api.state import get_state
 from voltserve.errors import InvalidRequestError
@@ -63,6 +65,10 @@ def _check_unsupported(req: CountTokensRequest) -> None:
         raise InvalidRequestError("tool_choice needs tools, which are not supported yet", param="tool_choice")
     if req.thinking is not None and req.thinking.type != "disabled":
         raise InvalidRequestError("extended thinking is not supported by the served model", param="thinking")
+    for name, config in (("output_config.format", (req.output_config or {}).get("format")),
+                         ("output_format", req.output_format)):
+        if config is not None:
+            raise InvalidRequestError("structured output is not supported yet", param=name)
 
 
 def split_prefill(req: CountTokensRequest) -> tuple[list[dict], str]:
@@ -72,9 +78,12 @@ def split_prefill(req: CountTokensRequest) -> tuple[list[dict], str]:
         (`{"role", "content"}` dicts for the chat template, the last assistant message's text when the
         conversation ends with one, else ""); the prefill is left out of the messages.
 
+    Consecutive messages of one role are joined into one turn (with a newline), as Anthropic does.
+
     Raises:
-        InvalidRequestError: no messages, a prefill that ends in whitespace (as Anthropic refuses it), or a
-            block `_blocks_text` refuses.
+        InvalidRequestError: no messages, a prefill that ends in whitespace (as Anthropic refuses it), a block
+            `_blocks_text` refuses, tools, a forced tool_choice, extended thinking or structured output (not
+            served yet).
     """
     _check_unsupported(req)
     if not req.messages:
@@ -83,7 +92,11 @@ def split_prefill(req: CountTokensRequest) -> tuple[list[dict], str]:
     if req.system is not None:
         messages.append({"role": "system", "content": strip_billing_header(_blocks_text(req.system, "system"))})
     for i, msg in enumerate(req.messages):
-        messages.append({"role": msg.role, "content": _blocks_text(msg.content, f"messages.{i}.content")})
+        text = _blocks_text(msg.content, f"messages.{i}.content")
+        if i and msg.role == req.messages[i - 1].role:  # consecutive turns of one role are one turn (Anthropic's)
+            messages[-1]["content"] += "\n" + text
+        else:
+            messages.append({"role": msg.role, "content": text})
     prefill = ""
     if req.messages[-1].role == "assistant":
         prefill = messages.pop()["content"]
@@ -105,9 +118,13 @@ async def prompt_ids(engine, req: CountTokensRequest) -> list[int]:
     """
     messages, prefill = split_prefill(req)
     ids = await messages_prompt_ids(engine, messages)
-    if prefill:
-        ids += engine.tokenizer.encode(prefill, add_special_tokens=False, parse_special=False)
+    if prefill:  # a long one in a thread, as the messages (`prompt_work`)
+        ids += await prompt_work(len(prefill), _encode_plain, engine.tokenizer, prefill)
     return ids
+
+
+def _encode_plain(tokenizer, text: str) -> list[int]:
+    return tokenizer.encode(text, add_special_tokens=False, parse_special=False)
 
 
 def sampling_params(req: MessagesRequest) -> SamplingParams:

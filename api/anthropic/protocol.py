@@ -17,8 +17,9 @@ class _Request(BaseModel):
 
 
 class ContentBlock(_Request):
-    """One block of a message's content. Only `text` blocks reach the prompt; `thinking` blocks of earlier assistant
-    turns are dropped (as Anthropic drops them); every other type is refused with a 400 naming it."""
+    """One block of a message's (or the system prompt's) content. Only `text` blocks reach the prompt; `thinking`
+    and `redacted_thinking` blocks are dropped (Anthropic drops earlier turns' thinking); every other type is
+    refused with a 400 naming it."""
 
     type: str
     text: str | None = None
@@ -26,7 +27,7 @@ class ContentBlock(_Request):
 
 class InputMessage(_Request):
     role: Literal["user", "assistant"]
-    content: str | list[ContentBlock]
+    content: list[ContentBlock] | str  # the list first: a bad block's error names the block
 
 
 class ThinkingConfig(_Request):
@@ -39,10 +40,12 @@ class CountTokensRequest(_Request):
 
     model: str
     messages: list[InputMessage]
-    system: str | list[ContentBlock] | None = None
+    system: list[ContentBlock] | str | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: dict[str, Any] | None = None
     thinking: ThinkingConfig | None = None
+    output_config: dict[str, Any] | None = None  # parsed so that a structured output format can be refused
+    output_format: dict[str, Any] | None = None  # (its beta spelling)
 
 
 class MessagesRequest(CountTokensRequest):
@@ -50,7 +53,7 @@ class MessagesRequest(CountTokensRequest):
 
     max_tokens: int
     stop_sequences: list[str] | None = None
-    stream: bool = False
+    stream: bool | None = False  # null = false
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None

@@ -1,4 +1,5 @@
-"""Pieces both OpenAI endpoints share: SamplingParams from a request, usage, token text, JSON/SSE responses."""
+"""Pieces the generating endpoints share (Chat Completions, Completions, Responses, Anthropic Messages):
+SamplingParams from a request, usage, token text, collecting a request, JSON and SSE responses."""
 
 from __future__ import annotations
 
@@ -158,6 +159,7 @@ async def collect(stream, stats=NO_STATS) -> tuple[dict[int, SequenceResult], Us
         EngineDeadError: the engine died mid-request.
     """
     results: dict[int, SequenceResult] = {}
+    texts: dict[int, list[str]] = {}  # joined once at the end: `+=` per delta is quadratic in the output length
     counter = UsageCounter()
     finished = False
     try:
@@ -165,13 +167,15 @@ async def collect(stream, stats=NO_STATS) -> tuple[dict[int, SequenceResult], Us
             if not results:
                 stats.first_token()
             seq = results.setdefault(out.index, SequenceResult())
-            seq.text += out.text
+            texts.setdefault(out.index, []).append(out.text)
             seq.token_ids.extend(out.token_ids)
             seq.logprobs.extend(out.logprobs or [])
             if out.finish_reason is not None:
                 seq.finish_reason, seq.stop_reason = out.finish_reason.value, out.stop_reason
             counter.add(out)
         finished = True
+        for index, seq in results.items():
+            seq.text = "".join(texts[index])
         counter.record(stats)
     except VoltError as exc:
         stats.failed(kind_of(exc).reason)
@@ -275,7 +279,8 @@ async def drive_stream(stream, choice_chunk: Callable[[RequestOutput, list[Token
     Args:
         stream: the engine's RequestStream.
         choice_chunk: (delta, its logprobs, held back since the last chunk) -> one framed chunk.
-        usage_chunk: usage -> the final usage chunk; None when the client did not ask for usage.
+        usage_chunk: usage -> the final usage chunk; None for none (the client did not ask for usage, or the
+            stream's last event, made by `choice_chunk`, carries it).
         first: chunks sent before any token (e.g. chat's role deltas).
         keep_alive_s: seconds of silence before a `: keep-alive` comment; 0 = none. A RequestStream is woken by
             an `sse.IdleTimer` (`interrupt()`); another source (test doubles) goes through `sse.with_keep_alive`.

@@ -42,7 +42,7 @@ class SamplingFields(_Request):
     """Fields shared by both endpoints; None means "the server default"."""
 
     model: str
-    stream: bool = False
+    stream: bool | None = False  # null = false (OpenAI's clients may send it)
     stream_options: StreamOptions | None = None
     max_tokens: int | None = None
     temperature: float | None = None

@@ -26,7 +26,8 @@ from api.openai.common import (
 from api.openai.protocol import parse_request
 from api.openai.responses_protocol import (
     ContentPartEvent, ErrorEvent, IncompleteDetails, OutputItemEvent, OutputMessage, OutputText,
-    OutputTextDeltaEvent, OutputTextDoneEvent, ResponseEvent, ResponsesRequest, ResponsesResponse, ResponseUsage,
+    OutputTextDeltaEvent, OutputTextDoneEvent, ResponseError, ResponseEvent, ResponsesRequest, ResponsesResponse,
+    ResponseUsage,
 )
 from api.state import get_state
 from voltserve.errors import InvalidRequestError
@@ -68,9 +69,13 @@ def input_messages(req: ResponsesRequest) -> list[dict]:
 def _params(req: ResponsesRequest) -> SamplingParams:
     """The request's sampling parameters, after refusing the features that are not served (each a 400 naming
     its field)."""
-    if req.previous_response_id is not None:
-        raise InvalidRequestError("previous_response_id is not supported: this server does not store responses",
-                                  param="previous_response_id")
+    stored = {"previous_response_id": "responses", "conversation": "conversations", "prompt": "prompts"}
+    for name, what in stored.items():
+        if getattr(req, name) is not None:
+            raise InvalidRequestError(f"{name} is not supported: this server does not store {what}", param=name)
+    if req.background:
+        raise InvalidRequestError("background responses are not supported: this server answers in the foreground",
+                                  param="background")
     if req.tools:
         raise InvalidRequestError("tools are not supported yet", param="tools")
     if req.tool_choice not in (None, "auto", "none"):
@@ -195,5 +200,8 @@ class ResponseEvents:
         return b"".join(frames)
 
     def error(self, kind: ErrorKind, message: str, param: str | None) -> bytes:
-        """The in-band `error` event for an error after the stream began."""
-        return self._event(ErrorEvent, code=kind.reason, message=message, param=param)
+        """The in-band `error` event for an error after the stream began, then `response.failed` (status
+        "failed", the error as a "server_error"), the lifecycle event that ends the stream."""
+        failed = self._started.model_copy(update={"status": "failed", "error": ResponseError(message=message)})
+        return self._event(ErrorEvent, code=kind.reason, message=message, param=param) + \
+            self._event(ResponseEvent, type="response.failed", response=failed)

@@ -32,7 +32,7 @@ class InputItem(_Request):
 
     type: str = "message"
     role: Literal["user", "assistant", "system", "developer"] | None = None
-    content: str | list[ContentPart] | None = None
+    content: list[ContentPart] | str | None = None  # the list first: a bad part's error names the part
 
 
 class TextFormat(_Request):
@@ -56,7 +56,8 @@ class ResponsesRequest(SamplingFields):
         text: output format; only {"format": {"type": "text"}}.
         tools, tool_choice, parallel_tool_calls: accepted while no tool is given ("auto" / "none" choice; null
             parallel_tool_calls means the default, case T3).
-        previous_response_id: refused: this server stores no responses.
+        previous_response_id, conversation, prompt, background: refused (400): this server stores no responses,
+            conversations or prompts, and answers in the foreground.
         store, metadata: accepted; nothing is stored, metadata is echoed.
     The sampling fields (temperature, top_p, seed, vLLM's top_k, ...) are `SamplingFields`'; Chat's `n` and
     `max_tokens` are not Responses fields, so they are ignored like any unknown field.
@@ -72,6 +73,9 @@ class ResponsesRequest(SamplingFields):
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     previous_response_id: str | None = None
+    conversation: str | dict[str, Any] | None = None
+    prompt: dict[str, Any] | None = None
+    background: bool | None = None
     store: bool | None = None
     metadata: dict[str, str] | None = None
 
@@ -79,6 +83,13 @@ class ResponsesRequest(SamplingFields):
 # ---- response object -------------------------------------------------------------------------------------
 
 ItemStatus = Literal["in_progress", "completed", "incomplete"]
+
+
+class ResponseError(BaseModel):
+    """Why a response failed (`status` "failed"): every server-side failure is OpenAI's "server_error"."""
+
+    code: Literal["server_error"] = "server_error"
+    message: str
 
 
 class OutputText(BaseModel):
@@ -145,8 +156,8 @@ class ResponsesResponse(BaseModel):
     id: str
     object: Literal["response"] = "response"
     created_at: int
-    status: Literal["in_progress", "completed", "incomplete"]
-    error: None = None
+    status: Literal["in_progress", "completed", "incomplete", "failed"]
+    error: ResponseError | None = None
     incomplete_details: IncompleteDetails | None = None
     instructions: str | None
     max_output_tokens: int | None
@@ -179,7 +190,8 @@ class _Event(BaseModel):
 class ResponseEvent(_Event):
     """A lifecycle event carrying the whole response object."""
 
-    type: Literal["response.created", "response.in_progress", "response.completed", "response.incomplete"]
+    type: Literal["response.created", "response.in_progress", "response.completed", "response.incomplete",
+                  "response.failed"]
     response: ResponsesResponse
 
 

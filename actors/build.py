@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import pathlib
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -135,7 +136,8 @@ def build_runner(config: EngineConfig, loaded=None, spare_cores: int = 0) -> Bui
         graphs.capture()
     tokenizer = loaded.tokenizer
     eos = tuple(cfg.eos_token_ids) or tuple(tokenizer.eos_token_ids)
-    template = ChatTemplate(loaded.chat_template, bos_token=tokenizer.bos_token, eos_token=tokenizer.eos_token)
+    source = pathlib.Path(config.chat_template).read_text() if config.chat_template else loaded.chat_template
+    template = ChatTemplate(source, bos_token=tokenizer.bos_token, eos_token=tokenizer.eos_token)
     runner = ModelRunner(model, backend, kv_cache, eos, graphs=graphs)
     if device == "cuda" and config.gpu_busy_log_interval > 0:
         from voltserve.gpu_busy import GpuBusyMeter

@@ -13,9 +13,12 @@ from api.openai.common import (
 )
 from api.openai.protocol import (
     AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
-    ChatCompletionResponse, ChatLogprobs, ChatTokenLogprob, DeltaMessage, TopLogprob, parse_request,
+    ChatCompletionResponse, ChatLogprobs, ChatTokenLogprob, DeltaMessage, DeltaToolCall, FunctionCall, ToolCallOut,
+    TopLogprob, parse_request,
 )
 from api.state import get_state
+from api.tool_calls import call_id, parser_factory
+from voltserve.parsers.hermes import parse_tool_calls
 from voltserve.errors import InvalidRequestError
 from voltserve.request import MAX_LOGPROBS, SamplingParams, TokenLogprob
 
@@ -71,22 +74,35 @@ async def chat_completions():
     response_id, created = state.new_id("chatcmpl-"), state.clock()
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        new_parser = parser_factory(state.config, engine, req.tools, req.tool_choice)
         events = _stream_events(engine, stream, req, params, response_id, created, include_usage,
-                                state.config.sse_keep_alive_interval, stats)
+                                state.config.sse_keep_alive_interval, stats, new_parser)
         return sse_response(events, stream)
+    new_parser = parser_factory(state.config, engine, req.tools, req.tool_choice)
     results, counter = await collect(stream, stats)
-    choices = [
-        ChatChoice(index=i, message=AssistantMessage(content=seq.text), finish_reason=seq.finish_reason,
-                   logprobs=_logprobs(engine.tokenizer, seq.logprobs) if params.logprobs is not None else None)
-        for i, seq in sorted(results.items())
-    ]
+    choices = []
+    for i, seq in sorted(results.items()):
+        message, finish = AssistantMessage(content=seq.text), seq.finish_reason
+        if new_parser is not None:
+            content, calls = parse_tool_calls(seq.text)
+            if calls:
+                message = AssistantMessage(content=content or None, tool_calls=[
+                    ToolCallOut(id=call_id("call_", response_id, i, k), function=FunctionCall(**vars(call)))
+                    for k, call in enumerate(calls)])
+                finish = "tool_calls" if finish == "stop" else finish
+        logprobs = _logprobs(engine.tokenizer, seq.logprobs) if params.logprobs is not None else None
+        choices.append(ChatChoice(index=i, message=message, finish_reason=finish, logprobs=logprobs))
     return json_response(ChatCompletionResponse(id=response_id, created=created, model=req.model,
                                                 choices=choices, usage=counter.usage()))
 
 
 def _stream_events(engine, stream, req, params, response_id, created, include_usage, keep_alive_s=0.0,
-                   stats=NO_STATS):
+                   stats=NO_STATS, new_parser=None):
     """Chunks: a role delta per choice, content deltas, a finish chunk per choice, usage, [DONE].
+
+    With a tool-call parser (`new_parser`, see `api.tool_calls`), each choice's text goes through its own parser:
+    content deltas carry the content, each call goes out whole in a `tool_calls` delta once the model closed it,
+    and a choice that called tools finishes with "tool_calls".
 
     Without logprobs a chunk is assembled from bytes: the head and tail that pydantic renders once per request
     (`chunk_frame_parts`) around `{"index":i,"delta":{"content":<text>},"logprobs":null,"finish_reason":...}`,
@@ -97,6 +113,25 @@ def _stream_events(engine, stream, req, params, response_id, created, include_us
     # per choice index: everything before the content string, and after it while the choice is unfinished
     content_head: dict[int, bytes] = {}
     content_tail = b'},"logprobs":null,"finish_reason":null}' + tail
+
+    parsers = {}
+
+    def tool_chunk(out, held_logprobs: list[TokenLogprob]) -> bytes:
+        parser = parsers.get(out.index) or parsers.setdefault(out.index, new_parser())
+        before = len(parser.calls)
+        content, calls = parser.feed(out.text)
+        finish = out.finish_reason.value if out.finish_reason is not None else None
+        if finish is not None:
+            content += parser.finish()[0]
+            if parser.calls and finish == "stop":
+                finish = "tool_calls"
+        if not content and not calls and finish is None:
+            return b""  # nothing that can be sent yet (held markup or whitespace)
+        delta = DeltaMessage(content=content or None, tool_calls=[
+            DeltaToolCall(index=before + k, id=call_id("call_", response_id, out.index, before + k),
+                          function=FunctionCall(**vars(call))) for k, call in enumerate(calls)] or None)
+        logprobs = _logprobs(engine.tokenizer, held_logprobs) if params.logprobs is not None else None
+        return chunk([ChatChunkChoice(index=out.index, delta=delta, logprobs=logprobs, finish_reason=finish)])
 
     def choice_chunk(out, held_logprobs: list[TokenLogprob]) -> bytes:
         if params.logprobs is not None:
@@ -115,5 +150,5 @@ def _stream_events(engine, stream, req, params, response_id, created, include_us
 
     roles = [chunk([ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))])
              for i in range(params.n)]
-    return drive_stream(stream, choice_chunk, (lambda usage: chunk([], usage)) if include_usage else None, roles,
-                        keep_alive_s, stats)
+    return drive_stream(stream, tool_chunk if new_parser is not None else choice_chunk,
+                        (lambda usage: chunk([], usage)) if include_usage else None, roles, keep_alive_s, stats)

@@ -278,7 +278,8 @@ async def drive_stream(stream, choice_chunk: Callable[[RequestOutput, list[Token
 
     Args:
         stream: the engine's RequestStream.
-        choice_chunk: (delta, its logprobs, held back since the last chunk) -> one framed chunk.
+        choice_chunk: (delta, its logprobs, held back since the last chunk) -> its framed events, or b"" when
+            nothing can be sent for it yet.
         usage_chunk: usage -> the final usage chunk; None for none (the client did not ask for usage, or the
             stream's last event, made by `choice_chunk`, carries it).
         first: chunks sent before any token (e.g. chat's role deltas).
@@ -334,7 +335,11 @@ async def drive_stream(stream, choice_chunk: Callable[[RequestOutput, list[Token
                         pending = logprobs or []  # read-only for choice_chunk: no copy per token
                     elif logprobs:
                         pending.extend(logprobs)
-                    parts.append(choice_chunk(out, pending))
+                    event = choice_chunk(out, pending)
+                    if event:
+                        parts.append(event)
+                    elif pending:  # nothing to send yet (a tool call still being written): its logprobs wait
+                        held[out.index] = list(pending)
                 out = pop_ready() if pop_ready is not None else None
             if not parts:
                 if timer is not None and timer.fired:  # the keep-alive's wake-up took deltas with no text yet

@@ -62,6 +62,9 @@ HELP = {
                      "workers of hypercorn -w N) share one engine process; the first starts it",
     "event_loop": "event loop of the server and the engine process: auto (uvloop when installed), uvloop, asyncio",
     "shutdown_timeout": "seconds open requests may finish after SIGINT/SIGTERM before they are ended (new ones: 503)",
+    "chat_template": "a Jinja2 chat template file to use instead of the model's own",
+    "tool_call_parser": "how tool calls are read from the output when a request gives tools: auto (hermes when "
+                        "the chat template writes <tool_call>), hermes, none",
 }
 
 

@@ -71,11 +71,12 @@ def _env(name: str, default, cast=str):
         raise ConfigError(f"VOLTSERVE_{name.upper()}={raw!r} is not a valid {cast.__name__}") from exc
 
 
+TOOL_CALL_PARSERS = ("auto", "hermes", "none")
 MAX_SOCKET_PATH_BYTES = 100  # sun_path holds 108 bytes on Linux (104 on macOS), with its terminating NUL
 # EngineConfig fields that only the API process reads; API processes sharing one engine may differ in them
 API_ONLY_FIELDS = frozenset({"served_model_name", "api_key", "sse_keep_alive_interval", "stream_interval", "host",
                              "port", "exit_on_engine_death", "engine_process", "engine_socket", "api_processes",
-                             "shutdown_timeout"})
+                             "shutdown_timeout", "tool_call_parser"})
 
 
 @dataclass
@@ -140,6 +141,10 @@ class EngineConfig:
             get 503, /health turns 503) before it ends the rest: streams with an in-band error event and
             `[DONE]`, others with a 503 (`api.state.ServerState.drain`). A bare `hypercorn api:app` instead
             waits its `--graceful-timeout` and then closes the connections.
+        chat_template: path of a Jinja2 chat template file used instead of the model's own ("" = the model's).
+        tool_call_parser: how tool calls are read from the output of a request that gives `tools`: "hermes"
+            (`<tool_call>{...}</tool_call>`, `voltserve.parsers.hermes`), "none" (output is content), or "auto"
+            (hermes when the chat template writes `<tool_call>`, else none).
     """
 
     model: str = DEFAULT_MODEL
@@ -172,6 +177,8 @@ class EngineConfig:
     api_processes: int = 1
     event_loop: str = "auto"
     shutdown_timeout: float = 30.0
+    chat_template: str = ""
+    tool_call_parser: str = "auto"
 
     def validate(self) -> "EngineConfig":
         """Check ranges; raises ConfigError naming the setting. Returns self."""
@@ -195,6 +202,11 @@ class EngineConfig:
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ConfigError("gpu_memory_utilization must be in (0, 1]")
         check_event_loop(self.event_loop)
+        if self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ConfigError(f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}, "
+                              f"not {self.tool_call_parser!r}")
+        if self.chat_template and not os.path.isfile(self.chat_template):
+            raise ConfigError(f"chat_template {self.chat_template!r} is not a file")
         if self.weight_format not in ("auto", "float"):
             raise ConfigError(f"weight_format must be auto or float, not {self.weight_format!r}")
         if (self.engine_socket or self.api_processes > 1) and not self.engine_process:

@@ -48,3 +48,21 @@ def test_unsupported_architecture_is_refused():
     qwen = dataclasses.replace(loaded.config, architecture="qwen2")
     with pytest.raises(UnsupportedModelError, match="qwen2"):
         LlamaModel(qwen, loaded.tensors, CpuBackend(torch.float32))
+
+
+def test_chat_template_file_replaces_the_models(tiny_dir, tmp_path):
+    """`--chat-template FILE` (EngineConfig.chat_template): the engine renders with that file, e.g. to serve a
+    model whose own template does not describe tools; a missing file is a config error."""
+    from actors.build import build_runner
+    from voltserve.config import EngineConfig
+    from voltserve.errors import ConfigError
+
+    path = tmp_path / "tools.jinja"
+    path.write_text("{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}"
+                    "{% if tools %}<tool_call> {{ tools | length }} tools{% endif %}")
+    built = build_runner(EngineConfig(model=str(tiny_dir), device="cpu", num_kv_blocks=16,
+                                      chat_template=str(path)).validate())
+    rendered = built.chat_template.render([{"role": "user", "content": "hi"}], tools=[{"name": "f"}])
+    assert rendered == "[user] hi\n<tool_call> 1 tools"
+    with pytest.raises(ConfigError, match="is not a file"):
+        EngineConfig(model=str(tiny_dir), chat_template=str(tmp_path / "missing.jinja")).validate()

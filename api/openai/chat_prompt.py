@@ -6,6 +6,7 @@ placeholders, and the rendered prompt is tokenized with special-token parsing on
 
 from __future__ import annotations
 
+import json
 import re
 import secrets
 
@@ -137,6 +138,28 @@ def _render_and_encode(engine, messages: list[dict], tools: list[dict] | None, t
     return encode_rendered(tokenizer, rendered, spans)
 
 
+def with_argument_objects(message: dict) -> dict:
+    """`message` with its earlier tool calls' `function.arguments` as objects where the API gave JSON text: chat
+    templates render them with `tojson` (Llama 3.1, Hermes) or test `is string` (Qwen2.5), as transformers'
+    `apply_chat_template` documents them (a dict). Arguments that are not a JSON object are left as text."""
+    calls = message.get("tool_calls")
+    if not calls:
+        return message
+    converted = []
+    for call in calls:
+        function = call.get("function") if isinstance(call, dict) else None
+        arguments = function.get("arguments") if isinstance(function, dict) else None
+        if isinstance(arguments, str):
+            try:
+                parsed = json.loads(arguments)
+            except ValueError:
+                parsed = None
+            if isinstance(parsed, dict):
+                call = {**call, "function": {**function, "arguments": parsed}}
+        converted.append(call)
+    return {**message, "tool_calls": converted}
+
+
 async def messages_prompt_ids(engine, messages: list[dict], tools: list[dict] | None = None,
                               template_kwargs: dict | None = None, param: str = "messages") -> list[int]:
     """Render and tokenize chat messages (off the event loop unless they are short: `prompt_work`); the one
@@ -157,6 +180,8 @@ async def messages_prompt_ids(engine, messages: list[dict], tools: list[dict] | 
     """
     # tools and earlier tool calls are rendered into the prompt too, uncounted here: such requests take the thread
     uncounted = tools or any("tool_calls" in m for m in messages)
+    if uncounted:
+        messages = [with_argument_objects(m) for m in messages]
     size = sum(len(m["content"]) for m in messages) + (INLINE_PROMPT_CHARS + 1 if uncounted else 0)
     return await prompt_work(size, _render_and_encode, engine, messages, tools, dict(template_kwargs or {}),
                              param)

@@ -184,3 +184,34 @@ async def test_n2_each_choice_has_its_own_calls(serve):
     assert [c["message"]["tool_calls"][0]["id"] for c in whole["choices"]] == ["call_0_0_0", "call_0_1_0"]
     streamed = [tc["id"] for c in chunks for tc in (c["choices"][0]["delta"].get("tool_calls") or [])]
     assert sorted(streamed) == ["call_0_0_0", "call_0_1_0"]
+
+
+class RecordingTemplate:
+    """A chat template double that keeps what it was given."""
+
+    source = ""
+
+    def __init__(self):
+        self.calls = []
+
+    def render(self, messages, add_generation_prompt=True, tools=None, **kwargs) -> str:
+        self.calls.append((messages, tools))
+        return "prompt"
+
+
+async def test_earlier_calls_reach_the_template_with_object_arguments(serve):
+    """Templates render `function.arguments` with tojson (Llama 3.1, Hermes): JSON text from the API becomes an
+    object; text that is not a JSON object stays as it is."""
+    engine = ScriptedEngine(scripts=["ok"])
+    engine.chat_template = RecordingTemplate()
+    calls = [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"a": [1, 2]}'}},
+             {"id": "c2", "type": "function", "function": {"name": "g", "arguments": "not json"}}]
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": None, "tool_calls": calls},
+                {"role": "tool", "tool_call_id": "c1", "content": "3"}]
+    async with serve(engine) as (client, _):
+        response = await client.post(URL, json=chat_body(messages=messages, tools=TOOLS))
+    assert response.status_code == 200
+    (rendered, tools), = engine.chat_template.calls
+    assert tools == TOOLS
+    assert [c["function"]["arguments"] for c in rendered[1]["tool_calls"]] == [{"a": [1, 2]}, "not json"]
+    assert rendered[2] == {"role": "tool", "content": "3", "tool_call_id": "c1"}

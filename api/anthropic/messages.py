@@ -1,20 +1,29 @@
-"""POST /v1/messages and /v1/messages/count_tokens: Anthropic's Messages API, text only
-(https://docs.anthropic.com/en/api/messages, streaming: https://docs.anthropic.com/en/docs/build-with-claude/streaming).
+"""POST /v1/messages and /v1/messages/count_tokens: Anthropic's Messages API, text and client tools
+(https://docs.anthropic.com/en/api/messages, streaming: https://docs.anthropic.com/en/docs/build-with-claude/streaming,
+tools: https://docs.anthropic.com/en/docs/build-with-claude/tool-use).
 
 The request becomes chat messages and goes through the same template and tokenizer path as Chat Completions
 (`api.openai.chat_prompt`: special-token text in user content stays plain text, case S6; the billing-header line of
 a system prompt is dropped, case S2). A last `assistant` message is a prefill: the answer continues it, and the
 response holds only the continuation. Errors take Anthropic's shape (`api.errors.speaks_anthropic`).
+
+Tools are given to the chat template as OpenAI-style functions; earlier `tool_use` blocks become the assistant
+turn's `tool_calls` and `tool_result` blocks `tool` messages. With tools (and tool_choice not "none") the output
+goes through the server's tool-call parser (`api.tool_calls`): each call becomes a `tool_use` block, and the
+message stops with "tool_use". A forced call (tool_choice "any" / "tool") needs a grammar, not built yet: a 400.
 """
 
 from __future__ import annotations
+
+import json
 
 import orjson
 from quart import Blueprint
 
 from api import sse
 from api.anthropic.protocol import (
-    ContentBlock, CountTokensRequest, MessageResponse, MessagesRequest, MessageUsage, TextBlock, TokenCount,
+    ContentBlock, CountTokensRequest, InputMessage, MessageResponse, MessagesRequest, MessageUsage, TextBlock,
+    TokenCount, ToolUseBlock,
 )
 from api.errors import ErrorKind, anthropic_payload
 from api.metrics import NO_STATS
@@ -24,45 +33,104 @@ from api.openai.common import (
 )
 from api.openai.protocol import parse_request
 from api.state import get_state
+from api.tool_calls import ToolCall, call_id, parser_factory
 from voltserve.errors import InvalidRequestError
+from voltserve.parsers.hermes import parse_pieces
+from voltserve.parsers.tool_json import dumps_arguments
 from voltserve.request import FinishReason, RequestOutput, SamplingParams
 
 bp = Blueprint("anthropic_messages", __name__)
 
 _SKIPPED_BLOCKS = frozenset({"thinking", "redacted_thinking"})  # earlier turns' reasoning: not part of the prompt
 _MEDIA_BLOCKS = frozenset({"image", "document", "search_result"})
+_CLIENT_TOOL_TYPES = (None, "custom")
+
+
+def _block_text(block: ContentBlock, where: str) -> str | None:
+    """A text block's text; None for a block left out of the prompt (earlier thinking).
+
+    Raises:
+        InvalidRequestError: a media block (the served model reads text only), a text block without text, or any
+            other type (tool blocks are read by `_chat_turns`, where they belong).
+    """
+    if block.type == "text":
+        if block.text is None:
+            raise InvalidRequestError("a text block needs 'text'", param=f"{where}.text")
+        return block.text
+    if block.type in _MEDIA_BLOCKS:
+        raise InvalidRequestError(f"content block type '{block.type}' is not supported: the served model "
+                                  "accepts text only", param=f"{where}.type")
+    if block.type in _SKIPPED_BLOCKS:
+        return None
+    raise InvalidRequestError(f"content block type '{block.type}' is not supported here"
+                              if block.type in ("tool_use", "tool_result") else
+                              f"content block type '{block.type}' is not supported yet", param=f"{where}.type")
 
 
 def _blocks_text(content: str | list[ContentBlock], param: str) -> str:
-    """A message's or the system prompt's content as one string; text blocks join with newlines.
+    """The system prompt's or a tool result's content as one string; text blocks join with newlines.
 
     Raises:
-        InvalidRequestError: a media block (the served model reads text only), a tool block (no tool calling
-            yet), or a text block without text.
+        InvalidRequestError: a block `_block_text` refuses.
     """
     if isinstance(content, str):
         return content
-    texts = []
-    for j, block in enumerate(content):
-        where = f"{param}.{j}"
-        if block.type == "text":
-            if block.text is None:
-                raise InvalidRequestError("a text block needs 'text'", param=f"{where}.text")
-            texts.append(block.text)
-        elif block.type in _MEDIA_BLOCKS:
-            raise InvalidRequestError(f"content block type '{block.type}' is not supported: the served model "
-                                      "accepts text only", param=f"{where}.type")
-        elif block.type not in _SKIPPED_BLOCKS:
-            raise InvalidRequestError(f"content block type '{block.type}' is not supported yet",
-                                      param=f"{where}.type")
-    return "\n".join(texts)
+    texts = (_block_text(block, f"{param}.{j}") for j, block in enumerate(content))
+    return "\n".join(text for text in texts if text is not None)
+
+
+def _tool_call(block: ContentBlock, where: str) -> dict:
+    """An earlier `tool_use` block as a chat `tool_calls` entry (arguments as JSON text)."""
+    for field in ("id", "name", "input"):
+        if getattr(block, field) is None:
+            raise InvalidRequestError(f"a tool_use block needs '{field}'", param=f"{where}.{field}")
+    return {"id": block.id, "type": "function",
+            "function": {"name": block.name, "arguments": dumps_arguments(block.input)}}
+
+
+def _tool_message(block: ContentBlock, where: str) -> dict:
+    """A `tool_result` block as a chat `tool` message (`is_error` has no place there: the content tells)."""
+    if block.tool_use_id is None:
+        raise InvalidRequestError("a tool_result block needs 'tool_use_id'", param=f"{where}.tool_use_id")
+    if isinstance(block.content, dict):
+        raise InvalidRequestError("a tool_result's content must be a string or a list of text blocks",
+                                  param=f"{where}.content")
+    content = _blocks_text(block.content, f"{where}.content") if block.content is not None else ""
+    return {"role": "tool", "tool_call_id": block.tool_use_id, "content": content}
+
+
+def _chat_turns(msg: InputMessage, i: int) -> list[dict]:
+    """One Anthropic message as chat messages: a user message's tool results (`tool` messages), then its text
+    turn unless it held only tool results; an assistant message's text with its `tool_use` blocks as
+    `tool_calls`.
+
+    Raises:
+        InvalidRequestError: a tool block in the wrong role's message or missing a field, or a block
+            `_block_text` refuses.
+    """
+    if isinstance(msg.content, str):
+        return [{"role": msg.role, "content": msg.content}]
+    texts, calls, results = [], [], []
+    for j, block in enumerate(msg.content):
+        where = f"messages.{i}.content.{j}"
+        if block.type == "tool_use" and msg.role == "assistant":
+            calls.append(_tool_call(block, where))
+        elif block.type == "tool_result" and msg.role == "user":
+            results.append(_tool_message(block, where))
+        elif block.type in ("tool_use", "tool_result"):
+            owner = "an assistant" if block.type == "tool_use" else "a user"
+            raise InvalidRequestError(f"a {block.type} block belongs in {owner} message", param=f"{where}.type")
+        elif (text := _block_text(block, where)) is not None:
+            texts.append(text)
+    if results and not texts:
+        return results
+    turn = {"role": msg.role, "content": "\n".join(texts)}
+    if calls:
+        turn["tool_calls"] = calls
+    return [*results, turn]
 
 
 def _check_unsupported(req: CountTokensRequest) -> None:
-    if req.tools:
-        raise InvalidRequestError("tools are not supported yet", param="tools")
-    if req.tool_choice and req.tool_choice.get("type") not in ("auto", "none"):
-        raise InvalidRequestError("tool_choice needs tools, which are not supported yet", param="tool_choice")
     if req.thinking is not None and req.thinking.type != "disabled":
         raise InvalidRequestError("extended thinking is not supported by the served model", param="thinking")
     for name, config in (("output_config.format", (req.output_config or {}).get("format")),
@@ -71,19 +139,48 @@ def _check_unsupported(req: CountTokensRequest) -> None:
             raise InvalidRequestError("structured output is not supported yet", param=name)
 
 
+def template_tools(req: CountTokensRequest) -> list[dict] | None:
+    """The request's tools as the OpenAI-style functions chat templates read (`{"type": "function", "function":
+    {"name", "description", "parameters"}}`); None without tools.
+
+    Raises:
+        InvalidRequestError: a server tool (a `type` other than "custom"), a tool without `input_schema`, or a
+            forced tool_choice ("any" / "tool": not supported yet).
+    """
+    if req.tool_choice is not None and req.tool_choice.type in ("any", "tool"):
+        raise InvalidRequestError(f"tool_choice '{req.tool_choice.type}' is not supported yet: only 'auto' and "
+                                  "'none' are", param="tool_choice")
+    if not req.tools:
+        return None
+    functions = []
+    for k, tool in enumerate(req.tools):
+        if tool.type not in _CLIENT_TOOL_TYPES:
+            raise InvalidRequestError(f"tool type '{tool.type}' is not supported: only client tools (name, "
+                                      "description, input_schema) are", param=f"tools.{k}.type")
+        if tool.input_schema is None:
+            raise InvalidRequestError(f"missing required field 'tools.{k}.input_schema'",
+                                      param=f"tools.{k}.input_schema")
+        function = {"name": tool.name}
+        if tool.description is not None:
+            function["description"] = tool.description
+        function["parameters"] = tool.input_schema
+        functions.append({"type": "function", "function": function})
+    return functions
+
+
 def split_prefill(req: CountTokensRequest) -> tuple[list[dict], str]:
     """The request's system prompt and messages as chat messages, and the prefill.
 
     Returns:
-        (`{"role", "content"}` dicts for the chat template, the last assistant message's text when the
-        conversation ends with one, else ""); the prefill is left out of the messages.
+        (`{"role", "content", ...}` dicts for the chat template (`_chat_turns`), the last assistant message's
+        text when the conversation ends with one, else ""); the prefill is left out of the messages.
 
-    Consecutive messages of one role are joined into one turn (with a newline), as Anthropic does.
+    Consecutive messages of one role are joined into one turn (their texts with a newline), as Anthropic does;
+    `tool` messages are never joined.
 
     Raises:
-        InvalidRequestError: no messages, a prefill that ends in whitespace (as Anthropic refuses it), a block
-            `_blocks_text` refuses, tools, a forced tool_choice, extended thinking or structured output (not
-            served yet).
+        InvalidRequestError: no messages, a prefill that ends in whitespace (as Anthropic refuses it) or holds
+            tool_use blocks, a block `_chat_turns` refuses, extended thinking or structured output (not served).
     """
     _check_unsupported(req)
     if not req.messages:
@@ -92,23 +189,32 @@ def split_prefill(req: CountTokensRequest) -> tuple[list[dict], str]:
     if req.system is not None:
         messages.append({"role": "system", "content": strip_billing_header(_blocks_text(req.system, "system"))})
     for i, msg in enumerate(req.messages):
-        text = _blocks_text(msg.content, f"messages.{i}.content")
-        if i and msg.role == req.messages[i - 1].role:  # consecutive turns of one role are one turn (Anthropic's)
-            messages[-1]["content"] += "\n" + text
-        else:
-            messages.append({"role": msg.role, "content": text})
+        for turn in _chat_turns(msg, i):
+            last = messages[-1] if messages else None
+            if last is not None and last["role"] == turn["role"] != "tool":  # one role's turns are one turn
+                last["content"] = "\n".join(text for text in (last["content"], turn["content"]) if text)
+                if "tool_calls" in turn:
+                    last["tool_calls"] = last.get("tool_calls", []) + turn["tool_calls"]
+            else:
+                messages.append(turn)
     prefill = ""
     if req.messages[-1].role == "assistant":
-        prefill = messages.pop()["content"]
+        last = messages.pop()
+        prefill, where = last["content"], f"messages.{len(req.messages) - 1}.content"
+        if "tool_calls" in last:
+            raise InvalidRequestError("a final assistant message (a prefill) cannot hold tool_use blocks: its "
+                                      "tool_result must follow in a user message", param=where)
         if prefill != prefill.rstrip():
-            raise InvalidRequestError("final assistant content cannot end with trailing whitespace",
-                                      param=f"messages.{len(req.messages) - 1}.content")
+            raise InvalidRequestError("final assistant content cannot end with trailing whitespace", param=where)
     return messages, prefill
 
 
-async def prompt_ids(engine, req: CountTokensRequest) -> list[int]:
+async def prompt_ids(engine, req: CountTokensRequest, tools: list[dict] | None) -> list[int]:
     """Render and tokenize a Messages request like a chat request; a prefill's tokens follow the generation
     prompt (tokenized as plain text).
+
+    Args:
+        tools: the request's tools as `template_tools` gives them.
 
     Returns:
         [num_prompt_tokens] token ids.
@@ -117,7 +223,7 @@ async def prompt_ids(engine, req: CountTokensRequest) -> list[int]:
         InvalidRequestError: see `split_prefill` and `api.openai.chat_prompt.messages_prompt_ids`.
     """
     messages, prefill = split_prefill(req)
-    ids = await messages_prompt_ids(engine, messages)
+    ids = await messages_prompt_ids(engine, messages, tools=tools)
     if prefill:  # a long one in a thread, as the messages (`prompt_work`)
         ids += await prompt_work(len(prefill), _encode_plain, engine.tokenizer, prefill)
     return ids
@@ -141,13 +247,17 @@ def sampling_params(req: MessagesRequest) -> SamplingParams:
     ).validate()
 
 
-def stop_fields(finish_reason: FinishReason | str | None, stop_reason: str | int | None) -> dict:
-    """`stop_reason` and `stop_sequence` of a finished sequence: max_tokens (length), stop_sequence (a stop
-    string matched; `stop_sequence` names it) or end_turn (EOS or a stop token); None when it was aborted."""
+def stop_fields(finish_reason: FinishReason | str | None, stop_reason: str | int | None,
+                called: bool = False) -> dict:
+    """`stop_reason` and `stop_sequence` of a finished sequence: max_tokens (length), tool_use (it stopped after
+    calling tools: `called`), stop_sequence (a stop string matched; `stop_sequence` names it) or end_turn (EOS or
+    a stop token); None when it was aborted."""
     reason = FinishReason(finish_reason) if finish_reason is not None else None
     if reason is FinishReason.LENGTH:
         return {"stop_reason": "max_tokens", "stop_sequence": None}
     if reason is FinishReason.STOP:
+        if called:
+            return {"stop_reason": "tool_use", "stop_sequence": None}
         if isinstance(stop_reason, str):
             return {"stop_reason": "stop_sequence", "stop_sequence": stop_reason}
         return {"stop_reason": "end_turn", "stop_sequence": None}
@@ -159,6 +269,43 @@ def _usage(prompt_tokens: int, cached_tokens: int, output_tokens: int) -> Messag
                         cache_read_input_tokens=cached_tokens)
 
 
+def _tool_use(call: ToolCall, message_id: str, k: int) -> ToolUseBlock:
+    """The model's k-th call as a `tool_use` block (its arguments, JSON text, parsed back to an object: by the
+    json module that wrote them, which keeps integers of any size)."""
+    return ToolUseBlock(id=call_id("toolu_", message_id, 0, k), name=call.name, input=json.loads(call.arguments))
+
+
+def _content_blocks(pieces: list, message_id: str, max_calls: int | None) -> list[TextBlock | ToolUseBlock]:
+    """A whole output's content blocks, in the order the stream sends them (`_tool_block_events`): a text block
+    per run of text (a dropped call does not split one), a `tool_use` block per kept call, and one empty text
+    block when there is nothing else.
+
+    Args:
+        pieces: the output as `voltserve.parsers.hermes.parse_pieces` splits it.
+        max_calls: the most calls kept (`disable_parallel_tool_use`: 1); None = all.
+    """
+    blocks: list[TextBlock | ToolUseBlock] = []
+    kept = 0
+    for piece in pieces:
+        if isinstance(piece, str):
+            if blocks and isinstance(blocks[-1], TextBlock):
+                blocks[-1] = TextBlock(text=blocks[-1].text + piece)
+            else:
+                blocks.append(TextBlock(text=piece))
+        elif max_calls is None or kept < max_calls:
+            blocks.append(_tool_use(piece, message_id, kept))
+            kept += 1
+    return blocks or [TextBlock(text="")]
+
+
+def _tool_parsing(state, engine, req: MessagesRequest, tools: list[dict] | None):
+    """(a constructor of the output's tool-call parser, or None for plain text; the most calls kept: 1 with
+    `disable_parallel_tool_use`, else None for all)."""
+    choice = req.tool_choice
+    new_parser = parser_factory(state.config, engine, tools, choice.type if choice is not None else None)
+    return new_parser, 1 if choice is not None and choice.disable_parallel_tool_use else None
+
+
 @bp.post("/v1/messages")
 async def create_message():
     """Create a message; `stream: true` answers with Anthropic's named server-sent events."""
@@ -168,28 +315,34 @@ async def create_message():
     state.check_model(req.model)
     params = sampling_params(req)
     engine = state.ready_engine()
-    ids = await prompt_ids(engine, req)
+    tools = template_tools(req)
+    ids = await prompt_ids(engine, req, tools)
     stream = state.track(add_request(engine, ids, params, prompt_param="messages", max_tokens_param="max_tokens"))
     message_id = state.new_id("msg_")
+    new_parser, max_calls = _tool_parsing(state, engine, req, tools)
     if req.stream:
         events = _stream_events(stream, message_id, req.model, len(ids), state.config.sse_keep_alive_interval,
-                                stats)
+                                stats, new_parser, max_calls)
         return sse_response(events, stream)
     results, counter = await collect(stream, stats)
     seq = results[0]
+    blocks, called = [TextBlock(text=seq.text)], False
+    if new_parser is not None:
+        blocks = _content_blocks(parse_pieces(seq.text), message_id, max_calls)
+        called = any(isinstance(block, ToolUseBlock) for block in blocks)
     return json_response(MessageResponse(
-        id=message_id, model=req.model, content=[TextBlock(text=seq.text)],
-        **stop_fields(seq.finish_reason, seq.stop_reason),
+        id=message_id, model=req.model, content=blocks,
+        **stop_fields(seq.finish_reason, seq.stop_reason, called),
         usage=_usage(counter.prompt_tokens, counter.cached_tokens, sum(counter.output_tokens.values()))))
 
 
 @bp.post("/v1/messages/count_tokens")
 async def count_tokens():
-    """The prompt's token count as /v1/messages would see it (system prompt, messages and prefill)."""
+    """The prompt's token count as /v1/messages would see it (system prompt, tools, messages and prefill)."""
     state = get_state()
     req = parse_request(CountTokensRequest, await request_body())
     state.check_model(req.model)
-    ids = await prompt_ids(state.ready_engine(), req)
+    ids = await prompt_ids(state.ready_engine(), req, template_tools(req))
     return json_response(TokenCount(input_tokens=len(ids)))
 
 
@@ -198,38 +351,103 @@ def anthropic_error_frame(kind: ErrorKind, message: str, param: str | None) -> b
     return sse.typed_frame("error", anthropic_payload(message, kind))
 
 
-_DELTA_HEAD = b'event: content_block_delta\ndata: {"type":"content_block_delta","index":0,' \
-              b'"delta":{"type":"text_delta","text":'
+_DELTA_HEAD_AT = b'event: content_block_delta\ndata: {"type":"content_block_delta","index":%d,' \
+                 b'"delta":{"type":"text_delta","text":'
+_DELTA_HEAD = _DELTA_HEAD_AT % 0
 _DELTA_TAIL = b"}}\n\n"
+_TEXT_BLOCK = {"type": "text", "text": ""}
+
+
+def _block_start(index: int, block: dict) -> bytes:
+    return sse.typed_frame("content_block_start", {"type": "content_block_start", "index": index,
+                                                   "content_block": block})
+
+
+def _block_stop(index: int) -> bytes:
+    return sse.typed_frame("content_block_stop", {"type": "content_block_stop", "index": index})
+
+
+def _message_end(out: RequestOutput, called: bool = False) -> bytes:
+    """message_delta (stop_reason, stop_sequence and the final usage: the prompt's cached share is known only
+    once it was scheduled) and message_stop."""
+    usage = _usage(out.num_prompt_tokens, out.num_cached_tokens, out.num_output_tokens).model_dump()
+    return sse.typed_frame("message_delta", {"type": "message_delta",
+                                             "delta": stop_fields(out.finish_reason, out.stop_reason, called),
+                                             "usage": usage}) + \
+        sse.typed_frame("message_stop", {"type": "message_stop"})
 
 
 def _stream_events(stream, message_id: str, model: str, num_prompt_tokens: int, keep_alive_s: float = 0.0,
-                   stats=NO_STATS):
+                   stats=NO_STATS, new_parser=None, max_calls: int | None = None):
     """The event sequence of a streamed message: message_start, content_block_start (one text block), ping,
-    content_block_delta per delta, then content_block_stop, message_delta (stop_reason, stop_sequence and the
-    final usage: the prompt's cached share is known only once it was scheduled) and message_stop."""
+    content_block_delta per delta, then content_block_stop, message_delta and message_stop (`_message_end`).
+
+    With a tool-call parser (`new_parser`), see `_tool_block_events`.
+    """
     start = MessageResponse(id=message_id, model=model, content=[], stop_reason=None, stop_sequence=None,
                             usage=_usage(num_prompt_tokens, 0, 0))
-    first = [
-        sse.typed_frame("message_start", {"type": "message_start", "message": start.model_dump(mode="json")}),
-        sse.typed_frame("content_block_start", {"type": "content_block_start", "index": 0,
-                                                "content_block": {"type": "text", "text": ""}}),
-        sse.typed_frame("ping", {"type": "ping"}),
-    ]
-
-    def event(out: RequestOutput, _logprobs) -> bytes:
-        delta = _DELTA_HEAD + orjson.dumps(out.text) + _DELTA_TAIL if out.text else b""
-        if out.finish_reason is None:
-            return delta
-        usage = _usage(out.num_prompt_tokens, out.num_cached_tokens, out.num_output_tokens).model_dump()
-        return b"".join((
-            delta,
-            sse.typed_frame("content_block_stop", {"type": "content_block_stop", "index": 0}),
-            sse.typed_frame("message_delta", {"type": "message_delta",
-                                              "delta": stop_fields(out.finish_reason, out.stop_reason),
-                                              "usage": usage}),
-            sse.typed_frame("message_stop", {"type": "message_stop"}),
-        ))
-
+    message_start = sse.typed_frame("message_start", {"type": "message_start",
+                                                      "message": start.model_dump(mode="json")})
+    ping = sse.typed_frame("ping", {"type": "ping"})
+    if new_parser is not None:
+        event, first = _tool_block_events(new_parser(), message_id, max_calls), [message_start, ping]
+    else:
+        event, first = _text_block_event, [message_start, _block_start(0, _TEXT_BLOCK), ping]
     return drive_stream(stream, event, None, first, keep_alive_s, stats, error_frame=anthropic_error_frame,
                         done=b"")
+
+
+def _text_block_event(out: RequestOutput, _logprobs) -> bytes:
+    """One delta's events when the message is one text block, opened before the first token."""
+    delta = _DELTA_HEAD + orjson.dumps(out.text) + _DELTA_TAIL if out.text else b""
+    if out.finish_reason is None:
+        return delta
+    return b"".join((delta, _block_stop(0), _message_end(out)))
+
+
+def _tool_block_events(parser, message_id: str, max_calls: int | None):
+    """The event function of a message whose output goes through a tool-call parser. Blocks are indexed in
+    order: a text block opens when content first arrives (after a call, a new one); each call closes the open
+    text block and goes out whole as a `tool_use` block (content_block_start with `input: {}`, one
+    `input_json_delta` holding the arguments' JSON text, content_block_stop), once the model closed it. A message
+    that ends with no block gets an empty text block; it stops with "tool_use" when it called tools.
+
+    Returns:
+        (delta, its logprobs) -> its events, b"" while the parser holds the text back.
+    """
+    index, text_open, kept = 0, False, 0  # the open or next block's index; calls sent
+
+    def event(out: RequestOutput, _logprobs) -> bytes:
+        nonlocal index, text_open, kept
+        pieces = parser.pieces(out.text)  # in the model's order
+        if out.finish_reason is not None:
+            pieces += parser.finish_pieces()
+        parts = []
+        for call in pieces:
+            if isinstance(call, str):
+                if not text_open:
+                    parts.append(_block_start(index, _TEXT_BLOCK))
+                    text_open = True
+                parts.append(_DELTA_HEAD_AT % index + orjson.dumps(call) + _DELTA_TAIL)
+                continue
+            if max_calls is not None and kept >= max_calls:
+                continue
+            if text_open:
+                parts.append(_block_stop(index))
+                index, text_open = index + 1, False
+            block = {"type": "tool_use", "id": call_id("toolu_", message_id, 0, kept), "name": call.name, "input": {}}
+            parts += [_block_start(index, block),
+                      sse.typed_frame("content_block_delta", {
+                          "type": "content_block_delta", "index": index,
+                          "delta": {"type": "input_json_delta", "partial_json": call.arguments}}),
+                      _block_stop(index)]
+            index, kept = index + 1, kept + 1
+        if out.finish_reason is not None:
+            if text_open:
+                parts.append(_block_stop(index))
+            elif index == 0:  # no block at all: the message still has content
+                parts += [_block_start(0, _TEXT_BLOCK), _block_stop(0)]
+            parts.append(_message_end(out, kept > 0))
+        return b"".join(parts)
+
+    return event

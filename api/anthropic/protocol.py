@@ -1,5 +1,6 @@
-"""Pydantic models of Anthropic's Messages API, text only (https://docs.anthropic.com/en/api/messages and
-https://docs.anthropic.com/en/docs/build-with-claude/streaming).
+"""Pydantic models of Anthropic's Messages API: text and client tools (https://docs.anthropic.com/en/api/messages,
+https://docs.anthropic.com/en/docs/build-with-claude/streaming and
+https://docs.anthropic.com/en/docs/build-with-claude/tool-use).
 
 Requests ignore unknown fields (`cache_control`, `metadata`, `service_tier`, ...) and parse in strict mode, as the
 OpenAI requests do (`api.openai.protocol.parse_request`), so a wrong JSON type is a 400.
@@ -17,17 +18,45 @@ class _Request(BaseModel):
 
 
 class ContentBlock(_Request):
-    """One block of a message's (or the system prompt's) content. Only `text` blocks reach the prompt; `thinking`
-    and `redacted_thinking` blocks are dropped (Anthropic drops earlier turns' thinking); every other type is
-    refused with a 400 naming it."""
+    """One block of a message's (or the system prompt's) content. `text` blocks reach the prompt, and so do
+    `tool_use` (an assistant's earlier call: `id`, `name`, `input`) and `tool_result` (its answer, in a user
+    message: `tool_use_id`, `content`, `is_error`) blocks; `thinking` and `redacted_thinking` blocks are dropped
+    (Anthropic drops earlier turns' thinking); every other type is refused with a 400 naming it."""
 
     type: str
     text: str | None = None
+    id: str | None = None
+    name: str | None = None
+    input: dict[str, Any] | None = None
+    tool_use_id: str | None = None
+    # a tool_result's: a string or text blocks (a dict parses too, so that another block type that carries an
+    # object here, e.g. a server tool's result, is refused by its type rather than by this field)
+    content: list[ContentBlock] | str | dict[str, Any] | None = None
+    is_error: bool | None = None
 
 
 class InputMessage(_Request):
     role: Literal["user", "assistant"]
     content: list[ContentBlock] | str  # the list first: a bad block's error names the block
+
+
+class Tool(_Request):
+    """A client tool: `name`, `description`, `input_schema` (a JSON schema). A server tool (a `type` such as
+    "web_search_20250305") is refused with a 400."""
+
+    name: str
+    description: str | None = None
+    input_schema: dict[str, Any] | None = None  # required of client tools: checked with the type
+    type: str | None = None  # absent or "custom" for a client tool
+
+
+class ToolChoice(_Request):
+    """How the model may use the tools: "auto" and "none" are served; "any" and "tool" (a forced call) need a
+    grammar, not built yet."""
+
+    type: Literal["auto", "any", "tool", "none"]
+    name: str | None = None
+    disable_parallel_tool_use: bool | None = None
 
 
 class ThinkingConfig(_Request):
@@ -41,8 +70,8 @@ class CountTokensRequest(_Request):
     model: str
     messages: list[InputMessage]
     system: list[ContentBlock] | str | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: dict[str, Any] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
     thinking: ThinkingConfig | None = None
     output_config: dict[str, Any] | None = None  # parsed so that a structured output format can be refused
     output_format: dict[str, Any] | None = None  # (its beta spelling)
@@ -64,6 +93,15 @@ class TextBlock(BaseModel):
     text: str
 
 
+class ToolUseBlock(BaseModel):
+    """A call the model made: `input` is its arguments as an object."""
+
+    type: Literal["tool_use"] = "tool_use"
+    id: str
+    name: str
+    input: dict[str, Any]
+
+
 class MessageUsage(BaseModel):
     """Token counts. `input_tokens` leaves out the prompt tokens read from the prefix cache, which Anthropic
     reports apart as `cache_read_input_tokens` (prompt length = input_tokens + cache_read_input_tokens)."""
@@ -79,8 +117,8 @@ class MessageResponse(BaseModel):
     type: Literal["message"] = "message"
     role: Literal["assistant"] = "assistant"
     model: str
-    content: list[TextBlock]
-    stop_reason: Literal["end_turn", "max_tokens", "stop_sequence"] | None
+    content: list[TextBlock | ToolUseBlock]
+    stop_reason: Literal["end_turn", "max_tokens", "stop_sequence", "tool_use"] | None
     stop_sequence: str | None
     usage: MessageUsage
 

@@ -4,6 +4,7 @@ SamplingParams from a request, usage, token text, collecting a request, JSON and
 from __future__ import annotations
 
 import asyncio
+import json
 import weakref
 
 from collections.abc import AsyncIterator, Callable, Iterable
@@ -191,8 +192,14 @@ async def collect(stream, stats=NO_STATS) -> tuple[dict[int, SequenceResult], Us
 
 
 def json_response(model: BaseModel, status: int = 200) -> Response:
-    """A JSON response from a pydantic model, serialised with orjson."""
-    return Response(orjson.dumps(model.model_dump(mode="json")), status=status, content_type="application/json")
+    """A JSON response from a pydantic model, serialised with orjson (with the json module where orjson cannot:
+    integers beyond 64 bits, which a tool call's input may hold)."""
+    data = model.model_dump(mode="json")
+    try:
+        body = orjson.dumps(data)
+    except TypeError:
+        body = json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode()
+    return Response(body, status=status, content_type="application/json")
 
 
 def sse_response(events: AsyncIterator[bytes], stream=None) -> Response:

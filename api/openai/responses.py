@@ -1,8 +1,13 @@
-"""POST /v1/responses: the OpenAI Responses API, text only (https://platform.openai.com/docs/api-reference/responses).
+"""POST /v1/responses: the OpenAI Responses API, text and function calls
+(https://platform.openai.com/docs/api-reference/responses).
 
 The input becomes chat messages and takes the chat path to prompt ids (`chat_prompt.messages_prompt_ids`: the chat
-template, special-token text kept plain (case S6), the billing-header line dropped from system text (case S2)).
-Nothing is stored: `previous_response_id` is refused and there is no GET /v1/responses/{id}.
+template, special-token text kept plain (case S6), the billing-header line dropped from system text (case S2)):
+message items are messages, function_call items the tool calls of an assistant message, function_call_output
+items tool messages. Function `tools` are rendered by the chat template, and with tool_choice "auto" the server's
+tool-call parser (`api.tool_calls`) splits the output into message items and function_call items, in the order
+the model wrote them. Nothing is stored: `previous_response_id` is refused and there is no GET
+/v1/responses/{id}.
 
 A streamed response is a sequence of named events, `event: <type>\\ndata: <json>\\n\\n` (`sse.typed_frame`), whose
 `sequence_number` counts from 0 (https://platform.openai.com/docs/api-reference/responses-streaming):
@@ -10,6 +15,13 @@ response.created, response.in_progress, response.output_item.added, response.con
 response.output_text.delta per text delta, then response.output_text.done, response.content_part.done,
 response.output_item.done and response.completed (response.incomplete when max_output_tokens cut the output),
 whose response carries the usage. No `data: [DONE]`. An error after the stream began is an `error` event.
+
+With the tool-call parser, a message item is added when its first text is ready (never, when the model only
+calls), and each call, once the model closed it, closes the open message item (output_text.done,
+content_part.done, output_item.done) and is sent as its own item: response.output_item.added (status
+"in_progress", arguments ""), response.function_call_arguments.delta (the whole arguments),
+response.function_call_arguments.done, response.output_item.done. Text after a call opens a new message item.
+`output_index` numbers the items in that order. An output with no call is one message item, as without tools.
 """
 
 from __future__ import annotations
@@ -25,27 +37,35 @@ from api.openai.common import (
 )
 from api.openai.protocol import parse_request
 from api.openai.responses_protocol import (
-    ContentPartEvent, ErrorEvent, IncompleteDetails, OutputItemEvent, OutputMessage, OutputText,
-    OutputTextDeltaEvent, OutputTextDoneEvent, ResponseError, ResponseEvent, ResponsesRequest, ResponsesResponse,
-    ResponseUsage,
+    ContentPartEvent, ErrorEvent, FunctionCallArgumentsDeltaEvent, FunctionCallArgumentsDoneEvent, FunctionCallItem,
+    IncompleteDetails, OutputItemEvent, OutputMessage, OutputText, OutputTextDeltaEvent, OutputTextDoneEvent,
+    ResponseError, ResponseEvent, ResponsesRequest, ResponsesResponse, ResponseUsage,
 )
 from api.state import get_state
+from api.tool_calls import ToolCall, call_id, parser_factory
 from voltserve.errors import InvalidRequestError
 from voltserve.request import RequestOutput, SamplingParams, TokenLogprob
 
 bp = Blueprint("openai_responses", __name__)
 TEXT_PART_TYPES = frozenset({"input_text", "output_text"})  # an earlier response's output may come back as input
+OUTPUT_PART_TYPES = frozenset({"input_text"})  # a function_call_output's parts
+# the fields each served input item type requires
+REQUIRED_FIELDS = {"message": ("role", "content"), "function_call": ("call_id", "name", "arguments"),
+                   "function_call_output": ("call_id", "output")}
 
 
 def input_messages(req: ResponsesRequest) -> list[dict]:
-    """The request's instructions and input as chat messages (`{"role", "content": str}` dicts).
+    """The request's instructions and input as chat messages (`{"role", "content": str, ...}` dicts).
 
     `instructions` is a system message placed first; a string `input` is one user message; a list holds message
-    items whose text parts join with newlines, as Chat Completions joins them.
+    items, whose text parts join with newlines as Chat Completions joins them; function_call items, each a tool
+    call (`{"id": call_id, "type": "function", "function": {"name", "arguments"}}`) of the assistant message
+    before it, or of a new one (content "") when the message before is not the assistant's; and
+    function_call_output items, each a tool message (`{"role": "tool", "tool_call_id", "content"}`).
 
     Raises:
-        InvalidRequestError: an empty input list; a non-message item (function calls and their outputs,
-            reasoning, ...: not supported yet); a message without role or content; a non-text part.
+        InvalidRequestError: an empty input list; an item of another type (reasoning, ...: not supported yet);
+            an item without a field its type requires; a non-text part.
     """
     messages = []
     if req.instructions:
@@ -55,15 +75,52 @@ def input_messages(req: ResponsesRequest) -> list[dict]:
     if not req.input:
         raise InvalidRequestError("'input' must contain at least one item", param="input")
     for i, item in enumerate(req.input):
-        if item.type != "message":
+        required = REQUIRED_FIELDS.get(item.type)
+        if required is None:
             raise InvalidRequestError(f"input items of type '{item.type}' are not supported yet: this server takes "
-                                      "text messages only", param=f"input.{i}")
-        for name in ("role", "content"):
+                                      "messages, function calls and function call outputs", param=f"input.{i}")
+        for name in required:
             if getattr(item, name) is None:
                 raise InvalidRequestError(f"missing required field 'input.{i}.{name}'", param=f"input.{i}.{name}")
-        text = content_text(item.content, f"input.{i}.content", TEXT_PART_TYPES)
-        messages.append({"role": item.role, "content": strip_billing_header(text) if item.role == "system" else text})
+        if item.type == "function_call":
+            call = {"id": item.call_id, "type": "function",
+                    "function": {"name": item.name, "arguments": item.arguments}}
+            if messages and messages[-1]["role"] == "assistant":
+                messages[-1].setdefault("tool_calls", []).append(call)
+            else:
+                messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
+        elif item.type == "function_call_output":
+            output = content_text(item.output, f"input.{i}.output", OUTPUT_PART_TYPES)
+            messages.append({"role": "tool", "tool_call_id": item.call_id, "content": output})
+        else:
+            text = content_text(item.content, f"input.{i}.content", TEXT_PART_TYPES)
+            messages.append({"role": item.role,
+                             "content": strip_billing_header(text) if item.role == "system" else text})
     return messages
+
+
+def template_tools(req: ResponsesRequest) -> list[dict]:
+    """The request's function tools as the chat template takes them, Chat Completions' shape
+    (`{"type": "function", "function": {"name", "description", "parameters"}}`, the absent fields left out).
+
+    Raises:
+        InvalidRequestError: a tool of another type (web_search, file_search, mcp, ...: not supported yet), or
+            a function tool without a name.
+    """
+    tools = []
+    for i, tool in enumerate(req.tools or ()):
+        if tool.type != "function":
+            raise InvalidRequestError(f"tools of type '{tool.type}' are not supported yet: this server serves "
+                                      "function tools only", param=f"tools.{i}.type")
+        if tool.name is None:
+            raise InvalidRequestError(f"missing required field 'tools.{i}.name'", param=f"tools.{i}.name")
+        function = {"name": tool.name}
+        if tool.description is not None:
+            function["description"] = tool.description
+        if tool.parameters is not None:
+            function["parameters"] = tool.parameters
+        tools.append({"type": "function", "function": function})
+    return tools
 
 
 def _params(req: ResponsesRequest) -> SamplingParams:
@@ -76,9 +133,7 @@ def _params(req: ResponsesRequest) -> SamplingParams:
     if req.background:
         raise InvalidRequestError("background responses are not supported: this server answers in the foreground",
                                   param="background")
-    if req.tools:
-        raise InvalidRequestError("tools are not supported yet", param="tools")
-    if req.tool_choice not in (None, "auto", "none"):
+    if req.tool_choice not in (None, "auto", "none"):  # "required" or a named function needs a grammar
         raise InvalidRequestError("tool_choice other than 'auto' or 'none' is not supported yet", param="tool_choice")
     text_format = req.text.format if req.text is not None else None
     if text_format is not None and text_format.type != "text":
@@ -95,20 +150,16 @@ def _started(req: ResponsesRequest, params: SamplingParams, response_id: str, cr
         max_output_tokens=req.max_output_tokens, model=req.model, output=[],
         parallel_tool_calls=req.parallel_tool_calls is not False,  # null = the default, true (case T3)
         temperature=params.temperature, text={"format": {"type": "text"}}, tool_choice=req.tool_choice or "auto",
-        tools=[], top_p=params.top_p, user=req.user, metadata=req.metadata or {})
+        tools=list(req.tools or ()), top_p=params.top_p, user=req.user, metadata=req.metadata or {})
 
 
-def _finished(started: ResponsesResponse, item_id: str, text: str, finish_reason: str | None,
-              usage: ResponseUsage) -> ResponsesResponse:
-    """The response object once the output ended: "completed" on a stop, else "incomplete" (a length finish is
-    max_output_tokens', or the context window's)."""
-    status = "completed" if finish_reason == "stop" else "incomplete"
-    details = None
-    if status == "incomplete":
-        details = IncompleteDetails(reason="max_output_tokens" if finish_reason == "length" else None)
-    message = OutputMessage(id=item_id, status=status, content=[OutputText(text=text)])
-    return started.model_copy(update={"status": status, "incomplete_details": details, "output": [message],
-                                      "usage": usage})
+def _outcome(finish_reason: str | None) -> dict:
+    """The response fields set when the output ended: status "completed" on a stop, else "incomplete" (a length
+    finish is max_output_tokens', or the context window's)."""
+    if finish_reason == "stop":
+        return {"status": "completed", "incomplete_details": None}
+    return {"status": "incomplete",
+            "incomplete_details": IncompleteDetails(reason="max_output_tokens" if finish_reason == "length" else None)}
 
 
 @bp.post("/v1/responses")
@@ -119,22 +170,33 @@ async def create_response():
     req = parse_request(ResponsesRequest, await request_body())
     state.check_model(req.model)
     params = _params(req)
+    tools = template_tools(req)
     messages = input_messages(req)
     engine = state.ready_engine()
-    prompt_ids = await messages_prompt_ids(engine, messages, param="input")
+    prompt_ids = await messages_prompt_ids(engine, messages, tools=tools or None, param="input")
     # Validation (context length, params) raises here, before any byte of a stream is sent.
     stream = state.track(add_request(engine, prompt_ids, params, prompt_param="input",
                                      max_tokens_param="max_output_tokens"))
     started = _started(req, params, state.new_id("resp_"), state.clock())
     item_id = state.new_id("msg_")
+    new_parser = parser_factory(state.config, engine, tools, req.tool_choice)
+    parallel = req.parallel_tool_calls is not False
     if req.stream:
-        events = ResponseEvents(started, item_id)
-        return sse_response(drive_stream(stream, events.chunk, None, events.opening(),
-                                         state.config.sse_keep_alive_interval, stats, error_frame=events.error,
-                                         done=b""), stream)
+        events = ResponseEvents(started, item_id, new_parser, parallel)
+        return sse_response(drive_stream(stream, events.chunk if new_parser is None else events.tool_chunk, None,
+                                         events.opening(), state.config.sse_keep_alive_interval, stats,
+                                         error_frame=events.error, done=b""), stream)
     results, counter = await collect(stream, stats)
     usage = ResponseUsage.of(counter.prompt_tokens, counter.cached_tokens, sum(counter.output_tokens.values()))
-    return json_response(_finished(started, item_id, results[0].text, results[0].finish_reason, usage))
+    text, finish_reason = results[0].text, results[0].finish_reason
+    if new_parser is not None:  # the stream's events, made and dropped: the same items as streamed
+        events = ResponseEvents(started, item_id, new_parser, parallel)
+        events.feed(text)
+        events.end(finish_reason, usage)
+        return json_response(events.response)
+    end = _outcome(finish_reason)
+    message = OutputMessage(id=item_id, status=end["status"], content=[OutputText(text=text)])
+    return json_response(started.model_copy(update={**end, "output": [message], "usage": usage}))
 
 
 class ResponseEvents:
@@ -142,22 +204,29 @@ class ResponseEvents:
 
     Args:
         started: the response object before any output (`_started`).
-        item_id: the output message's id.
+        item_id: the first output message's id (a later one, after a call, is `<item_id>_<n>`).
+        new_parser: the tool-call parser's constructor (`api.tool_calls.parser_factory`), None for text only.
+        parallel_tool_calls: False keeps only the model's first call.
 
-    Use `opening()` for the events before any text, `chunk` as `drive_stream`'s `choice_chunk` (a delta event
-    per text delta, and the closing events on the last delta) and `error` as its `error_frame`.
+    Use `opening()` for the events before any output, `chunk` (text only) or `tool_chunk` (with the parser) as
+    `drive_stream`'s `choice_chunk`, and `error` as its `error_frame`. A non-streamed response with the parser
+    takes the same path, `feed` then `end`, and reads `response`.
+
+    Attributes:
+        response: the final response object, once `end` made it.
     """
 
-    def __init__(self, started: ResponsesResponse, item_id: str):
+    def __init__(self, started: ResponsesResponse, item_id: str, new_parser=None, parallel_tool_calls: bool = True):
         self._started, self._item_id = started, item_id
-        self._texts: list[str] = []
+        self._parser = new_parser() if new_parser is not None else None
+        self._parallel = parallel_tool_calls
         self._next = 0  # the next event's sequence_number
-        # The delta event's bytes around its two varying values, rendered once by pydantic: the per-token path is
-        # head + sequence_number + mid + JSON text + tail, the same bytes `sse.typed_frame` gives for the model.
-        framed = self._frame(OutputTextDeltaEvent(sequence_number=0, item_id=item_id, delta=""))
-        number_at = framed.index(b'"sequence_number":0') + len(b'"sequence_number":')
-        delta_at = framed.index(b'"delta":""') + len(b'"delta":')
-        self._head, self._mid, self._tail = framed[:number_at], framed[number_at + 1:delta_at], framed[delta_at + 2:]
+        self._items: list[OutputMessage | FunctionCallItem] = []  # the output items done, in order
+        self._open: str | None = None  # the open message item's id
+        self._texts: list[str] = []  # its text deltas
+        self._messages = 0  # message items opened
+        self._calls = 0  # calls the model made
+        self.response: ResponsesResponse | None = None
 
     @staticmethod
     def _frame(event) -> bytes:
@@ -168,35 +237,116 @@ class ResponseEvents:
         return self._frame(event_cls(sequence_number=number, **fields))
 
     def opening(self) -> list[bytes]:
-        """response.created, response.in_progress, and the empty message item and text part being added."""
-        item = OutputMessage(id=self._item_id, status="in_progress", content=[])
-        return [self._event(ResponseEvent, type="response.created", response=self._started),
-                self._event(ResponseEvent, type="response.in_progress", response=self._started),
-                self._event(OutputItemEvent, type="response.output_item.added", item=item),
-                self._event(ContentPartEvent, type="response.content_part.added", item_id=self._item_id,
-                            part=OutputText(text=""))]
+        """response.created and response.in_progress; without the parser the empty message item and its text part
+        being added too (with it, they wait for the first text)."""
+        frames = [self._event(ResponseEvent, type="response.created", response=self._started),
+                  self._event(ResponseEvent, type="response.in_progress", response=self._started)]
+        return frames + self._open_message() if self._parser is None else frames
+
+    def _open_message(self) -> list[bytes]:
+        """The events adding a message item and its text part (the next output item)."""
+        item_id = self._item_id if not self._messages else f"{self._item_id}_{self._messages}"
+        self._messages += 1
+        self._open, index = item_id, len(self._items)
+        # The delta event's bytes around its two varying values, rendered once per message by pydantic: the
+        # per-token path is head + sequence_number + mid + JSON text + tail, the same bytes `sse.typed_frame`
+        # gives for the model.
+        framed = self._frame(OutputTextDeltaEvent(sequence_number=0, item_id=item_id, output_index=index, delta=""))
+        number_at = framed.index(b'"sequence_number":0') + len(b'"sequence_number":')
+        delta_at = framed.index(b'"delta":""') + len(b'"delta":')
+        self._head, self._mid, self._tail = framed[:number_at], framed[number_at + 1:delta_at], framed[delta_at + 2:]
+        item = OutputMessage(id=item_id, status="in_progress", content=[])
+        return [self._event(OutputItemEvent, type="response.output_item.added", output_index=index, item=item),
+                self._event(ContentPartEvent, type="response.content_part.added", item_id=item_id,
+                            output_index=index, part=OutputText(text=""))]
+
+    def _close_message(self, status: str) -> list[bytes]:
+        """The events ending the open message item: its whole text, its part, the item with `status`."""
+        item = OutputMessage(id=self._open, status=status, content=[OutputText(text="".join(self._texts))])
+        index = len(self._items)
+        self._items.append(item)
+        self._open, self._texts = None, []
+        part = item.content[0]
+        return [
+            self._event(OutputTextDoneEvent, item_id=item.id, output_index=index, text=part.text),
+            self._event(ContentPartEvent, type="response.content_part.done", item_id=item.id, output_index=index,
+                        part=part),
+            self._event(OutputItemEvent, type="response.output_item.done", output_index=index, item=item),
+        ]
 
     def _delta(self, text: str) -> bytes:
         self._texts.append(text)
         number, self._next = self._next, self._next + 1
         return b"".join((self._head, b"%d" % number, self._mid, orjson.dumps(text), self._tail))
 
+    def _call(self, call: ToolCall) -> list[bytes]:
+        """The events of one whole call: the open message item ends, and the function_call item is added, its
+        arguments sent in one delta, and done. Without parallel calls, every call after the first is dropped."""
+        k, self._calls = self._calls, self._calls + 1
+        if k and not self._parallel:
+            return []
+        frames = self._close_message("completed") if self._open is not None else []
+        response_id, index = self._started.id, len(self._items)
+        item = FunctionCallItem(id=call_id("fc_", response_id, 0, k), call_id=call_id("call_", response_id, 0, k),
+                                name=call.name, arguments=call.arguments, status="completed")
+        self._items.append(item)
+        added = item.model_copy(update={"status": "in_progress", "arguments": ""})
+        return frames + [
+            self._event(OutputItemEvent, type="response.output_item.added", output_index=index, item=added),
+            self._event(FunctionCallArgumentsDeltaEvent, item_id=item.id, output_index=index, delta=item.arguments),
+            self._event(FunctionCallArgumentsDoneEvent, item_id=item.id, output_index=index, name=item.name,
+                        arguments=item.arguments),
+            self._event(OutputItemEvent, type="response.output_item.done", output_index=index, item=item),
+        ]
+
+    def _content(self, text: str) -> list[bytes]:
+        if self._open is not None:
+            return [self._delta(text)]
+        return self._open_message() + [self._delta(text)]
+
+    def feed(self, text: str) -> list[bytes]:
+        """The events of the next output text, through the tool-call parser: text deltas (the message item
+        added first when none is open) and whole calls; none while the parser holds the text back."""
+        frames = []
+        for piece in self._parser.pieces(text):  # in the model's order
+            frames += self._content(piece) if isinstance(piece, str) else self._call(piece)
+        return frames
+
+    def end(self, finish_reason: str | None, usage: ResponseUsage) -> list[bytes]:
+        """The closing events: the parser's last text, the open message item done (an output with no item at
+        all is one empty message, as without tools), and response.completed or response.incomplete with every
+        output item and the usage (`response`)."""
+        end = _outcome(finish_reason)
+        frames = []
+        if self._parser is not None:
+            content = self._parser.finish()[0]
+            if content:
+                frames += self._content(content)
+            if self._open is None and not self._items:
+                frames += self._open_message()
+        if self._open is not None:
+            frames += self._close_message(end["status"])
+        self.response = self._started.model_copy(update={**end, "output": self._items, "usage": usage})
+        return frames + [self._event(ResponseEvent, type=f"response.{end['status']}", response=self.response)]
+
+    @staticmethod
+    def _usage(out: RequestOutput) -> ResponseUsage:
+        return ResponseUsage.of(out.num_prompt_tokens, out.num_cached_tokens, out.num_output_tokens)
+
     def chunk(self, out: RequestOutput, logprobs: list[TokenLogprob]) -> bytes:
-        """A delta's events: its text as a response.output_text.delta; the last delta's closing events too
-        (`drive_stream` calls it only for deltas with text or a finish)."""
+        """A delta's events, text only: its text as a response.output_text.delta; the last delta's closing
+        events too (`drive_stream` calls it only for deltas with text or a finish)."""
         if out.finish_reason is None:  # the per-token case
             return self._delta(out.text)
         frames = [self._delta(out.text)] if out.text else []
-        usage = ResponseUsage.of(out.num_prompt_tokens, out.num_cached_tokens, out.num_output_tokens)
-        response = _finished(self._started, self._item_id, "".join(self._texts), out.finish_reason.value, usage)
-        item = response.output[0]
-        part = item.content[0]
-        frames += [
-            self._event(OutputTextDoneEvent, item_id=self._item_id, text=part.text),
-            self._event(ContentPartEvent, type="response.content_part.done", item_id=self._item_id, part=part),
-            self._event(OutputItemEvent, type="response.output_item.done", item=item),
-            self._event(ResponseEvent, type=f"response.{response.status}", response=response),
-        ]
+        return b"".join(frames + self.end(out.finish_reason.value, self._usage(out)))
+
+    def tool_chunk(self, out: RequestOutput, logprobs: list[TokenLogprob]) -> bytes:
+        """A delta's events with the tool-call parser (`feed`; the last delta's `end` too); b"" while the parser
+        holds its text back."""
+        frames = self.feed(out.text) if out.text else []
+        if out.finish_reason is not None:
+            frames += self.end(out.finish_reason.value, self._usage(out))
         return b"".join(frames)
 
     def error(self, kind: ErrorKind, message: str, param: str | None) -> bytes:

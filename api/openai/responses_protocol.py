@@ -1,4 +1,5 @@
-"""Pydantic models of the OpenAI Responses API, text only: the request, the response object, the stream events.
+"""Pydantic models of the OpenAI Responses API, text and function calls: the request, the response object, the
+stream events.
 
 Requests parse like `protocol.py`'s (strict types, unknown fields ignored) and share its sampling fields.
 Field names and required fields follow the API reference (https://platform.openai.com/docs/api-reference/responses)
@@ -7,7 +8,7 @@ and the `openai` SDK's `types/responses` models, which clients validate against.
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -21,18 +22,45 @@ class _Request(BaseModel):
 
 
 class InputItem(_Request):
-    """One item of a list `input`. Only messages (`type` "message", the default) are served; any other item
-    type (function_call, function_call_output, reasoning, ...) is parsed just far enough to be refused by name.
+    """One item of a list `input`: a message (`type` "message", the default), an earlier function call
+    ("function_call") or its result ("function_call_output"). Any other item type (reasoning, ...) is parsed just
+    far enough to be refused by name. Which fields an item type requires is checked when the item is converted.
 
     Attributes:
         type: the item type.
-        role: a message's author; required for messages (checked when the item is converted).
+        role: a message's author.
         content: a message's text, or a list of parts (`input_text` / `output_text` with `text`).
+        call_id: a function call's id, which its output names.
+        name, arguments: a function call's function and its arguments (JSON text).
+        output: a function call's result: text, or a list of `input_text` parts.
     """
 
     type: str = "message"
     role: Literal["user", "assistant", "system", "developer"] | None = None
     content: list[ContentPart] | str | None = None  # the list first: a bad part's error names the part
+    call_id: str | None = None
+    name: str | None = None
+    arguments: str | None = None
+    output: list[ContentPart] | str | None = None
+
+
+class FunctionTool(_Request):
+    """One of `tools`. Only function tools are served; any other type (web_search, file_search, mcp, ...) is
+    parsed just far enough to be refused by name, so `name` is checked when the tools are converted.
+
+    Attributes:
+        type: the tool type ("function").
+        name: the function's name.
+        description: what it does, for the model.
+        parameters: the JSON schema of its arguments.
+        strict: accepted and echoed; the arguments are not constrained to the schema (no grammar yet).
+    """
+
+    type: str
+    name: str | None = None
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
 
 
 class TextFormat(_Request):
@@ -54,8 +82,11 @@ class ResponsesRequest(SamplingFields):
         instructions: a system message placed before the input.
         max_output_tokens: output token limit (None = the rest of the context window).
         text: output format; only {"format": {"type": "text"}}.
-        tools, tool_choice, parallel_tool_calls: accepted while no tool is given ("auto" / "none" choice; null
-            parallel_tool_calls means the default, case T3).
+        tools: function tools, rendered into the prompt by the chat template; the model's calls are read from its
+            output by the server's tool-call parser (`api.tool_calls`).
+        tool_choice: "auto" (the default) or "none" (the output is all text, case T6); "required" and a named
+            function need a grammar, not built yet.
+        parallel_tool_calls: false keeps only the model's first call; null means the default, true (case T3).
         previous_response_id, conversation, prompt, background: refused (400): this server stores no responses,
             conversations or prompts, and answers in the foreground.
         store, metadata: accepted; nothing is stored, metadata is echoed.
@@ -69,7 +100,7 @@ class ResponsesRequest(SamplingFields):
     instructions: str | None = None
     max_output_tokens: int | None = None
     text: TextConfig | None = None
-    tools: list[dict[str, Any]] | None = None
+    tools: list[FunctionTool] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     previous_response_id: str | None = None
@@ -102,13 +133,35 @@ class OutputText(BaseModel):
 
 
 class OutputMessage(BaseModel):
-    """The one output item: the assistant's message. `id` is "msg_..."; `status` follows the response's."""
+    """An output item holding the assistant's text. `id` is "msg_..."; `status` is the response's, or "completed"
+    for a message that a function call followed."""
 
     type: Literal["message"] = "message"
     id: str
     status: ItemStatus
     role: Literal["assistant"] = "assistant"
     content: list[OutputText]
+
+
+class FunctionCallItem(BaseModel):
+    """An output item holding one function call, sent once the model wrote it whole.
+
+    Attributes:
+        id: the item's id, "fc_...".
+        call_id: the id that the call's `function_call_output` names, "call_...".
+        name, arguments: the function and its arguments (JSON text of an object).
+        status: "in_progress" only in the `response.output_item.added` event, else "completed".
+    """
+
+    type: Literal["function_call"] = "function_call"
+    id: str
+    call_id: str
+    name: str
+    arguments: str
+    status: ItemStatus
+
+
+OutputItem = Annotated[OutputMessage | FunctionCallItem, Field(discriminator="type")]
 
 
 class InputTokensDetails(BaseModel):
@@ -148,7 +201,8 @@ class ResponsesResponse(BaseModel):
         created_at: unix seconds.
         status: "in_progress" while streaming, then "completed", or "incomplete" when output was cut
             (`incomplete_details.reason` "max_output_tokens" for a length finish).
-        output: the assistant message (empty until it starts).
+        output: the output items in the order the model wrote them: message items and function calls (empty
+            until the first starts).
         usage: null until the response ends.
         The other fields echo the request's settings, with the defaults applied (temperature, top_p).
     """
@@ -162,13 +216,13 @@ class ResponsesResponse(BaseModel):
     instructions: str | None
     max_output_tokens: int | None
     model: str
-    output: list[OutputMessage]
+    output: list[OutputItem]
     parallel_tool_calls: bool
     previous_response_id: None = None
     temperature: float
     text: dict[str, Any]
     tool_choice: str | dict[str, Any]
-    tools: list[dict[str, Any]]
+    tools: list[FunctionTool]
     top_p: float
     truncation: Literal["disabled"] = "disabled"
     usage: ResponseUsage | None = None
@@ -198,7 +252,7 @@ class ResponseEvent(_Event):
 class OutputItemEvent(_Event):
     type: Literal["response.output_item.added", "response.output_item.done"]
     output_index: int = 0
-    item: OutputMessage
+    item: OutputItem
 
 
 class _ContentEvent(_Event):
@@ -226,6 +280,26 @@ class OutputTextDoneEvent(_ContentEvent):
     type: Literal["response.output_text.done"] = "response.output_text.done"
     text: str
     logprobs: list[Any] = Field(default_factory=list)
+
+
+class _ArgumentsEvent(_Event):
+    """An event about the arguments of the function call item `item_id`, output item `output_index`."""
+
+    item_id: str
+    output_index: int
+
+
+class FunctionCallArgumentsDeltaEvent(_ArgumentsEvent):
+    """The call's arguments (this server sends them whole, in one delta, once the model closed the call)."""
+
+    type: Literal["response.function_call_arguments.delta"] = "response.function_call_arguments.delta"
+    delta: str
+
+
+class FunctionCallArgumentsDoneEvent(_ArgumentsEvent):
+    type: Literal["response.function_call_arguments.done"] = "response.function_call_arguments.done"
+    name: str  # in the API reference's event; the `openai` SDK's model (3.x) ignores it
+    arguments: str
 
 
 class ErrorEvent(_Event):

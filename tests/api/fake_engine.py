@@ -1,4 +1,6 @@
-"""ScriptedEngine: a test double of `actors.engine.AsyncEngine` that emits fixed texts.
+"""ScriptedEngine: a test double of `actors.engine.AsyncEngine` that emits fixed texts; StreamedEngine (its deltas
+through a real RequestStream), ChunkedEngine (several tokens a delta), RecordingTemplate (a chat template double
+that keeps its input) and `hermes_call` (tool-call markup to script).
 
 It has the engine's interface (add_request validation, RequestStream deltas with counts and logprobs, abort,
 is_healthy) and a byte-level tokenizer, so multi-byte characters span several tokens as with real BPE models.
@@ -205,3 +207,55 @@ class StreamedEngine(ScriptedEngine):
         self._feeders.add(task)
         task.add_done_callback(self._feeders.discard)
         return stream
+
+
+def hermes_call(name: str, arguments: str) -> str:
+    """A tool call as Hermes-format models write it (`voltserve.parsers.hermes`)."""
+    return f'<tool_call>\n{{"name": "{name}", "arguments": {arguments}}}\n</tool_call>'
+
+
+class ChunkedStream:
+    """A ScriptedStream whose deltas come `size` tokens at a time (as several tokens a step do, or a consumer
+    that fell behind); everything else is the wrapped stream's."""
+
+    def __init__(self, inner, size: int):
+        self._inner, self._size = inner, size
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+    async def _run(self):
+        group: list[RequestOutput] = []
+        async for out in self._inner:
+            group.append(out)
+            if len(group) == self._size or out.finish_reason is not None:
+                last = group[-1]
+                yield RequestOutput(last.request_id, last.index, [t for o in group for t in o.token_ids],
+                                    "".join(o.text for o in group), None, last.finish_reason, last.stop_reason,
+                                    last.num_prompt_tokens, last.num_cached_tokens, last.num_output_tokens)
+                group = []
+
+    def __aiter__(self):
+        return self._run()
+
+
+class ChunkedEngine(ScriptedEngine):
+    def __init__(self, *args, size: int = 64, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.size = size
+
+    def add_request(self, prompt_token_ids, params, request_id=None):
+        return ChunkedStream(super().add_request(prompt_token_ids, params, request_id), self.size)
+
+
+class RecordingTemplate:
+    """A chat template double that keeps what it was given."""
+
+    source = ""
+
+    def __init__(self):
+        self.calls = []
+
+    def render(self, messages, add_generation_prompt=True, tools=None, **kwargs) -> str:
+        self.calls.append((messages, tools))
+        return "prompt"

@@ -1,6 +1,6 @@
 """Anthropic Messages (`/v1/messages`, `/v1/messages/count_tokens`) over the ScriptedEngine: exact JSON and SSE
 bytes, stop reasons, prefill, usage with the prefix cache, Anthropic-shaped errors, keep-alive (case S1), the text
-part of case A4 (the event sequence; tool blocks are not built yet), disconnects and engine death mid-stream."""
+part of case A4 (the event sequence), disconnects and engine death mid-stream. Tools: test_messages_tools.py."""
 
 from __future__ import annotations
 
@@ -224,11 +224,37 @@ BAD_INPUTS = [
      "invalid value for 'messages.0.role': Input should be 'user' or 'assistant'"),
     (body(messages=[{"role": "user", "content": [{"type": "image", "source": {}}]}]), 400, BAD,
      "content block type 'image' is not supported: the served model accepts text only"),
-    (body(messages=[{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t"}]}]), 400, BAD,
-     "content block type 'tool_result' is not supported yet"),
+    (body(messages=[{"role": "user", "content": [{"type": "tool_result", "content": "3"}]}]), 400, BAD,
+     "a tool_result block needs 'tool_use_id'"),
+    (body(messages=[{"role": "user", "content": [{"type": "tool_use", "id": "t", "name": "f", "input": {}}]}]), 400,
+     BAD, "a tool_use block belongs in an assistant message"),
+    (body(messages=[{"role": "user", "content": "Hi"}, {"role": "assistant", "content": [
+        {"type": "tool_result", "tool_use_id": "t"}]}]), 400, BAD, "a tool_result block belongs in a user message"),
+    (body(messages=[{"role": "user", "content": "Hi"}, {"role": "assistant", "content": [
+        {"type": "tool_use", "id": "t", "name": "f"}]}, {"role": "user", "content": "x"}]), 400, BAD,
+     "a tool_use block needs 'input'"),
+    (body(messages=[{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "content": [
+        {"type": "image", "source": {}}]}]}]), 400, BAD,
+     "content block type 'image' is not supported: the served model accepts text only"),
+    (body(messages=[{"role": "user", "content": [{"type": "web_search_tool_result", "tool_use_id": "t",
+                                                  "content": {"type": "web_search_tool_result_error"}}]}]), 400, BAD,
+     "content block type 'web_search_tool_result' is not supported yet"),
+    (body(system=[{"type": "tool_use", "id": "t", "name": "f", "input": {}}]), 400, BAD,
+     "content block type 'tool_use' is not supported here"),
+    (body(messages=[{"role": "user", "content": "Hi"}, {"role": "assistant", "content": [
+        {"type": "tool_use", "id": "t", "name": "f", "input": {}}]}]), 400, BAD,
+     "a final assistant message (a prefill) cannot hold tool_use blocks: its tool_result must follow in a user "
+     "message"),
     (body(messages=[{"role": "user", "content": [{"type": "text"}]}]), 400, BAD, "a text block needs 'text'"),
-    (body(tools=[{"name": "f", "input_schema": {"type": "object"}}]), 400, BAD, "tools are not supported yet"),
-    (body(tool_choice={"type": "any"}), 400, BAD, "tool_choice needs tools, which are not supported yet"),
+    (body(tools=[{"type": "web_search_20250305", "name": "web_search", "max_uses": 5}]), 400, BAD,
+     "tool type 'web_search_20250305' is not supported: only client tools (name, description, input_schema) are"),
+    (body(tools=[{"name": "f"}]), 400, BAD, "missing required field 'tools.0.input_schema'"),
+    (body(tools=[{"input_schema": {"type": "object"}}]), 400, BAD, "missing required field 'tools.0.name'"),
+    (body(tool_choice={"type": "any"}), 400, BAD, "tool_choice 'any' is not supported yet: only 'auto' and 'none' are"),
+    (body(tools=[{"name": "f", "input_schema": {"type": "object"}}], tool_choice={"type": "tool", "name": "f"}), 400,
+     BAD, "tool_choice 'tool' is not supported yet: only 'auto' and 'none' are"),
+    (body(tool_choice={"type": "sometimes"}), 400, BAD,
+     "invalid value for 'tool_choice.type': Input should be 'auto', 'any', 'tool' or 'none'"),
     (body(thinking={"type": "enabled", "budget_tokens": 1024}), 400, BAD,
      "extended thinking is not supported by the served model"),
     (body(output_config={"format": {"type": "json_schema", "schema": {}}}), 400, BAD,

@@ -14,6 +14,7 @@ from pydantic import TypeAdapter
 from tests.api.conftest import MODEL, chat_body, leave_mid_stream, stream_until_engine_dies
 from tests.api.fake_engine import ScriptedEngine, StreamedEngine
 from tests.api.test_metrics import _m, _scrape
+from tests.api.fake_engine import hermes_call as call
 
 from api import sse
 from api.openai.responses_protocol import OutputTextDeltaEvent
@@ -79,32 +80,39 @@ async def test_non_stream_exact_json(serve):
     assert SdkResponse.model_validate(orjson.loads(data)).output_text == "Hé"
 
 
+def opening_events(started: dict) -> list[bytes]:
+    """response.created and response.in_progress, numbered 0 and 1, carrying the response object `started`."""
+    return [event(name, {"type": name, "sequence_number": k, "response": started})
+            for k, name in enumerate(("response.created", "response.in_progress"))]
+
+
+def message_events(deltas: list[str], first: int) -> list[bytes]:
+    """The events of message item "msg_0" (output 0) whose text comes as `deltas`, numbered from `first`: added,
+    its part added, the deltas, the text, its part and the item done (completed)."""
+    text = "".join(deltas)
+    head = {"item_id": "msg_0", "output_index": 0, "content_index": 0}
+    part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+    payloads = [
+        ("response.output_item.added", {"output_index": 0, "item": message(None, "in_progress")}),
+        ("response.content_part.added", {**head, "part": {**part, "text": ""}}),
+        *(("response.output_text.delta", {**head, "delta": delta, "logprobs": []}) for delta in deltas),
+        ("response.output_text.done", {**head, "text": text, "logprobs": []}),
+        ("response.content_part.done", {**head, "part": part}),
+        ("response.output_item.done", {"output_index": 0, "item": message(text, "completed")}),
+    ]
+    return [event(name, {"type": name, "sequence_number": first + k, **payload})
+            for k, (name, payload) in enumerate(payloads)]
+
+
 async def test_stream_exact_bytes(serve):
     status, data, _ = await post(serve, ScriptedEngine(scripts=["Hé"]), body(stream=True))
     assert status == 200
-    started = response_object("in_progress", [], None)
-    head = {"item_id": "msg_0", "output_index": 0, "content_index": 0}
-    part = {"type": "output_text", "text": "Hé", "annotations": [], "logprobs": []}
+    done = response_object("completed", [message("Hé", "completed")], usage(21, 4))
     expected = b"".join([
-        event("response.created", {"type": "response.created", "sequence_number": 0, "response": started}),
-        event("response.in_progress", {"type": "response.in_progress", "sequence_number": 1, "response": started}),
-        event("response.output_item.added", {"type": "response.output_item.added", "sequence_number": 2,
-                                             "output_index": 0, "item": message(None, "in_progress")}),
-        event("response.content_part.added", {"type": "response.content_part.added", "sequence_number": 3, **head,
-                                              "part": {**part, "text": ""}}),
+        *opening_events(response_object("in_progress", [], None)),
         # "é" is two byte tokens: the first delta has no text and makes no event
-        event("response.output_text.delta", {"type": "response.output_text.delta", "sequence_number": 4, **head,
-                                             "delta": "H", "logprobs": []}),
-        event("response.output_text.delta", {"type": "response.output_text.delta", "sequence_number": 5, **head,
-                                             "delta": "é", "logprobs": []}),
-        event("response.output_text.done", {"type": "response.output_text.done", "sequence_number": 6, **head,
-                                            "text": "Hé", "logprobs": []}),
-        event("response.content_part.done", {"type": "response.content_part.done", "sequence_number": 7, **head,
-                                             "part": part}),
-        event("response.output_item.done", {"type": "response.output_item.done", "sequence_number": 8,
-                                            "output_index": 0, "item": message("Hé", "completed")}),
-        event("response.completed", {"type": "response.completed", "sequence_number": 9, "response": response_object(
-            "completed", [message("Hé", "completed")], usage(21, 4))}),
+        *message_events(["H", "é"], 2),
+        event("response.completed", {"type": "response.completed", "sequence_number": 9, "response": done}),
     ])
     assert data == expected
 
@@ -231,11 +239,21 @@ CASES = [
      "content part type 'input_file' is not supported: the served model accepts text only"),
     ("text_part_without_text", body(input=[{"role": "user", "content": [{"type": "input_text"}]}]), 400,
      "input.0.content.0.text", None, "a content part of type 'input_text' needs 'text'"),
-    ("function_call_output_item", body(input=[{"role": "user", "content": "x"}, {
-        "type": "function_call_output", "call_id": "c1", "output": "42"}]), 400, "input.1", None,
-     "input items of type 'function_call_output' are not supported yet: this server takes text messages only"),
     ("reasoning_item", body(input=[{"type": "reasoning", "id": "rs_1", "summary": []}]), 400, "input.0", None,
-     "input items of type 'reasoning' are not supported yet: this server takes text messages only"),
+     "input items of type 'reasoning' are not supported yet: this server takes messages, function calls and "
+     "function call outputs"),
+    ("function_call_output_without_call_id", body(input=[{"type": "function_call_output", "output": "42"}]), 400,
+     "input.0.call_id", None, "missing required field 'input.0.call_id'"),
+    ("function_call_output_without_output", body(input=[{"type": "function_call_output", "call_id": "c1"}]), 400,
+     "input.0.output", None, "missing required field 'input.0.output'"),
+    ("function_call_output_image_part", body(input=[{"type": "function_call_output", "call_id": "c1", "output": [
+        {"type": "input_image", "image_url": "data:image/png;base64,AAAA"}]}]), 400, "input.0.output.0.type", None,
+     "content part type 'input_image' is not supported: the served model accepts text only"),
+    ("function_call_without_name", body(input=[{"type": "function_call", "call_id": "c1", "arguments": "{}"}]),
+     400, "input.0.name", None, "missing required field 'input.0.name'"),
+    ("function_call_arguments_object", body(input=[{"type": "function_call", "call_id": "c1", "name": "f",
+                                                    "arguments": {}}]), 400, "input.0.arguments", None,
+     "invalid value for 'input.0.arguments': Input should be a valid string"),
     ("max_output_tokens_zero", body(max_output_tokens=0), 400, "max_output_tokens", None,
      "max_output_tokens must be >= 1"),
     ("max_output_tokens_string", body(max_output_tokens="5"), 400, "max_output_tokens", None,
@@ -244,9 +262,22 @@ CASES = [
      "context_length_exceeded", None),
     ("input_above_context", body(input="x" * 300), 400, "input", "context_length_exceeded", None),
     ("temperature_negative", body(temperature=-1), 400, "temperature", None, None),
-    ("tools_non_empty", body(tools=[{"type": "function", "name": "f", "parameters": {}}]), 400, "tools", None,
-     "tools are not supported yet"),
+    ("web_search_tool", body(tools=[{"type": "function", "name": "f"}, {"type": "web_search"}]), 400,
+     "tools.1.type", None, "tools of type 'web_search' are not supported yet: this server serves function tools only"),
+    ("mcp_tool", body(tools=[{"type": "mcp", "server_label": "s", "server_url": "https://x"}]), 400, "tools.0.type",
+     None, "tools of type 'mcp' are not supported yet: this server serves function tools only"),
+    ("tool_without_type", body(tools=[{"name": "f"}]), 400, "tools.0.type", None,
+     "missing required field 'tools.0.type'"),
+    ("function_tool_without_name", body(tools=[{"type": "function", "parameters": {}}]), 400, "tools.0.name", None,
+     "missing required field 'tools.0.name'"),
+    ("function_tool_parameters_not_object", body(tools=[{"type": "function", "name": "f", "parameters": "x"}]), 400,
+     "tools.0.parameters", None, "invalid value for 'tools.0.parameters': Input should be an object"),
     ("tool_choice_required", body(tool_choice="required"), 400, "tool_choice", None,
+     "tool_choice other than 'auto' or 'none' is not supported yet"),
+    ("tool_choice_required_with_tools", body(tool_choice="required", tools=[{"type": "function", "name": "f"}]),
+     400, "tool_choice", None, "tool_choice other than 'auto' or 'none' is not supported yet"),
+    ("tool_choice_named_function", body(tool_choice={"type": "function", "name": "f"},
+                                        tools=[{"type": "function", "name": "f"}]), 400, "tool_choice", None,
      "tool_choice other than 'auto' or 'none' is not supported yet"),
     ("parallel_tool_calls_string", body(parallel_tool_calls="yes"), 400, "parallel_tool_calls", None,
      "invalid value for 'parallel_tool_calls': Input should be a valid boolean"),
@@ -348,25 +379,55 @@ async def test_engine_error_mid_stream_is_an_error_then_a_failed_response(serve)
 TRICKY = 'a"b\\c\n\t\x01é€😀</script>\u2028'  # quotes, escapes, control bytes, 2-4 byte UTF-8, U+2028
 
 
-async def test_events_match_models_and_the_sdk(serve):
-    """Each delta event assembled from bytes is exactly our model's rendering; every event (and the non-streamed
-    object) validates against the `openai` SDK's typed models; sequence numbers count from 0."""
-    sdk_event = TypeAdapter(ResponseStreamEvent)
-    for json in (body(stream=True), body(stream=True, max_output_tokens=9)):
-        _, data, _ = await post(serve, ScriptedEngine(scripts=[TRICKY]), json)
-        events = events_of(data)
-        assert [e["sequence_number"] for _, e in events] == list(range(len(events)))
-        deltas = []
-        for (name, payload), frame in zip(events, data.split(b"\n\n")):
-            parsed = sdk_event.validate_python(payload)
-            assert parsed.type == name
-            if name == "response.output_text.delta":
-                deltas.append(parsed.delta)
-                assert frame + b"\n\n" == sse.typed_frame(name, OutputTextDeltaEvent.model_validate(payload))
-        final = SdkResponse.model_validate(events[-1][1]["response"])
-        assert "".join(deltas) == final.output_text == (TRICKY if final.status == "completed" else TRICKY[:8])
-    _, data, _ = await post(serve, ScriptedEngine(scripts=[TRICKY]), body())
-    assert SdkResponse.model_validate(orjson.loads(data)).output_text == TRICKY
+def sdk_checked(data: bytes) -> tuple[list[tuple[str, dict]], SdkResponse]:
+    """The events of a Responses stream, after checking them: sequence numbers count from 0, every event validates
+    against the `openai` SDK's typed models, each delta event assembled from bytes is exactly our model's
+    rendering, and the text deltas join to the final response's text.
+
+    Returns:
+        (the events, the final response as the SDK reads it).
+    """
+    events = events_of(data)
+    assert [e["sequence_number"] for _, e in events] == list(range(len(events)))
+    deltas = []
+    for (name, payload), frame in zip(events, data.split(b"\n\n")):
+        parsed = SDK_EVENT.validate_python(payload)
+        assert parsed.type == name
+        if name == "response.output_text.delta":
+            deltas.append(parsed.delta)
+            assert frame + b"\n\n" == sse.typed_frame(name, OutputTextDeltaEvent.model_validate(payload))
+    final = SdkResponse.model_validate(events[-1][1]["response"])
+    assert "".join(deltas) == final.output_text
+    return events, final
+
+
+SDK_EVENT = TypeAdapter(ResponseStreamEvent)
+FUNCTION_TOOLS = [{"type": "function", "name": "get_weather", "description": "The weather in a city.",
+                   "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}, "strict": False},
+                  {"type": "function", "name": "now"}]
+# (script, extra request fields, server config, the final output text, the output items' types)
+SDK_CASES = [
+    (TRICKY, {}, {}, TRICKY, ["message"]),
+    (TRICKY, {"max_output_tokens": 9}, {}, TRICKY[:8], ["message"]),
+    # text, a call, text, a call: the whitespace before each call (U+2028) is dropped
+    (TRICKY + call("get_weather", '{"city": "Paris"}') + TRICKY + call("now", "{}"),
+     {"tools": FUNCTION_TOOLS}, {"tool_call_parser": "hermes"}, TRICKY[:-1] * 2,
+     ["message", "function_call", "message", "function_call"]),
+]
+
+
+@pytest.mark.parametrize("case", SDK_CASES, ids=["text", "max_output_tokens", "tools"])
+async def test_events_match_models_and_the_sdk(serve, case):
+    """`sdk_checked`'s checks on each stream; the non-streamed object, which the SDK reads too, equals the final
+    streamed one."""
+    script, extra, config, text, types = case
+    async with serve(ScriptedEngine(scripts=[script], max_model_len=4096), **config) as (client, _):
+        data = await (await client.post(URL, json=body(stream=True, **extra))).get_data()
+        whole = orjson.loads(await (await client.post(URL, json=body(**extra))).get_data())
+    events, final = sdk_checked(data)
+    assert final.output_text == text and [item.type for item in final.output] == types
+    assert SdkResponse.model_validate(whole).output_text == text
+    assert whole == events[-1][1]["response"]
 
 
 async def test_metrics_count_responses(serve):

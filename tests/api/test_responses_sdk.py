@@ -1,5 +1,6 @@
 """POST /v1/responses on the default model behind a real hypercorn (`server_url`), driven by the `openai` SDK's
-`responses.create` (slow): a greedy answer, and a stream whose events come in the documented order."""
+`responses.create` (slow): a greedy answer, a stream whose events come in the documented order, and function
+tools with an earlier call and its output as input items."""
 
 from __future__ import annotations
 
@@ -39,3 +40,17 @@ def test_responses_stream_events_in_order(client):
     completed = events[-1].response
     assert "".join(deltas) == completed.output_text == events[-4].text
     assert "Paris" in completed.output_text and completed.usage.input_tokens > 0
+
+
+def test_responses_with_function_tools_and_call_items(client):
+    """Function tools, and an earlier call with its output as input items, as the SDK sends them: accepted, and
+    the tools echoed as the SDK's FunctionTool."""
+    tool = {"type": "function", "name": "get_weather", "description": "The weather in a city.", "strict": True,
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
+                           "additionalProperties": False}}
+    response = client.responses.create(model=REAL_MODEL, temperature=0, max_output_tokens=10, tools=[tool], input=[
+        {"role": "user", "content": "Weather in Paris?"},
+        {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city": "Paris"}'},
+        {"type": "function_call_output", "call_id": "call_1", "output": "18C and sunny"}])
+    assert response.status in ("completed", "incomplete") and response.output
+    assert [(t.type, t.name) for t in response.tools] == [("function", "get_weather")]

@@ -12,53 +12,14 @@ import pytest
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
 from tests.api.conftest import chat_body
-from tests.api.fake_engine import ScriptedEngine
-from voltserve.request import RequestOutput
+from tests.api.fake_engine import ChunkedEngine, RecordingTemplate, ScriptedEngine, hermes_call as call
 
 URL = "/v1/chat/completions"
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}}}}]
 
 
-def call(name: str, arguments: str) -> str:
-    return f'<tool_call>\n{{"name": "{name}", "arguments": {arguments}}}\n</tool_call>'
-
-
 PARIS = call("get_weather", '{"city": "Paris"}')
-
-
-class ChunkedStream:
-    """A ScriptedStream whose deltas come `size` tokens at a time (as several tokens a step do, or a consumer
-    that fell behind); everything else is the wrapped stream's."""
-
-    def __init__(self, inner, size: int):
-        self._inner, self._size = inner, size
-
-    def __getattr__(self, name):
-        return getattr(self._inner, name)
-
-    async def _run(self):
-        group: list[RequestOutput] = []
-        async for out in self._inner:
-            group.append(out)
-            if len(group) == self._size or out.finish_reason is not None:
-                last = group[-1]
-                yield RequestOutput(last.request_id, last.index, [t for o in group for t in o.token_ids],
-                                    "".join(o.text for o in group), None, last.finish_reason, last.stop_reason,
-                                    last.num_prompt_tokens, last.num_cached_tokens, last.num_output_tokens)
-                group = []
-
-    def __aiter__(self):
-        return self._run()
-
-
-class ChunkedEngine(ScriptedEngine):
-    def __init__(self, *args, size: int = 64, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.size = size
-
-    def add_request(self, prompt_token_ids, params, request_id=None):
-        return ChunkedStream(super().add_request(prompt_token_ids, params, request_id), self.size)
 
 
 async def _both(serve, script: str, engine_cls=ScriptedEngine, parser: str = "hermes", **extra):
@@ -184,19 +145,6 @@ async def test_n2_each_choice_has_its_own_calls(serve):
     assert [c["message"]["tool_calls"][0]["id"] for c in whole["choices"]] == ["call_0_0_0", "call_0_1_0"]
     streamed = [tc["id"] for c in chunks for tc in (c["choices"][0]["delta"].get("tool_calls") or [])]
     assert sorted(streamed) == ["call_0_0_0", "call_0_1_0"]
-
-
-class RecordingTemplate:
-    """A chat template double that keeps what it was given."""
-
-    source = ""
-
-    def __init__(self):
-        self.calls = []
-
-    def render(self, messages, add_generation_prompt=True, tools=None, **kwargs) -> str:
-        self.calls.append((messages, tools))
-        return "prompt"
 
 
 async def test_earlier_calls_reach_the_template_with_object_arguments(serve):

@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from voltserve.parsers.hermes import HermesToolParser, ToolCall, parse_tool_calls
+from voltserve.parsers.hermes import HermesToolParser, ToolCall, parse_pieces, parse_tool_calls
 from voltserve.parsers.tool_json import decode_object_prefix, quote_non_finite
 
 WEATHER = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
@@ -109,3 +109,12 @@ def test_decode_object_prefix_waits_for_the_close_and_refuses_non_objects():
         decode_object_prefix('["a"]')
     with pytest.raises(ValueError):
         decode_object_prefix('{"a": }')
+
+
+def test_pieces_keep_the_model_order():
+    text = "Checking." + WEATHER + " then " + WEATHER.replace("Paris", "Rome") + "\n"
+    paris, rome = ToolCall("get_weather", '{"city": "Paris"}'), ToolCall("get_weather", '{"city": "Rome"}')
+    assert parse_pieces(text) == ["Checking.", paris, " then", rome]
+    parser = HermesToolParser()  # one delta holding text on both sides of a call keeps them apart
+    assert parser.pieces("a" + WEATHER + "b") == ["a", paris, "b"]
+    assert parser.finish_pieces() == []

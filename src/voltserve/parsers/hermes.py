@@ -63,7 +63,9 @@ class HermesToolParser:
     """Streaming splitter of one sequence's output into content and tool calls.
 
     Use `feed(delta)` for each text delta and `finish()` once at the end; each returns (content to send now,
-    calls completed now). `calls` lists every call so far.
+    calls completed now). `pieces(delta)` / `finish_pieces()` give the same output in the order the model wrote
+    it (content strings and ToolCalls interleaved), for APIs whose output keeps that order (Anthropic's content
+    blocks, the Responses API's output items). `calls` lists every call so far.
     """
 
     def __init__(self) -> None:
@@ -72,7 +74,7 @@ class HermesToolParser:
         self._in_call = False
         self._held_space = ""
 
-    def _content(self, text: str, out: list[str]) -> None:
+    def _content(self, text: str, out: list) -> None:
         pending = self._held_space + text
         body = pending.rstrip()
         if body:
@@ -85,9 +87,16 @@ class HermesToolParser:
         Returns:
             (content that can be sent now, possibly ""; calls completed by this delta).
         """
+        return _split(self.pieces(text))
+
+    def pieces(self, text: str) -> list[str | ToolCall]:
+        """Take the next text delta.
+
+        Returns:
+            What can be sent now, in the model's order: content strings (never two in a row, never "") and calls.
+        """
         self._buffer += text
-        out: list[str] = []
-        done: list[ToolCall] = []
+        out: list[str | ToolCall] = []
         while self._buffer:
             if not self._in_call:
                 at = self._buffer.find(OPEN)
@@ -110,8 +119,8 @@ class HermesToolParser:
             self._held_space = ""  # whitespace before a call is dropped
             self._buffer = rest
             self.calls.append(call)
-            done.append(call)
-        return "".join(out), done
+            out.append(call)
+        return _merged(out)
 
     def _read_call(self) -> tuple[ToolCall | None, str] | None:
         """The call whose body `_buffer` begins with: (call, text after `</tool_call>`), (None, _) when it is
@@ -138,7 +147,11 @@ class HermesToolParser:
         Returns:
             (the last content, possibly ""; no calls).
         """
-        out: list[str] = []
+        return _split(self.finish_pieces())
+
+    def finish_pieces(self) -> list[str]:
+        """`finish` as `pieces`: the last content as one string, or nothing."""
+        out: list[str | ToolCall] = []
         rest = (OPEN if self._in_call else "") + self._buffer
         self._buffer, self._in_call = "", False
         if rest:
@@ -146,7 +159,32 @@ class HermesToolParser:
         if not self.calls:
             out.append(self._held_space)
         self._held_space = ""
-        return "".join(out), []
+        return _merged(out)
+
+
+def _merged(pieces: list[str | ToolCall]) -> list[str | ToolCall]:
+    """`pieces` with adjacent strings joined and empty ones dropped."""
+    merged: list[str | ToolCall] = []
+    for piece in pieces:
+        if isinstance(piece, str):
+            if not piece:
+                continue
+            if merged and isinstance(merged[-1], str):
+                merged[-1] += piece
+                continue
+        merged.append(piece)
+    return merged
+
+
+def _split(pieces: list[str | ToolCall]) -> tuple[str, list[ToolCall]]:
+    """(all content joined, the calls) of ordered pieces."""
+    return ("".join(p for p in pieces if isinstance(p, str)), [p for p in pieces if isinstance(p, ToolCall)])
+
+
+def parse_pieces(text: str) -> list[str | ToolCall]:
+    """A whole output text as ordered pieces (content strings and calls; the stream's rules: `HermesToolParser`)."""
+    parser = HermesToolParser()
+    return _merged(parser.pieces(text) + parser.finish_pieces())
 
 
 def parse_tool_calls(text: str) -> tuple[str, list[ToolCall]]:
@@ -155,7 +193,4 @@ def parse_tool_calls(text: str) -> tuple[str, list[ToolCall]]:
     Returns:
         (content, possibly ""; calls in order).
     """
-    parser = HermesToolParser()
-    content, _ = parser.feed(text)
-    last, _ = parser.finish()
-    return content + last, parser.calls
+    return _split(parse_pieces(text))

@@ -136,7 +136,9 @@ def build_runner(config: EngineConfig, loaded=None, spare_cores: int = 0) -> Bui
         graphs.capture()
     tokenizer = loaded.tokenizer
     eos = tuple(cfg.eos_token_ids) or tuple(tokenizer.eos_token_ids)
-    source = pathlib.Path(config.chat_template).read_text() if config.chat_template else loaded.chat_template
+    source = loaded.chat_template
+    if config.chat_template:  # --chat-template FILE replaces the model's own
+        source = pathlib.Path(config.chat_template).read_text(encoding="utf-8")
     template = ChatTemplate(source, bos_token=tokenizer.bos_token, eos_token=tokenizer.eos_token)
     runner = ModelRunner(model, backend, kv_cache, eos, graphs=graphs)
     if device == "cuda" and config.gpu_busy_log_interval > 0:

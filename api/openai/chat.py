@@ -32,7 +32,7 @@ def _params(req: ChatCompletionRequest) -> SamplingParams:
     if top and not req.logprobs:
         raise InvalidRequestError("top_logprobs needs logprobs set to true", param="top_logprobs")
     forced = req.tool_choice not in (None, "auto", "none")
-    if forced and req.tools:  # "required" or a named tool needs a grammar, which is not built yet
+    if forced:  # "required" or a named tool needs a grammar, which is not built yet
         raise InvalidRequestError("tool_choice other than 'auto' or 'none' is not supported yet",
                                   param="tool_choice")
     if req.response_format and req.response_format.get("type", "text") != "text":
@@ -85,6 +85,8 @@ async def chat_completions():
         message, finish = AssistantMessage(content=seq.text), seq.finish_reason
         if new_parser is not None:
             content, calls = parse_tool_calls(seq.text)
+            if req.parallel_tool_calls is False:
+                calls = calls[:1]
             if calls:
                 message = AssistantMessage(content=content or None, tool_calls=[
                     ToolCallOut(id=call_id("call_", response_id, i, k), function=FunctionCall(**vars(call)))
@@ -115,16 +117,19 @@ def _stream_events(engine, stream, req, params, response_id, created, include_us
     content_tail = b'},"logprobs":null,"finish_reason":null}' + tail
 
     parsers = {}
+    max_calls = 1 if req.parallel_tool_calls is False else 1 << 30
 
     def tool_chunk(out, held_logprobs: list[TokenLogprob]) -> bytes:
         parser = parsers.get(out.index) or parsers.setdefault(out.index, new_parser())
-        before = len(parser.calls)
+        before = min(len(parser.calls), max_calls)
         content, calls = parser.feed(out.text)
         finish = out.finish_reason.value if out.finish_reason is not None else None
         if finish is not None:
-            content += parser.finish()[0]
+            last, last_calls = parser.finish()
+            content, calls = content + last, calls + last_calls
             if parser.calls and finish == "stop":
                 finish = "tool_calls"
+        calls = calls[:max(0, max_calls - before)]  # parallel_tool_calls false: the first call only
         if not content and not calls and finish is None:
             return b""  # nothing that can be sent yet (held markup or whitespace)
         delta = DeltaMessage(content=content or None, tool_calls=[

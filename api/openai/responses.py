@@ -319,9 +319,8 @@ class ResponseEvents:
         end = _outcome(finish_reason)
         frames = []
         if self._parser is not None:
-            content = self._parser.finish()[0]
-            if content:
-                frames += self._content(content)
+            for piece in self._parser.finish_pieces():  # the last text, or a call the output ended in
+                frames += self._content(piece) if isinstance(piece, str) else self._call(piece)
             if self._open is None and not self._items:
                 frames += self._open_message()
         if self._open is not None:

@@ -13,6 +13,9 @@ from collections.abc import Iterable
 import tokenizers
 from tokenizers import decoders
 
+# Special tokens kept in the text all the same: the markup the tool-call parser reads (voltserve.parsers.hermes).
+KEPT_MARKERS = frozenset({"<tool_call>", "</tool_call>"})
+
 
 @functools.cache
 def _byte_decoder() -> dict[str, int]:
@@ -73,6 +76,7 @@ class Tokenizer:
         added = backend.get_added_tokens_decoder()
         self._added_ids = frozenset(added)
         self.special_ids: frozenset[int] = frozenset(i for i, t in added.items() if t.special)
+        self._kept_markers = {i: t.content for i, t in added.items() if t.special and t.content in KEPT_MARKERS}
         specials = [t for t in added.values() if t.special and t.content]
         # special tokens match raw text unless `normalized` (then after the normalizer): a substring test of
         # their contents is a sound first check only in the first case
@@ -123,9 +127,19 @@ class Tokenizer:
 
         Args:
             ids: token ids.
-            skip_special_tokens: drop special (control) tokens from the text.
+            skip_special_tokens: drop special (control) tokens from the text, but for KEPT_MARKERS.
         """
-        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        ids = list(ids)
+        if not (skip_special_tokens and self._kept_markers and any(i in self._kept_markers for i in ids)):
+            return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+        # decoded around the markers (a whole token each: no UTF-8 character spans one)
+        parts, start = [], 0
+        for k, i in enumerate(ids):
+            if i in self._kept_markers:
+                parts += [self._tok.decode(ids[start:k], skip_special_tokens=True), self._kept_markers[i]]
+                start = k + 1
+        parts.append(self._tok.decode(ids[start:], skip_special_tokens=True))
+        return "".join(parts)
 
     def id_to_token(self, i: int) -> str:
         """The raw token string (byte-level alphabet for BPE tokens); '' for an id the tokenizer lacks."""
@@ -152,7 +166,8 @@ class Tokenizer:
         then cached.
 
         Args:
-            skip_special_tokens: special tokens map to b"" (as `decode` drops them) instead of their content.
+            skip_special_tokens: special tokens map to b"" (as `decode` drops them) instead of their content, but
+                for KEPT_MARKERS: some models mark `<tool_call>` special, and the tool-call parser reads it.
 
         Returns:
             [max(vocab_size, highest known id + 1)] bytes, b"" for ids the tokenizer does not know; or None.
@@ -170,7 +185,7 @@ class Tokenizer:
         id_to_text = {i: t for t, i in self._tok.get_vocab(with_added_tokens=False).items()}
         added = self._tok.get_added_tokens_decoder()
         id_to_text.update((i, t.content) for i, t in added.items())
-        special = {t.content for t in added.values() if t.special} if skip_special_tokens else set()
+        special = {t.content for t in added.values() if t.special} - KEPT_MARKERS if skip_special_tokens else set()
         alphabet = _byte_decoder()
         table = [b""] * max(self.vocab_size, max(id_to_text, default=-1) + 1)
         for i, text in id_to_text.items():

@@ -240,7 +240,10 @@ class ChunkedStream:
 
 
 class ChunkedEngine(ScriptedEngine):
-    def __init__(self, *args, size: int = 64, **kwargs):
+    """A ScriptedEngine whose deltas hold `size` tokens (by default the whole output: every tool call of a script
+    arrives complete in one delta, cases T8 and T12)."""
+
+    def __init__(self, *args, size: int = 4096, **kwargs):
         super().__init__(*args, **kwargs)
         self.size = size
 

@@ -163,3 +163,19 @@ async def test_earlier_calls_reach_the_template_with_object_arguments(serve):
     assert tools == TOOLS
     assert [c["function"]["arguments"] for c in rendered[1]["tool_calls"]] == [{"a": [1, 2]}, "not json"]
     assert rendered[2] == {"role": "tool", "content": "3", "tool_call_id": "c1"}
+
+
+async def test_parallel_tool_calls_false_keeps_the_first_call(serve):
+    script = PARIS + call("now", "{}")
+    for engine_cls in (ScriptedEngine, ChunkedEngine):
+        whole, chunks = await _both(serve, script, engine_cls=engine_cls, parallel_tool_calls=False)
+        assert [tc["function"]["name"] for tc in whole["choices"][0]["message"]["tool_calls"]] == ["get_weather"]
+        assert [tc["function"]["name"] for tc in _joined(chunks)[1]] == ["get_weather"]
+
+
+@pytest.mark.parametrize("tools", [None, [], TOOLS])
+async def test_forced_tool_choice_is_refused_until_grammars_exist(serve, tools):
+    async with serve() as (client, _):
+        response = await client.post(URL, json=chat_body(tools=tools, tool_choice="required"))
+    assert response.status_code == 400
+    assert orjson.loads(await response.get_data())["error"]["param"] == "tool_choice"

@@ -117,6 +117,19 @@ def test_added_token_rules():
     assert [tok.decode([i], skip_special_tokens=False) for i in (256, 257, 259, 260)] == ["  ", "<x y>", "a b", "a b"]
 
 
+def test_tool_call_markers_stay_in_the_text_when_special():
+    """Some models mark `<tool_call>` special: the text keeps it anyway (the tool-call parser reads it), by table
+    and by `decode`, while other special tokens are skipped."""
+    backend = _odd_tokenizer()._tok
+    backend.add_special_tokens([AddedToken("<tool_call>", special=True), AddedToken("</tool_call>", special=True)])
+    tok = Tokenizer(backend, bos_token_id=None, eos_token_ids=[258], vocab_size=300)
+    opened, closed = (backend.token_to_id(t) for t in ("<tool_call>", "</tool_call>"))
+    ids = [opened] + tok.encode("{}", add_special_tokens=False) + [closed, 257, 258] + tok.encode("ok")
+    assert tok.decode(ids) == "<tool_call>{}</tool_call>ok"
+    assert b"".join(tok.byte_table(True)[i] for i in ids) == b"<tool_call>{}</tool_call>ok"
+    assert tok.decode(ids, skip_special_tokens=False) == "<tool_call>{}</tool_call><x y><|eos|>ok"
+
+
 def test_other_decoders_have_no_table():
     backend = tokenizers.Tokenizer(models.BPE(vocab={"a": 0, "▁": 1}, merges=[]))
     backend.decoder = decoders.Metaspace()

@@ -10,7 +10,7 @@ import random
 import pytest
 
 from voltserve.parsers.hermes import HermesToolParser, ToolCall, parse_pieces, parse_tool_calls
-from voltserve.parsers.tool_json import decode_object_prefix, quote_non_finite
+from voltserve.parsers.tool_json import MAX_DEPTH, ObjectScanner, decode_object_prefix, quote_non_finite
 
 WEATHER = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 TEXTS = [
@@ -118,3 +118,29 @@ def test_pieces_keep_the_model_order():
     parser = HermesToolParser()  # one delta holding text on both sides of a call keeps them apart
     assert parser.pieces("a" + WEATHER + "b") == ["a", paris, "b"]
     assert parser.finish_pieces() == []
+
+
+def test_bodies_a_client_cannot_be_sent_are_content():
+    """A lone surrogate escape (UTF-8 cannot carry it) or nesting deeper than MAX_DEPTH: not a call."""
+    for body in ('{"name": "f", "arguments": {"s": "\\ud800"}}', '{"name": "\\udfff"}',
+                 '{"name": "f", "arguments": {"a": ' + "[" * MAX_DEPTH + "]" * MAX_DEPTH + "}}"):
+        text = f"<tool_call>{body}</tool_call> ok"
+        assert parse_tool_calls(text) == (text, [])
+    nested = "[" * (MAX_DEPTH - 2) + "]" * (MAX_DEPTH - 2)  # within the limit: a call
+    assert parse_tool_calls(f'<tool_call>{{"name": "f", "arguments": {{"a": {nested}}}}}</tool_call>')[1]
+
+
+def test_a_closed_body_at_the_end_of_the_output_is_a_call():
+    """The output may end (EOS) after the body, before `</tool_call>` or in the middle of it."""
+    for end in ("", "\n", "\n</tool_"):
+        assert parse_tool_calls('<tool_call>{"name": "f"}' + end) == ("", [ToolCall("f", "{}")])
+
+
+def test_object_scanner_keeps_its_place_across_pieces():
+    text = '{"s": "a \\" } \\\\", "n": [1, {"x": "]"}]} tail'
+    scanner = ObjectScanner()
+    ends = [scanner.scan(ch) for ch in text]
+    assert ends.index(1) == text.index("} tail") and ends[:ends.index(1)] == [None] * text.index("} tail")
+    assert ObjectScanner().scan(text) == text.index(" tail")
+    with pytest.raises(ValueError):
+        ObjectScanner().scan("  [1]")

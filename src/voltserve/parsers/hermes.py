@@ -7,16 +7,18 @@ streamed content always equals the non-streamed content. The rules (cases T7, T8
 - a call is emitted whole once its `</tool_call>` arrives: never a truncated `{`, however many calls a delta holds;
 - the body is read as JSON up to its closing brace, so `</tool_call>` inside a string argument does not end it;
 - text that may still become `<tool_call>` (a trailing `<`, `<tool`) is held only until it cannot;
-- whitespace is held while it is all the pending content: it goes out with the next text, is dropped when a call
-  follows, and at the end is sent only if there was no call;
-- markup that does not parse as a call (not a JSON object with a string `name`) is content, as written.
+- whitespace (space, tab, CR, LF) at the end of the content so far is held: it goes out with the next text, is
+  dropped when a call follows, and at the end is sent only if there was no call;
+- markup that does not parse as a call (not a JSON object with a string `name`, a lone surrogate escape, nesting
+  deeper than `tool_json.MAX_DEPTH`) is content, as written; a body that closed when the output ended (no
+  `</tool_call>` yet) is a call.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from voltserve.parsers.tool_json import decode_object_prefix, dumps_arguments
+from voltserve.parsers.tool_json import ObjectScanner, decode_object, dumps_arguments
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 
@@ -34,6 +36,9 @@ class ToolCall:
     arguments: str
 
 
+_WS = " \t\r\n"
+
+
 def _held_prefix_len(text: str, marker: str) -> int:
     """Length of the longest end of `text` that is a proper beginning of `marker` (text that may become it)."""
     for k in range(min(len(marker) - 1, len(text)), 0, -1):
@@ -43,20 +48,32 @@ def _held_prefix_len(text: str, marker: str) -> int:
 
 
 def _as_call(body: object) -> ToolCall | None:
+    """The call a decoded body spells, or None: not an object with a string `name` and object arguments (given
+    as `arguments` or `parameters`, as an object or as JSON text), or text that UTF-8 cannot carry (a lone
+    surrogate escape)."""
     if not isinstance(body, dict) or not isinstance(body.get("name"), str):
         return None
     arguments = body.get("arguments", body.get("parameters", {}))
     if isinstance(arguments, str):  # some models write the arguments as a JSON string
         try:
-            parsed = decode_object_prefix(arguments)
+            arguments = decode_object(arguments)
         except ValueError:
             return None
-        if parsed is None or arguments[parsed[1]:].strip():
-            return None
-        arguments = parsed[0]
     if not isinstance(arguments, dict):
         return None
-    return ToolCall(body["name"], dumps_arguments(arguments))
+    call = ToolCall(body["name"], dumps_arguments(arguments))
+    try:
+        (call.name + call.arguments).encode()
+    except UnicodeEncodeError:
+        return None
+    return call
+
+
+def _call_from(body: str) -> ToolCall | None:
+    try:
+        return _as_call(decode_object(body))
+    except ValueError:
+        return None
 
 
 class HermesToolParser:
@@ -66,20 +83,32 @@ class HermesToolParser:
     calls completed now). `pieces(delta)` / `finish_pieces()` give the same output in the order the model wrote
     it (content strings and ToolCalls interleaved), for APIs whose output keeps that order (Anthropic's content
     blocks, the Responses API's output items). `calls` lists every call so far.
+
+    Each character is looked at a bounded number of times (`ObjectScanner` keeps its place inside a call body),
+    so a long call streamed a token at a time costs its length.
     """
 
     def __init__(self) -> None:
         self.calls: list[ToolCall] = []
-        self._buffer = ""  # unparsed text: a held marker prefix, or a call body being read
-        self._in_call = False
-        self._held_space = ""
+        self._marker = ""  # outside a call: the end of the text, which may still become `<tool_call>`
+        self._body: list[str] | None = None  # inside a call: its body so far
+        self._scanner: ObjectScanner | None = None
+        self._closing: tuple[str, str] | None = None  # (the closed body, the text after it) until `</tool_call>`
+        self._held: list[str] = []  # whitespace not sent yet
 
     def _content(self, text: str, out: list) -> None:
-        pending = self._held_space + text
-        body = pending.rstrip()
-        if body:
-            out.append(body)
-        self._held_space = pending[len(body):]
+        """Content for `out`, its trailing whitespace held (sent with the next text, dropped before a call)."""
+        body = text.rstrip(_WS)
+        if not body:
+            if text:
+                self._held.append(text)
+            return
+        if self._held:
+            out.append("".join(self._held))
+            self._held = []
+        out.append(body)
+        if len(body) < len(text):
+            self._held.append(text[len(body):])
 
     def feed(self, text: str) -> tuple[str, list[ToolCall]]:
         """Take the next text delta.
@@ -95,50 +124,61 @@ class HermesToolParser:
         Returns:
             What can be sent now, in the model's order: content strings (never two in a row, never "") and calls.
         """
-        self._buffer += text
         out: list[str | ToolCall] = []
-        while self._buffer:
-            if not self._in_call:
-                at = self._buffer.find(OPEN)
-                if at < 0:
-                    keep = _held_prefix_len(self._buffer, OPEN)
-                    self._content(self._buffer[:len(self._buffer) - keep], out)
-                    self._buffer = self._buffer[len(self._buffer) - keep:]
-                    break
-                self._content(self._buffer[:at], out)
-                self._buffer, self._in_call = self._buffer[at + len(OPEN):], True
-                continue
-            step = self._read_call()
-            if step is None:  # the body or its closing tag is still coming
-                break
-            call, rest = step
-            self._in_call = False
-            if call is None:  # not a call after all: the markup is content
-                self._content(OPEN, out)
-                continue
-            self._held_space = ""  # whitespace before a call is dropped
-            self._buffer = rest
-            self.calls.append(call)
-            out.append(call)
+        while text:
+            if self._closing is not None:
+                text = self._read_close(text, out)
+            elif self._body is not None:
+                text = self._read_body(text, out)
+            else:
+                text = self._read_content(text, out)
         return _merged(out)
 
-    def _read_call(self) -> tuple[ToolCall | None, str] | None:
-        """The call whose body `_buffer` begins with: (call, text after `</tool_call>`), (None, _) when it is
-        not a call, None while incomplete."""
+    def _read_content(self, text: str, out: list) -> str:
+        text, self._marker = self._marker + text, ""
+        at = text.find(OPEN)
+        if at < 0:
+            keep = _held_prefix_len(text, OPEN)
+            self._content(text[:len(text) - keep], out)
+            self._marker = text[len(text) - keep:]
+            return ""
+        self._content(text[:at], out)
+        self._body, self._scanner = [], ObjectScanner()
+        return text[at + len(OPEN):]
+
+    def _read_body(self, text: str, out: list) -> str:
         try:
-            decoded = decode_object_prefix(self._buffer)
+            end = self._scanner.scan(text)
         except ValueError:
-            return None, self._buffer
-        if decoded is None:
-            return None
-        body, end = decoded
-        tail = self._buffer[end:].lstrip(" \t\r\n")
-        if len(tail) < len(CLOSE):
-            return None if CLOSE.startswith(tail) else (None, self._buffer)
-        if not tail.startswith(CLOSE):
-            return None, self._buffer
-        call = _as_call(body)
-        return call, tail[len(CLOSE):]
+            return self._not_a_call("".join(self._body) + text, out)
+        if end is None:
+            self._body.append(text)
+            return ""
+        self._body.append(text[:end])
+        self._closing, self._body, self._scanner = ("".join(self._body), ""), None, None
+        return text[end:]
+
+    def _read_close(self, text: str, out: list) -> str:
+        body, after = self._closing
+        after += text
+        tail = after.lstrip(_WS)
+        if len(tail) < len(CLOSE) and CLOSE.startswith(tail):
+            self._closing = (body, after)
+            return ""
+        self._closing = None
+        call = _call_from(body) if tail.startswith(CLOSE) else None
+        if call is None:
+            return self._not_a_call(body + after, out)
+        self._held = []  # whitespace before a call is dropped
+        self.calls.append(call)
+        out.append(call)
+        return tail[len(CLOSE):]
+
+    def _not_a_call(self, rest: str, out: list) -> str:
+        """The `<tool_call>` just read opens no call: it is content, and what followed it is read again."""
+        self._body = self._scanner = self._closing = None
+        self._content(OPEN, out)
+        return rest
 
     def finish(self) -> tuple[str, list[ToolCall]]:
         """The end of the output: an unfinished call or held marker text is content, as written; held whitespace
@@ -149,16 +189,27 @@ class HermesToolParser:
         """
         return _split(self.finish_pieces())
 
-    def finish_pieces(self) -> list[str]:
-        """`finish` as `pieces`: the last content as one string, or nothing."""
+    def finish_pieces(self) -> list[str | ToolCall]:
+        """`finish` as `pieces`. A call whose body closed but whose `</tool_call>` never came (the output ended
+        first) is still a call."""
         out: list[str | ToolCall] = []
-        rest = (OPEN if self._in_call else "") + self._buffer
-        self._buffer, self._in_call = "", False
-        if rest:
-            self._content(rest, out)
+        rest = self._marker
+        if self._closing is not None:
+            body, after = self._closing
+            call = _call_from(body)
+            if call is not None:  # only whitespace or the start of `</tool_call>` followed it
+                self._held = []
+                self.calls.append(call)
+                out.append(call)
+            else:
+                rest = OPEN + body + after
+        elif self._body is not None:
+            rest = OPEN + "".join(self._body)
+        self._marker, self._body, self._scanner, self._closing = "", None, None, None
+        self._content(rest, out)
         if not self.calls:
-            out.append(self._held_space)
-        self._held_space = ""
+            out.append("".join(self._held))
+        self._held = []
         return _merged(out)
 
 

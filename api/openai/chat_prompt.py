@@ -141,7 +141,8 @@ def _render_and_encode(engine, messages: list[dict], tools: list[dict] | None, t
 def with_argument_objects(message: dict) -> dict:
     """`message` with its earlier tool calls' `function.arguments` as objects where the API gave JSON text: chat
     templates render them with `tojson` (Llama 3.1, Hermes) or test `is string` (Qwen2.5), as transformers'
-    `apply_chat_template` documents them (a dict). Arguments that are not a JSON object are left as text."""
+    `apply_chat_template` documents them (a dict). Arguments that are not a JSON object, nest too deeply for the
+    json module or hold a lone surrogate escape are left as text."""
     calls = message.get("tool_calls")
     if not calls:
         return message
@@ -152,7 +153,9 @@ def with_argument_objects(message: dict) -> dict:
         if isinstance(arguments, str):
             try:
                 parsed = json.loads(arguments)
-            except ValueError:
+                # kept as text when UTF-8 cannot carry it (a lone surrogate escape): the prompt must encode
+                json.dumps(parsed, ensure_ascii=False).encode()
+            except (ValueError, RecursionError):  # UnicodeEncodeError is a ValueError
                 parsed = None
             if isinstance(parsed, dict):
                 call = {**call, "function": {**function, "arguments": parsed}}

@@ -149,11 +149,14 @@ async def test_n2_each_choice_has_its_own_calls(serve):
 
 async def test_earlier_calls_reach_the_template_with_object_arguments(serve):
     """Templates render `function.arguments` with tojson (Llama 3.1, Hermes): JSON text from the API becomes an
-    object; text that is not a JSON object stays as it is."""
+    object; text that is not a JSON object, nests too deeply or holds a lone surrogate stays as it is (no 500)."""
     engine = ScriptedEngine(scripts=["ok"])
     engine.chat_template = RecordingTemplate()
+    deep = '{"a": ' + "[" * 5000 + "]" * 5000 + "}"
     calls = [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"a": [1, 2]}'}},
-             {"id": "c2", "type": "function", "function": {"name": "g", "arguments": "not json"}}]
+             {"id": "c2", "type": "function", "function": {"name": "g", "arguments": "not json"}},
+             {"id": "c3", "type": "function", "function": {"name": "h", "arguments": deep}},
+             {"id": "c4", "type": "function", "function": {"name": "i", "arguments": '{"s": "\\ud800"}'}}]
     messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": None, "tool_calls": calls},
                 {"role": "tool", "tool_call_id": "c1", "content": "3"}]
     async with serve(engine) as (client, _):
@@ -161,7 +164,8 @@ async def test_earlier_calls_reach_the_template_with_object_arguments(serve):
     assert response.status_code == 200
     (rendered, tools), = engine.chat_template.calls
     assert tools == TOOLS
-    assert [c["function"]["arguments"] for c in rendered[1]["tool_calls"]] == [{"a": [1, 2]}, "not json"]
+    assert [c["function"]["arguments"] for c in rendered[1]["tool_calls"]] == \
+        [{"a": [1, 2]}, "not json", deep, '{"s": "\\ud800"}']
     assert rendered[2] == {"role": "tool", "content": "3", "tool_call_id": "c1"}
 
 

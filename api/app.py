@@ -154,17 +154,17 @@ def create_app(engine: Any = None, config: EngineConfig | None = None, *,
 
     @app.errorhandler(HTTPException)
     async def http_error(exc: HTTPException):
-        anthropic = speaks_anthropic(request.path)
+        anthropic = speaks_anthropic(request.path, request.headers)
         if exc.code == 404:
             return unknown_url_response(request.method, request.path, anthropic=anthropic)
         return error_response(exc, anthropic=anthropic)
 
     @app.errorhandler(VoltError)
     async def volt_error(exc: VoltError):
-        return error_response(exc, anthropic=speaks_anthropic(request.path))
+        return error_response(exc, anthropic=speaks_anthropic(request.path, request.headers))
 
     @app.errorhandler(Exception)
     async def unexpected_error(exc: Exception):
-        return error_response(exc, anthropic=speaks_anthropic(request.path))
+        return error_response(exc, anthropic=speaks_anthropic(request.path, request.headers))
 
     return app

@@ -149,7 +149,10 @@ def unknown_url_response(method: str, path: str, *, anthropic: bool = False) -> 
 ANTHROPIC_PREFIX = "/v1/messages"
 
 
-def speaks_anthropic(path: str) -> bool:
-    """Whether errors on `path` take Anthropic's shape: the Messages routes (`/v1/messages`,
-    `/v1/messages/count_tokens`), which Anthropic's SDKs call."""
+def speaks_anthropic(path: str, headers=None) -> bool:
+    """Whether errors take Anthropic's shape: on the Messages routes (`/v1/messages`,
+    `/v1/messages/count_tokens`), and for a client that sends `anthropic-version` (Anthropic's SDKs, on any
+    route: e.g. `GET /v1/models/{id}`)."""
+    if headers is not None and "anthropic-version" in headers:
+        return True
     return path == ANTHROPIC_PREFIX or path.startswith(ANTHROPIC_PREFIX + "/")

@@ -125,3 +125,20 @@ class MessageResponse(BaseModel):
 
 class TokenCount(BaseModel):
     input_tokens: int
+
+
+class ModelInfo(BaseModel):
+    """A model as Anthropic's `GET /v1/models` lists it (https://docs.anthropic.com/en/api/models-list)."""
+
+    type: Literal["model"] = "model"
+    id: str
+    display_name: str
+    created_at: str  # RFC 3339
+    lifecycle: Literal["active"] = "active"
+
+
+class ModelInfoList(BaseModel):
+    data: list[ModelInfo]
+    has_more: bool = False
+    first_id: str | None = None
+    last_id: str | None = None

@@ -1,9 +1,14 @@
-"""GET /v1/models (https://platform.openai.com/docs/api-reference/models/list)."""
+"""GET /v1/models and GET /v1/models/{model}, in OpenAI's shape (https://platform.openai.com/docs/api-reference/models)
+or, for a client that sends `anthropic-version` (Anthropic's SDKs always do), Anthropic's
+(https://docs.anthropic.com/en/api/models-list)."""
 
 from __future__ import annotations
 
-from quart import Blueprint
+import datetime
 
+from quart import Blueprint, request
+
+from api.anthropic.protocol import ModelInfo, ModelInfoList
 from api.openai.common import json_response
 from api.openai.protocol import ModelCard, ModelList
 from api.state import get_state
@@ -11,10 +16,28 @@ from api.state import get_state
 bp = Blueprint("openai_models", __name__)
 
 
+def _card():
+    """The served model in the shape the client speaks."""
+    state = get_state()
+    name = state.config.served_model_name
+    if "anthropic-version" in request.headers:
+        created = datetime.datetime.fromtimestamp(state.started_s, datetime.timezone.utc)
+        return ModelInfo(id=name, display_name=name, created_at=created.isoformat().replace("+00:00", "Z"))
+    max_model_len = state.engine.max_model_len if state.engine is not None else state.config.max_model_len
+    return ModelCard(id=name, created=state.started_s, max_model_len=max_model_len)
+
+
 @bp.get("/v1/models")
 async def list_models():
     """The one served model, with its context window."""
-    state = get_state()
-    max_model_len = state.engine.max_model_len if state.engine is not None else state.config.max_model_len
-    card = ModelCard(id=state.config.served_model_name, created=state.started_s, max_model_len=max_model_len)
+    card = _card()
+    if isinstance(card, ModelInfo):
+        return json_response(ModelInfoList(data=[card], first_id=card.id, last_id=card.id))
     return json_response(ModelList(data=[card]))
+
+
+@bp.get("/v1/models/<path:model>")
+async def retrieve_model(model: str):
+    """The served model by its name; any other name is a 404 (model_not_found)."""
+    get_state().check_model(model)
+    return json_response(_card())

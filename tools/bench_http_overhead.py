@@ -66,6 +66,9 @@ import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)  # run from a checkout
+from tools.bench_api_shapes import SHAPES, ApiShape  # noqa: E402
+
 MODEL = "bench-model"
 TEXT = "The quick brown fox jumps over the lazy dog. "  # ASCII: one byte token = one character of text
 
@@ -304,37 +307,18 @@ def _serve(port: int, engine_kind: str, profile: str | None, ready, step_ms: flo
 # ---- client side ----------------------------------------------------------------------------------------------
 
 
-def _chat_body(max_tokens: int) -> dict:
-    return {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": max_tokens,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
-
-
-def _count(buf: bytes) -> tuple[int, int]:
-    """An SSE body -> (completion tokens from the usage chunk, content chunks)."""
-    frames = buf.split(b"\n\n")
-    if frames[-2:] != [b"data: [DONE]", b""]:
-        raise RuntimeError(f"stream did not end with [DONE]: {buf[-200:]!r}")
-    usage = json.loads(frames[-3][6:])["usage"]
-    return usage["completion_tokens"], buf.count(b'"content":"') - 1  # minus the role chunk's content ""
-
-
-def _has_content(data: bytes) -> bool:
-    """True when `data` holds a content delta with text (the role chunk's `"content":""` does not count)."""
-    return data.count(b'"content":"') > data.count(b'"content":""')
-
-
-async def _one(client, max_tokens: int) -> tuple[int, int, float | None]:
-    """One streamed chat request through httpx -> (completion tokens, content chunks, TTFT in s)."""
+async def _one(client, max_tokens: int, api: ApiShape = SHAPES["chat"]) -> tuple[int, int, float | None]:
+    """One streamed request through httpx -> (completion tokens, content chunks, TTFT in s)."""
     buf = bytearray()
     t0, ttft = time.perf_counter(), None
-    async with client.stream("POST", "/v1/chat/completions", json=_chat_body(max_tokens)) as response:
+    async with client.stream("POST", api.path, json=api.body(MODEL, max_tokens)) as response:
         if response.status_code != 200:
             raise RuntimeError(f"HTTP {response.status_code}: {(await response.aread())[:200]!r}")
         async for data in response.aiter_raw():
-            if ttft is None and _has_content(data):
+            if ttft is None and api.has_content(data):
                 ttft = time.perf_counter() - t0
             buf += data
-    return (*_count(bytes(buf)), ttft, 0)
+    return (*api.count(bytes(buf)), ttft, 0)
 
 
 class _RawConnection:
@@ -345,7 +329,8 @@ class _RawConnection:
         base_url: http://host:port.
     """
 
-    def __init__(self, base_url: str):
+    def __init__(self, base_url: str, api: ApiShape = SHAPES["chat"]):
+        self._api = api
         self._host, port = base_url.removeprefix("http://").rsplit(":", 1)
         self._port = int(port)
         self._reader: asyncio.StreamReader | None = None
@@ -356,10 +341,11 @@ class _RawConnection:
         content delta read, as `tools/bench_serving.py` times it)."""
         if self._writer is None:
             self._reader, self._writer = await asyncio.open_connection(self._host, self._port)
-        body = json.dumps(_chat_body(max_tokens)).encode()
+        api = self._api
+        body = json.dumps(api.body(MODEL, max_tokens)).encode()
         t0, ttft = time.perf_counter(), None
-        self._writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n"
-                           b"Content-Length: %d\r\n\r\n%s" % (self._host.encode(), len(body), body))
+        self._writer.write(b"POST %s HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n"
+                           b"Content-Length: %d\r\n\r\n%s" % (api.path.encode(), self._host.encode(), len(body), body))
         reader = self._reader
         head = await reader.readuntil(b"\r\n\r\n")
         if not head.startswith(b"HTTP/1.1 200") or b"transfer-encoding: chunked" not in head.lower():
@@ -368,12 +354,12 @@ class _RawConnection:
         writes = 1  # the terminating zero-size chunk
         while size := int((await reader.readuntil(b"\r\n"))[:-2], 16):  # chunked transfer coding (RFC 9112)
             data = (await reader.readexactly(size + 2))[:-2]
-            if ttft is None and _has_content(data):
+            if ttft is None and api.has_content(data):
                 ttft = time.perf_counter() - t0
             buf += data
             writes += 1
         await reader.readuntil(b"\r\n")
-        return (*_count(bytes(buf)), ttft, writes)
+        return (*api.count(bytes(buf)), ttft, writes)
 
     def close(self) -> None:
         if self._writer is not None:
@@ -389,7 +375,7 @@ async def _marks(clients) -> dict:
 
 
 async def _round(base_urls: list[str], concurrency: int, requests: int, max_tokens: int, step_ms: float,
-                 client_kind: str = "httpx") -> dict:
+                 client_kind: str = "httpx", api: ApiShape = SHAPES["chat"]) -> dict:
     """One load: client i streams its requests from API process i mod len(base_urls)."""
     import httpx
 
@@ -398,8 +384,8 @@ async def _round(base_urls: list[str], concurrency: int, requests: int, max_toke
         clients = [await stack.enter_async_context(httpx.AsyncClient(base_url=url, limits=limits, timeout=120))
                    for url in base_urls]
         for c in clients:
-            await _one(c, 4)  # warm: connections, first-request paths
-        raw = [_RawConnection(base_urls[i % len(base_urls)]) for i in range(concurrency)] \
+            await _one(c, 4, api)  # warm: connections, first-request paths
+        raw = [_RawConnection(base_urls[i % len(base_urls)], api) for i in range(concurrency)] \
             if client_kind == "raw" else []
         for conn in raw:
             await conn.one(4)
@@ -413,7 +399,7 @@ async def _round(base_urls: list[str], concurrency: int, requests: int, max_toke
             tokens = chunks = 0
             for _ in range(requests):
                 t, c, ttft, w = await (raw[i].one(max_tokens) if raw else
-                                       _one(clients[i % len(clients)], max_tokens))
+                                       _one(clients[i % len(clients)], max_tokens, api))
                 tokens, chunks = tokens + t, chunks + c
                 writes.append(w)
                 ttfts.append(ttft)
@@ -488,6 +474,8 @@ def _free_port() -> int:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--concurrency", type=int, default=64)
+    ap.add_argument("--api", choices=sorted(SHAPES), default="chat",
+                    help="the streamed API the clients call (tools/bench_api_shapes.py)")
     ap.add_argument("--requests", type=int, default=1, help="requests per client per run")
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--repeat", type=int, default=3, help="runs; the summary is their median")
@@ -546,7 +534,7 @@ def main() -> None:
                     pass
                 time.sleep(0.05)
         runs = [asyncio.run(_round(base_urls, args.concurrency, args.requests, args.max_tokens, args.step_ms,
-                                   args.client))
+                                   args.client, SHAPES[args.api]))
                 for _ in range(args.repeat)]
     finally:
         for server in servers:

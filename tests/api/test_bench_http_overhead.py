@@ -27,3 +27,18 @@ def test_bench_counts_every_token(api_processes):
     # CPU times tick in 10 ms: this load costs the API processes several ticks (the engine process maybe none)
     assert run["server_cpu_us_per_tok"] > 0
     assert 0 < run["chunks_per_tok"] <= 1 and report["config"]["api_processes"] == api_processes
+
+
+@pytest.mark.parametrize("api", ["responses", "messages"])
+@pytest.mark.parametrize("client", ["httpx", "raw"])
+def test_bench_streams_every_api(api, client):
+    """`--api`: the Responses and Anthropic Messages streams, read by both clients, count every token."""
+    out = subprocess.run(
+        [sys.executable, "tools/bench_http_overhead.py", "--concurrency", "4", "--requests", "2", "--max-tokens",
+         "32", "--repeat", "1", "--client", client, "--api", api], cwd=ROOT, capture_output=True, text=True,
+        timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    report = json.loads(out.stdout)
+    (run,) = report["runs"]
+    assert run["tokens"] == 4 * 2 * 32 and report["config"]["api"] == api
+    assert 0 < run["chunks_per_tok"] <= 1

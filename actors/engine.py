@@ -26,7 +26,8 @@ from actors.scheduler import AbortRequestMsg, AddRequestMsg, SchedulerActor
 from actors.stream import RequestStream, generate_outputs
 from actors.worker import WorkerActor
 from voltserve.config import EngineConfig
-from voltserve.errors import EngineDeadError
+from voltserve.errors import EngineDeadError, InvalidRequestError
+from voltserve.grammar import GrammarState
 from voltserve.kv_cache import BlockPool
 from voltserve.request import RequestOutput, SamplingParams, check_request
 from voltserve.scheduler import Scheduler
@@ -151,6 +152,12 @@ class AsyncEngine:
         self._check_running()
         request_id = stream.request_id
         seqs = []
+        if params.grammar is not None:
+            try:  # the API checked it (`voltserve.grammar.check`); an embedder's bad grammar fails its stream
+                states = [GrammarState(self.tokenizer, params.grammar) for _ in range(params.n)]
+            except InvalidRequestError as exc:
+                stream.fail(exc)
+                return
         for i in range(params.n):
             gen = None
             if params.seed is not None:
@@ -160,7 +167,8 @@ class AsyncEngine:
                 philox_seed = secrets.randbits(64)  # the device sampler's key for an unseeded request
             seqs.append(Sequence(seq_id=next(self._seq_ids), request_id=request_id, index=i,
                                  prompt_ids=list(prompt_token_ids), params=params, max_tokens=max_tokens,
-                                 generator=gen, philox_seed=philox_seed))
+                                 generator=gen, philox_seed=philox_seed,
+                                 grammar=states[i] if params.grammar is not None else None))
         self._scheduler_actor.tell(AddRequestMsg(tuple(seqs), stream))
 
     def _check_running(self) -> None:

@@ -43,6 +43,8 @@ class SamplingParams:
         n: sequences to generate for the prompt.
         logprobs: None = no logprobs; k >= 0 = the sampled token's logprob plus the top-k alternatives.
         include_stop_str_in_output: keep the matched stop string in the text.
+        grammar: an llguidance grammar (`voltserve.grammar`: a JSON schema's, forced tool calls') the output must
+            follow; None = free text. Such sequences are sampled on the host, one step at a time.
     """
 
     temperature: float = 1.0
@@ -61,6 +63,7 @@ class SamplingParams:
     n: int = 1
     logprobs: int | None = None
     include_stop_str_in_output: bool = False
+    grammar: str | None = None
 
     @property
     def is_greedy(self) -> bool:

@@ -289,7 +289,9 @@ class ModelRunner:
         sampling = [e.seq for e in plan.entries if e.sample]
         if not sampling:
             return {}, {}
-        rows = [SampleRow(s.params, s.generator, s.prompt_ids, s.output_ids, self.eos_token_ids) for s in sampling]
+        vocab = logits.shape[-1]
+        rows = [SampleRow(s.params, s.generator, s.prompt_ids, s.output_ids, self.eos_token_ids,
+                          s.grammar.allowed(vocab) if s.grammar is not None else None) for s in sampling]
         offsets = [s.philox_offset for s in sampling]
         for s in sampling:  # one Philox counter per sampled token, whichever path samples it
             s.philox_offset += 1
@@ -361,8 +363,9 @@ _U64 = (1 << 64) - 1
 
 
 def _device_params_ok(p) -> bool:
-    """SamplingParams CudaBackend.sample takes: no penalties, logprobs <= 20."""
-    return not p.has_penalties and (p.logprobs is None or 0 <= p.logprobs <= MAX_LOGPROBS)
+    """SamplingParams CudaBackend.sample takes: no penalties, logprobs <= 20, no grammar (its mask is the
+    host's)."""
+    return not p.has_penalties and (p.logprobs is None or 0 <= p.logprobs <= MAX_LOGPROBS) and p.grammar is None
 
 
 def _device_supported(row: SampleRow) -> bool:
@@ -382,4 +385,5 @@ def _plain_greedy(row) -> bool:
     """A SampleRow, or a Sequence's next token, that the greedy argmax alone samples: no penalties, no logprobs,
     min_tokens met (it stays met for later tokens)."""
     p = row.params
-    return p.is_greedy and not p.has_penalties and p.logprobs is None and len(row.output_ids) >= p.min_tokens
+    return (p.is_greedy and not p.has_penalties and p.logprobs is None and len(row.output_ids) >= p.min_tokens
+            and p.grammar is None)

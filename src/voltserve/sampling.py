@@ -23,6 +23,8 @@ class SampleRow:
         generator: its seeded generator, or None for the engine's default generator.
         prompt_ids / output_ids: token history (penalties, min_tokens).
         eos_token_ids: ids masked while fewer than `min_tokens` tokens are out.
+        allowed: [vocab_size] bool, the tokens a grammar allows next (`voltserve.grammar.GrammarState`); None =
+            all.
     """
 
     params: SamplingParams
@@ -30,6 +32,7 @@ class SampleRow:
     prompt_ids: list[int]
     output_ids: list[int]
     eos_token_ids: tuple[int, ...]
+    allowed: torch.Tensor | None = None
 
 
 def apply_penalties(logits: torch.Tensor, row: SampleRow) -> torch.Tensor:
@@ -80,7 +83,8 @@ def sample(logits: torch.Tensor, rows: list[SampleRow],
     tokens: list[int] = []
     logprobs: list[TokenLogprob | None] = []
     need_lp = any(r.params.logprobs is not None for r in rows)
-    plain_greedy = all(r.params.is_greedy and not r.params.has_penalties and r.params.min_tokens == 0 for r in rows)
+    plain_greedy = all(r.params.is_greedy and not r.params.has_penalties and r.params.min_tokens == 0
+                       and r.allowed is None for r in rows)
     if plain_greedy and not need_lp:
         return logits.argmax(-1).tolist(), [None] * len(rows)
     for i, row in enumerate(rows):
@@ -92,6 +96,8 @@ def sample(logits: torch.Tensor, rows: list[SampleRow],
             banned = list(row.eos_token_ids) + list(p.stop_token_ids)
             if banned:
                 x[torch.tensor(banned, dtype=torch.long)] = float("-inf")
+        if row.allowed is not None:  # after the penalties: logprobs are then of the allowed tokens
+            x = x.masked_fill(~row.allowed, float("-inf"))
         token = int(x.argmax())
         if not p.is_greedy:
             probs = torch.softmax(_filter(x, p), -1)

@@ -254,6 +254,8 @@ class Scheduler:
             token = sampled[seq.seq_id]
             seq.output_ids.append(token)
             touched.append(seq)
+            if seq.grammar is not None:
+                seq.grammar.accept(token)
             reason, stop_reason = self._check_stop(seq, token)
             if reason is not None:
                 self.finish(seq, reason, stop_reason)
@@ -275,6 +277,8 @@ class Scheduler:
                 return FinishReason.STOP, token
         if num_out >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
             return FinishReason.LENGTH, None
+        if seq.grammar is not None and seq.grammar.done:  # complete: the grammar allows nothing more
+            return FinishReason.STOP, None
         return None, None
 
     def _blocks_needed(self, seq: Sequence, num_tokens: int) -> int:

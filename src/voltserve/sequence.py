@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -34,6 +35,7 @@ class Sequence:
         block_hashes: prefix-cache hashes of the sequence's full blocks computed so far.
         num_computed_tokens: tokens whose K/V are in the cache.
         num_cached_tokens: prompt tokens that came from the prefix cache at (last) admission.
+        grammar: its `voltserve.grammar.GrammarState` when params.grammar is set: the tokens allowed next.
     """
 
     seq_id: int
@@ -53,6 +55,7 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
+    grammar: Any = None
 
     @property
     def num_tokens(self) -> int:

@@ -85,3 +85,22 @@ def test_logprobs_of_sampled_and_top_tokens():
     assert [t for t, _ in lp.top] == [2, 3]
     assert lp.top[1][1] == pytest.approx(float(ref[3]), abs=1e-6)
     assert math.exp(lp.logprob) == pytest.approx(float(torch.softmax(LOGITS[0], -1)[2]), rel=1e-5)
+
+
+def test_grammar_mask_limits_every_row_kind():
+    """A row's `allowed` mask (a grammar's next tokens): greedy picks the best allowed token, sampling never
+    leaves the mask, logprobs are of the masked distribution; a row without a mask in the same batch is free."""
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.tensor([[5.0, 4.0, 3.0, 2.0, 1.0]] * 3)
+    allowed = torch.tensor([False, False, True, True, False])
+    rows = [SampleRow(SamplingParams(temperature=0.0), None, [], [], (), allowed),
+            SampleRow(SamplingParams(temperature=1.0, logprobs=1), gen, [], [], (), allowed),
+            SampleRow(SamplingParams(temperature=0.0), None, [], [], ())]
+    seen = set()
+    for _ in range(200):
+        tokens, logprobs = sample(logits, rows)
+        assert tokens[0] == 2 and tokens[2] == 0
+        seen.add(tokens[1])
+        assert logprobs[1].top[0][0] == 2  # fp32: log(1 / (1 + e^-1)) to 1e-6
+        assert math.isclose(logprobs[1].top[0][1], math.log(1 / (1 + math.e ** -1)), rel_tol=1e-6)
+    assert seen == {2, 3}

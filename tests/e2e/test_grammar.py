@@ -1,0 +1,61 @@
+"""Grammar-constrained decoding (`voltserve.grammar`, llguidance) on the default model, CPU: what the model
+writes under a JSON schema or a forced tool call parses, whatever the model would have written freely."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.e2e.engine_helpers import chat_ids, complete, running_engine
+from voltserve import grammar
+from voltserve.errors import InvalidRequestError
+from voltserve.parsers.hermes import parse_tool_calls
+
+CITY = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                         "days": {"type": "integer", "minimum": 1, "maximum": 9}},
+        "required": ["city", "days"], "additionalProperties": False}
+TOOLS = [{"name": "get_weather", "parameters": CITY}, {"name": "now"}]
+
+
+async def test_json_schema_output_parses(smollm2):
+    async with running_engine(smollm2) as engine:
+        prompt = chat_ids(engine, "What is the capital of France?")
+        free, _, _ = await complete(engine, prompt, temperature=0, max_tokens=40)
+        text, tokens, last = await complete(engine, prompt, temperature=0, max_tokens=60,
+                                            grammar=grammar.json_schema_grammar(CITY))
+        sampled, _, _ = await complete(engine, prompt, temperature=1.0, seed=7, max_tokens=60,
+                                       grammar=grammar.json_schema_grammar(CITY))
+    assert not free.lstrip().startswith("{")  # free text: the answer in words
+    for out in (text, sampled):
+        value = json.loads(out)
+        assert set(value) == {"city", "days"} and 1 <= value["days"] <= 9 and len(value["city"]) <= 20
+    assert last.finish_reason.value == "stop"  # the grammar completed: EOS or nothing more allowed
+
+
+async def test_forced_tool_calls_parse(smollm2):
+    async with running_engine(smollm2) as engine:
+        prompt = chat_ids(engine, "What is the weather in Paris for the next 3 days?")
+        one, _, _ = await complete(engine, prompt, temperature=0, max_tokens=80,
+                                   grammar=grammar.tool_calls_grammar(TOOLS, max_calls=1))
+        named, _, _ = await complete(engine, prompt, temperature=0, max_tokens=80,
+                                     grammar=grammar.tool_calls_grammar(TOOLS[1:], max_calls=1))
+    content, calls = parse_tool_calls(one)
+    assert content == "" and len(calls) == 1 and calls[0].name in ("get_weather", "now")
+    if calls[0].name == "get_weather":
+        assert set(json.loads(calls[0].arguments)) == {"city", "days"}
+    # a tool without parameters takes exactly {} (case T4)
+    assert parse_tool_calls(named) == ("", [parse_tool_calls(named)[1][0]])
+    assert (parse_tool_calls(named)[1][0].name, parse_tool_calls(named)[1][0].arguments) == ("now", "{}")
+
+
+def test_check_names_the_request_field(smollm2):
+    bad = grammar.tool_calls_grammar([{"name": "f", "parameters": {
+        "type": "object", "properties": {"p": {"$ref": "#/$defs/Missing"}}}}])
+    with pytest.raises(InvalidRequestError) as info:
+        grammar.check(smollm2.tokenizer, bad, "tools")
+    assert info.value.param == "tools" and "Missing" in info.value.message
+    # $defs of a tool's parameters are moved to where its references resolve (case T11)
+    ref = {"type": "object", "properties": {"p": {"$ref": "#/$defs/P"}}, "required": ["p"],
+           "$defs": {"P": {"type": "integer"}}}
+    grammar.check(smollm2.tokenizer, grammar.tool_calls_grammar([{"name": "f", "parameters": ref}]), "tools")

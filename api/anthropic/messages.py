@@ -33,6 +33,7 @@ from api.openai.common import (
 )
 from api.openai.protocol import parse_request
 from api.state import get_state
+from api.structured import Constraint, output_parser, request_grammar
 from api.tool_calls import ToolCall, call_id, parser_factory
 from voltserve.errors import InvalidRequestError
 from voltserve.parsers.hermes import parse_pieces
@@ -133,10 +134,6 @@ def _chat_turns(msg: InputMessage, i: int) -> list[dict]:
 def _check_unsupported(req: CountTokensRequest) -> None:
     if req.thinking is not None and req.thinking.type != "disabled":
         raise InvalidRequestError("extended thinking is not supported by the served model", param="thinking")
-    for name, config in (("output_config.format", (req.output_config or {}).get("format")),
-                         ("output_format", req.output_format)):
-        if config is not None:
-            raise InvalidRequestError("structured output is not supported yet", param=name)
 
 
 def template_tools(req: CountTokensRequest) -> list[dict] | None:
@@ -144,12 +141,8 @@ def template_tools(req: CountTokensRequest) -> list[dict] | None:
     {"name", "description", "parameters"}}`); None without tools.
 
     Raises:
-        InvalidRequestError: a server tool (a `type` other than "custom"), a tool without `input_schema`, or a
-            forced tool_choice ("any" / "tool": not supported yet).
+        InvalidRequestError: a server tool (a `type` other than "custom") or a tool without `input_schema`.
     """
-    if req.tool_choice is not None and req.tool_choice.type in ("any", "tool"):
-        raise InvalidRequestError(f"tool_choice '{req.tool_choice.type}' is not supported yet: only 'auto' and "
-                                  "'none' are", param="tool_choice")
     if not req.tools:
         return None
     functions = []
@@ -275,7 +268,8 @@ def _tool_use(call: ToolCall, message_id: str, k: int) -> ToolUseBlock:
     return ToolUseBlock(id=call_id("toolu_", message_id, 0, k), name=call.name, input=json.loads(call.arguments))
 
 
-def _content_blocks(pieces: list, message_id: str, max_calls: int | None) -> list[TextBlock | ToolUseBlock]:
+def _content_blocks(pieces: list, message_id: str, max_calls: int | None,
+                    forced: bool = False) -> list[TextBlock | ToolUseBlock]:
     """A whole output's content blocks, in the order the stream sends them (`_tool_block_events`): a text block
     per run of text (a dropped call does not split one), a `tool_use` block per kept call, and one empty text
     block when there is nothing else.
@@ -283,11 +277,15 @@ def _content_blocks(pieces: list, message_id: str, max_calls: int | None) -> lis
     Args:
         pieces: the output as `voltserve.parsers.hermes.parse_pieces` splits it.
         max_calls: the most calls kept (`disable_parallel_tool_use`: 1); None = all.
+        forced: a grammar forced the calls: text is left out (it can only be a call the output did not finish,
+            case A3).
     """
     blocks: list[TextBlock | ToolUseBlock] = []
     kept = 0
     for piece in pieces:
         if isinstance(piece, str):
+            if forced:
+                continue
             if blocks and isinstance(blocks[-1], TextBlock):
                 blocks[-1] = TextBlock(text=blocks[-1].text + piece)
             else:
@@ -298,12 +296,35 @@ def _content_blocks(pieces: list, message_id: str, max_calls: int | None) -> lis
     return blocks or [TextBlock(text="")]
 
 
-def _tool_parsing(state, engine, req: MessagesRequest, tools: list[dict] | None):
-    """(a constructor of the output's tool-call parser, or None for plain text; the most calls kept: 1 with
-    `disable_parallel_tool_use`, else None for all)."""
-    choice = req.tool_choice
-    new_parser = parser_factory(state.config, engine, tools, choice.type if choice is not None else None)
-    return new_parser, 1 if choice is not None and choice.disable_parallel_tool_use else None
+def constraint(req: MessagesRequest, tools: list[dict] | None, tools_parsed: bool) -> Constraint:
+    """The request's tool_choice and JSON output format (`output_config.format`, or the beta `output_format`)
+    as a `Constraint` (`tools`: as `template_tools` gives them).
+
+    Raises:
+        InvalidRequestError: a tool choice of type "tool" without a name, a forced call without tools, or an
+            output format other than json_schema.
+    """
+    choice, forced = req.tool_choice, None
+    if choice is not None and choice.type == "any":
+        forced = "any"
+    elif choice is not None and choice.type == "tool":
+        if not choice.name:
+            raise InvalidRequestError("a tool_choice of type 'tool' needs 'name'", param="tool_choice.name")
+        forced = choice.name
+    if forced is not None and not tools:
+        raise InvalidRequestError("tool_choice forces a call but the request gives no tools", param="tool_choice")
+    schema, param = None, "output_config.format"
+    for param, config in (("output_config.format", (req.output_config or {}).get("format")),
+                          ("output_format", req.output_format)):
+        if config is not None:
+            if not isinstance(config, dict) or config.get("type") != "json_schema":
+                raise InvalidRequestError("an output format must be {'type': 'json_schema', 'schema': {...}}",
+                                          param=param)
+            schema = config.get("schema") or {}
+            break
+    return Constraint(functions=tuple(t["function"] for t in tools or ()), forced=forced,
+                      parallel=not (choice is not None and choice.disable_parallel_tool_use), json_schema=schema,
+                      format_param=param, tools_parsed=tools_parsed and (choice is None or choice.type != "none"))
 
 
 @bp.post("/v1/messages")
@@ -316,19 +337,23 @@ async def create_message():
     params = sampling_params(req)
     engine = state.ready_engine()
     tools = template_tools(req)
+    choice = req.tool_choice
+    free_parser = parser_factory(state.config, engine, tools, choice.type if choice is not None else None)
+    c = constraint(req, tools, free_parser is not None)
+    params.grammar = request_grammar(engine.tokenizer, c)
+    new_parser, max_calls, forced = output_parser(c, free_parser), None if c.parallel else 1, c.forced is not None
     ids = await prompt_ids(engine, req, tools)
     stream = state.track(add_request(engine, ids, params, prompt_param="messages", max_tokens_param="max_tokens"))
     message_id = state.new_id("msg_")
-    new_parser, max_calls = _tool_parsing(state, engine, req, tools)
     if req.stream:
         events = _stream_events(stream, message_id, req.model, len(ids), state.config.sse_keep_alive_interval,
-                                stats, new_parser, max_calls)
+                                stats, new_parser, max_calls, forced)
         return sse_response(events, stream)
     results, counter = await collect(stream, stats)
     seq = results[0]
     blocks, called = [TextBlock(text=seq.text)], False
     if new_parser is not None:
-        blocks = _content_blocks(parse_pieces(seq.text), message_id, max_calls)
+        blocks = _content_blocks(parse_pieces(seq.text), message_id, max_calls, forced)
         called = any(isinstance(block, ToolUseBlock) for block in blocks)
     return json_response(MessageResponse(
         id=message_id, model=req.model, content=blocks,
@@ -378,7 +403,7 @@ def _message_end(out: RequestOutput, called: bool = False) -> bytes:
 
 
 def _stream_events(stream, message_id: str, model: str, num_prompt_tokens: int, keep_alive_s: float = 0.0,
-                   stats=NO_STATS, new_parser=None, max_calls: int | None = None):
+                   stats=NO_STATS, new_parser=None, max_calls: int | None = None, forced: bool = False):
     """The event sequence of a streamed message: message_start, content_block_start (one text block), ping,
     content_block_delta per delta, then content_block_stop, message_delta and message_stop (`_message_end`).
 
@@ -390,7 +415,7 @@ def _stream_events(stream, message_id: str, model: str, num_prompt_tokens: int, 
                                                       "message": start.model_dump(mode="json")})
     ping = sse.typed_frame("ping", {"type": "ping"})
     if new_parser is not None:
-        event, first = _tool_block_events(new_parser(), message_id, max_calls), [message_start, ping]
+        event, first = _tool_block_events(new_parser(), message_id, max_calls, forced), [message_start, ping]
     else:
         event, first = _text_block_event, [message_start, _block_start(0, _TEXT_BLOCK), ping]
     return drive_stream(stream, event, None, first, keep_alive_s, stats, error_frame=anthropic_error_frame,
@@ -405,7 +430,7 @@ def _text_block_event(out: RequestOutput, _logprobs) -> bytes:
     return b"".join((delta, _block_stop(0), _message_end(out)))
 
 
-def _tool_block_events(parser, message_id: str, max_calls: int | None):
+def _tool_block_events(parser, message_id: str, max_calls: int | None, forced: bool = False):
     """The event function of a message whose output goes through a tool-call parser. Blocks are indexed in
     order: a text block opens when content first arrives (after a call, a new one); each call closes the open
     text block and goes out whole as a `tool_use` block (content_block_start with `input: {}`, one
@@ -425,6 +450,8 @@ def _tool_block_events(parser, message_id: str, max_calls: int | None):
         parts = []
         for call in pieces:
             if isinstance(call, str):
+                if forced:  # see _content_blocks
+                    continue
                 if not text_open:
                     parts.append(_block_start(index, _TEXT_BLOCK))
                     text_open = True

@@ -51,8 +51,8 @@ class Tool(_Request):
 
 
 class ToolChoice(_Request):
-    """How the model may use the tools: "auto" and "none" are served; "any" and "tool" (a forced call) need a
-    grammar, not built yet."""
+    """How the model may use the tools: "auto", "none", "any" (at least one call) or "tool" (a call of `name`);
+    the forced ones are held to it by a grammar (`api.structured`)."""
 
     type: Literal["auto", "any", "tool", "none"]
     name: str | None = None

@@ -17,6 +17,7 @@ from api.openai.protocol import (
     TopLogprob, parse_request,
 )
 from api.state import get_state
+from api.structured import Constraint, output_parser, request_grammar
 from api.tool_calls import call_id, parser_factory
 from voltserve.parsers.hermes import parse_tool_calls
 from voltserve.errors import InvalidRequestError
@@ -31,12 +32,6 @@ def _params(req: ChatCompletionRequest) -> SamplingParams:
         raise InvalidRequestError(f"top_logprobs must be between 0 and {MAX_LOGPROBS}", param="top_logprobs")
     if top and not req.logprobs:
         raise InvalidRequestError("top_logprobs needs logprobs set to true", param="top_logprobs")
-    forced = req.tool_choice not in (None, "auto", "none")
-    if forced:  # "required" or a named tool needs a grammar, which is not built yet
-        raise InvalidRequestError("tool_choice other than 'auto' or 'none' is not supported yet",
-                                  param="tool_choice")
-    if req.response_format and req.response_format.get("type", "text") != "text":
-        raise InvalidRequestError("response_format other than 'text' is not supported yet", param="response_format")
     if req.max_completion_tokens is not None:
         max_tokens, name = req.max_completion_tokens, "max_completion_tokens"
     else:
@@ -57,6 +52,58 @@ def _logprobs(tokenizer, logprobs: list[TokenLogprob]) -> ChatLogprobs:
     return ChatLogprobs(content=content)
 
 
+def _functions(req: ChatCompletionRequest) -> tuple[dict, ...]:
+    functions = []
+    for i, tool in enumerate(req.tools or ()):
+        function = tool.get("function") if tool.get("type", "function") == "function" else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise InvalidRequestError("a tool must be {'type': 'function', 'function': {'name': ..., "
+                                      "'parameters': ...}}", param=f"tools.{i}")
+        functions.append(function)
+    return tuple(functions)
+
+
+def _json_schema(response_format: dict | None) -> dict | None:
+    kind = (response_format or {}).get("type", "text")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {}
+    if kind == "json_schema":
+        spec = response_format.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
+            raise InvalidRequestError("response_format json_schema needs 'json_schema': {'name', 'schema'}",
+                                      param="response_format.json_schema")
+        return spec.get("schema") or {}
+    raise InvalidRequestError(f"response_format type '{kind}' is not supported", param="response_format.type")
+
+
+def constraint(req: ChatCompletionRequest, tools_parsed: bool) -> Constraint:
+    """The request's tool_choice, parallel_tool_calls and response_format as a `Constraint`.
+
+    Raises:
+        InvalidRequestError: a malformed tool, tool_choice or response_format.
+    """
+    choice, forced = req.tool_choice, None
+    if choice == "required":
+        forced = "any"
+    elif isinstance(choice, dict):
+        name = (choice.get("function") or {}).get("name") if choice.get("type") == "function" else None
+        if not isinstance(name, str):
+            raise InvalidRequestError("a named tool_choice is {'type': 'function', 'function': {'name': ...}}",
+                                      param="tool_choice")
+        forced = name
+    elif choice not in (None, "auto", "none"):
+        raise InvalidRequestError(f"tool_choice '{choice}' is not one of none, auto, required or a named function",
+                                  param="tool_choice")
+    functions = _functions(req)
+    if forced is not None and not functions:
+        raise InvalidRequestError("tool_choice forces a call but the request gives no tools", param="tool_choice")
+    return Constraint(functions=functions, forced=forced, parallel=req.parallel_tool_calls is not False,
+                      json_schema=_json_schema(req.response_format),
+                      tools_parsed=tools_parsed and choice != "none")
+
+
 @bp.post("/v1/chat/completions")
 async def chat_completions():
     """Create a chat completion; `stream: true` answers with server-sent events."""
@@ -66,6 +113,10 @@ async def chat_completions():
     state.check_model(req.model)
     params = _params(req)
     engine = state.ready_engine()
+    free_parser = parser_factory(state.config, engine, req.tools, req.tool_choice)
+    c = constraint(req, free_parser is not None)
+    params.grammar = request_grammar(engine.tokenizer, c)
+    new_parser = output_parser(c, free_parser)
     prompt_ids = await chat_prompt_ids(engine, req)
     # Validation (context length, params) raises here, before any byte of a stream is sent.
     max_tokens_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
@@ -74,24 +125,21 @@ async def chat_completions():
     response_id, created = state.new_id("chatcmpl-"), state.clock()
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        new_parser = parser_factory(state.config, engine, req.tools, req.tool_choice)
         events = _stream_events(engine, stream, req, params, response_id, created, include_usage,
-                                state.config.sse_keep_alive_interval, stats, new_parser)
+                                state.config.sse_keep_alive_interval, stats, new_parser, c.forced is not None)
         return sse_response(events, stream)
-    new_parser = parser_factory(state.config, engine, req.tools, req.tool_choice)
     results, counter = await collect(stream, stats)
     choices = []
     for i, seq in sorted(results.items()):
         message, finish = AssistantMessage(content=seq.text), seq.finish_reason
         if new_parser is not None:
             content, calls = parse_tool_calls(seq.text)
-            if req.parallel_tool_calls is False:
-                calls = calls[:1]
-            if calls:
-                message = AssistantMessage(content=content or None, tool_calls=[
+            calls = calls if c.parallel else calls[:1]
+            if calls or c.forced is not None:  # forced: only calls, never the markup of one left unfinished
+                message = AssistantMessage(content=None if c.forced is not None else content or None, tool_calls=[
                     ToolCallOut(id=call_id("call_", response_id, i, k), function=FunctionCall(**vars(call)))
-                    for k, call in enumerate(calls)])
-                finish = "tool_calls" if finish == "stop" else finish
+                    for k, call in enumerate(calls)] or None)
+                finish = "tool_calls" if calls and finish == "stop" else finish
         logprobs = _logprobs(engine.tokenizer, seq.logprobs) if params.logprobs is not None else None
         choices.append(ChatChoice(index=i, message=message, finish_reason=finish, logprobs=logprobs))
     return json_response(ChatCompletionResponse(id=response_id, created=created, model=req.model,
@@ -99,12 +147,12 @@ async def chat_completions():
 
 
 def _stream_events(engine, stream, req, params, response_id, created, include_usage, keep_alive_s=0.0,
-                   stats=NO_STATS, new_parser=None):
+                   stats=NO_STATS, new_parser=None, forced=False):
     """Chunks: a role delta per choice, content deltas, a finish chunk per choice, usage, [DONE].
 
     With a tool-call parser (`new_parser`, see `api.tool_calls`), each choice's text goes through its own parser:
     content deltas carry the content, each call goes out whole in a `tool_calls` delta once the model closed it,
-    and a choice that called tools finishes with "tool_calls".
+    and a choice that called tools finishes with "tool_calls". A forced choice (`forced`) sends calls only.
 
     Without logprobs a chunk is assembled from bytes: the head and tail that pydantic renders once per request
     (`chunk_frame_parts`) around `{"index":i,"delta":{"content":<text>},"logprobs":null,"finish_reason":...}`,
@@ -129,6 +177,8 @@ def _stream_events(engine, stream, req, params, response_id, created, include_us
             content, calls = content + last, calls + last_calls
             if parser.calls and finish == "stop":
                 finish = "tool_calls"
+        if forced:
+            content = ""  # the grammar writes calls only: other text is a call the output did not finish
         calls = calls[:max(0, max_calls - before)]  # parallel_tool_calls false: the first call only
         if not content and not calls and finish is None:
             return b""  # nothing that can be sent yet (held markup or whitespace)

@@ -42,6 +42,7 @@ from api.openai.responses_protocol import (
     ResponseError, ResponseEvent, ResponsesRequest, ResponsesResponse, ResponseUsage,
 )
 from api.state import get_state
+from api.structured import Constraint, output_parser, request_grammar
 from api.tool_calls import ToolCall, call_id, parser_factory
 from voltserve.errors import InvalidRequestError
 from voltserve.request import RequestOutput, SamplingParams, TokenLogprob
@@ -133,14 +134,47 @@ def _params(req: ResponsesRequest) -> SamplingParams:
     if req.background:
         raise InvalidRequestError("background responses are not supported: this server answers in the foreground",
                                   param="background")
-    if req.tool_choice not in (None, "auto", "none"):  # "required" or a named function needs a grammar
-        raise InvalidRequestError("tool_choice other than 'auto' or 'none' is not supported yet", param="tool_choice")
-    text_format = req.text.format if req.text is not None else None
-    if text_format is not None and text_format.type != "text":
-        raise InvalidRequestError(f"text.format of type '{text_format.type}' is not supported yet",
-                                  param="text.format")
     return sampling_params(req, max_tokens=req.max_output_tokens, max_tokens_param="max_output_tokens",
                            logprobs=None)
+
+
+def constraint(req: ResponsesRequest, tools: list[dict], tools_parsed: bool) -> Constraint:
+    """The request's tool_choice, parallel_tool_calls and text.format as a `Constraint` (`tools`: the function
+    tools as `template_tools` gives them).
+
+    Raises:
+        InvalidRequestError: a malformed tool_choice or text.format, or a forced call without tools.
+    """
+    choice, forced = req.tool_choice, None
+    if choice == "required":
+        forced = "any"
+    elif isinstance(choice, dict):
+        if choice.get("type") != "function" or not isinstance(choice.get("name"), str):
+            raise InvalidRequestError("a named tool_choice is {'type': 'function', 'name': ...}", param="tool_choice")
+        forced = choice["name"]
+    elif choice not in (None, "auto", "none"):
+        raise InvalidRequestError(f"tool_choice '{choice}' is not one of none, auto, required or a named function",
+                                  param="tool_choice")
+    if forced is not None and not tools:
+        raise InvalidRequestError("tool_choice forces a call but the request gives no tools", param="tool_choice")
+    text_format = req.text.format if req.text is not None else None
+    schema = None
+    if text_format is not None and text_format.type != "text":
+        if text_format.type not in ("json_object", "json_schema"):
+            raise InvalidRequestError(f"text.format of type '{text_format.type}' is not supported",
+                                      param="text.format.type")
+        schema = text_format.schema_ or {}
+    return Constraint(functions=tuple(t["function"] for t in tools), forced=forced,
+                      parallel=req.parallel_tool_calls is not False, json_schema=schema, format_param="text.format",
+                      tools_parsed=tools_parsed and choice != "none")
+
+
+def _text_echo(req: ResponsesRequest) -> dict:
+    """`text` as the response echoes it: the format the request gave ("text" by default)."""
+    text_format = req.text.format if req.text is not None else None
+    if text_format is None:
+        return {"format": {"type": "text"}}
+    return {"format": text_format.model_dump(by_alias=True, exclude_none=True)}
 
 
 def _started(req: ResponsesRequest, params: SamplingParams, response_id: str, created_at: int) -> ResponsesResponse:
@@ -149,7 +183,7 @@ def _started(req: ResponsesRequest, params: SamplingParams, response_id: str, cr
         id=response_id, created_at=created_at, status="in_progress", instructions=req.instructions,
         max_output_tokens=req.max_output_tokens, model=req.model, output=[],
         parallel_tool_calls=req.parallel_tool_calls is not False,  # null = the default, true (case T3)
-        temperature=params.temperature, text={"format": {"type": "text"}}, tool_choice=req.tool_choice or "auto",
+        temperature=params.temperature, text=_text_echo(req), tool_choice=req.tool_choice or "auto",
         tools=list(req.tools or ()), top_p=params.top_p, user=req.user, metadata=req.metadata or {})
 
 
@@ -173,16 +207,20 @@ async def create_response():
     tools = template_tools(req)
     messages = input_messages(req)
     engine = state.ready_engine()
+    free_parser = parser_factory(state.config, engine, tools, req.tool_choice)
+    c = constraint(req, tools, free_parser is not None)
+    params.grammar = request_grammar(engine.tokenizer, c)
+    new_parser = output_parser(c, free_parser)
     prompt_ids = await messages_prompt_ids(engine, messages, tools=tools or None, param="input")
     # Validation (context length, params) raises here, before any byte of a stream is sent.
     stream = state.track(add_request(engine, prompt_ids, params, prompt_param="input",
                                      max_tokens_param="max_output_tokens"))
     started = _started(req, params, state.new_id("resp_"), state.clock())
     item_id = state.new_id("msg_")
-    new_parser = parser_factory(state.config, engine, tools, req.tool_choice)
-    parallel = req.parallel_tool_calls is not False
+    parallel = c.parallel
+    forced = c.forced is not None
     if req.stream:
-        events = ResponseEvents(started, item_id, new_parser, parallel)
+        events = ResponseEvents(started, item_id, new_parser, parallel, forced)
         return sse_response(drive_stream(stream, events.chunk if new_parser is None else events.tool_chunk, None,
                                          events.opening(), state.config.sse_keep_alive_interval, stats,
                                          error_frame=events.error, done=b""), stream)
@@ -190,7 +228,7 @@ async def create_response():
     usage = ResponseUsage.of(counter.prompt_tokens, counter.cached_tokens, sum(counter.output_tokens.values()))
     text, finish_reason = results[0].text, results[0].finish_reason
     if new_parser is not None:  # the stream's events, made and dropped: the same items as streamed
-        events = ResponseEvents(started, item_id, new_parser, parallel)
+        events = ResponseEvents(started, item_id, new_parser, parallel, forced)
         events.feed(text)
         events.end(finish_reason, usage)
         return json_response(events.response)
@@ -207,6 +245,7 @@ class ResponseEvents:
         item_id: the first output message's id (a later one, after a call, is `<item_id>_<n>`).
         new_parser: the tool-call parser's constructor (`api.tool_calls.parser_factory`), None for text only.
         parallel_tool_calls: False keeps only the model's first call.
+        forced: the grammar forced calls: text is not sent (it can only be a call the output did not finish).
 
     Use `opening()` for the events before any output, `chunk` (text only) or `tool_chunk` (with the parser) as
     `drive_stream`'s `choice_chunk`, and `error` as its `error_frame`. A non-streamed response with the parser
@@ -216,8 +255,10 @@ class ResponseEvents:
         response: the final response object, once `end` made it.
     """
 
-    def __init__(self, started: ResponsesResponse, item_id: str, new_parser=None, parallel_tool_calls: bool = True):
+    def __init__(self, started: ResponsesResponse, item_id: str, new_parser=None, parallel_tool_calls: bool = True,
+                 forced: bool = False):
         self._started, self._item_id = started, item_id
+        self._forced = forced
         self._parser = new_parser() if new_parser is not None else None
         self._parallel = parallel_tool_calls
         self._next = 0  # the next event's sequence_number
@@ -300,6 +341,8 @@ class ResponseEvents:
         ]
 
     def _content(self, text: str) -> list[bytes]:
+        if self._forced:  # the grammar writes calls only: other text is a call the output did not finish
+            return []
         if self._open is not None:
             return [self._delta(text)]
         return self._open_message() + [self._delta(text)]

@@ -64,9 +64,13 @@ class FunctionTool(_Request):
 
 
 class TextFormat(_Request):
-    """`text.format`: "text" is served; "json_schema" and "json_object" need a grammar, not built yet."""
+    """`text.format`: "text", "json_object" or "json_schema" (with its `schema`; `name` and `strict` are taken
+    as given: the grammar always holds the output to the schema)."""
+
+    model_config = ConfigDict(extra="allow", populate_by_name=True)  # echoed as sent (name, strict, ...)
 
     type: str
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
 
 
 class TextConfig(_Request):

@@ -48,6 +48,22 @@ class ByteTokenizer:
         data = b"".join(self.token_bytes(i) for i in ids if not (skip_special_tokens and i < 3))
         return data.decode("utf-8", errors="replace")
 
+    def ll_tokenizer(self):
+        """The `llguidance.LLTokenizer` of this vocabulary (`voltserve.grammar.ll_tokenizer`), built once."""
+        if getattr(self, "_ll", None) is None:
+            import llguidance
+
+            class Vocabulary:  # what llguidance.TokenizerWrapper reads
+                eos_token_id, bos_token_id = EOS_ID, None
+                tokens = [self.token_bytes(i) for i in range(self.vocab_size)]
+                special_token_ids = [0, 1, 2]
+
+                def __call__(inner, text: str) -> list[int]:
+                    return self.encode(text, parse_special=False)
+
+            self._ll = llguidance.LLTokenizer(llguidance.TokenizerWrapper(Vocabulary()))
+        return self._ll
+
     def byte_table(self, skip_special_tokens: bool = True) -> tuple[bytes, ...]:
         """Bytes of each id as `decode` joins them (as `voltserve.tokenizer.Tokenizer.byte_table`)."""
         return tuple(b"" if skip_special_tokens and i < 3 else self.token_bytes(i) for i in range(self.vocab_size))

@@ -81,8 +81,15 @@ CASES = [
     ("stop_token_id_outside_vocab", "POST", CHAT, chat_body(stop_token_ids=[10**9], min_tokens=2, max_tokens=4),
      400, INVALID, "stop_token_ids", None),
     ("logit_bias", "POST", CHAT, chat_body(logit_bias={"5": 10}), 400, INVALID, "logit_bias", None),
-    ("tool_choice_required", "POST", CHAT, chat_body(tool_choice="required", tools=[
-        {"type": "function", "function": {"name": "f", "parameters": {}}}]), 400, INVALID, "tool_choice", None),
+    ("tool_choice_required_without_tools", "POST", CHAT, chat_body(tool_choice="required"), 400, INVALID,
+     "tool_choice", None),
+    ("tool_choice_names_no_tool", "POST", CHAT, chat_body(tool_choice={"type": "function", "function": {
+        "name": "g"}}, tools=[{"type": "function", "function": {"name": "f"}}]), 400, INVALID, "tool_choice", None),
+    ("tool_schema_bad_ref", "POST", CHAT, chat_body(tool_choice="required", tools=[{"type": "function", "function": {
+        "name": "f", "parameters": {"type": "object", "properties": {"p": {"$ref": "#/$defs/Missing"}}}}}]), 400,
+     INVALID, "tool_choice", None),
+    ("response_format_unknown", "POST", CHAT, chat_body(response_format={"type": "yaml"}), 400, INVALID,
+     "response_format.type", None),
     ("unknown_route", "POST", "/v1/nope", chat_body(), 404, INVALID, None, "unknown_url"),
     ("wrong_method", "GET", CHAT, None, 405, INVALID, None, "method_not_allowed"),
 ]

@@ -177,9 +177,3 @@ async def test_parallel_tool_calls_false_keeps_the_first_call(serve):
         assert [tc["function"]["name"] for tc in _joined(chunks)[1]] == ["get_weather"]
 
 
-@pytest.mark.parametrize("tools", [None, [], TOOLS])
-async def test_forced_tool_choice_is_refused_until_grammars_exist(serve, tools):
-    async with serve() as (client, _):
-        response = await client.post(URL, json=chat_body(tools=tools, tool_choice="required"))
-    assert response.status_code == 400
-    assert orjson.loads(await response.get_data())["error"]["param"] == "tool_choice"

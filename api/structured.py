@@ -1,0 +1,87 @@
+"""The grammar a request's forced tool choice or JSON output format asks for, for every API
+(`voltserve.grammar`: llguidance). The APIs map their own fields onto `Constraint` and read the output back with
+the Hermes parser, which is what a forced-call grammar writes whatever the model's own format.
+
+Cases of ../shared/cases/api-behaviour.md: T2 (one call when not parallel), T4 (a tool without parameters gets
+`{}`), T5 (tools + a JSON format + auto: either), T11 ($ref), T13 (a forced call that does not parse), A1-A3.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from voltserve import grammar
+from voltserve.errors import InvalidRequestError
+from voltserve.parsers.hermes import HermesToolParser
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """What a request constrains, in the APIs' common terms.
+
+    Attributes:
+        functions: the request's tools as `{"name", "parameters"}` dicts (parameters may be absent).
+        forced: None (the model chooses, or no tools), "any" (at least one call: "required" / Anthropic "any"),
+            or a tool's name (that tool: a named tool_choice).
+        parallel: more than one call allowed.
+        json_schema: the output's JSON schema when the request asks for JSON ({} = any object), else None.
+        tool_param / format_param: the request fields errors blame.
+        tools_parsed: the server parses tool calls of a free choice (`api.tool_calls.parser_factory` not None).
+    """
+
+    functions: tuple[dict, ...] = ()
+    forced: str | None = None
+    parallel: bool = True
+    json_schema: dict | None = None
+    tool_param: str = "tool_choice"
+    format_param: str = "response_format"
+    tools_parsed: bool = False
+
+
+def request_grammar(tokenizer, c: Constraint) -> str | None:
+    """The grammar of `c` (None when nothing is constrained), checked against `tokenizer`.
+
+    A forced choice wins over a JSON format (the output is then calls). A JSON format with tools the model may
+    call (and a server that parses calls) allows either the calls or the JSON answer (case T5).
+
+    Raises:
+        InvalidRequestError: a forced tool that the request does not define, or a grammar that does not compile
+            (a schema llguidance does not take).
+    """
+    max_calls = None if c.parallel else 1
+    if c.forced is not None:
+        functions = list(c.functions)
+        if c.forced != "any":
+            functions = [f for f in functions if f["name"] == c.forced]
+            if not functions:
+                raise InvalidRequestError(f"tool_choice names '{c.forced}', which is not one of the tools",
+                                          param=c.tool_param)
+        text, param = grammar.tool_calls_grammar(functions, max_calls=max_calls), c.tool_param
+    elif c.json_schema is not None:
+        param = c.format_param
+        if c.functions and c.tools_parsed:
+            text = grammar.tool_calls_grammar(list(c.functions), max_calls=max_calls, json_answer=c.json_schema)
+        else:
+            try:
+                text = grammar.json_schema_grammar(c.json_schema)
+            except InvalidRequestError as exc:
+                exc.param = param
+                raise
+    else:
+        return None
+    grammar.check(tokenizer, text, param)
+    return text
+
+
+def output_parser(c: Constraint, free_parser):
+    """The parser of a request's output: Hermes when a grammar makes calls (forced, or T5's union), else the
+    server's own choice for free output (`free_parser`, None = plain content)."""
+    if c.forced is not None or (c.json_schema is not None and c.functions and c.tools_parsed):
+        return HermesToolParser
+    return free_parser
+
+
+def forced_content(c: Constraint, content: str | None) -> str | None:
+    """The content to return beside the calls: none when the grammar forced calls (anything else is a call the
+    output did not finish, case A3 / T13), else the parsed content."""
+    return None if c.forced is not None else content

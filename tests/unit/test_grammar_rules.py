@@ -1,0 +1,93 @@
+"""The grammars of `voltserve.grammar` walked token by token on the test byte tokenizer (one byte a token):
+which texts they accept, for cases T2, T4, T5 and T11 of ../shared/cases/api-behaviour.md and JSON output."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.api.fake_engine import EOS_ID, ByteTokenizer
+from voltserve import grammar
+from voltserve.errors import InvalidRequestError
+
+TOK = ByteTokenizer()
+WEATHER = {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                 "required": ["city"]}}
+NOW = {"name": "now"}
+
+
+def walk(text: str, grammar_text: str) -> tuple[bool, grammar.GrammarState]:
+    """(every token of `text` was allowed in turn, the state after it)."""
+    state = grammar.GrammarState(TOK, grammar_text)
+    for token in TOK.encode(text, parse_special=False):
+        if not state.allowed(TOK.vocab_size)[token]:
+            return False, state
+        state.accept(token)
+    return True, state
+
+
+def complete(text: str, grammar_text: str) -> bool:
+    """`text` is a whole output of the grammar: every token allowed, then EOS (or nothing more)."""
+    ok, state = walk(text, grammar_text)
+    return ok and (state.done or bool(state.allowed(TOK.vocab_size)[EOS_ID]))
+
+
+def call(name: str, arguments: str) -> str:
+    return f'<tool_call>\n{{"name":"{name}","arguments":{arguments}}}\n</tool_call>'
+
+
+def test_json_schema_output_is_compact_json_of_the_schema():
+    g = grammar.json_schema_grammar({"type": "object", "properties": {"a": {"type": "integer"}},
+                                     "required": ["a"], "additionalProperties": False})
+    assert complete('{"a":12}', g)
+    assert not walk('{"a":"x"', g)[0] and not walk('{"b"', g)[0] and not walk("{\n", g)[0]
+    assert complete('{"k":[1,{"x":null}]}', grammar.json_schema_grammar(None))  # json_object: any object
+    assert not walk("[", grammar.json_schema_grammar(None))[0]
+
+
+def test_forced_calls_name_a_tool_with_its_arguments():
+    g = grammar.tool_calls_grammar([WEATHER, NOW])
+    assert complete(call("get_weather", '{"city":"Paris"}'), g)
+    assert complete(call("now", "{}") + "\n" + call("get_weather", '{"city":"Rome"}'), g)  # parallel calls
+    assert not walk(call("get_time", "{}"), g)[0]  # not a tool
+    assert not walk(call("get_weather", '{"town":"Paris"}'), g)[0]  # not its schema
+    assert not walk("Sure! " + call("now", "{}"), g)[0]  # calls only
+    assert not complete(call("now", "{}")[:-3], g)  # a call cut short does not end the output
+
+
+def test_T2_one_call_when_not_parallel():
+    g = grammar.tool_calls_grammar([WEATHER, NOW], max_calls=1)
+    ok, state = walk(call("now", "{}"), g)
+    assert ok and (state.done or not state.allowed(TOK.vocab_size)[TOK.encode("\n")[0]])
+    assert not walk(call("now", "{}") + "\n<tool_call>", g)[0]
+
+
+def test_T4_a_tool_without_parameters_takes_an_empty_object():
+    for tool in (NOW, {"name": "now", "parameters": {}}, {"name": "now", "parameters": {"type": "object"}}):
+        g = grammar.tool_calls_grammar([tool], max_calls=1)
+        assert complete(call("now", "{}"), g)
+        assert not walk(call("now", '{"a"'), g)[0] and not walk(call("now", "[]"), g)[0]
+
+
+def test_T5_tools_beside_a_json_format_allow_either():
+    answer = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    g = grammar.tool_calls_grammar([WEATHER], json_answer=answer)
+    assert complete(call("get_weather", '{"city":"Oslo"}'), g)
+    assert complete('{"ok":true}', g)
+    assert not walk("Hello", g)[0]
+
+
+def test_T11_references_into_defs_are_honoured():
+    tool = {"name": "f", "parameters": {"type": "object", "properties": {"p": {"$ref": "#/$defs/P"}},
+                                        "required": ["p"], "$defs": {"P": {"type": "integer"}}}}
+    g = grammar.tool_calls_grammar([tool])
+    assert complete(call("f", '{"p":3}'), g)
+    assert not walk(call("f", '{"p":"3"'), g)[0]  # P is an integer, not a string
+
+
+def test_check_refuses_what_does_not_compile():
+    g = grammar.tool_calls_grammar([{"name": "f", "parameters": {"$ref": "#/$defs/Missing"}}])
+    with pytest.raises(InvalidRequestError) as info:
+        grammar.check(TOK, g, "tool_choice")
+    assert info.value.param == "tool_choice"
+    with pytest.raises(InvalidRequestError):
+        grammar.tool_calls_grammar([])

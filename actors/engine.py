@@ -55,6 +55,7 @@ class AsyncEngine:
         self._loaded = loaded
         self._on_death = on_death
         self._seq_ids = itertools.count()
+        self._compiling: dict[str, asyncio.Task] = {}  # request id -> its grammar's compile (off the loop)
         self._scheduler_actor: SchedulerActor | None = None
         self._worker: WorkerActor | None = None
         self._dead: BaseException | None = None
@@ -150,14 +151,30 @@ class AsyncEngine:
             EngineDeadError: the engine is not running.
         """
         self._check_running()
+        if params.grammar is None:
+            self._queue(prompt_token_ids, params, max_tokens, stream, [None] * params.n)
+            return
+        # a grammar compiles in 1 ms to ~1 s (hundreds of tools): in a thread, so the running streams go on
         request_id = stream.request_id
-        seqs = []
-        if params.grammar is not None:
-            try:  # the API checked it (`voltserve.grammar.check`); an embedder's bad grammar fails its stream
-                states = [GrammarState(self.tokenizer, params.grammar) for _ in range(params.n)]
-            except InvalidRequestError as exc:
+
+        async def compile_then_queue() -> None:
+            try:
+                states = await asyncio.to_thread(GrammarState.for_sequences, self.tokenizer, params.grammar,
+                                                 params.n)
+            except InvalidRequestError as exc:  # the API checked it (`grammar.check`); an embedder's may fail
                 stream.fail(exc)
                 return
+            finally:
+                self._compiling.pop(request_id, None)
+            if self.is_healthy:
+                self._queue(prompt_token_ids, params, max_tokens, stream, states)
+
+        self._compiling[request_id] = asyncio.get_running_loop().create_task(compile_then_queue())
+
+    def _queue(self, prompt_token_ids: list[int], params: SamplingParams, max_tokens: int, stream,
+               grammars: list) -> None:
+        request_id = stream.request_id
+        seqs = []
         for i in range(params.n):
             gen = None
             if params.seed is not None:
@@ -168,7 +185,7 @@ class AsyncEngine:
             seqs.append(Sequence(seq_id=next(self._seq_ids), request_id=request_id, index=i,
                                  prompt_ids=list(prompt_token_ids), params=params, max_tokens=max_tokens,
                                  generator=gen, philox_seed=philox_seed,
-                                 grammar=states[i] if params.grammar is not None else None))
+                                 grammar=grammars[i]))
         self._scheduler_actor.tell(AddRequestMsg(tuple(seqs), stream))
 
     def _check_running(self) -> None:
@@ -182,6 +199,10 @@ class AsyncEngine:
 
     def abort(self, request_id: str) -> None:
         """Abort a request; its KV blocks return to the pool within one step. Unknown ids are ignored."""
+        compiling = self._compiling.pop(request_id, None)
+        if compiling is not None:  # not queued yet: it never will be
+            compiling.cancel()
+            return
         actor = self._scheduler_actor
         if actor is not None and actor.alive:
             actor.tell(AbortRequestMsg(request_id))

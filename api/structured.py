@@ -48,7 +48,7 @@ def request_grammar(tokenizer, c: Constraint) -> str | None:
         InvalidRequestError: a forced tool that the request does not define, or a grammar that does not compile
             (a schema llguidance does not take).
     """
-    max_calls = None if c.parallel else 1
+    max_calls = 1 if not c.parallel or c.forced not in (None, "any") else None  # a named tool: one call
     if c.forced is not None:
         functions = list(c.functions)
         if c.forced != "any":

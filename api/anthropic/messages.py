@@ -10,7 +10,8 @@ response holds only the continuation. Errors take Anthropic's shape (`api.errors
 Tools are given to the chat template as OpenAI-style functions; earlier `tool_use` blocks become the assistant
 turn's `tool_calls` and `tool_result` blocks `tool` messages. With tools (and tool_choice not "none") the output
 goes through the server's tool-call parser (`api.tool_calls`): each call becomes a `tool_use` block, and the
-message stops with "tool_use". A forced call (tool_choice "any" / "tool") needs a grammar, not built yet: a 400.
+message stops with "tool_use". A forced call (tool_choice "any" / "tool") and a JSON output format are held to a
+grammar (`api.structured`).
 """
 
 from __future__ import annotations

@@ -88,7 +88,8 @@ def constraint(req: ChatCompletionRequest, tools_parsed: bool) -> Constraint:
     if choice == "required":
         forced = "any"
     elif isinstance(choice, dict):
-        name = (choice.get("function") or {}).get("name") if choice.get("type") == "function" else None
+        function = choice.get("function") if choice.get("type") == "function" else None
+        name = function.get("name") if isinstance(function, dict) else None
         if not isinstance(name, str):
             raise InvalidRequestError("a named tool_choice is {'type': 'function', 'function': {'name': ...}}",
                                       param="tool_choice")

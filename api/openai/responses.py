@@ -163,6 +163,8 @@ def constraint(req: ResponsesRequest, tools: list[dict], tools_parsed: bool) -> 
         if text_format.type not in ("json_object", "json_schema"):
             raise InvalidRequestError(f"text.format of type '{text_format.type}' is not supported",
                                       param="text.format.type")
+        if text_format.type == "json_schema" and text_format.schema_ is None:
+            raise InvalidRequestError("text.format of type 'json_schema' needs 'schema'", param="text.format.schema")
         schema = text_format.schema_ or {}
     return Constraint(functions=tuple(t["function"] for t in tools), forced=forced,
                       parallel=req.parallel_tool_calls is not False, json_schema=schema, format_param="text.format",

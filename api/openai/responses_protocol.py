@@ -53,7 +53,8 @@ class FunctionTool(_Request):
         name: the function's name.
         description: what it does, for the model.
         parameters: the JSON schema of its arguments.
-        strict: accepted and echoed; the arguments are not constrained to the schema (no grammar yet).
+        strict: accepted and echoed; free calls are not held to the schema, forced ones always are
+            (`api.structured`).
     """
 
     type: str
@@ -85,11 +86,12 @@ class ResponsesRequest(SamplingFields):
             names the item's field rather than "not a string").
         instructions: a system message placed before the input.
         max_output_tokens: output token limit (None = the rest of the context window).
-        text: output format; only {"format": {"type": "text"}}.
+        text: output format: {"format": {"type": "text" | "json_object" | "json_schema", ...}} (JSON through a
+            grammar, `api.structured`).
         tools: function tools, rendered into the prompt by the chat template; the model's calls are read from its
             output by the server's tool-call parser (`api.tool_calls`).
-        tool_choice: "auto" (the default) or "none" (the output is all text, case T6); "required" and a named
-            function need a grammar, not built yet.
+        tool_choice: "auto" (the default), "none" (the output is all text, case T6), "required" or a named
+            function (held to a grammar, `api.structured`).
         parallel_tool_calls: false keeps only the model's first call; null means the default, true (case T3).
         previous_response_id, conversation, prompt, background: refused (400): this server stores no responses,
             conversations or prompts, and answers in the foreground.

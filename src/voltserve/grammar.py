@@ -10,7 +10,6 @@ the row's mask): their next mask needs the token just sampled.
 
 from __future__ import annotations
 
-import copy
 import json
 from typing import Any
 
@@ -45,9 +44,24 @@ def ll_tokenizer(tokenizer) -> Any:
 def check(tokenizer, grammar: str, param: str) -> None:
     """Raise InvalidRequestError (param `param`) when `grammar` does not compile for `tokenizer`: a 400 before
     the request is queued, rather than a sequence that cannot start."""
-    error = _llguidance().LLMatcher.validate_grammar(grammar, ll_tokenizer(tokenizer))
+    try:
+        tokenizer = ll_tokenizer(tokenizer)
+    except Exception as exc:  # llguidance cannot read this tokenizer: no grammar can be served for it
+        raise InvalidRequestError(f"grammars are not available for this model's tokenizer: {exc}",
+                                  param=param) from exc
+    error = _llguidance().LLMatcher.validate_grammar(grammar, tokenizer)
     if error:
         raise InvalidRequestError(f"the grammar this request asks for does not compile: {error}", param=param)
+
+
+# JSON without free whitespace (`{"a":1}`): a small model otherwise spends its tokens on line breaks and indents;
+# lenient: keywords llguidance does not implement (uniqueItems, not, if / then, ...) go unenforced rather than
+# refused (llguidance's JSON compile options; a schema's own "x-guidance" overrides them)
+_JSON_OPTIONS = {"whitespace_flexible": False, "lenient": True}
+
+
+def _with_options(schema: dict) -> dict:
+    return {**schema, "x-guidance": {**_JSON_OPTIONS, **(schema.get("x-guidance") or {})}}
 
 
 def json_schema_grammar(schema: dict | None) -> str:
@@ -57,59 +71,64 @@ def json_schema_grammar(schema: dict | None) -> str:
         InvalidRequestError: the schema is not one llguidance takes (param None: the caller names it).
     """
     try:
-        return _llguidance().LLMatcher.grammar_from_json_schema(schema or {"type": "object"}, defaults=_COMPACT)
+        return _llguidance().LLMatcher.grammar_from_json_schema(_with_options(schema or {"type": "object"}))
     except (ValueError, TypeError) as exc:
         raise InvalidRequestError(f"the JSON schema is not supported: {exc}") from exc
 
 
-# JSON as `json.dumps` writes it (", " and ": "), not free whitespace: a small model otherwise spends its tokens
-# on line breaks and indents (llguidance's JSON compile options, which a schema's own "x-guidance" overrides)
-_COMPACT = {"whitespace_flexible": False}
+_EMPTY_OBJECT = {"type": "object", "properties": {}, "additionalProperties": False}
 
 
-def _arguments_schema(parameters: dict | None) -> tuple[dict, dict]:
-    """(the arguments' schema, the definitions it refers to, moved out for the call's root): a tool without
-    parameters takes exactly `{}` (case T4); `$defs` / `definitions` go to the root of the schema the call is
-    checked against, where `#/$defs/...` references resolve (case T11)."""
-    if not parameters or parameters == {"type": "object"} and "properties" not in parameters:
-        return {"type": "object", "properties": {}, "additionalProperties": False}, {}
-    parameters = copy.deepcopy(parameters)
-    defs = {key: parameters.pop(key) for key in ("$defs", "definitions") if key in parameters}
-    return parameters, defs
+def _arguments_schema(name: str, parameters: dict | None) -> dict:
+    """The schema a call's arguments are held to, as a root of its own (so its `$ref`s resolve in it, case T11).
+    A tool without parameters (absent, {}, or an object schema with no properties, required or
+    additionalProperties) takes exactly `{}` (case T4); any other schema without a type is made an object's.
+
+    Raises:
+        InvalidRequestError: parameters whose type is not "object" (arguments are always a JSON object).
+    """
+    if not parameters or (set(parameters) <= {"type", "properties"} and not parameters.get("properties")
+                          and parameters.get("type", "object") == "object"):
+        return _with_options(_EMPTY_OBJECT)
+    kind = parameters.get("type", "object")
+    if kind != "object":
+        raise InvalidRequestError(f"the parameters of tool '{name}' must be an object schema, not {kind!r}",
+                                  param="tools")
+    return _with_options({**parameters, "type": "object"})
 
 
-def _call_schema(name: str, parameters: dict | None) -> dict:
-    arguments, defs = _arguments_schema(parameters)
-    schema = {"type": "object", "properties": {"name": {"const": name}, "arguments": arguments},
-              "required": ["name", "arguments"], "additionalProperties": False, "x-guidance": _COMPACT}
-    schema.update(defs)
-    return schema
+_CALL_END = "}\n</tool_call>"
+
+
+def _lark_literal(text: str) -> str:
+    return json.dumps(text, ensure_ascii=False)  # a quoted string with JSON's escapes, which Lark reads alike
 
 
 def tool_calls_grammar(tools: list[dict], max_calls: int | None = None, json_answer: dict | None = None) -> str:
-    """A grammar for Hermes-format tool calls (`<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`, as
+    """A grammar for Hermes-format tool calls (`<tool_call>\n{"name":...,"arguments":{...}}\n</tool_call>`, as
     `voltserve.parsers.hermes` reads them), each naming one of `tools` with arguments of its schema.
 
     Args:
         tools: `{"name", "parameters"}` dicts (Chat Completions' `function` objects) the calls may name.
-        max_calls: 1 = exactly one call (parallel_tool_calls false, case T2); None = one or more.
+        max_calls: 1 = exactly one call (a named tool, or parallel_tool_calls false: case T2); None = one or
+            more, the model ending the list.
         json_answer: a JSON schema the output may match instead of calling tools (tools with a JSON
             response_format and tool_choice auto, case T5); None = calls only.
 
     Raises:
-        InvalidRequestError: no tools, or a tool's schema llguidance does not take.
+        InvalidRequestError: no tools, or a tool whose parameters are not an object schema.
     """
     if not tools:
         raise InvalidRequestError("a forced tool call needs at least one tool", param="tools")
     rules = []
     for k, tool in enumerate(tools):
-        schema = json.dumps(_call_schema(tool["name"], tool.get("parameters")))
-        rules.append(f'call_{k}: "<tool_call>\\n" %json {schema} "\\n</tool_call>"')
+        head = '<tool_call>\n{"name":' + json.dumps(tool["name"], ensure_ascii=False) + ',"arguments":'
+        arguments = json.dumps(_arguments_schema(tool["name"], tool.get("parameters")), ensure_ascii=False)
+        rules.append(f"call_{k}: {_lark_literal(head)} %json {arguments} {_lark_literal(_CALL_END)}")
     calls = "call" if max_calls == 1 else 'call ("\\n" call)*'
-    if json_answer is None:
-        start = f"start: {calls}"
-    else:
-        start = f"start: {calls} | %json {json.dumps({'x-guidance': _COMPACT, **(json_answer or {'type': 'object'})})}"
+    start = f"start: {calls}"
+    if json_answer is not None:
+        start += f" | %json {json.dumps(_with_options(json_answer or {'type': 'object'}), ensure_ascii=False)}"
     lark = "\n".join([start, "call: " + " | ".join(f"call_{k}" for k in range(len(tools))), *rules])
     return _llguidance().grammar_from("lark", lark)
 
@@ -125,12 +144,21 @@ class GrammarState:
         done: the grammar is complete and allows no further token (the sequence then ends).
     """
 
-    def __init__(self, tokenizer, grammar: str):
-        llg = _llguidance()
-        self._matcher = llg.LLMatcher(ll_tokenizer(tokenizer), grammar)
+    def __init__(self, tokenizer, grammar: str, matcher=None):
+        self._matcher = matcher if matcher is not None else _llguidance().LLMatcher(ll_tokenizer(tokenizer), grammar)
         if self._matcher.is_error():
             raise InvalidRequestError(f"the grammar does not compile: {self._matcher.get_error()}")
         self._bits = torch.arange(32, dtype=torch.int32)
+
+    @classmethod
+    def for_sequences(cls, tokenizer, grammar: str, n: int) -> list["GrammarState"]:
+        """One state for each of a request's `n` sequences: compiled once, copied (~15 us) for the others.
+
+        Raises:
+            InvalidRequestError: the grammar does not compile.
+        """
+        first = cls(tokenizer, grammar)
+        return [first] + [cls(tokenizer, grammar, first._matcher.deep_copy()) for _ in range(n - 1)]
 
     def allowed(self, vocab_size: int) -> torch.Tensor:
         """[vocab_size] bool: the tokens the grammar allows next (ids past the tokenizer's vocabulary, e.g. a

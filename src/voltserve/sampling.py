@@ -76,8 +76,8 @@ def sample(logits: torch.Tensor, rows: list[SampleRow],
         default_generator: used by rows without their own seeded generator.
     Returns:
         (token ids, logprobs) where logprobs[i] is a TokenLogprob when rows[i] asked for logprobs, else None.
-        Logprobs are of the model's distribution after penalties, before temperature and filtering
-        (what vLLM reports by default).
+        Logprobs are of the model's distribution after penalties, before temperature, filtering and a grammar's
+        mask (what vLLM reports by default).
     """
     logits = logits.float()
     tokens: list[int] = []
@@ -92,12 +92,16 @@ def sample(logits: torch.Tensor, rows: list[SampleRow],
         x = logits[i].clone()
         if p.has_penalties:
             apply_penalties(x, row)
+        scores = x  # what logprobs report: the model's distribution after penalties
         if len(row.output_ids) < p.min_tokens:
             banned = list(row.eos_token_ids) + list(p.stop_token_ids)
             if banned:
+                x = x.clone() if row.allowed is not None else x
                 x[torch.tensor(banned, dtype=torch.long)] = float("-inf")
-        if row.allowed is not None:  # after the penalties: logprobs are then of the allowed tokens
-            x = x.masked_fill(~row.allowed, float("-inf"))
+        if row.allowed is not None:
+            masked = x.masked_fill(~row.allowed, float("-inf"))
+            # the grammar wins over min_tokens' bans when they leave it no token (e.g. it must end now)
+            x = masked if bool(torch.isfinite(masked).any()) else scores.masked_fill(~row.allowed, float("-inf"))
         token = int(x.argmax())
         if not p.is_greedy:
             probs = torch.softmax(_filter(x, p), -1)
@@ -109,7 +113,7 @@ def sample(logits: torch.Tensor, rows: list[SampleRow],
         if p.logprobs is None:
             logprobs.append(None)
             continue
-        lp = torch.log_softmax(x, -1)
+        lp = torch.log_softmax(scores, -1)
         top = ()
         if p.logprobs > 0:
             vals, ids = torch.topk(lp, p.logprobs)

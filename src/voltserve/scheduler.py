@@ -275,10 +275,10 @@ class Scheduler:
                 return FinishReason.STOP, None
             if token in params.stop_token_ids:
                 return FinishReason.STOP, token
+        if seq.grammar is not None and seq.grammar.done:  # complete (even at max_tokens): nothing more allowed
+            return FinishReason.STOP, None
         if num_out >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
             return FinishReason.LENGTH, None
-        if seq.grammar is not None and seq.grammar.done:  # complete: the grammar allows nothing more
-            return FinishReason.STOP, None
         return None, None
 
     def _blocks_needed(self, seq: Sequence, num_tokens: int) -> int:

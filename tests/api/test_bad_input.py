@@ -88,6 +88,10 @@ CASES = [
     ("tool_schema_bad_ref", "POST", CHAT, chat_body(tool_choice="required", tools=[{"type": "function", "function": {
         "name": "f", "parameters": {"type": "object", "properties": {"p": {"$ref": "#/$defs/Missing"}}}}}]), 400,
      INVALID, "tool_choice", None),
+    ("tool_choice_function_not_object", "POST", CHAT, chat_body(tool_choice={"type": "function", "function": "f"},
+     tools=[{"type": "function", "function": {"name": "f"}}]), 400, INVALID, "tool_choice", None),
+    ("tool_parameters_not_object", "POST", CHAT, chat_body(tool_choice="required", tools=[{"type": "function",
+     "function": {"name": "f", "parameters": {"type": "string"}}}]), 400, INVALID, "tools", None),
     ("response_format_unknown", "POST", CHAT, chat_body(response_format={"type": "yaml"}), 400, INVALID,
      "response_format.type", None),
     ("unknown_route", "POST", "/v1/nope", chat_body(), 404, INVALID, None, "unknown_url"),

@@ -289,6 +289,8 @@ CASES = [
      "prompt is not supported: this server does not store prompts"),
     ("background", body(background=True), 400, "background", None,
      "background responses are not supported: this server answers in the foreground"),
+    ("text_format_json_schema_without_schema", body(text={"format": {"type": "json_schema", "name": "x"}}), 400,
+     "text.format.schema", None, "text.format of type 'json_schema' needs 'schema'"),
     ("text_format_unknown", body(text={"format": {"type": "yaml"}}), 400, "text.format.type", None,
      "text.format of type 'yaml' is not supported"),
     ("metadata_value_not_string", body(metadata={"k": 1}), 400, "metadata.k", None,

@@ -30,8 +30,12 @@ async def test_each_api_asks_for_the_grammar_its_fields_mean(serve):
     fn = TOOLS[0]["function"]["name"]
     cases = [  # (url, request, an output its grammar takes, one it does not)
         ("/v1/chat/completions", chat_body(tools=TOOLS, tool_choice="required"), CALL, '{"ok":true}'),
-        ("/v1/chat/completions", chat_body(tools=TOOLS, tool_choice={"type": "function", "function": {"name": fn}},
-                                           parallel_tool_calls=False), CALL, CALL + "\n" + CALL),
+        ("/v1/chat/completions", chat_body(tools=TOOLS, tool_choice="required", parallel_tool_calls=False), CALL,
+         CALL + "\n" + CALL),  # T2
+        ("/v1/chat/completions", chat_body(tools=TOOLS, tool_choice="required"), CALL + "\n" + CALL, "Hi"),
+        # a named tool: exactly one call (as OpenAI's), parallel or not
+        ("/v1/chat/completions", chat_body(tools=TOOLS, tool_choice={"type": "function", "function": {"name": fn}}),
+         CALL, CALL + "\n" + CALL),
         ("/v1/chat/completions", chat_body(response_format={"type": "json_schema", "json_schema": {
             "name": "a", "schema": ANSWER}}), '{"ok":true}', '{"ok":1}'),
         ("/v1/chat/completions", chat_body(response_format={"type": "json_object"}), '{"x":[]}', "[]"),
@@ -46,6 +50,9 @@ async def test_each_api_asks_for_the_grammar_its_fields_mean(serve):
             "type": "json_schema", "name": "a", "schema": ANSWER}}}, '{"ok":true}', "Hi"),
         ("/v1/messages", {"model": "test-model", "max_tokens": 64, "messages": [{"role": "user", "content": "Hi"}],
                           "tools": ANTHROPIC_TOOLS, "tool_choice": {"type": "any"}}, CALL, "Hi"),
+        ("/v1/messages", {"model": "test-model", "max_tokens": 64, "messages": [{"role": "user", "content": "Hi"}],
+                          "tools": ANTHROPIC_TOOLS, "tool_choice": {"type": "tool", "name": "get_weather"}}, CALL,
+         CALL + "\n" + CALL),
         ("/v1/messages", {"model": "test-model", "max_tokens": 64, "messages": [{"role": "user", "content": "Hi"}],
                           "output_config": {"format": {"type": "json_schema", "schema": ANSWER}}}, '{"ok":true}',
          "{}"),

@@ -49,11 +49,11 @@ def test_responses_json_format(gpt):
     _valid(json.loads(response.output_text))
 
 
-def test_anthropic_forced_tool(server_url):
+def test_A1_anthropic_forced_tool(server_url):
+    """A named tool is one call (the grammar ends after it), so the message stops with tool_use."""
     claude = anthropic.Anthropic(base_url=server_url, api_key="x", max_retries=0, timeout=60)
     message = claude.messages.create(
         model=REAL_MODEL, max_tokens=80, messages=WEATHER, extra_body={"temperature": 0},
-        tools=[{"name": "get_weather", "input_schema": SCHEMA}],
-        tool_choice={"type": "tool", "name": "get_weather", "disable_parallel_tool_use": True})
+        tools=[{"name": "get_weather", "input_schema": SCHEMA}], tool_choice={"type": "tool", "name": "get_weather"})
     assert message.stop_reason == "tool_use" and [b.type for b in message.content] == ["tool_use"]
     _valid(message.content[0].input)

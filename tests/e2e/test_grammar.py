@@ -10,7 +10,7 @@ import pytest
 from tests.e2e.engine_helpers import chat_ids, complete, running_engine
 from voltserve import grammar
 from voltserve.errors import InvalidRequestError
-from voltserve.parsers.hermes import parse_tool_calls
+from voltserve.parsers.hermes import ToolCall, parse_tool_calls
 
 CITY = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
                                          "days": {"type": "integer", "minimum": 1, "maximum": 9}},
@@ -45,8 +45,7 @@ async def test_forced_tool_calls_parse(smollm2):
     if calls[0].name == "get_weather":
         assert set(json.loads(calls[0].arguments)) == {"city", "days"}
     # a tool without parameters takes exactly {} (case T4)
-    assert parse_tool_calls(named) == ("", [parse_tool_calls(named)[1][0]])
-    assert (parse_tool_calls(named)[1][0].name, parse_tool_calls(named)[1][0].arguments) == ("now", "{}")
+    assert parse_tool_calls(named) == ("", [ToolCall("now", "{}")])
 
 
 def test_check_names_the_request_field(smollm2):
@@ -59,3 +58,15 @@ def test_check_names_the_request_field(smollm2):
     ref = {"type": "object", "properties": {"p": {"$ref": "#/$defs/P"}}, "required": ["p"],
            "$defs": {"P": {"type": "integer"}}}
     grammar.check(smollm2.tokenizer, grammar.tool_calls_grammar([{"name": "f", "parameters": ref}]), "tools")
+
+
+async def test_a_grammar_complete_at_max_tokens_is_a_stop(smollm2):
+    """The grammar ends the output on its last token: finish_reason stop, even when that token is the
+    max_tokens-th (the grammar's end is checked before the length)."""
+    async with running_engine(smollm2) as engine:
+        prompt = chat_ids(engine, "What is the capital of France?")
+        g = grammar.json_schema_grammar(CITY)
+        _, tokens, _ = await complete(engine, prompt, temperature=0, max_tokens=60, grammar=g)
+        text, _, last = await complete(engine, prompt, temperature=0, max_tokens=len(tokens), grammar=g)
+    json.loads(text)
+    assert last.finish_reason.value == "stop"

@@ -3,6 +3,8 @@ which texts they accept, for cases T2, T4, T5 and T11 of ../shared/cases/api-beh
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from tests.api.fake_engine import EOS_ID, ByteTokenizer
@@ -82,6 +84,31 @@ def test_T11_references_into_defs_are_honoured():
     g = grammar.tool_calls_grammar([tool])
     assert complete(call("f", '{"p":3}'), g)
     assert not walk(call("f", '{"p":"3"'), g)[0]  # P is an integer, not a string
+
+
+def test_T11_a_recursive_reference_stays_in_the_arguments():
+    """`"$ref": "#"` is the arguments' own schema (each tool's arguments are a root of their own)."""
+    tree = {"type": "object", "properties": {"v": {"type": "integer"},
+                                             "kids": {"type": "array", "items": {"$ref": "#"}}}, "required": ["v"]}
+    g = grammar.tool_calls_grammar([{"name": "tree", "parameters": tree}])
+    assert complete(call("tree", '{"v":1,"kids":[{"v":2,"kids":[]}]}'), g)
+    assert not walk(call("tree", '{"v":1,"kids":[{"name"'), g)[0]
+
+
+def test_arguments_are_always_an_object():
+    untyped = {"properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    g = grammar.tool_calls_grammar([{"name": "f", "parameters": untyped}])
+    assert complete(call("f", '{"a":5}'), g) and not walk(call("f", "5"), g)[0]
+    with pytest.raises(InvalidRequestError, match="must be an object schema"):
+        grammar.tool_calls_grammar([{"name": "f", "parameters": {"type": "string"}}])
+
+
+def test_odd_tool_names_are_quoted_in_the_grammar():
+    name = 'we"ird\\ {name} é %json'
+    g = grammar.tool_calls_grammar([{"name": name}])
+    grammar.check(TOK, g, "tools")
+    quoted = json.dumps(name, ensure_ascii=False)
+    assert complete('<tool_call>\n{"name":' + quoted + ',"arguments":{}}\n</tool_call>', g)
 
 
 def test_check_refuses_what_does_not_compile():

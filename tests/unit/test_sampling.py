@@ -89,18 +89,32 @@ def test_logprobs_of_sampled_and_top_tokens():
 
 def test_grammar_mask_limits_every_row_kind():
     """A row's `allowed` mask (a grammar's next tokens): greedy picks the best allowed token, sampling never
-    leaves the mask, logprobs are of the masked distribution; a row without a mask in the same batch is free."""
+    leaves the mask, logprobs stay the model's (unmasked, as for every row); a row without a mask in the same
+    batch is free."""
     gen = torch.Generator().manual_seed(0)
     logits = torch.tensor([[5.0, 4.0, 3.0, 2.0, 1.0]] * 3)
     allowed = torch.tensor([False, False, True, True, False])
     rows = [SampleRow(SamplingParams(temperature=0.0), None, [], [], (), allowed),
             SampleRow(SamplingParams(temperature=1.0, logprobs=1), gen, [], [], (), allowed),
             SampleRow(SamplingParams(temperature=0.0), None, [], [], ())]
+    model = torch.log_softmax(logits[0], -1)
     seen = set()
     for _ in range(200):
         tokens, logprobs = sample(logits, rows)
         assert tokens[0] == 2 and tokens[2] == 0
         seen.add(tokens[1])
-        assert logprobs[1].top[0][0] == 2  # fp32: log(1 / (1 + e^-1)) to 1e-6
-        assert math.isclose(logprobs[1].top[0][1], math.log(1 / (1 + math.e ** -1)), rel_tol=1e-6)
+        assert math.isclose(logprobs[1].logprob, float(model[tokens[1]]), rel_tol=1e-6)
+        assert logprobs[1].top == ((0, float(model[0])),)
     assert seen == {2, 3}
+
+
+def test_grammar_wins_over_min_tokens_bans():
+    """min_tokens bans EOS (0) and a stop id (1); when the grammar allows nothing else, its token is taken rather
+    than one outside the mask."""
+    logits = torch.tensor([[1.0, 2.0, 3.0]])
+    row = SampleRow(SamplingParams(temperature=0.0, min_tokens=5, stop_token_ids=[1]), None, [], [], (0,),
+                    torch.tensor([True, True, False]))
+    assert sample(logits, [row])[0] == [1]
+    row = SampleRow(SamplingParams(temperature=0.0, min_tokens=5), None, [], [], (0,),
+                    torch.tensor([True, True, False]))
+    assert sample(logits, [row])[0] == [1]  # the ban on EOS leaves token 1, which the grammar allows

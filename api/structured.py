@@ -8,6 +8,7 @@ Cases of ../shared/cases/api-behaviour.md: T2 (one call when not parallel), T4 (
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 
 from voltserve import grammar
@@ -38,8 +39,9 @@ class Constraint:
     tools_parsed: bool = False
 
 
-def request_grammar(tokenizer, c: Constraint) -> str | None:
-    """The grammar of `c` (None when nothing is constrained), checked against `tokenizer`.
+async def request_grammar(tokenizer, c: Constraint) -> str | None:
+    """The grammar of `c` (None when nothing is constrained), checked against `tokenizer` in a thread
+    (llguidance compiles without the GIL: hundreds of tools take ~0.4 s, which the event loop must not wait).
 
     A forced choice wins over a JSON format (the output is then calls). A JSON format with tools the model may
     call (and a server that parses calls) allows either the calls or the JSON answer (case T5).
@@ -48,6 +50,12 @@ def request_grammar(tokenizer, c: Constraint) -> str | None:
         InvalidRequestError: a forced tool that the request does not define, or a grammar that does not compile
             (a schema llguidance does not take).
     """
+    if c.forced is None and c.json_schema is None:
+        return None
+    return await asyncio.to_thread(_checked_grammar, tokenizer, c)
+
+
+def _checked_grammar(tokenizer, c: Constraint) -> str:
     max_calls = 1 if not c.parallel or c.forced not in (None, "any") else None  # a named tool: one call
     if c.forced is not None:
         functions = list(c.functions)
@@ -67,8 +75,6 @@ def request_grammar(tokenizer, c: Constraint) -> str | None:
             except InvalidRequestError as exc:
                 exc.param = param
                 raise
-    else:
-        return None
     grammar.check(tokenizer, text, param)
     return text
 

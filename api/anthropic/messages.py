@@ -341,7 +341,7 @@ async def create_message():
     choice = req.tool_choice
     free_parser = parser_factory(state.config, engine, tools, choice.type if choice is not None else None)
     c = constraint(req, tools, free_parser is not None)
-    params.grammar = request_grammar(engine.tokenizer, c)
+    params.grammar = await request_grammar(engine.tokenizer, c)
     new_parser, max_calls, forced = output_parser(c, free_parser), None if c.parallel else 1, c.forced is not None
     ids = await prompt_ids(engine, req, tools)
     stream = state.track(add_request(engine, ids, params, prompt_param="messages", max_tokens_param="max_tokens"))

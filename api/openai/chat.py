@@ -116,7 +116,7 @@ async def chat_completions():
     engine = state.ready_engine()
     free_parser = parser_factory(state.config, engine, req.tools, req.tool_choice)
     c = constraint(req, free_parser is not None)
-    params.grammar = request_grammar(engine.tokenizer, c)
+    params.grammar = await request_grammar(engine.tokenizer, c)
     new_parser = output_parser(c, free_parser)
     prompt_ids = await chat_prompt_ids(engine, req)
     # Validation (context length, params) raises here, before any byte of a stream is sent.

@@ -211,7 +211,7 @@ async def create_response():
     engine = state.ready_engine()
     free_parser = parser_factory(state.config, engine, tools, req.tool_choice)
     c = constraint(req, tools, free_parser is not None)
-    params.grammar = request_grammar(engine.tokenizer, c)
+    params.grammar = await request_grammar(engine.tokenizer, c)
     new_parser = output_parser(c, free_parser)
     prompt_ids = await messages_prompt_ids(engine, messages, tools=tools or None, param="input")
     # Validation (context length, params) raises here, before any byte of a stream is sent.

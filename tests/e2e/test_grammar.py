@@ -3,6 +3,7 @@ writes under a JSON schema or a forced tool call parses, whatever the model woul
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import pytest
@@ -16,10 +17,13 @@ CITY = {"type": "object", "properties": {"city": {"type": "string", "maxLength":
                                          "days": {"type": "integer", "minimum": 1, "maximum": 9}},
         "required": ["city", "days"], "additionalProperties": False}
 TOOLS = [{"name": "get_weather", "parameters": CITY}, {"name": "now"}]
+# on a GPU, grammar rows take the host sampler in synchronous steps (`ModelRunner.async_sampler`): run there too
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
-async def test_json_schema_output_parses(smollm2):
-    async with running_engine(smollm2) as engine:
+@pytest.mark.parametrize("device", DEVICES)
+async def test_json_schema_output_parses(smollm2, device):
+    async with running_engine(smollm2, device=device) as engine:
         prompt = chat_ids(engine, "What is the capital of France?")
         free, _, _ = await complete(engine, prompt, temperature=0, max_tokens=40)
         text, tokens, last = await complete(engine, prompt, temperature=0, max_tokens=60,
@@ -33,8 +37,9 @@ async def test_json_schema_output_parses(smollm2):
     assert last.finish_reason.value == "stop"  # the grammar completed: EOS or nothing more allowed
 
 
-async def test_forced_tool_calls_parse(smollm2):
-    async with running_engine(smollm2) as engine:
+@pytest.mark.parametrize("device", DEVICES)
+async def test_forced_tool_calls_parse(smollm2, device):
+    async with running_engine(smollm2, device=device) as engine:
         prompt = chat_ids(engine, "What is the weather in Paris for the next 3 days?")
         one, _, _ = await complete(engine, prompt, temperature=0, max_tokens=80,
                                    grammar=grammar.tool_calls_grammar(TOOLS, max_calls=1))
@@ -60,13 +65,28 @@ def test_check_names_the_request_field(smollm2):
     grammar.check(smollm2.tokenizer, grammar.tool_calls_grammar([{"name": "f", "parameters": ref}]), "tools")
 
 
-async def test_a_grammar_complete_at_max_tokens_is_a_stop(smollm2):
+@pytest.mark.parametrize("device", DEVICES)
+async def test_a_grammar_complete_at_max_tokens_is_a_stop(smollm2, device):
     """The grammar ends the output on its last token: finish_reason stop, even when that token is the
     max_tokens-th (the grammar's end is checked before the length)."""
-    async with running_engine(smollm2) as engine:
+    async with running_engine(smollm2, device=device) as engine:
         prompt = chat_ids(engine, "What is the capital of France?")
         g = grammar.json_schema_grammar(CITY)
         _, tokens, _ = await complete(engine, prompt, temperature=0, max_tokens=60, grammar=g)
         text, _, last = await complete(engine, prompt, temperature=0, max_tokens=len(tokens), grammar=g)
     json.loads(text)
     assert last.finish_reason.value == "stop"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+async def test_a_grammar_request_beside_free_ones(smollm2, device):
+    """Free greedy requests batched with a grammar request answer as they do alone (on a GPU: their steps are
+    then synchronous, the grammar row sampled on the host)."""
+    async with running_engine(smollm2, device=device) as engine:
+        prompts = [chat_ids(engine, q) for q in ("What is the capital of France?", "Name a color.")]
+        alone = [(await complete(engine, p, temperature=0, max_tokens=24))[1] for p in prompts]
+        together = await asyncio.gather(
+            complete(engine, prompts[0], temperature=0, max_tokens=40, grammar=grammar.json_schema_grammar(CITY)),
+            *(complete(engine, p, temperature=0, max_tokens=24) for p in prompts))
+    json.loads(together[0][0])
+    assert [t[1] for t in together[1:]] == alone

@@ -73,10 +73,10 @@ class SignalDrain:
     """The signal handling of `voltserve serve`: `trigger` is hypercorn's shutdown trigger. It waits for one of
     `signals`, then drains the requests in flight (`ServerState.drain`: up to `timeout_s` s; a second signal ends
     them at once) before hypercorn closes the connections, so open streams end with an error event (and `[DONE]`
-    on OpenAI's chunk streams) instead of a cut connection. The handlers are installed at construction, before hypercorn starts the app
-    (a signal while the model loads then shuts down once it is up, as hypercorn's own handlers would, instead of
-    killing the process), and removed after the drain (a further signal gets the default action, e.g. to end an
-    engine stop that hangs). Call it on the running loop."""
+    on OpenAI's chunk streams) instead of a cut connection. The handlers are installed at construction, before
+    hypercorn starts the app (a signal while the model loads then shuts down once it is up, as hypercorn's own
+    handlers would, instead of killing the process), and removed after the drain (a further signal gets the
+    default action, e.g. to end an engine stop that hangs). Call it on the running loop."""
 
     def __init__(self, state: ServerState, timeout_s: float,
                  signals: tuple[int, ...] = (signal.SIGINT, signal.SIGTERM)):

@@ -47,7 +47,8 @@ async def request_grammar(tokenizer, c: Constraint) -> str | None:
     call (and a server that parses calls) allows either the calls or the JSON answer (case T5).
 
     Raises:
-        InvalidRequestError: a forced tool that the request does not define, or a grammar that does not compile
+        InvalidRequestError: a forced call without tools or of a tool the request does not define, or a grammar
+            that does not compile
             (a schema llguidance does not take).
     """
     if c.forced is None and c.json_schema is None:
@@ -56,6 +57,8 @@ async def request_grammar(tokenizer, c: Constraint) -> str | None:
 
 
 def _checked_grammar(tokenizer, c: Constraint) -> str:
+    if c.forced is not None and not c.functions:
+        raise InvalidRequestError("tool_choice forces a call but the request gives no tools", param=c.tool_param)
     max_calls = 1 if not c.parallel or c.forced not in (None, "any") else None  # a named tool: one call
     if c.forced is not None:
         functions = list(c.functions)

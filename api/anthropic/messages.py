@@ -302,8 +302,8 @@ def constraint(req: MessagesRequest, tools: list[dict] | None, tools_parsed: boo
     as a `Constraint` (`tools`: as `template_tools` gives them).
 
     Raises:
-        InvalidRequestError: a tool choice of type "tool" without a name, a forced call without tools, or an
-            output format other than json_schema.
+        InvalidRequestError: a tool choice of type "tool" without a name, or an output format other than
+            json_schema.
     """
     choice, forced = req.tool_choice, None
     if choice is not None and choice.type == "any":
@@ -312,8 +312,6 @@ def constraint(req: MessagesRequest, tools: list[dict] | None, tools_parsed: boo
         if not choice.name:
             raise InvalidRequestError("a tool_choice of type 'tool' needs 'name'", param="tool_choice.name")
         forced = choice.name
-    if forced is not None and not tools:
-        raise InvalidRequestError("tool_choice forces a call but the request gives no tools", param="tool_choice")
     schema, param = None, "output_config.format"
     for param, config in (("output_config.format", (req.output_config or {}).get("format")),
                           ("output_format", req.output_format)):

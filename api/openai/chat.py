@@ -97,10 +97,7 @@ def constraint(req: ChatCompletionRequest, tools_parsed: bool) -> Constraint:
     elif choice not in (None, "auto", "none"):
         raise InvalidRequestError(f"tool_choice '{choice}' is not one of none, auto, required or a named function",
                                   param="tool_choice")
-    functions = _functions(req)
-    if forced is not None and not functions:
-        raise InvalidRequestError("tool_choice forces a call but the request gives no tools", param="tool_choice")
-    return Constraint(functions=functions, forced=forced, parallel=req.parallel_tool_calls is not False,
+    return Constraint(functions=_functions(req), forced=forced, parallel=req.parallel_tool_calls is not False,
                       json_schema=_json_schema(req.response_format),
                       tools_parsed=tools_parsed and choice != "none")
 

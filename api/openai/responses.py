@@ -143,7 +143,7 @@ def constraint(req: ResponsesRequest, tools: list[dict], tools_parsed: bool) -> 
     tools as `template_tools` gives them).
 
     Raises:
-        InvalidRequestError: a malformed tool_choice or text.format, or a forced call without tools.
+        InvalidRequestError: a malformed tool_choice or text.format.
     """
     choice, forced = req.tool_choice, None
     if choice == "required":
@@ -155,8 +155,6 @@ def constraint(req: ResponsesRequest, tools: list[dict], tools_parsed: bool) -> 
     elif choice not in (None, "auto", "none"):
         raise InvalidRequestError(f"tool_choice '{choice}' is not one of none, auto, required or a named function",
                                   param="tool_choice")
-    if forced is not None and not tools:
-        raise InvalidRequestError("tool_choice forces a call but the request gives no tools", param="tool_choice")
     text_format = req.text.format if req.text is not None else None
     schema = None
     if text_format is not None and text_format.type != "text":

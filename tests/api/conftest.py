@@ -50,6 +50,15 @@ def chat_body(**extra) -> dict:
     return {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], **extra}
 
 
+async def wait_for_abort(engine, turns: int = 50) -> None:
+    """Give a left stream's cancelled generator the loop turns its `finally` (the abort) needs: until
+    `engine.aborted` is non-empty, at most `turns` sleeps of 10 ms."""
+    for _ in range(turns):
+        if engine.aborted:
+            return
+        await asyncio.sleep(0.01)
+
+
 async def leave_mid_stream(client, body: dict, chunks: int = 2, path: str = "/v1/chat/completions") -> bytes:
     """POST a streamed request (chat by default) to `path`, read `chunks` body chunks, then disconnect as a client
     that leaves.
@@ -104,7 +113,8 @@ def server_url(smollm2_gguf, tmp_path_factory):
         # as README and tools/voltserve.service run it: the API process on uvloop (the engine process follows
         # VOLTSERVE_EVENT_LOOP, auto = uvloop too)
         proc = subprocess.Popen([sys.executable, "-m", "hypercorn", "-k", "uvloop", "api:app",
-                                 "--bind", f"127.0.0.1:{port}"], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+                                 "--bind", f"127.0.0.1:{port}"], cwd=ROOT, env=env, stdout=log,
+                                stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 240

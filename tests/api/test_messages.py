@@ -4,13 +4,12 @@ part of case A4 (the event sequence), disconnects and engine death mid-stream. T
 
 from __future__ import annotations
 
-import asyncio
 
 import orjson
 import pytest
 
 from api import sse
-from tests.api.conftest import MODEL, leave_mid_stream, stream_until_engine_dies
+from tests.api.conftest import MODEL, leave_mid_stream, stream_until_engine_dies, wait_for_abort
 from tests.api.fake_engine import ScriptedEngine
 
 URL = "/v1/messages"
@@ -192,10 +191,7 @@ async def test_client_disconnect_aborts_the_message(serve):
         first = await leave_mid_stream(client, body(stream=True, max_tokens=200), path=URL)
         assert first.startswith(b"event: message_start")
         (_, _, request_id), = engine.requests
-        for _ in range(50):
-            if engine.aborted:
-                break
-            await asyncio.sleep(0.01)
+        await wait_for_abort(engine)
         assert engine.aborted and set(engine.aborted) == {request_id}
         response = await client.post(URL, json=body(max_tokens=2))
         assert response.status_code == 200
@@ -301,6 +297,7 @@ async def test_malformed_json_api_key_and_unknown_route_in_anthropic_shape(serve
     assert orjson.loads(await denied.get_data())["error"]["type"] == "authentication_error"
     assert malformed.status_code == 400 and orjson.loads(await malformed.get_data())["error"]["type"] == BAD
     assert unknown.status_code == 404
-    assert orjson.loads(await unknown.get_data()) == _error("not_found_error", "Invalid URL (POST /v1/messages/batches)")
+    assert orjson.loads(await unknown.get_data()) == \
+        _error("not_found_error", "Invalid URL (POST /v1/messages/batches)")
     assert "code" in orjson.loads(await chat.get_data())["error"]  # OpenAI's shape stays on OpenAI routes
     assert allowed.status_code == 200

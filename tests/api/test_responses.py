@@ -4,14 +4,13 @@ leaves, an engine error mid-stream, and the wire shapes the `openai` SDK's typed
 
 from __future__ import annotations
 
-import asyncio
 
 import orjson
 import pytest
 from openai.types.responses import Response as SdkResponse
 from openai.types.responses import ResponseStreamEvent
 from pydantic import TypeAdapter
-from tests.api.conftest import MODEL, chat_body, leave_mid_stream, stream_until_engine_dies
+from tests.api.conftest import MODEL, chat_body, leave_mid_stream, stream_until_engine_dies, wait_for_abort
 from tests.api.fake_engine import ScriptedEngine, StreamedEngine
 from tests.api.test_metrics import _m, _scrape
 from tests.api.fake_engine import hermes_call as call
@@ -348,10 +347,7 @@ async def test_client_disconnect_aborts_request(serve):
         first = await leave_mid_stream(client, body(stream=True), chunks=6, path=URL)
         assert first.startswith(b"event: response.created\ndata: ")
         (_, _, request_id), = engine.requests
-        for _ in range(50):  # the cancelled generator's finally runs on the next loop turns
-            if engine.aborted:
-                break
-            await asyncio.sleep(0.01)
+        await wait_for_abort(engine)
         assert set(engine.aborted) == {request_id}
         assert (await client.post(URL, json=body(max_output_tokens=2))).status_code == 200
 

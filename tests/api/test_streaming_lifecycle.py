@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 
 import orjson
-from tests.api.conftest import MODEL, chat_body, leave_mid_stream, stream_until_engine_dies
+from tests.api.conftest import MODEL, chat_body, leave_mid_stream, stream_until_engine_dies, wait_for_abort
 from tests.api.fake_engine import ScriptedEngine
 from voltserve.request import SamplingParams
 
@@ -61,10 +61,7 @@ async def test_client_disconnect_aborts_request(serve):
         first = await leave_mid_stream(client, chat_body(stream=True))
         assert first.startswith(b"data: ")
         (_, _, request_id), = engine.requests
-        for _ in range(50):  # the cancelled generator's finally runs on the next loop turns
-            if engine.aborted:
-                break
-            await asyncio.sleep(0.01)
+        await wait_for_abort(engine)
         # the generator's finally aborts at once; the collected-generator backstop may repeat it (abort is
         # idempotent)
         assert engine.aborted and set(engine.aborted) == {request_id}

@@ -12,7 +12,7 @@ from tests.api.fake_engine import ScriptedEngine
 from tests.api.test_messages_tools import TOOLS as ANTHROPIC_TOOLS, _both as messages_both, _blocks, _stop_reason
 from tests.api.test_responses_tools import WEATHER as RESPONSES_TOOL, both as responses_both
 from tests.api.test_tool_calls import TOOLS, _both as chat_both, _joined
-from tests.unit.test_grammar_rules import TOK, complete
+from tests.unit.test_grammar_rules import complete
 
 CALL = '<tool_call>\n{"name":"get_weather","arguments":{"city":"Paris"}}\n</tool_call>'
 ANSWER = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}

@@ -98,6 +98,17 @@ def _default_num_blocks(config: EngineConfig, device: str, block_bytes: int) -> 
     return int(budget // block_bytes)
 
 
+def speculation(config: EngineConfig) -> dict:
+    """The Scheduler's speculative decoding arguments (`drafter`, `ladder`) for `config.speculative_method`; {}
+    for "none"."""
+    if config.speculative_method == "none":
+        return {}
+    from voltserve.spec.ngram import NgramDrafter
+
+    return {"drafter": NgramDrafter(config.num_speculative_tokens, config.ngram_min, config.ngram_max),
+            "ladder": config.draft_ladder()}
+
+
 def build_runner(config: EngineConfig, loaded=None, spare_cores: int = 0) -> BuiltEngine:
     """Load (unless given) and assemble everything a WorkerActor and the SchedulerActor need. `spare_cores`:
     CPU cores torch's threads leave free when `config.num_threads` is 0 (`cpu_threads`; the engine's own 1).

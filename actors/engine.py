@@ -70,7 +70,7 @@ class AsyncEngine:
 
     async def start(self) -> None:
         """Load the model (in a thread), build the runner and start the actors."""
-        from actors.build import build_runner  # composition: loaders + backends
+        from actors.build import build_runner, speculation  # composition: loaders + backends
 
         built = await asyncio.to_thread(build_runner, self.config, self._loaded, self._spare_cores)
         self._loaded = None  # the runner holds what it needs; free the fp32 copies
@@ -83,7 +83,8 @@ class AsyncEngine:
         self.pool = BlockPool(built.num_blocks, self.config.block_size, self.config.enable_prefix_caching)
         scheduler = Scheduler(self.pool, self.config.max_num_seqs, self.config.max_num_batched_tokens,
                               self.max_model_len, built.eos_token_ids, *built.runner.ahead_admission(),
-                              admission_wait_steps=self.config.admission_wait_steps)
+                              admission_wait_steps=self.config.admission_wait_steps,
+                              **speculation(self.config))
         self._worker = WorkerActor(built.runner, thread_init=built.thread_init, on_crash=self._on_crash)
         self._scheduler_actor = SchedulerActor(scheduler, self._worker, self.tokenizer, on_crash=self._on_crash)
         self._worker.start()

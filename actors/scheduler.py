@@ -147,7 +147,7 @@ class SchedulerActor(Actor):
             raise TypeError(f"scheduler: unknown message {msg!r}")
 
     def _emit(self, seq: Sequence, logprob, new_token: bool = True) -> None:
-        """Detokenize seq's newest token, apply stop strings, and deliver the delta (runs once per token: lean).
+        """Detokenize seq's newest tokens, apply stop strings, and deliver the delta (runs once per token: lean).
 
         The consumer is woken by a callback queued at the first delivery since the last wake-up. The loop runs
         callbacks in order, so the worker's wake-up for the next step (queued by `ask` after this step's
@@ -157,11 +157,13 @@ class SchedulerActor(Actor):
         detok = self.detoks.get(seq.seq_id)
         if detok is None:
             return
-        token = seq.output_ids[-1] if new_token else None
+        # the tokens of the last update: one, or a verify's accepted drafts and its own token
+        tokens = seq.output_ids[len(detok.token_ids):] if new_token else []
         finished = seq.is_finished
         text = ""
-        if token is not None and not (finished and seq.stop_reason == token):
-            text, matched = detok.push((token,))
+        pushed = tokens[:-1] if tokens and finished and seq.stop_reason == tokens[-1] else tokens
+        if pushed:
+            text, matched = detok.push(pushed)
             if matched is not None:
                 if finished:  # it also hit max_tokens or EOS this step: the stop string explains the end
                     seq.finish_reason, seq.stop_reason = FinishReason.STOP, matched
@@ -173,7 +175,7 @@ class SchedulerActor(Actor):
         rid = seq.request_id
         stream = self.streams[rid]
         stream.put(RequestOutput(
-            rid, seq.index, [token] if token is not None else [], text,
+            rid, seq.index, tokens, text,
             [logprob] if logprob is not None else None, seq.finish_reason, seq.stop_reason,
             len(seq.prompt_ids), seq.num_cached_tokens, len(seq.output_ids),
         ), wake=False)

@@ -65,6 +65,13 @@ HELP = {
     "chat_template": "a Jinja2 chat template file to use instead of the model's own",
     "tool_call_parser": "how tool calls are read from the output when a request gives tools: auto (hermes when "
                         "the chat template writes <tool_call>), hermes, none",
+    "speculative_method": "speculative decoding: none, or ngram (prompt-lookup drafts verified in one step; "
+                          "greedy output unchanged)",
+    "num_speculative_tokens": "the most drafts a sequence verifies in one step (k)",
+    "ngram_min": "the shortest suffix the n-gram drafter matches",
+    "ngram_max": "the longest suffix the n-gram drafter matches",
+    "concurrency_drafts": "verify width by running sequences, a JSON object such as '{\"4\": 3, \"5\": 4}' "
+                          "(thresholds >= 2, widths 1..k); below the lowest threshold all k",
 }
 
 

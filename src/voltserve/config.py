@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from voltserve.errors import ConfigError
 from voltserve.event_loop import check_kind as check_event_loop
+from voltserve.spec.ladder import DraftLadder
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
@@ -72,6 +73,7 @@ def _env(name: str, default, cast=str):
 
 
 TOOL_CALL_PARSERS = ("auto", "hermes", "none")
+SPECULATIVE_METHODS = ("none", "ngram")
 MAX_SOCKET_PATH_BYTES = 100  # sun_path holds 108 bytes on Linux (104 on macOS), with its terminating NUL
 # EngineConfig fields that only the API process reads; API processes sharing one engine may differ in them
 API_ONLY_FIELDS = frozenset({"served_model_name", "api_key", "sse_keep_alive_interval", "stream_interval", "host",
@@ -145,6 +147,15 @@ class EngineConfig:
         tool_call_parser: how tool calls are read from the output of a request that gives `tools`: "hermes"
             (`<tool_call>{...}</tool_call>`, `voltserve.parsers.hermes`), "none" (output is content), or "auto"
             (hermes when the chat template writes `<tool_call>`, else none).
+        speculative_method: "none", or "ngram": speculative decoding with prompt-lookup drafts
+            (`voltserve.spec.ngram`), verified by the model in one step (greedy output unchanged; sampled output
+            by rejection sampling, the same distribution). Requests with a grammar, logprobs or penalties decode
+            without drafts. Steps then run synchronously (no step is planned ahead).
+        num_speculative_tokens: k, the most drafts a sequence verifies in one step.
+        ngram_min / ngram_max: the shortest and longest suffix the n-gram drafter matches.
+        concurrency_drafts: the ladder, a JSON object of running-sequence thresholds (>= 2) to verify widths
+            (1..k), e.g. '{"4": 3, "5": 4}': with R running sequences the largest threshold <= R sets the width;
+            below the lowest one all k drafts are verified (`voltserve.spec.ladder`). "" = always k.
     """
 
     model: str = DEFAULT_MODEL
@@ -179,6 +190,11 @@ class EngineConfig:
     shutdown_timeout: float = 30.0
     chat_template: str = ""
     tool_call_parser: str = "auto"
+    speculative_method: str = "none"
+    num_speculative_tokens: int = 4
+    ngram_min: int = 2
+    ngram_max: int = 4
+    concurrency_drafts: str = ""
 
     def validate(self) -> "EngineConfig":
         """Check ranges; raises ConfigError naming the setting. Returns self."""
@@ -207,6 +223,13 @@ class EngineConfig:
                               f"not {self.tool_call_parser!r}")
         if self.chat_template and not os.path.isfile(self.chat_template):
             raise ConfigError(f"chat_template {self.chat_template!r} is not a file")
+        if self.speculative_method not in SPECULATIVE_METHODS:
+            raise ConfigError(f"speculative_method must be one of {', '.join(SPECULATIVE_METHODS)}, "
+                              f"not {self.speculative_method!r}")
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise ConfigError(f"ngram_min and ngram_max must satisfy 1 <= ngram_min <= ngram_max, not "
+                              f"{self.ngram_min} and {self.ngram_max}")
+        self.draft_ladder()  # raises on a bad num_speculative_tokens or concurrency_drafts
         if self.weight_format not in ("auto", "float"):
             raise ConfigError(f"weight_format must be auto or float, not {self.weight_format!r}")
         if (self.engine_socket or self.api_processes > 1) and not self.engine_process:
@@ -222,6 +245,14 @@ class EngineConfig:
         if not self.served_model_name:
             self.served_model_name = self.model
         return self
+
+    def draft_ladder(self) -> DraftLadder:
+        """The verify width per concurrency from `num_speculative_tokens` and `concurrency_drafts`.
+
+        Raises:
+            ConfigError: either is out of range (`DraftLadder.parse`).
+        """
+        return DraftLadder.parse(self.concurrency_drafts, self.num_speculative_tokens)
 
     def engine_settings(self) -> dict:
         """The fields the engine process acts on (not the API's own: names, keys, ports, streaming): API

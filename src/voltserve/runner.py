@@ -14,6 +14,7 @@ from voltserve.request import MAX_LOGPROBS, TokenLogprob
 from voltserve.sampling import SampleRow, sample
 from voltserve.scheduler import StepPlan
 from voltserve.sequence import Sequence
+from voltserve.spec.verify import accept_greedy, accept_sampled
 
 logger = logging.getLogger(__name__)
 
@@ -95,6 +96,13 @@ class ModelRunner:
                 ids.append(seq.token_at(pos))
                 positions.append(pos)
                 slots.append(blocks[pos // bs] * bs + pos % bs)
+            elif e.drafts:  # verify: the last token, then the drafts; logits for every row
+                end = e.start + e.num_new
+                ids.append(seq.token_at(e.start))
+                ids.extend(e.drafts)
+                positions.extend(range(e.start, end))
+                slots.extend(blocks[pos // bs] * bs + pos % bs for pos in range(e.start, end))
+                logits_rows.extend(range(query_start[-1], query_start[-1] + e.num_new - 1))
             else:
                 end = e.start + e.num_new
                 ids.extend(seq.token_ids()[e.start:end])
@@ -185,7 +193,8 @@ class ModelRunner:
         samples, on the device and without host state, "greedy" (the graph's own argmax) or "device"
         (`CudaBackend.sample`: no penalties, no min_tokens masking due)."""
         g = self.graphs
-        if g is None or not all(e.sample for e in plan.entries) or g.plan_key(plan.entries) is None:
+        if g is None or plan.has_drafts or not all(e.sample for e in plan.entries) \
+                or g.plan_key(plan.entries) is None:
             return None
         if all(_plain_greedy(e.seq) for e in plan.entries):
             return "greedy"
@@ -273,7 +282,8 @@ class ModelRunner:
         return sampled, _token_logprobs(seqs, tokens, *handle.extras_host)
 
     def _execute(self, plan: StepPlan) -> tuple[dict[int, int], dict[int, TokenLogprob]]:
-        key = self.graphs.plan_key(plan.entries) if self.graphs is not None else None
+        # a verify step takes every row's logits: eager (the graphs keep one row a sequence)
+        key = self.graphs.plan_key(plan.entries) if self.graphs is not None and not plan.has_drafts else None
         if key is not None:
             self.graphs.fill(key, plan.entries)  # no StepInputs on the graph path
             self._begin_timer()
@@ -286,6 +296,46 @@ class ModelRunner:
             step = self.prepare(plan)
             self._begin_timer()
             logits, greedy_ids = self.forward(step), None
+        if plan.has_drafts:
+            return self._sample_verify(plan, logits)
+        return self._sample(plan, logits, greedy_ids)
+
+    def _sample_verify(self, plan: StepPlan, logits: torch.Tensor) -> tuple[dict, dict[int, TokenLogprob]]:
+        """Sample a verify step's rows (`prepare`: one row an entry, 1 + len(drafts) for an entry with drafts):
+        the plain entries as `_sample` does, the drafted ones through `voltserve.spec.verify` (on the host)."""
+        plain_rows, spans, row = [], [], 0
+        for e in plan.entries:
+            if e.drafts:
+                spans.append((e, row))
+                row += e.num_new
+            elif e.sample:
+                plain_rows.append(row)
+                row += 1
+        plain = StepPlan([e for e in plan.entries if not e.drafts])
+        index = torch.tensor(plain_rows, dtype=torch.int64, device=logits.device)
+        sampled, lps = self._sample(plain, logits[index], None) if plain_rows else ({}, {})
+        if all(e.seq.params.is_greedy for e, _ in spans):  # one host copy of every argmax
+            targets = logits.argmax(-1)
+            self._end_timer()
+            targets = targets.tolist()
+            for e, r in spans:
+                sampled[e.seq.seq_id] = accept_greedy(targets[r:r + e.num_new], list(e.drafts))
+            return sampled, lps
+        self._end_timer()
+        host = logits.float().cpu()
+        for e, r in spans:
+            s = e.seq
+            drafts = list(e.drafts)
+            if s.params.is_greedy:
+                sampled[s.seq_id] = accept_greedy(host[r:r + e.num_new].argmax(-1).tolist(), drafts)
+            else:
+                gen = s.generator if s.generator is not None else self.generator
+                sampled[s.seq_id] = accept_sampled(host[r:r + e.num_new], drafts, s.params, gen)
+        return sampled, lps
+
+    def _sample(self, plan: StepPlan, logits: torch.Tensor, greedy_ids: torch.Tensor | None
+                ) -> tuple[dict[int, int], dict[int, TokenLogprob]]:
+        """Sample the step's logits [sampling entries, vocab] (greedy_ids: the graph's argmax of each, or None)."""
         sampling = [e.seq for e in plan.entries if e.sample]
         if not sampling:
             return {}, {}

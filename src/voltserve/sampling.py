@@ -48,7 +48,7 @@ def apply_penalties(logits: torch.Tensor, row: SampleRow) -> torch.Tensor:
     return logits
 
 
-def _filter(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+def filter_logits(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     """Temperature, top-k, top-p, min-p on one row [vocab_size] fp32; returns filtered logits."""
     logits = logits / p.temperature
     if p.top_k > 0 and p.top_k < logits.shape[-1]:
@@ -104,7 +104,7 @@ def sample(logits: torch.Tensor, rows: list[SampleRow],
             x = masked if bool(torch.isfinite(masked).any()) else scores.masked_fill(~row.allowed, float("-inf"))
         token = int(x.argmax())
         if not p.is_greedy:
-            probs = torch.softmax(_filter(x, p), -1)
+            probs = torch.softmax(filter_logits(x, p), -1)
             # extreme (valid) parameters can overflow to inf/nan: then the argmax above is the limit they tend to
             if bool(torch.isfinite(probs).all()) and float(probs.sum()) > 0:
                 gen = row.generator if row.generator is not None else default_generator

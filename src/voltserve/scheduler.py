@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from voltserve.kv_cache import BlockPool, hash_block
 from voltserve.request import FinishReason
 from voltserve.sequence import Sequence, SequenceStatus
+from voltserve.spec.ladder import DraftLadder
+from voltserve.spec.verify import draftable
 
 
 @dataclass
@@ -30,12 +32,15 @@ class ScheduledSeq:
         start: position of its first token in this step (= tokens already in the KV cache).
         num_new: tokens it computes this step (1 for decode).
         sample: whether this step reaches its last known token, so a new token is sampled.
+        drafts: draft tokens verified after its last token (speculative decoding; `num_new` = 1 + their number):
+            the step then emits 1..len(drafts) + 1 tokens for it (`voltserve.spec.verify`).
     """
 
     seq: Sequence
     start: int
     num_new: int
     sample: bool
+    drafts: tuple[int, ...] = ()
 
 
 @dataclass
@@ -43,6 +48,7 @@ class StepPlan:
     """The work of one step, in the order the worker lays the tokens out."""
 
     entries: list[ScheduledSeq]
+    has_drafts: bool = False  # an entry verifies drafts: the runner runs the step eagerly, every row's logits
 
     @property
     def num_tokens(self) -> int:
@@ -69,11 +75,17 @@ class Scheduler:
             steps into one mixed step spends fewer of them; each waits at most this many steps (its time to
             first token grows by up to as many step times). The same idea as the max_waiting_tokens of Hugging
             Face text-generation-inference's router.
+        drafter: speculative decoding's drafter (`voltserve.spec.ngram.NgramDrafter`: `propose(tokens, k)`), or
+            None: decoding sequences that may be drafted (`voltserve.spec.verify.draftable`) verify up to
+            `ladder.width(running sequences)` drafts a step. Steps are then never planned ahead while such a
+            sequence runs (its drafts need the token the step before samples).
+        ladder: the verify width per concurrency (`voltserve.spec.ladder.DraftLadder`); needed with a drafter.
     """
 
     def __init__(self, pool: BlockPool, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
                  eos_token_ids: tuple[int, ...], ahead_prefill_tokens: int = 0,
-                 ahead_admissible: Callable[[Sequence], bool] | None = None, admission_wait_steps: int = 0):
+                 ahead_admissible: Callable[[Sequence], bool] | None = None, admission_wait_steps: int = 0,
+                 drafter=None, ladder: DraftLadder | None = None):
         self.pool = pool
         self.block_size = pool.block_size
         self.max_num_seqs = max_num_seqs
@@ -88,6 +100,13 @@ class Scheduler:
         self.admission_wait_steps = admission_wait_steps
         self._num_plans = 0  # plans handed out (schedule and schedule_ahead): the clock of admission_wait_steps
         self._added_at: dict[int, int] = {}  # seq_id of a new waiting sequence -> _num_plans when it was added
+        if drafter is not None and ladder is None:
+            raise ValueError("a drafter needs a ladder (DraftLadder(num_drafts))")
+        self.drafter = drafter
+        self.ladder = ladder
+        self.num_verify_steps = 0  # sequence-steps that verified drafts
+        self.num_draft_tokens = 0  # drafts verified
+        self.num_accepted_tokens = 0  # drafts accepted (the acceptance length is 1 + this / num_verify_steps)
 
     # -- queue management ---------------------------------------------------------------------------------
 
@@ -122,10 +141,18 @@ class Scheduler:
         entries: list[ScheduledSeq] = []
         preempted = False
         i = 0
-        # 1) running sequences: one decode token or their next prefill chunk each
+        width = self.ladder.width(len(self.running)) if self.drafter is not None else 0
+        # 1) running sequences: one decode token (with drafts to verify) or their next prefill chunk each
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if width and num_new == 1 and budget > 1:
+                entry = self._draft_entry(seq, min(width, budget - 1))
+                if entry is not None:
+                    entries.append(entry)
+                    budget -= entry.num_new
+                    i += 1
+                    continue
             while not self._grow(seq, seq.num_computed_tokens + num_new):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -141,7 +168,23 @@ class Scheduler:
         if not preempted and not self._holds_back(entries):
             self._admit(entries, budget)
         self._num_plans += 1
-        return StepPlan(entries)
+        return StepPlan(entries, has_drafts=any(e.drafts for e in entries) if width else False)
+
+    def _draft_entry(self, seq: Sequence, k: int) -> ScheduledSeq | None:
+        """A decoding sequence's entry with up to k drafts (fewer where the context or max_tokens ends sooner),
+        its blocks grown for them; None when it gets none (not draftable, no proposal, the pool short)."""
+        k = min(k, self.max_model_len - seq.num_tokens - 1, seq.max_tokens - len(seq.output_ids) - 1)
+        if k < 1 or not draftable(seq):
+            return None
+        drafts = self.drafter.propose(seq.token_ids(), k)[:k]
+        if not drafts:
+            return None
+        # drafts never take the blocks the other running sequences' next tokens need
+        need = self._blocks_needed(seq, seq.num_tokens + len(drafts))
+        if need and self.pool.num_free - need < len(self.running):
+            return None
+        self._grow(seq, seq.num_tokens + len(drafts))
+        return ScheduledSeq(seq, seq.num_computed_tokens, 1 + len(drafts), True, tuple(drafts))
 
     def _holds_back(self, entries: list[ScheduledSeq], decode_only: bool = False) -> bool:
         """Whether the head of the queue waits for a later step (`admission_wait_steps`): it is a new request
@@ -205,6 +248,8 @@ class Scheduler:
         entries = [e for e in plan.entries if e.seq.status is not SequenceStatus.FINISHED]
         if not entries or len(entries) != len(self.running) or len(entries) > self.max_num_batched_tokens:
             return None
+        if self.drafter is not None and any(draftable(e.seq) for e in entries):
+            return None  # schedule() drafts for it, from the token `plan` samples
         need = 0
         for e, seq in zip(entries, self.running):
             if e.seq is not seq or not e.sample or seq.num_computed_tokens != e.start:
@@ -236,15 +281,21 @@ class Scheduler:
 
         Args:
             plan: the plan that ran.
-            sampled: seq_id -> sampled token id, for every entry with `sample` set.
+            sampled: seq_id -> sampled token id, for every entry with `sample` set; for an entry with drafts the
+                list of tokens its verify emits (the accepted drafts, then the target's own token).
         Returns:
-            The sequences that got a new token, in plan order (finished ones have `finish_reason` set).
+            The sequences that got new tokens, in plan order (finished ones have `finish_reason` set); one token
+            each, but 1..len(drafts) + 1 for entries with drafts.
         """
         touched = []
         block_size = self.block_size
         for entry in plan.entries:  # per sequence per step: kept lean
             seq = entry.seq
             if seq.status is SequenceStatus.FINISHED:  # aborted while the step ran
+                continue
+            if entry.drafts:
+                self._apply_verified(seq, entry, sampled[seq.seq_id])
+                touched.append(seq)
                 continue
             seq.num_computed_tokens += entry.num_new
             if seq.num_computed_tokens // block_size > len(seq.block_hashes):  # a block filled up
@@ -260,6 +311,27 @@ class Scheduler:
             if reason is not None:
                 self.finish(seq, reason, stop_reason)
         return touched
+
+    def _apply_verified(self, seq: Sequence, entry: ScheduledSeq, tokens: list[int]) -> None:
+        """Append a verify's tokens up to the first that ends the sequence. The K / V of the last token fed and
+        of the accepted drafts are valid; the rejected drafts' slots are overwritten when those positions are
+        computed again."""
+        self.num_verify_steps += 1
+        self.num_draft_tokens += len(entry.drafts)
+        self.num_accepted_tokens += len(tokens) - 1
+        reason = stop_reason = None
+        kept = 0
+        for token in tokens:
+            seq.output_ids.append(token)
+            kept += 1
+            reason, stop_reason = self._check_stop(seq, token)
+            if reason is not None:
+                break
+        seq.num_computed_tokens += kept
+        if seq.num_computed_tokens // self.block_size > len(seq.block_hashes):
+            self._register_full_blocks(seq)
+        if reason is not None:
+            self.finish(seq, reason, stop_reason)
 
     # -- helpers ------------------------------------------------------------------------------------------
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from voltserve.request import SamplingParams
-from voltserve.sampling import _filter
+from voltserve.sampling import filter_logits
 
 pytestmark = pytest.mark.gpu
 
@@ -45,7 +45,7 @@ def _row(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=0, offset=0, num_l
 def _ref_probs(x: torch.Tensor, **kw) -> torch.Tensor:
     """The CPU reference's sampling distribution of one row [vocab] fp32."""
     p = SamplingParams(**kw)
-    return torch.softmax(_filter(x.clone(), p), -1)
+    return torch.softmax(filter_logits(x.clone(), p), -1)
 
 
 def test_philox_known_answers(cuda_backend):

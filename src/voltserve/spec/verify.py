@@ -1,0 +1,71 @@
+"""Verification of drafts against the target model's logits.
+
+For a sequence whose step fed [its last token, d_1 .. d_k] the target gives k + 1 rows of logits: row i is the
+distribution of the token after d_i (row 0: after the last token). Drafts are accepted from the first on while
+they pass; the first row that rejects (or the row after the last draft) samples one more token, so a verify step
+emits 1..k + 1 tokens.
+
+- Greedy: d_i passes when it is row i-1's argmax; the output equals non-speculative greedy decoding exactly.
+- Sampled: speculative sampling (Leviathan et al. 2023, "Fast Inference from Transformers via Speculative
+  Decoding"; Chen et al. 2023): with a drafter that proposes one token for certain (q a point mass, as n-gram
+  lookup does), d_i passes with probability p(d_i) and a rejection samples from p with d_i removed, renormalized;
+  every emitted token then follows the target's distribution p (after temperature, top-k, top-p, min-p).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from voltserve.sampling import filter_logits
+
+
+def draftable(seq) -> bool:
+    """Whether `seq`'s next tokens may be drafted: no grammar (its mask follows each token), no logprobs, no
+    penalties (each row's distribution would depend on the tokens accepted before it), min_tokens met (no EOS
+    masking due)."""
+    p = seq.params
+    return (p.grammar is None and p.logprobs is None and not p.has_penalties
+            and len(seq.output_ids) >= p.min_tokens)
+
+
+def accept_greedy(target_ids: list[int], drafts: list[int]) -> list[int]:
+    """Tokens a greedy verify emits. target_ids: [len(drafts) + 1] the argmax of each row."""
+    out = []
+    for i, d in enumerate(drafts):
+        out.append(target_ids[i])
+        if target_ids[i] != d:
+            return out
+    out.append(target_ids[len(drafts)])
+    return out
+
+
+def accept_sampled(logits: torch.Tensor, drafts: list[int], params, generator: torch.Generator | None
+                   ) -> list[int]:
+    """Tokens a sampled verify emits.
+
+    Args:
+        logits: [len(drafts) + 1, vocab] fp32 CPU, the target's rows.
+        drafts: the proposed ids.
+        params: the sequence's SamplingParams (temperature > 0; no penalties, see `draftable`).
+        generator: the sequence's seeded generator, or the engine's.
+    """
+    out = []
+    for i in range(len(drafts) + 1):
+        probs = torch.softmax(filter_logits(logits[i].float(), params), -1)
+        if not bool(torch.isfinite(probs).all()) or float(probs.sum()) <= 0:
+            probs = torch.zeros_like(probs)  # extreme parameters: the limit they tend to, the argmax
+            probs[int(logits[i].argmax())] = 1.0
+        if i == len(drafts):
+            out.append(int(torch.multinomial(probs, 1, generator=generator)))
+            return out
+        d = drafts[i]
+        if float(torch.rand((), generator=generator)) < float(probs[d]):
+            out.append(d)
+            continue
+        probs[d] = 0.0
+        if float(probs.sum()) <= 0:  # p(d) was 1 up to rounding: d is the only token left
+            out.append(d)
+            continue
+        out.append(int(torch.multinomial(probs, 1, generator=generator)))
+        return out
+    return out

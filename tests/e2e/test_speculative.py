@@ -1,0 +1,68 @@
+"""Speculative decoding with the n-gram drafter on the default model (case D1: lossless; case L1's ladder): the
+greedy output equals the plain engine's, sequential and concurrent, with drafts actually accepted."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from tests.e2e.engine_helpers import chat_ids, complete, running_engine
+
+# prompts whose answers copy their input or repeat: the drafts pass often
+PROMPTS = ["List the numbers from 1 to 30 separated by commas.",
+           "Repeat this sentence exactly three times: The quick brown fox jumps over the lazy dog.",
+           "What is the capital of France?"]
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+SPEC = {"speculative_method": "ngram", "num_speculative_tokens": 4}
+
+
+async def answers(engine, concurrent: bool, **params) -> list[list[int]]:
+    prompts = [chat_ids(engine, p) for p in PROMPTS]
+    if concurrent:
+        outs = await asyncio.gather(*[complete(engine, p, **params) for p in prompts])
+    else:
+        outs = [await complete(engine, p, **params) for p in prompts]
+    return [tokens for _, tokens, _ in outs]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+async def test_greedy_output_equals_plain_decoding(smollm2, device):
+    params = {"temperature": 0, "max_tokens": 80}
+    async with running_engine(smollm2, device=device) as engine:
+        plain = await answers(engine, False, **params)
+    async with running_engine(smollm2, device=device, **SPEC) as engine:
+        alone = await answers(engine, False, **params)
+        together = await answers(engine, True, **params)
+        sched = engine._scheduler_actor.scheduler
+        assert engine.pool.num_free == engine.pool.num_blocks  # no KV block outlives its request
+    assert alone == plain and together == plain
+    # drafts were verified and some passed: 1 + accepted / verifies tokens a verify step
+    assert sched.num_verify_steps > 20 and sched.num_accepted_tokens > sched.num_verify_steps // 4
+
+
+@pytest.mark.parametrize("device", DEVICES)
+async def test_ladder_and_stop_strings(smollm2, device):
+    """Width 1 from 2 running sequences on; a stop string inside an accepted run of drafts still ends the text
+    where the plain engine ends it."""
+    params = {"temperature": 0, "max_tokens": 80, "stop": ["15"]}
+    async with running_engine(smollm2, device=device) as engine:
+        plain = await complete(engine, chat_ids(engine, PROMPTS[0]), **params)
+    async with running_engine(smollm2, device=device, concurrency_drafts='{"2": 1}', **SPEC) as engine:
+        spec = await complete(engine, chat_ids(engine, PROMPTS[0]), **params)
+        together = await answers(engine, True, temperature=0, max_tokens=40)
+    async with running_engine(smollm2, device=device) as engine:
+        plain_together = await answers(engine, True, temperature=0, max_tokens=40)
+    assert spec[0] == plain[0] and spec[0].endswith("14, ") and spec[2].stop_reason == "15"
+    assert together == plain_together
+
+
+@pytest.mark.parametrize("device", DEVICES)
+async def test_seeded_sampling_repeats(smollm2, device):
+    """Sampled verification (rejection sampling) with a seed: the same tokens run to run (case R1)."""
+    params = {"temperature": 0.8, "top_p": 0.95, "seed": 11, "max_tokens": 60}
+    async with running_engine(smollm2, device=device, **SPEC) as engine:
+        first = await answers(engine, False, **params)
+        second = await answers(engine, True, **params)
+        assert engine._scheduler_actor.scheduler.num_verify_steps > 0
+    assert first == second and all(len(t) > 5 for t in first)

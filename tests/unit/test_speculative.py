@@ -1,0 +1,232 @@
+"""Speculative decoding's parts on the host: the n-gram drafter, the concurrency ladder (case L1), verification
+(greedy exact, rejection sampling's distribution) and the scheduler's verify steps over a fake model (case D1's
+rule: the output equals non-speculative greedy decoding; no KV block leaks)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.helpers import make_scheduler, make_seq, next_token
+from voltserve.config import EngineConfig
+from voltserve.errors import ConfigError
+from voltserve.request import FinishReason, SamplingParams
+from voltserve.spec.ladder import DraftLadder
+from voltserve.spec.ngram import NgramDrafter
+from voltserve.spec.verify import accept_greedy, accept_sampled
+
+
+# -- n-gram drafter ---------------------------------------------------------------------------------------------
+
+def test_ngram_copies_what_followed_the_latest_match():
+    d = NgramDrafter(4, min_n=2, max_n=3)
+    # suffix [5, 6] occurred twice; the latest occurrence (index 6) is followed by 9, 1
+    assert d.propose([5, 6, 7, 8, 0, 0, 5, 6, 9, 1, 5, 6], 4) == [9, 1, 5, 6]
+    assert d.propose([5, 6, 7, 8, 0, 0, 5, 6, 9, 1, 5, 6], 2) == [9, 1]  # k caps the drafts
+    assert d.propose([1, 2, 3, 4], 4) == []  # no earlier [3, 4]
+    assert d.propose([7, 7], 4) == []  # too short for min_n 2 before the suffix
+    # the longest suffix wins: [2, 3, 4] matches at index 0 (-> 8), [3, 4] alone matches later (-> 9)
+    assert d.propose([2, 3, 4, 8, 3, 4, 9, 2, 3, 4], 1) == [8]
+
+
+def test_ngram_drafts_run_into_the_suffix_and_stop_at_the_end():
+    d = NgramDrafter(8, min_n=1, max_n=2)
+    assert d.propose([1, 2, 1, 2, 1, 2], 8) == [1, 2]  # repetition: the match right before the suffix
+    assert d.propose([4, 4, 4], 8) == [4]
+
+
+def test_ngram_lookback_bounds_the_search():
+    d = NgramDrafter(2, min_n=2, max_n=2, max_lookback=6)
+    assert d.propose([1, 2, 3, 0, 0, 0, 0, 0, 1, 2], 2) == []  # the match is older than 6 tokens
+    assert NgramDrafter(2, min_n=2, max_n=2).propose([1, 2, 3, 0, 0, 0, 0, 0, 1, 2], 2) == [3, 0]
+    with pytest.raises(ValueError):
+        NgramDrafter(0)
+    with pytest.raises(ValueError):
+        NgramDrafter(4, min_n=3, max_n=2)
+
+
+# -- the ladder (case L1) -----------------------------------------------------------------------------------------
+
+def test_ladder_widths_by_running_sequences():
+    ladder = DraftLadder.parse('{"4": 3, "5": 4}', 7)
+    assert [ladder.width(r) for r in range(1, 9)] == [7, 7, 7, 3, 4, 4, 4, 4]
+    assert DraftLadder.parse("", 5).width(64) == 5
+    assert DraftLadder.parse({"8": 1, "2": 2}, 3).rungs == ((2, 2), (8, 1))
+
+
+@pytest.mark.parametrize("bad, message", [
+    ('{"1": 3}', "threshold 1 must be >= 2"),
+    ('{"4": 8}', "width 8 at 4 must be an integer in 1..7"),
+    ('{"4": 0}', "width 0 at 4 must be an integer in 1..7"),
+    ('{"4": 2.5}', "width 2.5 at 4"),
+    ('{"x": 2}', "threshold 'x' is not an integer"),
+    ('[4, 3]', "must be a JSON object"),
+    ("{4: 3}", "is not JSON"),
+])
+def test_bad_ladders_fail_at_startup(bad, message):
+    with pytest.raises(ConfigError, match=message.replace(".", r"\.")):
+        EngineConfig(speculative_method="ngram", num_speculative_tokens=7, concurrency_drafts=bad).validate()
+
+
+def test_bad_speculative_settings_fail_at_startup():
+    with pytest.raises(ConfigError, match="speculative_method must be one of none, ngram"):
+        EngineConfig(speculative_method="eagle").validate()
+    with pytest.raises(ConfigError, match="num_speculative_tokens must be >= 1"):
+        EngineConfig(speculative_method="ngram", num_speculative_tokens=0).validate()
+    with pytest.raises(ConfigError, match="1 <= ngram_min <= ngram_max"):
+        EngineConfig(speculative_method="ngram", ngram_min=3, ngram_max=2).validate()
+
+
+# -- verification -------------------------------------------------------------------------------------------------
+
+def test_accept_greedy():
+    assert accept_greedy([5, 6, 7, 8], [5, 6, 7]) == [5, 6, 7, 8]  # all pass: the bonus token too
+    assert accept_greedy([5, 9, 7, 8], [5, 6, 7]) == [5, 9]  # the first miss: the target's token ends it
+    assert accept_greedy([4, 6, 7, 8], [5, 6, 7]) == [4]
+
+
+def test_rejection_sampling_keeps_the_target_distribution():
+    """Each emitted position follows the target's p whatever the (point-mass) draft: the first token over many
+    trials for a draft the target likes, one it dislikes and one it bans (top_k)."""
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0, 0.5], [0.0, 0.0, 3.0, 0.0, 0.0]])
+    params = SamplingParams(temperature=0.8, top_k=4)
+    p = torch.softmax(logits[0] / 0.8, -1)
+    p[3] = 0  # top_k 4 drops the smallest
+    p /= p.sum()
+    gen = torch.Generator().manual_seed(1234)
+    n = 20000
+    for draft in (0, 2, 3):
+        counts = torch.zeros(5)
+        accepted = 0
+        for _ in range(n):
+            out = accept_sampled(logits, [draft], params, gen)
+            counts[out[0]] += 1
+            accepted += len(out) == 2
+        assert (counts / n - p).abs().max() < 0.012, (draft, counts / n, p)
+        assert abs(accepted / n - float(p[draft])) < 0.012  # a draft passes with probability p(draft)
+        assert counts[3] == 0
+
+
+# -- the scheduler's verify steps -----------------------------------------------------------------------------------
+
+class FakeDrafter:
+    """Proposes `guess(seq tokens)` (a list), at most k of them; records the k it was asked for."""
+
+    def __init__(self, guess):
+        self.guess = guess
+        self.asked: list[int] = []
+
+    def propose(self, tokens, k):
+        self.asked.append(k)
+        return self.guess(tokens)[:k]
+
+
+def fake_step(scheduler):
+    """One step over the fake model of tests.helpers.next_token: each row's target is next_token(its input id,
+    its position); verify entries accept their drafts as the runner does (greedy)."""
+    plan = scheduler.schedule()
+    sampled = {}
+    for e in plan.entries:
+        seq = e.seq
+        if e.drafts:
+            ids = [seq.token_at(e.start)] + list(e.drafts)
+            targets = [next_token(t, e.start + i) for i, t in enumerate(ids)]
+            sampled[seq.seq_id] = accept_greedy(targets, list(e.drafts))
+        elif e.sample:
+            pos = e.start + e.num_new - 1
+            sampled[seq.seq_id] = next_token(seq.token_at(pos), pos)
+    return plan, scheduler.update(plan, sampled)
+
+
+def run_all(scheduler, seqs):
+    for s in seqs:
+        scheduler.add(s)
+    plans = []
+    while scheduler.has_work():
+        plans.append(fake_step(scheduler)[0])
+    return plans
+
+
+def oracle(tokens):
+    """A drafter that knows the fake model: right for 2 tokens, then wrong."""
+    out, pos = [], len(tokens) - 1
+    last = tokens[-1]
+    for i in range(3):
+        last = next_token(last, pos + i) if i < 2 else 1000
+        out.append(last)
+    return out
+
+
+def test_verify_steps_give_the_greedy_output_and_free_every_block():
+    prompts = [[3, 1, 4, 1, 5], [2, 7, 1, 8, 2, 8, 1, 8], [9]]
+    base = make_scheduler()
+    ref = [make_seq(p, max_tokens=13) for p in prompts]
+    base_plans = run_all(base, ref)
+    spec = make_scheduler(drafter=FakeDrafter(oracle), ladder=DraftLadder(4))
+    seqs = [make_seq(p, max_tokens=13) for p in prompts]
+    plans = run_all(spec, seqs)
+    assert [s.output_ids for s in seqs] == [s.output_ids for s in ref]
+    assert all(s.finish_reason is FinishReason.LENGTH and len(s.output_ids) == 13 for s in seqs)
+    assert len(plans) < len(base_plans)  # 3 tokens a verify step
+    assert spec.num_accepted_tokens == 2 * spec.num_verify_steps and spec.num_draft_tokens >= \
+        spec.num_accepted_tokens
+    assert spec.pool.num_free == spec.pool.num_blocks
+    spec.pool.check_invariants()
+
+
+def test_drafts_stop_at_max_tokens_and_the_context():
+    drafter = FakeDrafter(lambda tokens: [1, 1, 1, 1, 1, 1])
+    s = make_scheduler(drafter=drafter, ladder=DraftLadder(6), max_model_len=12)
+    a = make_seq([5, 5], max_tokens=4)
+    b = make_seq([5, 5, 5, 5, 5], max_tokens=20)
+    run_all(s, [a, b])
+    # a: its 1st token from the prefill, then k <= 4 - 1 - 1 = 2 drafts (the bonus token may be its last)
+    assert drafter.asked[0] == 2 and len(a.output_ids) == 4
+    # b: the context ends at 12 tokens: at 6 tokens k <= 12 - 6 - 1 = 5
+    assert max(drafter.asked) <= 5 and b.num_tokens == 12 and b.finish_reason is FinishReason.LENGTH
+
+
+def test_an_eos_among_accepted_drafts_ends_the_sequence_there():
+    # the fake model's targets at position p after id t: drafts equal them, but the drafter also proposes EOS
+    # (id 0) as its 2nd token and the "model" accepts it (a target of 0 there)
+    s = make_scheduler(drafter=FakeDrafter(lambda tokens: [77, 0, 55]), ladder=DraftLadder(3), eos=(0,))
+    seq = make_seq([1, 2, 3], max_tokens=10)
+    s.add(seq)
+    plan = s.schedule()
+    s.update(plan, {seq.seq_id: 77})  # the prefill's token
+    plan = s.schedule()
+    assert plan.has_drafts and plan.entries[0].drafts == (77, 0, 55) and plan.entries[0].num_new == 4
+    touched = s.update(plan, {seq.seq_id: [77, 0, 55, 9]})  # everything "accepted"
+    assert touched == [seq] and seq.output_ids == [77, 77, 0] and seq.finish_reason is FinishReason.STOP
+    assert s.pool.num_free == s.pool.num_blocks
+
+
+def test_the_ladder_sets_each_steps_width_and_no_step_is_planned_ahead():
+    drafter = FakeDrafter(lambda tokens: [1] * 8)
+    s = make_scheduler(drafter=drafter, ladder=DraftLadder.parse('{"4": 3, "5": 4}', 7), max_num_seqs=8,
+                       num_blocks=256)
+    seqs = [make_seq([1, 2], max_tokens=50) for _ in range(5)]
+    widths = []
+    for n in range(1, 6):
+        s.add(seqs[n - 1])
+        plan, _ = fake_step(s)  # the new one's prefill next to the others' verifies
+        drafter.asked.clear()
+        plan, _ = fake_step(s)
+        widths.append(set(drafter.asked))
+        assert s.schedule_ahead(plan) is None
+    assert widths == [{7}, {7}, {7}, {3}, {4}]
+
+
+def test_undraftable_sequences_decode_one_token():
+    drafter = FakeDrafter(lambda tokens: [1, 1])
+    s = make_scheduler(drafter=drafter, ladder=DraftLadder(2))
+    seqs = [make_seq([1, 2], logprobs=1), make_seq([1, 2], presence_penalty=0.5),
+            make_seq([1, 2], min_tokens=3, max_tokens=8)]
+    for q in seqs:
+        s.add(q)
+    fake_step(s)
+    plan, _ = fake_step(s)
+    assert not plan.has_drafts and [e.num_new for e in plan.entries] == [1, 1, 1]
+    fake_step(s)
+    plan, _ = fake_step(s)  # min_tokens 3 met: the third drafts now
+    assert [len(e.drafts) for e in plan.entries] == [0, 0, 2]

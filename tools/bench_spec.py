@@ -1,0 +1,118 @@
+"""Speculative decoding benchmark: output tokens/s of the offline engine (`AsyncEngine`, no HTTP) with and
+without n-gram drafts, per concurrency, greedy, on prompts whose answers copy their input and on free ones.
+
+    python tools/bench_spec.py --device cuda --concurrency 1,4,16 --max-tokens 256 --out spec.json
+
+Reports, as JSON lines and in `--out`, for each (method, prompt set, concurrency): output tok/s (median of
+`--repeats`), and for ngram the acceptance length (tokens a verify step emits per sequence, 1 + accepted /
+verifies) and drafts per verify. Greedy outputs of both methods are compared (case D1) and a mismatch is
+reported as `"lossless": false`. Other engine settings come from VOLTSERVE_* variables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo's actors/ and loaders/
+
+PROMPTS = {
+    "copy": ["Repeat this paragraph word for word: The lighthouse stood on the rocks for a hundred years, and "
+             "every night its keeper climbed the stairs, lit the lamp and watched the ships pass by.",
+             "Rewrite this code with type hints: def add(a, b):\n    return a + b\n\ndef mul(a, b):\n    "
+             "return a * b\n\ndef sub(a, b):\n    return a - b\n",
+             "List the numbers from 1 to 60 separated by commas."],
+    "free": ["Write a short story about a lighthouse keeper who finds a message in a bottle.",
+             "Explain how a refrigerator works.",
+             "Describe a day in the life of a medieval blacksmith."],
+}
+
+
+async def level(engine, prompts: list[list[int]], concurrency: int, max_tokens: int) -> tuple[float, list]:
+    """Run `concurrency` streams, each cycling through the prompts once; returns (tok/s, token lists)."""
+    from tests.e2e.engine_helpers import complete
+
+    jobs = [prompts[i % len(prompts)] for i in range(max(concurrency, len(prompts)))]
+    sem = asyncio.Semaphore(concurrency)
+
+    async def one(p):
+        async with sem:
+            return await complete(engine, p, temperature=0, max_tokens=max_tokens, ignore_eos=False)
+
+    t0 = time.perf_counter()
+    outs = await asyncio.gather(*[one(p) for p in jobs])
+    dt = time.perf_counter() - t0
+    tokens = [o[1] for o in outs]
+    return sum(map(len, tokens)) / dt, tokens
+
+
+async def run(args) -> list[dict]:
+    from actors.engine import AsyncEngine
+    from loaders import load_model
+    from voltserve.config import EngineConfig
+
+    loaded = load_model(args.model)
+    results, outputs = [], {}
+    for method in ("none", "ngram"):
+        config = EngineConfig.from_env(model=args.model, device=args.device, speculative_method=method,
+                                       num_speculative_tokens=args.num_speculative_tokens,
+                                       concurrency_drafts=args.concurrency_drafts)
+        engine = AsyncEngine(config, loaded=loaded)
+        await engine.start()
+        try:
+            template, tok = engine.chat_template, engine.tokenizer
+            for name, texts in PROMPTS.items():
+                prompts = [tok.encode(template.render([{"role": "user", "content": t}])) for t in texts]
+                for c in args.concurrency:
+                    await level(engine, prompts, c, 8)  # warm-up (kernels, graphs of this width)
+                    sched = engine._scheduler_actor.scheduler
+                    v0, d0, a0 = sched.num_verify_steps, sched.num_draft_tokens, sched.num_accepted_tokens
+                    rates = []
+                    for _ in range(args.repeats):
+                        rate, tokens = await level(engine, prompts, c, args.max_tokens)
+                        rates.append(rate)
+                    row = {"method": method, "prompts": name, "concurrency": c, "device": args.device,
+                           "output_tokens_per_s": round(statistics.median(rates), 1),
+                           "runs": [round(r, 1) for r in rates]}
+                    verifies = sched.num_verify_steps - v0
+                    if verifies:
+                        row["acceptance_length"] = round(1 + (sched.num_accepted_tokens - a0) / verifies, 3)
+                        row["drafts_per_verify"] = round((sched.num_draft_tokens - d0) / verifies, 3)
+                    key = (name, c)
+                    if method == "none":
+                        outputs[key] = tokens
+                    else:
+                        row["lossless"] = tokens == outputs[key]
+                        base = next(r for r in results if r["method"] == "none" and r["prompts"] == name
+                                    and r["concurrency"] == c)
+                        row["speedup"] = round(row["output_tokens_per_s"] / base["output_tokens_per_s"], 3)
+                    print(json.dumps(row), flush=True)
+                    results.append(row)
+        finally:
+            await engine.stop()
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--concurrency", default=[1, 4, 16], type=lambda s: [int(x) for x in s.split(",")])
+    parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--num-speculative-tokens", type=int, default=4)
+    parser.add_argument("--concurrency-drafts", default="")
+    parser.add_argument("--out", default="")
+    args = parser.parse_args()
+    results = asyncio.run(run(args))
+    if args.out:
+        Path(args.out).write_text(json.dumps({"results": results}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

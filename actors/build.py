@@ -143,7 +143,8 @@ def build_runner(config: EngineConfig, loaded=None, spare_cores: int = 0) -> Bui
         from voltserve.graphs import StepGraphs, prefill_buckets
 
         mixed = prefill_buckets(config.max_num_batched_tokens) if config.mixed_graphs else []
-        graphs = StepGraphs(model, backend, kv_cache, config.max_num_seqs, max_model_len, mixed)
+        verify = config.num_speculative_tokens if config.speculative_method != "none" else 0
+        graphs = StepGraphs(model, backend, kv_cache, config.max_num_seqs, max_model_len, mixed, verify)
         graphs.capture()
     tokenizer = loaded.tokenizer
     eos = tuple(cfg.eos_token_ids) or tuple(tokenizer.eos_token_ids)

@@ -8,6 +8,11 @@ sequences' decodes instead of making the whole step eager; under many streaming 
 few steps (bench_decode.py --churn). Every graph is captured largest first into one shared memory pool (nano-vllm's
 shape). Padded tokens write no KV (slot -1); each padded sequence has one padded token and one key of block 0;
 their logits are dropped. Steps beyond the largest buckets run eagerly.
+
+Verify graphs (speculative decoding, `verify_drafts` = k): a mixed graph per bucket b of up to b * k + 1 query
+tokens beyond one a sequence, with logits and the greedy argmax for every token slot (a verify step needs the
+target's row after each draft). Captured only for buckets where b * k <= `VERIFY_MAX_DRAFT_TOKENS`; a bigger
+verify step runs eagerly.
 """
 
 from __future__ import annotations
@@ -27,6 +32,8 @@ logger = logging.getLogger(__name__)
 # to one step's budget. More P buckets cost capture time and graph memory; a prefill above the largest runs
 # eagerly, where launching costs less than the step computes.
 MIXED_PREFILL_TOKENS = (64, 512)
+# the most draft tokens (b * k) a verify graph is captured for; the ladder's widths usually shrink k as b grows
+VERIFY_MAX_DRAFT_TOKENS = 128
 
 
 def batch_buckets(max_num_seqs: int) -> list[int]:
@@ -46,10 +53,12 @@ def prefill_buckets(max_num_batched_tokens: int) -> list[int]:
 @dataclass(frozen=True)
 class GraphKey:
     """A captured graph: `seqs` sequence slots; prefill = 0 for a decode graph (one token per slot), else the
-    mixed graph's query-token capacity P (seqs + P token slots, at most P per sequence)."""
+    mixed graph's query-token capacity P (seqs + P token slots, at most P per sequence); verify: a verify graph
+    (a mixed graph with logits for every token slot)."""
 
     seqs: int
     prefill: int = 0
+    verify: bool = False
 
     @property
     def tokens(self) -> int:
@@ -147,7 +156,11 @@ class PackedStepInputs:
                 positions.append(start)
                 slots.append(blocks[start // bs] * bs + start % bs)
             else:
-                ids.extend(seq.token_ids()[start:start + n])
+                if e.drafts:  # a verify: the last token, then the drafts
+                    ids.append(seq.token_at(start))
+                    ids.extend(e.drafts)
+                else:
+                    ids.extend(seq.token_ids()[start:start + n])
                 positions.extend(range(start, start + n))
                 slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, start + n))
             starts.append(starts[-1] + n)
@@ -192,6 +205,7 @@ class _GraphInputs:
         self._turn = 0  # the mirror the next step fills
         self.host = h = self._hosts[0]
         self.dev = torch.zeros_like(h.buffer, device=device)
+        self.all_rows = torch.arange(tokens, dtype=torch.int64, device=device)  # a verify graph's logits rows
         (self.input_ids, self.positions, self.slot_mapping, self.logits_rows, self.seq_lens, self.query_start,
          self.decode_splits, self.block_tables) = h.fields(self.dev, torch.int64)
         self.dev.copy_(h.buffer)
@@ -202,7 +216,8 @@ class _GraphInputs:
         attn = AttentionMetadata(self.query_start[:b + 1], self.seq_lens[:b], self.block_tables[:b],
                                  self.slot_mapping[:t], q, max_model_len, [q] * b, [1] * b,
                                  split_decode=bool(key.prefill), decode_splits=self.decode_splits)
-        return StepInputs(self.input_ids[:t], self.positions[:t], attn, self.logits_rows[:b])
+        rows = self.all_rows[:t] if key.verify else self.logits_rows[:b]
+        return StepInputs(self.input_ids[:t], self.positions[:t], attn, rows)
 
     def writable(self) -> PackedStepInputs:
         """The mirror the next step fills, once its previous upload has read it."""
@@ -239,10 +254,12 @@ class StepGraphs:
         max_model_len: longest context; sizes the block tables and the attention split grid.
         prefill_tokens: the mixed graphs' query-token capacities P (`prefill_buckets`); empty = decode graphs
             only.
+        verify_drafts: k, the most drafts a sequence verifies (speculative decoding): verify graphs of b * k + 1
+            query tokens beyond one a sequence for each bucket b with b * k <= VERIFY_MAX_DRAFT_TOKENS; 0 = none.
     """
 
     def __init__(self, model, backend, kv_cache: torch.Tensor, max_num_seqs: int, max_model_len: int,
-                 prefill_tokens: tuple[int, ...] | list[int] = ()):
+                 prefill_tokens: tuple[int, ...] | list[int] = (), verify_drafts: int = 0):
         self.model, self.backend, self.kv_cache = model, backend, kv_cache
         self.buckets = batch_buckets(max_num_seqs)
         self.prefill_buckets = sorted(prefill_tokens)
@@ -254,6 +271,14 @@ class StepGraphs:
         self._mixed = None
         if self.prefill_buckets:
             self._mixed = _GraphInputs(n + self.prefill_buckets[-1], n, self.max_blocks, block_size, dev)
+        # bucket -> a verify graph's query tokens beyond one a sequence (one more than b * k: a lone sequence's
+        # 1 + k tokens fit)
+        self.verify_buckets = {b: b * verify_drafts + 1 for b in self.buckets
+                               if verify_drafts and b * verify_drafts <= VERIFY_MAX_DRAFT_TOKENS}
+        self._verify = None
+        if self.verify_buckets:
+            b = max(self.verify_buckets)
+            self._verify = _GraphInputs(b + self.verify_buckets[b], b, self.max_blocks, block_size, dev)
         self._graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}
         self._logits: dict[GraphKey, torch.Tensor] = {}
         self._greedy: dict[GraphKey, torch.Tensor] = {}
@@ -263,12 +288,13 @@ class StepGraphs:
         self._plan_decode_splits = getattr(backend, "graph_decode_splits", None)
 
     def _inputs(self, key: GraphKey) -> _GraphInputs:
-        return self._mixed if key.prefill else self._decode
+        return self._verify if key.verify else self._mixed if key.prefill else self._decode
 
     def keys(self) -> list[GraphKey]:
         """Every graph, largest first (the capture order)."""
         mixed = [GraphKey(b, p) for p in reversed(self.prefill_buckets) for b in reversed(self.buckets)]
-        return mixed + [GraphKey(b) for b in reversed(self.buckets)]
+        verify = [GraphKey(b, p, True) for b, p in sorted(self.verify_buckets.items(), reverse=True)]
+        return mixed + verify + [GraphKey(b) for b in reversed(self.buckets)]
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -287,7 +313,8 @@ class StepGraphs:
             self._graphs[key] = graph
         torch.cuda.synchronize()
         logger.info("captured decode CUDA graphs for batch sizes %s, mixed prefill + decode graphs for up to %s "
-                    "query tokens", self.buckets, self.prefill_buckets or "no")
+                    "query tokens, verify graphs for batch sizes %s", self.buckets, self.prefill_buckets or "no",
+                    sorted(self.verify_buckets) or "none")
 
     def plan_key(self, entries) -> GraphKey | None:
         """The smallest graph that runs these plan entries, or None (run the step eagerly)."""
@@ -301,6 +328,19 @@ class StepGraphs:
         extra = sum(e.num_new for e in entries) - n  # tokens beyond one per sequence (padded sequences get one)
         p = next((x for x in self.prefill_buckets if x >= longest and x >= extra), None)
         return GraphKey(b, p) if p is not None else None
+
+    def verify_key(self, entries) -> GraphKey | None:
+        """The verify graph that runs these entries (some with drafts), or None (run the step eagerly)."""
+        if not self._graphs or not self.verify_buckets or len(entries) > max(self.verify_buckets):
+            return None
+        n = len(entries)
+        b = next(x for x in self.buckets if x >= n)
+        p = self.verify_buckets.get(b)
+        if p is None:
+            return None
+        longest = max(e.num_new for e in entries)
+        extra = sum(e.num_new for e in entries) - n
+        return GraphKey(b, p, True) if longest <= p and extra <= p else None
 
     def fill(self, key: GraphKey, entries, fed: int = 0) -> None:
         """Write a step of `entries` (which `plan_key` gave `key`) into its host mirror, padded to the graph; the
@@ -324,7 +364,8 @@ class StepGraphs:
 
         Returns:
             (logits [n, vocab], greedy ids [n] int64): one row per sequence (its last token), views of the
-            graph's outputs, valid until the graph's next replay.
+            graph's outputs, valid until the graph's next replay; a verify graph's have a row per token slot
+            ([key.tokens]: the step's tokens in plan order, then padding).
         """
         inputs = self._inputs(key)
         inputs.upload(key.seqs)
@@ -332,4 +373,6 @@ class StepGraphs:
             inputs.input_ids[:ids_from.shape[0]].copy_(ids_from)
         self._graphs[key].replay()
         self.replays[key] += 1
+        if key.verify:
+            return self._logits[key], self._greedy[key]
         return self._logits[key][:n], self._greedy[key][:n]

@@ -282,14 +282,16 @@ class ModelRunner:
         return sampled, _token_logprobs(seqs, tokens, *handle.extras_host)
 
     def _execute(self, plan: StepPlan) -> tuple[dict[int, int], dict[int, TokenLogprob]]:
-        # a verify step takes every row's logits: eager (the graphs keep one row a sequence)
-        key = self.graphs.plan_key(plan.entries) if self.graphs is not None and not plan.has_drafts else None
+        g = self.graphs
+        key = None
+        if g is not None:  # a verify step needs every drafted row's logits: a verify graph's, else eager
+            key = g.verify_key(plan.entries) if plan.has_drafts else g.plan_key(plan.entries)
         if key is not None:
-            self.graphs.fill(key, plan.entries)  # no StepInputs on the graph path
+            g.fill(key, plan.entries)  # no StepInputs on the graph path
             self._begin_timer()
-            logits, greedy_ids = self.graphs.replay(key, len(plan.entries))
-            rows = [i for i, e in enumerate(plan.entries) if e.sample]
-            if rows and len(rows) < len(plan.entries):  # the graph has a logits row per entry
+            logits, greedy_ids = g.replay(key, len(plan.entries))
+            rows = _verify_rows(plan) if key.verify else [i for i, e in enumerate(plan.entries) if e.sample]
+            if key.verify or (rows and len(rows) < len(plan.entries)):  # keep the rows `prepare` would give
                 index = torch.tensor(rows, dtype=torch.int64, device=logits.device)
                 logits, greedy_ids = logits[index], greedy_ids[index]
         else:
@@ -297,12 +299,14 @@ class ModelRunner:
             self._begin_timer()
             logits, greedy_ids = self.forward(step), None
         if plan.has_drafts:
-            return self._sample_verify(plan, logits)
+            return self._sample_verify(plan, logits, greedy_ids)
         return self._sample(plan, logits, greedy_ids)
 
-    def _sample_verify(self, plan: StepPlan, logits: torch.Tensor) -> tuple[dict, dict[int, TokenLogprob]]:
-        """Sample a verify step's rows (`prepare`: one row an entry, 1 + len(drafts) for an entry with drafts):
-        the plain entries as `_sample` does, the drafted ones through `voltserve.spec.verify` (on the host)."""
+    def _sample_verify(self, plan: StepPlan, logits: torch.Tensor, greedy_ids: torch.Tensor | None
+                       ) -> tuple[dict, dict[int, TokenLogprob]]:
+        """Sample a verify step's rows (`prepare`'s: one row a sampling entry, 1 + len(drafts) for an entry with
+        drafts; greedy_ids: their argmax from a verify graph, or None): the plain entries as `_sample` does, the
+        drafted ones through `voltserve.spec.verify` (on the host)."""
         plain_rows, spans, row = [], [], 0
         for e in plan.entries:
             if e.drafts:
@@ -312,10 +316,12 @@ class ModelRunner:
                 plain_rows.append(row)
                 row += 1
         plain = StepPlan([e for e in plan.entries if not e.drafts])
-        index = torch.tensor(plain_rows, dtype=torch.int64, device=logits.device)
-        sampled, lps = self._sample(plain, logits[index], None) if plain_rows else ({}, {})
+        sampled, lps = {}, {}
+        if plain_rows:
+            index = torch.tensor(plain_rows, dtype=torch.int64, device=logits.device)
+            sampled, lps = self._sample(plain, logits[index], greedy_ids[index] if greedy_ids is not None else None)
         if all(e.seq.params.is_greedy for e, _ in spans):  # one host copy of every argmax
-            targets = logits.argmax(-1)
+            targets = greedy_ids if greedy_ids is not None else logits.argmax(-1)
             self._end_timer()
             targets = targets.tolist()
             for e, r in spans:
@@ -394,6 +400,19 @@ class ModelRunner:
         if all(s.params.logprobs is None for s in seqs):
             return sampled, {}
         return sampled, _token_logprobs(seqs, tokens, lp, top_ids, top_lps)
+
+
+def _verify_rows(plan: StepPlan) -> list[int]:
+    """A verify graph's rows (its token slots, in plan order) that `prepare` would give logits for: every row of an
+    entry with drafts, the last row of another sampling entry."""
+    rows, start = [], 0
+    for e in plan.entries:
+        if e.drafts:
+            rows.extend(range(start, start + e.num_new))
+        elif e.sample:
+            rows.append(start + e.num_new - 1)
+        start += e.num_new
+    return rows
 
 
 def _token_logprobs(seqs: list, tokens: list[int], lp: torch.Tensor, top_ids: torch.Tensor,

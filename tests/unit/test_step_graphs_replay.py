@@ -19,6 +19,8 @@ from voltserve.request import SamplingParams
 from voltserve.runner import ModelRunner
 from voltserve.scheduler import Scheduler
 from voltserve.sequence import Sequence
+from voltserve.spec.ladder import DraftLadder
+from voltserve.spec.ngram import NgramDrafter
 
 EOS = 9999  # outside the vocabulary: lengths are set by max_tokens
 
@@ -54,11 +56,12 @@ class _CpuReplayGraphs(StepGraphs):
         attn = AttentionMetadata(qsl, seq_lens, inputs.block_tables[:b].clone(), inputs.slot_mapping[:t].clone(),
                                  max(query_lens), int(seq_lens.max()), query_lens, seq_lens.tolist(),
                                  bool(key.prefill))
-        step = StepInputs(inputs.input_ids[:t].clone(), inputs.positions[:t].clone(), attn,
-                          inputs.logits_rows[:b].clone())
+        rows = inputs.all_rows[:t] if key.verify else inputs.logits_rows[:b]  # a verify graph: every token's
+        step = StepInputs(inputs.input_ids[:t].clone(), inputs.positions[:t].clone(), attn, rows.clone())
         logits = self.model.forward(step, self.kv_cache)
         self.replays[key] += 1
-        return logits[:n], logits.argmax(-1)[:n]
+        rows = t if key.verify else n
+        return logits[:rows], logits.argmax(-1)[:rows]
 
 
 @pytest.fixture(scope="module")
@@ -76,14 +79,16 @@ def _no_cuda(monkeypatch):
     monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: self)
 
 
-def _generate(model, mode, prompts, arrivals, max_tokens, max_seqs=4, budget=64, prefill=(8, 64), num_blocks=64):
+def _generate(model, mode, prompts, arrivals, max_tokens, max_seqs=4, budget=64, prefill=(8, 64), num_blocks=64,
+              drafts=0, drafter=None):
     """Output ids per prompt; prompt i is added once `arrivals[i]` steps were applied. mode: eager (no graphs),
-    sync (graphs, one step at a time) or pipelined (graphs, steps planned ahead)."""
+    sync (graphs, one step at a time) or pipelined (graphs, steps planned ahead). drafts: k of speculative decoding
+    with n-gram drafts, or `drafter`'s (verify graphs for it), 0 = none."""
     cfg, backend = model.config, model.backend
     kv = backend.allocate_kv_cache(cfg.num_layers, num_blocks, 4, cfg.num_kv_heads, cfg.head_dim)
     graphs = None
     if mode != "eager":
-        graphs = _CpuReplayGraphs(model, backend, kv, max_seqs, 256, [min(p, budget) for p in prefill])
+        graphs = _CpuReplayGraphs(model, backend, kv, max_seqs, 256, [min(p, budget) for p in prefill], drafts)
         graphs.capture()
     runner = ModelRunner(model, backend, kv, (EOS,), seed=0, graphs=graphs)
     launch, admitted_ahead = runner.launch, [0]
@@ -95,7 +100,10 @@ def _generate(model, mode, prompts, arrivals, max_tokens, max_seqs=4, budget=64,
         return launch(plan, feed)
 
     runner.launch = counting_launch
-    sched = Scheduler(BlockPool(num_blocks, 4), max_seqs, budget, 256, (EOS,), *runner.ahead_admission())
+    spec = {"drafter": drafter or NgramDrafter(drafts, 1, 2), "ladder": DraftLadder(drafts)} if drafts else {}
+    sched = Scheduler(BlockPool(num_blocks, 4), max_seqs, budget, 256, (EOS,), *runner.ahead_admission(), **spec)
+    if graphs is not None:
+        graphs.sched = sched  # for the tests' counters
     seqs = [Sequence(i, f"r{i}", 0, list(p), SamplingParams(temperature=0, ignore_eos=True), m)
             for i, (p, m) in enumerate(zip(prompts, max_tokens))]
     pending = sorted(zip(arrivals, range(len(seqs))))
@@ -160,3 +168,39 @@ def test_arrivals_during_decode_equal_the_eager_loop(model):
         assert any(k.prefill for k in graphs.replays)
         admitted.append(admitted_ahead)
     assert sum(admitted) >= 8, admitted
+
+
+class _OracleDrafter:
+    """Drafts from the eager loop's own outputs: all k right at every third position, else the last one wrong, so
+    verify steps accept everything, a part, or (k = 1 wrong) nothing."""
+
+    def __init__(self, prompts, outputs):
+        self.known = [(p, o) for p, o in zip(prompts, outputs)]
+
+    def propose(self, tokens, k):
+        for prompt, out in self.known:
+            if tokens[:len(prompt)] == prompt:
+                j = len(tokens) - len(prompt)
+                drafts = out[j:j + k]
+                if j % 3 and drafts:
+                    drafts[-1] = (drafts[-1] + 1) % 50
+                return drafts
+        raise AssertionError("unknown sequence")
+
+
+def test_verify_graphs_give_the_eager_loops_tokens(model):
+    """Speculative decoding (k = 3) over verify graphs: the greedy tokens of the eager loop without drafts, with
+    n-gram drafts and with drafts that pass (an oracle's); verify graphs replay."""
+    prompts = [[5, 6, 7, 5, 6, 7, 5, 6], [9] * 12, list(range(1, 30)), [3, 1, 4, 1, 5, 9, 2, 6]]
+    arrivals, max_tokens = [0, 0, 3, 6], [40, 25, 30, 35]
+    eager, _, _ = _generate(model, "eager", prompts, arrivals, max_tokens)
+    for mode in ("sync", "pipelined"):
+        for drafter in (None, _OracleDrafter(prompts, eager)):
+            out, graphs, _ = _generate(model, mode, prompts, arrivals, max_tokens, drafts=3, drafter=drafter)
+            assert out == eager, (mode, drafter)
+            verify = {k: n for k, n in graphs.replays.items() if k.verify}
+            assert verify and sum(verify.values()) >= 10, graphs.replays
+            assert graphs.verify_buckets == {1: 4, 2: 7, 4: 13}
+            if drafter is not None:
+                sched = graphs.sched
+                assert sched.num_accepted_tokens > sched.num_verify_steps, vars(sched)

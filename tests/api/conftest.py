@@ -102,13 +102,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="session")
-def server_url(smollm2_gguf, tmp_path_factory):
-    """Base URL of a hypercorn subprocess serving the default model; stopped at the end of the session."""
+def _hypercorn(smollm2_gguf, log_dir: Path, **settings):
+    """A hypercorn subprocess serving the default model with VOLTSERVE_* `settings` beside the tests' own; yields
+    its base URL once healthy, stops it after."""
     port = _free_port()
     env = {**os.environ, "VOLTSERVE_MODEL": REAL_MODEL, "VOLTSERVE_MAX_MODEL_LEN": "1024",
-           "VOLTSERVE_NUM_KV_BLOCKS": "512", "VOLTSERVE_API_KEY": ""}
-    log_path = tmp_path_factory.mktemp("server") / "hypercorn.log"
+           "VOLTSERVE_NUM_KV_BLOCKS": "512", "VOLTSERVE_API_KEY": "",
+           **{f"VOLTSERVE_{k.upper()}": str(v) for k, v in settings.items()}}
+    log_path = log_dir / "hypercorn.log"
     with open(log_path, "wb") as log:
         # as README and tools/voltserve.service run it: the API process on uvloop (the engine process follows
         # VOLTSERVE_EVENT_LOOP, auto = uvloop too)
@@ -132,3 +133,16 @@ def server_url(smollm2_gguf, tmp_path_factory):
         yield url
     finally:
         stop_process(proc)
+
+
+@pytest.fixture(scope="session")
+def server_url(smollm2_gguf, tmp_path_factory):
+    """Base URL of a hypercorn subprocess serving the default model; stopped at the end of the session."""
+    yield from _hypercorn(smollm2_gguf, tmp_path_factory.mktemp("server"))
+
+
+@pytest.fixture(scope="session")
+def spec_server_url(smollm2_gguf, tmp_path_factory):
+    """The same with speculative decoding (n-gram drafts, k = 4)."""
+    yield from _hypercorn(smollm2_gguf, tmp_path_factory.mktemp("spec_server"), speculative_method="ngram",
+                          num_speculative_tokens=4)

@@ -115,7 +115,7 @@ async def chat_completions():
     c = constraint(req, free_parser is not None)
     params.grammar = await request_grammar(engine.tokenizer, c)
     new_parser = output_parser(c, free_parser)
-    prompt_ids = await chat_prompt_ids(engine, req)
+    prompt_ids = await chat_prompt_ids(engine, req, state.config.trust_request_mm_kwargs)
     # Validation (context length, params) raises here, before any byte of a stream is sent.
     max_tokens_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     stream = state.track(add_request(engine, prompt_ids, params, prompt_param="messages",

@@ -51,17 +51,22 @@ def strip_billing_header(text: str) -> str:
     return text
 
 
-def template_messages(req: ChatCompletionRequest) -> list[dict]:
+def template_messages(req: ChatCompletionRequest, trust_mm_kwargs: bool = False) -> list[dict]:
     """The request's messages as plain dicts for the chat template.
 
+    Args:
+        trust_mm_kwargs: accept (and, the model being text-only, ignore) non-empty `mm_processor_kwargs` /
+            `media_io_kwargs` (`EngineConfig.trust_request_mm_kwargs`; case S7).
     Raises:
-        InvalidRequestError: empty `messages`, missing user/system content, multimodal parts or kwargs.
+        InvalidRequestError: empty `messages`, missing user/system content, multimodal parts, or multimodal
+            kwargs unless trusted.
     """
     if not req.messages:
         raise InvalidRequestError("'messages' must contain at least one message", param="messages")
     for name in ("mm_processor_kwargs", "media_io_kwargs"):
-        if getattr(req, name):
-            raise InvalidRequestError(f"'{name}' is not accepted: the served model accepts text only", param=name)
+        if getattr(req, name) and not trust_mm_kwargs:
+            raise InvalidRequestError(f"'{name}' is not accepted unless the server runs with "
+                                      "--trust-request-mm-kwargs (the served model accepts text only)", param=name)
     messages = []
     for i, msg in enumerate(req.messages):
         if msg.content is None and msg.role in ("system", "developer", "user"):
@@ -190,10 +195,11 @@ async def messages_prompt_ids(engine, messages: list[dict], tools: list[dict] | 
                              param)
 
 
-async def chat_prompt_ids(engine, req: ChatCompletionRequest) -> list[int]:
+async def chat_prompt_ids(engine, req: ChatCompletionRequest, trust_mm_kwargs: bool = False) -> list[int]:
     """A chat request's prompt ids (`template_messages`, then `messages_prompt_ids`).
 
     Raises:
         InvalidRequestError: see `template_messages` and `messages_prompt_ids`.
     """
-    return await messages_prompt_ids(engine, template_messages(req), req.tools, req.chat_template_kwargs)
+    return await messages_prompt_ids(engine, template_messages(req, trust_mm_kwargs), req.tools,
+                                     req.chat_template_kwargs)

@@ -78,7 +78,7 @@ MAX_SOCKET_PATH_BYTES = 100  # sun_path holds 108 bytes on Linux (104 on macOS),
 # EngineConfig fields that only the API process reads; API processes sharing one engine may differ in them
 API_ONLY_FIELDS = frozenset({"served_model_name", "api_key", "sse_keep_alive_interval", "stream_interval", "host",
                              "port", "exit_on_engine_death", "engine_process", "engine_socket", "api_processes",
-                             "shutdown_timeout", "tool_call_parser"})
+                             "shutdown_timeout", "tool_call_parser", "trust_request_mm_kwargs"})
 
 
 @dataclass
@@ -147,6 +147,8 @@ class EngineConfig:
         tool_call_parser: how tool calls are read from the output of a request that gives `tools`: "hermes"
             (`<tool_call>{...}</tool_call>`, `voltserve.parsers.hermes`), "none" (output is content), or "auto"
             (hermes when the chat template writes `<tool_call>`, else none).
+        trust_request_mm_kwargs: accept non-empty per-request `mm_processor_kwargs` / `media_io_kwargs` (a 400
+            otherwise, case S7); the served models are text-only, so accepted kwargs have no effect.
         speculative_method: "none", or "ngram": speculative decoding with prompt-lookup drafts
             (`voltserve.spec.ngram`), verified by the model in one step (greedy output unchanged; sampled output
             by rejection sampling, the same distribution). Requests with a grammar, logprobs or penalties decode
@@ -190,6 +192,7 @@ class EngineConfig:
     shutdown_timeout: float = 30.0
     chat_template: str = ""
     tool_call_parser: str = "auto"
+    trust_request_mm_kwargs: bool = False
     speculative_method: str = "none"
     num_speculative_tokens: int = 4
     ngram_min: int = 2

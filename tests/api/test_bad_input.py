@@ -143,3 +143,19 @@ async def test_unexpected_error_is_500_without_details(serve):
         assert orjson.loads(await response.get_data()) == {"error": {
             "message": "internal server error", "type": "server_error", "param": None, "code": None}}
         assert (await client.get("/health")).status_code == 200
+
+
+async def test_S7_mm_kwargs_only_when_trusted(serve):
+    """Omitted, null and {} multimodal kwargs always pass; non-empty ones only with --trust-request-mm-kwargs
+    (no effect on a text-only model); an image part is a 400 either way."""
+    async with serve(ScriptedEngine(scripts=["ok"] * 4)) as (client, _):
+        for kwargs in ({}, {"mm_processor_kwargs": None, "media_io_kwargs": {}}):
+            assert (await client.post(CHAT, json=chat_body(**kwargs))).status_code == 200
+    async with serve(ScriptedEngine(scripts=["ok"] * 4), trust_request_mm_kwargs=True) as (client, _):
+        ok = await client.post(CHAT, json=chat_body(mm_processor_kwargs={"fps": 1}, media_io_kwargs={"a": 1}))
+        assert ok.status_code == 200
+        assert orjson.loads(await ok.get_data())["choices"][0]["message"]["content"] == "ok"
+        image = await client.post(CHAT, json=chat_body(messages=[{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]))
+        error = orjson.loads(await image.get_data())["error"]
+        assert (image.status_code, error["param"]) == (400, "messages.0.content.0.type")

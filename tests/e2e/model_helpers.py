@@ -10,6 +10,7 @@ from voltserve.request import SamplingParams
 from voltserve.runner import ModelRunner
 from voltserve.scheduler import ScheduledSeq, Scheduler, StepPlan
 from voltserve.sequence import Sequence
+from voltserve.spec.ladder import DraftLadder
 
 
 def all_logits(model, backend, ids: list[int]) -> torch.Tensor:
@@ -33,16 +34,20 @@ def greedy(model, backend, prompt_ids: list[int], num_tokens: int, graphs_factor
 
 
 def generate(model, backend, prompts: list[list[int]], num_tokens: int, graphs_factory=None,
-             pipelined: bool = False, arrive_every: int = 0, **params) -> list[tuple[list[int], list]]:
+             pipelined: bool = False, arrive_every: int = 0, drafter=None, num_drafts: int = 0,
+             **params) -> list[tuple[list[int], list]]:
     """(tokens, logprobs) of num_tokens tokens (EOS ignored) per prompt, with SamplingParams `params` (a seed
     makes it reproducible: Philox key seed + prompt index). All prompts start in one batch, or with
     arrive_every = k prompt i arrives after k * i steps were applied (its prefill shares steps with the others'
-    decodes). The scheduler admits into steps planned ahead what the runner allows (`ahead_admission`)."""
+    decodes). The scheduler admits into steps planned ahead what the runner allows (`ahead_admission`). drafter:
+    speculative decoding with this drafter, up to `num_drafts` drafts a step."""
     cfg = model.config
     kv = backend.allocate_kv_cache(cfg.num_layers, 64, 16, cfg.num_kv_heads, cfg.head_dim)
     graphs = graphs_factory(kv) if graphs_factory else None
     runner = ModelRunner(model, backend, kv, (2,), seed=0, graphs=graphs)
-    sched = Scheduler(BlockPool(64, 16), 4, 512, 512, (2,), *runner.ahead_admission())
+    spec = {"drafter": drafter, "ladder": DraftLadder(num_drafts)} if drafter is not None else {}
+    sched = Scheduler(BlockPool(64, 16), 4, 512, 512, (2,), *runner.ahead_admission(), **spec)
+    generate.last_scheduler = sched  # its counters, for the tests
     seqs = []
     for i, ids in enumerate(prompts):
         sp = SamplingParams(ignore_eos=True, **params)

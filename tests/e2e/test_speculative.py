@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 
+import torch
+
 import pytest
 
 from tests.e2e.engine_helpers import chat_ids, complete, running_engine
@@ -66,3 +68,58 @@ async def test_seeded_sampling_repeats(smollm2, device):
         second = await answers(engine, True, **params)
         assert engine._scheduler_actor.scheduler.num_verify_steps > 0
     assert first == second and all(len(t) > 5 for t in first)
+
+
+class OracleDrafter:
+    """Drafts a known output: all k right at every third position, else the last one wrong."""
+
+    def __init__(self, prompts, outputs):
+        self.known = list(zip(prompts, outputs))
+
+    def propose(self, tokens, k):
+        for prompt, out in self.known:
+            if tokens[:len(prompt)] == prompt:
+                j = len(tokens) - len(prompt)
+                drafts = out[j:j + k]
+                if j % 3 and drafts:
+                    drafts[-1] = (drafts[-1] + 1) % 200
+                return drafts
+        raise AssertionError("unknown sequence")
+
+
+@pytest.mark.gpu
+def test_verify_graphs_on_cuda():
+    """Verify steps replaying verify CUDA graphs (a synthetic Q4_1 model, 3 prompts arriving apart): the greedy
+    tokens of decode and mixed graphs without drafts, with an oracle's drafts (all, some or none pass) and with
+    n-gram drafts."""
+    from tests.e2e.model_helpers import generate
+    from tools.make_synthetic_checkpoint import synthetic_model
+    from voltserve.backends.cuda.backend import CudaBackend
+    from voltserve.graphs import StepGraphs
+    from voltserve.models.llama import LlamaModel
+    from voltserve.spec.ngram import NgramDrafter
+
+    loaded = synthetic_model("small256", device="cuda", dtype=torch.float16, qtype="Q4_1", seed=21)
+    backend = CudaBackend(0)
+    model = LlamaModel(loaded.config, loaded.tensors, backend, loaded.quantized, max_positions=512)
+    made = []
+
+    def graphs(drafts):
+        def factory(kv):
+            g = StepGraphs(model, backend, kv, max_num_seqs=4, max_model_len=512, prefill_tokens=(8, 64),
+                           verify_drafts=drafts)
+            g.capture()
+            made.append(g)
+            return g
+        return factory
+
+    prompts = [[(5 * j) % 250 + 3 for j in range(n)] for n in (9, 30, 4)]
+    plain = [t for t, _ in generate(model, backend, prompts, 40, graphs(0), arrive_every=3, temperature=0)]
+    for drafter in (OracleDrafter(prompts, plain), NgramDrafter(3, 1, 2)):
+        out = generate(model, backend, prompts, 40, graphs(3), arrive_every=3, drafter=drafter, num_drafts=3,
+                       temperature=0)
+        assert [t for t, _ in out] == plain, type(drafter).__name__
+        verify = sum(n for k, n in made[-1].replays.items() if k.verify)
+        assert verify >= 5, made[-1].replays
+    sched = generate.last_scheduler
+    assert sched.num_verify_steps > 0

@@ -458,10 +458,10 @@ def _tool_block_events(parser, message_id: str, max_calls: int | None, forced: b
     """The event function of a message whose output goes through an output parser (reasoning, then tool calls:
     `api.structured.sequence_parser`). Blocks are indexed in order: the reasoning is a thinking block
     (content_block_start with `thinking: ""`, one `thinking_delta` per reasoning delta, content_block_stop when
-    anything else arrives); a text block opens when content first arrives (after a call, a new one); each call closes the open
-    text block and goes out whole as a `tool_use` block (content_block_start with `input: {}`, one
-    `input_json_delta` holding the arguments' JSON text, content_block_stop), once the model closed it. A message
-    that ends with no block gets an empty text block; it stops with "tool_use" when it called tools.
+    anything else arrives); a text block opens when content first arrives (after a call, a new one); each call
+    closes the open text block and goes out whole as a `tool_use` block (content_block_start with `input: {}`,
+    one `input_json_delta` holding the arguments' JSON text, content_block_stop), once the model closed it. A
+    message that ends with no block gets an empty text block; it stops with "tool_use" when it called tools.
 
     Returns:
         (delta, its logprobs) -> its events, b"" while the parser holds the text back.

@@ -156,8 +156,9 @@ def _stream_events(engine, stream, req, params, response_id, created, include_us
     """Chunks: a role delta per choice, content deltas, a finish chunk per choice, usage, [DONE].
 
     With an output parser (`new_parser`, see `api.structured.sequence_parser`), each choice's text goes through its
-    own parser: `reasoning_content` deltas carry the reasoning, content deltas the content, each call goes out whole in a `tool_calls` delta once the model closed it,
-    and a choice that called tools finishes with "tool_calls". A forced choice (`forced`) sends calls only.
+    own parser: `reasoning_content` deltas carry the reasoning, content deltas the content, each call goes out
+    whole in a `tool_calls` delta once the model closed it, and a choice that called tools finishes with
+    "tool_calls". A forced choice (`forced`) sends calls only.
 
     Without logprobs a chunk is assembled from bytes: the head and tail that pydantic renders once per request
     (`chunk_frame_parts`) around `{"index":i,"delta":{"content":<text>},"logprobs":null,"finish_reason":...}`,

@@ -38,7 +38,8 @@ def _blocks(events: list[dict]) -> list[dict]:
             blocks.append(dict(event["content_block"]))
         elif event["type"] == "content_block_delta":
             delta, block = event["delta"], blocks[event["index"]]
-            key = {"text_delta": "text", "thinking_delta": "thinking", "input_json_delta": "partial_json"}[delta["type"]]
+            key = {"text_delta": "text", "thinking_delta": "thinking",
+                   "input_json_delta": "partial_json"}[delta["type"]]
             block[key] = block.get(key, "") + delta[key]
     for block in blocks:
         if "partial_json" in block:

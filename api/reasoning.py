@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 from voltserve.parsers.hermes import OPEN as CALL_OPEN
 from voltserve.parsers.output import OutputParser
-from voltserve.parsers.reasoning import THINK_CLOSE, THINK_OPEN, ReasoningParser
+from voltserve.parsers.reasoning import THINK_OPEN, ReasoningParser
 
 _PROMPT_TAIL_TOKENS = 8  # enough for `<think>\n` in any tokenizer
 
@@ -75,4 +75,4 @@ def output_parser_factory(mode: str | None, tool_parser: Callable | None, constr
     return make
 
 
-__all__ = ["THINK_CLOSE", "output_parser_factory", "parser_name", "reasoning_mode"]
+__all__ = ["output_parser_factory", "parser_name", "reasoning_mode"]

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.unit.test_grammar_rules import NOW, TOK, WEATHER, call, complete, walk
+from tests.unit.test_grammar_rules import NOW, WEATHER, call, complete, walk
 from voltserve import grammar
 
 ANSWER = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}

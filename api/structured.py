@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
+from api.reasoning import output_parser_factory
 from voltserve import grammar
 from voltserve.errors import InvalidRequestError
 from voltserve.parsers.hermes import HermesToolParser
@@ -28,6 +29,8 @@ class Constraint:
         json_schema: the output's JSON schema when the request asks for JSON ({} = any object), else None.
         tool_param / format_param: the request fields errors blame.
         tools_parsed: the server parses tool calls of a free choice (`api.tool_calls.parser_factory` not None).
+        reasoning: the reasoning the output starts with (`api.reasoning.reasoning_mode`: None, "inside" or
+            "open"); a grammar lets it run free first (case T1).
     """
 
     functions: tuple[dict, ...] = ()
@@ -37,6 +40,7 @@ class Constraint:
     tool_param: str = "tool_choice"
     format_param: str = "response_format"
     tools_parsed: bool = False
+    reasoning: str | None = None
 
 
 async def request_grammar(tokenizer, c: Constraint) -> str | None:
@@ -67,14 +71,16 @@ def _checked_grammar(tokenizer, c: Constraint) -> str:
             if not functions:
                 raise InvalidRequestError(f"tool_choice names '{c.forced}', which is not one of the tools",
                                           param=c.tool_param)
-        text, param = grammar.tool_calls_grammar(functions, max_calls=max_calls), c.tool_param
+        text = grammar.tool_calls_grammar(functions, max_calls=max_calls, reasoning=c.reasoning)
+        param = c.tool_param
     elif c.json_schema is not None:
         param = c.format_param
         if c.functions and c.tools_parsed:
-            text = grammar.tool_calls_grammar(list(c.functions), max_calls=max_calls, json_answer=c.json_schema)
+            text = grammar.tool_calls_grammar(list(c.functions), max_calls=max_calls, json_answer=c.json_schema,
+                                              reasoning=c.reasoning)
         else:
             try:
-                text = grammar.json_schema_grammar(c.json_schema)
+                text = grammar.json_schema_grammar(c.json_schema, reasoning=c.reasoning)
             except InvalidRequestError as exc:
                 exc.param = param
                 raise
@@ -82,12 +88,22 @@ def _checked_grammar(tokenizer, c: Constraint) -> str:
     return text
 
 
+def makes_calls(c: Constraint) -> bool:
+    """The grammar of `c` writes calls (forced, or T5's union of calls and a JSON answer)."""
+    return c.forced is not None or (c.json_schema is not None and bool(c.functions) and c.tools_parsed)
+
+
 def output_parser(c: Constraint, free_parser):
-    """The parser of a request's output: Hermes when a grammar makes calls (forced, or T5's union), else the
-    server's own choice for free output (`free_parser`, None = plain content)."""
-    if c.forced is not None or (c.json_schema is not None and c.functions and c.tools_parsed):
-        return HermesToolParser
-    return free_parser
+    """The tool-call parser of a request's output: Hermes when a grammar makes calls, else the server's own
+    choice for free output (`free_parser`, None = plain content)."""
+    return HermesToolParser if makes_calls(c) else free_parser
+
+
+def sequence_parser(c: Constraint, free_parser):
+    """A constructor of one sequence's `voltserve.parsers.output.OutputParser` (reasoning as `c.reasoning`
+    says, then `output_parser`'s tool calls), or None when the output is plain content."""
+    constrained = c.forced is not None or c.json_schema is not None
+    return output_parser_factory(c.reasoning, output_parser(c, free_parser), constrained, makes_calls(c))
 
 
 def forced_content(c: Constraint, content: str | None) -> str | None:

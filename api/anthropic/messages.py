@@ -12,11 +12,16 @@ turn's `tool_calls` and `tool_result` blocks `tool` messages. With tools (and to
 goes through the server's tool-call parser (`api.tool_calls`): each call becomes a `tool_use` block, and the
 message stops with "tool_use". A forced call (tool_choice "any" / "tool") and a JSON output format are held to a
 grammar (`api.structured`).
+
+With a reasoning parser (`api.reasoning`), the model's reasoning is a `thinking` block ahead of the others
+(`signature` empty), streamed with `thinking_delta` events. `thinking: {"type": "disabled"}` turns the model's
+thinking off (`enable_thinking` false); "enabled" needs a server that reads reasoning (else a 400).
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import orjson
 from quart import Blueprint
@@ -24,7 +29,7 @@ from quart import Blueprint
 from api import sse
 from api.anthropic.protocol import (
     ContentBlock, CountTokensRequest, InputMessage, MessageResponse, MessagesRequest, MessageUsage, TextBlock,
-    TokenCount, ToolUseBlock,
+    ThinkingBlock, TokenCount, ToolUseBlock,
 )
 from api.errors import ErrorKind, anthropic_payload
 from api.metrics import NO_STATS
@@ -34,10 +39,11 @@ from api.openai.common import (
 )
 from api.openai.protocol import parse_request
 from api.state import get_state
-from api.structured import Constraint, output_parser, request_grammar
+from api.reasoning import parser_name as reasoning_parser_name, reasoning_mode
+from api.structured import Constraint, request_grammar, sequence_parser
 from api.tool_calls import ToolCall, call_id, parser_factory
 from voltserve.errors import InvalidRequestError
-from voltserve.parsers.hermes import parse_pieces
+from voltserve.parsers.output import Reasoning, parse_output
 from voltserve.parsers.tool_json import dumps_arguments
 from voltserve.request import FinishReason, RequestOutput, SamplingParams
 
@@ -132,9 +138,21 @@ def _chat_turns(msg: InputMessage, i: int) -> list[dict]:
     return [*results, turn]
 
 
-def _check_unsupported(req: CountTokensRequest) -> None:
-    if req.thinking is not None and req.thinking.type != "disabled":
+def thinking_kwargs(config, engine, req: CountTokensRequest) -> dict:
+    """The chat template variables `thinking` asks for: `enable_thinking` false when disabled (Qwen3's switch;
+    no reasoning is read then), none when enabled or absent (the model's default). `budget_tokens` is not
+    enforced.
+
+    Raises:
+        InvalidRequestError: thinking enabled on a server that reads no reasoning (`api.reasoning.parser_name`).
+    """
+    if req.thinking is None:
+        return {}
+    if req.thinking.type == "disabled":
+        return {"enable_thinking": False}
+    if reasoning_parser_name(config, engine) == "none":
         raise InvalidRequestError("extended thinking is not supported by the served model", param="thinking")
+    return {}
 
 
 def template_tools(req: CountTokensRequest) -> list[dict] | None:
@@ -174,9 +192,8 @@ def split_prefill(req: CountTokensRequest) -> tuple[list[dict], str]:
 
     Raises:
         InvalidRequestError: no messages, a prefill that ends in whitespace (as Anthropic refuses it) or holds
-            tool_use blocks, a block `_chat_turns` refuses, extended thinking or structured output (not served).
+            tool_use blocks, a block `_chat_turns` refuses.
     """
-    _check_unsupported(req)
     if not req.messages:
         raise InvalidRequestError("'messages' must contain at least one message", param="messages")
     messages = []
@@ -203,12 +220,14 @@ def split_prefill(req: CountTokensRequest) -> tuple[list[dict], str]:
     return messages, prefill
 
 
-async def prompt_ids(engine, req: CountTokensRequest, tools: list[dict] | None) -> list[int]:
+async def prompt_ids(engine, req: CountTokensRequest, tools: list[dict] | None,
+                     template_kwargs: dict | None = None) -> list[int]:
     """Render and tokenize a Messages request like a chat request; a prefill's tokens follow the generation
     prompt (tokenized as plain text).
 
     Args:
         tools: the request's tools as `template_tools` gives them.
+        template_kwargs: extra chat template variables (`thinking_kwargs`).
 
     Returns:
         [num_prompt_tokens] token ids.
@@ -217,7 +236,7 @@ async def prompt_ids(engine, req: CountTokensRequest, tools: list[dict] | None) 
         InvalidRequestError: see `split_prefill` and `api.openai.chat_prompt.messages_prompt_ids`.
     """
     messages, prefill = split_prefill(req)
-    ids = await messages_prompt_ids(engine, messages, tools=tools)
+    ids = await messages_prompt_ids(engine, messages, tools=tools, template_kwargs=template_kwargs)
     if prefill:  # a long one in a thread, as the messages (`prompt_work`)
         ids += await prompt_work(len(prefill), _encode_plain, engine.tokenizer, prefill)
     return ids
@@ -270,21 +289,23 @@ def _tool_use(call: ToolCall, message_id: str, k: int) -> ToolUseBlock:
 
 
 def _content_blocks(pieces: list, message_id: str, max_calls: int | None,
-                    forced: bool = False) -> list[TextBlock | ToolUseBlock]:
-    """A whole output's content blocks, in the order the stream sends them (`_tool_block_events`): a text block
-    per run of text (a dropped call does not split one), a `tool_use` block per kept call, and one empty text
-    block when there is nothing else.
+                    forced: bool = False) -> list[ThinkingBlock | TextBlock | ToolUseBlock]:
+    """A whole output's content blocks, in the order the stream sends them (`_tool_block_events`): a thinking
+    block for the reasoning, a text block per run of text (a dropped call does not split one), a `tool_use`
+    block per kept call, and one empty text block when there is nothing else.
 
     Args:
-        pieces: the output as `voltserve.parsers.hermes.parse_pieces` splits it.
+        pieces: the output as `voltserve.parsers.output.parse_output` splits it.
         max_calls: the most calls kept (`disable_parallel_tool_use`: 1); None = all.
         forced: a grammar forced the calls: text is left out (it can only be a call the output did not finish,
             case A3).
     """
-    blocks: list[TextBlock | ToolUseBlock] = []
+    blocks: list[ThinkingBlock | TextBlock | ToolUseBlock] = []
     kept = 0
     for piece in pieces:
-        if isinstance(piece, str):
+        if isinstance(piece, Reasoning):
+            blocks.append(ThinkingBlock(thinking=piece.text))  # one piece: parse_output merges them
+        elif isinstance(piece, str):
             if forced:
                 continue
             if blocks and isinstance(blocks[-1], TextBlock):
@@ -339,9 +360,11 @@ async def create_message():
     choice = req.tool_choice
     free_parser = parser_factory(state.config, engine, tools, choice.type if choice is not None else None)
     c = constraint(req, tools, free_parser is not None)
+    template_kwargs = thinking_kwargs(state.config, engine, req)
+    ids = await prompt_ids(engine, req, tools, template_kwargs)
+    c = replace(c, reasoning=reasoning_mode(state.config, engine, ids, template_kwargs))
     params.grammar = await request_grammar(engine.tokenizer, c)
-    new_parser, max_calls, forced = output_parser(c, free_parser), None if c.parallel else 1, c.forced is not None
-    ids = await prompt_ids(engine, req, tools)
+    new_parser, max_calls, forced = sequence_parser(c, free_parser), None if c.parallel else 1, c.forced is not None
     stream = state.track(add_request(engine, ids, params, prompt_param="messages", max_tokens_param="max_tokens"))
     message_id = state.new_id("msg_")
     if req.stream:
@@ -352,7 +375,7 @@ async def create_message():
     seq = results[0]
     blocks, called = [TextBlock(text=seq.text)], False
     if new_parser is not None:
-        blocks = _content_blocks(parse_pieces(seq.text), message_id, max_calls, forced)
+        blocks = _content_blocks(parse_output(new_parser(), seq.text), message_id, max_calls, forced)
         called = any(isinstance(block, ToolUseBlock) for block in blocks)
     return json_response(MessageResponse(
         id=message_id, model=req.model, content=blocks,
@@ -366,7 +389,8 @@ async def count_tokens():
     state = get_state()
     req = parse_request(CountTokensRequest, await request_body())
     state.check_model(req.model)
-    ids = await prompt_ids(state.ready_engine(), req, template_tools(req))
+    engine = state.ready_engine()
+    ids = await prompt_ids(engine, req, template_tools(req), thinking_kwargs(state.config, engine, req))
     return json_response(TokenCount(input_tokens=len(ids)))
 
 
@@ -380,6 +404,7 @@ _DELTA_HEAD_AT = b'event: content_block_delta\ndata: {"type":"content_block_delt
 _DELTA_HEAD = _DELTA_HEAD_AT % 0
 _DELTA_TAIL = b"}}\n\n"
 _TEXT_BLOCK = {"type": "text", "text": ""}
+_THINKING_BLOCK = {"type": "thinking", "thinking": "", "signature": ""}
 
 
 def _block_start(index: int, block: dict) -> bytes:
@@ -430,24 +455,38 @@ def _text_block_event(out: RequestOutput, _logprobs) -> bytes:
 
 
 def _tool_block_events(parser, message_id: str, max_calls: int | None, forced: bool = False):
-    """The event function of a message whose output goes through a tool-call parser. Blocks are indexed in
-    order: a text block opens when content first arrives (after a call, a new one); each call closes the open
-    text block and goes out whole as a `tool_use` block (content_block_start with `input: {}`, one
-    `input_json_delta` holding the arguments' JSON text, content_block_stop), once the model closed it. A message
-    that ends with no block gets an empty text block; it stops with "tool_use" when it called tools.
+    """The event function of a message whose output goes through an output parser (reasoning, then tool calls:
+    `api.structured.sequence_parser`). Blocks are indexed in order: the reasoning is a thinking block
+    (content_block_start with `thinking: ""`, one `thinking_delta` per reasoning delta, content_block_stop when
+    anything else arrives); a text block opens when content first arrives (after a call, a new one); each call
+    closes the open text block and goes out whole as a `tool_use` block (content_block_start with `input: {}`,
+    one `input_json_delta` holding the arguments' JSON text, content_block_stop), once the model closed it. A
+    message that ends with no block gets an empty text block; it stops with "tool_use" when it called tools.
 
     Returns:
         (delta, its logprobs) -> its events, b"" while the parser holds the text back.
     """
     index, text_open, kept = 0, False, 0  # the open or next block's index; calls sent
+    thinking_open = False
 
     def event(out: RequestOutput, _logprobs) -> bytes:
-        nonlocal index, text_open, kept
+        nonlocal index, text_open, kept, thinking_open
         pieces = parser.pieces(out.text)  # in the model's order
         if out.finish_reason is not None:
             pieces += parser.finish_pieces()
         parts = []
         for call in pieces:
+            if isinstance(call, Reasoning):
+                if not thinking_open:
+                    parts.append(_block_start(index, _THINKING_BLOCK))
+                    thinking_open = True
+                parts.append(sse.typed_frame("content_block_delta", {
+                    "type": "content_block_delta", "index": index,
+                    "delta": {"type": "thinking_delta", "thinking": call.text}}))
+                continue
+            if thinking_open:  # reasoning comes first: anything else ends it
+                parts.append(_block_stop(index))
+                index, thinking_open = index + 1, False
             if isinstance(call, str):
                 if forced:  # see _content_blocks
                     continue
@@ -469,7 +508,7 @@ def _tool_block_events(parser, message_id: str, max_calls: int | None, forced: b
                       _block_stop(index)]
             index, kept = index + 1, kept + 1
         if out.finish_reason is not None:
-            if text_open:
+            if text_open or thinking_open:
                 parts.append(_block_stop(index))
             elif index == 0:  # no block at all: the message still has content
                 parts += [_block_start(0, _TEXT_BLOCK), _block_stop(0)]

@@ -93,6 +93,15 @@ class TextBlock(BaseModel):
     text: str
 
 
+class ThinkingBlock(BaseModel):
+    """The model's reasoning (its `<think>` text), ahead of its text and tool_use blocks. `signature` is always
+    empty: this server does not sign reasoning (a client sends the block back as written; it is dropped)."""
+
+    type: Literal["thinking"] = "thinking"
+    thinking: str
+    signature: str = ""
+
+
 class ToolUseBlock(BaseModel):
     """A call the model made: `input` is its arguments as an object."""
 
@@ -117,7 +126,7 @@ class MessageResponse(BaseModel):
     type: Literal["message"] = "message"
     role: Literal["assistant"] = "assistant"
     model: str
-    content: list[TextBlock | ToolUseBlock]
+    content: list[ThinkingBlock | TextBlock | ToolUseBlock]
     stop_reason: Literal["end_turn", "max_tokens", "stop_sequence", "tool_use"] | None
     stop_sequence: str | None
     usage: MessageUsage

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import orjson
 from quart import Blueprint
 
@@ -17,9 +19,10 @@ from api.openai.protocol import (
     TopLogprob, parse_request,
 )
 from api.state import get_state
-from api.structured import Constraint, output_parser, request_grammar
+from api.reasoning import reasoning_mode
+from api.structured import Constraint, request_grammar, sequence_parser
 from api.tool_calls import call_id, parser_factory
-from voltserve.parsers.hermes import parse_tool_calls
+from voltserve.parsers.output import parse_output, split
 from voltserve.errors import InvalidRequestError
 from voltserve.request import MAX_LOGPROBS, SamplingParams, TokenLogprob
 
@@ -113,9 +116,10 @@ async def chat_completions():
     engine = state.ready_engine()
     free_parser = parser_factory(state.config, engine, req.tools, req.tool_choice)
     c = constraint(req, free_parser is not None)
-    params.grammar = await request_grammar(engine.tokenizer, c)
-    new_parser = output_parser(c, free_parser)
     prompt_ids = await chat_prompt_ids(engine, req, state.config.trust_request_mm_kwargs)
+    c = replace(c, reasoning=reasoning_mode(state.config, engine, prompt_ids, req.chat_template_kwargs))
+    params.grammar = await request_grammar(engine.tokenizer, c)
+    new_parser = sequence_parser(c, free_parser)
     # Validation (context length, params) raises here, before any byte of a stream is sent.
     max_tokens_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     stream = state.track(add_request(engine, prompt_ids, params, prompt_param="messages",
@@ -131,10 +135,13 @@ async def chat_completions():
     for i, seq in sorted(results.items()):
         message, finish = AssistantMessage(content=seq.text), seq.finish_reason
         if new_parser is not None:
-            content, calls = parse_tool_calls(seq.text)
+            reasoning, content, calls = split(parse_output(new_parser(), seq.text))
             calls = calls if c.parallel else calls[:1]
+            message = AssistantMessage(content=content or None if reasoning else content,
+                                       reasoning_content=reasoning or None)
             if calls or c.forced is not None:  # forced: only calls, never the markup of one left unfinished
-                message = AssistantMessage(content=None if c.forced is not None else content or None, tool_calls=[
+                message = AssistantMessage(content=None if c.forced is not None else content or None,
+                                           reasoning_content=reasoning or None, tool_calls=[
                     ToolCallOut(id=call_id("call_", response_id, i, k), function=FunctionCall(**vars(call)))
                     for k, call in enumerate(calls)] or None)
                 finish = "tool_calls" if calls and finish == "stop" else finish
@@ -148,9 +155,10 @@ def _stream_events(engine, stream, req, params, response_id, created, include_us
                    stats=NO_STATS, new_parser=None, forced=False):
     """Chunks: a role delta per choice, content deltas, a finish chunk per choice, usage, [DONE].
 
-    With a tool-call parser (`new_parser`, see `api.tool_calls`), each choice's text goes through its own parser:
-    content deltas carry the content, each call goes out whole in a `tool_calls` delta once the model closed it,
-    and a choice that called tools finishes with "tool_calls". A forced choice (`forced`) sends calls only.
+    With an output parser (`new_parser`, see `api.structured.sequence_parser`), each choice's text goes through its
+    own parser: `reasoning_content` deltas carry the reasoning, content deltas the content, each call goes out
+    whole in a `tool_calls` delta once the model closed it, and a choice that called tools finishes with
+    "tool_calls". A forced choice (`forced`) sends calls only.
 
     Without logprobs a chunk is assembled from bytes: the head and tail that pydantic renders once per request
     (`chunk_frame_parts`) around `{"index":i,"delta":{"content":<text>},"logprobs":null,"finish_reason":...}`,
@@ -168,19 +176,19 @@ def _stream_events(engine, stream, req, params, response_id, created, include_us
     def tool_chunk(out, held_logprobs: list[TokenLogprob]) -> bytes:
         parser = parsers.get(out.index) or parsers.setdefault(out.index, new_parser())
         before = min(len(parser.calls), max_calls)
-        content, calls = parser.feed(out.text)
+        reasoning, content, calls = parser.feed(out.text)
         finish = out.finish_reason.value if out.finish_reason is not None else None
         if finish is not None:
-            last, last_calls = parser.finish()
-            content, calls = content + last, calls + last_calls
+            last_reasoning, last, last_calls = parser.finish()
+            reasoning, content, calls = reasoning + last_reasoning, content + last, calls + last_calls
             if parser.calls and finish == "stop":
                 finish = "tool_calls"
         if forced:
             content = ""  # the grammar writes calls only: other text is a call the output did not finish
         calls = calls[:max(0, max_calls - before)]  # parallel_tool_calls false: the first call only
-        if not content and not calls and finish is None:
+        if not reasoning and not content and not calls and finish is None:
             return b""  # nothing that can be sent yet (held markup or whitespace)
-        delta = DeltaMessage(content=content or None, tool_calls=[
+        delta = DeltaMessage(content=content or None, reasoning_content=reasoning or None, tool_calls=[
             DeltaToolCall(index=before + k, id=call_id("call_", response_id, out.index, before + k),
                           function=FunctionCall(**vars(call))) for k, call in enumerate(calls)] or None)
         logprobs = _logprobs(engine.tokenizer, held_logprobs) if params.logprobs is not None else None

@@ -142,14 +142,17 @@ class DeltaToolCall(BaseModel):
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
+    reasoning_content: str | None = None  # vLLM's field: the text between `<think>` and `</think>`
     tool_calls: list[ToolCallOut] | None = None
 
     @model_serializer(mode="wrap")
     def _without_absent_calls(self, handler):
-        # `tool_calls` only when the model called tools, as OpenAI's messages
+        # `tool_calls` only when the model called tools, as OpenAI's messages; `reasoning_content` only when the
+        # model reasoned (a model that does not think keeps OpenAI's shape)
         data = handler(self)
-        if self.tool_calls is None:
-            data.pop("tool_calls", None)
+        for name in ("reasoning_content", "tool_calls"):
+            if getattr(self, name) is None:
+                data.pop(name, None)
         return data
 
 
@@ -172,6 +175,7 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
 
 

@@ -22,9 +22,15 @@ content_part.done, output_item.done) and is sent as its own item: response.outpu
 "in_progress", arguments ""), response.function_call_arguments.delta (the whole arguments),
 response.function_call_arguments.done, response.output_item.done. Text after a call opens a new message item.
 `output_index` numbers the items in that order. An output with no call is one message item, as without tools.
+
+With a reasoning parser (`api.reasoning`), the model's reasoning is a `reasoning` item ahead of the others
+(`summary` empty, `content` [{"type": "reasoning_text", "text"}]), streamed as response.output_item.added, one
+response.reasoning_text.delta per reasoning delta, response.reasoning_text.done and response.output_item.done.
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import orjson
 from quart import Blueprint
@@ -39,11 +45,14 @@ from api.openai.protocol import parse_request
 from api.openai.responses_protocol import (
     ContentPartEvent, ErrorEvent, FunctionCallArgumentsDeltaEvent, FunctionCallArgumentsDoneEvent, FunctionCallItem,
     IncompleteDetails, OutputItemEvent, OutputMessage, OutputText, OutputTextDeltaEvent, OutputTextDoneEvent,
-    ResponseError, ResponseEvent, ResponsesRequest, ResponsesResponse, ResponseUsage,
+    ReasoningItem, ReasoningText, ReasoningTextDeltaEvent, ReasoningTextDoneEvent, ResponseError, ResponseEvent,
+    ResponsesRequest, ResponsesResponse, ResponseUsage,
 )
 from api.state import get_state
-from api.structured import Constraint, output_parser, request_grammar
+from api.reasoning import reasoning_mode
+from api.structured import Constraint, request_grammar, sequence_parser
 from api.tool_calls import ToolCall, call_id, parser_factory
+from voltserve.parsers.output import Reasoning
 from voltserve.errors import InvalidRequestError
 from voltserve.request import RequestOutput, SamplingParams, TokenLogprob
 
@@ -209,9 +218,10 @@ async def create_response():
     engine = state.ready_engine()
     free_parser = parser_factory(state.config, engine, tools, req.tool_choice)
     c = constraint(req, tools, free_parser is not None)
-    params.grammar = await request_grammar(engine.tokenizer, c)
-    new_parser = output_parser(c, free_parser)
     prompt_ids = await messages_prompt_ids(engine, messages, tools=tools or None, param="input")
+    c = replace(c, reasoning=reasoning_mode(state.config, engine, prompt_ids))
+    params.grammar = await request_grammar(engine.tokenizer, c)
+    new_parser = sequence_parser(c, free_parser)
     # Validation (context length, params) raises here, before any byte of a stream is sent.
     stream = state.track(add_request(engine, prompt_ids, params, prompt_param="input",
                                      max_tokens_param="max_output_tokens"))
@@ -243,7 +253,8 @@ class ResponseEvents:
     Args:
         started: the response object before any output (`_started`).
         item_id: the first output message's id (a later one, after a call, is `<item_id>_<n>`).
-        new_parser: the tool-call parser's constructor (`api.tool_calls.parser_factory`), None for text only.
+        new_parser: the output parser's constructor (`api.structured.sequence_parser`: reasoning, then tool
+            calls), None for text only.
         parallel_tool_calls: False keeps only the model's first call.
         forced: the grammar forced calls: text is not sent (it can only be a call the output did not finish).
 
@@ -267,6 +278,7 @@ class ResponseEvents:
         self._texts: list[str] = []  # its text deltas
         self._messages = 0  # message items opened
         self._calls = 0  # calls the model made
+        self._reasoning: list[str] | None = None  # the open reasoning item's text deltas
         self.response: ResponsesResponse | None = None
 
     @staticmethod
@@ -340,6 +352,38 @@ class ResponseEvents:
             self._event(OutputItemEvent, type="response.output_item.done", output_index=index, item=item),
         ]
 
+    def _reasoning_id(self) -> str:
+        return "rs_" + self._started.id.removeprefix("resp_")
+
+    def _reasoning_delta(self, text: str) -> list[bytes]:
+        """A reasoning text delta; the reasoning item added first when none is open."""
+        frames, index = [], len(self._items)
+        if self._reasoning is None:
+            self._reasoning = []
+            item = ReasoningItem(id=self._reasoning_id(), content=[], status="in_progress")
+            frames.append(self._event(OutputItemEvent, type="response.output_item.added", output_index=index,
+                                      item=item))
+        self._reasoning.append(text)
+        return frames + [self._event(ReasoningTextDeltaEvent, item_id=self._reasoning_id(), output_index=index,
+                                     delta=text)]
+
+    def _close_reasoning(self, status: str = "completed") -> list[bytes]:
+        """The events ending the open reasoning item (none when none is open): its whole text, the item."""
+        if self._reasoning is None:
+            return []
+        text, self._reasoning, index = "".join(self._reasoning), None, len(self._items)
+        item = ReasoningItem(id=self._reasoning_id(), content=[ReasoningText(text=text)], status=status)
+        self._items.append(item)
+        return [self._event(ReasoningTextDoneEvent, item_id=item.id, output_index=index, text=text),
+                self._event(OutputItemEvent, type="response.output_item.done", output_index=index, item=item)]
+
+    def _piece(self, piece) -> list[bytes]:
+        """The events of one parsed piece: reasoning, content text or a call (which end the reasoning)."""
+        if isinstance(piece, Reasoning):
+            return self._reasoning_delta(piece.text)
+        frames = self._close_reasoning()
+        return frames + (self._content(piece) if isinstance(piece, str) else self._call(piece))
+
     def _content(self, text: str) -> list[bytes]:
         if self._forced:  # the grammar writes calls only: other text is a call the output did not finish
             return []
@@ -348,11 +392,11 @@ class ResponseEvents:
         return self._open_message() + [self._delta(text)]
 
     def feed(self, text: str) -> list[bytes]:
-        """The events of the next output text, through the tool-call parser: text deltas (the message item
-        added first when none is open) and whole calls; none while the parser holds the text back."""
+        """The events of the next output text, through the output parser: reasoning deltas, text deltas (the
+        item added first when none is open) and whole calls; none while the parser holds the text back."""
         frames = []
         for piece in self._parser.pieces(text):  # in the model's order
-            frames += self._content(piece) if isinstance(piece, str) else self._call(piece)
+            frames += self._piece(piece)
         return frames
 
     def end(self, finish_reason: str | None, usage: ResponseUsage) -> list[bytes]:
@@ -363,7 +407,8 @@ class ResponseEvents:
         frames = []
         if self._parser is not None:
             for piece in self._parser.finish_pieces():  # the last text, or a call the output ended in
-                frames += self._content(piece) if isinstance(piece, str) else self._call(piece)
+                frames += self._piece(piece)
+            frames += self._close_reasoning(end["status"])  # an output that ended in its reasoning
             if self._open is None and not self._items:
                 frames += self._open_message()
         if self._open is not None:

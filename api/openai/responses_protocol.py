@@ -167,7 +167,25 @@ class FunctionCallItem(BaseModel):
     status: ItemStatus
 
 
-OutputItem = Annotated[OutputMessage | FunctionCallItem, Field(discriminator="type")]
+class ReasoningText(BaseModel):
+    """A reasoning item's text: what the model wrote between `<think>` and `</think>`."""
+
+    type: Literal["reasoning_text"] = "reasoning_text"
+    text: str
+
+
+class ReasoningItem(BaseModel):
+    """An output item holding the model's reasoning, before the message or calls it led to. `id` is "rs_...";
+    `summary` is always empty (this server does not summarise); `content` holds the whole reasoning text."""
+
+    type: Literal["reasoning"] = "reasoning"
+    id: str
+    summary: list[Any] = Field(default_factory=list)
+    content: list[ReasoningText]
+    status: ItemStatus
+
+
+OutputItem = Annotated[OutputMessage | FunctionCallItem | ReasoningItem, Field(discriminator="type")]
 
 
 class InputTokensDetails(BaseModel):
@@ -286,6 +304,18 @@ class OutputTextDoneEvent(_ContentEvent):
     type: Literal["response.output_text.done"] = "response.output_text.done"
     text: str
     logprobs: list[Any] = Field(default_factory=list)
+
+
+class ReasoningTextDeltaEvent(_ContentEvent):
+    """New reasoning text of the reasoning item `item_id`."""
+
+    type: Literal["response.reasoning_text.delta"] = "response.reasoning_text.delta"
+    delta: str
+
+
+class ReasoningTextDoneEvent(_ContentEvent):
+    type: Literal["response.reasoning_text.done"] = "response.reasoning_text.done"
+    text: str
 
 
 class _ArgumentsEvent(_Event):

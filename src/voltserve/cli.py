@@ -65,6 +65,8 @@ HELP = {
     "chat_template": "a Jinja2 chat template file to use instead of the model's own",
     "tool_call_parser": "how tool calls are read from the output when a request gives tools: auto (hermes when "
                         "the chat template writes <tool_call>), hermes, none",
+    "reasoning_parser": "how reasoning (<think> ... </think>) is split from the content: auto (qwen3 when the "
+                        "chat template mentions <think>), qwen3, deepseek_r1 (output starts inside), none",
     "trust_request_mm_kwargs": "accept per-request mm_processor_kwargs / media_io_kwargs (no effect: the models "
                                "served are text-only); off: such a request gets a 400",
     "speculative_method": "speculative decoding: none, or ngram (prompt-lookup drafts verified in one step; "

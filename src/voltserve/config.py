@@ -73,12 +73,14 @@ def _env(name: str, default, cast=str):
 
 
 TOOL_CALL_PARSERS = ("auto", "hermes", "none")
+REASONING_PARSERS = ("auto", "qwen3", "deepseek_r1", "none")
 SPECULATIVE_METHODS = ("none", "ngram")
 MAX_SOCKET_PATH_BYTES = 100  # sun_path holds 108 bytes on Linux (104 on macOS), with its terminating NUL
 # EngineConfig fields that only the API process reads; API processes sharing one engine may differ in them
 API_ONLY_FIELDS = frozenset({"served_model_name", "api_key", "sse_keep_alive_interval", "stream_interval", "host",
                              "port", "exit_on_engine_death", "engine_process", "engine_socket", "api_processes",
-                             "shutdown_timeout", "tool_call_parser", "trust_request_mm_kwargs"})
+                             "shutdown_timeout", "tool_call_parser", "reasoning_parser",
+                             "trust_request_mm_kwargs"})
 
 
 @dataclass
@@ -147,6 +149,12 @@ class EngineConfig:
         tool_call_parser: how tool calls are read from the output of a request that gives `tools`: "hermes"
             (`<tool_call>{...}</tool_call>`, `voltserve.parsers.hermes`), "none" (output is content), or "auto"
             (hermes when the chat template writes `<tool_call>`, else none).
+        reasoning_parser: how reasoning (`<think>` ... `</think>`) is split from the content
+            (`voltserve.parsers.reasoning`; the APIs' `reasoning_content`, reasoning items, thinking blocks):
+            "qwen3" (the output may open `<think>`; it starts inside the reasoning when the prompt opened it),
+            "deepseek_r1" (the output always starts inside the reasoning), "none", or "auto" (qwen3 when the
+            chat template mentions `<think>`, else none). A request with `chat_template_kwargs.enable_thinking`
+            false has none.
         trust_request_mm_kwargs: accept non-empty per-request `mm_processor_kwargs` / `media_io_kwargs` (a 400
             otherwise, case S7); the served models are text-only, so accepted kwargs have no effect.
         speculative_method: "none", or "ngram": speculative decoding with prompt-lookup drafts
@@ -192,6 +200,7 @@ class EngineConfig:
     shutdown_timeout: float = 30.0
     chat_template: str = ""
     tool_call_parser: str = "auto"
+    reasoning_parser: str = "auto"
     trust_request_mm_kwargs: bool = False
     speculative_method: str = "none"
     num_speculative_tokens: int = 4
@@ -224,6 +233,9 @@ class EngineConfig:
         if self.tool_call_parser not in TOOL_CALL_PARSERS:
             raise ConfigError(f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}, "
                               f"not {self.tool_call_parser!r}")
+        if self.reasoning_parser not in REASONING_PARSERS:
+            raise ConfigError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}, "
+                              f"not {self.reasoning_parser!r}")
         if self.chat_template and not os.path.isfile(self.chat_template):
             raise ConfigError(f"chat_template {self.chat_template!r} is not a file")
         if self.speculative_method not in SPECULATIVE_METHODS:

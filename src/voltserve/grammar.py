@@ -64,18 +64,6 @@ def _with_options(schema: dict) -> dict:
     return {**schema, "x-guidance": {**_JSON_OPTIONS, **(schema.get("x-guidance") or {})}}
 
 
-def json_schema_grammar(schema: dict | None) -> str:
-    """A grammar for one JSON value of `schema` (None or {} = any JSON object), e.g. a JSON response_format.
-
-    Raises:
-        InvalidRequestError: the schema is not one llguidance takes (param None: the caller names it).
-    """
-    try:
-        return _llguidance().LLMatcher.grammar_from_json_schema(_with_options(schema or {"type": "object"}))
-    except (ValueError, TypeError) as exc:
-        raise InvalidRequestError(f"the JSON schema is not supported: {exc}") from exc
-
-
 _EMPTY_OBJECT = {"type": "object", "properties": {}, "additionalProperties": False}
 
 
@@ -97,14 +85,69 @@ def _arguments_schema(name: str, parameters: dict | None) -> dict:
     return _with_options({**parameters, "type": "object"})
 
 
-_CALL_END = "}\n</tool_call>"
+_CALL_OPEN, _CALL_END = "<tool_call>", "}\n</tool_call>"
 
 
 def _lark_literal(text: str) -> str:
     return json.dumps(text, ensure_ascii=False)  # a quoted string with JSON's escapes, which Lark reads alike
 
 
-def tool_calls_grammar(tools: list[dict], max_calls: int | None = None, json_answer: dict | None = None) -> str:
+def _json_rule(schema: dict | None) -> str:
+    return "%json " + json.dumps(_with_options(schema or {"type": "object"}), ensure_ascii=False)
+
+
+# Reasoning ahead of a constrained answer (case T1): free text up to the first `</think>`, or up to the first
+# `<tool_call>` (an implicit end: the model opens a call without closing its reasoning). Lazy lexemes end at their
+# first match; the negation keeps the other marker out, so whichever comes first ends the reasoning.
+_NOT_CLOSE, _NOT_CALL = r"~/(?s:.*)<\/think>(?s:.*)/", r"~/(?s:.*)<tool_call>(?s:.*)/"
+REASONING_MODES = ("inside", "open")
+
+
+def _reasoning_rules(reasoning: str, has_calls: bool) -> tuple[str, list[str]]:
+    """(the start alternatives, the rules) of reasoning ahead of `body` (a rule the caller defines).
+
+    Args:
+        reasoning: "inside" (the prompt opened `<think>`: the output starts in the reasoning, an explicit
+            `<think>` allowed) or "open" (the output may open `<think>` first, or answer at once).
+        has_calls: `body` may be tool calls: reasoning ended by `<tool_call>` goes on with that call's rest
+            (`first_rest`, a rule the caller defines); else it goes on with `body`.
+    """
+    lead = "<think>" if reasoning == "open" else ""
+    rules = [f"think_end[lazy]: /{lead}(?s:.*)<\\/think>/ & {_NOT_CALL}",
+             f"think_call[lazy]: /{lead}(?s:.*)<tool_call>/ & {_NOT_CLOSE}",
+             r"WS: /[ \t\r\n]*/"]
+    start = "think_end WS body | think_call " + ("first_rest" if has_calls else "WS body")
+    return (start + " | body" if reasoning == "open" else start), rules
+
+
+def _grammar(body: str, rules: list[str], reasoning: str | None, has_calls: bool = False) -> str:
+    """The llguidance grammar of a Lark `body` expression with its `rules`, behind reasoning when asked."""
+    if reasoning is None:
+        return _llguidance().grammar_from("lark", "\n".join([f"start: {body}", *rules]))
+    start, think = _reasoning_rules(reasoning, has_calls)
+    return _llguidance().grammar_from("lark", "\n".join([f"start: {start}", f"body: {body}", *rules, *think]))
+
+
+def json_schema_grammar(schema: dict | None, reasoning: str | None = None) -> str:
+    """A grammar for one JSON value of `schema` (None or {} = any JSON object), e.g. a JSON response_format.
+
+    Args:
+        reasoning: None, or the reasoning the answer follows (`REASONING_MODES`; case T1: ended by `</think>`
+            or by `<tool_call>`, which the reasoning parser then drops).
+
+    Raises:
+        InvalidRequestError: the schema is not one llguidance takes (param None: the caller names it).
+    """
+    try:
+        if reasoning is None:
+            return _llguidance().LLMatcher.grammar_from_json_schema(_with_options(schema or {"type": "object"}))
+        return _grammar(_json_rule(schema), [], reasoning)
+    except (ValueError, TypeError) as exc:
+        raise InvalidRequestError(f"the JSON schema is not supported: {exc}") from exc
+
+
+def tool_calls_grammar(tools: list[dict], max_calls: int | None = None, json_answer: dict | None = None,
+                       reasoning: str | None = None) -> str:
     """A grammar for Hermes-format tool calls (`<tool_call>\n{"name":...,"arguments":{...}}\n</tool_call>`, as
     `voltserve.parsers.hermes` reads them), each naming one of `tools` with arguments of its schema.
 
@@ -114,6 +157,8 @@ def tool_calls_grammar(tools: list[dict], max_calls: int | None = None, json_ans
             more, the model ending the list.
         json_answer: a JSON schema the output may match instead of calling tools (tools with a JSON
             response_format and tool_choice auto, case T5); None = calls only.
+        reasoning: None, or the reasoning the calls follow (`REASONING_MODES`); a `<tool_call>` that ends it
+            opens the first call (case T1).
 
     Raises:
         InvalidRequestError: no tools, or a tool whose parameters are not an object schema.
@@ -122,15 +167,16 @@ def tool_calls_grammar(tools: list[dict], max_calls: int | None = None, json_ans
         raise InvalidRequestError("a forced tool call needs at least one tool", param="tools")
     rules = []
     for k, tool in enumerate(tools):
-        head = '<tool_call>\n{"name":' + json.dumps(tool["name"], ensure_ascii=False) + ',"arguments":'
+        head = '\n{"name":' + json.dumps(tool["name"], ensure_ascii=False) + ',"arguments":'
         arguments = json.dumps(_arguments_schema(tool["name"], tool.get("parameters")), ensure_ascii=False)
-        rules.append(f"call_{k}: {_lark_literal(head)} %json {arguments} {_lark_literal(_CALL_END)}")
-    calls = "call" if max_calls == 1 else 'call ("\\n" call)*'
-    start = f"start: {calls}"
+        rules.append(f"rest_{k}: {_lark_literal(head)} %json {arguments} {_lark_literal(_CALL_END)}")
+    more = "" if max_calls == 1 else ' ("\\n" call)*'
+    body = "call" + more
     if json_answer is not None:
-        start += f" | %json {json.dumps(_with_options(json_answer or {'type': 'object'}), ensure_ascii=False)}"
-    lark = "\n".join([start, "call: " + " | ".join(f"call_{k}" for k in range(len(tools))), *rules])
-    return _llguidance().grammar_from("lark", lark)
+        body += f" | {_json_rule(json_answer)}"
+    rules += [f"call: {_lark_literal(_CALL_OPEN)} rest", f"first_rest: rest{more}",
+              "rest: " + " | ".join(f"rest_{k}" for k in range(len(tools)))]
+    return _grammar(body, rules, reasoning, has_calls=True)
 
 
 class GrammarState:

@@ -278,3 +278,16 @@ class RecordingTemplate:
     def render(self, messages, add_generation_prompt=True, tools=None, **kwargs) -> str:
         self.calls.append((messages, tools))
         return "prompt"
+
+
+class ThinkingTemplate(ChatMLTemplate):
+    """ChatML whose generation prompt opens the reasoning (`<think>\\n`), as DeepSeek-R1's and Qwen3's
+    thinking-only templates do; with `enable_thinking=False` it writes an empty reasoning instead (Qwen3's)."""
+
+    source = "{{ '<think>' }}"  # what `reasoning_parser` "auto" looks for
+
+    def render(self, messages, add_generation_prompt=True, tools=None, **kwargs) -> str:
+        text = super().render(messages, add_generation_prompt, tools)
+        if not add_generation_prompt:
+            return text
+        return text + ("<think>\n\n</think>\n\n" if kwargs.get("enable_thinking") is False else "<think>\n")

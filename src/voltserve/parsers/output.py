@@ -1,0 +1,88 @@
+"""One sequence's output read by the reasoning parser first and the tool-call parser next: reasoning text, then
+content and calls in the order the model wrote them. Either parser may be absent (plain content passes)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from voltserve.parsers.hermes import HermesToolParser, ToolCall
+from voltserve.parsers.reasoning import ReasoningParser
+
+
+@dataclass(frozen=True)
+class Reasoning:
+    """A piece of reasoning text (what the model wrote between `<think>` and `</think>`)."""
+
+    text: str
+
+
+Piece = Reasoning | str | ToolCall
+
+
+class OutputParser:
+    """Streaming splitter of one sequence's output into reasoning, content and tool calls.
+
+    Args:
+        reasoning: the sequence's reasoning parser, or None (no reasoning is read).
+        tools: its tool-call parser, or None (content is plain text).
+
+    `pieces(delta)` / `finish_pieces()` give what can be sent now in the model's order (Reasoning pieces, content
+    strings and ToolCalls; never "", never two strings or two Reasonings in a row); `feed` / `finish` the same
+    as (reasoning, content, calls). `calls` lists every call so far.
+    """
+
+    def __init__(self, reasoning: ReasoningParser | None = None, tools: HermesToolParser | None = None):
+        self._reasoning, self._tools = reasoning, tools
+
+    @property
+    def calls(self) -> list[ToolCall]:
+        return self._tools.calls if self._tools is not None else []
+
+    def _after_reasoning(self, reasoning: str, content: str) -> list[Piece]:
+        out: list[Piece] = [Reasoning(reasoning)] if reasoning else []
+        if content:
+            out += self._tools.pieces(content) if self._tools is not None else [content]
+        return out
+
+    def pieces(self, text: str) -> list[Piece]:
+        """Take the next text delta; returns the pieces that can be sent now."""
+        if self._reasoning is None:
+            return self._after_reasoning("", text)
+        return self._after_reasoning(*self._reasoning.feed(text))
+
+    def finish_pieces(self) -> list[Piece]:
+        """The end of the output: what the parsers still held (see theirs)."""
+        out = self._after_reasoning(*self._reasoning.finish()) if self._reasoning is not None else []
+        if self._tools is not None:
+            out += self._tools.finish_pieces()
+        return _merged(out)
+
+    def feed(self, text: str) -> tuple[str, str, list[ToolCall]]:
+        """`pieces` as (reasoning, content, calls), each possibly empty."""
+        return split(self.pieces(text))
+
+    def finish(self) -> tuple[str, str, list[ToolCall]]:
+        """`finish_pieces` as (reasoning, content, calls)."""
+        return split(self.finish_pieces())
+
+
+def _merged(pieces: list[Piece]) -> list[Piece]:
+    """`pieces` with adjacent strings (and adjacent Reasonings) joined."""
+    merged: list[Piece] = []
+    for piece in pieces:
+        if merged and type(piece) is type(merged[-1]) and not isinstance(piece, ToolCall):
+            merged[-1] = merged[-1] + piece if isinstance(piece, str) else Reasoning(merged[-1].text + piece.text)
+        else:
+            merged.append(piece)
+    return merged
+
+
+def split(pieces: list[Piece]) -> tuple[str, str, list[ToolCall]]:
+    """(reasoning joined, content joined, calls) of ordered pieces."""
+    return ("".join(p.text for p in pieces if isinstance(p, Reasoning)),
+            "".join(p for p in pieces if isinstance(p, str)), [p for p in pieces if isinstance(p, ToolCall)])
+
+
+def parse_output(parser: OutputParser, text: str) -> list[Piece]:
+    """A whole output text through a fresh `parser` as ordered pieces (the stream's rules)."""
+    return _merged(parser.pieces(text) + parser.finish_pieces())

@@ -1,0 +1,90 @@
+"""Reasoning text (`<think>` ... `</think>`) split out of a model's output as it streams: Qwen3, DeepSeek-R1 and
+QwQ write their reasoning there before the answer (vLLM's `reasoning_content`,
+https://docs.vllm.ai/en/latest/features/reasoning_outputs.html).
+
+One parser serves the whole text and the stream alike (a whole text is one `feed` and `finish`), so the joined
+streamed reasoning and content always equal the non-streamed ones. The rules:
+- an output that begins with `<think>` starts inside the reasoning (the tag is dropped);
+- without it the output starts inside the reasoning only when the prompt already opened it (`starts_inside`:
+  DeepSeek-R1's template and Qwen3's thinking-only models write `<think>` at the end of the prompt), else the
+  whole output is content;
+- `</think>` ends the reasoning and is dropped; so does `implicit_end` (`<tool_call>`, case T1: under a JSON
+  grammar the model may open a call without closing its reasoning first), which is kept as the first content
+  when a tool-call parser reads the content next (`keep_implicit_end`: it opens the first call);
+- text that may still become a marker (a trailing `<`, `</thi`) is held only until it cannot;
+- an output that ends inside the reasoning (no end marker) is all reasoning.
+"""
+
+from __future__ import annotations
+
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+_START, _REASONING, _CONTENT = range(3)
+
+
+def _held_len(text: str, markers: tuple[str, ...]) -> int:
+    """Length of the longest end of `text` that is a proper beginning of one of `markers`."""
+    for k in range(min(max(len(m) for m in markers) - 1, len(text)), 0, -1):
+        if any(m.startswith(text[-k:]) for m in markers):
+            return k
+    return 0
+
+
+class ReasoningParser:
+    """Streaming splitter of one sequence's output into reasoning and content.
+
+    Args:
+        starts_inside: the prompt opened the reasoning (the output starts in it without `<think>`).
+        implicit_end: another marker that also ends the reasoning (`<tool_call>` under a JSON grammar), or None.
+        keep_implicit_end: `implicit_end` is sent on as the first content (a tool-call parser reads it).
+
+    Use `feed(delta)` for each text delta and `finish()` once at the end; each returns (reasoning, content) that
+    can be sent now, either possibly "". Each character is looked at a bounded number of times.
+    """
+
+    def __init__(self, starts_inside: bool = False, implicit_end: str | None = None, keep_implicit_end: bool = False):
+        self._starts_inside = starts_inside
+        self._ends = (THINK_CLOSE,) if implicit_end is None else (THINK_CLOSE, implicit_end)
+        self._keep = implicit_end if keep_implicit_end else None
+        self._state = _START
+        self._held = ""  # text that may still become a marker
+        self.ended_by: str | None = None  # the marker that ended the reasoning
+
+    def feed(self, text: str) -> tuple[str, str]:
+        """Take the next text delta.
+
+        Returns:
+            (reasoning, content) that can be sent now, each possibly "".
+        """
+        text, self._held = self._held + text, ""
+        if self._state == _START:
+            if len(text) < len(THINK_OPEN) and THINK_OPEN.startswith(text):
+                self._held = text
+                return "", ""
+            if text.startswith(THINK_OPEN):
+                self._state, text = _REASONING, text[len(THINK_OPEN):]
+            else:
+                self._state = _REASONING if self._starts_inside else _CONTENT
+        if self._state == _CONTENT:
+            return "", text
+        return self._read_reasoning(text)
+
+    def _read_reasoning(self, text: str) -> tuple[str, str]:
+        hits = [(at, m) for m in self._ends if (at := text.find(m)) >= 0]
+        if not hits:
+            keep = _held_len(text, self._ends)
+            self._held = text[len(text) - keep:]
+            return text[:len(text) - keep], ""
+        at, marker = min(hits)
+        self._state, self.ended_by = _CONTENT, marker
+        content = text[at + len(marker):]
+        return text[:at], (marker + content if marker == self._keep else content)
+
+    def finish(self) -> tuple[str, str]:
+        """The end of the output: held text is reasoning inside the reasoning, else content.
+
+        Returns:
+            (the last reasoning, the last content), each possibly "".
+        """
+        held, self._held = self._held, ""
+        inside = self._state == _REASONING or (self._state == _START and self._starts_inside)
+        return (held, "") if inside else ("", held)

@@ -1,0 +1,75 @@
+"""Reasoning in POST /v1/responses over the ScriptedEngine: a `reasoning` output item ahead of the message or
+calls (exact JSON), its streamed events (checked against the `openai` SDK's types by `sdk_checked`), and case T1
+(`<tool_call>` ending the reasoning under a forced call or a JSON format)."""
+
+from __future__ import annotations
+
+import orjson
+import pytest
+
+from tests.api.fake_engine import ByteTokenizer, ChunkedEngine, ScriptedEngine, ThinkingTemplate
+from tests.api.test_reasoning import ANSWER, CALL
+from tests.api.test_responses import URL, body, message, response_object, sdk_checked, usage
+from tests.api.test_responses_tools import WEATHER, function_call, names
+from tests.unit.test_grammar_rules import complete
+
+
+def reasoning(text: str, status: str = "completed") -> dict:
+    return {"type": "reasoning", "id": "rs_0", "summary": [], "content": [{"type": "reasoning_text", "text": text}],
+            "status": status}
+
+
+async def _both(serve, script: str, engine_cls=ScriptedEngine, **extra):
+    """(non-streamed response, streamed events, the request's grammar) of one request; the stream ends with the
+    non-streamed response."""
+    engine = engine_cls(scripts=[script], max_model_len=4096)
+    engine.chat_template = ThinkingTemplate()
+    async with serve(engine, tool_call_parser="hermes") as (client, _):
+        whole = orjson.loads(await (await client.post(URL, json=body(**extra))).get_data())
+        data = await (await client.post(URL, json=body(stream=True, **extra))).get_data()
+    events, _ = sdk_checked(data)
+    assert events[-1][1]["response"] == whole
+    return whole, events, engine.requests[-1][1].grammar
+
+
+async def test_reasoning_item_before_the_message_exact_json(serve):
+    script = "Greet.</think>\n\nHello!"
+    whole, events, _ = await _both(serve, script, ChunkedEngine)
+    prompt_tokens = len(ByteTokenizer().encode("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n<think>\n"))
+    assert whole == response_object("completed", [reasoning("Greet."), message("\n\nHello!", "completed")],
+                                     usage(prompt_tokens, len(script.encode()) + 1))
+    assert names(events) == [
+        "response.created", "response.in_progress", "response.output_item.added", "response.reasoning_text.delta",
+        "response.reasoning_text.done", "response.output_item.done", "response.output_item.added",
+        "response.content_part.added", "response.output_text.delta", "response.output_text.done",
+        "response.content_part.done", "response.output_item.done", "response.completed"]
+    assert events[2][1] == {"type": "response.output_item.added", "sequence_number": 2, "output_index": 0,
+                            "item": {"type": "reasoning", "id": "rs_0", "summary": [], "content": [],
+                                     "status": "in_progress"}}
+    assert events[3][1] == {"type": "response.reasoning_text.delta", "sequence_number": 3, "item_id": "rs_0",
+                            "output_index": 0, "content_index": 0, "delta": "Greet."}
+    assert events[6][1]["output_index"] == 1  # the message is the second item
+
+
+async def test_reasoning_streamed_token_by_token_joins_to_the_item(serve):
+    whole, events, _ = await _both(serve, "a<b</think>c")
+    deltas = [e["delta"] for name, e in events if name == "response.reasoning_text.delta"]
+    assert deltas == ["a", "<b"] and whole["output"][0] == reasoning("a<b")
+
+
+@pytest.mark.parametrize("engine_cls", [ScriptedEngine, ChunkedEngine])
+async def test_T1_required_call_after_reasoning(serve, engine_cls):
+    script = "Paris." + CALL
+    whole, events, grammar = await _both(serve, script, engine_cls, tools=[WEATHER], tool_choice="required")
+    assert complete(script, grammar)
+    assert whole["output"] == [reasoning("Paris."), function_call(0, '{"city": "Paris"}')]
+    assert whole["status"] == "completed"
+
+
+async def test_T1_json_format_after_reasoning(serve):
+    script = 'Sure.<tool_call>{"ok":true}'
+    text_format = {"format": {"type": "json_schema", "name": "a", "schema": ANSWER}}
+    whole, _, grammar = await _both(serve, script, text=text_format)
+    assert complete(script, grammar)
+    assert [item["type"] for item in whole["output"]] == ["reasoning", "message"]
+    assert orjson.loads(whole["output"][1]["content"][0]["text"]) == {"ok": True}

@@ -143,7 +143,7 @@ def build_runner(config: EngineConfig, loaded=None, spare_cores: int = 0) -> Bui
         from voltserve.graphs import StepGraphs, prefill_buckets
 
         mixed = prefill_buckets(config.max_num_batched_tokens) if config.mixed_graphs else []
-        verify = config.num_speculative_tokens if config.speculative_method != "none" else 0
+        verify = config.draft_ladder().width if config.speculative_method != "none" else None
         graphs = StepGraphs(model, backend, kv_cache, config.max_num_seqs, max_model_len, mixed, verify)
         graphs.capture()
     tokenizer = loaded.tokenizer

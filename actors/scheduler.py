@@ -163,7 +163,10 @@ class SchedulerActor(Actor):
         text = ""
         pushed = tokens[:-1] if tokens and finished and seq.stop_reason == tokens[-1] else tokens
         if pushed:
-            text, matched = detok.push(pushed)
+            if len(pushed) > 1 and seq.params.stop:
+                text, matched, tokens = self._push_to_stop(seq, detok, pushed, tokens)
+            else:
+                text, matched = detok.push(pushed)
             if matched is not None:
                 if finished:  # it also hit max_tokens or EOS this step: the stop string explains the end
                     seq.finish_reason, seq.stop_reason = FinishReason.STOP, matched
@@ -189,6 +192,21 @@ class SchedulerActor(Actor):
                 stream.wake()
         if finished:
             self._forget(seq)
+
+    def _push_to_stop(self, seq: Sequence, detok, pushed: list[int], tokens: list[int]):
+        """Detokenize a verify's tokens one by one up to the one that completes a stop string; the tokens after
+        it are dropped from the sequence (as the plain engine never makes them). Returns (text, the matched
+        stop string or None, the step's tokens kept)."""
+        text = ""
+        for used, token in enumerate(pushed, 1):
+            piece, matched = detok.push((token,))
+            text += piece
+            if matched is not None:
+                extra = len(tokens) - used
+                if extra:
+                    del seq.output_ids[-extra:]
+                return text, matched, tokens[:used]
+        return text, None, tokens
 
     def _emit_deferred(self) -> None:
         """Emit the last step's deferred deltas (before the next update appends more tokens)."""

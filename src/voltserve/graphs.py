@@ -9,16 +9,17 @@ few steps (bench_decode.py --churn). Every graph is captured largest first into 
 shape). Padded tokens write no KV (slot -1); each padded sequence has one padded token and one key of block 0;
 their logits are dropped. Steps beyond the largest buckets run eagerly.
 
-Verify graphs (speculative decoding, `verify_drafts` = k): a mixed graph per bucket b of up to b * k + 1 query
-tokens beyond one a sequence, with logits and the greedy argmax for every token slot (a verify step needs the
-target's row after each draft). Captured only for buckets where b * k <= `VERIFY_MAX_DRAFT_TOKENS`; a bigger
-verify step runs eagerly.
+Verify graphs (speculative decoding): a mixed graph per bucket b with room for the most drafts that many
+sequences verify (r * width(r) for the r sequences the bucket takes, `verify_width` = the ladder), plus one, with
+logits and the greedy argmax for every token slot (a verify step needs the target's row after each draft).
+Captured only for buckets of at most `VERIFY_MAX_DRAFT_TOKENS` drafts; a bigger verify step runs eagerly.
 """
 
 from __future__ import annotations
 
 import logging
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -48,6 +49,19 @@ def batch_buckets(max_num_seqs: int) -> list[int]:
 def prefill_buckets(max_num_batched_tokens: int) -> list[int]:
     """The mixed graphs' query-token capacities for a step budget of `max_num_batched_tokens` tokens."""
     return sorted({min(p, max_num_batched_tokens) for p in MIXED_PREFILL_TOKENS if max_num_batched_tokens > 1})
+
+
+def verify_buckets(buckets: list[int], width: Callable[[int], int]) -> dict[int, int]:
+    """Bucket b -> its verify graph's query tokens beyond one a sequence: the most drafts the r sequences it takes
+    (previous bucket < r <= b) verify, r * width(r), plus one (a lone sequence's 1 + k tokens fit); buckets past
+    VERIFY_MAX_DRAFT_TOKENS drafts get none."""
+    out, prev = {}, 0
+    for b in buckets:
+        drafts = max(r * width(r) for r in range(prev + 1, b + 1))
+        prev = b
+        if drafts <= VERIFY_MAX_DRAFT_TOKENS:
+            out[b] = drafts + 1
+    return out
 
 
 @dataclass(frozen=True)
@@ -254,12 +268,15 @@ class StepGraphs:
         max_model_len: longest context; sizes the block tables and the attention split grid.
         prefill_tokens: the mixed graphs' query-token capacities P (`prefill_buckets`); empty = decode graphs
             only.
-        verify_drafts: k, the most drafts a sequence verifies (speculative decoding): verify graphs of b * k + 1
-            query tokens beyond one a sequence for each bucket b with b * k <= VERIFY_MAX_DRAFT_TOKENS; 0 = none.
+        verify_width: drafts a sequence verifies when r sequences run (speculative decoding:
+            `voltserve.spec.ladder.DraftLadder.width`), or None: no verify graphs. Bucket b gets a verify graph of
+            max(r * verify_width(r)) + 1 query tokens beyond one a sequence over the r it takes, where that is at
+            most VERIFY_MAX_DRAFT_TOKENS + 1.
     """
 
     def __init__(self, model, backend, kv_cache: torch.Tensor, max_num_seqs: int, max_model_len: int,
-                 prefill_tokens: tuple[int, ...] | list[int] = (), verify_drafts: int = 0):
+                 prefill_tokens: tuple[int, ...] | list[int] = (),
+                 verify_width: Callable[[int], int] | None = None):
         self.model, self.backend, self.kv_cache = model, backend, kv_cache
         self.buckets = batch_buckets(max_num_seqs)
         self.prefill_buckets = sorted(prefill_tokens)
@@ -271,10 +288,7 @@ class StepGraphs:
         self._mixed = None
         if self.prefill_buckets:
             self._mixed = _GraphInputs(n + self.prefill_buckets[-1], n, self.max_blocks, block_size, dev)
-        # bucket -> a verify graph's query tokens beyond one a sequence (one more than b * k: a lone sequence's
-        # 1 + k tokens fit)
-        self.verify_buckets = {b: b * verify_drafts + 1 for b in self.buckets
-                               if verify_drafts and b * verify_drafts <= VERIFY_MAX_DRAFT_TOKENS}
+        self.verify_buckets = verify_buckets(self.buckets, verify_width) if verify_width is not None else {}
         self._verify = None
         if self.verify_buckets:
             b = max(self.verify_buckets)

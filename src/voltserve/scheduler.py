@@ -75,7 +75,7 @@ class Scheduler:
             steps into one mixed step spends fewer of them; each waits at most this many steps (its time to
             first token grows by up to as many step times). The same idea as the max_waiting_tokens of Hugging
             Face text-generation-inference's router.
-        drafter: speculative decoding's drafter (`voltserve.spec.ngram.NgramDrafter`: `propose(tokens, k)`), or
+        drafter: speculative decoding's drafter (`voltserve.spec.ngram.NgramDrafter`: `propose(seq, k)`), or
             None: decoding sequences that may be drafted (`voltserve.spec.verify.draftable`) verify up to
             `ladder.width(running sequences)` drafts a step. Steps are then never planned ahead while such a
             sequence runs (its drafts need the token the step before samples).
@@ -142,12 +142,18 @@ class Scheduler:
         preempted = False
         i = 0
         width = self.ladder.width(len(self.running)) if self.drafter is not None else 0
+        reserve = 0  # drafts never take the budget the head of the queue could start with
+        if width and self.waiting and len(self.running) < self.max_num_seqs:
+            head = self.waiting[0]
+            reserve = head.num_tokens - head.num_computed_tokens
         # 1) running sequences: one decode token (with drafts to verify) or their next prefill chunk each
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if width and num_new == 1 and budget > 1:
-                entry = self._draft_entry(seq, min(width, budget - 1))
+            # drafts leave a token of the budget to every running sequence after this one
+            spare = budget - (len(self.running) - i) - reserve
+            if width and num_new == 1 and spare > 0:
+                entry = self._draft_entry(seq, min(width, spare))
                 if entry is not None:
                     entries.append(entry)
                     budget -= entry.num_new
@@ -176,7 +182,7 @@ class Scheduler:
         k = min(k, self.max_model_len - seq.num_tokens - 1, seq.max_tokens - len(seq.output_ids) - 1)
         if k < 1 or not draftable(seq):
             return None
-        drafts = self.drafter.propose(seq.token_ids(), k)[:k]
+        drafts = self.drafter.propose(seq, k)[:k]
         if not drafts:
             return None
         # drafts never take the blocks the other running sequences' next tokens need
@@ -197,7 +203,7 @@ class Scheduler:
         added = self._added_at.get(head.seq_id)
         return (added is not None and self._num_plans - added < self.admission_wait_steps
                 and head.num_tokens - head.num_computed_tokens > 1
-                and (decode_only or all(e.num_new == 1 for e in entries)))
+                and (decode_only or all(e.num_new == 1 or e.drafts for e in entries)))
 
     def _admit(self, entries: list[ScheduledSeq], budget: int, whole_prompts: int = 0) -> bool:
         """Start waiting sequences, FIFO, while the token budget, `max_num_seqs` and free KV blocks allow, appending

@@ -38,6 +38,7 @@ def test_stop_strings_and_logprobs_as_the_plain_server(server_url, spec_server_u
         spec = _client(spec_server_url).chat.completions.create(**args)
         assert spec.choices[0].message.content == plain.choices[0].message.content
         assert spec.choices[0].finish_reason == plain.choices[0].finish_reason
+        assert spec.usage.completion_tokens == plain.usage.completion_tokens
         if "logprobs" in kwargs:
             assert spec.choices[0].logprobs.content == plain.choices[0].logprobs.content
         else:

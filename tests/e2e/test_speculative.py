@@ -56,18 +56,26 @@ async def test_ladder_and_stop_strings(smollm2, device):
     async with running_engine(smollm2, device=device) as engine:
         plain_together = await answers(engine, True, temperature=0, max_tokens=40)
     assert spec[0] == plain[0] and spec[0].endswith("14, ") and spec[2].stop_reason == "15"
+    # the tokens after the stop string's are dropped, as the plain engine never makes them
+    assert spec[1] == plain[1] and spec[2].num_output_tokens == plain[2].num_output_tokens
     assert together == plain_together
 
 
 @pytest.mark.parametrize("device", DEVICES)
-async def test_seeded_sampling_repeats(smollm2, device):
-    """Sampled verification (rejection sampling) with a seed: the same tokens run to run (case R1)."""
-    params = {"temperature": 0.8, "top_p": 0.95, "seed": 11, "max_tokens": 60}
-    async with running_engine(smollm2, device=device, **SPEC) as engine:
-        first = await answers(engine, False, **params)
-        second = await answers(engine, True, **params)
-        assert engine._scheduler_actor.scheduler.num_verify_steps > 0
-    assert first == second and all(len(t) > 5 for t in first)
+async def test_sampling(smollm2, device):
+    """Seeded sampling is not drafted (case R1: the same tokens whatever runs beside it): as the plain engine's,
+    alone and beside others. Unseeded sampling verifies drafts by rejection sampling."""
+    seeded = {"temperature": 0.8, "top_p": 0.95, "seed": 11, "max_tokens": 60}
+    async with running_engine(smollm2, device=device) as engine:
+        plain = await answers(engine, False, **seeded)
+    async with running_engine(smollm2, device=device, concurrency_drafts='{"2": 2}', **SPEC) as engine:
+        alone = await answers(engine, False, **seeded)
+        together = await answers(engine, True, **seeded)
+        sched = engine._scheduler_actor.scheduler
+        assert sched.num_verify_steps == 0
+        free = await answers(engine, True, temperature=0.8, max_tokens=60)
+        assert sched.num_verify_steps > 0 and engine.pool.num_free == engine.pool.num_blocks
+    assert alone == plain and together == plain and all(len(t) > 5 for t in free)
 
 
 class OracleDrafter:
@@ -76,7 +84,8 @@ class OracleDrafter:
     def __init__(self, prompts, outputs):
         self.known = list(zip(prompts, outputs))
 
-    def propose(self, tokens, k):
+    def propose(self, seq, k):
+        tokens = seq.token_ids()
         for prompt, out in self.known:
             if tokens[:len(prompt)] == prompt:
                 j = len(tokens) - len(prompt)
@@ -97,6 +106,7 @@ def test_verify_graphs_on_cuda():
     from voltserve.backends.cuda.backend import CudaBackend
     from voltserve.graphs import StepGraphs
     from voltserve.models.llama import LlamaModel
+    from voltserve.spec.ladder import DraftLadder
     from voltserve.spec.ngram import NgramDrafter
 
     loaded = synthetic_model("small256", device="cuda", dtype=torch.float16, qtype="Q4_1", seed=21)
@@ -107,7 +117,7 @@ def test_verify_graphs_on_cuda():
     def graphs(drafts):
         def factory(kv):
             g = StepGraphs(model, backend, kv, max_num_seqs=4, max_model_len=512, prefill_tokens=(8, 64),
-                           verify_drafts=drafts)
+                           verify_width=DraftLadder(drafts).width if drafts else None)
             g.capture()
             made.append(g)
             return g

@@ -4,6 +4,7 @@ rule: the output equals non-speculative greedy decoding; no KV block leaks)."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -12,33 +13,58 @@ from voltserve.config import EngineConfig
 from voltserve.errors import ConfigError
 from voltserve.request import FinishReason, SamplingParams
 from voltserve.spec.ladder import DraftLadder
-from voltserve.spec.ngram import NgramDrafter
+from voltserve.spec.ngram import NgramDrafter, lookup
 from voltserve.spec.verify import accept_greedy, accept_sampled
 
 
 # -- n-gram drafter ---------------------------------------------------------------------------------------------
 
+def propose(drafter, tokens, k):
+    return drafter.propose(make_seq(tokens), k)
+
+
 def test_ngram_copies_what_followed_the_latest_match():
     d = NgramDrafter(4, min_n=2, max_n=3)
     # suffix [5, 6] occurred twice; the latest occurrence (index 6) is followed by 9, 1
-    assert d.propose([5, 6, 7, 8, 0, 0, 5, 6, 9, 1, 5, 6], 4) == [9, 1, 5, 6]
-    assert d.propose([5, 6, 7, 8, 0, 0, 5, 6, 9, 1, 5, 6], 2) == [9, 1]  # k caps the drafts
-    assert d.propose([1, 2, 3, 4], 4) == []  # no earlier [3, 4]
-    assert d.propose([7, 7], 4) == []  # too short for min_n 2 before the suffix
+    assert propose(d, [5, 6, 7, 8, 0, 0, 5, 6, 9, 1, 5, 6], 4) == [9, 1, 5, 6]
+    assert propose(d, [5, 6, 7, 8, 0, 0, 5, 6, 9, 1, 5, 6], 2) == [9, 1]  # k caps the drafts
+    assert propose(d, [1, 2, 3, 4], 4) == []  # no earlier [3, 4]
+    assert propose(d, [7, 7], 4) == []  # too short for min_n 2 before the suffix
     # the longest suffix wins: [2, 3, 4] matches at index 0 (-> 8), [3, 4] alone matches later (-> 9)
-    assert d.propose([2, 3, 4, 8, 3, 4, 9, 2, 3, 4], 1) == [8]
+    assert propose(d, [2, 3, 4, 8, 3, 4, 9, 2, 3, 4], 1) == [8]
+    assert propose(d, [2, 3, 4, 8, 3, 4, 9, 2, 3, 4], 9) == [8, 3, 4, 9]  # num_drafts caps k
 
 
 def test_ngram_drafts_run_into_the_suffix_and_stop_at_the_end():
     d = NgramDrafter(8, min_n=1, max_n=2)
-    assert d.propose([1, 2, 1, 2, 1, 2], 8) == [1, 2]  # repetition: the match right before the suffix
-    assert d.propose([4, 4, 4], 8) == [4]
+    assert propose(d, [1, 2, 1, 2, 1, 2], 8) == [1, 2]  # repetition: the match right before the suffix
+    assert propose(d, [4, 4, 4], 8) == [4]
 
 
-def test_ngram_lookback_bounds_the_search():
+def test_ngram_lookup_agrees_with_a_brute_force_search():
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(300):
+        length = int(torch.randint(1, 40, (1,), generator=gen))
+        tokens = torch.randint(0, 4, (length,), generator=gen).tolist()
+        min_n, max_n = sorted(torch.randint(1, 5, (2,), generator=gen).tolist())
+        want = []
+        for n in range(max_n, min_n - 1, -1):  # the longest suffix first, its latest earlier occurrence
+            ends = [p for p in range(n - 1, length - 1) if tokens[p - n + 1:p + 1] == tokens[length - n:]]
+            if length > n and ends:
+                want = tokens[ends[-1] + 1:ends[-1] + 4]
+                break
+        assert lookup(np.array(tokens), 3, min_n, max_n) == want, (tokens, min_n, max_n)
+
+
+def test_ngram_follows_a_growing_sequence_and_bounds_the_search():
     d = NgramDrafter(2, min_n=2, max_n=2, max_lookback=6)
-    assert d.propose([1, 2, 3, 0, 0, 0, 0, 0, 1, 2], 2) == []  # the match is older than 6 tokens
-    assert NgramDrafter(2, min_n=2, max_n=2).propose([1, 2, 3, 0, 0, 0, 0, 0, 1, 2], 2) == [3, 0]
+    seq = make_seq([1, 2, 3, 0, 0, 0, 0, 0, 1])
+    assert d.propose(seq, 2) == []
+    seq.output_ids.append(2)  # the cached array grows with the output
+    assert d.propose(seq, 2) == []  # the match [1, 2] is older than 6 tokens
+    assert NgramDrafter(2, min_n=2, max_n=2).propose(seq, 2) == [3, 0]
+    seq.output_ids += [5, 1, 2]
+    assert d.propose(seq, 2) == [5, 1]
     with pytest.raises(ValueError):
         NgramDrafter(0)
     with pytest.raises(ValueError):
@@ -73,8 +99,11 @@ def test_bad_speculative_settings_fail_at_startup():
         EngineConfig(speculative_method="eagle").validate()
     with pytest.raises(ConfigError, match="num_speculative_tokens must be >= 1"):
         EngineConfig(speculative_method="ngram", num_speculative_tokens=0).validate()
-    with pytest.raises(ConfigError, match="1 <= ngram_min <= ngram_max"):
+    with pytest.raises(ConfigError, match="1 <= ngram_min <= ngram_max <= 64"):
         EngineConfig(speculative_method="ngram", ngram_min=3, ngram_max=2).validate()
+    with pytest.raises(ConfigError, match="1 <= ngram_min <= ngram_max <= 64"):
+        EngineConfig(speculative_method="ngram", ngram_max=4096).validate()
+    EngineConfig(concurrency_drafts="{bad").validate()  # not read without speculation
 
 
 # -- verification -------------------------------------------------------------------------------------------------
@@ -116,9 +145,9 @@ class FakeDrafter:
         self.guess = guess
         self.asked: list[int] = []
 
-    def propose(self, tokens, k):
+    def propose(self, seq, k):
         self.asked.append(k)
-        return self.guess(tokens)[:k]
+        return self.guess(seq.token_ids())[:k]
 
 
 def fake_step(scheduler):
@@ -230,3 +259,40 @@ def test_undraftable_sequences_decode_one_token():
     fake_step(s)
     plan, _ = fake_step(s)  # min_tokens 3 met: the third drafts now
     assert [len(e.drafts) for e in plan.entries] == [0, 0, 2]
+
+
+def test_drafts_leave_every_running_sequence_a_token():
+    """A tight budget (16 tokens, 8 sequences, k = 4, every draft rejected): the sequences after the drafted ones
+    still decode every step."""
+    s = make_scheduler(drafter=FakeDrafter(lambda tokens: [1000] * 4), ladder=DraftLadder(4),
+                       max_num_batched_tokens=16, num_blocks=128)
+    seqs = [make_seq([3, 4, 5], max_tokens=40) for _ in range(8)]
+    for q in seqs:
+        s.add(q)
+    while not all(q.output_ids for q in seqs):  # the prompts, over two steps
+        fake_step(s)
+    before = [len(q.output_ids) for q in seqs]
+    for _ in range(10):
+        plan, _ = fake_step(s)
+        assert plan.num_tokens <= 16 and plan.has_drafts
+    assert [len(q.output_ids) - b for q, b in zip(seqs, before)] == [10] * 8
+
+
+def test_seeded_sampling_is_not_drafted():
+    s = make_scheduler(drafter=FakeDrafter(lambda tokens: [1, 1]), ladder=DraftLadder(2))
+    seqs = [make_seq([1, 2], temperature=0.7, seed=5), make_seq([1, 2], temperature=0.7),
+            make_seq([1, 2], temperature=0, seed=5)]
+    for q in seqs:
+        s.add(q)
+    fake_step(s)
+    plan = s.schedule()
+    assert [len(e.drafts) for e in plan.entries] == [0, 2, 2]
+
+
+def test_verify_graph_buckets_follow_the_ladder():
+    from voltserve.graphs import verify_buckets
+
+    ladder = DraftLadder.parse('{"4": 3, "5": 4}', 7)
+    # bucket 4 takes 3 sequences of 7 drafts (21) or 4 of 3; bucket 32 takes up to 32 x 4 = 128
+    assert verify_buckets([1, 2, 4, 8, 16, 32, 64], ladder.width) == {1: 8, 2: 15, 4: 22, 8: 33, 16: 65, 32: 129}
+    assert verify_buckets([1, 2, 4], DraftLadder(3).width) == {1: 4, 2: 7, 4: 13}

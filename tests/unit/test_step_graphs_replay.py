@@ -88,7 +88,8 @@ def _generate(model, mode, prompts, arrivals, max_tokens, max_seqs=4, budget=64,
     kv = backend.allocate_kv_cache(cfg.num_layers, num_blocks, 4, cfg.num_kv_heads, cfg.head_dim)
     graphs = None
     if mode != "eager":
-        graphs = _CpuReplayGraphs(model, backend, kv, max_seqs, 256, [min(p, budget) for p in prefill], drafts)
+        graphs = _CpuReplayGraphs(model, backend, kv, max_seqs, 256, [min(p, budget) for p in prefill],
+                                  DraftLadder(drafts).width if drafts else None)
         graphs.capture()
     runner = ModelRunner(model, backend, kv, (EOS,), seed=0, graphs=graphs)
     launch, admitted_ahead = runner.launch, [0]
@@ -177,7 +178,8 @@ class _OracleDrafter:
     def __init__(self, prompts, outputs):
         self.known = [(p, o) for p, o in zip(prompts, outputs)]
 
-    def propose(self, tokens, k):
+    def propose(self, seq, k):
+        tokens = seq.token_ids()
         for prompt, out in self.known:
             if tokens[:len(prompt)] == prompt:
                 j = len(tokens) - len(prompt)

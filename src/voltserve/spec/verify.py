@@ -22,10 +22,12 @@ from voltserve.sampling import filter_logits
 def draftable(seq) -> bool:
     """Whether `seq`'s next tokens may be drafted: no grammar (its mask follows each token), no logprobs, no
     penalties (each row's distribution would depend on the tokens accepted before it), min_tokens met (no EOS
-    masking due)."""
+    masking due), and not seeded sampling: a verify draws a number of random values that depends on how many
+    drafts it checks, which depends on the other requests (the ladder, the budget), while a seeded request must
+    sample the same tokens whatever runs beside it (case R1)."""
     p = seq.params
     return (p.grammar is None and p.logprobs is None and not p.has_penalties
-            and len(seq.output_ids) >= p.min_tokens)
+            and len(seq.output_ids) >= p.min_tokens and (p.seed is None or p.is_greedy))
 
 
 def accept_greedy(target_ids: list[int], drafts: list[int]) -> list[int]:

@@ -150,10 +150,10 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            # drafts leave a token of the budget to every running sequence after this one
-            spare = budget - (len(self.running) - i) - reserve
-            if width and num_new == 1 and spare > 0:
-                entry = self._draft_entry(seq, min(width, spare))
+            if width and num_new == 1:
+                # drafts leave a token of the budget to every running sequence after this one
+                spare = budget - (len(self.running) - i) - reserve
+                entry = self._draft_entry(seq, min(width, spare)) if spare > 0 else None
                 if entry is not None:
                     entries.append(entry)
                     budget -= entry.num_new

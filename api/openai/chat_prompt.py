@@ -51,6 +51,19 @@ def strip_billing_header(text: str) -> str:
     return text
 
 
+def check_mm_kwargs(req, trusted: bool) -> None:
+    """Case S7: non-empty `mm_processor_kwargs` / `media_io_kwargs` (any OpenAI request model) are refused unless
+    the server trusts them (`EngineConfig.trust_request_mm_kwargs`; no effect then: the models are text-only).
+
+    Raises:
+        InvalidRequestError: such kwargs, untrusted.
+    """
+    for name in ("mm_processor_kwargs", "media_io_kwargs"):
+        if getattr(req, name) and not trusted:
+            raise InvalidRequestError(f"'{name}' is not accepted unless the server runs with "
+                                      "--trust-request-mm-kwargs (the served model accepts text only)", param=name)
+
+
 def template_messages(req: ChatCompletionRequest, trust_mm_kwargs: bool = False) -> list[dict]:
     """The request's messages as plain dicts for the chat template.
 
@@ -63,10 +76,7 @@ def template_messages(req: ChatCompletionRequest, trust_mm_kwargs: bool = False)
     """
     if not req.messages:
         raise InvalidRequestError("'messages' must contain at least one message", param="messages")
-    for name in ("mm_processor_kwargs", "media_io_kwargs"):
-        if getattr(req, name) and not trust_mm_kwargs:
-            raise InvalidRequestError(f"'{name}' is not accepted unless the server runs with "
-                                      "--trust-request-mm-kwargs (the served model accepts text only)", param=name)
+    check_mm_kwargs(req, trust_mm_kwargs)
     messages = []
     for i, msg in enumerate(req.messages):
         if msg.content is None and msg.role in ("system", "developer", "user"):

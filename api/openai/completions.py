@@ -16,6 +16,7 @@ from api.openai.common import (
     ChunkFrames, add_request, collect, drive_stream, finish_json, json_response, prompt_work, request_body,
     sampling_params, sse_response, token_text,
 )
+from api.openai.chat_prompt import check_mm_kwargs
 from api.openai.protocol import (
     CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse, parse_request,
 )
@@ -101,6 +102,7 @@ async def completions():
     stats = state.metrics.request()
     req = parse_request(CompletionRequest, await request_body())
     state.check_model(req.model)
+    check_mm_kwargs(req, state.config.trust_request_mm_kwargs)
     params = _params(req)
     engine = state.ready_engine()
     prompt = _single_prompt(req.prompt)

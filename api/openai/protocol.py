@@ -62,6 +62,8 @@ class SamplingFields(_Request):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     logit_bias: dict[str, float] | None = None  # parsed so it can be refused, not silently ignored
+    mm_processor_kwargs: dict[str, Any] | None = None  # parsed so they can be refused (case S7)
+    media_io_kwargs: dict[str, Any] | None = None
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -74,8 +76,6 @@ class ChatCompletionRequest(SamplingFields):
     parallel_tool_calls: bool | None = None
     response_format: dict[str, Any] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
-    mm_processor_kwargs: dict[str, Any] | None = None
-    media_io_kwargs: dict[str, Any] | None = None
 
 
 class CompletionRequest(SamplingFields):

@@ -37,7 +37,7 @@ from quart import Blueprint
 
 from api import sse
 from api.errors import ErrorKind
-from api.openai.chat_prompt import content_text, messages_prompt_ids, strip_billing_header
+from api.openai.chat_prompt import check_mm_kwargs, content_text, messages_prompt_ids, strip_billing_header
 from api.openai.common import (
     add_request, collect, drive_stream, json_response, request_body, sampling_params, sse_response,
 )
@@ -212,6 +212,7 @@ async def create_response():
     stats = state.metrics.request()
     req = parse_request(ResponsesRequest, await request_body())
     state.check_model(req.model)
+    check_mm_kwargs(req, state.config.trust_request_mm_kwargs)
     params = _params(req)
     tools = template_tools(req)
     messages = input_messages(req)

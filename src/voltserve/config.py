@@ -242,11 +242,11 @@ class EngineConfig:
         if self.speculative_method not in SPECULATIVE_METHODS:
             raise ConfigError(f"speculative_method must be one of {', '.join(SPECULATIVE_METHODS)}, "
                               f"not {self.speculative_method!r}")
-        if self.speculative_method != "none":
-            if not 1 <= self.ngram_min <= self.ngram_max <= MAX_NGRAM:
-                raise ConfigError(f"ngram_min and ngram_max must satisfy 1 <= ngram_min <= ngram_max <= {MAX_NGRAM}, "
-                                  f"not {self.ngram_min} and {self.ngram_max}")
-            self.draft_ladder()  # raises on a bad num_speculative_tokens or concurrency_drafts
+        # checked with speculation off too: a bad setting fails at startup, not when speculation is turned on
+        if not 1 <= self.ngram_min <= self.ngram_max <= MAX_NGRAM:
+            raise ConfigError(f"ngram_min and ngram_max must satisfy 1 <= ngram_min <= ngram_max <= {MAX_NGRAM}, "
+                              f"not {self.ngram_min} and {self.ngram_max}")
+        self.draft_ladder()  # raises on a bad num_speculative_tokens or concurrency_drafts
         if self.weight_format not in ("auto", "float"):
             raise ConfigError(f"weight_format must be auto or float, not {self.weight_format!r}")
         if (self.engine_socket or self.api_processes > 1) and not self.engine_process:

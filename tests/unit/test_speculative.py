@@ -103,7 +103,8 @@ def test_bad_speculative_settings_fail_at_startup():
         EngineConfig(speculative_method="ngram", ngram_min=3, ngram_max=2).validate()
     with pytest.raises(ConfigError, match="1 <= ngram_min <= ngram_max <= 64"):
         EngineConfig(speculative_method="ngram", ngram_max=4096).validate()
-    EngineConfig(concurrency_drafts="{bad").validate()  # not read without speculation
+    with pytest.raises(ConfigError, match="concurrency_drafts: threshold 1 must be >= 2"):
+        EngineConfig(concurrency_drafts='{"1": 2}').validate()  # fails at startup with speculation off too
 
 
 # -- verification -------------------------------------------------------------------------------------------------

@@ -47,3 +47,12 @@ def test_config_errors():
             check_tp_devices(64, "cuda")
     check_tp_devices(8, "cpu")  # CPU ranks: any number
 
+
+def test_engine_config_tensor_parallel_size():
+    from voltserve.config import EngineConfig
+
+    assert EngineConfig().validate().tensor_parallel_size == 1
+    with pytest.raises(ConfigError, match="tensor_parallel_size must be >= 1, not 0"):
+        EngineConfig(tensor_parallel_size=0).validate()
+    with pytest.raises(ConfigError, match="tensor_parallel_size > 1 is not supported by the engine yet"):
+        EngineConfig(tensor_parallel_size=2).validate()

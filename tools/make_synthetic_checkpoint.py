@@ -30,6 +30,10 @@ SHAPES = {
                          num_kv_heads=3, head_dim=64, rope_theta=100000.0, max_position_embeddings=8192),
     "tiny": dict(vocab_size=320, hidden_size=64, intermediate_size=160, num_layers=2, num_heads=4, num_kv_heads=2,
                  head_dim=16, rope_theta=10000.0, max_position_embeddings=512),
+    # tiny for tensor parallelism: heads and KV heads divide by 2 and 4 (GQA group 2 per rank), and every
+    # row-parallel slice (o_proj's 128 / tp, down's 256 / tp inputs) at TP 2 and 4 is whole Q4/Q8 blocks of 32
+    "tiny_tp": dict(vocab_size=320, hidden_size=128, intermediate_size=256, num_layers=2, num_heads=8,
+                    num_kv_heads=4, head_dim=16, rope_theta=10000.0, max_position_embeddings=512),
     # small, with every linear's in_features % 256 == 0 (repacked quant rows; tests/e2e/test_gpu_model.py)
     "small256": dict(vocab_size=320, hidden_size=256, intermediate_size=512, num_layers=2, num_heads=4,
                      num_kv_heads=2, head_dim=64, rope_theta=10000.0, max_position_embeddings=512),

@@ -118,6 +118,9 @@ class EngineConfig:
             Python) torch's setting as it is.
         weight_format: "auto" (CPU: int4 kernels for Q4 GGUF weights, bf16 on oneDNN for the other quantized
             types, `voltserve.backends.cpu_bf16`, where available), "float" (the fp32 reference).
+        tensor_parallel_size: ranks (GPUs on CUDA) one model is split over, Megatron-style
+            (`voltserve.distributed`); 1 = no tensor parallelism. Only 1 runs in the engine so far: the model
+            forward supports more (`LlamaModel(tp=)`), the worker processes do not exist yet.
         gpu_memory_utilization: fraction of the GPU's memory the engine may use (weights, activations, KV pool).
         enforce_eager: run every step eagerly instead of replaying CUDA graphs.
         mixed_graphs: also capture CUDA graphs of mixed steps (new requests' prefills of up to 512 tokens next to
@@ -188,6 +191,7 @@ class EngineConfig:
     port: int = 8000
     num_threads: int = 0
     weight_format: str = "auto"
+    tensor_parallel_size: int = 1
     gpu_memory_utilization: float = 0.9
     enforce_eager: bool = False
     mixed_graphs: bool = True
@@ -218,6 +222,11 @@ class EngineConfig:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "stream_interval", "api_processes"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1")
+        if self.tensor_parallel_size < 1:
+            raise ConfigError(f"tensor_parallel_size must be >= 1, not {self.tensor_parallel_size}")
+        if self.tensor_parallel_size > 1:  # refuse rather than silently serve at TP = 1
+            raise ConfigError("tensor_parallel_size > 1 is not supported by the engine yet (the model forward has "
+                              "it; the per-rank workers are the next step)")
         if self.admission_wait_steps < 0:
             raise ConfigError("admission_wait_steps must be >= 0")
         if self.max_model_len < 0 or self.num_kv_blocks < 0:

@@ -196,19 +196,29 @@ def rope_then_attention(backend: Backend, q: torch.Tensor, k: torch.Tensor, v: t
 
 
 def decoder_tail(backend: Backend, o: torch.Tensor, h: torch.Tensor, o_proj: Any, post_norm: torch.Tensor,
-                 gate_up: Any, down: Any, eps: float,
-                 then: tuple[torch.Tensor, Any] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                 gate_up: Any, down: Any, eps: float, then: tuple[torch.Tensor, Any] | None = None,
+                 tp: Any = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """A pre-norm SwiGLU decoder block after attention (Llama), and optionally the linear after the next RMSNorm:
     h1 = h + o . Wo^T, h2 = h1 + silu_and_mul(norm_linear(h1, post_norm, gate_up)) . Wd^T, and with `then` =
     (norm weight, linear) also norm_linear(h2, *then) (the next layer's qkv, or the lm_head). A backend with
     `fused_decoder_tail` (same arguments, None where it cannot) runs it as one op (the CUDA backend: one persistent
     launch at one row, ptx/gemv_chain.cu); this composition is the reference.
 
+    With a tensor-parallel group `tp` of more than one rank, o_proj and down are row-parallel (Megatron-LM,
+    Shoeybi et al. 2019): each product is this rank's partial sum, all-reduced before the residual add, so h
+    stays whole and equal on every rank; the fused op (which has no all-reduce inside) is not used then.
+
     Args:
-        o: [num_tokens, num_heads * head_dim] attention output; h: [num_tokens, hidden] the residual stream.
+        o: [num_tokens, heads * head_dim] attention output (this rank's heads); h: [num_tokens, hidden] the
+            residual stream.
+        tp: a `voltserve.distributed.TPGroup`, or None (TP = 1).
     Returns:
         (h2 [num_tokens, hidden], then's output [num_tokens, then's out_features] or None).
     """
+    if tp is not None and tp.world_size > 1:
+        h = h + tp.all_reduce(backend.linear(o, o_proj))
+        h = h + tp.all_reduce(backend.linear(backend.norm_linear(h, post_norm, eps, gate_up, silu=True), down))
+        return h, None if then is None else backend.norm_linear(h, then[0], eps, then[1])
     fused = getattr(backend, "fused_decoder_tail", None)
     out = fused(o, h, o_proj, post_norm, gate_up, down, eps, then) if fused is not None else None
     if out is not None:

@@ -21,6 +21,7 @@ thinking off (`enable_thinking` false); "enabled" needs a server that reads reas
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import replace
 
 import orjson
@@ -44,6 +45,7 @@ from api.structured import Constraint, request_grammar, sequence_parser
 from api.tool_calls import ToolCall, call_id, parser_factory
 from voltserve.errors import InvalidRequestError
 from voltserve.parsers.output import Reasoning, parse_output
+from voltserve.parsers.reasoning import THINK_CLOSE
 from voltserve.parsers.tool_json import dumps_arguments
 from voltserve.request import FinishReason, RequestOutput, SamplingParams
 
@@ -221,25 +223,32 @@ def split_prefill(req: CountTokensRequest) -> tuple[list[dict], str]:
 
 
 async def prompt_ids(engine, req: CountTokensRequest, tools: list[dict] | None,
-                     template_kwargs: dict | None = None) -> list[int]:
+                     template_kwargs: dict | None = None, reasoning_of: Callable[[list[int]], str | None] | None = None
+                     ) -> list[int] | tuple[list[int], str | None]:
     """Render and tokenize a Messages request like a chat request; a prefill's tokens follow the generation
     prompt (tokenized as plain text).
 
     Args:
         tools: the request's tools as `template_tools` gives them.
         template_kwargs: extra chat template variables (`thinking_kwargs`).
+        reasoning_of: `api.reasoning.reasoning_mode` of rendered prompt ids; when given, the mode is decided on
+            the prompt before the prefill (a prefill after an opened `<think>` continues the reasoning unless it
+            closes it, then the output is "open") and returned too.
 
     Returns:
-        [num_prompt_tokens] token ids.
+        [num_prompt_tokens] token ids; with `reasoning_of`, (those ids, the reasoning mode).
 
     Raises:
         InvalidRequestError: see `split_prefill` and `api.openai.chat_prompt.messages_prompt_ids`.
     """
     messages, prefill = split_prefill(req)
     ids = await messages_prompt_ids(engine, messages, tools=tools, template_kwargs=template_kwargs)
+    mode = reasoning_of(ids) if reasoning_of is not None else None
+    if mode == "inside" and THINK_CLOSE in prefill:
+        mode = "open"  # the prefill ended the reasoning: the output continues the answer
     if prefill:  # a long one in a thread, as the messages (`prompt_work`)
         ids += await prompt_work(len(prefill), _encode_plain, engine.tokenizer, prefill)
-    return ids
+    return (ids, mode) if reasoning_of is not None else ids
 
 
 def _encode_plain(tokenizer, text: str) -> list[int]:
@@ -361,8 +370,9 @@ async def create_message():
     free_parser = parser_factory(state.config, engine, tools, choice.type if choice is not None else None)
     c = constraint(req, tools, free_parser is not None)
     template_kwargs = thinking_kwargs(state.config, engine, req)
-    ids = await prompt_ids(engine, req, tools, template_kwargs)
-    c = replace(c, reasoning=reasoning_mode(state.config, engine, ids, template_kwargs))
+    ids, mode = await prompt_ids(engine, req, tools, template_kwargs,
+                                 lambda rendered: reasoning_mode(state.config, engine, rendered, template_kwargs))
+    c = replace(c, reasoning=mode)
     params.grammar = await request_grammar(engine.tokenizer, c)
     new_parser, max_calls, forced = sequence_parser(c, free_parser), None if c.parallel else 1, c.forced is not None
     stream = state.track(add_request(engine, ids, params, prompt_param="messages", max_tokens_param="max_tokens"))

@@ -74,8 +74,9 @@ def input_messages(req: ResponsesRequest) -> list[dict]:
     function_call_output items, each a tool message (`{"role": "tool", "tool_call_id", "content"}`).
 
     Raises:
-        InvalidRequestError: an empty input list; an item of another type (reasoning, ...: not supported yet);
-            an item without a field its type requires; a non-text part.
+        InvalidRequestError: an empty input list, or one of reasoning items only; an item of another type (not supported yet; reasoning items, an
+            earlier response's output sent back, are dropped: the template gets no reasoning of past turns, as
+            Chat Completions clients do not send it); an item without a field its type requires; a non-text part.
     """
     messages = []
     if req.instructions:
@@ -85,6 +86,8 @@ def input_messages(req: ResponsesRequest) -> list[dict]:
     if not req.input:
         raise InvalidRequestError("'input' must contain at least one item", param="input")
     for i, item in enumerate(req.input):
+        if item.type == "reasoning":
+            continue
         required = REQUIRED_FIELDS.get(item.type)
         if required is None:
             raise InvalidRequestError(f"input items of type '{item.type}' are not supported yet: this server takes "
@@ -106,6 +109,8 @@ def input_messages(req: ResponsesRequest) -> list[dict]:
             text = content_text(item.content, f"input.{i}.content", TEXT_PART_TYPES)
             messages.append({"role": item.role,
                              "content": strip_billing_header(text) if item.role == "system" else text})
+    if not any(m["role"] != "system" for m in messages):
+        raise InvalidRequestError("'input' holds no message, function call or function call output", param="input")
     return messages
 
 

@@ -99,3 +99,20 @@ async def test_T1_forced_tool_after_reasoning(serve, engine_cls):
                 {"type": "tool_use", "id": "toolu_0_0_0", "name": "get_weather", "input": {"city": "Paris"}}]
     assert whole["content"] == _blocks(events) == expected
     assert whole["stop_reason"] == _stop_reason(events) == "tool_use"
+
+
+async def test_a_prefill_after_an_opened_think_continues_the_reasoning(serve):
+    """The template opened `<think>` and the client prefills the reasoning's start: the output continues it (a
+    thinking block, then the text); after a prefill that closes the reasoning the output is all text (a later
+    `</think>` included: the scripted engine answers the same text to both)."""
+    engine = ScriptedEngine(scripts=[" more thought.</think>\n\nAnswer.", "Answer."], max_model_len=4096)
+    engine.chat_template = ThinkingTemplate()
+    async with serve(engine) as (client, _):
+        inside = await client.post(URL, json=body(messages=[{"role": "user", "content": "Hi"},
+                                                            {"role": "assistant", "content": "Some"}]))
+        closed = await client.post(URL, json=body(messages=[{"role": "user", "content": "Hi"},
+                                                            {"role": "assistant", "content": "Some.</think>"}]))
+    assert [(b["type"], b.get("thinking", b.get("text"))) for b in (await inside.get_json())["content"]] == \
+        [("thinking", " more thought."), ("text", "\n\nAnswer.")]
+    assert [(b["type"], b.get("text")) for b in (await closed.get_json())["content"]] == \
+        [("text", " more thought.</think>\n\nAnswer.")]

@@ -238,9 +238,11 @@ CASES = [
      "content part type 'input_file' is not supported: the served model accepts text only"),
     ("text_part_without_text", body(input=[{"role": "user", "content": [{"type": "input_text"}]}]), 400,
      "input.0.content.0.text", None, "a content part of type 'input_text' needs 'text'"),
-    ("reasoning_item", body(input=[{"type": "reasoning", "id": "rs_1", "summary": []}]), 400, "input.0", None,
-     "input items of type 'reasoning' are not supported yet: this server takes messages, function calls and "
-     "function call outputs"),
+    ("reasoning_item_alone", body(input=[{"type": "reasoning", "id": "rs_1", "summary": []}]), 400, "input", None,
+     "'input' holds no message, function call or function call output"),
+    ("web_search_item", body(input=[{"type": "web_search_call", "id": "ws_1"}]), 400, "input.0", None,
+     "input items of type 'web_search_call' are not supported yet: this server takes messages, function calls "
+     "and function call outputs"),
     ("function_call_output_without_call_id", body(input=[{"type": "function_call_output", "output": "42"}]), 400,
      "input.0.call_id", None, "missing required field 'input.0.call_id'"),
     ("function_call_output_without_output", body(input=[{"type": "function_call_output", "call_id": "c1"}]), 400,

@@ -73,3 +73,23 @@ async def test_T1_json_format_after_reasoning(serve):
     assert complete(script, grammar)
     assert [item["type"] for item in whole["output"]] == ["reasoning", "message"]
     assert orjson.loads(whole["output"][1]["content"][0]["text"]) == {"ok": True}
+
+
+async def test_an_earlier_outputs_reasoning_item_comes_back_as_input(serve):
+    """The usual second turn sends the first response's output back (its reasoning item too) with the call's
+    output: the reasoning item is dropped from the prompt, the rest is rendered."""
+    engine = ScriptedEngine(scripts=["Need weather.\n</think>\n\n" + CALL], max_model_len=4096)
+    engine.chat_template = ThinkingTemplate()
+    async with serve(engine, tool_call_parser="hermes") as (client, _):
+        first = orjson.loads(await (await client.post(URL, json=body(input="Weather in Paris?",
+                                                                     tools=[WEATHER]))).get_data())
+        assert [o["type"] for o in first["output"]] == ["reasoning", "function_call"]
+        call = first["output"][1]
+        turn2 = [{"role": "user", "content": "Weather in Paris?"}, *first["output"],
+                 {"type": "function_call_output", "call_id": call["call_id"], "output": "sunny"}]
+        second = await client.post(URL, json=body(input=turn2, tools=[WEATHER]))
+        assert second.status_code == 200
+        out = orjson.loads(await second.get_data())["output"]
+    assert [o["type"] for o in out] == ["reasoning", "function_call"]  # the script again
+    prompt = engine.tokenizer.decode(engine.requests[-1][0])
+    assert "Need weather" not in prompt and "sunny" in prompt, prompt

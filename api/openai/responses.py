@@ -74,9 +74,10 @@ def input_messages(req: ResponsesRequest) -> list[dict]:
     function_call_output items, each a tool message (`{"role": "tool", "tool_call_id", "content"}`).
 
     Raises:
-        InvalidRequestError: an empty input list, or one of reasoning items only; an item of another type (not supported yet; reasoning items, an
-            earlier response's output sent back, are dropped: the template gets no reasoning of past turns, as
-            Chat Completions clients do not send it); an item without a field its type requires; a non-text part.
+        InvalidRequestError: an empty input list, or one of reasoning items only; an item of another type (not
+            supported yet; reasoning items, an earlier response's output sent back, are dropped: the template gets
+            no reasoning of past turns, as Chat Completions clients do not send it); an item without a field its
+            type requires; a non-text part.
     """
     messages = []
     if req.instructions:

@@ -18,6 +18,7 @@ import pickle
 import shutil
 import tempfile
 import threading
+import time
 from collections.abc import Callable
 
 import torch.distributed as dist
@@ -133,11 +134,16 @@ class TPRanks:
 
     def dead_error(self) -> EngineDeadError:
         """EngineDeadError naming the first rank process that exited (waiting up to a moment for one to)."""
-        mpc.wait([p.sentinel for p in self.procs], _EXIT_GRACE_S)
-        for rank, proc in enumerate(self.procs, 1):
-            if proc.exitcode is not None:
-                return EngineDeadError(f"tensor-parallel rank {rank} exited with code {proc.exitcode}")
-        return EngineDeadError("a tensor-parallel step failed; the ranks are out of step")
+        # exit codes are polled, never waited for: the watcher thread may look at once, and while one thread's
+        # waitpid reaps a process the other's finds nothing (exitcode None for a moment, not for good)
+        deadline = time.monotonic() + _EXIT_GRACE_S
+        while True:
+            for rank, proc in enumerate(self.procs, 1):
+                if (code := proc.exitcode) is not None:
+                    return EngineDeadError(f"tensor-parallel rank {rank} exited with code {code}")
+            if time.monotonic() > deadline:
+                return EngineDeadError("a tensor-parallel step failed; the ranks are out of step")
+            time.sleep(0.01)
 
     def watch(self, on_exit: Callable[[int, int], None]) -> None:
         """Call on_exit(rank, exit code) from a thread when a rank process exits before `stop`."""
@@ -149,8 +155,9 @@ class TPRanks:
                 return
             rank = next(sentinels[s] for s in ready if s in sentinels)
             proc = self.procs[rank - 1]
-            proc.join()
-            on_exit(rank, proc.exitcode)
+            while (code := proc.exitcode) is None:  # gone (sentinel closed); maybe being reaped by dead_error
+                time.sleep(0.01)
+            on_exit(rank, code)
 
         self._watcher = threading.Thread(target=run, name="tp-rank-watcher", daemon=True)
         self._watcher.start()

@@ -5,13 +5,16 @@ rank process behind."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import multiprocessing
 import os
+import pathlib
 import signal
 
 import pytest
 
 from actors.engine import AsyncEngine
+from actors.engine_process import ProcessEngine
 from tests.e2e.engine_helpers import assert_engine_dead, complete
 from tools.make_synthetic_checkpoint import save_hf_dir, synthetic_model
 from voltserve.config import EngineConfig
@@ -22,6 +25,9 @@ from voltserve.request import SamplingParams
 PROMPTS = [[(7 * i + 3) % 250 + 1 for i in range(40)], [(11 * i + 5) % 250 + 1 for i in range(23)],
            [65, 66, 67, 68, 69, 70, 71]]
 MAX_TOKENS = 12
+# TP 1's greedy tokens for PROMPTS on tiny_tp (seed 3); checked against a TP 1 engine in the first test
+TP1_TOKENS = [[8, 7, 34, 97, 95, 95, 95, 95, 95, 95, 95, 95], [295, 67, 57, 67, 57, 67, 57, 67, 57, 67, 57, 67],
+              [92, 304, 112, 291, 291, 291, 291, 291, 291, 291, 153, 29]]
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +69,7 @@ async def test_tp2_matches_tp1_and_stops_its_rank(tiny_tp_dir):
         assert engine.kv_stats()["num_free_blocks"] == 64 and engine.is_healthy
     finally:
         await asyncio.wait_for(engine.stop(), 30)
-    assert all(len(t) == MAX_TOKENS for t in want)
+    assert want == TP1_TOKENS
     assert got == want
     assert [p.exitcode for p in ranks.procs] == [0]  # stopped, not killed
 
@@ -111,3 +117,36 @@ async def test_rank_killed_between_steps_kills_the_engine(tiny_tp_dir):
             engine.add_request(PROMPTS[2], SamplingParams(max_tokens=2))
     finally:
         await asyncio.wait_for(engine.stop(), 30)
+
+
+def rank_pids(parent_pid: int) -> list[int]:
+    """The TP rank processes among parent_pid's children (multiprocessing "spawn" children; not its resource
+    tracker), read from /proc."""
+    kids = []
+    for task in pathlib.Path(f"/proc/{parent_pid}/task").iterdir():
+        kids += [int(k) for k in (task / "children").read_text().split()]
+    return [k for k in kids if b"spawn_main" in pathlib.Path(f"/proc/{k}/cmdline").read_bytes()]
+
+
+async def test_engine_process_runs_tp2_and_dies_with_its_rank(tiny_tp_dir):
+    """The server's default path: the engine in its own process spawns its rank; the same tokens as in process,
+    and a killed rank ends the open stream and the engine process (exit status 1)."""
+    engine = ProcessEngine(dataclasses.replace(engine_config(tiny_tp_dir, 2), engine_process=True))
+    await engine.start()
+    try:
+        _, tokens, _ = await complete(engine, PROMPTS[2], temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+        assert tokens == TP1_TOKENS[2]
+        [rank] = rank_pids(engine.process.pid)
+        stream = engine.add_request(PROMPTS[0], SamplingParams(temperature=0, max_tokens=400, ignore_eos=True))
+        os.kill(rank, signal.SIGKILL)
+        with pytest.raises(EngineDeadError, match="tensor-parallel rank 1 exited with code -9"):
+            async for _ in stream:
+                pass
+        for _ in range(100):
+            if not engine.is_healthy:
+                break
+            await asyncio.sleep(0.05)
+        assert not engine.is_healthy
+    finally:
+        await asyncio.wait_for(engine.stop(), 30)
+    assert engine.process.poll() == 1

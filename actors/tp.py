@@ -71,7 +71,8 @@ class TPRanks:
         try:
             for rank in range(1, config.tensor_parallel_size):
                 ours, theirs = ctx.Pipe()
-                args = (rank, config, device, init_method, spare_cores, theirs, logging.getLogger().level)
+                level = logging.getLogger().getEffectiveLevel() or logging.WARNING  # NOTSET would log all
+                args = (rank, config, device, init_method, spare_cores, theirs, level)
                 proc = ctx.Process(target=rank_main, args=args, name=f"voltserve-tp-rank{rank}",
                                    daemon=True)  # never outlives the engine
                 proc.start()

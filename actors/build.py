@@ -10,6 +10,9 @@ from typing import Any, Callable
 import torch
 
 from voltserve.config import EngineConfig, ModelConfig
+from voltserve.distributed import check_tp_devices
+from voltserve.distributed.group import TPGroup
+from voltserve.distributed.sharding import local_heads
 from voltserve.errors import ConfigError
 from voltserve.models.llama import LlamaModel
 from voltserve.runner import ModelRunner
@@ -30,6 +33,7 @@ class BuiltEngine:
     num_blocks: int
     device: str
     thread_init: Callable[[], None] | None
+    tp_ranks: Any = None  # actors.tp.TPRanks (ranks 1..N-1) when tensor_parallel_size > 1, else None
 
 
 def resolve_device(requested: str) -> str:
@@ -50,16 +54,20 @@ def resolve_device(requested: str) -> str:
 _TORCH_DEFAULT_THREADS = torch.get_num_threads()  # before any engine of this process set it
 
 
-def make_backend(config: EngineConfig, device: str, spare_cores: int = 0):
-    """The backend for `device`; on the CPU it also sets torch's intra-op threads (`cpu_threads`)."""
+def make_backend(config: EngineConfig, device: str, spare_cores: int = 0, rank: int = 0):
+    """The backend of TP rank `rank` on `device` (CUDA: GPU `rank`); on the CPU it also sets torch's intra-op
+    threads (`cpu_threads`; with tensor_parallel_size N > 1 and num_threads 0 each rank takes 1 / N of them, as
+    the N rank processes share the cores)."""
     if device == "cuda":
         from voltserve.backends.cuda.backend import CudaBackend
 
-        return CudaBackend(0, pdl=config.pdl)
+        return CudaBackend(rank, pdl=config.pdl)
     from voltserve.backends.cpu import CpuBackend
 
-    if config.num_threads > 0 or spare_cores > 0:  # else torch's setting stays (an embedding host's own)
-        torch.set_num_threads(cpu_threads(config.num_threads, _TORCH_DEFAULT_THREADS, spare_cores))
+    tp_size = config.tensor_parallel_size
+    if config.num_threads > 0 or spare_cores > 0 or tp_size > 1:  # else torch's setting stays (an embedder's)
+        threads = cpu_threads(config.num_threads, _TORCH_DEFAULT_THREADS, spare_cores)
+        torch.set_num_threads(threads if config.num_threads > 0 else max(1, threads // tp_size))
     backend = CpuBackend(_DTYPES[config.dtype], use_int4=config.weight_format == "auto")
     weights = ("every weight dequantized (the reference)" if not backend.use_int4 else
                "Q4 weights on the int4 kernel, other quantized ones " + ("on bf16" if backend.use_bf16 else
@@ -77,9 +85,14 @@ def cpu_threads(num_threads: int, default: int, spare_cores: int) -> int:
     return num_threads if num_threads > 0 else max(1, default - spare_cores)
 
 
-def kv_block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes of one KV block across all layers (K and V)."""
-    return cfg.num_layers * 2 * block_size * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
+def kv_block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype, tp_size: int = 1) -> int:
+    """Bytes of one KV block across all layers (K and V) on one TP rank, which holds 1 / tp_size of the KV heads.
+
+    Raises:
+        ConfigError: num_kv_heads does not divide by tp_size (`local_heads`).
+    """
+    _, kv_heads = local_heads(cfg, tp_size)
+    return cfg.num_layers * 2 * block_size * kv_heads * cfg.head_dim * dtype.itemsize
 
 
 # activations and CUDA graph pools beside the weights and the KV pool (bytes); generous for small models
@@ -109,37 +122,82 @@ def speculation(config: EngineConfig) -> dict:
             "ladder": config.draft_ladder()}
 
 
+def rank_model(config: EngineConfig, loaded, backend, device: str, tp: TPGroup | None = None
+               ) -> tuple[LlamaModel, int, int]:
+    """The model of one TP rank (the whole model when tp is None) and its KV pool's size.
+
+    Returns:
+        (model, bytes of one KV block of this rank, blocks its pool could hold: `num_kv_blocks`, else from memory).
+    Raises:
+        ConfigError: heads that do not divide by the TP size; no GPU memory left for the pool.
+    """
+    cfg = loaded.config
+    max_positions = config.max_model_len or cfg.max_position_embeddings
+    model = LlamaModel(cfg, loaded.tensors, backend, loaded.quantized, max_positions=max_positions, tp=tp)
+    block_bytes = kv_block_bytes(cfg, config.block_size, backend.dtype, model.tp.world_size)
+    return model, block_bytes, config.num_kv_blocks or _default_num_blocks(config, device, block_bytes)
+
+
+def allocate_kv(model: LlamaModel, num_blocks: int, block_size: int) -> torch.Tensor:
+    """The rank's KV pool: [num_layers, 2, num_blocks, block_size, model.num_kv_heads (this rank's), head_dim]."""
+    cfg = model.config
+    return model.backend.allocate_kv_cache(cfg.num_layers, num_blocks, block_size, model.num_kv_heads, cfg.head_dim)
+
+
 def build_runner(config: EngineConfig, loaded=None, spare_cores: int = 0) -> BuiltEngine:
     """Load (unless given) and assemble everything a WorkerActor and the SchedulerActor need. `spare_cores`:
     CPU cores torch's threads leave free when `config.num_threads` is 0 (`cpu_threads`; the engine's own 1).
 
+    With tensor_parallel_size N > 1 this process is TP rank 0 and N - 1 rank processes start first (`actors.tp`;
+    they load `config.model` themselves, `loaded` serves rank 0 only); the returned `tp_ranks` owns them, and
+    every step runs eagerly (no CUDA graphs, so no asynchronous scheduling either).
+
     Raises:
         LoaderError / UnsupportedModelError: from the loader.
-        ConfigError: the KV pool cannot hold one full-length sequence.
+        ConfigError: the KV pool cannot hold one full-length sequence; heads that do not divide by the TP size;
+            fewer GPUs than ranks.
+        RuntimeError: a TP rank process failed to start.
     """
+    device = resolve_device(config.device)
+    if config.tensor_parallel_size == 1:
+        return _build(config, loaded, spare_cores, device, None)
+    from actors.tp import TPRanks
+
+    check_tp_devices(config.tensor_parallel_size, device)
+    ranks = TPRanks.start(config, device, spare_cores)
+    try:
+        return _build(config, loaded, spare_cores, device, ranks)
+    except BaseException:
+        ranks.stop()
+        raise
+
+
+def _build(config: EngineConfig, loaded, spare_cores: int, device: str, ranks) -> BuiltEngine:
     from loaders import load_model
     from voltserve.chat_template import ChatTemplate
 
     if loaded is None:
         loaded = load_model(config.model)
     cfg = loaded.config
-    device = resolve_device(config.device)
     backend = make_backend(config, device, spare_cores)
     max_model_len = config.max_model_len or cfg.max_position_embeddings
-    model = LlamaModel(cfg, loaded.tensors, backend, loaded.quantized, max_positions=max_model_len)
-    block_bytes = kv_block_bytes(cfg, config.block_size, backend.dtype)
-    num_blocks = config.num_kv_blocks or _default_num_blocks(config, device, block_bytes)
+    model, block_bytes, num_blocks = rank_model(config, loaded, backend, device, ranks.tp if ranks else None)
+    if ranks is not None:  # one pool size for all: block ids mean the same slots on every rank
+        num_blocks = ranks.agree_num_blocks(num_blocks)
     if num_blocks * config.block_size < max_model_len:
         if config.max_model_len:
             raise ConfigError(f"the KV pool ({num_blocks} blocks of {config.block_size} tokens) cannot hold one "
                               f"sequence of max_model_len {max_model_len}; give it more memory or blocks")
         max_model_len = num_blocks * config.block_size
-    kv_cache = backend.allocate_kv_cache(cfg.num_layers, num_blocks, config.block_size, cfg.num_kv_heads,
-                                         cfg.head_dim)
-    logger.info("KV pool: %d blocks x %d tokens = %d tokens (%.1f MiB, %s)", num_blocks, config.block_size,
-                num_blocks * config.block_size, num_blocks * block_bytes / 2**20, device)
+    kv_cache = allocate_kv(model, num_blocks, config.block_size)
+    logger.info("KV pool: %d blocks x %d tokens = %d tokens (%.1f MiB per rank, %s, %d TP ranks)", num_blocks,
+                config.block_size, num_blocks * config.block_size, num_blocks * block_bytes / 2**20, device,
+                config.tensor_parallel_size)
     graphs = None
-    if device == "cuda" and not config.enforce_eager:
+    if ranks is not None:
+        logger.info("tensor_parallel_size %d: every step runs eagerly (no CUDA graphs, no asynchronous "
+                    "scheduling)", config.tensor_parallel_size)
+    elif device == "cuda" and not config.enforce_eager:
         from voltserve.graphs import StepGraphs, prefill_buckets
 
         mixed = prefill_buckets(config.max_num_batched_tokens) if config.mixed_graphs else []
@@ -152,7 +210,12 @@ def build_runner(config: EngineConfig, loaded=None, spare_cores: int = 0) -> Bui
     if config.chat_template:  # --chat-template FILE replaces the model's own
         source = pathlib.Path(config.chat_template).read_text(encoding="utf-8")
     template = ChatTemplate(source, bos_token=tokenizer.bos_token, eos_token=tokenizer.eos_token)
-    runner = ModelRunner(model, backend, kv_cache, eos, graphs=graphs)
+    if ranks is None:
+        runner = ModelRunner(model, backend, kv_cache, eos, graphs=graphs)
+    else:
+        from actors.tp import TPModelRunner
+
+        runner = TPModelRunner(model, backend, kv_cache, eos, ranks=ranks)
     if device == "cuda" and config.gpu_busy_log_interval > 0:
         from voltserve.gpu_busy import GpuBusyMeter
 
@@ -160,4 +223,5 @@ def build_runner(config: EngineConfig, loaded=None, spare_cores: int = 0) -> Bui
     thread_init = None
     if device == "cuda":
         thread_init = lambda: torch.cuda.set_device(backend.device)  # noqa: E731 (a new thread has no context)
-    return BuiltEngine(runner, cfg, tokenizer, template, eos, max_model_len, num_blocks, device, thread_init)
+    return BuiltEngine(runner, cfg, tokenizer, template, eos, max_model_len, num_blocks, device, thread_init,
+                       ranks)

@@ -58,6 +58,7 @@ class AsyncEngine:
         self._compiling: dict[str, asyncio.Task] = {}  # request id -> its grammar's compile (off the loop)
         self._scheduler_actor: SchedulerActor | None = None
         self._worker: WorkerActor | None = None
+        self._tp_ranks = None  # actors.tp.TPRanks: the rank processes 1..N-1 with tensor_parallel_size N > 1
         self._dead: BaseException | None = None
         self._stopped = False
         self.model_config = None
@@ -73,6 +74,7 @@ class AsyncEngine:
         from actors.build import build_runner, speculation  # composition: loaders + backends
 
         built = await asyncio.to_thread(build_runner, self.config, self._loaded, self._spare_cores)
+        self._tp_ranks = built.tp_ranks
         self._loaded = None  # the runner holds what it needs; free the fp32 copies
         self.model_config = built.model_config
         self.tokenizer = built.tokenizer
@@ -89,6 +91,10 @@ class AsyncEngine:
         self._scheduler_actor = SchedulerActor(scheduler, self._worker, self.tokenizer, on_crash=self._on_crash)
         self._worker.start()
         self._scheduler_actor.start()
+        if self._tp_ranks is not None:  # case E1: a rank process that exits kills the engine, even between steps
+            loop = asyncio.get_running_loop()
+            self._tp_ranks.watch(lambda rank, code: loop.call_soon_threadsafe(
+                self._on_crash, RuntimeError(f"tensor-parallel rank {rank} exited with code {code}")))
         logger.info("engine ready: model %s, device %s, max_model_len %d, KV pool %d blocks x %d tokens",
                     self.config.model, built.device, self.max_model_len, built.num_blocks, self.config.block_size)
 
@@ -100,6 +106,8 @@ class AsyncEngine:
             self._scheduler_actor.fail_all(EngineDeadError("engine stopped"))
         if self._worker is not None:
             await self._worker.stop()
+        if self._tp_ranks is not None:  # after the worker: no step may be in flight when the ranks go
+            await asyncio.to_thread(self._tp_ranks.stop)
 
     @property
     def is_healthy(self) -> bool:

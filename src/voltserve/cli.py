@@ -47,7 +47,7 @@ HELP = {
     "num_threads": "torch intra-op threads on the CPU; 0 = one per core less one for the HTTP server (at least 1)",
     "weight_format": "CPU: auto (int4 kernels for Q4 weights, bf16 for other quantized ones, where available) "
                      "or float (the fp32 reference)",
-    "tensor_parallel_size": "ranks (GPUs) one model is split over; only 1 is supported by the engine so far",
+    "tensor_parallel_size": "ranks (GPUs) one model is split over; > 1 runs each rank in its own process, steps eagerly",
     "gpu_memory_utilization": "fraction of GPU memory for weights, activations and the KV pool",
     "enforce_eager": "run every step eagerly instead of replaying CUDA graphs",
     "mixed_graphs": "also replay CUDA graphs for steps mixing prefills (<= 512 tokens) with decodes",

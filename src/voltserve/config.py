@@ -119,8 +119,9 @@ class EngineConfig:
         weight_format: "auto" (CPU: int4 kernels for Q4 GGUF weights, bf16 on oneDNN for the other quantized
             types, `voltserve.backends.cpu_bf16`, where available), "float" (the fp32 reference).
         tensor_parallel_size: ranks (GPUs on CUDA) one model is split over, Megatron-style
-            (`voltserve.distributed`); 1 = no tensor parallelism. Only 1 runs in the engine so far: the model
-            forward supports more (`LlamaModel(tp=)`), the worker processes do not exist yet.
+            (`voltserve.distributed`, `actors.tp`); 1 = no tensor parallelism. N > 1: ranks 1..N-1 run in
+            spawned processes (rank r on GPU r), every step eagerly (no CUDA graphs, no asynchronous scheduling);
+            the model's heads and KV heads must divide by N and CUDA needs N GPUs (both checked at build).
         gpu_memory_utilization: fraction of the GPU's memory the engine may use (weights, activations, KV pool).
         enforce_eager: run every step eagerly instead of replaying CUDA graphs.
         mixed_graphs: also capture CUDA graphs of mixed steps (new requests' prefills of up to 512 tokens next to
@@ -224,9 +225,6 @@ class EngineConfig:
                 raise ConfigError(f"{name} must be >= 1")
         if self.tensor_parallel_size < 1:
             raise ConfigError(f"tensor_parallel_size must be >= 1, not {self.tensor_parallel_size}")
-        if self.tensor_parallel_size > 1:  # refuse rather than silently serve at TP = 1
-            raise ConfigError("tensor_parallel_size > 1 is not supported by the engine yet (the model forward has "
-                              "it; the per-rank workers are the next step)")
         if self.admission_wait_steps < 0:
             raise ConfigError("admission_wait_steps must be >= 0")
         if self.max_model_len < 0 or self.num_kv_blocks < 0:

@@ -54,5 +54,4 @@ def test_engine_config_tensor_parallel_size():
     assert EngineConfig().validate().tensor_parallel_size == 1
     with pytest.raises(ConfigError, match="tensor_parallel_size must be >= 1, not 0"):
         EngineConfig(tensor_parallel_size=0).validate()
-    with pytest.raises(ConfigError, match="tensor_parallel_size > 1 is not supported by the engine yet"):
-        EngineConfig(tensor_parallel_size=2).validate()
+    assert EngineConfig(tensor_parallel_size=2).validate().tensor_parallel_size == 2  # heads checked at build

@@ -217,7 +217,9 @@ class AsyncEngine:
             actor.tell(AbortRequestMsg(request_id))
 
     def kv_stats(self) -> dict:
-        """Pool and queue sizes: num_blocks, num_free_blocks, num_cached_blocks, num_running, num_waiting."""
+        """Pool and queue sizes: num_blocks, num_free_blocks, num_cached_blocks, num_running, num_waiting; and the
+        speculative decoding counters since start: num_verify_steps (sequence-steps that verified drafts),
+        num_draft_tokens, num_accepted_tokens."""
         sched = self._scheduler_actor.scheduler if self._scheduler_actor else None
         return {
             "num_blocks": self.pool.num_blocks if self.pool else 0,
@@ -225,4 +227,7 @@ class AsyncEngine:
             "num_cached_blocks": self.pool.num_cached if self.pool else 0,
             "num_running": len(sched.running) if sched else 0,
             "num_waiting": len(sched.waiting) if sched else 0,
+            "num_verify_steps": sched.num_verify_steps if sched else 0,
+            "num_draft_tokens": sched.num_draft_tokens if sched else 0,
+            "num_accepted_tokens": sched.num_accepted_tokens if sched else 0,
         }

@@ -13,7 +13,10 @@ alerts written for it carry over; every series has a `model_name` label (the ser
   `time_per_output_token_seconds` (TPOT: (last - first output) / (tokens of the longest sequence - 1): the
   sequences of n > 1 decode side by side; for requests of >= 2 such tokens) and `e2e_request_latency_seconds`.
 - gauges, read from the engine at scrape time (`engine.kv_stats()`): `num_requests_running`,
-  `num_requests_waiting`, `kv_cache_usage_perc` (share of KV blocks in use, 0..1).
+  `num_requests_waiting`, `kv_cache_usage_perc` (share of KV blocks in use, 0..1); and speculative decoding's
+  counters, read there too (the engine's since it started; 0 without speculation), named as vLLM's:
+  `spec_decode_num_drafts_total` (sequence-steps that verified drafts), `spec_decode_num_draft_tokens_total`,
+  `spec_decode_num_accepted_tokens_total` (mean acceptance length = 1 + accepted / drafts).
 
 The per-request cost is a clock read at the first and at the last output and a few counter updates (~10 us);
 per delta, one comparison (the finish reason, in `UsageCounter.add`). GET /metrics needs the API key when one is set, as every route but /health.
@@ -32,7 +35,7 @@ from collections.abc import Callable
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.multiprocess import MultiProcessCollector
 from quart import Blueprint, Response
 
@@ -67,6 +70,13 @@ class _EngineGauges:
             gauge = GaugeMetricFamily(name, doc, labels=["model_name"])
             gauge.add_metric([self._model], float(value))
             yield gauge
+        for name, doc, key in (
+                ("voltserve:spec_decode_num_drafts", "Sequence-steps that verified drafts.", "num_verify_steps"),
+                ("voltserve:spec_decode_num_draft_tokens", "Draft tokens verified.", "num_draft_tokens"),
+                ("voltserve:spec_decode_num_accepted_tokens", "Draft tokens accepted.", "num_accepted_tokens")):
+            counter = CounterMetricFamily(name, doc, labels=["model_name"])
+            counter.add_metric([self._model], float(stats.get(key, 0)))
+            yield counter
 
 
 class ServerMetrics:

@@ -43,3 +43,16 @@ def test_stop_strings_and_logprobs_as_the_plain_server(server_url, spec_server_u
             assert spec.choices[0].logprobs.content == plain.choices[0].logprobs.content
         else:
             assert spec.choices[0].message.content.endswith("11, ")
+
+
+def test_metrics_count_drafts(spec_server_url):
+    """/metrics carries the engine's speculative decoding counters (vLLM's names)."""
+    import httpx
+
+    _client(spec_server_url).chat.completions.create(model=MODEL, messages=COUNT, temperature=0, max_tokens=40)
+    text = httpx.get(spec_server_url + "/metrics", timeout=10).text
+    values = {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+              if line.startswith("voltserve:spec_decode_")}
+    drafts, tokens, accepted = (values[f"voltserve:spec_decode_num_{n}_total"]
+                                for n in ("drafts", "draft_tokens", "accepted_tokens"))
+    assert drafts > 0 and tokens >= drafts and 0 < accepted <= tokens

@@ -102,3 +102,24 @@ def stop_process(proc: subprocess.Popen, timeout_s: float = 30) -> None:
         proc.wait(timeout=timeout_s)
     except subprocess.TimeoutExpired:
         proc.kill()
+
+
+class OracleDrafter:
+    """A speculative decoding drafter (`propose(seq, k)`) that knows each prompt's output: all k drafts right at
+    every third position, else the last one wrong (the next id mod `vocab_size`), so verify steps accept
+    everything, a part, or (k = 1 wrong) nothing."""
+
+    def __init__(self, prompts, outputs, vocab_size: int):
+        self.known = list(zip(prompts, outputs))
+        self.vocab_size = vocab_size
+
+    def propose(self, seq, k):
+        tokens = seq.token_ids()
+        for prompt, out in self.known:
+            if tokens[:len(prompt)] == prompt:
+                j = len(tokens) - len(prompt)
+                drafts = out[j:j + k]
+                if j % 3 and drafts:
+                    drafts[-1] = (drafts[-1] + 1) % self.vocab_size
+                return drafts
+        raise AssertionError("unknown sequence")

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
 import torch
 
-import pytest
-
 from tests.e2e.engine_helpers import chat_ids, complete, running_engine
+from tests.helpers import OracleDrafter
 
 # prompts whose answers copy their input or repeat: the drafts pass often
 PROMPTS = ["List the numbers from 1 to 30 separated by commas.",
@@ -78,24 +78,6 @@ async def test_sampling(smollm2, device):
     assert alone == plain and together == plain and all(len(t) > 5 for t in free)
 
 
-class OracleDrafter:
-    """Drafts a known output: all k right at every third position, else the last one wrong."""
-
-    def __init__(self, prompts, outputs):
-        self.known = list(zip(prompts, outputs))
-
-    def propose(self, seq, k):
-        tokens = seq.token_ids()
-        for prompt, out in self.known:
-            if tokens[:len(prompt)] == prompt:
-                j = len(tokens) - len(prompt)
-                drafts = out[j:j + k]
-                if j % 3 and drafts:
-                    drafts[-1] = (drafts[-1] + 1) % 200
-                return drafts
-        raise AssertionError("unknown sequence")
-
-
 @pytest.mark.gpu
 def test_verify_graphs_on_cuda():
     """Verify steps replaying verify CUDA graphs (a synthetic Q4_1 model, 3 prompts arriving apart): the greedy
@@ -125,7 +107,7 @@ def test_verify_graphs_on_cuda():
 
     prompts = [[(5 * j) % 250 + 3 for j in range(n)] for n in (9, 30, 4)]
     plain = [t for t, _ in generate(model, backend, prompts, 40, graphs(0), arrive_every=3, temperature=0)]
-    for drafter in (OracleDrafter(prompts, plain), NgramDrafter(3, 1, 2)):
+    for drafter in (OracleDrafter(prompts, plain, 200), NgramDrafter(3, 1, 2)):
         out = generate(model, backend, prompts, 40, graphs(3), arrive_every=3, drafter=drafter, num_drafts=3,
                        temperature=0)
         assert [t for t, _ in out] == plain, type(drafter).__name__

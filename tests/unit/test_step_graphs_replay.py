@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.helpers import OracleDrafter
 from tools.make_synthetic_checkpoint import synthetic_model
 from voltserve.backends.base import AttentionMetadata, StepInputs
 from voltserve.backends.cpu import CpuBackend
@@ -171,25 +172,6 @@ def test_arrivals_during_decode_equal_the_eager_loop(model):
     assert sum(admitted) >= 8, admitted
 
 
-class _OracleDrafter:
-    """Drafts from the eager loop's own outputs: all k right at every third position, else the last one wrong, so
-    verify steps accept everything, a part, or (k = 1 wrong) nothing."""
-
-    def __init__(self, prompts, outputs):
-        self.known = [(p, o) for p, o in zip(prompts, outputs)]
-
-    def propose(self, seq, k):
-        tokens = seq.token_ids()
-        for prompt, out in self.known:
-            if tokens[:len(prompt)] == prompt:
-                j = len(tokens) - len(prompt)
-                drafts = out[j:j + k]
-                if j % 3 and drafts:
-                    drafts[-1] = (drafts[-1] + 1) % 50
-                return drafts
-        raise AssertionError("unknown sequence")
-
-
 def test_verify_graphs_give_the_eager_loops_tokens(model):
     """Speculative decoding (k = 3) over verify graphs: the greedy tokens of the eager loop without drafts, with
     n-gram drafts and with drafts that pass (an oracle's); verify graphs replay."""
@@ -197,7 +179,7 @@ def test_verify_graphs_give_the_eager_loops_tokens(model):
     arrivals, max_tokens = [0, 0, 3, 6], [40, 25, 30, 35]
     eager, _, _ = _generate(model, "eager", prompts, arrivals, max_tokens)
     for mode in ("sync", "pipelined"):
-        for drafter in (None, _OracleDrafter(prompts, eager)):
+        for drafter in (None, OracleDrafter(prompts, eager, 50)):
             out, graphs, _ = _generate(model, mode, prompts, arrivals, max_tokens, drafts=3, drafter=drafter)
             assert out == eager, (mode, drafter)
             verify = {k: n for k, n in graphs.replays.items() if k.verify}

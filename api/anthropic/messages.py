@@ -44,7 +44,7 @@ from api.reasoning import parser_name as reasoning_parser_name, reasoning_mode
 from api.structured import Constraint, request_grammar, sequence_parser
 from api.tool_calls import ToolCall, call_id, parser_factory
 from voltserve.errors import InvalidRequestError
-from voltserve.parsers.output import Reasoning, parse_output
+from voltserve.parsers.output import Reasoning, parse_deltas
 from voltserve.parsers.reasoning import THINK_CLOSE
 from voltserve.parsers.tool_json import dumps_arguments
 from voltserve.request import FinishReason, RequestOutput, SamplingParams
@@ -304,7 +304,7 @@ def _content_blocks(pieces: list, message_id: str, max_calls: int | None,
     block per kept call, and one empty text block when there is nothing else.
 
     Args:
-        pieces: the output as `voltserve.parsers.output.parse_output` splits it.
+        pieces: the output as `voltserve.parsers.output.parse_deltas` splits it.
         max_calls: the most calls kept (`disable_parallel_tool_use`: 1); None = all.
         forced: a grammar forced the calls: text is left out (it can only be a call the output did not finish,
             case A3).
@@ -313,7 +313,7 @@ def _content_blocks(pieces: list, message_id: str, max_calls: int | None,
     kept = 0
     for piece in pieces:
         if isinstance(piece, Reasoning):
-            blocks.append(ThinkingBlock(thinking=piece.text))  # one piece: parse_output merges them
+            blocks.append(ThinkingBlock(thinking=piece.text))  # one piece: parse_deltas merges them
         elif isinstance(piece, str):
             if forced:
                 continue
@@ -385,7 +385,7 @@ async def create_message():
     seq = results[0]
     blocks, called = [TextBlock(text=seq.text)], False
     if new_parser is not None:
-        blocks = _content_blocks(parse_output(new_parser(), seq.text), message_id, max_calls, forced)
+        blocks = _content_blocks(parse_deltas(new_parser(), seq.deltas), message_id, max_calls, forced)
         called = any(isinstance(block, ToolUseBlock) for block in blocks)
     return json_response(MessageResponse(
         id=message_id, model=req.model, content=blocks,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import replace
 
 import orjson
@@ -10,19 +11,19 @@ from quart import Blueprint
 from api.metrics import NO_STATS
 from api.openai.chat_prompt import chat_prompt_ids
 from api.openai.common import (
-    ChunkFrames, add_request, collect, drive_stream, finish_json, json_response, request_body,
+    ChunkFrames, NewTokens, add_request, collect, drive_stream, finish_json, json_response, request_body,
     sampling_params, sse_response, token_text,
 )
 from api.openai.protocol import (
     AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
-    ChatCompletionResponse, ChatLogprobs, ChatTokenLogprob, DeltaMessage, DeltaToolCall, FunctionCall, ToolCallOut,
-    TopLogprob, parse_request,
+    ChatCompletionResponse, ChatLogprobs, ChatTokenLogprob, CompletionTokensDetails, DeltaMessage, DeltaToolCall,
+    FunctionCall, ToolCallOut, TopLogprob, Usage, parse_request,
 )
 from api.state import get_state
 from api.reasoning import reasoning_mode
 from api.structured import Constraint, request_grammar, sequence_parser
 from api.tool_calls import call_id, parser_factory
-from voltserve.parsers.output import parse_output, split
+from voltserve.parsers.output import OutputParser, parse_deltas, split
 from voltserve.errors import InvalidRequestError
 from voltserve.request import MAX_LOGPROBS, SamplingParams, TokenLogprob
 
@@ -53,6 +54,13 @@ def _logprobs(tokenizer, logprobs: list[TokenLogprob]) -> ChatLogprobs:
         first = entry(lp.token_id, lp.logprob)
         content.append(ChatTokenLogprob(**first.model_dump(), top_logprobs=[entry(t, v) for t, v in lp.top]))
     return ChatLogprobs(content=content)
+
+
+def _with_reasoning_tokens(usage: Usage, parsers: Iterable[OutputParser]) -> Usage:
+    """`usage` with `completion_tokens_details.reasoning_tokens`: the reasoning's tokens summed over the choices'
+    output parsers (for a request whose output a reasoning parser reads)."""
+    details = CompletionTokensDetails(reasoning_tokens=sum(p.reasoning_tokens for p in parsers))
+    return usage.model_copy(update={"completion_tokens_details": details})
 
 
 def _functions(req: ChatCompletionRequest) -> tuple[dict, ...]:
@@ -128,14 +136,16 @@ async def chat_completions():
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         events = _stream_events(engine, stream, req, params, response_id, created, include_usage,
-                                state.config.sse_keep_alive_interval, stats, new_parser, c.forced is not None)
+                                state.config.sse_keep_alive_interval, stats, new_parser, c.forced is not None,
+                                c.reasoning is not None)
         return sse_response(events, stream)
     results, counter = await collect(stream, stats)
-    choices = []
+    choices, parsers = [], []
     for i, seq in sorted(results.items()):
         message, finish = AssistantMessage(content=seq.text), seq.finish_reason
         if new_parser is not None:
-            reasoning, content, calls = split(parse_output(new_parser(), seq.text))
+            parsers.append(parser := new_parser())
+            reasoning, content, calls = split(parse_deltas(parser, seq.deltas))
             calls = calls if c.parallel else calls[:1]
             message = AssistantMessage(content=content or None if reasoning else content,
                                        reasoning_content=reasoning or None)
@@ -147,18 +157,22 @@ async def chat_completions():
                 finish = "tool_calls" if calls and finish == "stop" else finish
         logprobs = _logprobs(engine.tokenizer, seq.logprobs) if params.logprobs is not None else None
         choices.append(ChatChoice(index=i, message=message, finish_reason=finish, logprobs=logprobs))
+    usage = counter.usage()
+    if c.reasoning is not None:
+        usage = _with_reasoning_tokens(usage, parsers)
     return json_response(ChatCompletionResponse(id=response_id, created=created, model=req.model,
-                                                choices=choices, usage=counter.usage()))
+                                                choices=choices, usage=usage))
 
 
 def _stream_events(engine, stream, req, params, response_id, created, include_usage, keep_alive_s=0.0,
-                   stats=NO_STATS, new_parser=None, forced=False):
+                   stats=NO_STATS, new_parser=None, forced=False, count_reasoning=False):
     """Chunks: a role delta per choice, content deltas, a finish chunk per choice, usage, [DONE].
 
     With an output parser (`new_parser`, see `api.structured.sequence_parser`), each choice's text goes through its
     own parser: `reasoning_content` deltas carry the reasoning, content deltas the content, each call goes out
     whole in a `tool_calls` delta once the model closed it, and a choice that called tools finishes with
-    "tool_calls". A forced choice (`forced`) sends calls only.
+    "tool_calls". A forced choice (`forced`) sends calls only. When a reasoning parser reads the output
+    (`count_reasoning`), the usage chunk counts its tokens (`completion_tokens_details.reasoning_tokens`).
 
     Without logprobs a chunk is assembled from bytes: the head and tail that pydantic renders once per request
     (`chunk_frame_parts`) around `{"index":i,"delta":{"content":<text>},"logprobs":null,"finish_reason":...}`,
@@ -171,12 +185,13 @@ def _stream_events(engine, stream, req, params, response_id, created, include_us
     content_tail = b'},"logprobs":null,"finish_reason":null}' + tail
 
     parsers = {}
+    new_tokens = NewTokens()
     max_calls = 1 if req.parallel_tool_calls is False else 1 << 30
 
     def tool_chunk(out, held_logprobs: list[TokenLogprob]) -> bytes:
         parser = parsers.get(out.index) or parsers.setdefault(out.index, new_parser())
         before = min(len(parser.calls), max_calls)
-        reasoning, content, calls = parser.feed(out.text)
+        reasoning, content, calls = parser.feed(out.text, new_tokens(out))
         finish = out.finish_reason.value if out.finish_reason is not None else None
         if finish is not None:
             last_reasoning, last, last_calls = parser.finish()
@@ -209,7 +224,10 @@ def _stream_events(engine, stream, req, params, response_id, created, include_us
         return b"".join((head, b'{"index":%d,"delta":' % out.index, delta, b',"logprobs":null,"finish_reason":',
                          finish_json(out), b"}", tail))
 
+    def usage_chunk(usage: Usage) -> bytes:
+        return chunk([], _with_reasoning_tokens(usage, parsers.values()) if count_reasoning else usage)
+
     roles = [chunk([ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))])
              for i in range(params.n)]
     return drive_stream(stream, tool_chunk if new_parser is not None else choice_chunk,
-                        (lambda usage: chunk([], usage)) if include_usage else None, roles, keep_alive_s, stats)
+                        usage_chunk if include_usage else None, roles, keep_alive_s, stats)

@@ -111,6 +111,8 @@ class SequenceResult:
 
     Attributes:
         text: joined text deltas.
+        deltas: (text, tokens new in it: `NewTokens`) of each delta, in order: what an output parser reads
+            (`voltserve.parsers.output.parse_deltas`), as the stream feeds it.
         token_ids: [num_output_tokens] output token ids.
         logprobs: one TokenLogprob per output token (when requested).
         finish_reason: "stop" / "length" / "abort", None while running.
@@ -118,10 +120,26 @@ class SequenceResult:
     """
 
     text: str = ""
+    deltas: list[tuple[str, int]] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+
+
+class NewTokens:
+    """The tokens each delta adds to its sequence, from the cumulative `num_output_tokens` (what usage counts):
+    the tokens of a delta `drive_stream` does not hand on (no text yet: part of a UTF-8 character) count with the
+    next one, so a streamed output parser counts every token, as one fed `collect`'s deltas does."""
+
+    def __init__(self) -> None:
+        self._seen: dict[int, int] = {}  # per choice index: num_output_tokens counted so far
+
+    def __call__(self, out: RequestOutput) -> int:
+        """The tokens of `out`'s sequence since the last delta counted."""
+        seen = self._seen.get(out.index, 0)
+        self._seen[out.index] = out.num_output_tokens
+        return out.num_output_tokens - seen
 
 
 class UsageCounter:
@@ -160,23 +178,22 @@ async def collect(stream, stats=NO_STATS) -> tuple[dict[int, SequenceResult], Us
         EngineDeadError: the engine died mid-request.
     """
     results: dict[int, SequenceResult] = {}
-    texts: dict[int, list[str]] = {}  # joined once at the end: `+=` per delta is quadratic in the output length
-    counter = UsageCounter()
+    counter, new_tokens = UsageCounter(), NewTokens()
     finished = False
     try:
         async for out in stream:
             if not results:
                 stats.first_token()
             seq = results.setdefault(out.index, SequenceResult())
-            texts.setdefault(out.index, []).append(out.text)
+            seq.deltas.append((out.text, new_tokens(out)))
             seq.token_ids.extend(out.token_ids)
             seq.logprobs.extend(out.logprobs or [])
             if out.finish_reason is not None:
                 seq.finish_reason, seq.stop_reason = out.finish_reason.value, out.stop_reason
             counter.add(out)
         finished = True
-        for index, seq in results.items():
-            seq.text = "".join(texts[index])
+        for seq in results.values():  # joined once at the end: `+=` per delta is quadratic in the output length
+            seq.text = "".join(text for text, _ in seq.deltas)
         counter.record(stats)
     except VoltError as exc:
         stats.failed(kind_of(exc).reason)

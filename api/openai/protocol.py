@@ -93,11 +93,25 @@ class PromptTokensDetails(BaseModel):
     cached_tokens: int = 0
 
 
+class CompletionTokensDetails(BaseModel):
+    reasoning_tokens: int = 0  # output tokens of the reasoning (`voltserve.parsers.reasoning`)
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails
+    completion_tokens_details: CompletionTokensDetails | None = None
+
+    @model_serializer(mode="wrap")
+    def _without_absent_details(self, handler):
+        # `completion_tokens_details` only when a reasoning parser read the output: usage without one keeps
+        # its shape
+        data = handler(self)
+        if self.completion_tokens_details is None:
+            data.pop("completion_tokens_details", None)
+        return data
 
 
 class TopLogprob(BaseModel):

@@ -39,14 +39,14 @@ from api import sse
 from api.errors import ErrorKind
 from api.openai.chat_prompt import check_mm_kwargs, content_text, messages_prompt_ids, strip_billing_header
 from api.openai.common import (
-    add_request, collect, drive_stream, json_response, request_body, sampling_params, sse_response,
+    NewTokens, add_request, collect, drive_stream, json_response, request_body, sampling_params, sse_response,
 )
 from api.openai.protocol import parse_request
 from api.openai.responses_protocol import (
     ContentPartEvent, ErrorEvent, FunctionCallArgumentsDeltaEvent, FunctionCallArgumentsDoneEvent, FunctionCallItem,
     IncompleteDetails, OutputItemEvent, OutputMessage, OutputText, OutputTextDeltaEvent, OutputTextDoneEvent,
-    ReasoningItem, ReasoningText, ReasoningTextDeltaEvent, ReasoningTextDoneEvent, ResponseError, ResponseEvent,
-    ResponsesRequest, ResponsesResponse, ResponseUsage,
+    OutputTokensDetails, ReasoningItem, ReasoningText, ReasoningTextDeltaEvent, ReasoningTextDoneEvent, ResponseError,
+    ResponseEvent, ResponsesRequest, ResponsesResponse, ResponseUsage,
 )
 from api.state import get_state
 from api.reasoning import reasoning_mode
@@ -244,9 +244,10 @@ async def create_response():
     results, counter = await collect(stream, stats)
     usage = ResponseUsage.of(counter.prompt_tokens, counter.cached_tokens, sum(counter.output_tokens.values()))
     text, finish_reason = results[0].text, results[0].finish_reason
-    if new_parser is not None:  # the stream's events, made and dropped: the same items as streamed
+    if new_parser is not None:  # the stream's events, made and dropped: the same items and usage as streamed
         events = ResponseEvents(started, item_id, new_parser, parallel, forced)
-        events.feed(text)
+        for delta, num_tokens in results[0].deltas:
+            events.feed(delta, num_tokens)
         events.end(finish_reason, usage)
         return json_response(events.response)
     end = _outcome(finish_reason)
@@ -286,6 +287,7 @@ class ResponseEvents:
         self._messages = 0  # message items opened
         self._calls = 0  # calls the model made
         self._reasoning: list[str] | None = None  # the open reasoning item's text deltas
+        self._new_tokens = NewTokens()
         self.response: ResponsesResponse | None = None
 
     @staticmethod
@@ -398,18 +400,19 @@ class ResponseEvents:
             return [self._delta(text)]
         return self._open_message() + [self._delta(text)]
 
-    def feed(self, text: str) -> list[bytes]:
-        """The events of the next output text, through the output parser: reasoning deltas, text deltas (the
-        item added first when none is open) and whole calls; none while the parser holds the text back."""
+    def feed(self, text: str, num_tokens: int = 0) -> list[bytes]:
+        """The events of the next output text (`num_tokens`: the tokens new in it, for the usage's
+        `reasoning_tokens`), through the output parser: reasoning deltas, text deltas (the item added first when
+        none is open) and whole calls; none while the parser holds the text back."""
         frames = []
-        for piece in self._parser.pieces(text):  # in the model's order
+        for piece in self._parser.pieces(text, num_tokens):  # in the model's order
             frames += self._piece(piece)
         return frames
 
     def end(self, finish_reason: str | None, usage: ResponseUsage) -> list[bytes]:
         """The closing events: the parser's last text, the open message item done (an output with no item at
         all is one empty message, as without tools), and response.completed or response.incomplete with every
-        output item and the usage (`response`)."""
+        output item and the usage (`response`; with the parser, `reasoning_tokens` is its count)."""
         end = _outcome(finish_reason)
         frames = []
         if self._parser is not None:
@@ -418,6 +421,8 @@ class ResponseEvents:
             frames += self._close_reasoning(end["status"])  # an output that ended in its reasoning
             if self._open is None and not self._items:
                 frames += self._open_message()
+            details = OutputTokensDetails(reasoning_tokens=self._parser.reasoning_tokens)
+            usage = usage.model_copy(update={"output_tokens_details": details})
         if self._open is not None:
             frames += self._close_message(end["status"])
         self.response = self._started.model_copy(update={**end, "output": self._items, "usage": usage})
@@ -438,7 +443,7 @@ class ResponseEvents:
     def tool_chunk(self, out: RequestOutput, logprobs: list[TokenLogprob]) -> bytes:
         """A delta's events with the tool-call parser (`feed`; the last delta's `end` too); b"" while the parser
         holds its text back."""
-        frames = self.feed(out.text) if out.text else []
+        frames = self.feed(out.text, self._new_tokens(out))  # a delta with no text (EOS) counts too
         if out.finish_reason is not None:
             frames += self.end(out.finish_reason.value, self._usage(out))
         return b"".join(frames)

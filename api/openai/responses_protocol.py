@@ -194,7 +194,7 @@ class InputTokensDetails(BaseModel):
 
 
 class OutputTokensDetails(BaseModel):
-    reasoning_tokens: int = 0
+    reasoning_tokens: int = 0  # output tokens of the reasoning (`voltserve.parsers.reasoning`); 0 when none is read
 
 
 class ResponseUsage(BaseModel):

@@ -5,11 +5,13 @@ streamed; each scripted output is one its request's grammar accepts."""
 
 from __future__ import annotations
 
+from functools import partial
+
 import orjson
 import pytest
 
 from tests.api.conftest import chat_body
-from tests.api.fake_engine import ChunkedEngine, ScriptedEngine, ThinkingTemplate
+from tests.api.fake_engine import ByteTokenizer, ChunkedEngine, ScriptedEngine, ThinkingTemplate
 from tests.api.test_tool_calls import TOOLS
 from tests.unit.test_grammar_rules import complete
 
@@ -18,9 +20,10 @@ CALL = '<tool_call>\n{"name":"get_weather","arguments":{"city":"Paris"}}\n</tool
 ANSWER = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
 
 
-async def _both(serve, script: str, engine_cls=ScriptedEngine, template=True, config=None, **extra):
-    """(non-streamed response, streamed chunks, the request's grammar) of one chat request."""
-    engine = engine_cls(scripts=[script], max_model_len=4096)
+async def _both(serve, script: str | list[str], engine_cls=ScriptedEngine, template=True, config=None, **extra):
+    """(non-streamed response, streamed chunks, the request's grammar) of one chat request (`script`: the output,
+    or a list of them for n > 1)."""
+    engine = engine_cls(scripts=[script] if isinstance(script, str) else script, max_model_len=4096)
     if template:
         engine.chat_template = ThinkingTemplate()
     body = chat_body(**extra)
@@ -122,3 +125,72 @@ async def test_T1_json_response_format_content_parses(serve, engine_cls, end):
     assert whole["choices"][0]["message"] == {"role": "assistant", "content": content, "reasoning_content": "Sure."}
     assert orjson.loads(content) == {"ok": True}
     assert _joined(chunks) == ("Sure.", content, [], ["stop"])
+
+
+USAGE = {"stream_options": {"include_usage": True}}  # the streamed request's usage chunk (ignored when not streamed)
+CHATML_PROMPT = "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+
+
+def _usage(completion: int, reasoning: int | None, opened: bool = True) -> dict:
+    """The usage of one request (the prompt as `chat_body` renders it; `opened`: ThinkingTemplate's `<think>\n`
+    after it), with `completion_tokens_details` when `reasoning` is not None."""
+    prompt = len(ByteTokenizer().encode(CHATML_PROMPT + ("<think>\n" if opened else "")))
+    usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+             "prompt_tokens_details": {"cached_tokens": 0}}
+    return usage if reasoning is None else {**usage, "completion_tokens_details": {"reasoning_tokens": reasoning}}
+
+
+async def _usages(serve, script, engine_cls=ScriptedEngine, template=True, config=None, **extra) -> tuple[dict, dict]:
+    """(non-streamed usage, streamed usage chunk's usage) of one chat request."""
+    whole, chunks, _ = await _both(serve, script, engine_cls, template, config, **USAGE, **extra)
+    assert chunks[-1]["choices"] == []
+    return whole["usage"], chunks[-1]["usage"]
+
+
+async def test_reasoning_tokens_then_content_one_token_a_delta(serve):
+    # the prompt opened the reasoning: "I should greet.\n" (16 tokens) and "</think>" (8, its last token ends it)
+    whole, streamed = await _usages(serve, "I should greet.\n</think>\n\nHello!")
+    assert whole == streamed == _usage(16 + 8 + len("\n\nHello!") + 1, 16 + 8)
+
+
+@pytest.mark.parametrize(("engine_cls", "reasoning"), [
+    (ScriptedEngine, 7 + 2 + 8),  # `<think>`, "Hm", `</think>`
+    # deltas "<think" (held: is it `<think>`?), ">Hm</t" (it is: both count), "hink>H" (ends it: all of it counts),
+    # "i" + EOS
+    (partial(ChunkedEngine, size=6), 18)])
+async def test_reasoning_tokens_think_split_and_a_delta_that_ends_the_reasoning(serve, engine_cls, reasoning):
+    whole, streamed = await _usages(serve, "<think>Hm</think>Hi", engine_cls, template=False,
+                                    config={"reasoning_parser": "qwen3"})
+    assert whole == streamed == _usage(len("<think>Hm</think>Hi") + 1, reasoning, opened=False)
+
+
+async def test_no_reasoning_counts_0_and_no_reasoning_parser_keeps_usage_as_it_was(serve):
+    # a reasoning parser that finds no `<think>`: 0
+    whole, streamed = await _usages(serve, "Hello!", template=False, config={"reasoning_parser": "qwen3"})
+    assert whole == streamed == _usage(7, 0, opened=False)
+    # no reasoning parser (the default template, auto; a tool-call parser alone; enable_thinking false): the
+    # usage has no completion_tokens_details
+    for config, extra in [(None, {}), ({"tool_call_parser": "hermes"}, {"tools": TOOLS})]:
+        whole, streamed = await _usages(serve, "<think>x</think>y", template=False, config=config, **extra)
+        assert whole == streamed == _usage(len("<think>x</think>y") + 1, None, opened=False)
+    whole, streamed = await _usages(serve, "x", chat_template_kwargs={"enable_thinking": False})
+    prompt = len(ByteTokenizer().encode(CHATML_PROMPT + "<think>\n\n</think>\n\n"))
+    assert whole == streamed == {"prompt_tokens": prompt, "completion_tokens": 2, "total_tokens": prompt + 2,
+                                 "prompt_tokens_details": {"cached_tokens": 0}}
+
+
+async def test_reasoning_tokens_deepseek_r1_starts_inside(serve):
+    whole, streamed = await _usages(serve, "abc</think>d", template=False, config={"reasoning_parser": "deepseek_r1"})
+    assert whole == streamed == _usage(13, 3 + 8, opened=False)
+
+
+async def test_reasoning_tokens_of_a_split_character_count_streamed_too(serve):
+    # "é" is two tokens, the first with no text: the stream holds that delta back, its token still counts
+    whole, streamed = await _usages(serve, "é?</think>ok")
+    assert whole == streamed == _usage(2 + 1 + 8 + 2 + 1, 2 + 1 + 8)
+
+
+async def test_reasoning_tokens_summed_over_choices(serve):
+    # choice 0: "ab" and `</think>`; choice 1 never ends its reasoning: all its tokens, EOS included
+    whole, streamed = await _usages(serve, ["ab</think>c", "xyz"], n=2)
+    assert whole == streamed == _usage(12 + 4, (2 + 8) + (3 + 1))

@@ -43,9 +43,9 @@ def message(text: str, status: str) -> dict:
             else []}
 
 
-def usage(input_tokens: int, output_tokens: int, cached: int = 0) -> dict:
+def usage(input_tokens: int, output_tokens: int, cached: int = 0, reasoning: int = 0) -> dict:
     return {"input_tokens": input_tokens, "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": 0},
-            "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+            "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": reasoning},
             "total_tokens": input_tokens + output_tokens}
 
 

@@ -36,8 +36,10 @@ async def test_reasoning_item_before_the_message_exact_json(serve):
     script = "Greet.</think>\n\nHello!"
     whole, events, _ = await _both(serve, script, ChunkedEngine)
     prompt_tokens = len(ByteTokenizer().encode("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n<think>\n"))
+    # one delta holds the whole output and ends the reasoning: all its tokens (EOS too) count as reasoning
+    tokens = len(script.encode()) + 1
     assert whole == response_object("completed", [reasoning("Greet."), message("\n\nHello!", "completed")],
-                                     usage(prompt_tokens, len(script.encode()) + 1))
+                                     usage(prompt_tokens, tokens, reasoning=tokens))
     assert names(events) == [
         "response.created", "response.in_progress", "response.output_item.added", "response.reasoning_text.delta",
         "response.reasoning_text.done", "response.output_item.done", "response.output_item.added",
@@ -55,6 +57,25 @@ async def test_reasoning_streamed_token_by_token_joins_to_the_item(serve):
     whole, events, _ = await _both(serve, "a<b</think>c")
     deltas = [e["delta"] for name, e in events if name == "response.reasoning_text.delta"]
     assert deltas == ["a", "<b"] and whole["output"][0] == reasoning("a<b")
+    # one token a delta: "a<b" and `</think>` (its last token ends the reasoning); `_both`: streamed the same
+    assert whole["usage"]["output_tokens_details"] == {"reasoning_tokens": 3 + 8}
+    assert whole["usage"]["output_tokens"] == 3 + 8 + 1 + 1
+
+
+@pytest.mark.parametrize(("script", "reasoning_tokens"), [
+    ("Hello!", 0),  # no `<think>`: no reasoning
+    ("<think>Hm</think>Hi", 7 + 2 + 8),  # `<think>` held over 6 deltas, then counted
+    ("<think>é?", 7 + 2 + 1 + 1),  # no end: all reasoning, the EOS and the first byte of "é" (no text) included
+])
+async def test_reasoning_tokens_when_the_output_may_open_the_reasoning(serve, script, reasoning_tokens):
+    engine = ScriptedEngine(scripts=[script], max_model_len=4096)  # ChatML: the prompt does not open it
+    async with serve(engine, reasoning_parser="qwen3") as (client, _):
+        whole = orjson.loads(await (await client.post(URL, json=body())).get_data())
+        data = await (await client.post(URL, json=body(stream=True))).get_data()
+    events, _ = sdk_checked(data)
+    assert events[-1][1]["response"]["usage"] == whole["usage"]
+    assert whole["usage"]["output_tokens_details"] == {"reasoning_tokens": reasoning_tokens}
+    assert whole["usage"]["output_tokens"] == len(script.encode()) + 1
 
 
 @pytest.mark.parametrize("engine_cls", [ScriptedEngine, ChunkedEngine])
@@ -64,6 +85,9 @@ async def test_T1_required_call_after_reasoning(serve, engine_cls):
     assert complete(script, grammar)
     assert whole["output"] == [reasoning("Paris."), function_call(0, '{"city": "Paris"}')]
     assert whole["status"] == "completed"
+    # "Paris." and `<tool_call>`, which ends it; ChunkedEngine's one delta (the whole output, EOS too) ends it
+    expected = len(script.encode()) + 1 if engine_cls is ChunkedEngine else len("Paris.<tool_call>")
+    assert whole["usage"]["output_tokens_details"] == {"reasoning_tokens": expected}
 
 
 async def test_T1_json_format_after_reasoning(serve):

@@ -3,7 +3,9 @@ content and calls in the order the model wrote them. Either parser may be absent
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
+from itertools import groupby
 
 from voltserve.parsers.hermes import HermesToolParser, ToolCall
 from voltserve.parsers.reasoning import ReasoningParser
@@ -28,7 +30,8 @@ class OutputParser:
 
     `pieces(delta)` / `finish_pieces()` give what can be sent now in the model's order (Reasoning pieces, content
     strings and ToolCalls; never "", never two strings or two Reasonings in a row); `feed` / `finish` the same
-    as (reasoning, content, calls). `calls` lists every call so far.
+    as (reasoning, content, calls). `calls` lists every call so far; `reasoning_tokens` counts the reasoning's
+    tokens from each delta's `num_tokens` (see `ReasoningParser`).
     """
 
     def __init__(self, reasoning: ReasoningParser | None = None, tools: HermesToolParser | None = None):
@@ -38,17 +41,23 @@ class OutputParser:
     def calls(self) -> list[ToolCall]:
         return self._tools.calls if self._tools is not None else []
 
+    @property
+    def reasoning_tokens(self) -> int:
+        """The reasoning's tokens so far (`ReasoningParser.reasoning_tokens`); 0 without a reasoning parser."""
+        return self._reasoning.reasoning_tokens if self._reasoning is not None else 0
+
     def _after_reasoning(self, reasoning: str, content: str) -> list[Piece]:
         out: list[Piece] = [Reasoning(reasoning)] if reasoning else []
         if content:
             out += self._tools.pieces(content) if self._tools is not None else [content]
         return out
 
-    def pieces(self, text: str) -> list[Piece]:
-        """Take the next text delta; returns the pieces that can be sent now."""
+    def pieces(self, text: str, num_tokens: int = 0) -> list[Piece]:
+        """Take the next text delta (`num_tokens`: the tokens new in it, for `reasoning_tokens`); returns the
+        pieces that can be sent now."""
         if self._reasoning is None:
             return self._after_reasoning("", text)
-        return self._after_reasoning(*self._reasoning.feed(text))
+        return self._after_reasoning(*self._reasoning.feed(text, num_tokens))
 
     def finish_pieces(self) -> list[Piece]:
         """The end of the output: what the parsers still held (see theirs)."""
@@ -57,9 +66,9 @@ class OutputParser:
             out += self._tools.finish_pieces()
         return _merged(out)
 
-    def feed(self, text: str) -> tuple[str, str, list[ToolCall]]:
+    def feed(self, text: str, num_tokens: int = 0) -> tuple[str, str, list[ToolCall]]:
         """`pieces` as (reasoning, content, calls), each possibly empty."""
-        return split(self.pieces(text))
+        return split(self.pieces(text, num_tokens))
 
     def finish(self) -> tuple[str, str, list[ToolCall]]:
         """`finish_pieces` as (reasoning, content, calls)."""
@@ -67,13 +76,16 @@ class OutputParser:
 
 
 def _merged(pieces: list[Piece]) -> list[Piece]:
-    """`pieces` with adjacent strings (and adjacent Reasonings) joined."""
+    """`pieces` with adjacent strings (and adjacent Reasonings) joined, each run once (linear: a whole output fed
+    delta by delta is a piece a token)."""
     merged: list[Piece] = []
-    for piece in pieces:
-        if merged and type(piece) is type(merged[-1]) and not isinstance(piece, ToolCall):
-            merged[-1] = merged[-1] + piece if isinstance(piece, str) else Reasoning(merged[-1].text + piece.text)
+    for kind, run in groupby(pieces, key=type):
+        if kind is str:
+            merged.append("".join(run))
+        elif kind is Reasoning:
+            merged.append(Reasoning("".join(p.text for p in run)))
         else:
-            merged.append(piece)
+            merged.extend(run)
     return merged
 
 
@@ -85,4 +97,17 @@ def split(pieces: list[Piece]) -> tuple[str, str, list[ToolCall]]:
 
 def parse_output(parser: OutputParser, text: str) -> list[Piece]:
     """A whole output text through a fresh `parser` as ordered pieces (the stream's rules)."""
-    return _merged(parser.pieces(text) + parser.finish_pieces())
+    return parse_deltas(parser, [(text, 0)])
+
+
+def parse_deltas(parser: OutputParser, deltas: Iterable[tuple[str, int]]) -> list[Piece]:
+    """A whole output through a fresh `parser`, fed delta by delta as the stream feeds it, as ordered pieces:
+    the same pieces and `parser.reasoning_tokens` as streamed.
+
+    Args:
+        deltas: (text, tokens new in it) of each delta, in order.
+    """
+    pieces: list[Piece] = []
+    for text, num_tokens in deltas:
+        pieces += parser.pieces(text, num_tokens)
+    return _merged(pieces + parser.finish_pieces())

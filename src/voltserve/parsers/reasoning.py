@@ -13,6 +13,10 @@ streamed reasoning and content always equal the non-streamed ones. The rules:
   when a tool-call parser reads the content next (`keep_implicit_end`: it opens the first call);
 - text that may still become a marker (a trailing `<`, `</thi`) is held only until it cannot;
 - an output that ends inside the reasoning (no end marker) is all reasoning.
+
+It also counts the reasoning's tokens (`reasoning_tokens`, the usage's `reasoning_tokens`) from the tokens each
+delta brings (`feed(text, num_tokens)`): every token of a delta fed before the reasoning ended counts, the delta
+that ends it included.
 """
 
 from __future__ import annotations
@@ -37,8 +41,15 @@ class ReasoningParser:
         implicit_end: another marker that also ends the reasoning (`<tool_call>` under a JSON grammar), or None.
         keep_implicit_end: `implicit_end` is sent on as the first content (a tool-call parser reads it).
 
-    Use `feed(delta)` for each text delta and `finish()` once at the end; each returns (reasoning, content) that
-    can be sent now, either possibly "". Each character is looked at a bounded number of times.
+    Use `feed(delta, num_tokens)` for each text delta and `finish()` once at the end; each returns (reasoning,
+    content) that can be sent now, either possibly "". Each character is looked at a bounded number of times.
+
+    Attributes:
+        ended_by: the marker that ended the reasoning, None while it has not ended (or never began).
+        reasoning_tokens: the tokens of the deltas fed while the reasoning had not ended, the one that ended it
+            included (all its tokens, even those of content after the marker: with one token a delta the count is
+            exact); those fed before the output showed whether it reasons count once it does, at the latest in
+            `finish()`. 0 for an output that never reasons.
     """
 
     def __init__(self, starts_inside: bool = False, implicit_end: str | None = None, keep_implicit_end: bool = False):
@@ -48,10 +59,15 @@ class ReasoningParser:
         self._state = _START
         self._held = ""  # text that may still become a marker
         self.ended_by: str | None = None  # the marker that ended the reasoning
+        self.reasoning_tokens = 0
+        self._pending = 0  # tokens fed while held as a possible `<think>`: reasoning or not, not known yet
 
-    def feed(self, text: str) -> tuple[str, str]:
+    def feed(self, text: str, num_tokens: int = 0) -> tuple[str, str]:
         """Take the next text delta.
 
+        Args:
+            text: the delta's text.
+            num_tokens: the tokens new in the delta (for `reasoning_tokens`; 0 counts nothing).
         Returns:
             (reasoning, content) that can be sent now, each possibly "".
         """
@@ -59,13 +75,16 @@ class ReasoningParser:
         if self._state == _START:
             if len(text) < len(THINK_OPEN) and THINK_OPEN.startswith(text):
                 self._held = text
+                self._pending += num_tokens
                 return "", ""
             if text.startswith(THINK_OPEN):
                 self._state, text = _REASONING, text[len(THINK_OPEN):]
             else:
                 self._state = _REASONING if self._starts_inside else _CONTENT
+            num_tokens, self._pending = num_tokens + self._pending, 0
         if self._state == _CONTENT:
             return "", text
+        self.reasoning_tokens += num_tokens  # this delta began inside the reasoning, even if it ends it
         return self._read_reasoning(text)
 
     def _read_reasoning(self, text: str) -> tuple[str, str]:
@@ -80,11 +99,15 @@ class ReasoningParser:
         return text[:at], (marker + content if marker == self._keep else content)
 
     def finish(self) -> tuple[str, str]:
-        """The end of the output: held text is reasoning inside the reasoning, else content.
+        """The end of the output: held text is reasoning inside the reasoning, else content (and so are the
+        tokens still pending: an output that stopped on a possible `<think>`).
 
         Returns:
             (the last reasoning, the last content), each possibly "".
         """
         held, self._held = self._held, ""
         inside = self._state == _REASONING or (self._state == _START and self._starts_inside)
+        if inside:
+            self.reasoning_tokens += self._pending
+        self._pending = 0
         return (held, "") if inside else ("", held)

@@ -119,7 +119,7 @@ def speculation(config: EngineConfig) -> dict:
     from voltserve.spec.ngram import NgramDrafter
 
     return {"drafter": NgramDrafter(config.num_speculative_tokens, config.ngram_min, config.ngram_max),
-            "ladder": config.draft_ladder()}
+            "ladder": config.draft_ladder(), "draft_max_pause": config.draft_max_pause}
 
 
 def rank_model(config: EngineConfig, loaded, backend, device: str, tp: TPGroup | None = None

@@ -16,10 +16,10 @@ _ids = itertools.count()
 
 def make_scheduler(num_blocks=64, block_size=4, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256,
                    eos=(0,), prefix_caching=True, ahead_prefill_tokens=0, ahead_admissible=None,
-                   admission_wait_steps=0, drafter=None, ladder=None) -> Scheduler:
+                   admission_wait_steps=0, drafter=None, ladder=None, **kwargs) -> Scheduler:
     pool = BlockPool(num_blocks, block_size, prefix_caching)
     return Scheduler(pool, max_num_seqs, max_num_batched_tokens, max_model_len, eos, ahead_prefill_tokens,
-                     ahead_admissible, admission_wait_steps, drafter, ladder)
+                     ahead_admissible, admission_wait_steps, drafter, ladder, **kwargs)
 
 
 def make_seq(prompt, max_tokens=8, request_id=None, **params) -> Sequence:

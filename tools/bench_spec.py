@@ -1,12 +1,14 @@
 """Speculative decoding benchmark: output tokens/s of the offline engine (`AsyncEngine`, no HTTP) with and
 without n-gram drafts, per concurrency, greedy, on prompts whose answers copy their input and on free ones.
 
-    python tools/bench_spec.py --device cuda --concurrency 1,4,16 --max-tokens 256 --out spec.json
+    python tools/bench_spec.py --device cuda --concurrency 1,4,16 --max-tokens 256 --draft-max-pause 0,64 \
+        --out spec.json
 
 Reports, as JSON lines and in `--out`, for each (method, prompt set, concurrency): output tok/s (median of
 `--repeats`), and for ngram the acceptance length (tokens a verify step emits per sequence, 1 + accepted /
 verifies) and drafts per verify. Greedy outputs of both methods are compared (case D1) and a mismatch is
-reported as `"lossless": false`. Other engine settings come from VOLTSERVE_* variables.
+reported as `"lossless": false`. `--draft-max-pause` runs n-gram once per backoff setting (0: none).
+Other engine settings come from VOLTSERVE_* variables.
 """
 
 from __future__ import annotations
@@ -58,10 +60,10 @@ async def run(args) -> list[dict]:
 
     loaded = load_model(args.model)
     results, outputs = [], {}
-    for method in ("none", "ngram"):
+    for method, pause in [("none", 0)] + [("ngram", p) for p in args.draft_max_pause]:
         config = EngineConfig.from_env(model=args.model, device=args.device, speculative_method=method,
                                        num_speculative_tokens=args.num_speculative_tokens,
-                                       concurrency_drafts=args.concurrency_drafts)
+                                       concurrency_drafts=args.concurrency_drafts, draft_max_pause=pause)
         engine = AsyncEngine(config, loaded=loaded)
         await engine.start()
         try:
@@ -76,7 +78,8 @@ async def run(args) -> list[dict]:
                     for _ in range(args.repeats):
                         rate, tokens = await level(engine, prompts, c, args.max_tokens)
                         rates.append(rate)
-                    row = {"method": method, "prompts": name, "concurrency": c, "device": args.device,
+                    row = {"method": method, **({"draft_max_pause": pause} if method != "none" else {}),
+                           "prompts": name, "concurrency": c, "device": args.device,
                            "output_tokens_per_s": round(statistics.median(rates), 1),
                            "runs": [round(r, 1) for r in rates]}
                     verifies = sched.num_verify_steps - v0
@@ -107,6 +110,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--num-speculative-tokens", type=int, default=4)
     parser.add_argument("--concurrency-drafts", default="")
+    parser.add_argument("--draft-max-pause", default=[64], type=lambda s: [int(x) for x in s.split(",")],
+                        help="draft backoff's longest pause (EngineConfig.draft_max_pause), one n-gram run per value; "
+                             "0: no backoff")
     parser.add_argument("--out", default="")
     args = parser.parse_args()
     results = asyncio.run(run(args))

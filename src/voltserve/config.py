@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from voltserve.errors import ConfigError
 from voltserve.event_loop import check_kind as check_event_loop
 from voltserve.spec.ladder import DraftLadder
+from voltserve.spec.backoff import DEFAULT_MAX_PAUSE
 from voltserve.spec.ngram import MAX_NGRAM
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -165,12 +166,14 @@ class EngineConfig:
         speculative_method: "none", or "ngram": speculative decoding with prompt-lookup drafts
             (`voltserve.spec.ngram`), verified by the model in one step (greedy output unchanged; sampled output
             by rejection sampling, the same distribution). Requests with a grammar, logprobs or penalties decode
-            without drafts. Steps then run synchronously (no step is planned ahead).
+            without drafts. Steps then run synchronously (no step is planned ahead) while a sequence drafts.
         num_speculative_tokens: k, the most drafts a sequence verifies in one step.
         ngram_min / ngram_max: the shortest and longest suffix the n-gram drafter matches.
         concurrency_drafts: the ladder, a JSON object of running-sequence thresholds (>= 2) to verify widths
             (1..k), e.g. '{"4": 3, "5": 4}': with R running sequences the largest threshold <= R sets the width;
             below the lowest one all k drafts are verified (`voltserve.spec.ladder`). "" = always k.
+        draft_max_pause: draft backoff (`voltserve.spec.backoff`): after m verifies in a row that accepted no
+            draft a sequence decodes its next 2^m tokens without drafts, at most this many; 0 = never pauses.
     """
 
     model: str = DEFAULT_MODEL
@@ -213,6 +216,7 @@ class EngineConfig:
     ngram_min: int = 2
     ngram_max: int = 4
     concurrency_drafts: str = ""
+    draft_max_pause: int = DEFAULT_MAX_PAUSE
 
     def validate(self) -> "EngineConfig":
         """Check ranges; raises ConfigError naming the setting. Returns self."""
@@ -254,6 +258,8 @@ class EngineConfig:
             raise ConfigError(f"ngram_min and ngram_max must satisfy 1 <= ngram_min <= ngram_max <= {MAX_NGRAM}, "
                               f"not {self.ngram_min} and {self.ngram_max}")
         self.draft_ladder()  # raises on a bad num_speculative_tokens or concurrency_drafts
+        if self.draft_max_pause < 0:
+            raise ConfigError(f"draft_max_pause must be >= 0, not {self.draft_max_pause}")
         if self.weight_format not in ("auto", "float"):
             raise ConfigError(f"weight_format must be auto or float, not {self.weight_format!r}")
         if (self.engine_socket or self.api_processes > 1) and not self.engine_process:

@@ -20,6 +20,7 @@ from voltserve.kv_cache import BlockPool, hash_block
 from voltserve.request import FinishReason
 from voltserve.sequence import Sequence, SequenceStatus
 from voltserve.spec.ladder import DraftLadder
+from voltserve.spec.backoff import DEFAULT_MAX_PAUSE, drafting_paused, record_verify
 from voltserve.spec.verify import draftable
 
 
@@ -78,14 +79,16 @@ class Scheduler:
         drafter: speculative decoding's drafter (`voltserve.spec.ngram.NgramDrafter`: `propose(seq, k)`), or
             None: decoding sequences that may be drafted (`voltserve.spec.verify.draftable`) verify up to
             `ladder.width(running sequences)` drafts a step. Steps are then never planned ahead while such a
-            sequence runs (its drafts need the token the step before samples).
+            sequence runs and its drafting is not paused (its drafts need the token the step before samples).
         ladder: the verify width per concurrency (`voltserve.spec.ladder.DraftLadder`); needed with a drafter.
+        draft_max_pause: the longest pause, in output tokens, of a sequence whose drafts keep failing
+            (`voltserve.spec.backoff`); 0: it never pauses.
     """
 
     def __init__(self, pool: BlockPool, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
                  eos_token_ids: tuple[int, ...], ahead_prefill_tokens: int = 0,
                  ahead_admissible: Callable[[Sequence], bool] | None = None, admission_wait_steps: int = 0,
-                 drafter=None, ladder: DraftLadder | None = None):
+                 drafter=None, ladder: DraftLadder | None = None, draft_max_pause: int = DEFAULT_MAX_PAUSE):
         self.pool = pool
         self.block_size = pool.block_size
         self.max_num_seqs = max_num_seqs
@@ -104,6 +107,7 @@ class Scheduler:
             raise ValueError("a drafter needs a ladder (DraftLadder(num_drafts))")
         self.drafter = drafter
         self.ladder = ladder
+        self.draft_max_pause = draft_max_pause
         self.num_verify_steps = 0  # sequence-steps that verified drafts
         self.num_draft_tokens = 0  # drafts verified
         self.num_accepted_tokens = 0  # drafts accepted (the acceptance length is 1 + this / num_verify_steps)
@@ -180,7 +184,7 @@ class Scheduler:
         """A decoding sequence's entry with up to k drafts (fewer where the context or max_tokens ends sooner),
         its blocks grown for them; None when it gets none (not draftable, no proposal, the pool short)."""
         k = min(k, self.max_model_len - seq.num_tokens - 1, seq.max_tokens - len(seq.output_ids) - 1)
-        if k < 1 or not draftable(seq):
+        if k < 1 or not draftable(seq) or drafting_paused(seq, len(seq.output_ids)):
             return None
         drafts = self.drafter.propose(seq, k)[:k]
         if not drafts:
@@ -254,7 +258,8 @@ class Scheduler:
         entries = [e for e in plan.entries if e.seq.status is not SequenceStatus.FINISHED]
         if not entries or len(entries) != len(self.running) or len(entries) > self.max_num_batched_tokens:
             return None
-        if self.drafter is not None and any(draftable(e.seq) for e in entries):
+        if self.drafter is not None and any(
+                draftable(e.seq) and not drafting_paused(e.seq, len(e.seq.output_ids) + 1) for e in entries):
             return None  # schedule() drafts for it, from the token `plan` samples
         need = 0
         for e, seq in zip(entries, self.running):
@@ -336,6 +341,7 @@ class Scheduler:
         seq.num_computed_tokens += kept
         if seq.num_computed_tokens // self.block_size > len(seq.block_hashes):
             self._register_full_blocks(seq)
+        record_verify(seq, len(tokens) - 1, self.draft_max_pause)
         if reason is not None:
             self.finish(seq, reason, stop_reason)
 

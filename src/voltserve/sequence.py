@@ -36,6 +36,8 @@ class Sequence:
         num_computed_tokens: tokens whose K/V are in the cache.
         num_cached_tokens: prompt tokens that came from the prefix cache at (last) admission.
         grammar: its `voltserve.grammar.GrammarState` when params.grammar is set: the tokens allowed next.
+        draft_misses / drafts_resume_at: speculative decoding's backoff (`voltserve.spec.backoff`): verifies in a
+            row that accepted no draft, and the output length from which it drafts again.
     """
 
     seq_id: int
@@ -56,6 +58,8 @@ class Sequence:
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
     grammar: Any = None
+    draft_misses: int = 0
+    drafts_resume_at: int = 0
 
     @property
     def num_tokens(self) -> int:

@@ -155,6 +155,11 @@ def fake_step(scheduler):
     """One step over the fake model of tests.helpers.next_token: each row's target is next_token(its input id,
     its position); verify entries accept their drafts as the runner does (greedy)."""
     plan = scheduler.schedule()
+    return plan, scheduler.update(plan, fake_sample(plan))
+
+
+def fake_sample(plan):
+    """The fake model's tokens for `plan` (see fake_step)."""
     sampled = {}
     for e in plan.entries:
         seq = e.seq
@@ -165,7 +170,7 @@ def fake_step(scheduler):
         elif e.sample:
             pos = e.start + e.num_new - 1
             sampled[seq.seq_id] = next_token(seq.token_at(pos), pos)
-    return plan, scheduler.update(plan, sampled)
+    return sampled
 
 
 def run_all(scheduler, seqs):
@@ -263,10 +268,10 @@ def test_undraftable_sequences_decode_one_token():
 
 
 def test_drafts_leave_every_running_sequence_a_token():
-    """A tight budget (16 tokens, 8 sequences, k = 4, every draft rejected): the sequences after the drafted ones
-    still decode every step."""
+    """A tight budget (16 tokens, 8 sequences, k = 4, every draft rejected, no backoff): the sequences after the
+    drafted ones still decode every step."""
     s = make_scheduler(drafter=FakeDrafter(lambda tokens: [1000] * 4), ladder=DraftLadder(4),
-                       max_num_batched_tokens=16, num_blocks=128)
+                       max_num_batched_tokens=16, num_blocks=128, draft_max_pause=0)
     seqs = [make_seq([3, 4, 5], max_tokens=40) for _ in range(8)]
     for q in seqs:
         s.add(q)
@@ -297,3 +302,64 @@ def test_verify_graph_buckets_follow_the_ladder():
     # bucket 4 takes 3 sequences of 7 drafts (21) or 4 of 3; bucket 32 takes up to 32 x 4 = 128
     assert verify_buckets([1, 2, 4, 8, 16, 32, 64], ladder.width) == {1: 8, 2: 15, 4: 22, 8: 33, 16: 65, 32: 129}
     assert verify_buckets([1, 2, 4], DraftLadder(3).width) == {1: 4, 2: 7, 4: 13}
+
+
+# -- draft backoff ----------------------------------------------------------------------------------------------
+
+def test_failing_drafts_pause_for_doubling_spans():
+    """Every draft rejected: verify, 2 plain decodes, verify, 4, verify, 8, ... (pauses of 2^m tokens after m
+    misses in a row, at most max_pause); during a pause schedule_ahead plans the next step (asynchronous
+    scheduling), here after each schedule()."""
+    for max_pause, pauses in ((64, [2, 4, 8, 16]), (4, [2, 4, 4, 4, 4, 4, 4]), (0, [])):
+        s = make_scheduler(drafter=FakeDrafter(lambda tokens: [1000] * 3), ladder=DraftLadder(3),
+                           draft_max_pause=max_pause)
+        seq = make_seq([3, 4, 5], max_tokens=40)
+        s.add(seq)
+        fake_step(s)  # the prefill
+        kinds = []  # per step: drafts verified, or "a" for a step planned ahead
+        while s.has_work():
+            plan = s.schedule()
+            ahead = s.schedule_ahead(plan)  # as the engine does, while `plan` runs
+            s.update(plan, fake_sample(plan))
+            kinds.append(len(plan.entries[0].drafts))
+            if ahead is not None:
+                s.update(ahead, fake_sample(ahead))  # its input: the token `plan` just sampled
+                kinds.append("a")
+        verifies = [i for i, k in enumerate(kinds) if k == 3]
+        gaps = [b - a - 1 for a, b in zip(verifies, verifies[1:])]
+        if max_pause:
+            assert gaps[:len(pauses)] == pauses, kinds
+            assert kinds[verifies[1] + 1:verifies[2]] == [0, "a"] * 2, kinds
+        else:
+            assert kinds[:-3] == [3] * len(kinds[:-3]) and kinds[-3:] == [2, 1, 0], kinds  # max_tokens bounds k
+        assert len(seq.output_ids) == 40 and s.pool.num_free == s.pool.num_blocks
+
+
+def test_an_accepted_draft_keeps_drafting():
+    s = make_scheduler(drafter=FakeDrafter(oracle), ladder=DraftLadder(3))
+    seq = make_seq([3, 4, 5], max_tokens=31)
+    s.add(seq)
+    plans = []
+    while s.has_work():
+        plans.append(fake_step(s)[0])
+    assert all(p.has_drafts for p in plans[1:-1]) and seq.draft_misses == 0
+    assert s.num_accepted_tokens == 2 * s.num_verify_steps
+
+
+def test_a_miss_after_a_hit_starts_the_streak_again():
+    from voltserve.spec.backoff import drafting_paused, record_verify
+
+    seq = make_seq([1], max_tokens=100)
+    seq.output_ids = [5] * 10
+    record_verify(seq, 0, 64)
+    record_verify(seq, 0, 64)
+    assert seq.draft_misses == 2 and seq.drafts_resume_at == 14
+    assert drafting_paused(seq, 13) and not drafting_paused(seq, 14)
+    record_verify(seq, 2, 64)
+    record_verify(seq, 0, 64)
+    assert seq.draft_misses == 1 and seq.drafts_resume_at == 12
+
+
+def test_negative_draft_max_pause_fails_at_startup():
+    with pytest.raises(ConfigError, match="draft_max_pause must be >= 0"):
+        EngineConfig(draft_max_pause=-1).validate()

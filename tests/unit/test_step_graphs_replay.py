@@ -81,7 +81,7 @@ def _no_cuda(monkeypatch):
 
 
 def _generate(model, mode, prompts, arrivals, max_tokens, max_seqs=4, budget=64, prefill=(8, 64), num_blocks=64,
-              drafts=0, drafter=None):
+              drafts=0, drafter=None, draft_max_pause=64):
     """Output ids per prompt; prompt i is added once `arrivals[i]` steps were applied. mode: eager (no graphs),
     sync (graphs, one step at a time) or pipelined (graphs, steps planned ahead). drafts: k of speculative decoding
     with n-gram drafts, or `drafter`'s (verify graphs for it), 0 = none."""
@@ -92,17 +92,20 @@ def _generate(model, mode, prompts, arrivals, max_tokens, max_seqs=4, budget=64,
         graphs = _CpuReplayGraphs(model, backend, kv, max_seqs, 256, [min(p, budget) for p in prefill],
                                   DraftLadder(drafts).width if drafts else None)
         graphs.capture()
+        graphs.ahead_launches = 0
     runner = ModelRunner(model, backend, kv, (EOS,), seed=0, graphs=graphs)
     launch, admitted_ahead = runner.launch, [0]
 
-    def counting_launch(plan, feed=None):  # steps planned ahead that also start a new sequence
+    def counting_launch(plan, feed=None):  # steps planned ahead, and those that also start a new sequence
         if feed is not None:
+            graphs.ahead_launches += 1
             fed = {e.seq.seq_id for e in feed.plan.entries}
             admitted_ahead[0] += any(e.seq.seq_id not in fed for e in plan.entries)
         return launch(plan, feed)
 
     runner.launch = counting_launch
-    spec = {"drafter": drafter or NgramDrafter(drafts, 1, 2), "ladder": DraftLadder(drafts)} if drafts else {}
+    spec = {"drafter": drafter or NgramDrafter(drafts, 1, 2), "ladder": DraftLadder(drafts),
+            "draft_max_pause": draft_max_pause} if drafts else {}
     sched = Scheduler(BlockPool(num_blocks, 4), max_seqs, budget, 256, (EOS,), *runner.ahead_admission(), **spec)
     if graphs is not None:
         graphs.sched = sched  # for the tests' counters
@@ -188,3 +191,30 @@ def test_verify_graphs_give_the_eager_loops_tokens(model):
             if drafter is not None:
                 sched = graphs.sched
                 assert sched.num_accepted_tokens > sched.num_verify_steps, vars(sched)
+
+
+class _WrongDrafter(OracleDrafter):
+    """Drafts that never pass: the oracle's, each id moved by one."""
+
+    def propose(self, seq, k):
+        return [(t + 1) % self.vocab_size for t in super().propose(seq, k)]
+
+
+def test_failing_drafts_back_off_into_steps_planned_ahead(model):
+    """Drafts that never pass (k = 3): each sequence pauses drafting for 2, 4, 8, ... tokens after each failed
+    verify (`voltserve.spec.backoff`) and the pipelined loop plans the paused steps ahead, with the eager loop's
+    tokens; without backoff every decode step verifies and none is planned ahead."""
+    prompts = [[5, 6, 7, 5, 6, 7, 5, 6], [9] * 12, list(range(1, 30)), [3, 1, 4, 1, 5, 9, 2, 6]]
+    arrivals, max_tokens = [0, 0, 3, 6], [40, 25, 30, 35]
+    eager, _, _ = _generate(model, "eager", prompts, arrivals, max_tokens)
+    counts = {}
+    for pause in (64, 0):
+        out, graphs, _ = _generate(model, "pipelined", prompts, arrivals, max_tokens, drafts=3, draft_max_pause=pause,
+                                   drafter=_WrongDrafter(prompts, eager, model.config.vocab_size))
+        sched = graphs.sched
+        assert out == eager and sched.num_accepted_tokens == 0
+        counts[pause] = sched.num_verify_steps, graphs.ahead_launches
+    # with backoff 4-5 verifies a sequence (after 1, 2 + 1, 4 + 1, 8 + 1, 16 + 1 tokens), the rest plain decodes;
+    # without it a verify at nearly every decode step (122 of 126 here: the last tokens leave no room for drafts)
+    assert 16 <= counts[64][0] <= 20 and counts[64][1] >= 12, counts
+    assert counts[0][0] >= 120 and counts[0][1] == 0, counts

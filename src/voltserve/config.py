@@ -166,7 +166,8 @@ class EngineConfig:
         speculative_method: "none", or "ngram": speculative decoding with prompt-lookup drafts
             (`voltserve.spec.ngram`), verified by the model in one step (greedy output unchanged; sampled output
             by rejection sampling, the same distribution). Requests with a grammar, logprobs or penalties decode
-            without drafts. Steps then run synchronously (no step is planned ahead) while a sequence drafts.
+            without drafts. No step is planned ahead while a running sequence may draft in it (draftable, drafting not
+            paused).
         num_speculative_tokens: k, the most drafts a sequence verifies in one step.
         ngram_min / ngram_max: the shortest and longest suffix the n-gram drafter matches.
         concurrency_drafts: the ladder, a JSON object of running-sequence thresholds (>= 2) to verify widths

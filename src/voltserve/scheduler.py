@@ -180,11 +180,20 @@ class Scheduler:
         self._num_plans += 1
         return StepPlan(entries, has_drafts=any(e.drafts for e in entries) if width else False)
 
+    def _draft_room(self, seq: Sequence, k: int, output_len: int) -> int:
+        """How many drafts (<= k) `seq` may verify in a step that starts from `output_len` output tokens: fewer
+        where the context or max_tokens ends sooner, 0 when it is not draftable or its drafting is paused. The
+        rule of both `schedule()` and `schedule_ahead` (which asks it for the step after `plan`)."""
+        if not draftable(seq, output_len) or drafting_paused(seq, output_len):
+            return 0
+        num_tokens = len(seq.prompt_ids) + output_len
+        return min(k, self.max_model_len - num_tokens - 1, seq.max_tokens - output_len - 1)
+
     def _draft_entry(self, seq: Sequence, k: int) -> ScheduledSeq | None:
         """A decoding sequence's entry with up to k drafts (fewer where the context or max_tokens ends sooner),
         its blocks grown for them; None when it gets none (not draftable, no proposal, the pool short)."""
-        k = min(k, self.max_model_len - seq.num_tokens - 1, seq.max_tokens - len(seq.output_ids) - 1)
-        if k < 1 or not draftable(seq) or drafting_paused(seq, len(seq.output_ids)):
+        k = self._draft_room(seq, k, len(seq.output_ids))
+        if k < 1:
             return None
         drafts = self.drafter.propose(seq, k)[:k]
         if not drafts:
@@ -255,12 +264,14 @@ class Scheduler:
         """
         # a sequence that finished while `plan` ran (aborted, or by the token of the step before) is dropped:
         # its blocks are free again and may go to a sequence admitted below
+        if plan.has_drafts:
+            return None  # how many tokens its verifies emit is known only after it ran
         entries = [e for e in plan.entries if e.seq.status is not SequenceStatus.FINISHED]
         if not entries or len(entries) != len(self.running) or len(entries) > self.max_num_batched_tokens:
             return None
-        if self.drafter is not None and any(
-                draftable(e.seq) and not drafting_paused(e.seq, len(e.seq.output_ids) + 1) for e in entries):
-            return None  # schedule() drafts for it, from the token `plan` samples
+        width = self.ladder.width(len(entries)) if self.drafter is not None else 0
+        if width and any(self._draft_room(e.seq, width, len(e.seq.output_ids) + 1) > 0 for e in entries):
+            return None  # schedule() may draft for it, from the token `plan` samples
         need = 0
         for e, seq in zip(entries, self.running):
             if e.seq is not seq or not e.sample or seq.num_computed_tokens != e.start:

@@ -331,7 +331,8 @@ def test_failing_drafts_pause_for_doubling_spans():
             assert gaps[:len(pauses)] == pauses, kinds
             assert kinds[verifies[1] + 1:verifies[2]] == [0, "a"] * 2, kinds
         else:
-            assert kinds[:-3] == [3] * len(kinds[:-3]) and kinds[-3:] == [2, 1, 0], kinds  # max_tokens bounds k
+            # max_tokens bounds k at the end; the step after the last one that could draft is planned ahead
+            assert kinds[:-4] == [3] * len(kinds[:-4]) and kinds[-4:] == [2, 1, 0, "a"], kinds
         assert len(seq.output_ids) == 40 and s.pool.num_free == s.pool.num_blocks
 
 
@@ -363,3 +364,35 @@ def test_a_miss_after_a_hit_starts_the_streak_again():
 def test_negative_draft_max_pause_fails_at_startup():
     with pytest.raises(ConfigError, match="draft_max_pause must be >= 0"):
         EngineConfig(draft_max_pause=-1).validate()
+
+
+def test_schedule_ahead_plans_only_steps_schedule_would_not_draft():
+    """Not the step in which a sequence's min_tokens is met (schedule() drafts then), but the one after a
+    sequence's last draftable token (no draft fits before max_tokens)."""
+    s = make_scheduler(drafter=FakeDrafter(lambda tokens: [1000] * 3), ladder=DraftLadder(3))
+    seq = make_seq([3, 4, 5], max_tokens=20, min_tokens=2)
+    s.add(seq)
+    fake_step(s)  # the prefill's token: 1 < min_tokens
+    plan = s.schedule()
+    assert not plan.has_drafts and s.schedule_ahead(plan) is None
+    s.update(plan, fake_sample(plan))
+    assert len(s.schedule().entries[0].drafts) == 3
+    s = make_scheduler(drafter=FakeDrafter(lambda tokens: [1000] * 3), ladder=DraftLadder(3))
+    seq = make_seq([3, 4, 5], max_tokens=3)
+    s.add(seq)
+    fake_step(s)
+    plan = s.schedule()  # at 1 token of 3: one draft fits
+    assert plan.entries[0].drafts == (1000,) and s.schedule_ahead(plan) is None  # a verify: never
+    s.update(plan, fake_sample(plan))  # rejected: 2 tokens
+    plan = s.schedule()
+    assert not plan.has_drafts and s.schedule_ahead(plan) is not None
+
+
+def test_the_streak_stops_growing_at_the_longest_pause():
+    from voltserve.spec.backoff import record_verify
+
+    seq = make_seq([1], max_tokens=1000)
+    seq.output_ids = [5] * 10
+    for _ in range(100):
+        record_verify(seq, 0, 64)
+    assert seq.draft_misses == 7 and seq.drafts_resume_at == 74

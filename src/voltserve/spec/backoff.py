@@ -25,5 +25,5 @@ def record_verify(seq, accepted: int, max_pause: int) -> None:
     if accepted or max_pause <= 0:
         seq.draft_misses = 0
         return
-    seq.draft_misses += 1
+    seq.draft_misses = min(seq.draft_misses + 1, max_pause.bit_length())  # 2^misses stays near max_pause
     seq.drafts_resume_at = len(seq.output_ids) + min(max_pause, 1 << seq.draft_misses)

@@ -19,15 +19,17 @@ import torch
 from voltserve.sampling import filter_logits
 
 
-def draftable(seq) -> bool:
+def draftable(seq, output_len: int | None = None) -> bool:
     """Whether `seq`'s next tokens may be drafted: no grammar (its mask follows each token), no logprobs, no
     penalties (each row's distribution would depend on the tokens accepted before it), min_tokens met (no EOS
     masking due), and not seeded sampling: a verify draws a number of random values that depends on how many
     drafts it checks, which depends on the other requests (the ladder, the budget), while a seeded request must
-    sample the same tokens whatever runs beside it (case R1)."""
+    sample the same tokens whatever runs beside it (case R1). output_len: the output length the step starts from
+    (default: the current one)."""
     p = seq.params
+    n = len(seq.output_ids) if output_len is None else output_len
     return (p.grammar is None and p.logprobs is None and not p.has_penalties
-            and len(seq.output_ids) >= p.min_tokens and (p.seed is None or p.is_greedy))
+            and n >= p.min_tokens and (p.seed is None or p.is_greedy))
 
 
 def accept_greedy(target_ids: list[int], drafts: list[int]) -> list[int]:

@@ -183,7 +183,8 @@ def test_verify_graphs_give_the_eager_loops_tokens(model):
     eager, _, _ = _generate(model, "eager", prompts, arrivals, max_tokens)
     for mode in ("sync", "pipelined"):
         for drafter in (None, OracleDrafter(prompts, eager, 50)):
-            out, graphs, _ = _generate(model, mode, prompts, arrivals, max_tokens, drafts=3, drafter=drafter)
+            out, graphs, _ = _generate(model, mode, prompts, arrivals, max_tokens, drafts=3, drafter=drafter,
+                                       draft_max_pause=0)  # every lookup and verify (backoff: the next test)
             assert out == eager, (mode, drafter)
             verify = {k: n for k, n in graphs.replays.items() if k.verify}
             assert verify and sum(verify.values()) >= 10, graphs.replays

@@ -396,4 +396,3 @@ def test_the_streak_stops_growing_at_the_longest_pause():
     for _ in range(100):
         record_verify(seq, 0, 64)
     assert seq.draft_misses == 7 and seq.drafts_resume_at == 74
-

@@ -8,17 +8,20 @@ the deepseek_r1 parser; else it may open `<think>` itself.
 
 Under a grammar (a forced call or a JSON format) `<tool_call>` ends the reasoning too (case T1): it opens the
 first call when the grammar makes calls, and is dropped before a JSON answer.
+
+The parser counts the reasoning's tokens exactly where an end marker is one token of the tokenizer (`marker_ids`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from voltserve.parsers.hermes import OPEN as CALL_OPEN
 from voltserve.parsers.output import OutputParser
-from voltserve.parsers.reasoning import THINK_OPEN, ReasoningParser
+from voltserve.parsers.reasoning import THINK_CLOSE, THINK_OPEN, ReasoningParser
 
 _PROMPT_TAIL_TOKENS = 8  # enough for `<think>\n` in any tokenizer
+_END_MARKERS = (THINK_CLOSE, CALL_OPEN)
 
 
 def parser_name(config, engine) -> str:
@@ -52,8 +55,29 @@ def reasoning_mode(config, engine, prompt_ids: list[int], template_kwargs: dict 
     return "open"
 
 
+def marker_ids(tokenizer) -> dict[str, int]:
+    """The id of each reasoning end marker (`</think>`, `<tool_call>`) that is one token of `tokenizer` (one id
+    that stands for exactly the marker's text), for `ReasoningParser`'s exact count; found once, cached on it.
+
+    Args:
+        tokenizer: a `voltserve.tokenizer.Tokenizer` (or a double with `encode` and `token_bytes`), or None.
+    """
+    if tokenizer is None:
+        return {}
+    cached = getattr(tokenizer, "_reasoning_marker_ids", None)
+    if cached is None:
+        cached = {}
+        for marker in _END_MARKERS:
+            ids = tokenizer.encode(marker, parse_special=True)
+            if len(ids) == 1 and tokenizer.token_bytes(ids[0]) == marker.encode():
+                cached[marker] = ids[0]
+        tokenizer._reasoning_marker_ids = cached
+    return cached
+
+
 def output_parser_factory(mode: str | None, tool_parser: Callable | None, constrained: bool = False,
-                          calls_follow: bool = False) -> Callable[[], OutputParser] | None:
+                          calls_follow: bool = False,
+                          marker_ids: Mapping[str, int] | None = None) -> Callable[[], OutputParser] | None:
     """A constructor of one sequence's `OutputParser`, or None when the output is plain content.
 
     Args:
@@ -62,6 +86,7 @@ def output_parser_factory(mode: str | None, tool_parser: Callable | None, constr
         constrained: a grammar constrains the answer: `<tool_call>` ends the reasoning too (case T1).
         calls_follow: the grammar may make calls: that `<tool_call>` opens the first one (kept for the tool
             parser); else it is dropped.
+        marker_ids: the end markers that are one token (`marker_ids(tokenizer)`), for the exact token count.
     """
     if mode is None and tool_parser is None:
         return None
@@ -69,10 +94,11 @@ def output_parser_factory(mode: str | None, tool_parser: Callable | None, constr
     def make() -> OutputParser:
         reasoning = None
         if mode is not None:
-            reasoning = ReasoningParser(mode == "inside", CALL_OPEN if constrained else None, calls_follow)
+            reasoning = ReasoningParser(mode == "inside", CALL_OPEN if constrained else None, calls_follow,
+                                        marker_ids)
         return OutputParser(reasoning, tool_parser() if tool_parser is not None else None)
 
     return make
 
 
-__all__ = ["output_parser_factory", "parser_name", "reasoning_mode"]
+__all__ = ["marker_ids", "output_parser_factory", "parser_name", "reasoning_mode"]

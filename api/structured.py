@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
-from api.reasoning import output_parser_factory
+from api.reasoning import marker_ids, output_parser_factory
 from voltserve import grammar
 from voltserve.errors import InvalidRequestError
 from voltserve.parsers.hermes import HermesToolParser
@@ -99,11 +99,13 @@ def output_parser(c: Constraint, free_parser):
     return HermesToolParser if makes_calls(c) else free_parser
 
 
-def sequence_parser(c: Constraint, free_parser):
+def sequence_parser(c: Constraint, free_parser, tokenizer=None):
     """A constructor of one sequence's `voltserve.parsers.output.OutputParser` (reasoning as `c.reasoning`
-    says, then `output_parser`'s tool calls), or None when the output is plain content."""
+    says, then `output_parser`'s tool calls), or None when the output is plain content. `tokenizer`: the served
+    one, whose one-token end markers make the reasoning's token count exact (`api.reasoning.marker_ids`)."""
     constrained = c.forced is not None or c.json_schema is not None
-    return output_parser_factory(c.reasoning, output_parser(c, free_parser), constrained, makes_calls(c))
+    ids = marker_ids(tokenizer) if c.reasoning is not None else None
+    return output_parser_factory(c.reasoning, output_parser(c, free_parser), constrained, makes_calls(c), ids)
 
 
 def forced_content(c: Constraint, content: str | None) -> str | None:

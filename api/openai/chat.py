@@ -127,7 +127,7 @@ async def chat_completions():
     prompt_ids = await chat_prompt_ids(engine, req, state.config.trust_request_mm_kwargs)
     c = replace(c, reasoning=reasoning_mode(state.config, engine, prompt_ids, req.chat_template_kwargs))
     params.grammar = await request_grammar(engine.tokenizer, c)
-    new_parser = sequence_parser(c, free_parser)
+    new_parser = sequence_parser(c, free_parser, engine.tokenizer)
     # Validation (context length, params) raises here, before any byte of a stream is sent.
     max_tokens_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     stream = state.track(add_request(engine, prompt_ids, params, prompt_param="messages",
@@ -145,7 +145,7 @@ async def chat_completions():
         message, finish = AssistantMessage(content=seq.text), seq.finish_reason
         if new_parser is not None:
             parsers.append(parser := new_parser())
-            reasoning, content, calls = split(parse_deltas(parser, seq.deltas))
+            reasoning, content, calls = split(parse_deltas(parser, seq.deltas, seq.token_ids))
             calls = calls if c.parallel else calls[:1]
             message = AssistantMessage(content=content or None if reasoning else content,
                                        reasoning_content=reasoning or None)
@@ -191,7 +191,7 @@ def _stream_events(engine, stream, req, params, response_id, created, include_us
     def tool_chunk(out, held_logprobs: list[TokenLogprob]) -> bytes:
         parser = parsers.get(out.index) or parsers.setdefault(out.index, new_parser())
         before = min(len(parser.calls), max_calls)
-        reasoning, content, calls = parser.feed(out.text, new_tokens(out))
+        reasoning, content, calls = parser.feed(out.text, new_tokens(out), out.token_ids)
         finish = out.finish_reason.value if out.finish_reason is not None else None
         if finish is not None:
             last_reasoning, last, last_calls = parser.finish()

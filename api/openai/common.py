@@ -111,8 +111,8 @@ class SequenceResult:
 
     Attributes:
         text: joined text deltas.
-        deltas: (text, tokens new in it: `NewTokens`) of each delta, in order: what an output parser reads
-            (`voltserve.parsers.output.parse_deltas`), as the stream feeds it.
+        deltas: (text, tokens new in it: `NewTokens`, the end of its ids in `token_ids`) of each delta, in order:
+            what an output parser reads (`voltserve.parsers.output.parse_deltas`), as the stream feeds it.
         token_ids: [num_output_tokens] output token ids.
         logprobs: one TokenLogprob per output token (when requested).
         finish_reason: "stop" / "length" / "abort", None while running.
@@ -120,7 +120,7 @@ class SequenceResult:
     """
 
     text: str = ""
-    deltas: list[tuple[str, int]] = field(default_factory=list)
+    deltas: list[tuple[str, int, int]] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
@@ -130,7 +130,8 @@ class SequenceResult:
 class NewTokens:
     """The tokens each delta adds to its sequence, from the cumulative `num_output_tokens` (what usage counts):
     the tokens of a delta `drive_stream` does not hand on (no text yet: part of a UTF-8 character) count with the
-    next one, so a streamed output parser counts every token, as one fed `collect`'s deltas does."""
+    next one, so a streamed output parser counts every token, as one fed `collect`'s deltas does. The parser gets
+    the delta's `token_ids` beside the count: tokens counted here beyond those ids came before them."""
 
     def __init__(self) -> None:
         self._seen: dict[int, int] = {}  # per choice index: num_output_tokens counted so far
@@ -185,15 +186,15 @@ async def collect(stream, stats=NO_STATS) -> tuple[dict[int, SequenceResult], Us
             if not results:
                 stats.first_token()
             seq = results.setdefault(out.index, SequenceResult())
-            seq.deltas.append((out.text, new_tokens(out)))
             seq.token_ids.extend(out.token_ids)
+            seq.deltas.append((out.text, new_tokens(out), len(seq.token_ids)))  # ids by index: not copied twice
             seq.logprobs.extend(out.logprobs or [])
             if out.finish_reason is not None:
                 seq.finish_reason, seq.stop_reason = out.finish_reason.value, out.stop_reason
             counter.add(out)
         finished = True
         for seq in results.values():  # joined once at the end: `+=` per delta is quadratic in the output length
-            seq.text = "".join(text for text, _ in seq.deltas)
+            seq.text = "".join(delta[0] for delta in seq.deltas)
         counter.record(stats)
     except VoltError as exc:
         stats.failed(kind_of(exc).reason)

@@ -30,6 +30,7 @@ response.reasoning_text.delta per reasoning delta, response.reasoning_text.done 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import replace
 
 import orjson
@@ -52,7 +53,7 @@ from api.state import get_state
 from api.reasoning import reasoning_mode
 from api.structured import Constraint, request_grammar, sequence_parser
 from api.tool_calls import ToolCall, call_id, parser_factory
-from voltserve.parsers.output import Reasoning
+from voltserve.parsers.output import Reasoning, with_ids
 from voltserve.errors import InvalidRequestError
 from voltserve.request import RequestOutput, SamplingParams, TokenLogprob
 
@@ -228,7 +229,7 @@ async def create_response():
     prompt_ids = await messages_prompt_ids(engine, messages, tools=tools or None, param="input")
     c = replace(c, reasoning=reasoning_mode(state.config, engine, prompt_ids))
     params.grammar = await request_grammar(engine.tokenizer, c)
-    new_parser = sequence_parser(c, free_parser)
+    new_parser = sequence_parser(c, free_parser, engine.tokenizer)
     # Validation (context length, params) raises here, before any byte of a stream is sent.
     stream = state.track(add_request(engine, prompt_ids, params, prompt_param="input",
                                      max_tokens_param="max_output_tokens"))
@@ -246,8 +247,8 @@ async def create_response():
     text, finish_reason = results[0].text, results[0].finish_reason
     if new_parser is not None:  # the stream's events, made and dropped: the same items and usage as streamed
         events = ResponseEvents(started, item_id, new_parser, parallel, forced)
-        for delta, num_tokens in results[0].deltas:
-            events.feed(delta, num_tokens)
+        for delta, num_tokens, ids in with_ids(results[0].deltas, results[0].token_ids):
+            events.feed(delta, num_tokens, ids)
         events.end(finish_reason, usage)
         return json_response(events.response)
     end = _outcome(finish_reason)
@@ -400,12 +401,12 @@ class ResponseEvents:
             return [self._delta(text)]
         return self._open_message() + [self._delta(text)]
 
-    def feed(self, text: str, num_tokens: int = 0) -> list[bytes]:
-        """The events of the next output text (`num_tokens`: the tokens new in it, for the usage's
-        `reasoning_tokens`), through the output parser: reasoning deltas, text deltas (the item added first when
-        none is open) and whole calls; none while the parser holds the text back."""
+    def feed(self, text: str, num_tokens: int = 0, token_ids: Sequence[int] = ()) -> list[bytes]:
+        """The events of the next output text (`num_tokens`: the tokens new in it, `token_ids`: the ids of its
+        last ones, for the usage's `reasoning_tokens`), through the output parser: reasoning deltas, text deltas
+        (the item added first when none is open) and whole calls; none while the parser holds the text back."""
         frames = []
-        for piece in self._parser.pieces(text, num_tokens):  # in the model's order
+        for piece in self._parser.pieces(text, num_tokens, token_ids):  # in the model's order
             frames += self._piece(piece)
         return frames
 
@@ -443,7 +444,7 @@ class ResponseEvents:
     def tool_chunk(self, out: RequestOutput, logprobs: list[TokenLogprob]) -> bytes:
         """A delta's events with the tool-call parser (`feed`; the last delta's `end` too); b"" while the parser
         holds its text back."""
-        frames = self.feed(out.text, self._new_tokens(out))  # a delta with no text (EOS) counts too
+        frames = self.feed(out.text, self._new_tokens(out), out.token_ids)  # a delta with no text (EOS) counts too
         if out.finish_reason is not None:
             frames += self.end(out.finish_reason.value, self._usage(out))
         return b"".join(frames)

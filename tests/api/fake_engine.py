@@ -1,6 +1,7 @@
 """ScriptedEngine: a test double of `actors.engine.AsyncEngine` that emits fixed texts; StreamedEngine (its deltas
-through a real RequestStream), ChunkedEngine (several tokens a delta), RecordingTemplate (a chat template double
-that keeps its input) and `hermes_call` (tool-call markup to script).
+through a real RequestStream), ChunkedEngine (several tokens a delta), MarkerTokenizer (`</think>` and
+`<tool_call>` one token each), RecordingTemplate (a chat template double that keeps its input) and `hermes_call`
+(tool-call markup to script).
 
 It has the engine's interface (add_request validation, RequestStream deltas with counts and logprobs, abort,
 is_healthy) and a byte-level tokenizer, so multi-byte characters span several tokens as with real BPE models.
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import codecs
+import re
 import uuid
 
 from voltserve.config import EngineConfig
@@ -67,6 +69,28 @@ class ByteTokenizer:
     def byte_table(self, skip_special_tokens: bool = True) -> tuple[bytes, ...]:
         """Bytes of each id as `decode` joins them (as `voltserve.tokenizer.Tokenizer.byte_table`)."""
         return tuple(b"" if skip_special_tokens and i < 3 else self.token_bytes(i) for i in range(self.vocab_size))
+
+
+class MarkerTokenizer(ByteTokenizer):
+    """ByteTokenizer with `</think>` (id 259) and `<tool_call>` (id 260) one token each: added tokens that are not
+    special (as Qwen3's), so read as one token with or without special-token parsing and kept in the text."""
+
+    MARKERS = ("</think>", "<tool_call>")
+    vocab_size = ByteTokenizer.vocab_size + len(MARKERS)
+
+    def encode(self, text: str, add_special_tokens: bool = False, parse_special: bool = True) -> list[int]:
+        ids: list[int] = []
+        for k, part in enumerate(re.split("(" + "|".join(map(re.escape, self.MARKERS)) + ")", text)):
+            if k % 2:  # a marker (split's captured separator)
+                ids.append(ByteTokenizer.vocab_size + self.MARKERS.index(part))
+            elif part:
+                ids += super().encode(part, add_special_tokens, parse_special)
+        return ids
+
+    def token_bytes(self, token_id: int) -> bytes:
+        if token_id >= ByteTokenizer.vocab_size:
+            return self.MARKERS[token_id - ByteTokenizer.vocab_size].encode()
+        return super().token_bytes(token_id)
 
 
 class ChatMLTemplate:
@@ -157,15 +181,16 @@ class ScriptedEngine:
         max_model_len: context window (tokens).
         cached_tokens: reported `num_cached_tokens`.
         config: EngineConfig (default: model "test-model").
+        tokenizer: the tokenizer (default: a ByteTokenizer).
     """
 
     def __init__(self, scripts=("Hello, world!",), delay_s=0.0, first_delay_s=0.0, max_model_len=256,
-                 cached_tokens=0, config: EngineConfig | None = None):
+                 cached_tokens=0, config: EngineConfig | None = None, tokenizer=None):
         self.scripts = list(scripts)
         self.delay_s, self.first_delay_s = delay_s, first_delay_s
         self.max_model_len, self.cached_tokens = max_model_len, cached_tokens
         self.config = config or EngineConfig(model="test-model").validate()
-        self.tokenizer = ByteTokenizer()
+        self.tokenizer = tokenizer if tokenizer is not None else ByteTokenizer()
         self.chat_template = ChatMLTemplate()
         self.requests: list[tuple[list[int], SamplingParams, str]] = []  # (prompt ids, params, request id)
         self.aborted: list[str] = []
@@ -200,17 +225,19 @@ class ScriptedEngine:
 
 class StreamedEngine(ScriptedEngine):
     """ScriptedEngine whose requests come through a real `actors.stream.RequestStream` (fed by a task), as
-    AsyncEngine's and ProcessEngine's do: the consumer side (merging, `interrupt()`) is the real one."""
+    AsyncEngine's and ProcessEngine's do: the consumer side (merging, `interrupt()`, the stream `interval`) is the
+    real one."""
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, interval: int = 1, **kwargs):
         super().__init__(*args, **kwargs)
+        self.interval = interval
         self._feeders: set[asyncio.Task] = set()
 
     def add_request(self, prompt_token_ids, params, request_id=None):
         from actors.stream import RequestStream
 
         scripted = super().add_request(prompt_token_ids, params, request_id)
-        stream = RequestStream(scripted.request_id, params.n, self.abort)
+        stream = RequestStream(scripted.request_id, params.n, self.abort, self.interval)
 
         async def feed() -> None:
             try:

@@ -11,7 +11,9 @@ import orjson
 import pytest
 
 from tests.api.conftest import chat_body
-from tests.api.fake_engine import ByteTokenizer, ChunkedEngine, ScriptedEngine, ThinkingTemplate
+from tests.api.fake_engine import (
+    ByteTokenizer, ChunkedEngine, MarkerTokenizer, ScriptedEngine, StreamedEngine, ThinkingTemplate,
+)
 from tests.api.test_tool_calls import TOOLS
 from tests.unit.test_grammar_rules import complete
 
@@ -194,3 +196,38 @@ async def test_reasoning_tokens_summed_over_choices(serve):
     # choice 0: "ab" and `</think>`; choice 1 never ends its reasoning: all its tokens, EOS included
     whole, streamed = await _usages(serve, ["ab</think>c", "xyz"], n=2)
     assert whole == streamed == _usage(12 + 4, (2 + 8) + (3 + 1))
+
+
+# tokens grouped as the engine may hand them over: a real RequestStream's interval, or deltas of `size` tokens
+GROUPINGS = [*(partial(StreamedEngine, interval=k) for k in (1, 4, 16)), *(partial(ChunkedEngine, size=k)
+                                                                          for k in (1, 4, 16))]
+
+
+@pytest.mark.parametrize("engine_cls", GROUPINGS)
+async def test_reasoning_tokens_do_not_depend_on_how_tokens_are_grouped(serve, engine_cls):
+    # `</think>` is one token: "ab" and it count, whichever delta holds it with the answer's tokens
+    whole, streamed = await _usages(serve, "ab</think>" + "c" * 30, partial(engine_cls, tokenizer=MarkerTokenizer()))
+    assert whole == streamed == _usage(2 + 1 + 30 + 1, 2 + 1)
+
+
+@pytest.mark.parametrize(("size", "reasoning"), [(1, 2 + 8), (4, 12), (16, 16)])
+async def test_reasoning_tokens_a_marker_of_several_tokens_counts_its_delta_whole(serve, size, reasoning):
+    # the byte tokenizer spells `</think>` in 8 tokens: the delta that ends the reasoning counts whole ("k>cc" of
+    # "ab</", "thin", "k>cc"; the first 16 tokens)
+    whole, streamed = await _usages(serve, "ab</think>" + "c" * 30, partial(ChunkedEngine, size=size))
+    assert whole == streamed == _usage(2 + 8 + 30 + 1, reasoning)
+
+
+@pytest.mark.parametrize("tokenizer", [MarkerTokenizer, ByteTokenizer])
+@pytest.mark.parametrize("size", [1, 4, 4096])
+@pytest.mark.parametrize("config", [None, {"reasoning_parser": "deepseek_r1"}])
+async def test_reasoning_tokens_a_call_before_any_reasoning_counts_0(serve, tokenizer, size, config):
+    # the output starts inside the reasoning (the prompt opened it, or deepseek_r1) and opens a call at once: the
+    # `<tool_call>` that ends the reasoning is the call's, so nothing is reasoning
+    whole, chunks, grammar = await _both(serve, CALL, partial(ChunkedEngine, size=size, tokenizer=tokenizer()),
+                                         config is None, config, tools=TOOLS, tool_choice="required", **USAGE)
+    assert complete(CALL, grammar)
+    message = whole["choices"][0]["message"]
+    assert "reasoning_content" not in message and len(message["tool_calls"]) == 1  # none: the field is left out
+    completion = len(tokenizer().encode(CALL)) + 1
+    assert whole["usage"] == chunks[-1]["usage"] == _usage(completion, 0, opened=config is None)

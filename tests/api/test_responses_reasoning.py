@@ -4,11 +4,13 @@ calls (exact JSON), its streamed events (checked against the `openai` SDK's type
 
 from __future__ import annotations
 
+from functools import partial
+
 import orjson
 import pytest
 
-from tests.api.fake_engine import ByteTokenizer, ChunkedEngine, ScriptedEngine, ThinkingTemplate
-from tests.api.test_reasoning import ANSWER, CALL
+from tests.api.fake_engine import ByteTokenizer, ChunkedEngine, MarkerTokenizer, ScriptedEngine, ThinkingTemplate
+from tests.api.test_reasoning import ANSWER, CALL, GROUPINGS
 from tests.api.test_responses import URL, body, message, response_object, sdk_checked, usage
 from tests.api.test_responses_tools import WEATHER, function_call, names
 from tests.unit.test_grammar_rules import complete
@@ -78,16 +80,38 @@ async def test_reasoning_tokens_when_the_output_may_open_the_reasoning(serve, sc
     assert whole["usage"]["output_tokens"] == len(script.encode()) + 1
 
 
+@pytest.mark.parametrize("tokenizer", [ByteTokenizer, MarkerTokenizer])
 @pytest.mark.parametrize("engine_cls", [ScriptedEngine, ChunkedEngine])
-async def test_T1_required_call_after_reasoning(serve, engine_cls):
+async def test_T1_required_call_after_reasoning(serve, engine_cls, tokenizer):
     script = "Paris." + CALL
-    whole, events, grammar = await _both(serve, script, engine_cls, tools=[WEATHER], tool_choice="required")
+    whole, events, grammar = await _both(serve, script, partial(engine_cls, tokenizer=tokenizer()), tools=[WEATHER],
+                                         tool_choice="required")
     assert complete(script, grammar)
     assert whole["output"] == [reasoning("Paris."), function_call(0, '{"city": "Paris"}')]
     assert whole["status"] == "completed"
-    # "Paris." and `<tool_call>`, which ends it; ChunkedEngine's one delta (the whole output, EOS too) ends it
-    expected = len(script.encode()) + 1 if engine_cls is ChunkedEngine else len("Paris.<tool_call>")
+    if tokenizer is MarkerTokenizer:  # `<tool_call>` is one token: it ends the reasoning and is the call's
+        expected = len("Paris.")
+    else:  # its 11 tokens were reasoning text until complete; ChunkedEngine's one delta (EOS too) counts whole
+        expected = len(script.encode()) + 1 if engine_cls is ChunkedEngine else len("Paris.<tool_call>")
     assert whole["usage"]["output_tokens_details"] == {"reasoning_tokens": expected}
+
+
+@pytest.mark.parametrize("engine_cls", GROUPINGS)
+async def test_reasoning_tokens_do_not_depend_on_how_tokens_are_grouped(serve, engine_cls):
+    # `</think>` is one token: "ab" and it count; `_both`: the streamed response is the same
+    whole, _, _ = await _both(serve, "ab</think>" + "c" * 30, partial(engine_cls, tokenizer=MarkerTokenizer()))
+    assert whole["output"][0] == reasoning("ab")
+    assert (whole["usage"]["output_tokens"], whole["usage"]["output_tokens_details"]) == (2 + 1 + 30 + 1,
+                                                                                           {"reasoning_tokens": 3})
+
+
+@pytest.mark.parametrize("tokenizer", [ByteTokenizer, MarkerTokenizer])
+@pytest.mark.parametrize("size", [1, 4096])
+async def test_reasoning_tokens_a_call_before_any_reasoning_counts_0(serve, tokenizer, size):
+    whole, _, _ = await _both(serve, CALL, partial(ChunkedEngine, size=size, tokenizer=tokenizer()), tools=[WEATHER],
+                              tool_choice="required")
+    assert whole["output"] == [function_call(0, '{"city": "Paris"}')]
+    assert whole["usage"]["output_tokens_details"] == {"reasoning_tokens": 0}
 
 
 async def test_T1_json_format_after_reasoning(serve):

@@ -3,7 +3,7 @@ content and calls in the order the model wrote them. Either parser may be absent
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from itertools import groupby
 
@@ -19,6 +19,7 @@ class Reasoning:
 
 
 Piece = Reasoning | str | ToolCall
+Delta = tuple[str, int] | tuple[str, int, int]  # (text, tokens new in it[, the end of its ids in the output's])
 
 
 class OutputParser:
@@ -31,7 +32,7 @@ class OutputParser:
     `pieces(delta)` / `finish_pieces()` give what can be sent now in the model's order (Reasoning pieces, content
     strings and ToolCalls; never "", never two strings or two Reasonings in a row); `feed` / `finish` the same
     as (reasoning, content, calls). `calls` lists every call so far; `reasoning_tokens` counts the reasoning's
-    tokens from each delta's `num_tokens` (see `ReasoningParser`).
+    tokens from each delta's `num_tokens` and `token_ids` (see `ReasoningParser`).
     """
 
     def __init__(self, reasoning: ReasoningParser | None = None, tools: HermesToolParser | None = None):
@@ -52,12 +53,12 @@ class OutputParser:
             out += self._tools.pieces(content) if self._tools is not None else [content]
         return out
 
-    def pieces(self, text: str, num_tokens: int = 0) -> list[Piece]:
-        """Take the next text delta (`num_tokens`: the tokens new in it, for `reasoning_tokens`); returns the
-        pieces that can be sent now."""
+    def pieces(self, text: str, num_tokens: int = 0, token_ids: Sequence[int] = ()) -> list[Piece]:
+        """Take the next text delta (`num_tokens`: the tokens new in it, `token_ids`: the ids of its last ones,
+        for `reasoning_tokens`: `ReasoningParser.feed`); returns the pieces that can be sent now."""
         if self._reasoning is None:
             return self._after_reasoning("", text)
-        return self._after_reasoning(*self._reasoning.feed(text, num_tokens))
+        return self._after_reasoning(*self._reasoning.feed(text, num_tokens, token_ids))
 
     def finish_pieces(self) -> list[Piece]:
         """The end of the output: what the parsers still held (see theirs)."""
@@ -66,9 +67,9 @@ class OutputParser:
             out += self._tools.finish_pieces()
         return _merged(out)
 
-    def feed(self, text: str, num_tokens: int = 0) -> tuple[str, str, list[ToolCall]]:
+    def feed(self, text: str, num_tokens: int = 0, token_ids: Sequence[int] = ()) -> tuple[str, str, list[ToolCall]]:
         """`pieces` as (reasoning, content, calls), each possibly empty."""
-        return split(self.pieces(text, num_tokens))
+        return split(self.pieces(text, num_tokens, token_ids))
 
     def finish(self) -> tuple[str, str, list[ToolCall]]:
         """`finish_pieces` as (reasoning, content, calls)."""
@@ -100,14 +101,26 @@ def parse_output(parser: OutputParser, text: str) -> list[Piece]:
     return parse_deltas(parser, [(text, 0)])
 
 
-def parse_deltas(parser: OutputParser, deltas: Iterable[tuple[str, int]]) -> list[Piece]:
+def with_ids(deltas: Iterable[Delta], token_ids: Sequence[int]) -> Iterator[tuple[str, int, Sequence[int]]]:
+    """(text, tokens new in it, its ids) of each delta: a delta's ids run from the previous one's end to its own
+    in `token_ids` (none for a delta without an end)."""
+    start = 0
+    for text, num_tokens, *end in deltas:
+        stop = end[0] if end else start
+        yield text, num_tokens, token_ids[start:stop]
+        start = stop
+
+
+def parse_deltas(parser: OutputParser, deltas: Iterable[Delta], token_ids: Sequence[int] = ()) -> list[Piece]:
     """A whole output through a fresh `parser`, fed delta by delta as the stream feeds it, as ordered pieces:
     the same pieces and `parser.reasoning_tokens` as streamed.
 
     Args:
-        deltas: (text, tokens new in it) of each delta, in order.
+        deltas: (text, tokens new in it[, the end of its ids in `token_ids`]) of each delta, in order
+            (`api.openai.common.SequenceResult.deltas`).
+        token_ids: the output's ids (`with_ids`).
     """
     pieces: list[Piece] = []
-    for text, num_tokens in deltas:
-        pieces += parser.pieces(text, num_tokens)
+    for text, num_tokens, ids in with_ids(deltas, token_ids):
+        pieces += parser.pieces(text, num_tokens, ids)
     return _merged(pieces + parser.finish_pieces())

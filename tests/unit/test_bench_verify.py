@@ -1,0 +1,28 @@
+"""tools/bench_verify.py on the CPU (tiny synthetic model): its rows are what they claim, greedy outputs equal."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import subprocess
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def test_bench_verify_rows(tmp_path):
+    out = tmp_path / "verify.json"
+    subprocess.run([sys.executable, str(ROOT / "tools" / "bench_verify.py"), "--device", "cpu", "--shape", "tiny",
+                    "--tokens", "12", "--batch", "1,2", "--k", "2", "--out", str(out)], check=True, cwd=ROOT,
+                   capture_output=True, timeout=300)
+    rows = json.loads(out.read_text())["results"]
+    plain = [r for r in rows if r["run"] == "plain"]
+    verify = {(r["batch"], r["drafts"], r["draft_max_pause"]): r for r in rows if r["run"] == "verify"}
+    assert [r["batch"] for r in plain] == [1, 2] and len(verify) == 6
+    assert all(r["lossless"] and r["k"] == 2 for r in verify.values())
+    for b in (1, 2):
+        # 11 tokens after the prefill's: drafts that pass give 3 a verify (4 verifies a sequence: 3 + 3 + 3 + 2)
+        assert verify[b, "pass", 0]["verify_steps"] == 4 * b and verify[b, "pass", 0]["accepted"] == 7 * b
+        # all fail: a verify every token but the last (no room for a draft), or with backoff after 1, 2 + 1, 4 + 1
+        assert verify[b, "fail", 0]["verify_steps"] == 10 * b and verify[b, "fail", 0]["accepted"] == 0
+        assert verify[b, "fail", 64]["verify_steps"] == 3 * b and verify[b, "fail", 64]["accepted"] == 0

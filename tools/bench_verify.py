@@ -1,0 +1,157 @@
+"""Speculative decoding's verify step against plain decoding, on synthetic weights (no model file, no tokenizer):
+what a step that verifies k drafts costs when they all pass (the upper bound of the speedup) and when they all
+fail (the price of a wasted verify), with draft backoff on and off (`voltserve.spec.backoff`).
+
+    python tools/bench_verify.py --device cuda --batch 1,4 --k 1,2,4 --tokens 128 --out verify.json
+    python tools/bench_verify.py --device cpu --shape tiny --tokens 24       # a smoke run
+
+Each row: ms per generated token of each sequence (the second of two runs: the first captures the CUDA graphs),
+for plain decoding one step at a time (`plain_sync`) and with steps planned ahead (`plain_pipelined`, the
+engine's asynchronous scheduling), and for each (k, drafts pass / fail, backoff) the same load through verify
+steps (pipelined where the scheduler allows), its ratio to both plain figures and whether its greedy tokens equal
+plain decoding's (`lossless`). The drafter knows the plain output: "pass" proposes it, "fail" proposes each token
+plus one. On the CPU no step is planned ahead and the tiny shape is host-bound: only the GPU figures are speeds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from tools.make_synthetic_checkpoint import synthetic_model  # noqa: E402
+from voltserve.kv_cache import BlockPool  # noqa: E402
+from voltserve.models.llama import LlamaModel  # noqa: E402
+from voltserve.offline import run_steps  # noqa: E402
+from voltserve.request import SamplingParams  # noqa: E402
+from voltserve.runner import ModelRunner  # noqa: E402
+from voltserve.scheduler import Scheduler  # noqa: E402
+from voltserve.sequence import Sequence  # noqa: E402
+from voltserve.spec.ladder import DraftLadder  # noqa: E402
+
+BLOCK_SIZE, NUM_BLOCKS, MAX_MODEL_LEN, PROMPT_LEN = 16, 256, 1024, 64
+EOS = -1  # no token ends a sequence: lengths are set by --tokens
+
+
+class KnownDrafter:
+    """Proposes the plain greedy output (`fail`: each token plus one, so the first draft never passes)."""
+
+    def __init__(self, prompts: list[list[int]], outputs: list[list[int]], vocab_size: int, fail: bool):
+        self.known = list(zip(prompts, outputs))
+        self.vocab_size, self.fail = vocab_size, fail
+
+    def propose(self, seq, k: int) -> list[int]:
+        tokens = seq.token_ids()
+        for prompt, out in self.known:
+            if tokens[:len(prompt)] == prompt:
+                drafts = out[len(tokens) - len(prompt):][:k]
+                return [(t + 1) % self.vocab_size for t in drafts] if self.fail else drafts
+        raise KeyError("unknown sequence")
+
+
+class Bench:
+    """One model, backend and KV cache; CUDA graphs per verify width, captured once."""
+
+    def __init__(self, device: str, shape: str, qtype: str | None, max_seqs: int):
+        dtype = torch.float16 if device == "cuda" else torch.float32
+        loaded = synthetic_model(shape, device=device, dtype=dtype, qtype=qtype, seed=3)
+        if device == "cuda":
+            from voltserve.backends.cuda.backend import CudaBackend
+            self.backend = CudaBackend(0)
+        else:
+            from voltserve.backends.cpu import CpuBackend
+            self.backend = CpuBackend()
+        self.device, self.max_seqs = device, max_seqs
+        self.model = LlamaModel(loaded.config, loaded.tensors, self.backend, loaded.quantized,
+                                max_positions=MAX_MODEL_LEN)
+        cfg = loaded.config
+        self.vocab_size = cfg.vocab_size
+        self.kv = self.backend.allocate_kv_cache(cfg.num_layers, NUM_BLOCKS, BLOCK_SIZE, cfg.num_kv_heads,
+                                                 cfg.head_dim)
+        self._graphs: dict[int, object] = {}
+
+    def graphs(self, k: int):
+        """The StepGraphs for verify width k (0: none), or None on the CPU."""
+        if self.device != "cuda":
+            return None
+        if k not in self._graphs:
+            from voltserve.graphs import StepGraphs
+            g = StepGraphs(self.model, self.backend, self.kv, max_num_seqs=self.max_seqs,
+                           max_model_len=MAX_MODEL_LEN, prefill_tokens=(PROMPT_LEN,),
+                           verify_width=DraftLadder(k).width if k else None)
+            g.capture()
+            self._graphs[k] = g
+        return self._graphs[k]
+
+    def run(self, prompts: list[list[int]], tokens: int, pipelined: bool, k: int = 0, drafter=None,
+            max_pause: int = 0) -> tuple[float, list[list[int]], Scheduler]:
+        """(seconds, greedy outputs, the scheduler) of `tokens` tokens per prompt, all prompts at once."""
+        runner = ModelRunner(self.model, self.backend, self.kv, (EOS,), seed=0, graphs=self.graphs(k))
+        spec = {"drafter": drafter, "ladder": DraftLadder(k), "draft_max_pause": max_pause} if k else {}
+        sched = Scheduler(BlockPool(NUM_BLOCKS, BLOCK_SIZE), self.max_seqs, 512, MAX_MODEL_LEN, (EOS,),
+                          *runner.ahead_admission(), **spec)
+        seqs = [Sequence(i, f"r{i}", 0, list(p), SamplingParams(temperature=0, ignore_eos=True), tokens)
+                for i, p in enumerate(prompts)]
+        for s in seqs:
+            sched.add(s)
+        self.sync()
+        start = time.perf_counter()
+        run_steps(sched, runner, pipelined=pipelined)
+        self.sync()
+        return time.perf_counter() - start, [s.output_ids for s in seqs], sched
+
+    def sync(self) -> None:
+        if self.device == "cuda":
+            torch.cuda.synchronize()
+
+    def timed(self, *args, **kwargs):
+        """`run`'s second call (the first captures graphs and warms the allocator)."""
+        self.run(*args, **kwargs)
+        return self.run(*args, **kwargs)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--shape", default="smollm2-135m", help="a tools/make_synthetic_checkpoint.py shape")
+    parser.add_argument("--qtype", default="Q4_1", help="decoder linears as GGUF blocks (CUDA only); 'none': dense")
+    parser.add_argument("--batch", default=[1, 4], type=lambda s: [int(x) for x in s.split(",")])
+    parser.add_argument("--k", default=[1, 2, 4], type=lambda s: [int(x) for x in s.split(",")])
+    parser.add_argument("--tokens", type=int, default=128, help="generated tokens per sequence")
+    parser.add_argument("--max-pause", type=int, default=64, help="the backoff runs' draft_max_pause")
+    parser.add_argument("--out", default="")
+    args = parser.parse_args()
+    qtype = None if args.device != "cuda" or args.qtype == "none" else args.qtype
+    bench = Bench(args.device, args.shape, qtype, max(args.batch))
+    rows = []
+    for batch in args.batch:
+        prompts = [[(7 * j + 3 * i) % (bench.vocab_size - 10) + 5 for j in range(PROMPT_LEN)] for i in range(batch)]
+        t_sync, plain, _ = bench.timed(prompts, args.tokens, pipelined=False)
+        t_pipe, _, _ = bench.timed(prompts, args.tokens, pipelined=True)
+        base = {"device": args.device, "shape": args.shape, "qtype": qtype, "batch": batch, "tokens": args.tokens}
+        rows.append({**base, "run": "plain", "sync_ms_per_token": round(1e3 * t_sync / args.tokens, 4),
+                     "pipelined_ms_per_token": round(1e3 * t_pipe / args.tokens, 4)})
+        print(json.dumps(rows[-1]), flush=True)
+        for k in args.k:
+            for drafts, pause in (("pass", 0), ("fail", 0), ("fail", args.max_pause)):
+                drafter = KnownDrafter(prompts, plain, bench.vocab_size, fail=drafts == "fail")
+                t, out, sched = bench.timed(prompts, args.tokens, pipelined=True, k=k, drafter=drafter,
+                                            max_pause=pause)
+                rows.append({**base, "run": "verify", "k": k, "drafts": drafts, "draft_max_pause": pause,
+                             "ms_per_token": round(1e3 * t / args.tokens, 4),
+                             "speedup_vs_pipelined": round(t_pipe / t, 3), "speedup_vs_sync": round(t_sync / t, 3),
+                             "verify_steps": sched.num_verify_steps, "accepted": sched.num_accepted_tokens,
+                             "lossless": out == plain})
+                print(json.dumps(rows[-1]), flush=True)
+    if args.out:
+        Path(args.out).write_text(json.dumps({"command": " ".join(sys.argv), "results": rows}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -245,8 +245,8 @@ async def create_response():
     results, counter = await collect(stream, stats)
     usage = ResponseUsage.of(counter.prompt_tokens, counter.cached_tokens, sum(counter.output_tokens.values()))
     text, finish_reason = results[0].text, results[0].finish_reason
-    if new_parser is not None:  # the stream's events, made and dropped: the same items and usage as streamed
-        events = ResponseEvents(started, item_id, new_parser, parallel, forced)
+    if new_parser is not None:  # the stream's path without its bytes: the same items and usage as streamed
+        events = ResponseEvents(started, item_id, new_parser, parallel, forced, frames=False)
         for delta, num_tokens, ids in with_ids(results[0].deltas, results[0].token_ids):
             events.feed(delta, num_tokens, ids)
         events.end(finish_reason, usage)
@@ -266,6 +266,8 @@ class ResponseEvents:
             calls), None for text only.
         parallel_tool_calls: False keeps only the model's first call.
         forced: the grammar forced calls: text is not sent (it can only be a call the output did not finish).
+        frames: make the events' bytes; False for a non-streamed response, which reads `response` alone (the
+            methods then return empty frames).
 
     Use `opening()` for the events before any output, `chunk` (text only) or `tool_chunk` (with the parser) as
     `drive_stream`'s `choice_chunk`, and `error` as its `error_frame`. A non-streamed response with the parser
@@ -276,8 +278,9 @@ class ResponseEvents:
     """
 
     def __init__(self, started: ResponsesResponse, item_id: str, new_parser=None, parallel_tool_calls: bool = True,
-                 forced: bool = False):
+                 forced: bool = False, frames: bool = True):
         self._started, self._item_id = started, item_id
+        self._frames = frames
         self._forced = forced
         self._parser = new_parser() if new_parser is not None else None
         self._parallel = parallel_tool_calls
@@ -297,7 +300,7 @@ class ResponseEvents:
 
     def _event(self, event_cls, **fields) -> bytes:
         number, self._next = self._next, self._next + 1
-        return self._frame(event_cls(sequence_number=number, **fields))
+        return self._frame(event_cls(sequence_number=number, **fields)) if self._frames else b""
 
     def opening(self) -> list[bytes]:
         """response.created and response.in_progress; without the parser the empty message item and its text part
@@ -340,6 +343,8 @@ class ResponseEvents:
     def _delta(self, text: str) -> bytes:
         self._texts.append(text)
         number, self._next = self._next, self._next + 1
+        if not self._frames:
+            return b""
         return b"".join((self._head, b"%d" % number, self._mid, orjson.dumps(text), self._tail))
 
     def _call(self, call: ToolCall) -> list[bytes]:

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from tests.helpers import OracleDrafter
+from tools.bench_verify import KnownDrafter
 from tools.make_synthetic_checkpoint import synthetic_model
 from voltserve.backends.base import AttentionMetadata, StepInputs
 from voltserve.backends.cpu import CpuBackend
@@ -194,13 +195,6 @@ def test_verify_graphs_give_the_eager_loops_tokens(model):
                 assert sched.num_accepted_tokens > sched.num_verify_steps, vars(sched)
 
 
-class _WrongDrafter(OracleDrafter):
-    """Drafts that never pass: the oracle's, each id moved by one."""
-
-    def propose(self, seq, k):
-        return [(t + 1) % self.vocab_size for t in super().propose(seq, k)]
-
-
 def test_failing_drafts_back_off_into_steps_planned_ahead(model):
     """Drafts that never pass (k = 3): each sequence pauses drafting for 2, 4, 8, ... tokens after each failed
     verify (`voltserve.spec.backoff`) and the pipelined loop plans the paused steps ahead, with the eager loop's
@@ -211,7 +205,7 @@ def test_failing_drafts_back_off_into_steps_planned_ahead(model):
     counts = {}
     for pause in (64, 0):
         out, graphs, _ = _generate(model, "pipelined", prompts, arrivals, max_tokens, drafts=3, draft_max_pause=pause,
-                                   drafter=_WrongDrafter(prompts, eager, model.config.vocab_size))
+                                   drafter=KnownDrafter(prompts, eager, model.config.vocab_size, fail=True))
         sched = graphs.sched
         assert out == eager and sched.num_accepted_tokens == 0
         counts[pause] = sched.num_verify_steps, graphs.ahead_launches

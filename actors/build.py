@@ -34,6 +34,7 @@ class BuiltEngine:
     device: str
     thread_init: Callable[[], None] | None
     tp_ranks: Any = None  # actors.tp.TPRanks (ranks 1..N-1) when tensor_parallel_size > 1, else None
+    drafter: Any = None  # voltserve.spec.draft_model.DraftModelDrafter with speculative_method "draft_model"
 
 
 def resolve_device(requested: str) -> str:
@@ -111,20 +112,26 @@ def _default_num_blocks(config: EngineConfig, device: str, block_bytes: int) -> 
     return int(budget // block_bytes)
 
 
-def speculation(config: EngineConfig) -> dict:
+def speculation(config: EngineConfig, drafter=None) -> dict:
     """The Scheduler's speculative decoding arguments (`drafter`, `ladder`) for `config.speculative_method`; {}
-    for "none"."""
+    for "none". drafter: the built engine's (`BuiltEngine.drafter`, the "draft_model" method's)."""
     if config.speculative_method == "none":
         return {}
-    from voltserve.spec.ngram import NgramDrafter
+    if config.speculative_method == "ngram":
+        from voltserve.spec.ngram import NgramDrafter
 
-    return {"drafter": NgramDrafter(config.num_speculative_tokens, config.ngram_min, config.ngram_max),
-            "ladder": config.draft_ladder(), "draft_max_pause": config.draft_max_pause}
+        drafter = NgramDrafter(config.num_speculative_tokens, config.ngram_min, config.ngram_max)
+    elif drafter is None:
+        raise ValueError(f"speculative_method {config.speculative_method!r} needs the built engine's drafter")
+    return {"drafter": drafter, "ladder": config.draft_ladder(), "draft_max_pause": config.draft_max_pause}
 
 
-def rank_model(config: EngineConfig, loaded, backend, device: str, tp: TPGroup | None = None
-               ) -> tuple[LlamaModel, int, int]:
+def rank_model(config: EngineConfig, loaded, backend, device: str, tp: TPGroup | None = None,
+               extra_block_bytes: int = 0) -> tuple[LlamaModel, int, int]:
     """The model of one TP rank (the whole model when tp is None) and its KV pool's size.
+
+    extra_block_bytes: memory that goes with each KV block besides this model's (a draft model's block), counted
+    when the pool's size comes from memory.
 
     Returns:
         (model, bytes of one KV block of this rank, blocks its pool could hold: `num_kv_blocks`, else from memory).
@@ -135,7 +142,8 @@ def rank_model(config: EngineConfig, loaded, backend, device: str, tp: TPGroup |
     max_positions = config.max_model_len or cfg.max_position_embeddings
     model = LlamaModel(cfg, loaded.tensors, backend, loaded.quantized, max_positions=max_positions, tp=tp)
     block_bytes = kv_block_bytes(cfg, config.block_size, backend.dtype, model.tp.world_size)
-    return model, block_bytes, config.num_kv_blocks or _default_num_blocks(config, device, block_bytes)
+    return model, block_bytes, config.num_kv_blocks or _default_num_blocks(config, device,
+                                                                             block_bytes + extra_block_bytes)
 
 
 def allocate_kv(model: LlamaModel, num_blocks: int, block_size: int) -> torch.Tensor:
@@ -181,7 +189,14 @@ def _build(config: EngineConfig, loaded, spare_cores: int, device: str, ranks) -
     cfg = loaded.config
     backend = make_backend(config, device, spare_cores)
     max_model_len = config.max_model_len or cfg.max_position_embeddings
-    model, block_bytes, num_blocks = rank_model(config, loaded, backend, device, ranks.tp if ranks else None)
+    draft_model, draft_block_bytes = None, 0
+    if config.speculative_method == "draft_model":  # its weights on the device before the pool takes the rest
+        from actors.draft_build import load_draft_model
+
+        draft_model = load_draft_model(config, loaded.tokenizer, backend, max_model_len)
+        draft_block_bytes = kv_block_bytes(draft_model.config, config.block_size, backend.dtype)
+    model, block_bytes, num_blocks = rank_model(config, loaded, backend, device, ranks.tp if ranks else None,
+                                                draft_block_bytes)
     if ranks is not None:  # one pool size for all: block ids mean the same slots on every rank
         num_blocks = ranks.agree_num_blocks(num_blocks)
     if num_blocks * config.block_size < max_model_len:
@@ -204,6 +219,11 @@ def _build(config: EngineConfig, loaded, spare_cores: int, device: str, ranks) -
         verify = config.draft_ladder().width if config.speculative_method != "none" else None
         graphs = StepGraphs(model, backend, kv_cache, config.max_num_seqs, max_model_len, mixed, verify)
         graphs.capture()
+    drafter = None
+    if draft_model is not None:
+        from actors.draft_build import make_drafter
+
+        drafter = make_drafter(config, draft_model, num_blocks, max_model_len, cfg.vocab_size, device)
     tokenizer = loaded.tokenizer
     eos = tuple(cfg.eos_token_ids) or tuple(tokenizer.eos_token_ids)
     source = loaded.chat_template
@@ -224,4 +244,4 @@ def _build(config: EngineConfig, loaded, spare_cores: int, device: str, ranks) -
     if device == "cuda":
         thread_init = lambda: torch.cuda.set_device(backend.device)  # noqa: E731 (a new thread has no context)
     return BuiltEngine(runner, cfg, tokenizer, template, eos, max_model_len, num_blocks, device, thread_init,
-                       ranks)
+                       ranks, drafter)

@@ -86,7 +86,7 @@ class AsyncEngine:
         scheduler = Scheduler(self.pool, self.config.max_num_seqs, self.config.max_num_batched_tokens,
                               self.max_model_len, built.eos_token_ids, *built.runner.ahead_admission(),
                               admission_wait_steps=self.config.admission_wait_steps,
-                              **speculation(self.config))
+                              **speculation(self.config, built.drafter))
         self._worker = WorkerActor(built.runner, thread_init=built.thread_init, on_crash=self._on_crash)
         self._scheduler_actor = SchedulerActor(scheduler, self._worker, self.tokenizer, on_crash=self._on_crash)
         self._worker.start()

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from actors.base import Actor, _Stop
 from actors.stream import RequestStream
-from actors.worker import StepMsg, WorkerActor
+from actors.worker import DraftMsg, StepMsg, WorkerActor
 from voltserve.detok import IncrementalDetokenizer
 from voltserve.errors import EngineDeadError, StepFailedError
 from voltserve.request import FinishReason, RequestOutput
@@ -87,6 +87,7 @@ class SchedulerActor(Actor):
             if handle is None:
                 if not self.scheduler.has_work():
                     continue
+                await self._prepare_drafts()
                 plan = self.scheduler.schedule()
                 if not plan.entries:
                     raise RuntimeError("scheduler made no progress: KV pool too small for the waiting request")
@@ -119,6 +120,19 @@ class SchedulerActor(Actor):
                 else:
                     self._deferred.append((seq, logprobs.get(seq.seq_id)))
             plan, handle = (ahead, ahead_handle) if ahead is not None else (None, None)
+
+    async def _prepare_drafts(self) -> None:
+        """A draft model's drafts for the step about to be planned, computed on the worker's thread. A failure
+        there costs this step its drafts, not its requests (the target's step reports a broken device)."""
+        wanted = self.scheduler.draft_work()
+        if not wanted:
+            return
+        try:
+            await self.worker.ask(DraftMsg(self.scheduler.drafter, wanted))
+        except EngineDeadError:
+            raise
+        except Exception:
+            logger.exception("draft model: drafting failed; this step verifies no drafts")
 
     async def _ask_then_emit_deferred(self, msg: StepMsg):
         """Ask the worker; the deferred deltas are emitted after its wake-up is queued, while the step runs."""

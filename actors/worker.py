@@ -29,6 +29,15 @@ class StepMsg:
     collect: StepHandle | None = None
 
 
+@dataclass(frozen=True)
+class DraftMsg:
+    """Run a draft model's `prepare(wanted)` (`voltserve.spec.draft_model.DraftModelDrafter`) on the compute
+    thread, before the scheduler plans the step that verifies those drafts (`Scheduler.draft_work`)."""
+
+    drafter: object
+    wanted: list
+
+
 class WorkerActor(Actor):
     """Args: runner: the ModelRunner; thread_init: run once on the compute thread first (e.g. set the device)."""
 
@@ -41,6 +50,8 @@ class WorkerActor(Actor):
     async def handle(self, msg):
         if isinstance(msg, StepMsg):
             return await asyncio.get_running_loop().run_in_executor(self._executor, self._step, msg)
+        if isinstance(msg, DraftMsg):
+            return await asyncio.get_running_loop().run_in_executor(self._executor, msg.drafter.prepare, msg.wanted)
         raise TypeError(f"{self.name}: unknown message {msg!r}")
 
     def _step(self, msg: StepMsg):

@@ -1,13 +1,17 @@
 """Speculative decoding benchmark: output tokens/s of the offline engine (`AsyncEngine`, no HTTP) with and
-without n-gram drafts, per concurrency, greedy, on prompts whose answers copy their input and on free ones.
+without n-gram drafts (and a draft model's, `--speculative-model`), per concurrency, greedy, on prompts whose
+answers copy their input and on free ones.
 
     python tools/bench_spec.py --device cuda --concurrency 1,4,16 --max-tokens 256 --draft-max-pause 0,64 \
         --out spec.json
+    python tools/bench_spec.py --model BIG.gguf --speculative-model SMALL.gguf --draft-max-pause 64
 
 Reports, as JSON lines and in `--out`, for each (method, prompt set, concurrency): output tok/s (median of
 `--repeats`), and for ngram the acceptance length (tokens a verify step emits per sequence, 1 + accepted /
 verifies) and drafts per verify. Greedy outputs of both methods are compared (case D1) and a mismatch is
-reported as `"lossless": false`. `--draft-max-pause` runs n-gram once per backoff setting (0: none).
+reported as `"lossless": false`. `--draft-max-pause` runs n-gram (and the draft model) once per backoff setting
+(0: none). `--speculative-model` names draft models (comma-separated; "self": the model itself, whose greedy
+drafts all pass: the bound of acceptance at the cost of a second model as large).
 Other engine settings come from VOLTSERVE_* variables.
 """
 
@@ -60,9 +64,10 @@ async def run(args) -> list[dict]:
 
     loaded = load_model(args.model)
     results, outputs = [], {}
-    for method, pause in [("none", 0)] + [("ngram", p) for p in args.draft_max_pause]:
+    drafts = [("ngram", "")] + [("draft_model", args.model if m == "self" else m) for m in args.speculative_model]
+    for method, draft, pause in [("none", "", 0)] + [(m, d, p) for m, d in drafts for p in args.draft_max_pause]:
         config = EngineConfig.from_env(model=args.model, device=args.device, speculative_method=method,
-                                       num_speculative_tokens=args.num_speculative_tokens,
+                                       speculative_model=draft, num_speculative_tokens=args.num_speculative_tokens,
                                        concurrency_drafts=args.concurrency_drafts, draft_max_pause=pause)
         engine = AsyncEngine(config, loaded=loaded)
         await engine.start()
@@ -79,6 +84,7 @@ async def run(args) -> list[dict]:
                         rate, tokens = await level(engine, prompts, c, args.max_tokens)
                         rates.append(rate)
                     row = {"method": method, **({"draft_max_pause": pause} if method != "none" else {}),
+                           **({"speculative_model": draft} if draft else {}),
                            "prompts": name, "concurrency": c, "device": args.device,
                            "output_tokens_per_s": round(statistics.median(rates), 1),
                            "runs": [round(r, 1) for r in rates]}
@@ -113,6 +119,8 @@ def main() -> None:
     parser.add_argument("--draft-max-pause", default=[64], type=lambda s: [int(x) for x in s.split(",")],
                         help="draft backoff's longest pause (EngineConfig.draft_max_pause), one n-gram run per value; "
                              "0: no backoff")
+    parser.add_argument("--speculative-model", default=[], type=lambda s: [m for m in s.split(",") if m],
+                        help="draft models to run the draft_model method with (comma-separated; self: the model)")
     parser.add_argument("--out", default="")
     args = parser.parse_args()
     results = asyncio.run(run(args))

@@ -70,8 +70,10 @@ HELP = {
                         "chat template mentions <think>), qwen3, deepseek_r1 (output starts inside), none",
     "trust_request_mm_kwargs": "accept per-request mm_processor_kwargs / media_io_kwargs (no effect: the models "
                                "served are text-only); off: such a request gets a 400",
-    "speculative_method": "speculative decoding: none, or ngram (prompt-lookup drafts verified in one step; "
-                          "greedy output unchanged)",
+    "speculative_method": "speculative decoding: none, ngram (prompt-lookup drafts) or draft_model (a smaller "
+                          "model's drafts, --speculative-model), verified in one step; greedy output unchanged",
+    "speculative_model": "the draft model of --speculative-method draft_model (GGUF, HF directory or alias), "
+                         "with the model's tokenizer",
     "num_speculative_tokens": "the most drafts a sequence verifies in one step (k)",
     "ngram_min": "the shortest suffix the n-gram drafter matches",
     "ngram_max": "the longest suffix the n-gram drafter matches",

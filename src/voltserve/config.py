@@ -76,7 +76,7 @@ def _env(name: str, default, cast=str):
 
 TOOL_CALL_PARSERS = ("auto", "hermes", "none")
 REASONING_PARSERS = ("auto", "qwen3", "deepseek_r1", "none")
-SPECULATIVE_METHODS = ("none", "ngram")
+SPECULATIVE_METHODS = ("none", "ngram", "draft_model")
 MAX_SOCKET_PATH_BYTES = 100  # sun_path holds 108 bytes on Linux (104 on macOS), with its terminating NUL
 # EngineConfig fields that only the API process reads; API processes sharing one engine may differ in them
 API_ONLY_FIELDS = frozenset({"served_model_name", "api_key", "sse_keep_alive_interval", "stream_interval", "host",
@@ -163,11 +163,16 @@ class EngineConfig:
             false has none.
         trust_request_mm_kwargs: accept non-empty per-request `mm_processor_kwargs` / `media_io_kwargs` (a 400
             otherwise, case S7); the served models are text-only, so accepted kwargs have no effect.
-        speculative_method: "none", or "ngram": speculative decoding with prompt-lookup drafts
-            (`voltserve.spec.ngram`), verified by the model in one step (greedy output unchanged; sampled output
-            by rejection sampling, the same distribution). Requests with a grammar, logprobs or penalties decode
+        speculative_method: "none", "ngram" or "draft_model": speculative decoding with prompt-lookup drafts
+            (`voltserve.spec.ngram`) or a draft model's greedy drafts (`speculative_model`,
+            `voltserve.spec.draft_model`), verified by the model in one step (greedy output unchanged; sampled
+            output by rejection sampling, the same distribution). Requests with a grammar, logprobs or penalties decode
             without drafts. No step is planned ahead while a running sequence may draft in it (draftable, drafting not
             paused).
+        speculative_model: the draft model of "draft_model" (a spec as `model` takes: GGUF, Hugging Face
+            directory or alias), smaller than the model and with its tokenizer; run on the model's device, with a
+            KV pool of as many blocks as the model's (the two share the memory the pool is sized from); not with
+            tensor parallelism.
         num_speculative_tokens: k, the most drafts a sequence verifies in one step.
         ngram_min / ngram_max: the shortest and longest suffix the n-gram drafter matches.
         concurrency_drafts: the ladder, a JSON object of running-sequence thresholds (>= 2) to verify widths
@@ -213,6 +218,7 @@ class EngineConfig:
     reasoning_parser: str = "auto"
     trust_request_mm_kwargs: bool = False
     speculative_method: str = "none"
+    speculative_model: str = ""
     num_speculative_tokens: int = 4
     ngram_min: int = 2
     ngram_max: int = 4
@@ -254,6 +260,11 @@ class EngineConfig:
         if self.speculative_method not in SPECULATIVE_METHODS:
             raise ConfigError(f"speculative_method must be one of {', '.join(SPECULATIVE_METHODS)}, "
                               f"not {self.speculative_method!r}")
+        if (self.speculative_method == "draft_model") != bool(self.speculative_model):
+            raise ConfigError("speculative_model is needed with speculative_method draft_model, and only with it")
+        if self.speculative_method == "draft_model" and self.tensor_parallel_size > 1:
+            raise ConfigError("speculative_method draft_model runs without tensor parallelism "
+                              "(tensor_parallel_size 1)")
         # checked with speculation off too: a bad setting fails at startup, not when speculation is turned on
         if not 1 <= self.ngram_min <= self.ngram_max <= MAX_NGRAM:
             raise ConfigError(f"ngram_min and ngram_max must satisfy 1 <= ngram_min <= ngram_max <= {MAX_NGRAM}, "

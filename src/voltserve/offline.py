@@ -28,6 +28,9 @@ def run_steps(scheduler: Scheduler, runner: ModelRunner, max_steps: int | None =
         if handle is None:
             if not scheduler.has_work():
                 break
+            wanted = scheduler.draft_work()  # a draft model's drafts, computed before the plan that verifies them
+            if wanted:
+                scheduler.drafter.prepare(wanted)
             plan = scheduler.schedule()
             if not plan.entries:
                 raise RuntimeError("scheduler made no progress: KV pool too small for the waiting request")

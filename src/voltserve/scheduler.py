@@ -108,6 +108,7 @@ class Scheduler:
         self.drafter = drafter
         self.ladder = ladder
         self.draft_max_pause = draft_max_pause
+        self._forget_drafts = getattr(drafter, "forget", None)
         self.num_verify_steps = 0  # sequence-steps that verified drafts
         self.num_draft_tokens = 0  # drafts verified
         self.num_accepted_tokens = 0  # drafts accepted (the acceptance length is 1 + this / num_verify_steps)
@@ -179,6 +180,16 @@ class Scheduler:
             self._admit(entries, budget)
         self._num_plans += 1
         return StepPlan(entries, has_drafts=any(e.drafts for e in entries) if width else False)
+
+    def draft_work(self) -> list[tuple[Sequence, int]]:
+        """The (sequence, most drafts) pairs the next `schedule()` asks drafts for, for a drafter that computes
+        them beforehand (`needs_prepare`: a draft model, `voltserve.spec.draft_model`); [] for others. Call it
+        right before `schedule()` with nothing applied in between, then the drafter's `prepare` with it."""
+        if not getattr(self.drafter, "needs_prepare", False):
+            return []
+        width = self.ladder.width(len(self.running))
+        return [(seq, k) for seq in self.running if seq.num_tokens - seq.num_computed_tokens == 1
+                and (k := self._draft_room(seq, width, len(seq.output_ids))) > 0]
 
     def _draft_room(self, seq: Sequence, k: int, output_len: int) -> int:
         """How many drafts (<= k) `seq` may verify in a step that starts from `output_len` output tokens: fewer
@@ -418,6 +429,8 @@ class Scheduler:
             seq.block_hashes.append(h)
 
     def _release(self, seq: Sequence) -> None:
+        if self._forget_drafts is not None:  # a draft model's K/V of it goes too
+            self._forget_drafts(seq)
         self.pool.free(seq.block_ids)
         seq.block_ids = []
         seq.block_hashes = []

@@ -78,6 +78,30 @@ async def test_sampling(smollm2, device):
     assert alone == plain and together == plain and all(len(t) > 5 for t in free)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+async def test_draft_model_is_lossless(smollm2, device):
+    """The "draft_model" method with the model as its own draft: greedy output equals plain decoding, alone and
+    concurrent, and on the CPU (whose numerics do not depend on the step's shape) every draft passes; no block of
+    either KV pool outlives its request."""
+    params = {"temperature": 0, "max_tokens": 60}
+    async with running_engine(smollm2, device=device) as engine:
+        plain = await answers(engine, False, **params)
+    spec = {"speculative_method": "draft_model", "speculative_model": "smollm2-135m-instruct",
+            "num_speculative_tokens": 3}
+    async with running_engine(smollm2, device=device, **spec) as engine:
+        alone = await answers(engine, False, **params)
+        together = await answers(engine, True, **params)
+        sched = engine._scheduler_actor.scheduler
+        draft_pool = sched.drafter.pool
+        assert engine.pool.num_free == engine.pool.num_blocks and draft_pool.num_free == draft_pool.num_blocks
+    assert alone == plain and together == plain
+    assert sched.num_draft_tokens > 60
+    if device == "cpu":
+        assert sched.num_accepted_tokens == sched.num_draft_tokens
+    else:
+        assert sched.num_accepted_tokens > sched.num_draft_tokens // 2
+
+
 @pytest.mark.gpu
 def test_verify_graphs_on_cuda():
     """Verify steps replaying verify CUDA graphs (a synthetic Q4_1 model, 3 prompts arriving apart): the greedy

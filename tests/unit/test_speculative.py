@@ -95,8 +95,14 @@ def test_bad_ladders_fail_at_startup(bad, message):
 
 
 def test_bad_speculative_settings_fail_at_startup():
-    with pytest.raises(ConfigError, match="speculative_method must be one of none, ngram"):
+    with pytest.raises(ConfigError, match="speculative_method must be one of none, ngram, draft_model"):
         EngineConfig(speculative_method="eagle").validate()
+    with pytest.raises(ConfigError, match="speculative_model is needed with speculative_method draft_model"):
+        EngineConfig(speculative_method="draft_model").validate()
+    with pytest.raises(ConfigError, match="speculative_model is needed with speculative_method draft_model"):
+        EngineConfig(speculative_method="ngram", speculative_model="smollm2-135m-instruct").validate()
+    with pytest.raises(ConfigError, match="draft_model runs without tensor parallelism"):
+        EngineConfig(speculative_method="draft_model", speculative_model="m", tensor_parallel_size=2).validate()
     with pytest.raises(ConfigError, match="num_speculative_tokens must be >= 1"):
         EngineConfig(speculative_method="ngram", num_speculative_tokens=0).validate()
     with pytest.raises(ConfigError, match="1 <= ngram_min <= ngram_max <= 64"):

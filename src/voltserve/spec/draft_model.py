@@ -1,0 +1,189 @@
+"""Draft-model drafter: a smaller model with the target's tokenizer proposes k tokens greedily.
+
+Each drafted sequence has a shadow in the draft model's own paged KV cache: a `Sequence` whose tokens are the
+target's tokens and its last proposal, of which the first `num_computed_tokens` have their K/V written. Before a
+step, `prepare` brings every wanted shadow up to its target sequence (one catch-up forward over the tokens the
+target accepted since, the first draft sampled from its last row), then decodes the other k - 1 drafts one
+token a step for all shadows at once, through the draft's own `ModelRunner` (so, on a GPU, its decode steps
+replay the draft's CUDA graphs). The drafts of a rejected tail are overwritten by the next catch-up: only the
+prefix the shadow shares with the target is kept.
+
+Greedy drafts are one token for certain (q a point mass), which is what `voltserve.spec.verify.accept_sampled`
+verifies, so sampled requests keep the target's distribution too. The scheme is speculative decoding's
+original one (Leviathan et al. 2023, "Fast Inference from Transformers via Speculative Decoding"; vLLM's
+`draft_model` method).
+"""
+
+from __future__ import annotations
+
+from voltserve.kv_cache import BlockPool
+from voltserve.request import SamplingParams
+from voltserve.scheduler import ScheduledSeq, StepPlan
+from voltserve.sequence import Sequence, SequenceStatus
+
+_GREEDY = SamplingParams(temperature=0.0)
+
+
+class DraftModelDrafter:
+    """Proposes up to k tokens per sequence with a draft model (greedy), keeping each sequence's draft K/V.
+
+    `prepare` runs the draft model and must be called, on the thread that owns the device, before the
+    `Scheduler.schedule()` whose drafts it computes (`Scheduler.draft_work` says for which sequences; the
+    scheduler actor and `voltserve.offline.run_steps` do this); `propose` then hands out the drafts.
+
+    Args:
+        runner: the draft model's `voltserve.runner.ModelRunner` (its own KV cache; CUDA graphs optional).
+        pool: the BlockPool of the draft's KV cache (its blocks are the shadows'; prefix caching unused).
+        num_drafts: the most tokens proposed at once (k).
+        vocab_size: the target's vocabulary: a draft id at or above it ends the proposal (padded vocabularies).
+        max_chunk_tokens: the most tokens one catch-up forward computes (long prompts take several).
+    Raises:
+        ValueError: num_drafts < 1 or max_chunk_tokens < 1.
+    """
+
+    needs_prepare = True
+
+    def __init__(self, runner, pool: BlockPool, num_drafts: int, vocab_size: int, max_chunk_tokens: int = 2048):
+        if num_drafts < 1 or max_chunk_tokens < 1:
+            raise ValueError(f"bad draft-model drafter settings: num_drafts {num_drafts}, "
+                             f"max_chunk_tokens {max_chunk_tokens}")
+        self.runner = runner
+        self.pool = pool
+        self.block_size = pool.block_size
+        self.num_drafts = num_drafts
+        self.vocab_size = vocab_size
+        self.max_chunk_tokens = max_chunk_tokens
+        # target seq_id -> [target, shadow, base]: base = the target's length at the last sync (tokens the shadow
+        # holds for certain: a target only grows)
+        self._shadows: dict[int, list] = {}
+        self._ready: dict[int, list[int]] = {}  # target seq_id -> drafts of the coming step
+        self.num_forwards = 0  # draft model steps run (catch-up chunks and decode steps)
+
+    def propose(self, seq: Sequence, k: int) -> list[int]:
+        """The drafts `prepare` computed for `seq` (at most k); [] when it computed none."""
+        return self._ready.pop(seq.seq_id, [])[:min(k, self.num_drafts)]
+
+    def prepare(self, wanted: list[tuple[Sequence, int]]) -> None:
+        """Compute the drafts of the coming step: up to k tokens for each (sequence, k) of `wanted`.
+
+        Shadows of sequences that stopped running are freed first; a sequence whose shadow cannot get the blocks
+        it needs gets no drafts this step. Drafts left over from an earlier call are dropped.
+        """
+        self._ready.clear()
+        self._drop_stale()
+        jobs: list[tuple[Sequence, Sequence, int, int]] = []  # (target, shadow, k, target length)
+        for seq, k in wanted:
+            k = min(k, self.num_drafts)
+            if k < 1:
+                continue
+            entry = self._entry(seq)
+            shadow, tokens = entry[1], seq.token_ids()
+            _sync(shadow, tokens, entry[2])
+            entry[2] = len(tokens)
+            # the last draft's K/V is never written: positions up to len(tokens) + k - 2
+            if not self._grow(shadow, len(tokens) + k - 1, {s.seq_id for s, _ in wanted}):
+                continue
+            jobs.append((seq, shadow, k, len(tokens)))
+        if not jobs:
+            return
+        self._catch_up([shadow for _, shadow, _, _ in jobs])
+        for step in range(1, max(k for _, _, k, _ in jobs)):
+            entries = [ScheduledSeq(shadow, shadow.num_tokens - 1, 1, True)
+                       for _, shadow, k, _ in jobs if k > step]
+            self._run(entries)
+        for seq, shadow, _, length in jobs:
+            drafts = shadow.prompt_ids[length:]
+            cut = next((i for i, t in enumerate(drafts) if t >= self.vocab_size), len(drafts))
+            self._ready[seq.seq_id] = drafts[:cut]
+
+    def forget(self, seq: Sequence) -> None:
+        """Free `seq`'s shadow (the scheduler calls this when it frees seq's own blocks: finished, preempted)."""
+        entry = self._shadows.get(seq.seq_id)
+        if entry is not None and entry[0] is seq:
+            self._free(seq.seq_id)
+        self._ready.pop(seq.seq_id, None)
+
+    def release_all(self) -> None:
+        """Free every shadow's blocks (the engine stops, or a test checks for leaks)."""
+        for seq_id in list(self._shadows):
+            self._free(seq_id)
+        self._ready.clear()
+
+    # -- internals ----------------------------------------------------------------------------------------
+
+    def _catch_up(self, shadows: list[Sequence]) -> None:
+        """Compute each shadow's K/V up to its last target token and sample its first draft, in forwards of at
+        most max_chunk_tokens tokens (a shadow's tail chunk samples)."""
+        pending = list(shadows)
+        while pending:
+            entries, budget, later = [], self.max_chunk_tokens, []
+            for shadow in pending:
+                left = shadow.num_tokens - shadow.num_computed_tokens
+                if budget < 1:
+                    later.append(shadow)
+                    continue
+                n = min(left, budget)
+                entries.append(ScheduledSeq(shadow, shadow.num_computed_tokens, n, n == left))
+                budget -= n
+                if n < left:
+                    later.append(shadow)
+            self._run(entries)
+            pending = later
+
+    def _run(self, entries: list[ScheduledSeq]) -> None:
+        """One draft forward; advances each entry's computed tokens and appends its sampled token."""
+        sampled, _ = self.runner.execute(StepPlan(entries))
+        self.num_forwards += 1
+        for e in entries:
+            e.seq.num_computed_tokens = e.start + e.num_new
+            if e.sample:
+                e.seq.prompt_ids.append(sampled[e.seq.seq_id])
+
+    def _entry(self, seq: Sequence) -> list:
+        """seq's [target, shadow, base], a new shadow with no K/V for a new sequence."""
+        entry = self._shadows.get(seq.seq_id)
+        if entry is None or entry[0] is not seq:
+            if entry is not None:
+                self._free(seq.seq_id)
+            shadow = Sequence(seq.seq_id, seq.request_id, seq.index, [], _GREEDY, max_tokens=1)
+            shadow.status = SequenceStatus.RUNNING
+            entry = self._shadows[seq.seq_id] = [seq, shadow, 0]
+        return entry
+
+    def _grow(self, shadow: Sequence, num_tokens: int, keep: set[int]) -> bool:
+        """Blocks for num_tokens positions; frees shadows not in `keep` (least recently made first) when short."""
+        need = max(0, -(-num_tokens // self.block_size) - len(shadow.block_ids))
+        for seq_id in list(self._shadows):
+            if need <= self.pool.num_free:
+                break
+            if seq_id not in keep:
+                self._free(seq_id)
+        if need > self.pool.num_free:
+            return False
+        shadow.block_ids.extend(self.pool.allocate() for _ in range(need))
+        return True
+
+    def _drop_stale(self) -> None:
+        """Free the shadows of sequences that finished or went back to the queue (preempted)."""
+        for seq_id, (seq, _, _) in list(self._shadows.items()):
+            if seq.status is not SequenceStatus.RUNNING:
+                self._free(seq_id)
+
+    def _free(self, seq_id: int) -> None:
+        shadow = self._shadows.pop(seq_id)[1]
+        self.pool.free(shadow.block_ids)
+        shadow.block_ids = []
+
+
+def _sync(shadow: Sequence, tokens: list[int], base: int) -> None:
+    """Make `shadow` hold `tokens` (the target's, a copy), keeping the K/V of the prefix both share: the drafts
+    the target accepted keep theirs, a rejected tail is recomputed. At least the last token is left to compute
+    (its row gives the first draft). base: how many leading tokens are known to agree (the target's length at
+    the last sync), so only the drafts since are compared."""
+    old, have = shadow.prompt_ids, shadow.num_computed_tokens
+    limit = min(have, len(tokens) - 1)
+    same = min(base, limit)
+    while same < limit and old[same] == tokens[same]:
+        same += 1
+    shadow.prompt_ids = tokens
+    shadow.num_computed_tokens = same

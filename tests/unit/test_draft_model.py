@@ -1,0 +1,196 @@
+"""The draft-model drafter (`voltserve.spec.draft_model`): its shadows' K/V bookkeeping against a scripted runner,
+and, on tiny synthetic models on the CPU, lossless greedy output through the scheduler (case D1) with every draft
+of a draft model that is the target accepted, partial acceptance, preemption, and no KV block of either pool
+leaked."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tools.make_synthetic_checkpoint import synthetic_model
+from voltserve.backends.cpu import CpuBackend
+from voltserve.kv_cache import BlockPool
+from voltserve.models.llama import LlamaModel
+from voltserve.offline import run_steps
+from voltserve.request import SamplingParams
+from voltserve.runner import ModelRunner
+from voltserve.scheduler import Scheduler
+from voltserve.sequence import Sequence, SequenceStatus
+from voltserve.spec.draft_model import DraftModelDrafter
+from voltserve.spec.ladder import DraftLadder
+
+BS = 4  # tokens a KV block
+
+
+class ScriptedRunner:
+    """A draft runner double: records each step's (start, num_new, sample) per entry and samples the token
+    `next_token(position after the entry)`."""
+
+    def __init__(self, next_token=lambda pos: 100 + pos):
+        self.steps: list[list[tuple[int, int, bool]]] = []
+        self.next_token = next_token
+
+    def execute(self, plan):
+        self.steps.append([(e.start, e.num_new, e.sample) for e in plan.entries])
+        return {e.seq.seq_id: self.next_token(e.start + e.num_new) for e in plan.entries if e.sample}, {}
+
+
+def running_seq(seq_id: int, tokens: list[int], output: list[int] = ()) -> Sequence:
+    seq = Sequence(seq_id, f"r{seq_id}", 0, list(tokens), SamplingParams(temperature=0), 100)
+    seq.output_ids = list(output)
+    seq.status = SequenceStatus.RUNNING
+    return seq
+
+
+def test_shadow_keeps_accepted_drafts_and_recomputes_the_rejected_tail():
+    runner = ScriptedRunner()
+    pool = BlockPool(16, BS, enable_prefix_caching=False)
+    drafter = DraftModelDrafter(runner, pool, 3, vocab_size=1000)
+    seq = running_seq(0, list(range(1, 11)))  # 10 tokens
+    drafter.prepare([(seq, 3)])
+    # catch-up over the 10 tokens (its last row samples d1), then d1 and d2 fed one a step
+    assert runner.steps == [[(0, 10, True)], [(10, 1, True)], [(11, 1, True)]]
+    assert drafter.propose(seq, 3) == [110, 111, 112]
+    assert drafter.propose(seq, 3) == []  # handed out once
+    assert pool.num_free == 16 - 3  # 12 positions written (10 tokens, d1, d2)
+    # the target accepted d1 and sampled 7 where d2 was: d1's K/V stays, the tail from 7 on is computed
+    seq.output_ids = [110, 7]
+    runner.steps.clear()
+    drafter.prepare([(seq, 2)])
+    assert runner.steps == [[(11, 1, True)], [(12, 1, True)]]
+    assert drafter.propose(seq, 2) == [112, 113]
+    # every draft accepted plus a bonus token: the catch-up is the last draft and the bonus
+    seq.output_ids += [112, 113, 50]
+    runner.steps.clear()
+    drafter.prepare([(seq, 1)])
+    assert runner.steps == [[(13, 2, True)]]
+    drafter.forget(seq)
+    assert pool.num_free == 16 and drafter.propose(seq, 1) == []
+
+
+def test_catch_up_in_chunks_and_k_per_sequence():
+    runner = ScriptedRunner()
+    drafter = DraftModelDrafter(runner, BlockPool(32, BS, enable_prefix_caching=False), 4, vocab_size=1000,
+                                max_chunk_tokens=6)
+    a, b = running_seq(0, list(range(9))), running_seq(1, [5, 6])
+    drafter.prepare([(a, 1), (b, 3)])
+    # 9 + 2 tokens in chunks of 6: a's first 6, then a's last 3 and b's 2 (both sample); b alone decodes on
+    assert runner.steps == [[(0, 6, False)], [(6, 3, True), (0, 2, True)], [(2, 1, True)], [(3, 1, True)]]
+    assert drafter.propose(a, 4) == [109] and drafter.propose(b, 2) == [102, 103]  # k caps what is handed out
+
+
+def test_drafts_end_at_an_id_past_the_targets_vocabulary():
+    drafter = DraftModelDrafter(ScriptedRunner(lambda pos: 7 if pos < 4 else 900), BlockPool(8, BS), 3,
+                                vocab_size=800)
+    seq = running_seq(0, [1, 2, 3])
+    drafter.prepare([(seq, 3)])
+    assert drafter.propose(seq, 3) == [7]
+
+
+def test_a_short_pool_takes_blocks_from_shadows_not_wanted_then_gives_no_drafts():
+    pool = BlockPool(3, BS, enable_prefix_caching=False)
+    drafter = DraftModelDrafter(ScriptedRunner(), pool, 2, vocab_size=1000)
+    a, b = running_seq(0, list(range(6))), running_seq(1, list(range(6)))
+    drafter.prepare([(a, 2)])  # 7 positions: 2 blocks
+    assert drafter.propose(a, 2) and pool.num_free == 1
+    drafter.prepare([(b, 2)])  # a is not wanted this step: its shadow goes
+    assert drafter.propose(b, 2) and pool.num_free == 1
+    drafter.prepare([(a, 2), (b, 2)])  # both wanted: a cannot get 2 blocks
+    assert drafter.propose(a, 2) == [] and drafter.propose(b, 2) == [106, 107]
+    b.status = SequenceStatus.FINISHED  # a finished sequence's shadow is dropped at the next call
+    drafter.prepare([])
+    drafter.prepare([(a, 2)])
+    assert drafter.propose(a, 2) and pool.num_free == 1
+    drafter.release_all()
+    assert pool.num_free == 3
+
+
+def test_bad_settings():
+    with pytest.raises(ValueError):
+        DraftModelDrafter(ScriptedRunner(), BlockPool(4, BS), 0, vocab_size=10)
+    with pytest.raises(ValueError):
+        DraftModelDrafter(ScriptedRunner(), BlockPool(4, BS), 2, vocab_size=10, max_chunk_tokens=0)
+
+
+# -- real models on the CPU --------------------------------------------------------------------------------------
+
+BACKEND = CpuBackend()
+
+
+def tiny(seed: int):
+    loaded = synthetic_model("tiny", device="cpu", dtype=torch.float32, seed=seed)
+    model = LlamaModel(loaded.config, loaded.tensors, BACKEND, loaded.quantized, max_positions=256)
+    cfg = loaded.config
+    return model, BACKEND.allocate_kv_cache(cfg.num_layers, 64, BS, cfg.num_kv_heads, cfg.head_dim)
+
+
+TARGET, TARGET_KV = tiny(1)
+PROMPTS = [[(5 * j + i) % 300 + 1 for j in range(6 + 7 * i)] for i in range(3)]
+
+
+def generate(drafter=None, k: int = 4, num_blocks: int = 64, max_tokens: int = 40, temperature: float = 0.0):
+    runner = ModelRunner(TARGET, BACKEND, TARGET_KV, (-1,), seed=0)
+    spec = {"drafter": drafter, "ladder": DraftLadder(k)} if drafter is not None else {}
+    sched = Scheduler(BlockPool(num_blocks, BS), 8, 64, 256, (-1,), **spec)
+    seqs = [Sequence(i, f"r{i}", 0, list(p), SamplingParams(temperature=temperature, ignore_eos=True), max_tokens)
+            for i, p in enumerate(PROMPTS)]
+    for s in seqs:
+        sched.add(s)
+    run_steps(sched, runner)
+    assert sched.pool.num_free == num_blocks
+    return [s.output_ids for s in seqs], sched
+
+
+def model_drafter(seed: int, k: int = 4) -> DraftModelDrafter:
+    model, kv = (TARGET, tiny(1)[1]) if seed == 1 else tiny(seed)
+    return DraftModelDrafter(ModelRunner(model, BACKEND, kv, (), seed=0), BlockPool(64, BS, False), k, 320)
+
+
+PLAIN, _ = generate()
+
+
+def test_the_target_as_its_own_draft_passes_every_draft():
+    drafter = model_drafter(1)
+    out, sched = generate(drafter)
+    assert out == PLAIN
+    assert sched.num_draft_tokens > 60 and sched.num_accepted_tokens == sched.num_draft_tokens
+    assert drafter.pool.num_free == drafter.pool.num_blocks  # every shadow freed with its sequence
+
+
+@pytest.mark.parametrize("seed", [2, 3])
+def test_another_model_drafts_losslessly(seed):
+    drafter = model_drafter(seed, k=3)
+    out, sched = generate(drafter)
+    assert out == PLAIN and sched.num_verify_steps > 0
+    assert drafter.pool.num_free == drafter.pool.num_blocks
+
+
+def test_preemption_and_sampling_leak_no_block():
+    """A target pool too small for all three sequences preempts (their shadows go with their blocks); unseeded
+    sampling verifies the draft model's drafts by rejection sampling."""
+    drafter = model_drafter(1)
+    out, sched = generate(drafter, num_blocks=24)
+    assert out == PLAIN and sched.num_preemptions > 0
+    assert drafter.pool.num_free == drafter.pool.num_blocks
+    sampled, sched = generate(drafter, temperature=0.1)
+    assert [len(o) for o in sampled] == [40] * 3 and sched.num_accepted_tokens > 0
+    assert drafter.pool.num_free == drafter.pool.num_blocks
+
+
+def test_a_draft_model_must_share_the_tokenizer():
+    from types import SimpleNamespace
+
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+
+    from actors.draft_build import check_same_tokenizer
+    from voltserve.errors import ConfigError
+
+    def tok(vocab):
+        return SimpleNamespace(backend=Tokenizer(WordLevel(vocab, unk_token="<unk>")))
+
+    check_same_tokenizer(tok({"<unk>": 0, "a": 1, "b": 2}), tok({"<unk>": 0, "a": 1, "b": 2}), "same")
+    with pytest.raises(ConfigError, match=r"speculative_model 'other' has another tokenizer than the model "
+                                          r"\(3 vs 3 tokens, 2 differ\)"):
+        check_same_tokenizer(tok({"<unk>": 0, "a": 1, "b": 2}), tok({"<unk>": 0, "a": 2, "b": 1}), "other")

@@ -11,6 +11,12 @@ engine's asynchronous scheduling), and for each (k, drafts pass / fail, backoff)
 steps (pipelined where the scheduler allows), its ratio to both plain figures and whether its greedy tokens equal
 plain decoding's (`lossless`). The drafter knows the plain output: "pass" proposes it, "fail" proposes each token
 plus one. On the CPU no step is planned ahead and the tiny shape is host-bound: only the GPU figures are speeds.
+
+`--draft-shape` adds, per (batch, k), a run with a draft model of that shape (random weights, so its drafts
+fail and, without backoff, every step verifies k of them): `draft_ms_per_step` (the drafter's `prepare`: its
+catch-up and k - 1 decode steps), `verify_ms_per_step` (the rest of the step) and the speedup over pipelined plain
+decoding those costs give where a fraction `a` of drafts pass (`projected_speedup`: 1 + a + ... + a^k tokens a
+step, the standard estimate of Leviathan et al. 2023).
 """
 
 from __future__ import annotations
@@ -76,6 +82,34 @@ class Bench:
                                                  cfg.head_dim)
         self._graphs: dict[int, object] = {}
 
+    def draft_model_drafter(self, shape: str, k: int):
+        """A DraftModelDrafter over a random draft model of `shape` (dense) with a pool as large as the target's
+        and, on CUDA, its own decode and mixed graphs; its `prepare` time accumulates in `.prepare_s`."""
+        from voltserve.spec.draft_model import DraftModelDrafter
+
+        dtype = torch.float16 if self.device == "cuda" else torch.float32
+        loaded = synthetic_model(shape, device=self.device, dtype=dtype, seed=5)
+        cfg = loaded.config
+        model = LlamaModel(cfg, loaded.tensors, self.backend, loaded.quantized, max_positions=MAX_MODEL_LEN)
+        kv = self.backend.allocate_kv_cache(cfg.num_layers, NUM_BLOCKS, BLOCK_SIZE, cfg.num_kv_heads, cfg.head_dim)
+        graphs = None
+        if self.device == "cuda":
+            from voltserve.graphs import StepGraphs
+            graphs = StepGraphs(model, self.backend, kv, max_num_seqs=self.max_seqs, max_model_len=MAX_MODEL_LEN,
+                                prefill_tokens=(8, PROMPT_LEN))
+            graphs.capture()
+        drafter = DraftModelDrafter(ModelRunner(model, self.backend, kv, (), seed=0, graphs=graphs),
+                                    BlockPool(NUM_BLOCKS, BLOCK_SIZE, False), k, self.vocab_size)
+        drafter.prepare_s = 0.0
+        prepare = drafter.prepare
+
+        def timed_prepare(wanted):
+            t0 = time.perf_counter()
+            prepare(wanted)  # synchronous: each draft step's tokens come back to the host
+            drafter.prepare_s += time.perf_counter() - t0
+        drafter.prepare = timed_prepare
+        return drafter
+
     def graphs(self, k: int):
         """The StepGraphs for verify width k (0: none), or None on the CPU."""
         if self.device != "cuda":
@@ -116,6 +150,29 @@ class Bench:
         return self.run(*args, **kwargs)
 
 
+def draft_model_row(bench: Bench, shape: str, k: int, prompts, tokens: int, t_pipe: float, base: dict) -> dict:
+    """The `--draft-shape` row (see the module's docstring): the second of two runs, no backoff."""
+    for _ in range(2):
+        drafter = bench.draft_model_drafter(shape, k)
+        start = time.perf_counter()
+        runner = ModelRunner(bench.model, bench.backend, bench.kv, (EOS,), seed=0, graphs=bench.graphs(k))
+        sched = Scheduler(BlockPool(NUM_BLOCKS, BLOCK_SIZE), bench.max_seqs, 512, MAX_MODEL_LEN, (EOS,),
+                          drafter=drafter, ladder=DraftLadder(k), draft_max_pause=0)
+        for i, p in enumerate(prompts):
+            sched.add(Sequence(i, f"r{i}", 0, list(p), SamplingParams(temperature=0, ignore_eos=True), tokens))
+        steps = run_steps(sched, runner)
+        bench.sync()
+        t = time.perf_counter() - start
+    draft_ms, step_ms = 1e3 * drafter.prepare_s / steps, 1e3 * t / steps
+    plain_step_ms = 1e3 * t_pipe / tokens
+    projected = {str(a): round(sum(a ** i for i in range(k + 1)) * plain_step_ms / step_ms, 3)
+                 for a in (0.5, 0.7, 0.9)}
+    return {**base, "run": "draft_model", "draft_shape": shape, "k": k, "steps": steps,
+            "verify_steps": sched.num_verify_steps, "draft_ms_per_step": round(draft_ms, 4),
+            "verify_ms_per_step": round(step_ms - draft_ms, 4), "plain_ms_per_step": round(plain_step_ms, 4),
+            "projected_speedup": projected}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda")
@@ -125,6 +182,7 @@ def main() -> None:
     parser.add_argument("--k", default=[1, 2, 4], type=lambda s: [int(x) for x in s.split(",")])
     parser.add_argument("--tokens", type=int, default=128, help="generated tokens per sequence")
     parser.add_argument("--max-pause", type=int, default=64, help="the backoff runs' draft_max_pause")
+    parser.add_argument("--draft-shape", default="", help="also a draft model of this shape (random weights)")
     parser.add_argument("--out", default="")
     args = parser.parse_args()
     qtype = None if args.device != "cuda" or args.qtype == "none" else args.qtype
@@ -148,6 +206,9 @@ def main() -> None:
                              "speedup_vs_pipelined": round(t_pipe / t, 3), "speedup_vs_sync": round(t_sync / t, 3),
                              "verify_steps": sched.num_verify_steps, "accepted": sched.num_accepted_tokens,
                              "lossless": out == plain})
+                print(json.dumps(rows[-1]), flush=True)
+            if args.draft_shape:
+                rows.append(draft_model_row(bench, args.draft_shape, k, prompts, args.tokens, t_pipe, base))
                 print(json.dumps(rows[-1]), flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps({"command": " ".join(sys.argv), "results": rows}, indent=2))

@@ -13,7 +13,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 def test_bench_verify_rows(tmp_path):
     out = tmp_path / "verify.json"
     subprocess.run([sys.executable, str(ROOT / "tools" / "bench_verify.py"), "--device", "cpu", "--shape", "tiny",
-                    "--tokens", "12", "--batch", "1,2", "--k", "2", "--out", str(out)], check=True, cwd=ROOT,
+                    "--tokens", "12", "--batch", "1,2", "--k", "2", "--draft-shape", "tiny",
+                    "--out", str(out)], check=True, cwd=ROOT,
                    capture_output=True, timeout=300)
     rows = json.loads(out.read_text())["results"]
     plain = [r for r in rows if r["run"] == "plain"]
@@ -26,3 +27,10 @@ def test_bench_verify_rows(tmp_path):
         # all fail: a verify every token but the last (no room for a draft), or with backoff after 1, 2 + 1, 4 + 1
         assert verify[b, "fail", 0]["verify_steps"] == 10 * b and verify[b, "fail", 0]["accepted"] == 0
         assert verify[b, "fail", 64]["verify_steps"] == 3 * b and verify[b, "fail", 64]["accepted"] == 0
+    # a random draft model's drafts, no backoff: 12 steps (the prefill's, then 11 that each verify <= 2 drafts:
+    # none with room for a draft at the last), their time split between the drafter and the rest
+    drafted = [r for r in rows if r["run"] == "draft_model"]
+    assert [(r["batch"], r["k"], r["steps"]) for r in drafted] == [(1, 2, 12), (2, 2, 12)]
+    for r in drafted:
+        assert r["verify_steps"] == 10 * r["batch"] and r["draft_ms_per_step"] > 0 and r["verify_ms_per_step"] > 0
+        assert set(r["projected_speedup"]) == {"0.5", "0.7", "0.9"}

@@ -14,7 +14,7 @@ from voltserve.kv_cache import BlockPool
 from voltserve.models.llama import LlamaModel
 from voltserve.offline import run_steps
 from voltserve.request import SamplingParams
-from voltserve.runner import ModelRunner
+from voltserve.runner import ModelRunner, StepHandle
 from voltserve.scheduler import Scheduler
 from voltserve.sequence import Sequence, SequenceStatus
 from voltserve.spec.draft_model import DraftModelDrafter
@@ -24,16 +24,24 @@ BS = 4  # tokens a KV block
 
 
 class ScriptedRunner:
-    """A draft runner double: records each step's (start, num_new, sample) per entry and samples the token
-    `next_token(position after the entry)`."""
+    """A draft runner double (synchronous steps, as ModelRunner's without graphs): records each step's (start,
+    num_new, sample) per entry and samples the token `next_token(position after the entry)`."""
 
     def __init__(self, next_token=lambda pos: 100 + pos):
         self.steps: list[list[tuple[int, int, bool]]] = []
         self.next_token = next_token
 
-    def execute(self, plan):
+    def async_sampler(self, plan):
+        return None
+
+    def launch(self, plan, feed=None):
+        assert feed is None
         self.steps.append([(e.start, e.num_new, e.sample) for e in plan.entries])
-        return {e.seq.seq_id: self.next_token(e.start + e.num_new) for e in plan.entries if e.sample}, {}
+        sampled = {e.seq.seq_id: self.next_token(e.start + e.num_new) for e in plan.entries if e.sample}
+        return StepHandle(plan, result=(sampled, {}))
+
+    def collect(self, handle):
+        return handle.result
 
 
 def running_seq(seq_id: int, tokens: list[int], output: list[int] = ()) -> Sequence:

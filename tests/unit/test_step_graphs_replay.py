@@ -130,6 +130,9 @@ def _generate(model, mode, prompts, arrivals, max_tokens, max_seqs=4, budget=64,
         elif mode == "pipelined":
             run_steps(sched, runner, pipelined=True, on_update=on_update)
         else:
+            wanted = sched.draft_work()  # a draft model's drafts (run_steps does the same)
+            if wanted:
+                sched.drafter.prepare(wanted)
             plan = sched.schedule()
             sched.update(plan, runner.execute(plan)[0])
             on_update()
@@ -214,3 +217,47 @@ def test_failing_drafts_back_off_into_steps_planned_ahead(model):
     # and one step planned ahead (the last sequence's last token: no draft fits)
     assert 16 <= counts[64][0] <= 20 and counts[64][1] >= 12, counts
     assert counts[0] == (122, 1), counts
+
+
+def test_a_draft_model_over_graphs_feeds_its_decode_steps_on_the_device(model):
+    """The draft_model method with the model as its own draft, both over CPU "graphs": the draft's decode steps
+    are launched fed from the step before (`DraftModelDrafter._run_chain`, two in flight), every draft passes and
+    the tokens equal the eager loop's; both pools end free."""
+    from voltserve.spec.draft_model import DraftModelDrafter
+
+    prompts = [[5, 6, 7, 5, 6, 7, 5, 6], [9] * 12, list(range(1, 30)), [3, 1, 4, 1, 5, 9, 2, 6]]
+    arrivals, max_tokens = [0, 0, 3, 6], [40, 25, 30, 35]
+    eager, _, _ = _generate(model, "eager", prompts, arrivals, max_tokens)
+    cfg, backend = model.config, model.backend
+    kv = backend.allocate_kv_cache(cfg.num_layers, 64, 4, cfg.num_kv_heads, cfg.head_dim)
+    draft_graphs = _CpuReplayGraphs(model, backend, kv, 4, 256, [8, 64], None)
+    draft_graphs.capture()
+    runner = ModelRunner(model, backend, kv, (), seed=0, graphs=draft_graphs)
+    launch, fed = runner.launch, []
+    runner.launch = lambda plan, feed=None: (fed.append(feed is not None), launch(plan, feed))[1]
+    drafter = DraftModelDrafter(runner, BlockPool(64, 4, False), 3, cfg.vocab_size)
+    prepare = drafter.prepare
+    drafter.prepare = lambda wanted: (fed.append(None), prepare(wanted))  # None: a prepare starts
+    for mode in ("sync", "pipelined"):
+        fed.clear()
+        out, graphs, _ = _generate(model, mode, prompts, arrivals, max_tokens, drafts=3, drafter=drafter,
+                                   draft_max_pause=0)
+        sched = graphs.sched
+        assert out == eager, mode
+        assert sched.num_draft_tokens > 60 and sched.num_accepted_tokens == sched.num_draft_tokens
+        # each prepare: its catch-up (not fed), then its decode steps, all fed on the device
+        per_prepare = " ".join("".join("F" if f else "c" for f in run) for run in _split(fed))
+        assert set(per_prepare.split()) <= {"c", "cF", "cFF"} and per_prepare.count("F") > 20, per_prepare
+        assert drafter.pool.num_free == drafter.pool.num_blocks
+    assert any(k.prefill for k in draft_graphs.replays) and any(not k.prefill for k in draft_graphs.replays)
+
+
+def _split(marks: list) -> list[list[bool]]:
+    """[None, a, b, None, c] -> [[a, b], [c]]: the launches of each prepare."""
+    runs: list[list[bool]] = []
+    for m in marks:
+        if m is None:
+            runs.append([])
+        else:
+            runs[-1].append(m)
+    return runs

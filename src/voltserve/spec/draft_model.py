@@ -4,9 +4,11 @@ Each drafted sequence has a shadow in the draft model's own paged KV cache: a `S
 target's tokens and its last proposal, of which the first `num_computed_tokens` have their K/V written. Before a
 step, `prepare` brings every wanted shadow up to its target sequence (one catch-up forward over the tokens the
 target accepted since, the first draft sampled from its last row), then decodes the other k - 1 drafts one
-token a step for all shadows at once, through the draft's own `ModelRunner` (so, on a GPU, its decode steps
-replay the draft's CUDA graphs). The drafts of a rejected tail are overwritten by the next catch-up: only the
-prefix the shadow shares with the target is kept.
+token a step for all shadows at once, through the draft's own `ModelRunner`: on a GPU its steps replay the
+draft's CUDA graphs and each decode step takes its input ids from the step before on the device
+(`ModelRunner.launch(feed=)`), so one host sync a step comes back late instead of one per draft. The drafts of
+a rejected tail are overwritten by the next catch-up: only the prefix the shadow shares with the target is
+kept.
 
 Greedy drafts are one token for certain (q a point mass), which is what `voltserve.spec.verify.accept_sampled`
 verifies, so sampled requests keep the target's distribution too. The scheme is speculative decoding's
@@ -22,6 +24,7 @@ from voltserve.scheduler import ScheduledSeq, StepPlan
 from voltserve.sequence import Sequence, SequenceStatus
 
 _GREEDY = SamplingParams(temperature=0.0)
+_UNKNOWN = -1  # a draft launched and not collected yet (its step fed the next one on the device)
 
 
 class DraftModelDrafter:
@@ -71,6 +74,7 @@ class DraftModelDrafter:
         """
         self._ready.clear()
         self._drop_stale()
+        keep = {seq.seq_id for seq, _ in wanted}
         jobs: list[tuple[Sequence, Sequence, int, int]] = []  # (target, shadow, k, target length)
         for seq, k in wanted:
             k = min(k, self.num_drafts)
@@ -81,16 +85,12 @@ class DraftModelDrafter:
             _sync(shadow, tokens, entry[2])
             entry[2] = len(tokens)
             # the last draft's K/V is never written: positions up to len(tokens) + k - 2
-            if not self._grow(shadow, len(tokens) + k - 1, {s.seq_id for s, _ in wanted}):
+            if not self._grow(shadow, len(tokens) + k - 1, keep):
                 continue
             jobs.append((seq, shadow, k, len(tokens)))
         if not jobs:
             return
-        self._catch_up([shadow for _, shadow, _, _ in jobs])
-        for step in range(1, max(k for _, _, k, _ in jobs)):
-            entries = [ScheduledSeq(shadow, shadow.num_tokens - 1, 1, True)
-                       for _, shadow, k, _ in jobs if k > step]
-            self._run(entries)
+        self._run_chain(self._steps(jobs))
         for seq, shadow, _, length in jobs:
             drafts = shadow.prompt_ids[length:]
             cut = next((i for i, t in enumerate(drafts) if t >= self.vocab_size), len(drafts))
@@ -111,10 +111,11 @@ class DraftModelDrafter:
 
     # -- internals ----------------------------------------------------------------------------------------
 
-    def _catch_up(self, shadows: list[Sequence]) -> None:
-        """Compute each shadow's K/V up to its last target token and sample its first draft, in forwards of at
-        most max_chunk_tokens tokens (a shadow's tail chunk samples)."""
-        pending = list(shadows)
+    def _steps(self, jobs):
+        """The draft forwards of `prepare`, each a list of ScheduledSeq built once the one before is launched:
+        the catch-up, in forwards of at most max_chunk_tokens tokens (a shadow's tail chunk samples its first
+        draft), then decode steps, each feeding every shadow still short of its k its latest draft."""
+        pending = [shadow for _, shadow, _, _ in jobs]
         while pending:
             entries, budget, later = [], self.max_chunk_tokens, []
             for shadow in pending:
@@ -127,17 +128,45 @@ class DraftModelDrafter:
                 budget -= n
                 if n < left:
                     later.append(shadow)
-            self._run(entries)
+            yield entries
             pending = later
+        for step in range(1, max(k for _, _, k, _ in jobs)):
+            yield [ScheduledSeq(shadow, shadow.num_tokens - 1, 1, True) for _, shadow, k, _ in jobs if k > step]
 
-    def _run(self, entries: list[ScheduledSeq]) -> None:
-        """One draft forward; advances each entry's computed tokens and appends its sampled token."""
-        sampled, _ = self.runner.execute(StepPlan(entries))
-        self.num_forwards += 1
-        for e in entries:
-            e.seq.num_computed_tokens = e.start + e.num_new
+    def _run_chain(self, steps) -> None:
+        """Launch the steps in order, two in flight at most: where the runner can (a greedy graph step after an
+        asynchronous one, `ModelRunner.launch(feed=)`), a decode step takes its input ids from the step before on
+        the device and that step is collected after it is launched, so the device runs the draft's steps back to
+        back; otherwise the step before is collected first (its tokens are this step's inputs)."""
+        prev = None  # (plan, handle) launched and not collected
+        for entries in steps:
+            plan = StepPlan(entries)
+            feed = None
+            if prev is not None:
+                rows = {e.seq.seq_id for e in prev[0].entries if e.sample}
+                if (prev[1].is_async and all(e.num_new == 1 and e.seq.seq_id in rows for e in entries)
+                        and self.runner.async_sampler(plan) is not None):
+                    feed = prev[1]
+                else:
+                    self._collect(*prev)
+                    prev = None
+            handle = self.runner.launch(plan, feed=feed)
+            self.num_forwards += 1
+            for e in entries:  # the sampled token's place, filled by _collect
+                e.seq.num_computed_tokens = e.start + e.num_new
+                if e.sample:
+                    e.seq.prompt_ids.append(_UNKNOWN)
+            if prev is not None:
+                self._collect(*prev)
+            prev = (plan, handle)
+        if prev is not None:
+            self._collect(*prev)
+
+    def _collect(self, plan: StepPlan, handle) -> None:
+        sampled, _ = self.runner.collect(handle)
+        for e in plan.entries:
             if e.sample:
-                e.seq.prompt_ids.append(sampled[e.seq.seq_id])
+                e.seq.prompt_ids[e.start + e.num_new] = sampled[e.seq.seq_id]
 
     def _entry(self, seq: Sequence) -> list:
         """seq's [target, shadow, base], a new shadow with no K/V for a new sequence."""

@@ -65,4 +65,4 @@ def make_drafter(config: EngineConfig, model: LlamaModel, num_blocks: int, max_m
     runner = ModelRunner(model, backend, kv, (), seed=0, graphs=graphs)
     pool = BlockPool(num_blocks, config.block_size, enable_prefix_caching=False)
     return DraftModelDrafter(runner, pool, config.num_speculative_tokens, vocab_size,
-                             max_chunk_tokens=config.max_num_batched_tokens)
+                             max_chunk_tokens=config.max_num_batched_tokens, draft_vocab_size=cfg.vocab_size)

@@ -62,6 +62,7 @@ class SchedulerActor(Actor):
         self._deferred: list[tuple[Sequence, object]] = []
         self.num_steps = 0
         self.num_failed_steps_in_row = 0
+        self.num_draft_failures = 0
 
     async def run_loop(self) -> None:
         plan, handle = None, None  # the step launched on the worker and not collected yet
@@ -128,13 +129,18 @@ class SchedulerActor(Actor):
         if not wanted:
             return
         try:
-            await self.worker.ask(DraftMsg(self.scheduler.drafter, wanted))
+            # the last step's deferred deltas go out while the draft model runs (they have no stop strings: their
+            # emission never calls into the scheduler or the drafter)
+            await self._ask_then_emit_deferred(DraftMsg(self.scheduler.drafter, wanted))
         except EngineDeadError:
             raise
         except Exception:
-            logger.exception("draft model: drafting failed; this step verifies no drafts")
+            self.num_draft_failures += 1
+            if _power_of_ten(self.num_draft_failures):  # a lasting fault is logged, not every step
+                logger.exception("draft model: drafting failed (%d times so far); this step verifies no drafts",
+                                 self.num_draft_failures)
 
-    async def _ask_then_emit_deferred(self, msg: StepMsg):
+    async def _ask_then_emit_deferred(self, msg: StepMsg | DraftMsg):
         """Ask the worker; the deferred deltas are emitted after its wake-up is queued, while the step runs."""
         reply = self.worker.ask_nowait(msg)
         if self._deferred:
@@ -269,3 +275,7 @@ class SchedulerActor(Actor):
         for stream in self.streams.values():
             stream.fail(exc)
         self.streams.clear()
+
+
+def _power_of_ten(n: int) -> bool:
+    return n > 0 and 10 ** (len(str(n)) - 1) == n

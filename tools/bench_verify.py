@@ -150,16 +150,20 @@ class Bench:
         return self.run(*args, **kwargs)
 
 
-def draft_model_row(bench: Bench, shape: str, k: int, prompts, tokens: int, t_pipe: float, base: dict) -> dict:
-    """The `--draft-shape` row (see the module's docstring): the second of two runs, no backoff."""
+def draft_model_row(bench: Bench, shape: str, k: int, prompts, plain, tokens: int, t_pipe: float,
+                    base: dict) -> dict:
+    """The `--draft-shape` row (see the module's docstring): the second of two runs, no backoff; `lossless`:
+    its greedy tokens equal `plain`'s."""
     for _ in range(2):
         drafter = bench.draft_model_drafter(shape, k)
         start = time.perf_counter()
         runner = ModelRunner(bench.model, bench.backend, bench.kv, (EOS,), seed=0, graphs=bench.graphs(k))
         sched = Scheduler(BlockPool(NUM_BLOCKS, BLOCK_SIZE), bench.max_seqs, 512, MAX_MODEL_LEN, (EOS,),
                           drafter=drafter, ladder=DraftLadder(k), draft_max_pause=0)
-        for i, p in enumerate(prompts):
-            sched.add(Sequence(i, f"r{i}", 0, list(p), SamplingParams(temperature=0, ignore_eos=True), tokens))
+        seqs = [Sequence(i, f"r{i}", 0, list(p), SamplingParams(temperature=0, ignore_eos=True), tokens)
+                for i, p in enumerate(prompts)]
+        for seq in seqs:
+            sched.add(seq)
         steps = run_steps(sched, runner)
         bench.sync()
         t = time.perf_counter() - start
@@ -170,7 +174,7 @@ def draft_model_row(bench: Bench, shape: str, k: int, prompts, tokens: int, t_pi
     return {**base, "run": "draft_model", "draft_shape": shape, "k": k, "steps": steps,
             "verify_steps": sched.num_verify_steps, "draft_ms_per_step": round(draft_ms, 4),
             "verify_ms_per_step": round(step_ms - draft_ms, 4), "plain_ms_per_step": round(plain_step_ms, 4),
-            "projected_speedup": projected}
+            "projected_speedup": projected, "lossless": [s.output_ids for s in seqs] == plain}
 
 
 def main() -> None:
@@ -208,7 +212,8 @@ def main() -> None:
                              "lossless": out == plain})
                 print(json.dumps(rows[-1]), flush=True)
             if args.draft_shape:
-                rows.append(draft_model_row(bench, args.draft_shape, k, prompts, args.tokens, t_pipe, base))
+                rows.append(draft_model_row(bench, args.draft_shape, k, prompts, plain, args.tokens, t_pipe,
+                                            base))
                 print(json.dumps(rows[-1]), flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps({"command": " ".join(sys.argv), "results": rows}, indent=2))

@@ -17,6 +17,8 @@ Captured only for buckets of at most `VERIFY_MAX_DRAFT_TOKENS` drafts; a bigger 
 
 from __future__ import annotations
 
+import functools
+
 import logging
 from collections import Counter
 from collections.abc import Callable
@@ -300,6 +302,10 @@ class StepGraphs:
         # the decode attention's split count for a step's longest context, where the backend plans one
         # (`AttentionMetadata.decode_splits`; the grid is sized for max_model_len)
         self._plan_decode_splits = getattr(backend, "graph_decode_splits", None)
+        heads, kv_heads = getattr(model, "num_heads", None), getattr(model, "num_kv_heads", None)
+        if self._plan_decode_splits is not None and heads and kv_heads:  # this model's plan (a draft model's differ)
+            self._plan_decode_splits = functools.partial(self._plan_decode_splits,
+                                                         shape=(kv_heads, kv_cache.shape[5], heads // kv_heads))
 
     def _inputs(self, key: GraphKey) -> _GraphInputs:
         return self._verify if key.verify else self._mixed if key.prefill else self._decode

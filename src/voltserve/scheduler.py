@@ -147,10 +147,7 @@ class Scheduler:
         preempted = False
         i = 0
         width = self.ladder.width(len(self.running)) if self.drafter is not None else 0
-        reserve = 0  # drafts never take the budget the head of the queue could start with
-        if width and self.waiting and len(self.running) < self.max_num_seqs:
-            head = self.waiting[0]
-            reserve = head.num_tokens - head.num_computed_tokens
+        reserve = self._queue_head_reserve(width)  # drafts never take the budget the queue's head could start with
         # 1) running sequences: one decode token (with drafts to verify) or their next prefill chunk each
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
@@ -188,8 +185,25 @@ class Scheduler:
         if not getattr(self.drafter, "needs_prepare", False):
             return []
         width = self.ladder.width(len(self.running))
-        return [(seq, k) for seq in self.running if seq.num_tokens - seq.num_computed_tokens == 1
-                and (k := self._draft_room(seq, width, len(seq.output_ids))) > 0]
+        # schedule()'s budget walk, every proposal taken whole: a sequence it would give no room gets no drafts
+        budget, reserve, wanted, n = self.max_num_batched_tokens, self._queue_head_reserve(width), [], len(self.running)
+        for i, seq in enumerate(self.running):
+            if budget <= 0:
+                break
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            k = min(width, budget - (n - i) - reserve) if num_new == 1 else 0
+            k = self._draft_room(seq, k, len(seq.output_ids)) if k > 0 else 0
+            if k > 0:
+                wanted.append((seq, k))
+            budget -= num_new + k
+        return wanted
+
+    def _queue_head_reserve(self, width: int) -> int:
+        """Budget tokens drafts leave to the head of the queue (its remaining prompt), when it could start."""
+        if width and self.waiting and len(self.running) < self.max_num_seqs:
+            head = self.waiting[0]
+            return head.num_tokens - head.num_computed_tokens
+        return 0
 
     def _draft_room(self, seq: Sequence, k: int, output_len: int) -> int:
         """How many drafts (<= k) `seq` may verify in a step that starts from `output_len` output tokens: fewer

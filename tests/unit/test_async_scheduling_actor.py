@@ -127,3 +127,46 @@ async def test_a_failing_launch_ahead_still_waits_for_the_step_in_flight():
     await worker.stop()
     assert reason is FinishReason.LENGTH and len(ids) == 6
     assert sched.pool.num_free == sched.pool.num_blocks and not sched.has_work()
+
+
+async def test_the_last_steps_tokens_stream_while_a_draft_model_drafts():
+    """With a drafter that computes its drafts before the step (a draft model: `DraftMsg` on the worker thread),
+    the previous step's deferred deltas go out while it runs, not after: each `prepare` here waits (up to 2 s)
+    for the stream to receive the token of the step before it."""
+    import threading
+
+    from actors.stream import RequestStream
+    from voltserve.spec.ladder import DraftLadder
+
+    delivered, seen = threading.Event(), []
+
+    class WaitingDrafter:
+        needs_prepare = True
+
+        def prepare(self, wanted):
+            seen.append(delivered.wait(2))
+            delivered.clear()
+
+        def propose(self, seq, k):
+            return []
+
+    sched = make_scheduler(block_size=4, eos=(0,), drafter=WaitingDrafter(), ladder=DraftLadder(2))
+    worker = WorkerActor(FakeAsyncRunner(), name="worker-test")
+    actor = SchedulerActor(sched, worker, ByteTokenizer())
+    worker.start()
+    actor.start()
+    stream = RequestStream("r0", 1, abort=lambda r: None)
+    put = stream.put
+
+    def put_and_signal(out, wake=True):
+        put(out, wake)
+        delivered.set()
+
+    stream.put = put_and_signal
+    actor.tell(AddRequestMsg((make_seq(PROMPTS[0], max_tokens=6, request_id="r0"),), stream))
+    got = await asyncio.wait_for(_tokens(stream), 30)
+    await actor.stop()
+    await worker.stop()
+    assert got == _sync_tokens(PROMPTS[:1], 6)[0]
+    # a prepare before each decode step with room for a draft (not the last), each seeing the token before it
+    assert seen == [True] * 4

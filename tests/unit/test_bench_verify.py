@@ -33,4 +33,5 @@ def test_bench_verify_rows(tmp_path):
     assert [(r["batch"], r["k"], r["steps"]) for r in drafted] == [(1, 2, 12), (2, 2, 12)]
     for r in drafted:
         assert r["verify_steps"] == 10 * r["batch"] and r["draft_ms_per_step"] > 0 and r["verify_ms_per_step"] > 0
+        assert r["lossless"]
         assert set(r["projected_speedup"]) == {"0.5", "0.7", "0.9"}

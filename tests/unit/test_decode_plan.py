@@ -107,3 +107,10 @@ def test_graph_decode_splits_from_the_registered_plan():
     be._register_graph_plan((131072, 64, 3, part, 132, 4, 64), 64)  # another shape (3 KV heads): its table
     assert be.graph_decode_splits(131072, 64, 512) == kernels.decode_plan(512, 64, 3, part, 132, 4)[0] == 8
     assert be.graph_decode_splits(131072, 1, 512) == 8
+    # two models on one backend (a draft model's graphs captured after the target's): each asks for its own shape
+    be._register_graph_plan((131072, 64, 8, part, 132, 4, 64), 64, (8, 128, 4))
+    be._register_graph_plan((131072, 64, 3, part, 132, 4, 64), 64, (3, 64, 3))
+    assert be.graph_decode_splits(131072, 64, 131072, shape=(8, 128, 4)) == 32
+    assert be.graph_decode_splits(131072, 64, 131072, shape=(3, 64, 3)) == \
+        kernels.decode_plan(131072, 64, 3, part, 132, 4)[0]
+    assert be.graph_decode_splits(131072, 64, 512, shape=(1, 64, 9)) == 8  # none of its own: the latest

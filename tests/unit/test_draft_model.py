@@ -202,3 +202,57 @@ def test_a_draft_model_must_share_the_tokenizer():
     with pytest.raises(ConfigError, match=r"speculative_model 'other' has another tokenizer than the model "
                                           r"\(3 vs 3 tokens, 2 differ\)"):
         check_same_tokenizer(tok({"<unk>": 0, "a": 1, "b": 2}), tok({"<unk>": 0, "a": 2, "b": 1}), "other")
+
+
+def test_a_token_the_draft_model_lacks_stops_drafting_for_that_sequence_only():
+    """A tokenizer id past the draft model's (padded, smaller) embedding: that sequence is never drafted (no
+    forward sees it), the others are; forgetting the sequence clears the mark."""
+    runner = ScriptedRunner()
+    drafter = DraftModelDrafter(runner, BlockPool(16, BS, False), 2, vocab_size=1000, draft_vocab_size=50)
+    odd, plain = running_seq(0, [1, 2, 60]), running_seq(1, [1, 2, 3])
+    drafter.prepare([(odd, 2), (plain, 2)])
+    assert drafter.propose(odd, 2) == [] and drafter.propose(plain, 2) == [103, 104]
+    assert all(len(step) == 1 for step in runner.steps)  # plain's steps alone
+    plain.output_ids = [103, 70]  # generated later: found among the new tokens
+    drafter.prepare([(plain, 2)])
+    assert drafter.propose(plain, 2) == [] and drafter.pool.num_free == 16
+    drafter.forget(plain)
+    assert not drafter._undraftable - {0}
+
+
+class RecordingDrafter:
+    """needs_prepare: records what `draft_work` asked for and what `schedule()` then asked `propose` for."""
+
+    needs_prepare = True
+
+    def __init__(self):
+        self.prepared, self.proposed = [], []
+
+    def prepare(self, wanted):
+        self.prepared = [(s.seq_id, k) for s, k in wanted]
+
+    def propose(self, seq, k):
+        self.proposed.append((seq.seq_id, k))
+        return [7] * k
+
+
+@pytest.mark.parametrize("budget, head_len, expected", [
+    (64, 0, [(0, 4), (1, 4), (2, 4)]),  # room for all
+    (10, 0, [(0, 4), (1, 3)]),  # 10 tokens: 1 + 4, 1 + 3, then 1 for the last
+    (64, 100, []),  # the queue's head (a 100-token prompt that could start) keeps the budget
+    (64, 40, [(0, 4), (1, 4), (2, 4)]),  # 64 - 3 - 40 = 21 spare
+    (48, 40, [(0, 4), (1, 1)]),  # 48 - 3 - 40 = 5 spare: 4; then 43 - 2 - 40 = 1
+])
+def test_draft_work_asks_for_what_schedule_verifies(budget, head_len, expected):
+    drafter = RecordingDrafter()
+    sched = Scheduler(BlockPool(64, BS), 8, budget, 256, (-1,), drafter=drafter, ladder=DraftLadder(4))
+    for i in range(3):
+        seq = running_seq(i, [1, 2, 3, 4, 5], output=[6])
+        seq.num_computed_tokens = seq.num_tokens - 1
+        seq.block_ids = [sched.pool.allocate(), sched.pool.allocate()]
+        sched.running.append(seq)
+    if head_len:
+        sched.add(Sequence(9, "r9", 0, list(range(1, head_len + 1)), SamplingParams(temperature=0), 10))
+    drafter.prepare(sched.draft_work())
+    sched.schedule()
+    assert drafter.prepared == expected and drafter.proposed == expected

@@ -40,13 +40,16 @@ class DraftModelDrafter:
         num_drafts: the most tokens proposed at once (k).
         vocab_size: the target's vocabulary: a draft id at or above it ends the proposal (padded vocabularies).
         max_chunk_tokens: the most tokens one catch-up forward computes (long prompts take several).
+        draft_vocab_size: the draft model's embedding rows (default: vocab_size): a sequence holding a token id at
+            or above it (a tokenizer's id the smaller model's padded vocabulary lacks) is never drafted.
     Raises:
         ValueError: num_drafts < 1 or max_chunk_tokens < 1.
     """
 
     needs_prepare = True
 
-    def __init__(self, runner, pool: BlockPool, num_drafts: int, vocab_size: int, max_chunk_tokens: int = 2048):
+    def __init__(self, runner, pool: BlockPool, num_drafts: int, vocab_size: int, max_chunk_tokens: int = 2048,
+                 draft_vocab_size: int | None = None):
         if num_drafts < 1 or max_chunk_tokens < 1:
             raise ValueError(f"bad draft-model drafter settings: num_drafts {num_drafts}, "
                              f"max_chunk_tokens {max_chunk_tokens}")
@@ -56,6 +59,8 @@ class DraftModelDrafter:
         self.num_drafts = num_drafts
         self.vocab_size = vocab_size
         self.max_chunk_tokens = max_chunk_tokens
+        self.draft_vocab_size = vocab_size if draft_vocab_size is None else draft_vocab_size
+        self._undraftable: set[int] = set()  # seq_ids holding a token the draft model cannot read
         # target seq_id -> [target, shadow, base]: base = the target's length at the last sync (tokens the shadow
         # holds for certain: a target only grows)
         self._shadows: dict[int, list] = {}
@@ -80,8 +85,14 @@ class DraftModelDrafter:
             k = min(k, self.num_drafts)
             if k < 1:
                 continue
+            if seq.seq_id in self._undraftable:
+                continue
             entry = self._entry(seq)
             shadow, tokens = entry[1], seq.token_ids()
+            if max(tokens[entry[2]:], default=0) >= self.draft_vocab_size:  # the tokens new since the last sync
+                self._free(seq.seq_id)
+                self._undraftable.add(seq.seq_id)
+                continue
             _sync(shadow, tokens, entry[2])
             entry[2] = len(tokens)
             # the last draft's K/V is never written: positions up to len(tokens) + k - 2
@@ -102,12 +113,14 @@ class DraftModelDrafter:
         if entry is not None and entry[0] is seq:
             self._free(seq.seq_id)
         self._ready.pop(seq.seq_id, None)
+        self._undraftable.discard(seq.seq_id)
 
     def release_all(self) -> None:
         """Free every shadow's blocks (the engine stops, or a test checks for leaks)."""
         for seq_id in list(self._shadows):
             self._free(seq_id)
         self._ready.clear()
+        self._undraftable.clear()
 
     # -- internals ----------------------------------------------------------------------------------------
 

@@ -438,7 +438,7 @@ class CudaBackend:
         # each step (graph_decode_splits, from the plan registered here as the graph's eager run makes this launch)
         step_splits = None
         if attn.decode_splits is not None and num_splits > 1 and self.attn_step_splits == "auto":
-            self._register_graph_plan(plan, min_part)
+            self._register_graph_plan(plan, min_part, (num_kv_heads, head_dim, group))
             step_splits = attn.decode_splits.data_ptr()
         acc = torch.empty(num_seqs * num_heads * num_splits * head_dim if num_splits > 1 else 1,
                           dtype=torch.float32, device=self.device)
@@ -456,19 +456,27 @@ class CudaBackend:
             self._launch("attention_decode", "attn_decode_reduce", spec, (num_kv_heads, num_seqs, 1),
                          (128, 1, 1), 8 * group * num_splits, p)
 
-    def _register_graph_plan(self, plan: tuple, min_part: int) -> None:
+    def _register_graph_plan(self, plan: tuple, min_part: int, shape: tuple[int, int, int] | None = None) -> None:
         """Keep kernels.decode_split_table for `plan` (decode_plan's arguments; plan[0] the graph's capacity,
-        plan[1] its sequences; `min_part` the plan's, the table's keys per entry) for graph_decode_splits; the
-        latest launch's plan for a (capacity, sequences) key wins (one model has one attention shape; any count
-        is correct, seq_splits clamps it per sequence)."""
-        self._graph_plans[plan[:2]] = (kernels.decode_split_table(*plan), min_part)
+        plan[1] its sequences; `min_part` the plan's, the table's keys per entry) for graph_decode_splits, under
+        (capacity, sequences) (the latest launch's plan wins) and, with `shape` (the model's KV heads, head dim,
+        query heads per KV head), under (capacity, sequences, *shape): a draft model's graphs on the same backend
+        keep their own (any count is correct, seq_splits clamps it per sequence; the right one is faster)."""
+        entry = (kernels.decode_split_table(*plan), min_part)
+        self._graph_plans[plan[:2]] = entry
+        if shape is not None:
+            self._graph_plans[plan[:2] + tuple(shape)] = entry
 
-    def graph_decode_splits(self, capacity: int, num_seqs: int, longest: int) -> int:
+    def graph_decode_splits(self, capacity: int, num_seqs: int, longest: int,
+                            shape: tuple[int, int, int] | None = None) -> int:
         """attn_decode's split count for a CUDA graph step (`AttentionMetadata.decode_splits`): the graph's grid
-        is sized for `capacity` keys and `num_seqs` sequences, the step's longest context is `longest` keys.
+        is sized for `capacity` keys and `num_seqs` sequences, the step's longest context is `longest` keys;
+        `shape` (KV heads, head dim, group): the plan registered for that attention shape, else the latest one.
         0 (the grid's own) where no launch of that graph registered a plan (its eager run does, before capture).
         Host arithmetic, once per step: a dict lookup and an index."""
-        entry = self._graph_plans.get((capacity, num_seqs))
+        entry = self._graph_plans.get((capacity, num_seqs) + tuple(shape)) if shape is not None else None
+        if entry is None:
+            entry = self._graph_plans.get((capacity, num_seqs))
         if entry is None:
             return 0
         table, min_part = entry

@@ -44,6 +44,10 @@ def load_draft_model(config: EngineConfig, target_tokenizer, backend, max_model_
     cfg = loaded.config
     logger.info("draft model %s: %d layers, hidden %d, vocab %d", config.speculative_model, cfg.num_layers,
                 cfg.hidden_size, cfg.vocab_size)
+    if cfg.max_position_embeddings < max_model_len:
+        logger.warning("draft model %s was trained for %d positions, the model's context is %d: its drafts past "
+                       "that may pass less often", config.speculative_model, cfg.max_position_embeddings,
+                       max_model_len)
     return LlamaModel(cfg, loaded.tensors, backend, loaded.quantized, max_positions=max_model_len)
 
 
@@ -63,6 +67,8 @@ def make_drafter(config: EngineConfig, model: LlamaModel, num_blocks: int, max_m
         graphs = StepGraphs(model, backend, kv, config.max_num_seqs, max_model_len, mixed, None)
         graphs.capture()
     runner = ModelRunner(model, backend, kv, (), seed=0, graphs=graphs)
+    logger.info("draft model KV pool: %d blocks x %d tokens (%.1f MiB)", num_blocks, config.block_size,
+                kv.numel() * kv.element_size() / 2**20)
     pool = BlockPool(num_blocks, config.block_size, enable_prefix_caching=False)
     return DraftModelDrafter(runner, pool, config.num_speculative_tokens, vocab_size,
                              max_chunk_tokens=config.max_num_batched_tokens, draft_vocab_size=cfg.vocab_size)

@@ -141,8 +141,9 @@ def server_url(smollm2_gguf, tmp_path_factory):
     yield from _hypercorn(smollm2_gguf, tmp_path_factory.mktemp("server"))
 
 
-@pytest.fixture(scope="session")
-def spec_server_url(smollm2_gguf, tmp_path_factory):
-    """The same with speculative decoding (n-gram drafts, k = 4)."""
-    yield from _hypercorn(smollm2_gguf, tmp_path_factory.mktemp("spec_server"), speculative_method="ngram",
-                          num_speculative_tokens=4)
+@pytest.fixture(scope="session", params=["ngram", "draft_model"])
+def spec_server_url(request, smollm2_gguf, tmp_path_factory):
+    """The same with speculative decoding (k = 4): n-gram drafts, or the model as its own draft model."""
+    draft = {"speculative_model": str(smollm2_gguf)} if request.param == "draft_model" else {}
+    yield from _hypercorn(smollm2_gguf, tmp_path_factory.mktemp("spec_server"), speculative_method=request.param,
+                          num_speculative_tokens=4, **draft)

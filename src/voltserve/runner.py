@@ -281,7 +281,24 @@ class ModelRunner:
             return sampled, {}
         return sampled, _token_logprobs(seqs, tokens, *handle.extras_host)
 
+    @torch.inference_mode()
+    def logits(self, plan: StepPlan) -> torch.Tensor:
+        """Run one step (a graph replay where one takes it) and return its logits without sampling: [one row per
+        sampling entry, vocab] in the backend dtype, on the device (a draft model's sampled drafts,
+        `voltserve.spec.draft_model`). Plans without drafts only."""
+        if plan.has_drafts:
+            raise ValueError("logits() takes plans without drafts")
+        self._timer = None
+        return self._step_logits(plan)[0]
+
     def _execute(self, plan: StepPlan) -> tuple[dict[int, int], dict[int, TokenLogprob]]:
+        logits, greedy_ids = self._step_logits(plan)
+        if plan.has_drafts:
+            return self._sample_verify(plan, logits, greedy_ids)
+        return self._sample(plan, logits, greedy_ids)
+
+    def _step_logits(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The step's logits rows (`prepare`'s) and, from a graph, their argmax (else None)."""
         g = self.graphs
         key = None
         if g is not None:  # a verify step needs every drafted row's logits: a verify graph's, else eager
@@ -298,9 +315,7 @@ class ModelRunner:
             step = self.prepare(plan)
             self._begin_timer()
             logits, greedy_ids = self.forward(step), None
-        if plan.has_drafts:
-            return self._sample_verify(plan, logits, greedy_ids)
-        return self._sample(plan, logits, greedy_ids)
+        return logits, greedy_ids
 
     def _sample_verify(self, plan: StepPlan, logits: torch.Tensor, greedy_ids: torch.Tensor | None
                        ) -> tuple[dict, dict[int, TokenLogprob]]:
@@ -336,7 +351,7 @@ class ModelRunner:
                 sampled[s.seq_id] = accept_greedy(host[r:r + e.num_new].argmax(-1).tolist(), drafts)
             else:
                 gen = s.generator if s.generator is not None else self.generator
-                sampled[s.seq_id] = accept_sampled(host[r:r + e.num_new], drafts, s.params, gen)
+                sampled[s.seq_id] = accept_sampled(host[r:r + e.num_new], drafts, s.params, gen, e.draft_probs)
         return sampled, lps
 
     def _sample(self, plan: StepPlan, logits: torch.Tensor, greedy_ids: torch.Tensor | None

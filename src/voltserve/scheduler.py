@@ -35,6 +35,8 @@ class ScheduledSeq:
         sample: whether this step reaches its last known token, so a new token is sampled.
         drafts: draft tokens verified after its last token (speculative decoding; `num_new` = 1 + their number):
             the step then emits 1..len(drafts) + 1 tokens for it (`voltserve.spec.verify`).
+        draft_probs: the distribution each draft was sampled from ([vocab] fp32 CPU tensors; a draft model's
+            drafts of a sampled request), or None: the drafts were proposed for certain.
     """
 
     seq: Sequence
@@ -42,6 +44,7 @@ class ScheduledSeq:
     num_new: int
     sample: bool
     drafts: tuple[int, ...] = ()
+    draft_probs: tuple | None = None
 
 
 @dataclass
@@ -109,6 +112,7 @@ class Scheduler:
         self.ladder = ladder
         self.draft_max_pause = draft_max_pause
         self._forget_drafts = getattr(drafter, "forget", None)
+        self._draft_probs = getattr(drafter, "proposal_probs", None)  # q of sampled drafts (a draft model's)
         self.num_verify_steps = 0  # sequence-steps that verified drafts
         self.num_draft_tokens = 0  # drafts verified
         self.num_accepted_tokens = 0  # drafts accepted (the acceptance length is 1 + this / num_verify_steps)
@@ -228,7 +232,8 @@ class Scheduler:
         if need and self.pool.num_free - need < len(self.running):
             return None
         self._grow(seq, seq.num_tokens + len(drafts))
-        return ScheduledSeq(seq, seq.num_computed_tokens, 1 + len(drafts), True, tuple(drafts))
+        probs = self._draft_probs(seq, len(drafts)) if self._draft_probs is not None else None
+        return ScheduledSeq(seq, seq.num_computed_tokens, 1 + len(drafts), True, tuple(drafts), probs)
 
     def _holds_back(self, entries: list[ScheduledSeq], decode_only: bool = False) -> bool:
         """Whether the head of the queue waits for a later step (`admission_wait_steps`): it is a new request

@@ -81,8 +81,8 @@ async def test_sampling(smollm2, device):
 @pytest.mark.parametrize("device", DEVICES)
 async def test_draft_model_is_lossless(smollm2, device):
     """The "draft_model" method with the model as its own draft: greedy output equals plain decoding, alone and
-    concurrent, and on the CPU (whose numerics do not depend on the step's shape) every draft passes; no block of
-    either KV pool outlives its request."""
+    concurrent, and on the CPU (whose numerics do not depend on the step's shape) every draft passes, greedy and
+    sampled; no block of either KV pool outlives its request."""
     params = {"temperature": 0, "max_tokens": 60}
     async with running_engine(smollm2, device=device) as engine:
         plain = await answers(engine, False, **params)
@@ -92,14 +92,18 @@ async def test_draft_model_is_lossless(smollm2, device):
         alone = await answers(engine, False, **params)
         together = await answers(engine, True, **params)
         sched = engine._scheduler_actor.scheduler
+        greedy = sched.num_draft_tokens, sched.num_accepted_tokens
+        # sampled requests draft from the draft model's q: here q = p, so drafts pass (all of them on the CPU)
+        sampled = await answers(engine, True, temperature=0.8, max_tokens=40)
+        drafted, accepted = sched.num_draft_tokens - greedy[0], sched.num_accepted_tokens - greedy[1]
         draft_pool = sched.drafter.pool
         assert engine.pool.num_free == engine.pool.num_blocks and draft_pool.num_free == draft_pool.num_blocks
-    assert alone == plain and together == plain
-    assert sched.num_draft_tokens > 60
+    assert alone == plain and together == plain and all(len(t) > 5 for t in sampled)
+    assert greedy[0] > 60 and drafted > 20
     if device == "cpu":
-        assert sched.num_accepted_tokens == sched.num_draft_tokens
+        assert greedy[1] == greedy[0] and accepted == drafted
     else:
-        assert sched.num_accepted_tokens > sched.num_draft_tokens // 2
+        assert greedy[1] > greedy[0] // 2 and accepted > drafted // 2
 
 
 @pytest.mark.gpu

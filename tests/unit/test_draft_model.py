@@ -256,3 +256,14 @@ def test_draft_work_asks_for_what_schedule_verifies(budget, head_len, expected):
     drafter.prepare(sched.draft_work())
     sched.schedule()
     assert drafter.prepared == expected and drafter.proposed == expected
+
+
+def test_sampled_drafts_from_the_targets_own_distribution_all_pass():
+    """A sampled request drafts from q, the draft model's distribution under its parameters: with the target
+    as its own draft q = p (the CPU's numerics do not depend on the step's shape), so every draft passes
+    (min(1, p / q) = 1), where point-mass drafts pass with probability p(draft) only."""
+    drafter = model_drafter(1)
+    out, sched = generate(drafter, temperature=0.9)
+    assert [len(o) for o in out] == [40] * 3
+    assert sched.num_draft_tokens > 60 and sched.num_accepted_tokens == sched.num_draft_tokens
+    assert drafter.pool.num_free == drafter.pool.num_blocks and not drafter._probs

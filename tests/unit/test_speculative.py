@@ -143,6 +143,31 @@ def test_rejection_sampling_keeps_the_target_distribution():
         assert counts[3] == 0
 
 
+def test_rejection_sampling_with_draft_distributions():
+    """Drafts sampled from a draft model's q (Leviathan et al. 2023): the first emitted token follows p, a draft
+    passes with probability sum(min(p, q)) over the drafts q proposes, and q = p passes every draft."""
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0, 0.5], [0.0, 0.0, 3.0, 0.0, 0.0]])
+    params = SamplingParams(temperature=0.8, top_k=4)
+    p = torch.softmax(logits[0] / 0.8, -1)
+    p[3] = 0  # top_k 4 drops the smallest
+    p /= p.sum()
+    q_narrow = torch.tensor([0.1, 0.3, 0.3, 0.3])  # narrower than the target's vocabulary: id 4 has q = 0
+    gen = torch.Generator().manual_seed(99)
+    n = 20000
+    for q in (torch.tensor([0.05, 0.1, 0.6, 0.2, 0.05]), q_narrow, p.clone()):
+        counts, accepted = torch.zeros(5), 0
+        for _ in range(n):
+            draft = int(torch.multinomial(q, 1, generator=gen))
+            out = accept_sampled(logits, [draft], params, gen, [q])
+            counts[out[0]] += 1
+            accepted += len(out) == 2
+        qq = torch.cat([q, q.new_zeros(5 - len(q))])
+        assert (counts / n - p).abs().max() < 0.012, (q, counts / n, p)
+        assert abs(accepted / n - float(torch.minimum(p, qq).sum())) < 0.012
+        assert counts[3] == 0
+    assert accepted == n  # q = p
+
+
 # -- the scheduler's verify steps -----------------------------------------------------------------------------------
 
 class FakeDrafter:

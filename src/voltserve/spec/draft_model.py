@@ -10,16 +10,23 @@ draft's CUDA graphs and each decode step takes its input ids from the step befor
 a rejected tail are overwritten by the next catch-up: only the prefix the shadow shares with the target is
 kept.
 
-Greedy drafts are one token for certain (q a point mass), which is what `voltserve.spec.verify.accept_sampled`
-verifies, so sampled requests keep the target's distribution too. The scheme is speculative decoding's
-original one (Leviathan et al. 2023, "Fast Inference from Transformers via Speculative Decoding"; vLLM's
-`draft_model` method).
+A greedy request's drafts are the draft model's argmax, one token for certain (q a point mass). A sampled
+request's are drawn from the draft model's distribution q under the request's temperature, top-k, top-p and
+min-p, one step at a time, and q goes with them to the verify, which accepts a draft with probability
+min(1, p / q) and samples a rejection from max(p - q, 0) (`voltserve.spec.verify.accept_sampled`): the output
+keeps the target's distribution, and a draft model close to the target passes most drafts. This is speculative
+decoding as Leviathan et al. 2023 ("Fast Inference from Transformers via Speculative Decoding") and Chen et al.
+2023 ("Accelerating Large Language Model Decoding with Speculative Sampling") give it; vLLM's `draft_model`
+method.
 """
 
 from __future__ import annotations
 
+import torch
+
 from voltserve.kv_cache import BlockPool
 from voltserve.request import SamplingParams
+from voltserve.sampling import filter_logits
 from voltserve.scheduler import ScheduledSeq, StepPlan
 from voltserve.sequence import Sequence, SequenceStatus
 
@@ -61,6 +68,9 @@ class DraftModelDrafter:
         self.max_chunk_tokens = max_chunk_tokens
         self.draft_vocab_size = vocab_size if draft_vocab_size is None else draft_vocab_size
         self._undraftable: set[int] = set()  # seq_ids holding a token the draft model cannot read
+        self._probs: dict[int, tuple] = {}  # target seq_id -> q of each draft of a sampled request
+        self.generator = torch.Generator()  # draws sampled requests' drafts (never seeded ones: not draftable)
+        self.generator.seed()
         # target seq_id -> [target, shadow, base]: base = the target's length at the last sync (tokens the shadow
         # holds for certain: a target only grows)
         self._shadows: dict[int, list] = {}
@@ -71,6 +81,12 @@ class DraftModelDrafter:
         """The drafts `prepare` computed for `seq` (at most k); [] when it computed none."""
         return self._ready.pop(seq.seq_id, [])[:min(k, self.num_drafts)]
 
+    def proposal_probs(self, seq: Sequence, n: int) -> tuple | None:
+        """q of the first n drafts `propose` gave `seq` (a sampled request's: [vocab] fp32 CPU each, the
+        distribution they were drawn from), or None (a greedy request's drafts: proposed for certain)."""
+        probs = self._probs.pop(seq.seq_id, None)
+        return None if probs is None else probs[:n]
+
     def prepare(self, wanted: list[tuple[Sequence, int]]) -> None:
         """Compute the drafts of the coming step: up to k tokens for each (sequence, k) of `wanted`.
 
@@ -78,6 +94,7 @@ class DraftModelDrafter:
         it needs gets no drafts this step. Drafts left over from an earlier call are dropped.
         """
         self._ready.clear()
+        self._probs.clear()
         self._drop_stale()
         keep = {seq.seq_id for seq, _ in wanted}
         jobs: list[tuple[Sequence, Sequence, int, int]] = []  # (target, shadow, k, target length)
@@ -101,11 +118,17 @@ class DraftModelDrafter:
             jobs.append((seq, shadow, k, len(tokens)))
         if not jobs:
             return
-        self._run_chain(self._steps(jobs))
+        greedy = [job for job in jobs if job[0].params.is_greedy]
+        if greedy:
+            self._run_chain(self._steps(greedy))
+        if len(greedy) < len(jobs):
+            self._run_sampled([job for job in jobs if not job[0].params.is_greedy])
         for seq, shadow, _, length in jobs:
             drafts = shadow.prompt_ids[length:]
             cut = next((i for i, t in enumerate(drafts) if t >= self.vocab_size), len(drafts))
             self._ready[seq.seq_id] = drafts[:cut]
+            if seq.seq_id in self._probs:
+                self._probs[seq.seq_id] = tuple(self._probs[seq.seq_id][:cut])
 
     def forget(self, seq: Sequence) -> None:
         """Free `seq`'s shadow (the scheduler calls this when it frees seq's own blocks: finished, preempted)."""
@@ -113,6 +136,7 @@ class DraftModelDrafter:
         if entry is not None and entry[0] is seq:
             self._free(seq.seq_id)
         self._ready.pop(seq.seq_id, None)
+        self._probs.pop(seq.seq_id, None)
         self._undraftable.discard(seq.seq_id)
 
     def release_all(self) -> None:
@@ -120,6 +144,7 @@ class DraftModelDrafter:
         for seq_id in list(self._shadows):
             self._free(seq_id)
         self._ready.clear()
+        self._probs.clear()
         self._undraftable.clear()
 
     # -- internals ----------------------------------------------------------------------------------------
@@ -174,6 +199,28 @@ class DraftModelDrafter:
             prev = (plan, handle)
         if prev is not None:
             self._collect(*prev)
+
+    def _run_sampled(self, jobs) -> None:
+        """The steps of sampled requests, one at a time: each draft is drawn from q, the draft model's distribution
+        under the request's own temperature, top-k, top-p and min-p, and q is kept for the verify (speculative
+        sampling: a draft then passes with probability min(1, p / q), `voltserve.spec.verify.accept_sampled`)."""
+        params = {seq.seq_id: seq.params for seq, _, _, _ in jobs}
+        for entries in self._steps(jobs):
+            logits = self.runner.logits(StepPlan(entries))
+            rows = logits.float().cpu()  # the sampling entries' rows, in order
+            self.num_forwards += 1
+            row = 0
+            for e in entries:
+                e.seq.num_computed_tokens = e.start + e.num_new
+                if not e.sample:
+                    continue
+                q = torch.softmax(filter_logits(rows[row], params[e.seq.seq_id]), -1)
+                row += 1
+                if not bool(torch.isfinite(q).all()) or float(q.sum()) <= 0:  # as accept_sampled: the argmax
+                    q = torch.zeros_like(q)
+                    q[int(rows[row - 1].argmax())] = 1.0
+                e.seq.prompt_ids.append(int(torch.multinomial(q, 1, generator=self.generator)))
+                self._probs.setdefault(e.seq.seq_id, []).append(q)
 
     def _collect(self, plan: StepPlan, handle) -> None:
         sampled, _ = self.runner.collect(handle)

@@ -43,8 +43,8 @@ def accept_greedy(target_ids: list[int], drafts: list[int]) -> list[int]:
     return out
 
 
-def accept_sampled(logits: torch.Tensor, drafts: list[int], params, generator: torch.Generator | None
-                   ) -> list[int]:
+def accept_sampled(logits: torch.Tensor, drafts: list[int], params, generator: torch.Generator | None,
+                   draft_probs: list[torch.Tensor] | None = None) -> list[int]:
     """Tokens a sampled verify emits.
 
     Args:
@@ -52,6 +52,10 @@ def accept_sampled(logits: torch.Tensor, drafts: list[int], params, generator: t
         drafts: the proposed ids.
         params: the sequence's SamplingParams (temperature > 0; no penalties, see `draftable`).
         generator: the sequence's seeded generator, or the engine's.
+        draft_probs: q, the distribution each draft was sampled from ([vocab] fp32 CPU each, summing to 1; a
+            draft model's, `voltserve.spec.draft_model`); None: every draft proposed for certain (q a point mass).
+            d_i then passes with probability min(1, p(d_i) / q(d_i)) and a rejection samples from
+            max(p - q, 0), renormalized.
     """
     out = []
     for i in range(len(drafts) + 1):
@@ -63,13 +67,26 @@ def accept_sampled(logits: torch.Tensor, drafts: list[int], params, generator: t
             out.append(int(torch.multinomial(probs, 1, generator=generator)))
             return out
         d = drafts[i]
-        if float(torch.rand((), generator=generator)) < float(probs[d]):
-            out.append(d)
+        q = None if draft_probs is None else _fit(draft_probs[i], probs.shape[0])
+        q_d = 1.0 if q is None else float(q[d])
+        if q_d > 0 and float(torch.rand((), generator=generator)) * q_d < float(probs[d]):
+            out.append(d)  # u < p(d) / q(d)
             continue
-        probs[d] = 0.0
-        if float(probs.sum()) <= 0:  # p(d) was 1 up to rounding: d is the only token left
+        if q is None:
+            probs[d] = 0.0
+        else:
+            probs = torch.clamp(probs - q, min=0.0)
+        if float(probs.sum()) <= 0:  # nothing left besides d up to rounding (p <= q everywhere): d
             out.append(d)
             continue
         out.append(int(torch.multinomial(probs, 1, generator=generator)))
         return out
     return out
+
+
+def _fit(q: torch.Tensor, vocab: int) -> torch.Tensor:
+    """q over the target's `vocab` ids (a draft's padded vocabulary may be wider or narrower), fp32."""
+    q = q.float()
+    if q.shape[0] >= vocab:
+        return q[:vocab]
+    return torch.cat([q, q.new_zeros(vocab - q.shape[0])])

@@ -214,11 +214,14 @@ class DraftModelDrafter:
                 e.seq.num_computed_tokens = e.start + e.num_new
                 if not e.sample:
                     continue
-                q = torch.softmax(filter_logits(rows[row], params[e.seq.seq_id]), -1)
+                # q over the target's ids only: a draft past them would be cut, and a draft that exists only for
+                # some values of the draw would not follow q
+                x = rows[row][:self.vocab_size]
                 row += 1
+                q = torch.softmax(filter_logits(x, params[e.seq.seq_id]), -1)
                 if not bool(torch.isfinite(q).all()) or float(q.sum()) <= 0:  # as accept_sampled: the argmax
                     q = torch.zeros_like(q)
-                    q[int(rows[row - 1].argmax())] = 1.0
+                    q[int(x.argmax())] = 1.0
                 e.seq.prompt_ids.append(int(torch.multinomial(q, 1, generator=self.generator)))
                 self._probs.setdefault(e.seq.seq_id, []).append(q)
 

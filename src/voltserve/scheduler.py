@@ -35,8 +35,8 @@ class ScheduledSeq:
         sample: whether this step reaches its last known token, so a new token is sampled.
         drafts: draft tokens verified after its last token (speculative decoding; `num_new` = 1 + their number):
             the step then emits 1..len(drafts) + 1 tokens for it (`voltserve.spec.verify`).
-        draft_probs: the distribution each draft was sampled from ([vocab] fp32 CPU tensors; a draft model's
-            drafts of a sampled request), or None: the drafts were proposed for certain.
+        draft_probs: the distribution each draft was sampled from ([vocab] fp32 tensors, on the draft model's
+            device; a draft model's drafts of a sampled request), or None: the drafts were proposed for certain.
     """
 
     seq: Sequence

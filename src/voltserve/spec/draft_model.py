@@ -71,6 +71,7 @@ class DraftModelDrafter:
         self._probs: dict[int, tuple] = {}  # target seq_id -> q of each draft of a sampled request
         self.generator = torch.Generator()  # draws sampled requests' drafts (never seeded ones: not draftable)
         self.generator.seed()
+        self._device_generator: torch.Generator | None = None  # the same on the draft model's GPU
         # target seq_id -> [target, shadow, base]: base = the target's length at the last sync (tokens the shadow
         # holds for certain: a target only grows)
         self._shadows: dict[int, list] = {}
@@ -82,8 +83,8 @@ class DraftModelDrafter:
         return self._ready.pop(seq.seq_id, [])[:min(k, self.num_drafts)]
 
     def proposal_probs(self, seq: Sequence, n: int) -> tuple | None:
-        """q of the first n drafts `propose` gave `seq` (a sampled request's: [vocab] fp32 CPU each, the
-        distribution they were drawn from), or None (a greedy request's drafts: proposed for certain)."""
+        """q of the first n drafts `propose` gave `seq` (a sampled request's: the distributions they were drawn
+        from, [vocab] fp32 each on the draft model's device), or None (a greedy request's: proposed for certain)."""
         probs = self._probs.pop(seq.seq_id, None)
         return None if probs is None else probs[:n]
 
@@ -203,27 +204,37 @@ class DraftModelDrafter:
     def _run_sampled(self, jobs) -> None:
         """The steps of sampled requests, one at a time: each draft is drawn from q, the draft model's distribution
         under the request's own temperature, top-k, top-p and min-p, and q is kept for the verify (speculative
-        sampling: a draft then passes with probability min(1, p / q), `voltserve.spec.verify.accept_sampled`)."""
+        sampling: a draft then passes with probability min(1, p / q), `voltserve.spec.verify.accept_sampled`).
+        q is computed and drawn from where the logits are (on a GPU: no vocabulary-wide host work); one host copy
+        a step brings the drafts back."""
         params = {seq.seq_id: seq.params for seq, _, _, _ in jobs}
         for entries in self._steps(jobs):
-            logits = self.runner.logits(StepPlan(entries))
-            rows = logits.float().cpu()  # the sampling entries' rows, in order
+            logits = self.runner.logits(StepPlan(entries))  # the sampling entries' rows, in order
             self.num_forwards += 1
-            row = 0
+            gen = self._generator_on(logits.device)
+            rows = iter(range(logits.shape[0]))
+            drawn = []
             for e in entries:
                 e.seq.num_computed_tokens = e.start + e.num_new
-                if not e.sample:
-                    continue
-                # q over the target's ids only: a draft past them would be cut, and a draft that exists only for
-                # some values of the draw would not follow q
-                x = rows[row][:self.vocab_size]
-                row += 1
-                q = torch.softmax(filter_logits(x, params[e.seq.seq_id]), -1)
-                if not bool(torch.isfinite(q).all()) or float(q.sum()) <= 0:  # as accept_sampled: the argmax
-                    q = torch.zeros_like(q)
-                    q[int(x.argmax())] = 1.0
-                e.seq.prompt_ids.append(int(torch.multinomial(q, 1, generator=self.generator)))
-                self._probs.setdefault(e.seq.seq_id, []).append(q)
+                if e.sample:
+                    # q over the target's ids only: a draft past them would be cut, and a draft that exists only
+                    # for some values of the draw would not follow q
+                    q = _draft_distribution(logits[next(rows), :self.vocab_size].float(), params[e.seq.seq_id])
+                    drawn.append(torch.multinomial(q, 1, generator=gen))
+                    self._probs.setdefault(e.seq.seq_id, []).append(q)
+            tokens = iter(torch.cat(drawn).tolist()) if drawn else iter(())
+            for e in entries:
+                if e.sample:
+                    e.seq.prompt_ids.append(next(tokens))
+
+    def _generator_on(self, device: torch.device) -> torch.Generator:
+        """The drafter's generator on `device` (unseeded: seeded requests are never drafted)."""
+        if device.type == "cpu":
+            return self.generator
+        if self._device_generator is None:
+            self._device_generator = torch.Generator(device=device)
+            self._device_generator.seed()
+        return self._device_generator
 
     def _collect(self, plan: StepPlan, handle) -> None:
         sampled, _ = self.runner.collect(handle)
@@ -279,3 +290,11 @@ def _sync(shadow: Sequence, tokens: list[int], base: int) -> None:
         same += 1
     shadow.prompt_ids = tokens
     shadow.num_computed_tokens = same
+
+
+def _draft_distribution(logits: torch.Tensor, params) -> torch.Tensor:
+    """q: softmax of one row of draft logits ([vocab] fp32, any device) under the request's temperature, top-k,
+    top-p and min-p; where those leave nothing finite, the argmax for certain (as `accept_sampled` treats p)."""
+    q = torch.softmax(filter_logits(logits, params), -1)
+    bad = ~torch.isfinite(q).all() | (q.sum() <= 0)
+    return torch.where(bad, torch.nn.functional.one_hot(logits.argmax(), q.shape[0]).to(q.dtype), q)

@@ -52,7 +52,7 @@ def accept_sampled(logits: torch.Tensor, drafts: list[int], params, generator: t
         drafts: the proposed ids.
         params: the sequence's SamplingParams (temperature > 0; no penalties, see `draftable`).
         generator: the sequence's seeded generator, or the engine's.
-        draft_probs: q, the distribution each draft was sampled from ([vocab] fp32 CPU each, summing to 1; a
+        draft_probs: q, the distribution each draft was sampled from ([vocab] fp32 each, on any device, summing to 1; a
             draft model's, `voltserve.spec.draft_model`); None: every draft proposed for certain (q a point mass).
             d_i then passes with probability min(1, p(d_i) / q(d_i)) and a rejection samples from
             max(p - q, 0), renormalized.
@@ -85,8 +85,9 @@ def accept_sampled(logits: torch.Tensor, drafts: list[int], params, generator: t
 
 
 def _fit(q: torch.Tensor, vocab: int) -> torch.Tensor:
-    """q over the target's `vocab` ids (a draft's padded vocabulary may be wider or narrower), fp32."""
-    q = q.float()
+    """q over the target's `vocab` ids (a draft's padded vocabulary may be wider or narrower), fp32 on the CPU (a
+    draft model on a GPU keeps q there)."""
+    q = q.float().cpu()
     if q.shape[0] >= vocab:
         return q[:vocab]
     return torch.cat([q, q.new_zeros(vocab - q.shape[0])])

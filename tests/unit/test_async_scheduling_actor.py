@@ -170,3 +170,34 @@ async def test_the_last_steps_tokens_stream_while_a_draft_model_drafts():
     assert got == _sync_tokens(PROMPTS[:1], 6)[0]
     # a prepare before each decode step with room for a draft (not the last), each seeing the token before it
     assert seen == [True] * 4
+
+
+async def test_a_failing_draft_model_costs_drafts_not_requests(caplog):
+    """A draft model whose `prepare` raises: each step runs without drafts, the request streams the plain
+    tokens, and the failure is logged at the 1st, 10th, 100th... time, not every step."""
+    from actors.stream import RequestStream
+    from voltserve.spec.ladder import DraftLadder
+
+    class BrokenDrafter:
+        needs_prepare = True
+
+        def prepare(self, wanted):
+            raise RuntimeError("draft model down")
+
+        def propose(self, seq, k):
+            return []  # as DraftModelDrafter after a failed prepare: nothing ready
+
+    sched = make_scheduler(block_size=4, eos=(0,), drafter=BrokenDrafter(), ladder=DraftLadder(2))
+    worker = WorkerActor(FakeAsyncRunner(), name="worker-test")
+    actor = SchedulerActor(sched, worker, ByteTokenizer())
+    worker.start()
+    actor.start()
+    stream = RequestStream("r0", 1, abort=lambda r: None)
+    actor.tell(AddRequestMsg((make_seq(PROMPTS[1], max_tokens=14, request_id="r0"),), stream))
+    got = await asyncio.wait_for(_tokens(stream), 30)
+    await actor.stop()
+    await worker.stop()
+    assert got == _sync_tokens(PROMPTS[1:2], 14)[0]
+    assert actor.num_draft_failures == 12  # a prepare before each decode step with room for a draft
+    assert [r.getMessage()[:45] for r in caplog.records if "drafting failed" in r.getMessage()] == \
+        ["draft model: drafting failed (1 times so far)", "draft model: drafting failed (10 times so far"]

@@ -69,6 +69,6 @@ def make_drafter(config: EngineConfig, model: LlamaModel, num_blocks: int, max_m
     runner = ModelRunner(model, backend, kv, (), seed=0, graphs=graphs)
     logger.info("draft model KV pool: %d blocks x %d tokens (%.1f MiB)", num_blocks, config.block_size,
                 kv.numel() * kv.element_size() / 2**20)
-    pool = BlockPool(num_blocks, config.block_size, enable_prefix_caching=False)
+    pool = BlockPool(num_blocks, config.block_size, config.enable_prefix_caching)
     return DraftModelDrafter(runner, pool, config.num_speculative_tokens, vocab_size,
                              max_chunk_tokens=config.max_num_batched_tokens, draft_vocab_size=cfg.vocab_size)

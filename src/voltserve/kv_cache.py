@@ -86,6 +86,34 @@ class BlockPool:
         self._cached[block_hash] = block
         self._block_hash[block] = block_hash
 
+    def match_prefix(self, token_ids: Sequence[int]) -> tuple[list[int], list[int]]:
+        """Take a reference on each cached block holding the leading full blocks of `token_ids` (the hash chain
+        of `hash_block`), up to the first miss, leaving at least one token out (its row must be computed).
+        Returns (block ids, their hashes)."""
+        blocks: list[int] = []
+        hashes: list[int] = []
+        parent, bs = None, self.block_size
+        for b in range((len(token_ids) - 1) // bs):
+            h = hash_block(parent, token_ids[b * bs:(b + 1) * bs])
+            block = self.lookup(h)
+            if block is None:
+                break
+            blocks.append(block)
+            hashes.append(h)
+            parent = h
+        return blocks, hashes
+
+    def publish(self, block_ids: list[int], block_hashes: list[int], token_at, num_full: int) -> None:
+        """Register blocks `len(block_hashes)..num_full - 1` of a sequence (its `block_ids`; `token_at(position)`
+        its tokens, whose K/V those blocks hold) under the hash chain, appending their hashes to `block_hashes`."""
+        bs = self.block_size
+        while len(block_hashes) < num_full:
+            b = len(block_hashes)
+            parent = block_hashes[-1] if block_hashes else None
+            h = hash_block(parent, [token_at(p) for p in range(b * bs, (b + 1) * bs)])
+            self.register(block_ids[b], h)
+            block_hashes.append(h)
+
     def free(self, blocks: Sequence[int]) -> None:
         """Drop one reference on each block; blocks reaching zero join the free list's most recent end.
 

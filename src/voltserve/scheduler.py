@@ -16,7 +16,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from voltserve.kv_cache import BlockPool, hash_block
+from voltserve.kv_cache import BlockPool
 from voltserve.request import FinishReason
 from voltserve.sequence import Sequence, SequenceStatus
 from voltserve.spec.ladder import DraftLadder
@@ -423,29 +423,13 @@ class Scheduler:
 
     def _match_prefix(self, seq: Sequence) -> None:
         """Take cached blocks for seq's leading full blocks; at least one token is left to compute."""
-        tokens = seq.token_ids()
-        parent = None
-        for b in range((len(tokens) - 1) // self.block_size):
-            h = hash_block(parent, tokens[b * self.block_size:(b + 1) * self.block_size])
-            block = self.pool.lookup(h)
-            if block is None:
-                break
-            seq.block_ids.append(block)
-            seq.block_hashes.append(h)
-            parent = h
+        seq.block_ids, seq.block_hashes = self.pool.match_prefix(seq.token_ids())
         seq.num_computed_tokens = len(seq.block_ids) * self.block_size
         if not seq.output_ids:  # usage counts cached prompt tokens of the first admission
             seq.num_cached_tokens = seq.num_computed_tokens
 
     def _register_full_blocks(self, seq: Sequence) -> None:
-        num_full = seq.num_computed_tokens // self.block_size
-        while len(seq.block_hashes) < num_full:
-            b = len(seq.block_hashes)
-            parent = seq.block_hashes[-1] if seq.block_hashes else None
-            tokens = [seq.token_at(p) for p in range(b * self.block_size, (b + 1) * self.block_size)]
-            h = hash_block(parent, tokens)
-            self.pool.register(seq.block_ids[b], h)
-            seq.block_hashes.append(h)
+        self.pool.publish(seq.block_ids, seq.block_hashes, seq.token_at, seq.num_computed_tokens // self.block_size)
 
     def _release(self, seq: Sequence) -> None:
         if self._forget_drafts is not None:  # a draft model's K/V of it goes too

@@ -137,12 +137,13 @@ TARGET, TARGET_KV = tiny(1)
 PROMPTS = [[(5 * j + i) % 300 + 1 for j in range(6 + 7 * i)] for i in range(3)]
 
 
-def generate(drafter=None, k: int = 4, num_blocks: int = 64, max_tokens: int = 40, temperature: float = 0.0):
+def generate(drafter=None, k: int = 4, num_blocks: int = 64, max_tokens: int = 40, temperature: float = 0.0,
+             prompts=PROMPTS, max_seqs: int = 8):
     runner = ModelRunner(TARGET, BACKEND, TARGET_KV, (-1,), seed=0)
     spec = {"drafter": drafter, "ladder": DraftLadder(k)} if drafter is not None else {}
-    sched = Scheduler(BlockPool(num_blocks, BS), 8, 64, 256, (-1,), **spec)
+    sched = Scheduler(BlockPool(num_blocks, BS), max_seqs, 64, 256, (-1,), **spec)
     seqs = [Sequence(i, f"r{i}", 0, list(p), SamplingParams(temperature=temperature, ignore_eos=True), max_tokens)
-            for i, p in enumerate(PROMPTS)]
+            for i, p in enumerate(prompts)]
     for s in seqs:
         sched.add(s)
     run_steps(sched, runner)
@@ -293,3 +294,47 @@ def test_sampled_drafts_of_a_wider_draft_vocabulary_keep_the_targets_distributio
         counts[out[0]] += 1
         drafter.forget(seq)
     assert (counts / n - torch.softmax(target[0], -1)).abs().max() < 0.012, counts / n
+
+
+def test_shadows_share_the_draft_k_v_of_a_common_prompt():
+    """With prefix caching, the full blocks of target tokens a shadow computed are published; a new sequence with
+    the same leading tokens starts past them (never past its last token), drafts are never shared."""
+    runner = ScriptedRunner()
+    pool = BlockPool(16, BS)
+    drafter = DraftModelDrafter(runner, pool, 2, vocab_size=1000)
+    a, b = running_seq(0, list(range(1, 11))), running_seq(1, list(range(1, 11)) + [42])
+    drafter.prepare([(a, 2)])
+    assert runner.steps == [[(0, 10, True)], [(10, 1, True)]]
+    runner.steps.clear()
+    drafter.prepare([(a, 2), (b, 2)])  # a: nothing new (its drafts recomputed: not accepted); b: 2 blocks reused
+    assert runner.steps == [[(9, 1, True), (8, 3, True)], [(10, 1, True), (11, 1, True)]]
+    assert drafter.propose(b, 2) == [111, 112] and pool.num_cached == 2
+    c = running_seq(2, list(range(1, 9)))  # exactly two blocks: the last one is computed again for its row
+    runner.steps.clear()
+    drafter.prepare([(c, 1)])
+    assert runner.steps == [[(4, 4, True)]]
+    for seq in (a, b, c):
+        drafter.forget(seq)
+    assert pool.num_free == 16 and pool.num_cached == 2  # freed, still findable
+
+
+def test_shared_prompts_with_prefix_caching_stay_lossless():
+    """Three requests of one prompt, one at a time: the second and third shadows start from the first's
+    published blocks (the draft model computes fewer tokens than without prefix caching), output unchanged."""
+    shared = [PROMPTS[2]] * 3
+    plain, _ = generate(prompts=shared, max_seqs=1)
+    computed = {}
+    for caching in (False, True):
+        model, kv = tiny(2)
+        runner = ModelRunner(model, BACKEND, kv, (), seed=0)
+        drafter = DraftModelDrafter(runner, BlockPool(64, BS, caching), 3, 320)
+        launch, tokens = runner.launch, [0]
+        runner.launch = lambda plan, feed=None: (tokens.__setitem__(0, tokens[0] + plan.num_tokens),
+                                                 launch(plan, feed))[1]
+        out, sched = generate(drafter, k=3, prompts=shared, max_seqs=1)
+        assert out == plain and sched.num_verify_steps > 0
+        assert drafter.pool.num_free == drafter.pool.num_blocks
+        computed[caching] = tokens[0]
+    # a shadow starts at its sequence's first draft step, 21 tokens (the prompt's 20 and the prefill's token):
+    # the 5 full blocks before the last token, the whole prompt, are computed once, not three times
+    assert computed[False] - computed[True] == 2 * 20, computed

@@ -43,7 +43,8 @@ class DraftModelDrafter:
 
     Args:
         runner: the draft model's `voltserve.runner.ModelRunner` (its own KV cache; CUDA graphs optional).
-        pool: the BlockPool of the draft's KV cache (its blocks are the shadows'; prefix caching unused).
+        pool: the BlockPool of the draft's KV cache (its blocks are the shadows'; with prefix caching on, full
+            blocks of target tokens are shared between shadows, as the target's are between sequences).
         num_drafts: the most tokens proposed at once (k).
         vocab_size: the target's vocabulary: a draft id at or above it ends the proposal (padded vocabularies).
         max_chunk_tokens: the most tokens one catch-up forward computes (long prompts take several).
@@ -105,8 +106,9 @@ class DraftModelDrafter:
                 continue
             if seq.seq_id in self._undraftable:
                 continue
-            entry = self._entry(seq)
-            shadow, tokens = entry[1], seq.token_ids()
+            tokens = seq.token_ids()
+            entry = self._entry(seq, tokens)
+            shadow = entry[1]
             if max(tokens[entry[2]:], default=0) >= self.draft_vocab_size:  # the tokens new since the last sync
                 self._free(seq.seq_id)
                 self._undraftable.add(seq.seq_id)
@@ -125,6 +127,7 @@ class DraftModelDrafter:
         if len(greedy) < len(jobs):
             self._run_sampled([job for job in jobs if not job[0].params.is_greedy])
         for seq, shadow, _, length in jobs:
+            self._publish(shadow, length)
             drafts = shadow.prompt_ids[length:]
             cut = next((i for i, t in enumerate(drafts) if t >= self.vocab_size), len(drafts))
             self._ready[seq.seq_id] = drafts[:cut]
@@ -242,16 +245,29 @@ class DraftModelDrafter:
             if e.sample:
                 e.seq.prompt_ids[e.start + e.num_new] = sampled[e.seq.seq_id]
 
-    def _entry(self, seq: Sequence) -> list:
-        """seq's [target, shadow, base], a new shadow with no K/V for a new sequence."""
+    def _entry(self, seq: Sequence, tokens: list[int]) -> list:
+        """seq's [target, shadow, base]; a new sequence's shadow starts with the K/V of the leading full blocks of
+        `tokens` (its tokens) that the draft pool's prefix cache holds (`_publish`): a prompt shared by many
+        requests, or the choices of one, is computed by the draft model once."""
         entry = self._shadows.get(seq.seq_id)
         if entry is None or entry[0] is not seq:
             if entry is not None:
                 self._free(seq.seq_id)
             shadow = Sequence(seq.seq_id, seq.request_id, seq.index, [], _GREEDY, max_tokens=1)
             shadow.status = SequenceStatus.RUNNING
-            entry = self._shadows[seq.seq_id] = [seq, shadow, 0]
+            shadow.block_ids, shadow.block_hashes = self.pool.match_prefix(tokens)
+            matched = len(shadow.block_ids) * self.block_size
+            shadow.prompt_ids, shadow.num_computed_tokens = tokens[:matched], matched
+            entry = self._shadows[seq.seq_id] = [seq, shadow, matched]
         return entry
+
+    def _publish(self, shadow: Sequence, certain: int) -> None:
+        """Register the shadow's full blocks of target tokens (the first `certain` positions; never drafts, which
+        a verify may reject and the next catch-up overwrite) whose K/V are written, under the prefix hash chain
+        the target's blocks use (`voltserve.kv_cache.hash_block`). Published blocks are never written again: a
+        shadow only rewrites positions past its target's last length."""
+        full = min(certain, shadow.num_computed_tokens) // self.block_size
+        self.pool.publish(shadow.block_ids, shadow.block_hashes, shadow.token_at, full)
 
     def _grow(self, shadow: Sequence, num_tokens: int, keep: set[int]) -> bool:
         """Blocks for num_tokens positions; frees shadows not in `keep` (least recently made first) when short."""

@@ -1,4 +1,4 @@
-"""Draft-model drafter: a smaller model with the target's tokenizer proposes k tokens greedily.
+"""Draft-model drafter: a smaller model with the target's tokenizer proposes the next k tokens.
 
 Each drafted sequence has a shadow in the draft model's own paged KV cache: a `Sequence` whose tokens are the
 target's tokens and its last proposal, of which the first `num_computed_tokens` have their K/V written. Before a
@@ -6,7 +6,7 @@ step, `prepare` brings every wanted shadow up to its target sequence (one catch-
 target accepted since, the first draft sampled from its last row), then decodes the other k - 1 drafts one
 token a step for all shadows at once, through the draft's own `ModelRunner`: on a GPU its steps replay the
 draft's CUDA graphs and each decode step takes its input ids from the step before on the device
-(`ModelRunner.launch(feed=)`), so one host sync a step comes back late instead of one per draft. The drafts of
+(`ModelRunner.launch(feed=)`), two steps in flight, so the device runs them back to back. The drafts of
 a rejected tail are overwritten by the next catch-up: only the prefix the shadow shares with the target is
 kept.
 
@@ -35,7 +35,7 @@ _UNKNOWN = -1  # a draft launched and not collected yet (its step fed the next o
 
 
 class DraftModelDrafter:
-    """Proposes up to k tokens per sequence with a draft model (greedy), keeping each sequence's draft K/V.
+    """Proposes up to k tokens per sequence with a draft model, keeping each sequence's draft K/V.
 
     `prepare` runs the draft model and must be called, on the thread that owns the device, before the
     `Scheduler.schedule()` whose drafts it computes (`Scheduler.draft_work` says for which sequences; the

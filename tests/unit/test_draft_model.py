@@ -338,3 +338,30 @@ def test_shared_prompts_with_prefix_caching_stay_lossless():
     # a shadow starts at its sequence's first draft step, 21 tokens (the prompt's 20 and the prefill's token):
     # the 5 full blocks before the last token, the whole prompt, are computed once, not three times
     assert computed[False] - computed[True] == 2 * 20, computed
+
+
+def test_a_published_block_is_never_written_again():
+    """A prepare before the target grew recomputes its last token; when that token ends a block, the block must
+    not have been published (another shadow may share it): no catch-up writes into a block with a hash."""
+    pool = BlockPool(16, BS)
+    written = []
+
+    class CheckingRunner(ScriptedRunner):
+        def launch(self, plan, feed=None):
+            for e in plan.entries:
+                blocks = e.seq.block_ids[e.start // BS:(e.start + e.num_new - 1) // BS + 1]
+                written.extend(b for b in blocks if pool._block_hash[b] is not None)
+            return super().launch(plan, feed)
+
+    drafter = DraftModelDrafter(CheckingRunner(), pool, 2, vocab_size=1000)
+    a = running_seq(0, list(range(1, 9)))  # two full blocks, the last ending at its last token
+    drafter.prepare([(a, 2)])
+    b = running_seq(1, list(range(1, 9)) + [50])
+    drafter.prepare([(a, 2), (b, 2)])  # a has not grown: position 7 again
+    a_block1 = drafter._shadows[0][1].block_ids[1]
+    drafter.prepare([(a, 2), (b, 2)])
+    # a's block 1 waits until a moves past it; b shared a's block 0 and published its own block 1 (9 tokens)
+    assert written == [] and pool._block_hash[a_block1] is None and pool.num_cached == 2
+    a.output_ids = [60]
+    drafter.prepare([(a, 2)])
+    assert written == [] and pool._block_hash[a_block1] is None  # b's block holds that hash already

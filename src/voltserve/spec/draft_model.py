@@ -264,9 +264,10 @@ class DraftModelDrafter:
     def _publish(self, shadow: Sequence, certain: int) -> None:
         """Register the shadow's full blocks of target tokens (the first `certain` positions; never drafts, which
         a verify may reject and the next catch-up overwrite) whose K/V are written, under the prefix hash chain
-        the target's blocks use (`voltserve.kv_cache.hash_block`). Published blocks are never written again: a
-        shadow only rewrites positions past its target's last length."""
-        full = min(certain, shadow.num_computed_tokens) // self.block_size
+        the target's blocks use (`voltserve.kv_cache.hash_block`), all but the block of the last one. Published
+        blocks are never written again: `_sync` keeps at least the target's previous length less one token."""
+        # not the block of the last target token: a prepare before the target grows computes that token again
+        full = min(certain - 1, shadow.num_computed_tokens) // self.block_size
         self.pool.publish(shadow.block_ids, shadow.block_hashes, shadow.token_at, full)
 
     def _grow(self, shadow: Sequence, num_tokens: int, keep: set[int]) -> bool:

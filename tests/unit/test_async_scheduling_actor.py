@@ -18,8 +18,8 @@ from voltserve.request import FinishReason
 PROMPTS = [[40, 41, 42], [50, 51, 52, 53, 54], [60] * 9]
 
 
-async def _start(runner):
-    sched = make_scheduler(block_size=4, eos=(0,))
+async def _start(runner, **scheduler_args):
+    sched = make_scheduler(block_size=4, eos=(0,), **scheduler_args)
     worker = WorkerActor(runner, name="worker-test")
     actor = SchedulerActor(sched, worker, ByteTokenizer())
     worker.start()
@@ -135,7 +135,6 @@ async def test_the_last_steps_tokens_stream_while_a_draft_model_drafts():
     for the stream to receive the token of the step before it."""
     import threading
 
-    from actors.stream import RequestStream
     from voltserve.spec.ladder import DraftLadder
 
     delivered, seen = threading.Event(), []
@@ -150,11 +149,7 @@ async def test_the_last_steps_tokens_stream_while_a_draft_model_drafts():
         def propose(self, seq, k):
             return []
 
-    sched = make_scheduler(block_size=4, eos=(0,), drafter=WaitingDrafter(), ladder=DraftLadder(2))
-    worker = WorkerActor(FakeAsyncRunner(), name="worker-test")
-    actor = SchedulerActor(sched, worker, ByteTokenizer())
-    worker.start()
-    actor.start()
+    _, worker, actor = await _start(FakeAsyncRunner(), drafter=WaitingDrafter(), ladder=DraftLadder(2))
     stream = RequestStream("r0", 1, abort=lambda r: None)
     put = stream.put
 
@@ -175,7 +170,6 @@ async def test_the_last_steps_tokens_stream_while_a_draft_model_drafts():
 async def test_a_failing_draft_model_costs_drafts_not_requests(caplog):
     """A draft model whose `prepare` raises: each step runs without drafts, the request streams the plain
     tokens, and the failure is logged at the 1st, 10th, 100th... time, not every step."""
-    from actors.stream import RequestStream
     from voltserve.spec.ladder import DraftLadder
 
     class BrokenDrafter:
@@ -187,13 +181,8 @@ async def test_a_failing_draft_model_costs_drafts_not_requests(caplog):
         def propose(self, seq, k):
             return []  # as DraftModelDrafter after a failed prepare: nothing ready
 
-    sched = make_scheduler(block_size=4, eos=(0,), drafter=BrokenDrafter(), ladder=DraftLadder(2))
-    worker = WorkerActor(FakeAsyncRunner(), name="worker-test")
-    actor = SchedulerActor(sched, worker, ByteTokenizer())
-    worker.start()
-    actor.start()
-    stream = RequestStream("r0", 1, abort=lambda r: None)
-    actor.tell(AddRequestMsg((make_seq(PROMPTS[1], max_tokens=14, request_id="r0"),), stream))
+    _, worker, actor = await _start(FakeAsyncRunner(), drafter=BrokenDrafter(), ladder=DraftLadder(2))
+    stream = _add(actor, PROMPTS[1], 14, "r0")
     got = await asyncio.wait_for(_tokens(stream), 30)
     await actor.stop()
     await worker.stop()

@@ -106,8 +106,8 @@ def test_a_short_pool_takes_blocks_from_shadows_not_wanted_then_gives_no_drafts(
     assert drafter.propose(b, 2) and pool.num_free == 1
     drafter.prepare([(a, 2), (b, 2)])  # both wanted: a cannot get 2 blocks
     assert drafter.propose(a, 2) == [] and drafter.propose(b, 2) == [106, 107]
-    b.status = SequenceStatus.FINISHED  # a finished sequence's shadow is dropped at the next call
-    drafter.prepare([])
+    b.status = SequenceStatus.FINISHED  # a finished sequence's shadow goes (the scheduler's _release forgets it)
+    drafter.forget(b)
     drafter.prepare([(a, 2)])
     assert drafter.propose(a, 2) and pool.num_free == 1
     drafter.release_all()

@@ -26,9 +26,9 @@ import torch
 
 from voltserve.kv_cache import BlockPool
 from voltserve.request import SamplingParams
-from voltserve.sampling import filter_logits
 from voltserve.scheduler import ScheduledSeq, StepPlan
 from voltserve.sequence import Sequence, SequenceStatus
+from voltserve.spec.verify import sampling_distribution
 
 _GREEDY = SamplingParams(temperature=0.0)
 _UNKNOWN = -1  # a draft launched and not collected yet (its step fed the next one on the device)
@@ -92,12 +92,12 @@ class DraftModelDrafter:
     def prepare(self, wanted: list[tuple[Sequence, int]]) -> None:
         """Compute the drafts of the coming step: up to k tokens for each (sequence, k) of `wanted`.
 
-        Shadows of sequences that stopped running are freed first; a sequence whose shadow cannot get the blocks
-        it needs gets no drafts this step. Drafts left over from an earlier call are dropped.
+        A sequence whose shadow cannot get the blocks it needs gets no drafts this step (shadows of sequences not
+        wanted now are freed first to make room). Drafts left over from an earlier call are dropped. Shadows of
+        sequences that stop running go in `forget`, which the scheduler calls.
         """
         self._ready.clear()
         self._probs.clear()
-        self._drop_stale()
         keep = {seq.seq_id for seq, _ in wanted}
         jobs: list[tuple[Sequence, Sequence, int, int]] = []  # (target, shadow, k, target length)
         for seq, k in wanted:
@@ -222,7 +222,7 @@ class DraftModelDrafter:
                 if e.sample:
                     # q over the target's ids only: a draft past them would be cut, and a draft that exists only
                     # for some values of the draw would not follow q
-                    q = _draft_distribution(logits[next(rows), :self.vocab_size].float(), params[e.seq.seq_id])
+                    q = sampling_distribution(logits[next(rows), :self.vocab_size].float(), params[e.seq.seq_id])
                     drawn.append(torch.multinomial(q, 1, generator=gen))
                     self._probs.setdefault(e.seq.seq_id, []).append(q)
             tokens = iter(torch.cat(drawn).tolist()) if drawn else iter(())
@@ -283,12 +283,6 @@ class DraftModelDrafter:
         shadow.block_ids.extend(self.pool.allocate() for _ in range(need))
         return True
 
-    def _drop_stale(self) -> None:
-        """Free the shadows of sequences that finished or went back to the queue (preempted)."""
-        for seq_id, (seq, _, _) in list(self._shadows.items()):
-            if seq.status is not SequenceStatus.RUNNING:
-                self._free(seq_id)
-
     def _free(self, seq_id: int) -> None:
         shadow = self._shadows.pop(seq_id)[1]
         self.pool.free(shadow.block_ids)
@@ -307,11 +301,3 @@ def _sync(shadow: Sequence, tokens: list[int], base: int) -> None:
         same += 1
     shadow.prompt_ids = tokens
     shadow.num_computed_tokens = same
-
-
-def _draft_distribution(logits: torch.Tensor, params) -> torch.Tensor:
-    """q: softmax of one row of draft logits ([vocab] fp32, any device) under the request's temperature, top-k,
-    top-p and min-p; where those leave nothing finite, the argmax for certain (as `accept_sampled` treats p)."""
-    q = torch.softmax(filter_logits(logits, params), -1)
-    bad = ~torch.isfinite(q).all() | (q.sum() <= 0)
-    return torch.where(bad, torch.nn.functional.one_hot(logits.argmax(), q.shape[0]).to(q.dtype), q)

@@ -43,6 +43,15 @@ def accept_greedy(target_ids: list[int], drafts: list[int]) -> list[int]:
     return out
 
 
+def sampling_distribution(logits: torch.Tensor, params) -> torch.Tensor:
+    """The distribution a request samples from: softmax of one row of logits ([vocab] fp32, any device) under
+    its temperature, top-k, top-p and min-p; where those leave nothing finite (extreme parameters), the argmax
+    for certain, the limit they tend to. No host sync: a draft model's q on the GPU comes from here too."""
+    q = torch.softmax(filter_logits(logits, params), -1)
+    bad = ~torch.isfinite(q).all() | (q.sum() <= 0)
+    return torch.where(bad, torch.nn.functional.one_hot(logits.argmax(), q.shape[0]).to(q.dtype), q)
+
+
 def accept_sampled(logits: torch.Tensor, drafts: list[int], params, generator: torch.Generator | None,
                    draft_probs: list[torch.Tensor] | None = None) -> list[int]:
     """Tokens a sampled verify emits.
@@ -59,10 +68,7 @@ def accept_sampled(logits: torch.Tensor, drafts: list[int], params, generator: t
     """
     out = []
     for i in range(len(drafts) + 1):
-        probs = torch.softmax(filter_logits(logits[i].float(), params), -1)
-        if not bool(torch.isfinite(probs).all()) or float(probs.sum()) <= 0:
-            probs = torch.zeros_like(probs)  # extreme parameters: the limit they tend to, the argmax
-            probs[int(logits[i].argmax())] = 1.0
+        probs = sampling_distribution(logits[i].float(), params)
         if i == len(drafts):
             out.append(int(torch.multinomial(probs, 1, generator=generator)))
             return out

@@ -12,6 +12,10 @@ steps (pipelined where the scheduler allows), its ratio to both plain figures an
 plain decoding's (`lossless`). The drafter knows the plain output: "pass" proposes it, "fail" proposes each token
 plus one. On the CPU no step is planned ahead and the tiny shape is host-bound: only the GPU figures are speeds.
 
+`--temperature T` adds, per (batch, k), sampled decoding against sampled verify steps of k point-mass drafts (the
+sequence's last token repeated), both at T with top_p 0.95: what a sampled verify costs a step (its rows'
+distributions, the uniform draws and the residual's sample, on the device).
+
 `--draft-shape` adds, per (batch, k), a run with a draft model of that shape (random weights, so its drafts
 fail and, without backoff, every step verifies k of them): `draft_ms_per_step` (the drafter's `prepare`: its
 catch-up and k - 1 decode steps), `verify_ms_per_step` (the rest of the step) and the speedup over pipelined plain
@@ -59,6 +63,14 @@ class KnownDrafter:
                 drafts = out[len(tokens) - len(prompt):][:k]
                 return [(t + 1) % self.vocab_size for t in drafts] if self.fail else drafts
         raise KeyError("unknown sequence")
+
+
+class RepeatDrafter:
+    """Proposes the sequence's last token k times (point masses, as n-gram lookup gives; on random weights they
+    mostly fail): the load of `--temperature`'s sampled verify rows."""
+
+    def propose(self, seq, k: int) -> list[int]:
+        return [seq.token_ids()[-1]] * k
 
 
 class Bench:
@@ -124,21 +136,22 @@ class Bench:
         return self._graphs[k]
 
     def run(self, prompts: list[list[int]], tokens: int, pipelined: bool, k: int = 0, drafter=None,
-            max_pause: int = 0) -> tuple[float, list[list[int]], Scheduler]:
-        """(seconds, greedy outputs, the scheduler) of `tokens` tokens per prompt, all prompts at once."""
+            max_pause: int = 0, temperature: float = 0.0) -> tuple[float, list[list[int]], Scheduler, int]:
+        """(seconds, outputs, the scheduler, steps) of `tokens` tokens per prompt, all prompts at once (greedy, or
+        sampled at `temperature` with top_p 0.95)."""
         runner = ModelRunner(self.model, self.backend, self.kv, (EOS,), seed=0, graphs=self.graphs(k))
         spec = {"drafter": drafter, "ladder": DraftLadder(k), "draft_max_pause": max_pause} if k else {}
         sched = Scheduler(BlockPool(NUM_BLOCKS, BLOCK_SIZE), self.max_seqs, 512, MAX_MODEL_LEN, (EOS,),
                           *runner.ahead_admission(), **spec)
-        seqs = [Sequence(i, f"r{i}", 0, list(p), SamplingParams(temperature=0, ignore_eos=True), tokens)
-                for i, p in enumerate(prompts)]
+        params = SamplingParams(temperature=temperature, top_p=0.95 if temperature else 1.0, ignore_eos=True)
+        seqs = [Sequence(i, f"r{i}", 0, list(p), params, tokens) for i, p in enumerate(prompts)]
         for s in seqs:
             sched.add(s)
         self.sync()
         start = time.perf_counter()
-        run_steps(sched, runner, pipelined=pipelined)
+        steps = run_steps(sched, runner, pipelined=pipelined)
         self.sync()
-        return time.perf_counter() - start, [s.output_ids for s in seqs], sched
+        return time.perf_counter() - start, [s.output_ids for s in seqs], sched, steps
 
     def sync(self) -> None:
         if self.device == "cuda":
@@ -177,6 +190,19 @@ def draft_model_row(bench: Bench, shape: str, k: int, prompts, plain, tokens: in
             "projected_speedup": projected, "lossless": [s.output_ids for s in seqs] == plain}
 
 
+def sampled_row(bench: Bench, prompts, tokens: int, k: int, temperature: float, base: dict) -> dict:
+    """The `--temperature` row: ms per step of sampled decoding (the device sampler, pipelined) and of sampled
+    verify steps of k point-mass drafts each (`RepeatDrafter`, no backoff), and the tokens a verify step gave."""
+    t_plain, _, _, _ = bench.timed(prompts, tokens, pipelined=True, temperature=temperature)
+    t, _, sched, steps = bench.timed(prompts, tokens, pipelined=True, k=k, drafter=RepeatDrafter(),
+                              temperature=temperature)
+    return {**base, "run": "verify_sampled", "k": k, "temperature": temperature,
+            "plain_ms_per_step": round(1e3 * t_plain / tokens, 4),
+            "verify_ms_per_step": round(1e3 * t / steps, 4), "steps": steps,
+            "verify_steps": sched.num_verify_steps, "accepted": sched.num_accepted_tokens,
+            "tokens_per_step": round(tokens / steps, 3)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda")
@@ -187,6 +213,8 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=128, help="generated tokens per sequence")
     parser.add_argument("--max-pause", type=int, default=64, help="the backoff runs' draft_max_pause")
     parser.add_argument("--draft-shape", default="", help="also a draft model of this shape (random weights)")
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="also sampled verify steps at this temperature (top_p 0.95) against plain sampling")
     parser.add_argument("--out", default="")
     args = parser.parse_args()
     qtype = None if args.device != "cuda" or args.qtype == "none" else args.qtype
@@ -194,8 +222,8 @@ def main() -> None:
     rows = []
     for batch in args.batch:
         prompts = [[(7 * j + 3 * i) % (bench.vocab_size - 10) + 5 for j in range(PROMPT_LEN)] for i in range(batch)]
-        t_sync, plain, _ = bench.timed(prompts, args.tokens, pipelined=False)
-        t_pipe, _, _ = bench.timed(prompts, args.tokens, pipelined=True)
+        t_sync, plain, _, _ = bench.timed(prompts, args.tokens, pipelined=False)
+        t_pipe, _, _, _ = bench.timed(prompts, args.tokens, pipelined=True)
         base = {"device": args.device, "shape": args.shape, "qtype": qtype, "batch": batch, "tokens": args.tokens}
         rows.append({**base, "run": "plain", "sync_ms_per_token": round(1e3 * t_sync / args.tokens, 4),
                      "pipelined_ms_per_token": round(1e3 * t_pipe / args.tokens, 4)})
@@ -203,13 +231,16 @@ def main() -> None:
         for k in args.k:
             for drafts, pause in (("pass", 0), ("fail", 0), ("fail", args.max_pause)):
                 drafter = KnownDrafter(prompts, plain, bench.vocab_size, fail=drafts == "fail")
-                t, out, sched = bench.timed(prompts, args.tokens, pipelined=True, k=k, drafter=drafter,
+                t, out, sched, _ = bench.timed(prompts, args.tokens, pipelined=True, k=k, drafter=drafter,
                                             max_pause=pause)
                 rows.append({**base, "run": "verify", "k": k, "drafts": drafts, "draft_max_pause": pause,
                              "ms_per_token": round(1e3 * t / args.tokens, 4),
                              "speedup_vs_pipelined": round(t_pipe / t, 3), "speedup_vs_sync": round(t_sync / t, 3),
                              "verify_steps": sched.num_verify_steps, "accepted": sched.num_accepted_tokens,
                              "lossless": out == plain})
+                print(json.dumps(rows[-1]), flush=True)
+            if args.temperature > 0:
+                rows.append(sampled_row(bench, prompts, args.tokens, k, args.temperature, base))
                 print(json.dumps(rows[-1]), flush=True)
             if args.draft_shape:
                 rows.append(draft_model_row(bench, args.draft_shape, k, prompts, plain, args.tokens, t_pipe,

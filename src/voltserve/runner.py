@@ -14,7 +14,7 @@ from voltserve.request import MAX_LOGPROBS, TokenLogprob
 from voltserve.sampling import SampleRow, sample
 from voltserve.scheduler import StepPlan
 from voltserve.sequence import Sequence
-from voltserve.spec.verify import accept_greedy, accept_sampled
+from voltserve.spec.verify import accept_greedy, verify_greedy, verify_sampled
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +71,7 @@ class ModelRunner:
         self.block_size = kv_cache.shape[3]
         self.eos_token_ids = eos_token_ids
         self.generator = torch.Generator()
+        self._device_generators: dict[torch.device, torch.Generator] = {}  # `_generator_on`
         if seed is None:
             self.generator.seed()
         else:
@@ -321,7 +322,7 @@ class ModelRunner:
                        ) -> tuple[dict, dict[int, TokenLogprob]]:
         """Sample a verify step's rows (`prepare`'s: one row a sampling entry, 1 + len(drafts) for an entry with
         drafts; greedy_ids: their argmax from a verify graph, or None): the plain entries as `_sample` does, the
-        drafted ones through `voltserve.spec.verify` (on the host)."""
+        drafted ones through `voltserve.spec.verify` where the logits are, with one host copy of their tokens."""
         plain_rows, spans, row = [], [], 0
         for e in plan.entries:
             if e.drafts:
@@ -342,17 +343,40 @@ class ModelRunner:
             for e, r in spans:
                 sampled[e.seq.seq_id] = accept_greedy(targets[r:r + e.num_new], list(e.drafts))
             return sampled, lps
-        self._end_timer()
-        host = logits.float().cpu()
+        # sampled drafts: verified where the logits are, every span's tokens back in one host copy
+        device = logits.device
+        drafts = torch.tensor([t for e, _ in spans for t in e.drafts], dtype=torch.int64)
+        drafts = drafts.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else drafts
+        width = max(e.num_new for e, _ in spans) + 1
+        results, at = [], 0
         for e, r in spans:
-            s = e.seq
-            drafts = list(e.drafts)
+            s, k = e.seq, len(e.drafts)
+            d, at = drafts[at:at + k], at + k
             if s.params.is_greedy:
-                sampled[s.seq_id] = accept_greedy(host[r:r + e.num_new].argmax(-1).tolist(), drafts)
+                tokens, accepted = verify_greedy(greedy_ids[r:r + k + 1] if greedy_ids is not None
+                                                 else logits[r:r + k + 1], d)
             else:
-                gen = s.generator if s.generator is not None else self.generator
-                sampled[s.seq_id] = accept_sampled(host[r:r + e.num_new], drafts, s.params, gen, e.draft_probs)
+                gen = s.generator if s.generator is not None else self._generator_on(device)
+                on = gen.device  # a seeded request's generator is the host's (seeded requests are not drafted)
+                tokens, accepted = verify_sampled(logits[r:r + k + 1].to(on), d.to(on), s.params, gen,
+                                                  e.draft_probs)
+                tokens, accepted = tokens.to(device), accepted.to(device)
+            results.append(torch.cat([accepted.view(1), tokens, tokens.new_zeros(width - k - 2)]))
+        self._end_timer()
+        for (e, _), row in zip(spans, torch.stack(results).tolist()):
+            sampled[e.seq.seq_id] = row[1:row[0] + 2]
         return sampled, lps
+
+    def _generator_on(self, device: torch.device) -> torch.Generator:
+        """The engine's generator for requests without a seed, on `device` (a GPU's is seeded from the host's, so
+        an engine seed fixes both)."""
+        if device.type == "cpu":
+            return self.generator
+        gen = self._device_generators.get(device)
+        if gen is None:
+            gen = self._device_generators[device] = torch.Generator(device=device)
+            gen.manual_seed(int(torch.randint(0, 2 ** 62, (), generator=self.generator)))
+        return gen
 
     def _sample(self, plan: StepPlan, logits: torch.Tensor, greedy_ids: torch.Tensor | None
                 ) -> tuple[dict[int, int], dict[int, TokenLogprob]]:

@@ -49,20 +49,21 @@ def apply_penalties(logits: torch.Tensor, row: SampleRow) -> torch.Tensor:
 
 
 def filter_logits(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
-    """Temperature, top-k, top-p, min-p on one row [vocab_size] fp32; returns filtered logits."""
+    """Temperature, top-k, top-p, min-p on rows [..., vocab_size] fp32 (each row alone: one row [vocab_size],
+    or a verify's rows [n, vocab_size] under one request's parameters); returns filtered logits."""
     logits = logits / p.temperature
     if p.top_k > 0 and p.top_k < logits.shape[-1]:
-        kth = torch.topk(logits, p.top_k).values[-1]
+        kth = torch.topk(logits, p.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if p.min_p > 0:
         probs = torch.softmax(logits, -1)
-        logits = logits.masked_fill(probs < p.min_p * probs.max(), float("-inf"))
+        logits = logits.masked_fill(probs < p.min_p * probs.amax(-1, keepdim=True), float("-inf"))
     if p.top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True)
-        cum = torch.softmax(sorted_logits, -1).cumsum(-1)
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        sorted_probs = torch.softmax(sorted_logits, -1)
         # drop a token when the mass before it already reaches top_p (the top token always stays)
-        drop = (cum - torch.softmax(sorted_logits, -1)) >= p.top_p
-        logits = logits.scatter(0, order, sorted_logits.masked_fill(drop, float("-inf")))
+        drop = (sorted_probs.cumsum(-1) - sorted_probs) >= p.top_p
+        logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
     return logits
 
 

@@ -13,7 +13,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 def test_bench_verify_rows(tmp_path):
     out = tmp_path / "verify.json"
     subprocess.run([sys.executable, str(ROOT / "tools" / "bench_verify.py"), "--device", "cpu", "--shape", "tiny",
-                    "--tokens", "12", "--batch", "1,2", "--k", "2", "--draft-shape", "tiny",
+                    "--tokens", "12", "--batch", "1,2", "--k", "2", "--draft-shape", "tiny", "--temperature", "0.8",
                     "--out", str(out)], check=True, cwd=ROOT,
                    capture_output=True, timeout=300)
     rows = json.loads(out.read_text())["results"]
@@ -35,3 +35,13 @@ def test_bench_verify_rows(tmp_path):
         assert r["verify_steps"] == 10 * r["batch"] and r["draft_ms_per_step"] > 0 and r["verify_ms_per_step"] > 0
         assert r["lossless"]
         assert set(r["projected_speedup"]) == {"0.5", "0.7", "0.9"}
+    # sampled verify steps of the last token repeated (point masses, on random weights mostly rejected): after the
+    # prefill's token each step emits 1 + what it accepted, and every step verifies but the prefill's and a last
+    # one with no room for a draft
+    sampled = {r["batch"]: r for r in rows if r["run"] == "verify_sampled"}
+    assert sorted(sampled) == [1, 2] and all(r["k"] == 2 and r["temperature"] == 0.8 for r in sampled.values())
+    one = sampled[1]
+    assert one["steps"] == 12 - one["accepted"] and one["verify_steps"] in (one["steps"] - 2, one["steps"] - 1)
+    assert one["tokens_per_step"] == round(12 / one["steps"], 3)
+    assert 6 <= sampled[2]["steps"] <= 12 and sampled[2]["verify_steps"] >= sampled[2]["steps"] - 2
+    assert all(r["plain_ms_per_step"] > 0 and r["verify_ms_per_step"] > 0 for r in sampled.values())

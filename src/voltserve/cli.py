@@ -79,6 +79,8 @@ HELP = {
     "ngram_max": "the longest suffix the n-gram drafter matches",
     "concurrency_drafts": "verify width by running sequences, a JSON object such as '{\"4\": 3, \"5\": 4}' "
                           "(thresholds >= 2, widths 1..k); below the lowest threshold all k",
+    "speculative_disable_by_batch_size": "no drafts while at least this many sequences run (>= 2; their steps "
+                                         "are planned ahead again on a GPU); 0: draft at every concurrency",
     "draft_max_pause": "after m verifies in a row that accept no draft a sequence decodes 2^m tokens without "
                        "drafts, at most this many; 0: never pauses",
 }

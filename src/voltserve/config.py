@@ -178,6 +178,8 @@ class EngineConfig:
         concurrency_drafts: the ladder, a JSON object of running-sequence thresholds (>= 2) to verify widths
             (1..k), e.g. '{"4": 3, "5": 4}': with R running sequences the largest threshold <= R sets the width;
             below the lowest one all k drafts are verified (`voltserve.spec.ladder`). "" = always k.
+        speculative_disable_by_batch_size: no drafts while at least this many sequences run (>= 2): their steps
+            decode plainly and, on a GPU, are planned ahead again; 0 = draft at every concurrency.
         draft_max_pause: draft backoff (`voltserve.spec.backoff`): after m verifies in a row that accepted no
             draft a sequence decodes its next 2^m tokens without drafts, at most this many; 0 = never pauses.
     """
@@ -223,6 +225,7 @@ class EngineConfig:
     ngram_min: int = 2
     ngram_max: int = 4
     concurrency_drafts: str = ""
+    speculative_disable_by_batch_size: int = 0
     draft_max_pause: int = DEFAULT_MAX_PAUSE
 
     def validate(self) -> "EngineConfig":
@@ -269,7 +272,7 @@ class EngineConfig:
         if not 1 <= self.ngram_min <= self.ngram_max <= MAX_NGRAM:
             raise ConfigError(f"ngram_min and ngram_max must satisfy 1 <= ngram_min <= ngram_max <= {MAX_NGRAM}, "
                               f"not {self.ngram_min} and {self.ngram_max}")
-        self.draft_ladder()  # raises on a bad num_speculative_tokens or concurrency_drafts
+        self.draft_ladder()  # raises on a bad num_speculative_tokens, concurrency_drafts or disable size
         if self.draft_max_pause < 0:
             raise ConfigError(f"draft_max_pause must be >= 0, not {self.draft_max_pause}")
         if self.weight_format not in ("auto", "float"):
@@ -289,12 +292,14 @@ class EngineConfig:
         return self
 
     def draft_ladder(self) -> DraftLadder:
-        """The verify width per concurrency from `num_speculative_tokens` and `concurrency_drafts`.
+        """The verify width per concurrency from `num_speculative_tokens`, `concurrency_drafts` and
+        `speculative_disable_by_batch_size`.
 
         Raises:
-            ConfigError: either is out of range (`DraftLadder.parse`).
+            ConfigError: one is out of range (`DraftLadder.parse`).
         """
-        return DraftLadder.parse(self.concurrency_drafts, self.num_speculative_tokens)
+        return DraftLadder.parse(self.concurrency_drafts, self.num_speculative_tokens,
+                                 self.speculative_disable_by_batch_size)
 
     def engine_settings(self) -> dict:
         """The fields the engine process acts on (not the API's own: names, keys, ports, streaming): API

@@ -56,12 +56,12 @@ def prefill_buckets(max_num_batched_tokens: int) -> list[int]:
 def verify_buckets(buckets: list[int], width: Callable[[int], int]) -> dict[int, int]:
     """Bucket b -> its verify graph's query tokens beyond one a sequence: the most drafts the r sequences it takes
     (previous bucket < r <= b) verify, r * width(r), plus one (a lone sequence's 1 + k tokens fit); buckets past
-    VERIFY_MAX_DRAFT_TOKENS drafts get none."""
+    VERIFY_MAX_DRAFT_TOKENS drafts, and those whose sequences never draft (the ladder's width 0), get none."""
     out, prev = {}, 0
     for b in buckets:
         drafts = max(r * width(r) for r in range(prev + 1, b + 1))
         prev = b
-        if drafts <= VERIFY_MAX_DRAFT_TOKENS:
+        if 0 < drafts <= VERIFY_MAX_DRAFT_TOKENS:
             out[b] = drafts + 1
     return out
 

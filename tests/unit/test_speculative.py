@@ -78,6 +78,17 @@ def test_ladder_widths_by_running_sequences():
     assert [ladder.width(r) for r in range(1, 9)] == [7, 7, 7, 3, 4, 4, 4, 4]
     assert DraftLadder.parse("", 5).width(64) == 5
     assert DraftLadder.parse({"8": 1, "2": 2}, 3).rungs == ((2, 2), (8, 1))
+    off = DraftLadder.parse('{"4": 3}', 7, disable_at=6)  # speculative_disable_by_batch_size
+    assert [off.width(r) for r in range(1, 9)] == [7, 7, 7, 3, 3, 0, 0, 0]
+    assert EngineConfig(speculative_disable_by_batch_size=2).draft_ladder().width(2) == 0
+
+
+def test_verify_graphs_stop_where_the_ladder_stops_drafting():
+    from voltserve.graphs import verify_buckets
+
+    ladder = DraftLadder.parse("", 4, disable_at=9)
+    # bucket 16 takes 9..16 running sequences: none drafts, so it gets no verify graph
+    assert verify_buckets([1, 2, 4, 8, 16], ladder.width) == {1: 5, 2: 9, 4: 17, 8: 33}
 
 
 @pytest.mark.parametrize("bad, message", [
@@ -111,6 +122,10 @@ def test_bad_speculative_settings_fail_at_startup():
         EngineConfig(speculative_method="ngram", ngram_max=4096).validate()
     with pytest.raises(ConfigError, match="concurrency_drafts: threshold 1 must be >= 2"):
         EngineConfig(concurrency_drafts='{"1": 2}').validate()  # fails at startup with speculation off too
+    for bad in (1, -3):
+        with pytest.raises(ConfigError, match=f"speculative_disable_by_batch_size must be 0 \\(never\\) or >= 2 "
+                                              f".*, not {bad}"):
+            EngineConfig(speculative_method="ngram", speculative_disable_by_batch_size=bad).validate()
 
 
 # -- verification -------------------------------------------------------------------------------------------------
@@ -343,6 +358,33 @@ def test_the_ladder_sets_each_steps_width_and_no_step_is_planned_ahead():
         widths.append(set(drafter.asked))
         assert s.schedule_ahead(plan) is None
     assert widths == [{7}, {7}, {7}, {3}, {4}]
+
+
+def test_no_drafts_from_the_disable_size_on_and_steps_planned_ahead_again():
+    """speculative_disable_by_batch_size 3: two running sequences verify drafts (no step planned ahead); once a
+    third runs, steps decode one token each and the next is planned ahead; when one finishes, drafts return."""
+    drafter = FakeDrafter(lambda tokens: [1] * 8)
+    s = make_scheduler(drafter=drafter, ladder=DraftLadder.parse("", 4, disable_at=3), max_num_seqs=8,
+                       num_blocks=256)
+    a, b, c = make_seq([1, 2], max_tokens=50), make_seq([1, 2], max_tokens=50), make_seq([1, 2], max_tokens=8)
+    for seq in (a, b):
+        s.add(seq)
+    fake_step(s)  # both prefills
+    plan, _ = fake_step(s)
+    assert [len(e.drafts) for e in plan.entries] == [4, 4] and s.schedule_ahead(plan) is None
+    s.add(c)
+    plan, _ = fake_step(s)  # c's prefill beside a's and b's decodes: three run, none drafts
+    assert [len(e.drafts) for e in plan.entries] == [0, 0, 0] and not plan.has_drafts
+    drafter.asked.clear()
+    plan = s.schedule()
+    ahead = s.schedule_ahead(plan)
+    assert ahead is not None and [e.num_new for e in ahead.entries] == [1, 1, 1] and drafter.asked == []
+    s.update(plan, fake_sample(plan))
+    s.update(ahead, fake_sample(ahead))
+    while not c.is_finished:
+        plan, _ = fake_step(s)
+    plan, _ = fake_step(s)  # c is gone: two run again, and draft
+    assert [len(e.drafts) for e in plan.entries] == [4, 4]
 
 
 def test_undraftable_sequences_decode_one_token():

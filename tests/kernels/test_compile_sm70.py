@@ -79,3 +79,17 @@ def test_params_size_drift_fails_to_compile():
     wrong = {**kernels.defines("rmsnorm"), "VOLT_RMSNORM_PARAMS_BYTES": 8}
     with pytest.raises(KernelCompileError, match="drifted"):
         nvrtc.compile_source("rmsnorm.cu", 70, wrong)
+
+
+def test_nvrtc_outputs_never_write_into_shared_bytes():
+    """A compile whose log is empty (NVRTC's log is then one NUL) leaves the interpreter's cached one-byte b" "
+    alone: NVRTC wrote its outputs into `b" " * size`, which for size 1 is that cached object, so every b" " of
+    the process (then the spaces of text decoded from it) became b"\\x00" (seen on an H100 with a cold kernel
+    cache: the server's answers had NULs for spaces)."""
+    from voltserve.backends.cuda import nvrtc
+
+    source = b'extern "C" __global__ void nothing() {}'
+    ptx, log = nvrtc._run_nvrtc("nothing.cu", source, (), "--gpu-architecture=compute_80", cubin=False)
+    assert log == "" and b".visible .entry nothing" in ptx
+    space = bytes([32])  # not the literal: a corrupted constant would compare equal to itself
+    assert b" " == space and b" ".decode() == " " and b" " * 1 is b" "

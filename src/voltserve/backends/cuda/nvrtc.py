@@ -163,23 +163,28 @@ def _run_nvrtc(source: str, text: bytes, options: tuple[str, ...], arch_flag: st
     try:
         opts = [arch_flag.encode()] + [o.encode() for o in options]
         status = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)[0]
-        log_size = check(nvrtc.nvrtcGetProgramLogSize(prog), "nvrtcGetProgramLogSize")
-        log_buf = b" " * log_size
-        check(nvrtc.nvrtcGetProgramLog(prog, log_buf), "nvrtcGetProgramLog")
+        log_buf = _read_out(nvrtc.nvrtcGetProgramLogSize, nvrtc.nvrtcGetProgramLog, prog, "nvrtcGetProgramLog")
         log = log_buf.rstrip(b"\0 ").decode(errors="replace").strip()
         if int(status) != 0:
             raise KernelCompileError(source, [arch_flag, *options], log)
         if cubin:
-            size = check(nvrtc.nvrtcGetCUBINSize(prog), "nvrtcGetCUBINSize")
-            buf = b" " * size
-            check(nvrtc.nvrtcGetCUBIN(prog, buf), "nvrtcGetCUBIN")
+            buf = _read_out(nvrtc.nvrtcGetCUBINSize, nvrtc.nvrtcGetCUBIN, prog, "nvrtcGetCUBIN")
         else:
-            size = check(nvrtc.nvrtcGetPTXSize(prog), "nvrtcGetPTXSize")
-            buf = b" " * size
-            check(nvrtc.nvrtcGetPTX(prog, buf), "nvrtcGetPTX")  # includes the trailing NUL
+            buf = _read_out(nvrtc.nvrtcGetPTXSize, nvrtc.nvrtcGetPTX, prog, "nvrtcGetPTX")  # with its trailing NUL
         return buf, log
     finally:
         nvrtc.nvrtcDestroyProgram(prog)
+
+
+def _read_out(get_size, get, prog, what: str) -> bytes:
+    """An NVRTC output (log, PTX, CUBIN) through its size getter and getter, into a fresh mutable buffer: NVRTC
+    writes into the buffer it is given, and an immutable `bytes` of the right size may be shared (`b" " * 1` is
+    the interpreter's cached b" ": an empty log's one NUL written into it turned every b" " of the process into
+    b"\x00", and with it the spaces of text decoded later)."""
+    size = check(get_size(prog), what + "Size")
+    buf = bytearray(size)
+    check(get(prog, buf), what)
+    return bytes(buf)
 
 
 def _write_atomic(path: Path, data: bytes) -> None:

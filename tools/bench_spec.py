@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import statistics
 import sys
@@ -104,6 +105,13 @@ async def run(args) -> list[dict]:
                     results.append(row)
         finally:
             await engine.stop()
+            # the next engine sizes its KV pool from free GPU memory: this one's must be gone first
+            del engine
+            gc.collect()
+            if args.device == "cuda":
+                import torch
+
+                torch.cuda.empty_cache()
     return results
 
 

@@ -195,7 +195,7 @@ def sampled_row(bench: Bench, prompts, tokens: int, k: int, temperature: float, 
     verify steps of k point-mass drafts each (`RepeatDrafter`, no backoff), and the tokens a verify step gave."""
     t_plain, _, _, _ = bench.timed(prompts, tokens, pipelined=True, temperature=temperature)
     t, _, sched, steps = bench.timed(prompts, tokens, pipelined=True, k=k, drafter=RepeatDrafter(),
-                              temperature=temperature)
+                                     temperature=temperature)
     return {**base, "run": "verify_sampled", "k": k, "temperature": temperature,
             "plain_ms_per_step": round(1e3 * t_plain / tokens, 4),
             "verify_ms_per_step": round(1e3 * t / steps, 4), "steps": steps,
@@ -232,7 +232,7 @@ def main() -> None:
             for drafts, pause in (("pass", 0), ("fail", 0), ("fail", args.max_pause)):
                 drafter = KnownDrafter(prompts, plain, bench.vocab_size, fail=drafts == "fail")
                 t, out, sched, _ = bench.timed(prompts, args.tokens, pipelined=True, k=k, drafter=drafter,
-                                            max_pause=pause)
+                                               max_pause=pause)
                 rows.append({**base, "run": "verify", "k": k, "drafts": drafts, "draft_max_pause": pause,
                              "ms_per_token": round(1e3 * t / args.tokens, 4),
                              "speedup_vs_pipelined": round(t_pipe / t, 3), "speedup_vs_sync": round(t_sync / t, 3),

@@ -283,14 +283,32 @@ class ModelRunner:
         return sampled, _token_logprobs(seqs, tokens, *handle.extras_host)
 
     @torch.inference_mode()
-    def logits(self, plan: StepPlan) -> torch.Tensor:
+    def logits(self, plan: StepPlan, ids_from: torch.Tensor | None = None) -> torch.Tensor:
         """Run one step (a graph replay where one takes it) and return its logits without sampling: [one row per
-        sampling entry, vocab] in the backend dtype, on the device (a draft model's sampled drafts,
-        `voltserve.spec.draft_model`). Plans without drafts only."""
+        sampling entry, vocab] in the backend dtype, on the device, no host sync (a draft model's sampled
+        drafts, `voltserve.spec.draft_model`). Plans without drafts only.
+
+        ids_from: [len(plan.entries)] int64 on the device, the input ids of a decode step (one token an entry)
+            that the host does not know yet (the drafts sampled from the step before); needs a graph for the
+            step (`can_feed`).
+        Raises:
+            ValueError: a plan with drafts, or ids_from for a step `can_feed` refuses.
+        """
         if plan.has_drafts:
             raise ValueError("logits() takes plans without drafts")
         self._timer = None
-        return self._step_logits(plan)[0]
+        if ids_from is None:
+            return self._step_logits(plan)[0]
+        if not self.can_feed(plan) or ids_from.shape[0] != len(plan.entries):
+            raise ValueError("logits(ids_from=) takes a decode step of a captured graph, an id per entry")
+        key = self.graphs.plan_key(plan.entries)
+        self.graphs.fill(key, plan.entries, len(plan.entries))
+        return self.graphs.replay(key, len(plan.entries), ids_from=ids_from)[0]
+
+    def can_feed(self, plan: StepPlan) -> bool:
+        """Whether `logits(plan, ids_from=)` takes `plan`: a decode step (one token an entry) a graph runs."""
+        return (self.graphs is not None and not plan.has_drafts and all(e.num_new == 1 for e in plan.entries)
+                and self.graphs.plan_key(plan.entries) is not None)
 
     def _execute(self, plan: StepPlan) -> tuple[dict[int, int], dict[int, TokenLogprob]]:
         logits, greedy_ids = self._step_logits(plan)
@@ -356,15 +374,13 @@ class ModelRunner:
                 tokens, accepted = verify_greedy(greedy_ids[r:r + k + 1] if greedy_ids is not None
                                                  else logits[r:r + k + 1], d)
             else:
-                gen = s.generator if s.generator is not None else self._generator_on(device)
-                on = gen.device  # a seeded request's generator is the host's (seeded requests are not drafted)
-                tokens, accepted = verify_sampled(logits[r:r + k + 1].to(on), d.to(on), s.params, gen,
+                # the engine's generator: seeded sampled requests are never drafted (`verify.draftable`)
+                tokens, accepted = verify_sampled(logits[r:r + k + 1], d, s.params, self._generator_on(device),
                                                   e.draft_probs)
-                tokens, accepted = tokens.to(device), accepted.to(device)
             results.append(torch.cat([accepted.view(1), tokens, tokens.new_zeros(width - k - 2)]))
         self._end_timer()
-        for (e, _), row in zip(spans, torch.stack(results).tolist()):
-            sampled[e.seq.seq_id] = row[1:row[0] + 2]
+        for (e, _), out in zip(spans, torch.stack(results).tolist()):  # [accepted, tokens..., padding]
+            sampled[e.seq.seq_id] = out[1:out[0] + 2]
         return sampled, lps
 
     def _generator_on(self, device: torch.device) -> torch.Generator:

@@ -188,10 +188,10 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_verify_sampled_keeps_every_positions_distribution(device):
-    """Three drafts at once on `device` (no host sync inside), 20,000 trials each way, max error < 0.012:
-    - point-mass drafts (each row's likeliest token): the first token follows p[0], a rejection at the second draft samples p[1]
-      without its draft, and after three passes the last token follows p[3] (the rows differ, so a token sampled
-      from the wrong row or residual shows);
+    """Three drafts at once on `device` (no host sync inside), 20,000 trials each way:
+    - point-mass drafts (each row's likeliest token): the first token follows p[0], a rejection at the second
+      draft samples p[1] without its draft, and after three passes the last token follows p[3] (the rows differ,
+      so a token sampled from the wrong row or residual shows);
     - drafts drawn from a draft model's q: the first token follows p[0], the first draft passes with probability
       sum(min(p[0], q[0]))."""
     from voltserve.spec.verify import sampling_distribution, verify_sampled
@@ -225,13 +225,27 @@ def test_verify_sampled_keeps_every_positions_distribution(device):
     assert abs(lengths[1] - (1 - p[0, likely[0]])) < 0.012
     residual = p[1].clone()
     residual[likely[1]] = 0
-    assert seconds[likely[1]] == 0 and (seconds / seconds.sum() - residual / residual.sum()).abs().max() < 0.03
-    assert lasts.sum() > 1000 and (lasts / lasts.sum() - p[3]).abs().max() < 0.03
+    # ~1,300 and ~2,000 samples: 0.05 is ~4 standard deviations of the largest cell
+    assert seconds[likely[1]] == 0 and (seconds / seconds.sum() - residual / residual.sum()).abs().max() < 0.05
+    assert lasts.sum() > 1000 and (lasts / lasts.sum() - p[3]).abs().max() < 0.05
 
     q = [torch.softmax(torch.randn(6), -1) for _ in range(3)]
     firsts, _, _, lengths = trials(lambda: ([int(torch.multinomial(x, 1, generator=host_gen)) for x in q], q))
     assert (firsts - p[0]).abs().max() < 0.012, (firsts, p[0])
     assert abs(1 - lengths[1] - float(torch.minimum(p[0], q[0]).sum())) < 0.012
+
+
+def test_sampled_verify_edge_cases():
+    """No drafts (with an empty q list too) samples the one row; generator None draws from torch's default
+    generator, so torch.manual_seed makes it reproducible."""
+    logits = torch.tensor([[0.0, 1.0, 2.0, 3.0]])
+    params = SamplingParams(temperature=1.0)
+    assert len(accept_sampled(logits, [], params, torch.Generator().manual_seed(0), [])) == 1
+    runs = []
+    for _ in range(2):
+        torch.manual_seed(123)
+        runs.append([accept_sampled(torch.randn(3, 50), [1, 2], params, None) for _ in range(20)])
+    assert runs[0] == runs[1]
 
 
 def test_verify_greedy_matches_accept_greedy():

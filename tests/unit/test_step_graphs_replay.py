@@ -82,10 +82,11 @@ def _no_cuda(monkeypatch):
 
 
 def _generate(model, mode, prompts, arrivals, max_tokens, max_seqs=4, budget=64, prefill=(8, 64), num_blocks=64,
-              drafts=0, drafter=None, draft_max_pause=64):
+              drafts=0, drafter=None, draft_max_pause=64, params=None):
     """Output ids per prompt; prompt i is added once `arrivals[i]` steps were applied. mode: eager (no graphs),
     sync (graphs, one step at a time) or pipelined (graphs, steps planned ahead). drafts: k of speculative decoding
-    with n-gram drafts, or `drafter`'s (verify graphs for it), 0 = none."""
+    with n-gram drafts, or `drafter`'s (verify graphs for it), 0 = none. params: every request's (default:
+    greedy)."""
     cfg, backend = model.config, model.backend
     kv = backend.allocate_kv_cache(cfg.num_layers, num_blocks, 4, cfg.num_kv_heads, cfg.head_dim)
     graphs = None
@@ -110,8 +111,8 @@ def _generate(model, mode, prompts, arrivals, max_tokens, max_seqs=4, budget=64,
     sched = Scheduler(BlockPool(num_blocks, 4), max_seqs, budget, 256, (EOS,), *runner.ahead_admission(), **spec)
     if graphs is not None:
         graphs.sched = sched  # for the tests' counters
-    seqs = [Sequence(i, f"r{i}", 0, list(p), SamplingParams(temperature=0, ignore_eos=True), m)
-            for i, (p, m) in enumerate(zip(prompts, max_tokens))]
+    params = params or SamplingParams(temperature=0, ignore_eos=True)
+    seqs = [Sequence(i, f"r{i}", 0, list(p), params, m) for i, (p, m) in enumerate(zip(prompts, max_tokens))]
     pending = sorted(zip(arrivals, range(len(seqs))))
     applied = [0]
 
@@ -250,6 +251,35 @@ def test_a_draft_model_over_graphs_feeds_its_decode_steps_on_the_device(model):
         assert set(per_prepare.split()) <= {"c", "cF", "cFF"} and per_prepare.count("F") > 20, per_prepare
         assert drafter.pool.num_free == drafter.pool.num_blocks
     assert any(k.prefill for k in draft_graphs.replays) and any(not k.prefill for k in draft_graphs.replays)
+
+
+def test_sampled_drafts_over_graphs_feed_each_decode_step_the_drafts_just_drawn(model):
+    """Sampled requests, the model as its own draft, both over CPU "graphs": each draft decode step takes the
+    drafts drawn from the step before as its input ids on the device (`ModelRunner.logits(ids_from=)`), the
+    host reads them once a prepare; q equals the verify's p (the same model, batch invariant), so every draft
+    passes; both pools end free."""
+    from voltserve.spec.draft_model import DraftModelDrafter
+
+    prompts = [[5, 6, 7, 5, 6, 7, 5, 6], [9] * 12, list(range(1, 30)), [3, 1, 4, 1, 5, 9, 2, 6]]
+    arrivals, max_tokens = [0, 0, 3, 6], [40, 25, 30, 35]
+    cfg, backend = model.config, model.backend
+    kv = backend.allocate_kv_cache(cfg.num_layers, 64, 4, cfg.num_kv_heads, cfg.head_dim)
+    draft_graphs = _CpuReplayGraphs(model, backend, kv, 4, 256, [8, 64], None)
+    draft_graphs.capture()
+    runner = ModelRunner(model, backend, kv, (), seed=0, graphs=draft_graphs)
+    logits, fed = runner.logits, []
+    runner.logits = lambda plan, ids_from=None: (fed.append(ids_from is not None), logits(plan, ids_from))[1]
+    drafter = DraftModelDrafter(runner, BlockPool(64, 4, False), 3, cfg.vocab_size)
+    drafter.generator.manual_seed(3)
+    params = SamplingParams(temperature=25.0, top_p=0.9, ignore_eos=True)  # the sharp test model: spread out
+    out, graphs, _ = _generate(model, "sync", prompts, arrivals, max_tokens, drafts=3, drafter=drafter,
+                               draft_max_pause=0, params=params)
+    sched = graphs.sched
+    assert [len(o) for o in out] == max_tokens and all(0 <= t < cfg.vocab_size for o in out for t in o)
+    assert sched.num_draft_tokens > 60 and sched.num_accepted_tokens == sched.num_draft_tokens
+    assert len(set(map(tuple, out))) == len(out) and len(set(out[1])) > 3  # sampled: not one greedy path
+    assert fed.count(True) > 20 and fed.count(False) > 10
+    assert drafter.pool.num_free == drafter.pool.num_blocks
 
 
 def _split(marks: list) -> list[list[bool]]:

@@ -13,7 +13,7 @@ kept.
 A greedy request's drafts are the draft model's argmax, one token for certain (q a point mass). A sampled
 request's are drawn from the draft model's distribution q under the request's temperature, top-k, top-p and
 min-p, one step at a time, and q goes with them to the verify, which accepts a draft with probability
-min(1, p / q) and samples a rejection from max(p - q, 0) (`voltserve.spec.verify.accept_sampled`): the output
+min(1, p / q) and samples a rejection from max(p - q, 0) (`voltserve.spec.verify.verify_sampled`): the output
 keeps the target's distribution, and a draft model close to the target passes most drafts. This is speculative
 decoding as Leviathan et al. 2023 ("Fast Inference from Transformers via Speculative Decoding") and Chen et al.
 2023 ("Accelerating Large Language Model Decoding with Speculative Sampling") give it; vLLM's `draft_model`
@@ -205,30 +205,64 @@ class DraftModelDrafter:
             self._collect(*prev)
 
     def _run_sampled(self, jobs) -> None:
-        """The steps of sampled requests, one at a time: each draft is drawn from q, the draft model's distribution
-        under the request's own temperature, top-k, top-p and min-p, and q is kept for the verify (speculative
-        sampling: a draft then passes with probability min(1, p / q), `voltserve.spec.verify.accept_sampled`).
-        q is computed and drawn from where the logits are (on a GPU: no vocabulary-wide host work); one host copy
-        a step brings the drafts back."""
+        """The steps of sampled requests: each draft is drawn from q, the draft model's distribution under the
+        request's own temperature, top-k, top-p and min-p, and q is kept for the verify (speculative sampling: a
+        draft then passes with probability min(1, p / q), `voltserve.spec.verify.verify_sampled`).
+
+        q is computed and drawn from where the logits are, with no host sync (an exponential race, as
+        `verify_sampled` draws): where the runner can (`ModelRunner.can_feed`: a decode step over a CUDA graph),
+        a decode step takes the drafts just drawn as its input ids on the device, so the steps of a prepare run
+        back to back and one host copy at the end brings every draft back; otherwise the drafts drawn so far
+        come back first (their ids are the step's inputs)."""
         params = {seq.seq_id: seq.params for seq, _, _, _ in jobs}
+        drawn: list[tuple[list[tuple[Sequence, int]], torch.Tensor]] = []  # ((shadow, draft's place) each, the
+        # drafts on the device) of the steps whose drafts the host has not read yet
+        last: dict[int, int] = {}  # shadow seq_id -> its row in drawn[-1]
         for entries in self._steps(jobs):
-            logits = self.runner.logits(StepPlan(entries))  # the sampling entries' rows, in order
+            plan = StepPlan(entries)
+            ids_from = None
+            if drawn and all(e.seq.seq_id in last for e in entries) and self.runner.can_feed(plan):
+                ids_from = drawn[-1][1]
+                rows = [last[e.seq.seq_id] for e in entries]
+                if rows != list(range(ids_from.shape[0])):  # some shadows have all their drafts already
+                    # from pinned memory without a host sync (as ModelRunner.launch gathers fed ids)
+                    index = torch.tensor(rows, dtype=torch.int64).pin_memory()
+                    ids_from = ids_from[index.to(ids_from.device, non_blocking=True)]
+            else:
+                self._read_drafts(drawn)
+            # the sampling entries' rows, in order
+            logits = self.runner.logits(plan) if ids_from is None else self.runner.logits(plan, ids_from=ids_from)
             self.num_forwards += 1
             gen = self._generator_on(logits.device)
-            rows = iter(range(logits.shape[0]))
-            drawn = []
+            row = 0
+            shadows, tokens = [], []
             for e in entries:
                 e.seq.num_computed_tokens = e.start + e.num_new
                 if e.sample:
                     # q over the target's ids only: a draft past them would be cut, and a draft that exists only
                     # for some values of the draw would not follow q
-                    q = sampling_distribution(logits[next(rows), :self.vocab_size].float(), params[e.seq.seq_id])
-                    drawn.append(torch.multinomial(q, 1, generator=gen))
+                    q = sampling_distribution(logits[row, :self.vocab_size].float(), params[e.seq.seq_id])
+                    race = torch.empty_like(q).exponential_(generator=gen)
+                    tokens.append((q / race).argmax().view(1))
                     self._probs.setdefault(e.seq.seq_id, []).append(q)
-            tokens = iter(torch.cat(drawn).tolist()) if drawn else iter(())
-            for e in entries:
-                if e.sample:
-                    e.seq.prompt_ids.append(next(tokens))
+                    shadows.append((e.seq, len(e.seq.prompt_ids)))
+                    e.seq.prompt_ids.append(_UNKNOWN)
+                    row += 1
+            last = {shadow.seq_id: i for i, (shadow, _) in enumerate(shadows)}
+            if shadows:
+                drawn.append((shadows, torch.cat(tokens)))
+        self._read_drafts(drawn)
+
+    @staticmethod
+    def _read_drafts(drawn: list) -> None:
+        """Bring the drafts drawn on the device to their shadows' places (one host copy); empties `drawn`."""
+        if not drawn:
+            return
+        tokens = iter(torch.cat([ids for _, ids in drawn]).tolist())
+        for shadows, _ in drawn:
+            for shadow, place in shadows:
+                shadow.prompt_ids[place] = next(tokens)
+        drawn.clear()
 
     def _generator_on(self, device: torch.device) -> torch.Generator:
         """The drafter's generator on `device` (unseeded: seeded requests are never drafted)."""

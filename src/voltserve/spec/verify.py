@@ -14,6 +14,8 @@ emits 1..k + 1 tokens.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from voltserve.sampling import filter_logits
@@ -62,13 +64,13 @@ def verify_greedy(logits: torch.Tensor, drafts: torch.Tensor) -> tuple[torch.Ten
 
 
 def verify_sampled(logits: torch.Tensor, drafts: torch.Tensor, params, generator: torch.Generator,
-                   draft_probs: list[torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                   draft_probs: Sequence[torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Speculative sampling of one sequence's verify rows, all drafts at once and with no host sync (the verify
     of a step stays on the device until its tokens are copied back together).
 
     Args:
         logits: [k + 1, vocab] fp32 (or fp16 / bf16), the target's rows, on any device.
-        drafts: [k] int64, the proposed ids, on logits' device.
+        drafts: [k] int64, the proposed ids (k >= 0), on logits' device.
         params: the sequence's SamplingParams (temperature > 0; no penalties, see `draftable`).
         generator: a torch.Generator on logits' device (the sequence's seeded one, or the engine's).
         draft_probs: q, the distribution each draft was sampled from ([vocab'] each, on any device, summing to 1; a
@@ -90,7 +92,7 @@ def verify_sampled(logits: torch.Tensor, drafts: torch.Tensor, params, generator
     rows = torch.arange(k, device=device)
     p_d = probs[rows, d]
     residual = probs[:k].clone()
-    if draft_probs is None:
+    if draft_probs is None or k == 0:
         q_d = torch.ones_like(p_d)
         residual[rows, d] = 0.0
     else:
@@ -108,12 +110,13 @@ def verify_sampled(logits: torch.Tensor, drafts: torch.Tensor, params, generator
 
 
 def accept_sampled(logits: torch.Tensor, drafts: list[int], params, generator: torch.Generator | None,
-                   draft_probs: list[torch.Tensor] | None = None) -> list[int]:
+                   draft_probs: Sequence[torch.Tensor] | None = None) -> list[int]:
     """Tokens a sampled verify emits (`verify_sampled`, then the one host copy). generator: on logits' device,
-    or None for torch's default generator of that device."""
+    or None for torch's default generator of that device (`torch.manual_seed` seeds it)."""
     if generator is None:
-        generator = torch.Generator(device=logits.device)
-        generator.seed()
+        device = logits.device
+        generator = torch.cuda.default_generators[device.index or 0] if device.type == "cuda" \
+            else torch.default_generator
     d = torch.tensor(drafts, dtype=torch.int64, device=logits.device)
     tokens, accepted = verify_sampled(logits, d, params, generator, draft_probs)
     return tokens[:int(accepted) + 1].tolist()

@@ -220,28 +220,36 @@ def test_failing_drafts_back_off_into_steps_planned_ahead(model):
     assert counts[0] == (122, 1), counts
 
 
-def test_a_draft_model_over_graphs_feeds_its_decode_steps_on_the_device(model):
-    """The draft_model method with the model as its own draft, both over CPU "graphs": the draft's decode steps
-    are launched fed from the step before (`DraftModelDrafter._run_chain`, two in flight), every draft passes and
-    the tokens equal the eager loop's; both pools end free."""
+# the draft-model tests' load: four requests arriving over the first steps
+PROMPTS = [[5, 6, 7, 5, 6, 7, 5, 6], [9] * 12, list(range(1, 30)), [3, 1, 4, 1, 5, 9, 2, 6]]
+ARRIVALS, MAX_TOKENS = [0, 0, 3, 6], [40, 25, 30, 35]
+
+
+def _own_draft_over_graphs(model):
+    """(runner, DraftModelDrafter with k = 3, its graphs): `model` as its own draft, over CPU "graphs"."""
     from voltserve.spec.draft_model import DraftModelDrafter
 
-    prompts = [[5, 6, 7, 5, 6, 7, 5, 6], [9] * 12, list(range(1, 30)), [3, 1, 4, 1, 5, 9, 2, 6]]
-    arrivals, max_tokens = [0, 0, 3, 6], [40, 25, 30, 35]
-    eager, _, _ = _generate(model, "eager", prompts, arrivals, max_tokens)
     cfg, backend = model.config, model.backend
     kv = backend.allocate_kv_cache(cfg.num_layers, 64, 4, cfg.num_kv_heads, cfg.head_dim)
     draft_graphs = _CpuReplayGraphs(model, backend, kv, 4, 256, [8, 64], None)
     draft_graphs.capture()
     runner = ModelRunner(model, backend, kv, (), seed=0, graphs=draft_graphs)
+    return runner, DraftModelDrafter(runner, BlockPool(64, 4, False), 3, cfg.vocab_size), draft_graphs
+
+
+def test_a_draft_model_over_graphs_feeds_its_decode_steps_on_the_device(model):
+    """The draft_model method with the model as its own draft, both over CPU "graphs": the draft's decode steps
+    are launched fed from the step before (`DraftModelDrafter._run_chain`, two in flight), every draft passes and
+    the tokens equal the eager loop's; both pools end free."""
+    eager, _, _ = _generate(model, "eager", PROMPTS, ARRIVALS, MAX_TOKENS)
+    runner, drafter, draft_graphs = _own_draft_over_graphs(model)
     launch, fed = runner.launch, []
     runner.launch = lambda plan, feed=None: (fed.append(feed is not None), launch(plan, feed))[1]
-    drafter = DraftModelDrafter(runner, BlockPool(64, 4, False), 3, cfg.vocab_size)
     prepare = drafter.prepare
     drafter.prepare = lambda wanted: (fed.append(None), prepare(wanted))  # None: a prepare starts
     for mode in ("sync", "pipelined"):
         fed.clear()
-        out, graphs, _ = _generate(model, mode, prompts, arrivals, max_tokens, drafts=3, drafter=drafter,
+        out, graphs, _ = _generate(model, mode, PROMPTS, ARRIVALS, MAX_TOKENS, drafts=3, drafter=drafter,
                                    draft_max_pause=0)
         sched = graphs.sched
         assert out == eager, mode
@@ -258,24 +266,15 @@ def test_sampled_drafts_over_graphs_feed_each_decode_step_the_drafts_just_drawn(
     drafts drawn from the step before as its input ids on the device (`ModelRunner.logits(ids_from=)`), the
     host reads them once a prepare; q equals the verify's p (the same model, batch invariant), so every draft
     passes; both pools end free."""
-    from voltserve.spec.draft_model import DraftModelDrafter
-
-    prompts = [[5, 6, 7, 5, 6, 7, 5, 6], [9] * 12, list(range(1, 30)), [3, 1, 4, 1, 5, 9, 2, 6]]
-    arrivals, max_tokens = [0, 0, 3, 6], [40, 25, 30, 35]
-    cfg, backend = model.config, model.backend
-    kv = backend.allocate_kv_cache(cfg.num_layers, 64, 4, cfg.num_kv_heads, cfg.head_dim)
-    draft_graphs = _CpuReplayGraphs(model, backend, kv, 4, 256, [8, 64], None)
-    draft_graphs.capture()
-    runner = ModelRunner(model, backend, kv, (), seed=0, graphs=draft_graphs)
+    runner, drafter, _ = _own_draft_over_graphs(model)
     logits, fed = runner.logits, []
     runner.logits = lambda plan, ids_from=None: (fed.append(ids_from is not None), logits(plan, ids_from))[1]
-    drafter = DraftModelDrafter(runner, BlockPool(64, 4, False), 3, cfg.vocab_size)
     drafter.generator.manual_seed(3)
     params = SamplingParams(temperature=25.0, top_p=0.9, ignore_eos=True)  # the sharp test model: spread out
-    out, graphs, _ = _generate(model, "sync", prompts, arrivals, max_tokens, drafts=3, drafter=drafter,
+    out, graphs, _ = _generate(model, "sync", PROMPTS, ARRIVALS, MAX_TOKENS, drafts=3, drafter=drafter,
                                draft_max_pause=0, params=params)
     sched = graphs.sched
-    assert [len(o) for o in out] == max_tokens and all(0 <= t < cfg.vocab_size for o in out for t in o)
+    assert [len(o) for o in out] == MAX_TOKENS and all(0 <= t < model.config.vocab_size for o in out for t in o)
     assert sched.num_draft_tokens > 60 and sched.num_accepted_tokens == sched.num_draft_tokens
     assert len(set(map(tuple, out))) == len(out) and len(set(out[1])) > 3  # sampled: not one greedy path
     assert fed.count(True) > 20 and fed.count(False) > 10

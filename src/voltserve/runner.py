@@ -14,7 +14,8 @@ from voltserve.request import MAX_LOGPROBS, TokenLogprob
 from voltserve.sampling import SampleRow, sample
 from voltserve.scheduler import StepPlan
 from voltserve.sequence import Sequence
-from voltserve.spec.verify import accept_greedy, verify_greedy, verify_sampled
+from voltserve.spec.verify import accept_greedy, verify_greedy, verify_sampled_many
+from voltserve.transfer import to_device
 
 logger = logging.getLogger(__name__)
 
@@ -236,7 +237,7 @@ class ModelRunner:
             if src != list(range(len(rows))):  # some finished meanwhile: gather the ids of the others
                 # the index goes up from pinned memory without a host sync (a pageable copy would wait for the
                 # step in flight); the caching host allocator keeps the buffer until the copy is done
-                index = torch.tensor(src, dtype=torch.int64).pin_memory().to(ids_from.device, non_blocking=True)
+                index = to_device(torch.tensor(src, dtype=torch.int64), ids_from.device)
                 ids_from = ids_from[index]
         seqs = [e.seq for e in entries]
         offsets = [s.philox_offset for s in seqs]
@@ -361,25 +362,35 @@ class ModelRunner:
             for e, r in spans:
                 sampled[e.seq.seq_id] = accept_greedy(targets[r:r + e.num_new], list(e.drafts))
             return sampled, lps
-        # sampled drafts: verified where the logits are, every span's tokens back in one host copy
+        # the drafted spans verified where the logits are, all sampled ones at once, every span's tokens back in
+        # one host copy
         device = logits.device
-        drafts = torch.tensor([t for e, _ in spans for t in e.drafts], dtype=torch.int64)
-        drafts = drafts.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else drafts
-        width = max(e.num_new for e, _ in spans) + 1
-        results, at = [], 0
+        drafts = to_device(torch.tensor([t for e, _ in spans for t in e.drafts], dtype=torch.int64), device)
+        width = max(e.num_new for e, _ in spans)  # tokens a span may emit
+        results, sampled_spans, at = [], [], 0
         for e, r in spans:
-            s, k = e.seq, len(e.drafts)
-            d, at = drafts[at:at + k], at + k
-            if s.params.is_greedy:
+            k = len(e.drafts)
+            if e.seq.params.is_greedy:
                 tokens, accepted = verify_greedy(greedy_ids[r:r + k + 1] if greedy_ids is not None
-                                                 else logits[r:r + k + 1], d)
+                                                 else logits[r:r + k + 1], drafts[at:at + k])
+                results.append(torch.cat([accepted.view(1), tokens, tokens.new_zeros(width - k - 1)]))
             else:
-                # the engine's generator: seeded sampled requests are never drafted (`verify.draftable`)
-                tokens, accepted = verify_sampled(logits[r:r + k + 1], d, s.params, self._generator_on(device),
-                                                  e.draft_probs)
-            results.append(torch.cat([accepted.view(1), tokens, tokens.new_zeros(width - k - 2)]))
+                sampled_spans.append((e, r, at))
+            at += k
+        if sampled_spans:
+            rows = to_device(torch.cat([torch.arange(r, r + len(e.drafts) + 1) for e, r, _ in sampled_spans]), device)
+            d = torch.cat([drafts[at:at + len(e.drafts)] for e, _, at in sampled_spans])
+            # the engine's generator: seeded sampled requests are never drafted (`verify.draftable`)
+            tokens, accepted = verify_sampled_many(
+                logits.index_select(0, rows), d, [len(e.drafts) for e, _, _ in sampled_spans],
+                [e.seq.params for e, _, _ in sampled_spans], self._generator_on(device),
+                [e.draft_probs for e, _, _ in sampled_spans])
+            results.append(torch.cat([accepted.view(-1, 1), tokens, tokens.new_zeros(len(sampled_spans),
+                                                                                     width - tokens.shape[1])], 1))
         self._end_timer()
-        for (e, _), out in zip(spans, torch.stack(results).tolist()):  # [accepted, tokens..., padding]
+        host = torch.cat([t.view(-1, width + 1) for t in results]).tolist()  # [accepted, tokens..., padding]
+        order = [e for e, _ in spans if e.seq.params.is_greedy] + [e for e, _, _ in sampled_spans]
+        for e, out in zip(order, host):
             sampled[e.seq.seq_id] = out[1:out[0] + 2]
         return sampled, lps
 

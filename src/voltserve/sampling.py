@@ -7,11 +7,14 @@ probability is at least min_p times the top token's (Nguyen et al. 2024).
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from voltserve.request import SamplingParams, TokenLogprob
+from voltserve.transfer import to_device
 
 
 @dataclass
@@ -48,23 +51,58 @@ def apply_penalties(logits: torch.Tensor, row: SampleRow) -> torch.Tensor:
     return logits
 
 
-def filter_logits(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
-    """Temperature, top-k, top-p, min-p on rows [..., vocab_size] fp32 (each row alone: one row [vocab_size],
-    or a verify's rows [n, vocab_size] under one request's parameters); returns filtered logits."""
-    logits = logits / p.temperature
-    if p.top_k > 0 and p.top_k < logits.shape[-1]:
-        kth = torch.topk(logits, p.top_k, dim=-1).values[..., -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if p.min_p > 0:
-        probs = torch.softmax(logits, -1)
-        logits = logits.masked_fill(probs < p.min_p * probs.amax(-1, keepdim=True), float("-inf"))
-    if p.top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-        sorted_probs = torch.softmax(sorted_logits, -1)
-        # drop a token when the mass before it already reaches top_p (the top token always stays)
-        drop = (sorted_probs.cumsum(-1) - sorted_probs) >= p.top_p
-        logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
-    return logits
+def filter_logits(logits: torch.Tensor, p: SamplingParams | Sequence[SamplingParams]) -> torch.Tensor:
+    """Temperature, top-k, min-p, top-p (in that order) on rows [..., vocab_size] fp32, each row alone; returns
+    the filtered logits (dropped tokens -inf).
+
+    Args:
+        logits: one row [vocab_size], or rows [n, vocab_size] (a verify's rows, or several requests' at once).
+        p: the parameters of every row, or one SamplingParams per row (rows [n, vocab_size] only): the rows are
+            filtered together, with one sort of all of them where a row needs top-p (no host sync).
+    """
+    shape = logits.shape
+    rows = logits.reshape(-1, shape[-1])
+    params = [p] * rows.shape[0] if isinstance(p, SamplingParams) else list(p)
+    if len(params) != rows.shape[0]:
+        raise ValueError(f"{len(params)} sampling parameters for {rows.shape[0]} rows")
+    return _filter_rows(rows, params).reshape(shape)
+
+
+def _filter_rows(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """filter_logits of x [n, vocab] with row i under params[i]. The parameters go to the device as columns;
+    which filters run at all is decided on the host, from the parameters."""
+    vocab = x.shape[-1]
+    column = functools.partial(_column, device=x.device)
+    x = x / column([q.temperature for q in params], torch.float32)
+    top_k = [q.top_k if 0 < q.top_k < vocab else 0 for q in params]
+    top_p = [q.top_p for q in params]
+    min_p = [q.min_p for q in params]
+    nucleus = any(t < 1.0 for t in top_p)
+    order = None
+    if nucleus:  # one sort serves top-k, and top-p after the masks (masked tokens stay at the sorted tail)
+        sorted_x, order = torch.sort(x, dim=-1, descending=True)
+    if any(top_k):
+        k = column(top_k, torch.int64)
+        ranked = sorted_x if nucleus else torch.topk(x, max(top_k), dim=-1).values
+        kth = ranked.gather(-1, (k - 1).clamp_min(0))
+        x = x.masked_fill((x < kth) & (k > 0), float("-inf"))
+    if any(m > 0 for m in min_p):
+        probs = torch.softmax(x, -1)
+        x = x.masked_fill(probs < column(min_p, torch.float32) * probs.amax(-1, keepdim=True), float("-inf"))
+    if nucleus:
+        sorted_x = x.gather(-1, order)
+        sorted_probs = torch.softmax(sorted_x, -1)
+        # drop a token when the mass before it already reaches top_p (the top token always stays); rows with top_p
+        # 1 drop nothing (rounding could make the mass before a tail token reach 1)
+        p = column(top_p, torch.float32)
+        drop = ((sorted_probs.cumsum(-1) - sorted_probs) >= p) & (p < 1.0)
+        x = x.scatter(-1, order, sorted_x.masked_fill(drop, float("-inf")))
+    return x
+
+
+def _column(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """values as a [len, 1] tensor on `device`, without a host sync."""
+    return to_device(torch.tensor(values, dtype=dtype).view(-1, 1), device)
 
 
 def sample(logits: torch.Tensor, rows: list[SampleRow],

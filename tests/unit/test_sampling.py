@@ -118,3 +118,39 @@ def test_grammar_wins_over_min_tokens_bans():
     row = SampleRow(SamplingParams(temperature=0.0, min_tokens=5), None, [], [], (0,),
                     torch.tensor([True, True, False]))
     assert sample(logits, [row])[0] == [1]  # the ban on EOS leaves token 1, which the grammar allows
+
+
+def _filter_one(x: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """The filters of one row written out plainly (temperature, top-k, min-p, top-p), for comparison."""
+    x = x / p.temperature
+    if 0 < p.top_k < x.shape[0]:
+        x = x.masked_fill(x < torch.topk(x, p.top_k).values[-1], float("-inf"))
+    if p.min_p > 0:
+        probs = torch.softmax(x, -1)
+        x = x.masked_fill(probs < p.min_p * probs.max(), float("-inf"))
+    if p.top_p < 1:
+        vals, order = torch.sort(x, descending=True)
+        probs = torch.softmax(vals, -1)
+        keep = (probs.cumsum(-1) - probs) < p.top_p
+        x = torch.full_like(x, float("-inf")).scatter(0, order[keep], vals[keep])
+    return x
+
+
+def test_filter_logits_rows_each_under_their_own_parameters():
+    """Rows filtered together, each under its own parameters (one sort for all), equal each row filtered
+    alone, and one row equals the same row in a batch (random tie-free rows, 300 batches)."""
+    from voltserve.sampling import filter_logits
+
+    gen = torch.Generator().manual_seed(0)
+    choices = [SamplingParams(temperature=t, top_k=k, top_p=tp, min_p=mp)
+               for t in (0.3, 1.0, 2.5) for k in (0, 1, 3, 40) for tp in (1.0, 0.8, 0.05) for mp in (0.0, 0.2)]
+    for i in range(300):
+        n, vocab = 1 + i % 5, (5, 40, 300)[i % 3]
+        x = torch.randn(n, vocab, generator=gen) * 3
+        params = [choices[int(j)] for j in torch.randint(len(choices), (n,), generator=gen)]
+        rows = filter_logits(x, params)
+        for r in range(n):
+            alone = _filter_one(x[r], params[r])
+            assert torch.equal(torch.isinf(rows[r]), torch.isinf(alone)), (params[r], rows[r], alone)
+            assert torch.allclose(rows[r][torch.isfinite(alone)], alone[torch.isfinite(alone)])
+            assert torch.equal(filter_logits(x[r], params[r]), rows[r])

@@ -186,8 +186,13 @@ def test_rejection_sampling_with_draft_distributions():
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_verify_sampled_keeps_every_positions_distribution(device):
+# the CPU checks drafts position by position by default; both ways run everywhere
+MODES = [("cpu", False), ("cpu", True), pytest.param("cuda", False, marks=pytest.mark.gpu),
+         pytest.param("cuda", True, marks=pytest.mark.gpu)]
+
+
+@pytest.mark.parametrize("device, at_once", MODES)
+def test_verify_sampled_keeps_every_positions_distribution(device, at_once):
     """Three drafts at once on `device` (no host sync inside), 20,000 trials each way:
     - point-mass drafts (each row's likeliest token): the first token follows p[0], a rejection at the second
       draft samples p[1] without its draft, and after three passes the last token follows p[3] (the rows differ,
@@ -207,7 +212,7 @@ def test_verify_sampled_keeps_every_positions_distribution(device):
         firsts, seconds, lasts, lengths = torch.zeros(6), torch.zeros(6), torch.zeros(6), torch.zeros(5)
         for _ in range(n):
             drafts, q = draw()
-            tokens, accepted = verify_sampled(logits, torch.tensor(drafts, device=device), params, gen, q)
+            tokens, accepted = verify_sampled(logits, torch.tensor(drafts, device=device), params, gen, q, at_once)
             assert tokens.device.type == accepted.device.type == device
             out = tokens[:int(accepted) + 1].tolist()
             assert out[:-1] == drafts[:len(out) - 1]
@@ -233,6 +238,40 @@ def test_verify_sampled_keeps_every_positions_distribution(device):
     firsts, _, _, lengths = trials(lambda: ([int(torch.multinomial(x, 1, generator=host_gen)) for x in q], q))
     assert (firsts - p[0]).abs().max() < 0.012, (firsts, p[0])
     assert abs(1 - lengths[1] - float(torch.minimum(p[0], q[0]).sum())) < 0.012
+
+
+@pytest.mark.parametrize("device, at_once", MODES)
+def test_verify_sampled_many_keeps_each_spans_distribution(device, at_once):
+    """Four spans verified at once (point-mass drafts, none, drafts drawn from a draft model's q, one more point
+    mass), each under its own parameters, 8,000 trials: each span's drafts lead its tokens, its first token
+    follows its own first row's p, and its first draft passes as often as the rule says (max error 0.02)."""
+    from voltserve.spec.verify import sampling_distribution, verify_sampled_many
+
+    torch.manual_seed(11)
+    vocab, ks = 7, [2, 0, 3, 1]
+    logits = (torch.randn(sum(ks) + len(ks), vocab) * 1.5).to(device)
+    params = [SamplingParams(temperature=0.9, top_p=0.9), SamplingParams(temperature=1.3),
+              SamplingParams(temperature=0.7, top_k=4), SamplingParams(temperature=1.0, min_p=0.1)]
+    first = [sum(ks[:s]) + s for s in range(4)]  # each span's first row
+    p = [sampling_distribution(logits[r].cpu(), params[s]) for s, r in enumerate(first)]
+    q = [torch.softmax(torch.randn(vocab), -1) for _ in range(3)]
+    point = [[int(p[0].argmax()), 1], [], None, [int(p[3].argmax())]]
+    gen, host_gen = torch.Generator(device=device).manual_seed(5), torch.Generator().manual_seed(6)
+    n = 8000
+    firsts, passes = torch.zeros(4, vocab), torch.zeros(4)
+    for _ in range(n):
+        drafted = [d if d is not None else [int(torch.multinomial(x, 1, generator=host_gen)) for x in q]
+                   for d in point]
+        drafts = torch.tensor([t for d in drafted for t in d], dtype=torch.int64, device=device)
+        tokens, accepted = verify_sampled_many(logits, drafts, ks, params, gen, [None, None, q, None], at_once)
+        for s, (row, a) in enumerate(zip(tokens.tolist(), accepted.tolist())):
+            assert row[:a] == drafted[s][:a] and a <= ks[s]
+            firsts[s, row[0]] += 1
+            passes[s] += a > 0
+    for s in range(4):
+        assert (firsts[s] / n - p[s]).abs().max() < 0.02, (s, firsts[s] / n, p[s])
+    expected = [float(p[0][point[0][0]]), 0.0, float(torch.minimum(p[2], q[0]).sum()), float(p[3][point[3][0]])]
+    assert (passes / n - torch.tensor(expected)).abs().max() < 0.02, (passes / n, expected)
 
 
 def test_sampled_verify_edge_cases():

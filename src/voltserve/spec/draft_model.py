@@ -29,6 +29,7 @@ from voltserve.request import SamplingParams
 from voltserve.scheduler import ScheduledSeq, StepPlan
 from voltserve.sequence import Sequence, SequenceStatus
 from voltserve.spec.verify import sampling_distribution
+from voltserve.transfer import to_device
 
 _GREEDY = SamplingParams(temperature=0.0)
 _UNKNOWN = -1  # a draft launched and not collected yet (its step fed the next one on the device)
@@ -225,32 +226,28 @@ class DraftModelDrafter:
                 ids_from = drawn[-1][1]
                 rows = [last[e.seq.seq_id] for e in entries]
                 if rows != list(range(ids_from.shape[0])):  # some shadows have all their drafts already
-                    # from pinned memory without a host sync (as ModelRunner.launch gathers fed ids)
-                    index = torch.tensor(rows, dtype=torch.int64).pin_memory()
-                    ids_from = ids_from[index.to(ids_from.device, non_blocking=True)]
+                    ids_from = ids_from[to_device(torch.tensor(rows, dtype=torch.int64), ids_from.device)]
             else:
                 self._read_drafts(drawn)
             # the sampling entries' rows, in order
             logits = self.runner.logits(plan) if ids_from is None else self.runner.logits(plan, ids_from=ids_from)
             self.num_forwards += 1
-            gen = self._generator_on(logits.device)
-            row = 0
-            shadows, tokens = [], []
+            shadows = []
             for e in entries:
                 e.seq.num_computed_tokens = e.start + e.num_new
                 if e.sample:
-                    # q over the target's ids only: a draft past them would be cut, and a draft that exists only
-                    # for some values of the draw would not follow q
-                    q = sampling_distribution(logits[row, :self.vocab_size].float(), params[e.seq.seq_id])
-                    race = torch.empty_like(q).exponential_(generator=gen)
-                    tokens.append((q / race).argmax().view(1))
-                    self._probs.setdefault(e.seq.seq_id, []).append(q)
                     shadows.append((e.seq, len(e.seq.prompt_ids)))
                     e.seq.prompt_ids.append(_UNKNOWN)
-                    row += 1
             last = {shadow.seq_id: i for i, (shadow, _) in enumerate(shadows)}
             if shadows:
-                drawn.append((shadows, torch.cat(tokens)))
+                # q of every row at once, over the target's ids only: a draft past them would be cut, and a draft
+                # that exists only for some values of the draw would not follow q
+                q = sampling_distribution(logits[:, :self.vocab_size].float(),
+                                          [params[shadow.seq_id] for shadow, _ in shadows])
+                race = torch.empty_like(q).exponential_(generator=self._generator_on(logits.device))
+                drawn.append((shadows, (q / race).argmax(-1)))
+                for (shadow, _), q_row in zip(shadows, q):
+                    self._probs.setdefault(shadow.seq_id, []).append(q_row)
         self._read_drafts(drawn)
 
     @staticmethod

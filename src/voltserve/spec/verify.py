@@ -19,6 +19,7 @@ from collections.abc import Sequence
 import torch
 
 from voltserve.sampling import filter_logits
+from voltserve.transfer import to_device
 
 
 def draftable(seq, output_len: int | None = None) -> bool:
@@ -47,8 +48,9 @@ def accept_greedy(target_ids: list[int], drafts: list[int]) -> list[int]:
 
 def sampling_distribution(logits: torch.Tensor, params) -> torch.Tensor:
     """The distribution a request samples from: softmax of logits rows ([vocab] or [n, vocab] fp32, any device)
-    under its temperature, top-k, top-p and min-p; a row those leave nothing finite (extreme parameters) gets its
-    argmax for certain, the limit they tend to. No host sync: a draft model's q on the GPU comes from here too."""
+    under its temperature, top-k, top-p and min-p (params: one SamplingParams, or one per row of [n, vocab]); a
+    row those leave nothing finite (extreme parameters) gets its argmax for certain, the limit they tend to. No
+    host sync: a draft model's q on the GPU comes from here too."""
     q = torch.softmax(filter_logits(logits, params), -1)
     bad = ~torch.isfinite(q).all(-1, keepdim=True) | (q.sum(-1, keepdim=True) <= 0)
     point = torch.nn.functional.one_hot(logits.argmax(-1), q.shape[-1]).to(q.dtype)
@@ -64,49 +66,160 @@ def verify_greedy(logits: torch.Tensor, drafts: torch.Tensor) -> tuple[torch.Ten
 
 
 def verify_sampled(logits: torch.Tensor, drafts: torch.Tensor, params, generator: torch.Generator,
-                   draft_probs: Sequence[torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Speculative sampling of one sequence's verify rows, all drafts at once and with no host sync (the verify
-    of a step stays on the device until its tokens are copied back together).
+                   draft_probs: Sequence[torch.Tensor] | None = None, at_once: bool | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Speculative sampling of one sequence's verify rows (`verify_sampled_many` of one span).
 
     Args:
-        logits: [k + 1, vocab] fp32 (or fp16 / bf16), the target's rows, on any device.
-        drafts: [k] int64, the proposed ids (k >= 0), on logits' device.
-        params: the sequence's SamplingParams (temperature > 0; no penalties, see `draftable`).
-        generator: a torch.Generator on logits' device (the sequence's seeded one, or the engine's).
-        draft_probs: q, the distribution each draft was sampled from ([vocab'] each, on any device, summing to 1; a
-            draft model's, `voltserve.spec.draft_model`, whose vocabulary may be wider or narrower); None: every
-            draft proposed for certain (q a point mass).
+        logits: [k + 1, vocab], the target's rows; drafts: [k] int64 on logits' device (k >= 0); params,
+            generator, draft_probs, at_once: as `verify_sampled_many` takes for one span.
     Returns:
-        (tokens [k + 1] int64, accepted [] int64) on logits' device: the step emits tokens[:accepted + 1], the
-        first `accepted` drafts and a token sampled from the first rejecting row's residual (or from the last
-        row when every draft passes).
-
-    d_i passes with probability min(1, p(d_i) / q(d_i)) (u q(d_i) < p(d_i), one uniform u per draft, drawn for
-    every draft whether or not an earlier one failed); a rejection samples from max(p - q, 0) renormalized (for
-    a point mass: p without d_i). A rejection whose residual is empty up to rounding (p <= q everywhere) keeps
-    d_i. The sample is drawn by an exponential race (argmax of r / E, E ~ Exp(1) per id), which picks id i with
-    probability r_i / sum(r) and, unlike torch.multinomial, never checks the distribution on the host.
+        (tokens [k + 1] int64, accepted [] int64): the step emits tokens[:accepted + 1].
     """
-    d, k, device = drafts, drafts.shape[0], logits.device
-    probs = sampling_distribution(logits.float(), params)  # [k + 1, vocab]
-    rows = torch.arange(k, device=device)
-    p_d = probs[rows, d]
-    residual = probs[:k].clone()
-    if draft_probs is None or k == 0:
-        q_d = torch.ones_like(p_d)
-        residual[rows, d] = 0.0
+    tokens, accepted = verify_sampled_many(logits, drafts, [drafts.shape[0]], [params], generator, [draft_probs],
+                                           at_once)
+    return tokens[0], accepted[0]
+
+
+def verify_sampled_many(logits: torch.Tensor, drafts: torch.Tensor, num_drafts: Sequence[int],
+                        params: Sequence, generator: torch.Generator,
+                        draft_probs: Sequence[Sequence[torch.Tensor] | None], at_once: bool | None = None
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Speculative sampling of the verify rows of several sequences (spans) at once, with no host sync: the rows
+    of every span are filtered together and every draft is checked at once, so a step's sampled verify is a
+    fixed number of launches whatever its batch, and its tokens reach the host in one copy.
+
+    Args:
+        logits: [sum(k_s + 1), vocab] fp32 (or fp16 / bf16): span s's k_s + 1 rows of the target, the spans in
+            order, on any device.
+        drafts: [sum(k_s)] int64, the spans' proposed ids in order, on logits' device.
+        num_drafts: k_s of each span (>= 0).
+        params: each span's SamplingParams (temperature > 0; no penalties, see `draftable`).
+        generator: a torch.Generator on logits' device.
+        draft_probs: per span, q of each draft ([vocab'] each, on any device, summing to 1; a draft model's,
+            `voltserve.spec.draft_model`, whose vocabulary may be wider or narrower), or None: every draft of
+            the span proposed for certain (q a point mass, as n-gram lookup proposes).
+        at_once: check every draft at once (no host sync; the default off the CPU), or position by position
+            with only the spans still passing (fewer rows filtered; the default on the CPU). Both draw from the
+            same distributions.
+    Returns:
+        (tokens [spans, max k_s + 1] int64, accepted [spans] int64) on logits' device: span s emits
+        tokens[s, :accepted[s] + 1], its first accepted[s] drafts and a token sampled from the first rejecting
+        row's residual (or from its last row when every draft passes).
+
+    This is speculative sampling (Leviathan et al. 2023; Chen et al. 2023): d_i passes with probability
+    min(1, p(d_i) / q(d_i)) (u q(d_i) < p(d_i), one uniform u per draft, drawn for every draft whether or not
+    an earlier one failed); a rejection samples from max(p - q, 0) renormalized (a point mass: p without d_i).
+    A rejection whose residual is empty up to rounding (p <= q everywhere) keeps d_i. The sample is drawn by an
+    exponential race (argmax of r / E, E ~ Exp(1) per id), which picks id i with probability r_i / sum(r) and,
+    unlike torch.multinomial, never checks the distribution on the host.
+    """
+    device, vocab = logits.device, logits.shape[-1]
+    spans, widest = len(num_drafts), max(num_drafts, default=0)
+    starts = [sum(num_drafts[:s]) + s for s in range(spans)]  # each span's first row
+    q = _draft_q(drafts, num_drafts, draft_probs, vocab, device)  # [sum(k_s), vocab], or None: point masses
+    tokens = torch.zeros(spans, widest + 1, dtype=torch.int64, device=device)
+    tokens.view(-1).index_put_((_index([s * (widest + 1) + i for s in range(spans) for i in range(num_drafts[s])],
+                                       device),), drafts)
+    if at_once if at_once is not None else device.type != "cpu":
+        accepted, token = _verify_at_once(logits, drafts, num_drafts, params, generator, q, starts)
     else:
-        q = torch.stack([_fit(x, probs.shape[-1], device) for x in draft_probs])
-        q_d = q[rows, d]
-        residual = torch.clamp(residual - q, min=0.0)
-    u = torch.rand(k, generator=generator, device=device)
-    passed = ((q_d > 0) & (u * q_d < p_d)) | (residual.sum(-1) <= 0)
-    accepted = _leading_true(passed)
-    fallback = torch.cat([residual, probs[k:]]).index_select(0, accepted.view(1))[0]
-    race = torch.empty_like(fallback).exponential_(generator=generator)
-    token = (fallback / race).argmax().view(1)
-    tokens = torch.cat([d, d.new_zeros(1)]).scatter_(0, accepted.view(1), token)
+        accepted, token = _verify_rounds(logits, drafts, num_drafts, params, generator, q, starts)
+    tokens.scatter_(1, accepted.view(-1, 1), token.view(-1, 1))
     return tokens, accepted
+
+
+def _verify_at_once(logits, drafts, num_drafts, params, generator, q, starts) -> tuple[torch.Tensor, torch.Tensor]:
+    """`verify_sampled_many` on a GPU: every row's distribution and every draft's check at once, so the launches
+    do not depend on what passes (no host sync). Returns (accepted [spans], sampled token [spans])."""
+    device = logits.device
+    spans, widest = len(num_drafts), max(num_drafts, default=0)
+    probs = sampling_distribution(logits.float(), [p for p, k in zip(params, num_drafts) for _ in range(k + 1)])
+    draft_rows = [starts[s] + i for s in range(spans) for i in range(num_drafts[s])]
+    index = _index([*draft_rows, *(starts[s] + num_drafts[s] for s in range(spans))], device)
+    checked, last = probs.index_select(0, index[:len(draft_rows)]), probs.index_select(0, index[len(draft_rows):])
+    passed, residual = _check(checked, drafts, q, generator)
+    # per span: [spans, widest] passes (False past k_s), the count before the first failure
+    slots = _index([s * widest + i for s in range(spans) for i in range(num_drafts[s])], device)
+    grid = torch.zeros(spans * widest, dtype=torch.bool, device=device).index_put_((slots,), passed)
+    accepted = torch.cumprod(grid.view(spans, widest).to(torch.int64), 1).sum(1)
+    # the row each span samples from: its residual at the first failure, else its last row
+    first_draft = _index([starts[s] - s for s in range(spans)], device)
+    complete = accepted == _index(list(num_drafts), device)
+    fallback = torch.cat([residual, last]).index_select(
+        0, torch.where(complete, len(draft_rows) + torch.arange(spans, device=device),
+                       first_draft + accepted.clamp_max(max(widest - 1, 0))))
+    return accepted, _race(fallback, generator)
+
+
+def _verify_rounds(logits, drafts, num_drafts, params, generator, q, starts) -> tuple[torch.Tensor, torch.Tensor]:
+    """`verify_sampled_many` on the CPU: draft position by position, only the spans still passing, so a row
+    after a span's first rejection is never filtered (a top-p row's sort is the cost there; the host reads each
+    round's passes). Returns (accepted [spans], sampled token [spans])."""
+    spans = len(num_drafts)
+    accepted, token = [0] * spans, [0] * spans
+    first_draft = [starts[s] - s for s in range(spans)]
+    active = list(range(spans))
+    for i in range(max(num_drafts, default=0) + 1):
+        if not active:
+            break
+        probs = sampling_distribution(logits[[starts[s] + i for s in active]].float(), [params[s] for s in active])
+        checking = [j for j, s in enumerate(active) if i < num_drafts[s]]
+        fallback = probs.clone()  # a span done at this row samples from its residual, or its last row
+        passed = []
+        if checking:
+            at = [first_draft[active[j]] + i for j in checking]
+            ok, residual = _check(probs[checking], drafts[at], None if q is None else q[at], generator)
+            fallback[checking] = residual
+            passed = ok.tolist()
+        going = {active[j] for j, ok in zip(checking, passed) if ok}
+        done = [j for j, s in enumerate(active) if s not in going]
+        for j, t in zip(done, _race(fallback[done], generator).tolist()):
+            accepted[active[j]], token[active[j]] = i, t
+        active = [s for s in active if s in going]
+    return torch.tensor(accepted), torch.tensor(token)
+
+
+def _draft_q(drafts, num_drafts, draft_probs, vocab: int, device) -> torch.Tensor | None:
+    """q of every draft row, [sum(k_s), vocab] fp32 (a span without draft_probs: point masses), or None when
+    every span's drafts are point masses (n-gram drafts: q is never materialized)."""
+    if all(x is None for x in draft_probs):
+        return None
+    q = torch.zeros(int(sum(num_drafts)), vocab, dtype=torch.float32, device=device)
+    at = 0
+    for k, probs_s in zip(num_drafts, draft_probs):
+        if k:
+            q[at:at + k] = torch.stack([_fit(x, vocab, device) for x in probs_s[:k]]) if probs_s is not None \
+                else torch.nn.functional.one_hot(drafts[at:at + k], vocab).to(q.dtype)
+        at += k
+    return q
+
+
+def _check(p: torch.Tensor, d: torch.Tensor, q: torch.Tensor | None, generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """The draft checks of rows p [n, vocab] (the target's distributions) for drafts d [n] drawn from q [n, vocab]
+    (None: point masses): (passed [n] bool, residual [n, vocab], max(p - q, 0), unnormalized). One uniform a
+    row; a row whose residual is empty (p <= q everywhere, up to rounding) passes. p is overwritten."""
+    rows = torch.arange(p.shape[0], device=p.device)
+    p_d = p[rows, d]
+    if q is None:
+        q_d = torch.ones_like(p_d)
+        residual = p.index_put_((rows, d), torch.zeros_like(p_d))  # p without d_i
+    else:
+        q_d = q[rows, d]
+        residual = torch.clamp(p - q, min=0.0)
+    u = torch.rand(p.shape[0], generator=generator, device=p.device)
+    return ((q_d > 0) & (u * q_d < p_d)) | (residual.sum(-1) <= 0), residual
+
+
+def _race(rows: torch.Tensor, generator) -> torch.Tensor:
+    """One id drawn from each row of rows [n, vocab] (unnormalized, non-negative, not all zero): the exponential
+    race argmax(r / E), E ~ Exp(1) per id, picks id i with probability r_i / sum(r) without a host check."""
+    return (rows / torch.empty_like(rows).exponential_(generator=generator)).argmax(-1)
+
+
+def _index(values: list[int], device: torch.device) -> torch.Tensor:
+    """int64 indices on `device`, without a host sync."""
+    return to_device(torch.tensor(values, dtype=torch.int64), device)
 
 
 def accept_sampled(logits: torch.Tensor, drafts: list[int], params, generator: torch.Generator | None,

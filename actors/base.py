@@ -40,14 +40,18 @@ class Actor:
         self._task = asyncio.get_running_loop().create_task(self._run(), name=self.name)
 
     async def stop(self) -> None:
-        """Finish the message in hand, then stop. Later asks fail with EngineDeadError."""
+        """Finish the message in hand, then stop. Later asks fail with EngineDeadError. A stopped actor drops its
+        on_crash callback: the owner usually passes a bound method of its own, and that cycle would keep both,
+        and whatever they hold (a model, a KV cache on the GPU), alive until the cyclic garbage collector runs."""
         if self._task is None or self._task.done():
+            self._on_crash = None
             return
         self._inbox.put_nowait((_Stop(), None))
         try:
             await self._task
         except asyncio.CancelledError:
             pass
+        self._on_crash = None
 
     @property
     def alive(self) -> bool:

@@ -99,7 +99,8 @@ class AsyncEngine:
                     self.config.model, built.device, self.max_model_len, built.num_blocks, self.config.block_size)
 
     async def stop(self) -> None:
-        """Abort open requests and stop the actors."""
+        """Abort open requests and stop the actors; the model and its KV cache are let go (on a GPU their memory
+        goes back to the driver, where the next engine's pool is sized from)."""
         self._stopped = True
         if self._scheduler_actor is not None:
             await self._scheduler_actor.stop()
@@ -108,6 +109,8 @@ class AsyncEngine:
             await self._worker.stop()
         if self._tp_ranks is not None:  # after the worker: no step may be in flight when the ranks go
             await asyncio.to_thread(self._tp_ranks.stop)
+        if torch.cuda.is_initialized():
+            torch.cuda.empty_cache()
 
     @property
     def is_healthy(self) -> bool:

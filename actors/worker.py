@@ -71,5 +71,8 @@ class WorkerActor(Actor):
         return launched, runner.collect(msg.collect) if msg.collect is not None else None
 
     async def stop(self) -> None:
+        """Stop, then drop the runner (the model, its KV cache and graphs): their device memory goes back at once,
+        even while the engine object is kept."""
         await super().stop()
         self._executor.shutdown(wait=True)
+        self.runner = None

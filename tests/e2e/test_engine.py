@@ -201,3 +201,27 @@ async def test_stream_interval_delivers_the_same_tokens_in_groups(smollm2):
     assert len(tokens) == 18 and 3 <= len(deltas) <= 6
     assert all(len(d.token_ids) >= 4 for d in deltas[1:-1]) and deltas[-1].finish_reason is FinishReason.LENGTH
     assert [t for d in deltas for t in d.token_ids] == tokens and "".join(d.text for d in deltas) == text
+
+
+@pytest.mark.parametrize("spec", [{}, {"speculative_method": "draft_model",
+                                       "speculative_model": "smollm2-135m-instruct"}])
+async def test_a_stopped_engine_lets_go_of_its_model_and_kv_cache(smollm2, spec):
+    """After stop the KV cache is released while the engine object is still held, and once the engine is dropped
+    (without the cyclic garbage collector) a draft model's cache too: on a GPU the next engine in the process
+    sizes its pool from the free memory (an actor's on_crash, a bound method of the engine, had kept both alive)."""
+    import gc
+    import weakref
+
+    gc.disable()
+    try:
+        async with running_engine(smollm2, **spec) as engine:
+            await complete(engine, chat_ids(engine, "Name a color."), temperature=0, max_tokens=4)
+            kv = weakref.ref(engine._worker.runner.kv_cache)
+            drafter = engine._scheduler_actor.scheduler.drafter
+            draft_kv = weakref.ref(drafter.runner.kv_cache) if spec else None
+            del drafter
+        assert kv() is None
+        del engine
+        assert draft_kv is None or draft_kv() is None
+    finally:
+        gc.enable()

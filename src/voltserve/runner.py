@@ -329,7 +329,7 @@ class ModelRunner:
             logits, greedy_ids = g.replay(key, len(plan.entries))
             rows = _verify_rows(plan) if key.verify else [i for i, e in enumerate(plan.entries) if e.sample]
             if key.verify or (rows and len(rows) < len(plan.entries)):  # keep the rows `prepare` would give
-                index = torch.tensor(rows, dtype=torch.int64, device=logits.device)
+                index = to_device(torch.tensor(rows, dtype=torch.int64), logits.device)
                 logits, greedy_ids = logits[index], greedy_ids[index]
         else:
             step = self.prepare(plan)
@@ -353,7 +353,7 @@ class ModelRunner:
         plain = StepPlan([e for e in plan.entries if not e.drafts])
         sampled, lps = {}, {}
         if plain_rows:
-            index = torch.tensor(plain_rows, dtype=torch.int64, device=logits.device)
+            index = to_device(torch.tensor(plain_rows, dtype=torch.int64), logits.device)
             sampled, lps = self._sample(plain, logits[index], greedy_ids[index] if greedy_ids is not None else None)
         if all(e.seq.params.is_greedy for e, _ in spans):  # one host copy of every argmax
             targets = greedy_ids if greedy_ids is not None else logits.argmax(-1)

@@ -584,3 +584,12 @@ def test_the_streak_stops_growing_at_the_longest_pause():
     for _ in range(100):
         record_verify(seq, 0, 64)
     assert seq.draft_misses == 7 and seq.drafts_resume_at == 74
+
+
+@pytest.mark.parametrize("at_once", [False, True])
+def test_verify_sampled_many_of_no_spans(at_once):
+    from voltserve.spec.verify import verify_sampled_many
+
+    tokens, accepted = verify_sampled_many(torch.zeros(0, 5), torch.zeros(0, dtype=torch.int64), [], [],
+                                           torch.Generator(), [], at_once)
+    assert tokens.shape == (0, 1) and accepted.shape == (0,) and accepted.dtype == torch.int64

@@ -14,6 +14,7 @@ emits 1..k + 1 tokens.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
 import torch
@@ -85,9 +86,10 @@ def verify_sampled_many(logits: torch.Tensor, drafts: torch.Tensor, num_drafts: 
                         params: Sequence, generator: torch.Generator,
                         draft_probs: Sequence[Sequence[torch.Tensor] | None], at_once: bool | None = None
                         ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Speculative sampling of the verify rows of several sequences (spans) at once, with no host sync: the rows
-    of every span are filtered together and every draft is checked at once, so a step's sampled verify is a
-    fixed number of launches whatever its batch, and its tokens reach the host in one copy.
+    """Speculative sampling of the verify rows of several sequences (spans) in one call. Off the CPU with no host
+    sync: the rows of every span are filtered together and every draft is checked at once, so a step's sampled
+    verify is a fixed number of launches whatever its batch, and its tokens reach the host in one copy. On the
+    CPU position by position (see `at_once`).
 
     Args:
         logits: [sum(k_s + 1), vocab] fp32 (or fp16 / bf16): span s's k_s + 1 rows of the target, the spans in
@@ -116,7 +118,7 @@ def verify_sampled_many(logits: torch.Tensor, drafts: torch.Tensor, num_drafts: 
     """
     device, vocab = logits.device, logits.shape[-1]
     spans, widest = len(num_drafts), max(num_drafts, default=0)
-    starts = [sum(num_drafts[:s]) + s for s in range(spans)]  # each span's first row
+    starts = [0, *itertools.accumulate(k + 1 for k in num_drafts)][:spans]  # each span's first row
     q = _draft_q(drafts, num_drafts, draft_probs, vocab, device)  # [sum(k_s), vocab], or None: point masses
     tokens = torch.zeros(spans, widest + 1, dtype=torch.int64, device=device)
     tokens.view(-1).index_put_((_index([s * (widest + 1) + i for s in range(spans) for i in range(num_drafts[s])],
@@ -177,7 +179,9 @@ def _verify_rounds(logits, drafts, num_drafts, params, generator, q, starts) -> 
         for j, t in zip(done, _race(fallback[done], generator).tolist()):
             accepted[active[j]], token[active[j]] = i, t
         active = [s for s in active if s in going]
-    return torch.tensor(accepted), torch.tensor(token)
+    device = logits.device
+    return (to_device(torch.tensor(accepted, dtype=torch.int64), device),
+            to_device(torch.tensor(token, dtype=torch.int64), device))
 
 
 def _draft_q(drafts, num_drafts, draft_probs, vocab: int, device) -> torch.Tensor | None:
@@ -198,7 +202,8 @@ def _draft_q(drafts, num_drafts, draft_probs, vocab: int, device) -> torch.Tenso
 def _check(p: torch.Tensor, d: torch.Tensor, q: torch.Tensor | None, generator) -> tuple[torch.Tensor, torch.Tensor]:
     """The draft checks of rows p [n, vocab] (the target's distributions) for drafts d [n] drawn from q [n, vocab]
     (None: point masses): (passed [n] bool, residual [n, vocab], max(p - q, 0), unnormalized). One uniform a
-    row; a row whose residual is empty (p <= q everywhere, up to rounding) passes. p is overwritten."""
+    row; a row whose residual is empty (p <= q everywhere, up to rounding) passes. With point masses p is
+    overwritten (it becomes the residual)."""
     rows = torch.arange(p.shape[0], device=p.device)
     p_d = p[rows, d]
     if q is None:

@@ -11,7 +11,8 @@ Reports, as JSON lines and in `--out`, for each (method, prompt set, concurrency
 verifies) and drafts per verify. Greedy outputs of both methods are compared (case D1) and a mismatch is
 reported as `"lossless": false`. `--draft-max-pause` runs n-gram (and the draft model) once per backoff setting
 (0: none). `--speculative-model` names draft models (comma-separated; "self": the model itself, whose greedy
-drafts all pass: the bound of acceptance at the cost of a second model as large).
+drafts all pass: the bound of acceptance at the cost of a second model as large). `--temperature T` samples every
+request at T with top-p 0.95 instead (speculative sampling; outputs then differ run to run, so no `lossless`).
 Other engine settings come from VOLTSERVE_* variables.
 """
 
@@ -40,8 +41,10 @@ PROMPTS = {
 }
 
 
-async def level(engine, prompts: list[list[int]], concurrency: int, max_tokens: int) -> tuple[float, list]:
-    """Run `concurrency` streams, each cycling through the prompts once; returns (tok/s, token lists)."""
+async def level(engine, prompts: list[list[int]], concurrency: int, max_tokens: int,
+                temperature: float = 0.0) -> tuple[float, list]:
+    """Run `concurrency` streams, each cycling through the prompts once (greedy, or sampled at `temperature` with
+    top-p 0.95); returns (tok/s, token lists)."""
     from tests.e2e.engine_helpers import complete
 
     jobs = [prompts[i % len(prompts)] for i in range(max(concurrency, len(prompts)))]
@@ -49,7 +52,8 @@ async def level(engine, prompts: list[list[int]], concurrency: int, max_tokens: 
 
     async def one(p):
         async with sem:
-            return await complete(engine, p, temperature=0, max_tokens=max_tokens, ignore_eos=False)
+            return await complete(engine, p, temperature=temperature, top_p=0.95 if temperature else 1.0,
+                                  max_tokens=max_tokens, ignore_eos=False)
 
     t0 = time.perf_counter()
     outs = await asyncio.gather(*[one(p) for p in jobs])
@@ -82,7 +86,7 @@ async def run(args) -> list[dict]:
                     v0, d0, a0 = sched.num_verify_steps, sched.num_draft_tokens, sched.num_accepted_tokens
                     rates = []
                     for _ in range(args.repeats):
-                        rate, tokens = await level(engine, prompts, c, args.max_tokens)
+                        rate, tokens = await level(engine, prompts, c, args.max_tokens, args.temperature)
                         rates.append(rate)
                     row = {"method": method, **({"draft_max_pause": pause} if method != "none" else {}),
                            **({"speculative_model": draft} if draft else {}),
@@ -94,10 +98,13 @@ async def run(args) -> list[dict]:
                         row["acceptance_length"] = round(1 + (sched.num_accepted_tokens - a0) / verifies, 3)
                         row["drafts_per_verify"] = round((sched.num_draft_tokens - d0) / verifies, 3)
                     key = (name, c)
-                    if method == "none":
+                    if args.temperature:
+                        row["temperature"] = args.temperature
+                    elif method == "none":
                         outputs[key] = tokens
                     else:
                         row["lossless"] = tokens == outputs[key]
+                    if method != "none":
                         base = next(r for r in results if r["method"] == "none" and r["prompts"] == name
                                     and r["concurrency"] == c)
                         row["speedup"] = round(row["output_tokens_per_s"] / base["output_tokens_per_s"], 3)
@@ -129,6 +136,8 @@ def main() -> None:
                              "0: no backoff")
     parser.add_argument("--speculative-model", default=[], type=lambda s: [m for m in s.split(",") if m],
                         help="draft models to run the draft_model method with (comma-separated; self: the model)")
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="sample every request at this temperature (top-p 0.95); 0: greedy, checked lossless")
     parser.add_argument("--out", default="")
     args = parser.parse_args()
     results = asyncio.run(run(args))

@@ -28,7 +28,7 @@ from voltserve.kv_cache import BlockPool
 from voltserve.request import SamplingParams
 from voltserve.scheduler import ScheduledSeq, StepPlan
 from voltserve.sequence import Sequence, SequenceStatus
-from voltserve.spec.verify import sampling_distribution
+from voltserve.spec.verify import exponential_race, sampling_distribution
 from voltserve.transfer import to_device
 
 _GREEDY = SamplingParams(temperature=0.0)
@@ -210,11 +210,11 @@ class DraftModelDrafter:
         request's own temperature, top-k, top-p and min-p, and q is kept for the verify (speculative sampling: a
         draft then passes with probability min(1, p / q), `voltserve.spec.verify.verify_sampled`).
 
-        q is computed and drawn from where the logits are, with no host sync (an exponential race, as
-        `verify_sampled` draws): where the runner can (`ModelRunner.can_feed`: a decode step over a CUDA graph),
-        a decode step takes the drafts just drawn as its input ids on the device, so the steps of a prepare run
-        back to back and one host copy at the end brings every draft back; otherwise the drafts drawn so far
-        come back first (their ids are the step's inputs)."""
+        q is computed and drawn from where the logits are, with no host sync (`verify.exponential_race`): where
+        the runner can (`ModelRunner.can_feed`: a decode step over a CUDA graph), a decode step takes the drafts
+        just drawn as its input ids on the device, so the steps of a prepare run back to back and one host copy at
+        the end brings every draft back; otherwise the drafts drawn so far come back first (their ids are the
+        step's inputs)."""
         params = {seq.seq_id: seq.params for seq, _, _, _ in jobs}
         drawn: list[tuple[list[tuple[Sequence, int]], torch.Tensor]] = []  # ((shadow, draft's place) each, the
         # drafts on the device) of the steps whose drafts the host has not read yet
@@ -244,8 +244,7 @@ class DraftModelDrafter:
                 # that exists only for some values of the draw would not follow q
                 q = sampling_distribution(logits[:, :self.vocab_size].float(),
                                           [params[shadow.seq_id] for shadow, _ in shadows])
-                race = torch.empty_like(q).exponential_(generator=self._generator_on(logits.device))
-                drawn.append((shadows, (q / race).argmax(-1)))
+                drawn.append((shadows, exponential_race(q, self._generator_on(logits.device))))
                 for (shadow, _), q_row in zip(shadows, q):
                     self._probs.setdefault(shadow.seq_id, []).append(q_row)
         self._read_drafts(drawn)

@@ -151,7 +151,7 @@ def _verify_at_once(logits, drafts, num_drafts, params, generator, q, starts) ->
     fallback = torch.cat([residual, last]).index_select(
         0, torch.where(complete, len(draft_rows) + torch.arange(spans, device=device),
                        first_draft + accepted.clamp_max(max(widest - 1, 0))))
-    return accepted, _race(fallback, generator)
+    return accepted, exponential_race(fallback, generator)
 
 
 def _verify_rounds(logits, drafts, num_drafts, params, generator, q, starts) -> tuple[torch.Tensor, torch.Tensor]:
@@ -167,7 +167,7 @@ def _verify_rounds(logits, drafts, num_drafts, params, generator, q, starts) -> 
             break
         probs = sampling_distribution(logits[[starts[s] + i for s in active]].float(), [params[s] for s in active])
         checking = [j for j, s in enumerate(active) if i < num_drafts[s]]
-        fallback = probs.clone()  # a span done at this row samples from its residual, or its last row
+        fallback = probs  # a span done at this row samples from its residual, or its last row
         passed = []
         if checking:
             at = [first_draft[active[j]] + i for j in checking]
@@ -176,7 +176,7 @@ def _verify_rounds(logits, drafts, num_drafts, params, generator, q, starts) -> 
             passed = ok.tolist()
         going = {active[j] for j, ok in zip(checking, passed) if ok}
         done = [j for j, s in enumerate(active) if s not in going]
-        for j, t in zip(done, _race(fallback[done], generator).tolist()):
+        for j, t in zip(done, exponential_race(fallback[done], generator).tolist()):
             accepted[active[j]], token[active[j]] = i, t
         active = [s for s in active if s in going]
     device = logits.device
@@ -216,9 +216,10 @@ def _check(p: torch.Tensor, d: torch.Tensor, q: torch.Tensor | None, generator) 
     return ((q_d > 0) & (u * q_d < p_d)) | (residual.sum(-1) <= 0), residual
 
 
-def _race(rows: torch.Tensor, generator) -> torch.Tensor:
-    """One id drawn from each row of rows [n, vocab] (unnormalized, non-negative, not all zero): the exponential
-    race argmax(r / E), E ~ Exp(1) per id, picks id i with probability r_i / sum(r) without a host check."""
+def exponential_race(rows: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """One id drawn from each row of rows [n, vocab] (unnormalized, non-negative, not all zero), [n] int64: the
+    exponential race argmax(r / E), E ~ Exp(1) per id, picks id i with probability r_i / sum(r), with no host
+    check of the distribution (torch.multinomial's), so it never syncs with the device."""
     return (rows / torch.empty_like(rows).exponential_(generator=generator)).argmax(-1)
 
 

@@ -11,7 +11,7 @@ import torch
 
 from voltserve.backends.base import AttentionMetadata, Backend, StepInputs
 from voltserve.request import MAX_LOGPROBS, TokenLogprob
-from voltserve.sampling import SampleRow, sample
+from voltserve.sampling import SampleRow, generator_on, sample
 from voltserve.scheduler import StepPlan
 from voltserve.sequence import Sequence
 from voltserve.spec.verify import accept_greedy, verify_greedy, verify_sampled_many
@@ -395,15 +395,8 @@ class ModelRunner:
         return sampled, lps
 
     def _generator_on(self, device: torch.device) -> torch.Generator:
-        """The engine's generator for requests without a seed, on `device` (a GPU's is seeded from the host's, so
-        an engine seed fixes both)."""
-        if device.type == "cpu":
-            return self.generator
-        gen = self._device_generators.get(device)
-        if gen is None:
-            gen = self._device_generators[device] = torch.Generator(device=device)
-            gen.manual_seed(int(torch.randint(0, 2 ** 62, (), generator=self.generator)))
-        return gen
+        """The engine's generator for requests without a seed, on `device` (an engine seed fixes both)."""
+        return generator_on(device, self.generator, self._device_generators)
 
     def _sample(self, plan: StepPlan, logits: torch.Tensor, greedy_ids: torch.Tensor | None
                 ) -> tuple[dict[int, int], dict[int, TokenLogprob]]:

@@ -38,6 +38,19 @@ class SampleRow:
     allowed: torch.Tensor | None = None
 
 
+def generator_on(device: torch.device, host: torch.Generator, cache: dict) -> torch.Generator:
+    """A generator on `device` that follows `host` (a torch.Generator on the CPU): `host` itself on the CPU;
+    on a GPU one made on first use and seeded from `host`'s stream, kept in `cache` (device -> generator), so
+    seeding `host` fixes both."""
+    if device.type == "cpu":
+        return host
+    gen = cache.get(device)
+    if gen is None:
+        gen = cache[device] = torch.Generator(device=device)
+        gen.manual_seed(int(torch.randint(0, 2 ** 62, (), generator=host)))
+    return gen
+
+
 def apply_penalties(logits: torch.Tensor, row: SampleRow) -> torch.Tensor:
     """Penalise one row of logits [vocab_size] fp32 in place; returns it."""
     p = row.params

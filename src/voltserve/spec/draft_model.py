@@ -26,6 +26,7 @@ import torch
 
 from voltserve.kv_cache import BlockPool
 from voltserve.request import SamplingParams
+from voltserve.sampling import generator_on
 from voltserve.scheduler import ScheduledSeq, StepPlan
 from voltserve.sequence import Sequence, SequenceStatus
 from voltserve.spec.verify import exponential_race, sampling_distribution
@@ -73,7 +74,7 @@ class DraftModelDrafter:
         self._probs: dict[int, tuple] = {}  # target seq_id -> q of each draft of a sampled request
         self.generator = torch.Generator()  # draws sampled requests' drafts (never seeded ones: not draftable)
         self.generator.seed()
-        self._device_generator: torch.Generator | None = None  # the same on the draft model's GPU
+        self._device_generators: dict[torch.device, torch.Generator] = {}  # `_generator_on`
         # target seq_id -> [target, shadow, base]: base = the target's length at the last sync (tokens the shadow
         # holds for certain: a target only grows)
         self._shadows: dict[int, list] = {}
@@ -261,13 +262,8 @@ class DraftModelDrafter:
         drawn.clear()
 
     def _generator_on(self, device: torch.device) -> torch.Generator:
-        """The drafter's generator on `device` (unseeded: seeded requests are never drafted)."""
-        if device.type == "cpu":
-            return self.generator
-        if self._device_generator is None:
-            self._device_generator = torch.Generator(device=device)
-            self._device_generator.seed()
-        return self._device_generator
+        """The drafter's generator on `device`, following `self.generator` (seeded requests are never drafted)."""
+        return generator_on(device, self.generator, self._device_generators)
 
     def _collect(self, plan: StepPlan, handle) -> None:
         sampled, _ = self.runner.collect(handle)

@@ -28,9 +28,9 @@
 //   SM80+ (GROUP <= 8, HEAD_DIM % 64 == 0): tensor cores, mma.m16n8k16 fp16 x fp16 -> fp32 (warp_attend_mma).
 //   SM70 (V100) and the rest: CUDA cores, fp32 dot products (-DATTN_SIMT=1 takes it on any GPU).
 // Before the PDL wait a block loads only what earlier steps wrote: metadata, and its warps' first tile of old
-// keys (MMA path: into registers; CUDA-core path: L2 prefetch). In a mixed step a multi-token sequence's other
-// new keys are being written meanwhile (or, with the fused rotary, only by attn_prefill after it): its
-// attn_decode row may read them stale, and attn_prefill overwrites it.
+// keys (MMA path: into registers; CUDA-core path: L2 prefetch). In a mixed step a sequence of >= 2 query tokens
+// (a prompt chunk, a verify of drafts) is attn_prefill's, every row and key of it: attn_decode's blocks and the
+// reduce leave it at once (block (0, 0, 0) after the PDL wait, which keeps the chain of waits).
 // After the wait, one round trip stages q and the sequence's newest key (whose row the previous kernel writes) in
 // smem (stage_query_and_newest_key).
 // Fused rotary (cos_sin != nullptr; decode-only steps, and mixed steps whose attn_prefill then rotates and writes
@@ -310,6 +310,10 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, ATTN_MIN_BLOCKS) attn_
     if (n <= 0) return;  // past this context (the grid is sized for the longest): the reduce never reads it
     const bool direct = seq_len <= plen;  // one split holds the whole context: write out, the reduce skips it
     const i64 row = p.query_start_loc[seq + 1] - 1;
+    if (row != p.query_start_loc[seq]) {  // >= 2 query tokens: attn_prefill's (see the top)
+        if ((blockIdx.x | blockIdx.y | blockIdx.z) == 0) pdl_enter();
+        return;
+    }
     // fused rotary: the token's cos / sin row (constant table) and its cache slot (step metadata) before pdl_enter
     __shared__ float cs_s[HEAD_DIM];
     __shared__ __align__(16) half_t kv_new[2][HEAD_DIM];  // the new key's K (rotated) and V rows
@@ -506,7 +510,8 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS) attn_decode_reduce(con
     const int kvh = blockIdx.x, seq = blockIdx.y;
     const int seq_len = p.seq_lens[seq];
     const int plen = split_len(p, seq_len);
-    if (seq_len <= plen) return;  // attn_decode wrote this output directly (one split)
+    // attn_decode wrote this output directly (one split), or left the sequence to attn_prefill
+    if (seq_len <= plen || p.query_start_loc[seq + 1] - p.query_start_loc[seq] != 1) return;
     merge_splits(p, seq, kvh, min(p.num_splits, (seq_len + plen - 1) / plen), w, p.num_splits,
                  p.query_start_loc[seq + 1] - 1);
 }

@@ -186,3 +186,40 @@ def test_decode_block_sizes(cuda_backend, cpu_backend, block_size, attn_choice):
 def test_decode_unaligned_q_rows(cuda_backend, cpu_backend, attn_choice):
     """q rows 3 columns wider than its heads (head rows not 16-byte aligned): attention copies q first."""
     assert _run(cuda_backend, cpu_backend, [700, 1, 33], [1, 1, 1], (9, 3, 64), 16, seed=12, q_pad=3) <= TOL
+
+
+@pytest.mark.parametrize("merge", ["in_kernel", "reduce"])
+def test_decode_launch_leaves_multi_token_sequences_to_prefill(cuda_backend, cpu_backend, merge, attn_choice,
+                                                               monkeypatch):
+    """A mixed step's attn_decode (and its reduce) computes the one-token sequences only: with attn_prefill's
+    launch dropped, the rows of sequences of >= 2 query tokens (a verify's drafts, a prompt chunk) keep the NaN
+    the output buffer was allocated with, the decode rows equal the reference, and the split counters are back
+    at zero. Long contexts: several splits a sequence (the merge under test)."""
+    lens, qlens = [5003, 40, 3000, 9, 700], [5, 1, 3, 9, 1]
+    gen = torch.Generator().manual_seed(21)
+    kv, attn = paged_kv_case(lens, qlens, 3, 64, 16, gen)
+    q = torch.randn(sum(qlens), 9, 64, generator=gen).half()
+    ref = cpu_backend.attention(q.float(), kv.float().nan_to_num(), attn, 0.125)
+    q, kv, meta = q.cuda(), kv.cuda(), metadata_to_cuda(attn, 8192, split_decode=True, max_query_len=64)
+    launch, saved = cuda_backend._launch, cuda_backend.attn_counters
+    cuda_backend._launch = lambda op, kernel, *a, **k: None if kernel == "attn_prefill" else launch(op, kernel, *a, **k)
+    if merge == "reduce":
+        cuda_backend.attn_counters = saved[:0]  # no counters: attn_decode_reduce merges
+    empty = torch.empty
+
+    def nan_empty(*args, **kwargs):  # fp16 allocations (the output) start as NaN
+        t = empty(*args, **kwargs)
+        return t.fill_(float("nan")) if t.dtype == torch.float16 else t
+
+    try:
+        with monkeypatch.context() as m:
+            m.setattr(torch, "empty", nan_empty)
+            got = cuda_backend.attention(q, kv, meta, 0.125).cpu()
+    finally:
+        del cuda_backend._launch
+        cuda_backend.attn_counters = saved
+    decode_rows = [int(attn.query_start_loc[i]) for i, n in enumerate(qlens) if n == 1]
+    other_rows = [r for r in range(sum(qlens)) if r not in decode_rows]
+    assert torch.isnan(got[other_rows]).all()
+    assert rel_err(got[decode_rows], ref[decode_rows]) <= TOL
+    assert int(cuda_backend.attn_counters.abs().sum()) == 0

@@ -140,9 +140,10 @@ def _check_step(cuda_backend, cpu_backend, seq_lens, query_lens, heads, style, s
                 max_seq_len=None, max_query_len=None, fused=None):
     """A step with prompt rows (query length > 1), within TOL of the CPU reference, every new K / V row written,
     and bit for bit the output and cache of "decode" and "off" (rope_kv_write, then the plain kernels). `fused`
-    (default: split_decode): under "auto" the step has no rope_kv_write (attn_decode, fused, for every
-    sequence's last row, then attn_prefill, fused), else "auto" launches what "off" does."""
-    fused = split_decode if fused is None else fused
+    (default: kernels.rope_fused's rule): under "auto" the step has no rope_kv_write (with split_decode
+    attn_decode, fused, for the one-token sequences; then attn_prefill, fused), else "auto" launches what "off"
+    does."""
+    fused = kernels.rope_fused("auto", False, sum(query_lens), len(query_lens)) if fused is None else fused
     gen = torch.Generator().manual_seed(seed)
     kv, attn = paged_kv_case(seq_lens, query_lens, heads[1], heads[2], 16, gen)
     positions, slots = [], []
@@ -207,10 +208,20 @@ def test_rope_attention_mixed_step_past_the_fused_limit_takes_two_launches(cuda_
                 fused=False)
 
 
-def test_rope_attention_one_sequence_mixed_graph_takes_two_launches(cuda_backend, cpu_backend):
-    """A one-sequence mixed CUDA graph (split_decode, a 64-token bucket) replays a prefill-only step."""
-    _check_step(cuda_backend, cpu_backend, [30], [30], (9, 3, 64), "neox", seed=4, split_decode=True,
-                max_query_len=64, fused=False)
+@pytest.mark.parametrize("split_decode", [True, False])
+@pytest.mark.parametrize("seq_lens,query_lens", [([30], [30]), ([300], [5]), ([40, 300, 77], [5, 5, 3])])
+def test_rope_attention_verify_and_lone_prompt_steps_fuse(cuda_backend, cpu_backend, seq_lens, query_lens,
+                                                          split_decode):
+    """Steps of sequences of >= 2 query tokens only: a lone short prompt, a verify of 4 drafts at batch 1 and 3
+    (a verify CUDA graph: split_decode, attn_decode leaving them at once; eager: attn_prefill alone)."""
+    _check_step(cuda_backend, cpu_backend, seq_lens, query_lens, (9, 3, 64), "neox", seed=4,
+                split_decode=split_decode, max_query_len=64 if split_decode else None, max_seq_len=8192)
+
+
+def test_rope_attention_verify_beside_decodes(cuda_backend, cpu_backend, attn_choice):
+    """A verify graph's step: sequences verifying drafts beside ones that drafted nothing (one token)."""
+    _check_step(cuda_backend, cpu_backend, [900, 41, 5000, 7, 130], [5, 1, 4, 1, 5], (32, 8, 128), "interleaved",
+                seed=5, split_decode=True, max_seq_len=8192, max_query_len=64)
 
 
 def test_rope_attention_head_dim_40_mixed_step_takes_two_launches(cuda_backend, cpu_backend):

@@ -63,18 +63,20 @@ def test_random_splits_and_graph_padding():
         _assert_exact(lens, sum(lens) + rng.randint(1, 100))
 
 
-@pytest.mark.parametrize("mode,decode_only,split,tokens,seqs,want", [
-    ("auto", True, False, 64, 64, True),
-    ("decode", True, False, 64, 64, True),
-    ("off", True, False, 64, 64, False),
-    ("auto", False, True, 64 + 64, 64, True),      # the (64, 64) mixed graph
-    ("decode", False, True, 64 + 64, 64, False),
-    ("auto", False, True, 64 + 512, 64, False),    # the (64, 512) graph: its prompts may reach 512 tokens
-    ("auto", False, True, 1 + 64, 1, False),       # a (1, 64) graph replays a lone prompt: prefill-only
-    ("auto", False, True, 2 + 64, 2, True),
-    ("auto", False, True, 2 + 65, 2, False),       # an eager step one prompt token past the cap
-    ("auto", False, False, 30, 1, False),          # a prefill-only step
+@pytest.mark.parametrize("mode,decode_only,tokens,seqs,want", [
+    ("auto", True, 64, 64, True),
+    ("decode", True, 64, 64, True),
+    ("off", True, 64, 64, False),
+    ("auto", False, 64 + 64, 64, True),      # the (64, 64) mixed graph
+    ("decode", False, 64 + 64, 64, False),
+    ("auto", False, 64 + 512, 64, False),    # the (64, 512) graph: its prompts may reach 512 tokens
+    ("auto", False, 1 + 64, 1, True),        # a (1, 64) graph: a lone prompt or a verify at batch 1
+    ("auto", False, 2 + 64, 2, True),
+    ("auto", False, 2 + 65, 2, False),       # an eager step one prompt token past the cap
+    ("auto", False, 5, 1, True),             # an eager verify of 4 drafts, or a lone 5-token prompt
+    ("off", False, 5, 1, False),
+    ("auto", False, 66, 1, False),           # a lone 66-token prompt
 ])
-def test_rope_fused_steps(mode, decode_only, split, tokens, seqs, want):
+def test_rope_fused_steps(mode, decode_only, tokens, seqs, want):
     """Which steps run the rotary inside the attention kernels (CudaBackend.rope_attention's rule)."""
-    assert kernels.rope_fused(mode, decode_only, split, tokens, seqs) is want
+    assert kernels.rope_fused(mode, decode_only, tokens, seqs) is want

@@ -356,17 +356,17 @@ class CudaBackend:
         """The rotary and the KV write inside the attention kernels (one launch less than rotary_write_kv +
         attention). Decode-only steps: attn_decode rotates q and the new key and writes the cache, and where
         `out_linear` runs gemv_s8 / gemv_s8w on x quantized per launch, also writes its output quantized for it
-        (linear.attention_xq). Mixed steps (`split_decode`) of >= 2 sequences and at most
-        kernels.ROPE_PREFILL_MAX_TOKENS prompt tokens (a CUDA graph's: its bucket): attn_decode likewise for
-        every sequence's last row, then attn_prefill rotates the prompts' q and new keys and writes their keys
-        (session 27: the mixed step of the default model at 64 streams 2.00 -> 1.91 ms; attn_decode's loads before
-        its PDL wait overlap the QKV GEMM again). Other steps (a one-sequence mixed graph is a prefill-only
-        step), VOLTSERVE_ROPE_ATTN=off (=decode: decode-only steps only), q / k / v head rows not 16-byte
-        aligned, or neox with head_dim % 16 != 0: the two ops (a fused pp512 was 3-8% slower: every key tile
-        rotates its keys again)."""
+        (linear.attention_xq). Other steps of at most kernels.ROPE_PREFILL_MAX_TOKENS prompt tokens (a CUDA
+        graph's: its bucket): in mixed steps (`split_decode`) attn_decode likewise for the one-token sequences,
+        then attn_prefill rotates the other sequences' q and new keys (prompts, verifies of drafts) and writes
+        their keys (session 27: the mixed step of the default model at 64 streams 2.00 -> 1.91 ms; attn_decode's
+        loads before its PDL wait overlap the QKV GEMM again); other steps attn_prefill alone. Longer steps,
+        VOLTSERVE_ROPE_ATTN=off (=decode: decode-only steps only), q / k / v head rows not 16-byte aligned, or
+        neox with head_dim % 16 != 0: the two ops (a fused pp512 was 3-8% slower: every key tile rotates its
+        keys again)."""
         # neox pairs dims d and d + head_dim / 2: the kernels rotate 8-dim vectors, so head_dim / 2 % 8 == 0
         vectors_pair = style != "neox" or q.shape[2] % 16 == 0
-        fuse = kernels.rope_fused(self.rope_attn, attn.is_decode_only, attn.split_decode, q.shape[0], attn.num_seqs)
+        fuse = kernels.rope_fused(self.rope_attn, attn.is_decode_only, q.shape[0], attn.num_seqs)
         if not fuse or not vectors_pair or not all(_rows_aligned(t) for t in (q, k, v)):
             return rope_then_attention(self, q, k, v, positions, cos_sin, style, kv_layer, attn, scale)
         cs, pos, slots = self._rope_inputs(q, k, v, positions, cos_sin, style, kv_layer, attn.slot_mapping)
@@ -405,8 +405,8 @@ class CudaBackend:
                   out.data_ptr())
         plane = kv_layer[0].numel()
         if attn.is_decode_only or attn.split_decode:
-            # a mixed step: attn_decode computes the last query row of every sequence (a decode's only one),
-            # then attn_prefill overwrites the rows of the sequences with >= 2 query tokens
+            # a mixed step: attn_decode computes the sequences of one query token (it leaves the others at once),
+            # then attn_prefill the sequences of >= 2
             # attn_decode reads q's head rows as 16-byte vectors (rope_attention checked its q)
             dq = q if _rows_aligned(q) else torch.empty(q.shape, dtype=q.dtype, device=q.device).copy_(q)
             xq = attention_xq(self, out_linear, out, num_heads // num_kv_heads) \

@@ -605,14 +605,16 @@ def prefill_tile_slots(num_tokens: int, num_seqs: int) -> int:
 ROPE_PREFILL_MAX_TOKENS = 64
 
 
-def rope_fused(mode: str, decode_only: bool, split_decode: bool, num_tokens: int, num_seqs: int) -> bool:
+def rope_fused(mode: str, decode_only: bool, num_tokens: int, num_seqs: int) -> bool:
     """Whether CudaBackend.rope_attention runs a step's rotary and KV write inside the attention kernels
-    (VOLTSERVE_ROPE_ATTN `mode`: auto, decode or off): decode-only steps unless off; under auto also mixed steps
-    (`split_decode`) of >= 2 sequences and <= ROPE_PREFILL_MAX_TOKENS prompt tokens, counted as the `num_tokens`
-    past one a sequence (a mixed CUDA graph's bucket; a one-sequence mixed graph replays a prefill-only step)."""
+    (VOLTSERVE_ROPE_ATTN `mode`: auto, decode or off): decode-only steps unless off; under auto also every other
+    step of <= ROPE_PREFILL_MAX_TOKENS prompt tokens, counted as the `num_tokens` past one a sequence (a mixed
+    CUDA graph's bucket), mixed (`split_decode`: attn_decode for the one-token sequences) or not (attn_prefill
+    alone: a lone short prompt, an eager verify of drafts). Since session 33 a one-sequence mixed graph (a lone
+    prompt, or a verify at batch 1) fuses too: attn_decode leaves sequences of >= 2 query tokens at once."""
     if decode_only:
         return mode != "off"
-    return mode == "auto" and split_decode and num_seqs >= 2 and num_tokens - num_seqs <= ROPE_PREFILL_MAX_TOKENS
+    return mode == "auto" and num_tokens - num_seqs <= ROPE_PREFILL_MAX_TOKENS
 
 
 def prefill_smem_bytes(head_dim: int) -> int:

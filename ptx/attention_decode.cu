@@ -18,6 +18,11 @@
 //                     partials itself (arrival counter, fixed merge order), so decode is one launch; the host
 //                     passes counters only when num_splits <= 2 * HEAD_DIM (the merge's maxima and sums reuse
 //                     the warps' smem).
+// Per-row mode (per_row = 1; a verify step's short spans of drafts, CudaBackend's `rows_as_decodes`): grid.y runs
+//                     over the step's query rows instead, each a decode of the keys up to its own position (the
+//                     step's new keys are all in the cache: rope_kv_write ran first, no fused rotary); workspace
+//                     and counters per row. Every key of the causal prefix from the step's first new key on is
+//                     new, so the block waits (PDL) before its first key load.
 // attn_decode_reduce: grid (num_kv_heads, num_seqs); block 128 threads; 8 * GROUP * num_splits bytes of dynamic
 //                     smem; merges the used splits (log-sum-exp rescale, the same merge_splits as the in-kernel
 //                     path, so both are bitwise equal) when counters is nullptr; returns at once for sequences
@@ -89,9 +94,10 @@ struct DecodeParams {
     const int* seq_lens;         // [num_seqs] int32
     const int* query_start_loc;  // [num_seqs + 1] int32; the query of sequence s is row query_start_loc[s+1]-1
     half_t* out;                 // [num_tokens, num_heads, HEAD_DIM] fp16, contiguous
-    float* part_acc;             // [num_seqs, num_heads, num_splits, HEAD_DIM] fp32 workspace (num_splits > 1)
-    float* part_ml;              // [num_seqs, num_heads, num_splits, 2] fp32 workspace: running max, sum
-    int* counters;               // [num_seqs * num_kv_heads] int32 arrival counters, zero between launches, or
+    float* part_acc;             // [units, num_heads, num_splits, HEAD_DIM] fp32 workspace (num_splits > 1);
+                                 // units: num_seqs, or grid.y (per_row)
+    float* part_ml;              // [units, num_heads, num_splits, 2] fp32 workspace: running max, sum
+    int* counters;               // [units * num_kv_heads] int32 arrival counters, zero between launches, or
                                  // nullptr: then attn_decode_reduce merges the splits
     i64 q_token_stride;          // elements
     i64 q_head_stride;
@@ -123,8 +129,26 @@ struct DecodeParams {
     // count the host planned for the step's longest context (uploaded with the step's metadata; <= 0:
     // num_splits), so short contexts in a graph for long ones split as the step needs
     const int* step_splits;
+    // 1: every query row is a decode of its own causal prefix (grid.y over query rows; see the top), 0: grid.y
+    // over sequences
+    int per_row;
 };
 VOLT_CHECK_PARAMS(DecodeParams, VOLT_DECODE_PARAMS_BYTES);
+
+// The step's query row `unit` (per_row) as a decode: its sequence (the last s with query_start_loc[s] <= row,
+// by binary search over the step metadata) and its causal context (the keys up to its own position). Returns
+// false for rows past the step's tokens (a CUDA graph's token slots beyond its padded sequences).
+VOLT_DEVICE bool row_as_decode(const DecodeParams& p, int unit, int& seq, int& seq_len) {
+    if (unit >= p.query_start_loc[p.num_seqs]) return false;
+    int lo = 0, hi = p.num_seqs - 1;
+    while (lo < hi) {
+        const int mid = (lo + hi + 1) >> 1;
+        if (p.query_start_loc[mid] <= unit) lo = mid; else hi = mid - 1;
+    }
+    seq = lo;
+    seq_len = p.seq_lens[seq] - (p.query_start_loc[seq + 1] - 1 - unit);
+    return true;
+}
 
 // The splits a sequence of seq_len keys uses this step: the grid's, or the host's plan for the step's longest
 // context (p.step_splits; its load is issued beside seq_lens', before the PDL wait). At most the grid's, whatever
@@ -157,16 +181,16 @@ VOLT_DEVICE int split_len(const DecodeParams& p, int seq_len) {
      : MERGE_ITEMS_PER_THREAD <= 16 ? 16 / MERGE_ITEMS_PER_THREAD                                            \
                                     : 1)
 
-// out[seq, kvh * GROUP + g] for the group's heads from their `used` split partials (log-sum-exp rescale), by
-// the whole block. One dependent global round trip: the (max, sum) pairs (8-byte loads, to smem `w`: maxima
+// out[row, kvh * GROUP + g] for the group's heads from the `used` split partials of `unit` (the workspace's
+// index; log-sum-exp rescale), by the whole block. One dependent global round trip: the (max, sum) pairs (8-byte loads, to smem `w`: maxima
 // [GROUP][ws], then sums [GROUP][ws], used <= ws) and each thread's 16-byte partial outputs of the first
 // MERGE_REG_SPLITS splits (registers) are loaded together; then the split weights exp(m_s - M) / L, then each
 // output sums its splits in fixed order (deterministic; later splits are loaded then). Partials written by other
 // blocks are read past L1 (ld.global.cg): L1 is not coherent. Needs all threads (barriers); `row`: the
 // sequence's query row.
-VOLT_DEVICE void merge_splits(const DecodeParams& p, int seq, int kvh, int used, float* w, int ws, i64 row) {
+VOLT_DEVICE void merge_splits(const DecodeParams& p, int unit, int kvh, int used, float* w, int ws, i64 row) {
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const i64 base = ((i64)seq * p.num_heads + kvh * GROUP) * p.num_splits;  // head g adds g * num_splits
+    const i64 base = ((i64)unit * p.num_heads + kvh * GROUP) * p.num_splits;  // head g adds g * num_splits
     float* wl = w + GROUP * ws;
     for (int i = tid; i < GROUP * used; i += NUM_THREADS) {
         const int g = i / used, sp = i % used;
@@ -300,20 +324,31 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, ATTN_MIN_BLOCKS) attn_
     float* ml = red + NUM_WARPS * GROUP * HEAD_DIM;     // [NUM_WARPS][GROUP][2]: each warp's running max, sum
     int* tbl_s = reinterpret_cast<int*>(ml + NUM_WARPS * GROUP * 2);  // the split's KV block ids:
                                                                        // PARTITION / block_size + 2 entries
-    const int kvh = blockIdx.x, seq = blockIdx.y, split = blockIdx.z;
+    const int kvh = blockIdx.x, unit = blockIdx.y, split = blockIdx.z;  // unit: a sequence, or a query row
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const int seq_len = p.seq_lens[seq];
+    const bool first_block = (blockIdx.x | blockIdx.y | blockIdx.z) == 0;  // keeps the chain of PDL waits
+    int seq = unit, seq_len;
+    i64 row;
+    if (p.per_row) {
+        if (!row_as_decode(p, unit, seq, seq_len)) {
+            if (first_block) pdl_enter();
+            return;
+        }
+        row = unit;
+    } else {
+        seq_len = p.seq_lens[seq];
+        row = p.query_start_loc[seq + 1] - 1;
+        if (row != p.query_start_loc[seq]) {  // >= 2 query tokens: attn_prefill's (see the top)
+            if (first_block) pdl_enter();
+            return;
+        }
+    }
     const int plen = split_len(p, seq_len);
     const int start = split * plen;
     const int n = min(plen, seq_len - start);
-    const i64 ws = ((i64)seq * p.num_heads + kvh * GROUP) * p.num_splits + split;  // head g adds g * num_splits
+    const i64 ws = ((i64)unit * p.num_heads + kvh * GROUP) * p.num_splits + split;  // head g adds g * num_splits
     if (n <= 0) return;  // past this context (the grid is sized for the longest): the reduce never reads it
     const bool direct = seq_len <= plen;  // one split holds the whole context: write out, the reduce skips it
-    const i64 row = p.query_start_loc[seq + 1] - 1;
-    if (row != p.query_start_loc[seq]) {  // >= 2 query tokens: attn_prefill's (see the top)
-        if ((blockIdx.x | blockIdx.y | blockIdx.z) == 0) pdl_enter();
-        return;
-    }
     // fused rotary: the token's cos / sin row (constant table) and its cache slot (step metadata) before pdl_enter
     __shared__ float cs_s[HEAD_DIM];
     __shared__ __align__(16) half_t kv_new[2][HEAD_DIM];  // the new key's K (rotated) and V rows
@@ -331,6 +366,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, ATTN_MIN_BLOCKS) attn_
     for (int i = tid; i <= (start + n - 1) / p.block_size - first_blk; i += NUM_THREADS)
         tbl_s[i] = p.block_tables[(i64)seq * p.max_blocks + first_blk + i];
     __syncthreads();
+    if (p.per_row) pdl_enter();  // the step's new keys (rope_kv_write's) may lie anywhere in this split
     const half_t* k_head = p.kv + (i64)kvh * HEAD_DIM;
     const i64 slot_stride = (i64)p.num_kv_heads * HEAD_DIM;
     auto key_off = [&](int t) -> i64 {  // element offset of the split's key t in the K (and V) plane
@@ -494,24 +530,31 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, ATTN_MIN_BLOCKS) attn_
     __shared__ int s_last;
     __syncthreads();  // every thread's partial stores before thread 0's release
     const int used = min(p.num_splits, (seq_len + plen - 1) / plen);
-    int* counter = p.counters + seq * p.num_kv_heads + kvh;
+    int* counter = p.counters + unit * p.num_kv_heads + kvh;
     if (tid == 0) s_last = arrive_acq_rel(counter) == used - 1;
     __syncthreads();  // after thread 0's acquire: the other splits' partials are visible to the whole block
     if (!s_last) return;
     // warp partials consumed: their smem holds the merge's maxima and sums (host: counters only when num_splits
     // fits, kernels.decode_max_merged_splits)
-    merge_splits(p, seq, kvh, used, red, NUM_WARPS * HEAD_DIM / 2, row);
+    merge_splits(p, unit, kvh, used, red, NUM_WARPS * HEAD_DIM / 2, row);
     if (tid == 0) *counter = 0;  // ready for the next launch on this stream
 }
 
 extern "C" __global__ void __launch_bounds__(NUM_THREADS) attn_decode_reduce(const DecodeParams p) {
     pdl_enter();
     extern __shared__ float w[];  // [2][GROUP][num_splits]: maxima (then weights), sums
-    const int kvh = blockIdx.x, seq = blockIdx.y;
-    const int seq_len = p.seq_lens[seq];
+    const int kvh = blockIdx.x, unit = blockIdx.y;
+    int seq = unit, seq_len;
+    i64 row;
+    if (p.per_row) {
+        if (!row_as_decode(p, unit, seq, seq_len)) return;
+        row = unit;
+    } else {
+        seq_len = p.seq_lens[seq];
+        row = p.query_start_loc[seq + 1] - 1;
+        if (row != p.query_start_loc[seq]) return;  // left to attn_prefill
+    }
     const int plen = split_len(p, seq_len);
-    // attn_decode wrote this output directly (one split), or left the sequence to attn_prefill
-    if (seq_len <= plen || p.query_start_loc[seq + 1] - p.query_start_loc[seq] != 1) return;
-    merge_splits(p, seq, kvh, min(p.num_splits, (seq_len + plen - 1) / plen), w, p.num_splits,
-                 p.query_start_loc[seq + 1] - 1);
+    if (seq_len <= plen) return;  // attn_decode wrote this output directly (one split)
+    merge_splits(p, unit, kvh, min(p.num_splits, (seq_len + plen - 1) / plen), w, p.num_splits, row);
 }

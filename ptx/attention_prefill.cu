@@ -12,7 +12,7 @@
 // Shared memory (dynamic): K tile [BK][HEAD_DIM + 2] fp16 (padded: conflict-free column reads), V tile
 // [BK][HEAD_DIM] fp16, Q [BQ][HEAD_DIM] fp32 = 2*BK*(2*HEAD_DIM+2) + 4*BQ*HEAD_DIM bytes.
 // Per key tile: lane j scores key j for the warp's ROWS rows, then every lane accumulates its pairs of output dims.
-// Fused rotary (cos_sin != nullptr; the engine's mixed steps, CudaBackend.rope_attention): q and the step's new
+// Fused rotary (cos_sin != nullptr; steps of <= 64 prompt tokens, CudaBackend.rope_attention): q and the step's new
 // keys come un-rotated (the QKV output), rotated as they are staged (rope.cuh: the same fp32 expressions and fp16
 // rounding as rope_kv_write); the new keys' K / V are read from k_new / v_new rather than the cache, and the
 // blocks of each KV group's first head store their own tile's rows to the cache (slot_mapping; < 0: not

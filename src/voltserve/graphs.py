@@ -2,7 +2,7 @@
 
 Decode graphs: one per batch-size bucket b (one token per sequence, the decode attention kernel). Mixed graphs:
 one per (b, P): up to b sequences holding up to b + P tokens, no sequence more than P of them; attention runs the
-decode kernel for every sequence's last token and the varlen (prefill) kernel for sequences of >= 2 tokens
+decode kernel for the sequences of one token and the varlen (prefill) kernel for sequences of >= 2 tokens
 (`AttentionMetadata.split_decode`). A new request's prefill then shares a graph-replayed step with the running
 sequences' decodes instead of making the whole step eager; under many streaming clients a request starts every
 few steps (bench_decode.py --churn). Every graph is captured largest first into one shared memory pool (nano-vllm's
@@ -11,7 +11,8 @@ their logits are dropped. Steps beyond the largest buckets run eagerly.
 
 Verify graphs (speculative decoding): a mixed graph per bucket b with room for the most drafts that many
 sequences verify (r * width(r) for the r sequences the bucket takes, `verify_width` = the ladder), plus one, with
-logits and the greedy argmax for every token slot (a verify step needs the target's row after each draft).
+logits and the greedy argmax for every token slot (a verify step needs the target's row after each draft); its
+attention runs every token slot as a decode of the keys up to its position (`AttentionMetadata.rows_as_decodes`).
 Captured only for buckets of at most `VERIFY_MAX_DRAFT_TOKENS` drafts; a bigger verify step runs eagerly.
 """
 
@@ -196,7 +197,7 @@ class PackedStepInputs:
 
     def pad_mixed(self, n: int, seqs: int, num_tokens: int, tokens: int) -> None:
         """Sequence slots n..seqs and token slots num_tokens..tokens are padding: each padded sequence has one
-        query token of its own (the decode kernel writes a row per sequence) and one key of block 0; no token
+        query token of its own (a one-token sequence: the decode kernel's row) and one key of block 0; no token
         writes KV. Needs seqs - n <= tokens - num_tokens."""
         self.seq_lens[n:seqs] = 1
         self.tables[n:seqs, 0] = 0
@@ -231,7 +232,8 @@ class _GraphInputs:
         q = key.prefill or 1
         attn = AttentionMetadata(self.query_start[:b + 1], self.seq_lens[:b], self.block_tables[:b],
                                  self.slot_mapping[:t], q, max_model_len, [q] * b, [1] * b,
-                                 split_decode=bool(key.prefill), decode_splits=self.decode_splits)
+                                 split_decode=bool(key.prefill), decode_splits=self.decode_splits,
+                                 rows_as_decodes=key.verify)
         rows = self.all_rows[:t] if key.verify else self.logits_rows[:b]
         return StepInputs(self.input_ids[:t], self.positions[:t], attn, rows)
 
@@ -374,7 +376,9 @@ class StepGraphs:
             if key.seqs > len(entries):
                 host.pad(len(entries), key.seqs)
         planner = self._plan_decode_splits
-        host.decode_splits[0] = planner(self.max_model_len, key.seqs, host.longest) if planner is not None else 0
+        # a verify graph's decode attention runs a unit per token slot (AttentionMetadata.rows_as_decodes)
+        units = key.tokens if key.verify else key.seqs
+        host.decode_splits[0] = planner(self.max_model_len, units, host.longest) if planner is not None else 0
 
     def replay(self, key: GraphKey, n: int,
                ids_from: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from voltserve.backends.base import AttentionMetadata, Backend, StepInputs
+from voltserve.backends.base import ROWS_AS_DECODES_MAX_QUERY, AttentionMetadata, Backend, StepInputs
 from voltserve.request import MAX_LOGPROBS, TokenLogprob
 from voltserve.sampling import SampleRow, generator_on, sample
 from voltserve.scheduler import StepPlan
@@ -129,6 +129,8 @@ class ModelRunner:
             query_lens_cpu=query_lens,
             seq_lens_cpu=seq_lens,
             split_decode=1 in query_lens and max(query_lens) > 1,
+            # a verify step of short spans (no long prompt chunk beside it): every query row as a decode
+            rows_as_decodes=plan.has_drafts and max(query_lens) <= ROWS_AS_DECODES_MAX_QUERY,
         )
         return StepInputs(
             input_ids=torch.from_numpy(np.array(ids, dtype=np.int64)),
@@ -145,7 +147,7 @@ class ModelRunner:
         a = step.attn
         attn = AttentionMetadata(a.query_start_loc.to(dev), a.seq_lens.to(dev), a.block_tables.to(dev),
                                  a.slot_mapping.to(dev), a.max_query_len, a.max_seq_len, a.query_lens_cpu,
-                                 a.seq_lens_cpu, a.split_decode)
+                                 a.seq_lens_cpu, a.split_decode, rows_as_decodes=a.rows_as_decodes)
         return StepInputs(step.input_ids.to(dev), step.positions.to(dev), attn, step.logits_indices.to(dev))
 
     def forward(self, step: StepInputs) -> torch.Tensor:

@@ -277,14 +277,14 @@ def test_fused_rotary_serves_like_two_launches():
     """Decode steps with the rotary and KV write inside attn_decode, and mixed steps inside attn_decode and
     attn_prefill (VOLTSERVE_ROPE_ATTN auto), the decode steps' only (decode) and rotary_write_kv + attention
     (off): the same greedy tokens and logprobs bit for bit, for 3 prompts of which the later ones arrive while the
-    first decodes (mixed steps; the first prompt's prefill-only step takes the two launches in every mode), eager
-    and through CUDA graphs."""
+    first decodes (mixed steps; the first prompt's prefill-only step, 70 tokens, past kernels.ROPE_PREFILL_MAX_TOKENS,
+    takes the two launches in every mode), eager and through CUDA graphs."""
     from tools.make_synthetic_checkpoint import synthetic_model
     from voltserve.backends.cuda.backend import CudaBackend
 
     loaded = synthetic_model("small256", device="cuda", dtype=torch.float16, seed=7)
     # the later two start in mixed steps of <= kernels.ROPE_PREFILL_MAX_TOKENS prompt tokens (one q tile, four)
-    prompts = [list(range(3, 40)), list(range(50, 53)), list(range(7, 60))]
+    prompts = [list(range(3, 73)), list(range(50, 53)), list(range(7, 60))]
     results, rope_launches = {}, {}
     for rope in ("auto", "decode", "off"):
         backend = CudaBackend(0)

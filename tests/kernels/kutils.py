@@ -233,11 +233,12 @@ def paged_kv_case(seq_lens, query_lens, num_kv_heads, head_dim, block_size, gen)
 
 
 def metadata_to_cuda(attn: AttentionMetadata, max_seq_len=None, split_decode=False,
-                     max_query_len=None) -> AttentionMetadata:
+                     max_query_len=None, rows_as_decodes=False) -> AttentionMetadata:
     """`attn` with its tensors on the GPU; max_seq_len / max_query_len: a graph bucket's capacities."""
     return AttentionMetadata(attn.query_start_loc.cuda(), attn.seq_lens.cuda(), attn.block_tables.cuda(),
                              attn.slot_mapping.cuda(), max_query_len or attn.max_query_len,
-                             max_seq_len or attn.max_seq_len, attn.query_lens_cpu, attn.seq_lens_cpu, split_decode)
+                             max_seq_len or attn.max_seq_len, attn.query_lens_cpu, attn.seq_lens_cpu, split_decode,
+                             rows_as_decodes=rows_as_decodes)
 
 
 def assert_nan_and_zero_blocks(backend, tol: float) -> None:

@@ -5,18 +5,19 @@ Contexts from 1 to 5000+ tokens, batch 1 and 37, GQA groups 1 / 3 / 4 / 8, block
 paths of attn_decode (tensor cores on SM80+, and the CUDA-core path V100 runs) through the `attn_choice` fixture.
 """
 
+import contextlib
 import math
 
 import pytest
 import torch
-from tests.kernels.kutils import metadata_to_cuda, paged_kv_case, rel_err
+from tests.kernels.kutils import launched_kernels, metadata_to_cuda, paged_kv_case, rel_err
 
 pytestmark = pytest.mark.gpu
 TOL = 4e-3
 
 
 def _run(cuda_backend, cpu_backend, seq_lens, query_lens, heads, block_size, seed, max_seq_len=None,
-         split_decode=False, max_query_len=None, q_pad=8):
+         split_decode=False, max_query_len=None, q_pad=8, rows_as_decodes=False):
     num_heads, num_kv_heads, head_dim = heads
     gen = torch.Generator().manual_seed(seed)
     kv, attn = paged_kv_case(seq_lens, query_lens, num_kv_heads, head_dim, block_size, gen)
@@ -28,7 +29,8 @@ def _run(cuda_backend, cpu_backend, seq_lens, query_lens, heads, block_size, see
     # query_len == 1); the GPU keeps the NaN, so a kernel that reads past a context shows up as NaN output
     ref = cpu_backend.attention(q.float(), kv.float().nan_to_num(), attn, scale)
     qd = qwide.cuda()[:, :num_heads * head_dim].view(num_tokens, num_heads, head_dim)
-    got = cuda_backend.attention(qd, kv.cuda(), metadata_to_cuda(attn, max_seq_len, split_decode, max_query_len), scale)
+    meta = metadata_to_cuda(attn, max_seq_len, split_decode, max_query_len, rows_as_decodes)
+    got = cuda_backend.attention(qd, kv.cuda(), meta, scale)
     return rel_err(got, ref)
 
 
@@ -188,6 +190,21 @@ def test_decode_unaligned_q_rows(cuda_backend, cpu_backend, attn_choice):
     assert _run(cuda_backend, cpu_backend, [700, 1, 33], [1, 1, 1], (9, 3, 64), 16, seed=12, q_pad=3) <= TOL
 
 
+@contextlib.contextmanager
+def _nan_outputs(monkeypatch):
+    """fp16 `torch.empty` allocations (the attention output) start as NaN inside the block: rows no kernel
+    writes stay NaN."""
+    empty = torch.empty
+
+    def nan_empty(*args, **kwargs):
+        t = empty(*args, **kwargs)
+        return t.fill_(float("nan")) if t.dtype == torch.float16 else t
+
+    with monkeypatch.context() as m:
+        m.setattr(torch, "empty", nan_empty)
+        yield
+
+
 @pytest.mark.parametrize("merge", ["in_kernel", "reduce"])
 def test_decode_launch_leaves_multi_token_sequences_to_prefill(cuda_backend, cpu_backend, merge, attn_choice,
                                                                monkeypatch):
@@ -205,15 +222,8 @@ def test_decode_launch_leaves_multi_token_sequences_to_prefill(cuda_backend, cpu
     cuda_backend._launch = lambda op, kernel, *a, **k: None if kernel == "attn_prefill" else launch(op, kernel, *a, **k)
     if merge == "reduce":
         cuda_backend.attn_counters = saved[:0]  # no counters: attn_decode_reduce merges
-    empty = torch.empty
-
-    def nan_empty(*args, **kwargs):  # fp16 allocations (the output) start as NaN
-        t = empty(*args, **kwargs)
-        return t.fill_(float("nan")) if t.dtype == torch.float16 else t
-
     try:
-        with monkeypatch.context() as m:
-            m.setattr(torch, "empty", nan_empty)
+        with _nan_outputs(monkeypatch):
             got = cuda_backend.attention(q, kv, meta, 0.125).cpu()
     finally:
         del cuda_backend._launch
@@ -223,3 +233,57 @@ def test_decode_launch_leaves_multi_token_sequences_to_prefill(cuda_backend, cpu
     assert torch.isnan(got[other_rows]).all()
     assert rel_err(got[decode_rows], ref[decode_rows]) <= TOL
     assert int(cuda_backend.attn_counters.abs().sum()) == 0
+
+
+# a verify step: spans of 1 + k tokens (k = 1..8) beside decodes; contexts of a few keys to several splits
+VERIFY_LENS, VERIFY_QUERIES = [5003, 40, 9, 700, 3000, 5, 129], [5, 1, 9, 2, 1, 5, 4]
+
+
+@pytest.mark.parametrize("heads", HEADS + [(6, 2, 96)])
+@pytest.mark.parametrize("capacity", [None, 8192])
+def test_verify_rows_as_decodes(cuda_backend, cpu_backend, heads, capacity, attn_choice):
+    """rows_as_decodes: attn_decode alone, over every query row (each a decode of the keys up to its position),
+    eager and in a verify graph's capacity grid (mixed metadata, max_query_len 64)."""
+    with launched_kernels(cuda_backend) as names:
+        err = _run(cuda_backend, cpu_backend, VERIFY_LENS, VERIFY_QUERIES, heads, 16, seed=heads[2] + 3,
+                   max_seq_len=capacity, split_decode=capacity is not None, max_query_len=64 if capacity else None,
+                   rows_as_decodes=True)
+    assert err <= TOL
+    assert set(names) <= {"attn_decode", "attn_decode_reduce"} and names[0] == "attn_decode", names
+
+
+@pytest.mark.parametrize("merge", ["in_kernel", "reduce"])
+def test_verify_rows_as_decodes_past_the_tokens_and_merges(cuda_backend, cpu_backend, merge, attn_choice,
+                                                            monkeypatch):
+    """q holds 6 token slots more than the step's tokens (a verify graph's capacity): those rows are left alone
+    (their NaN stays); the splits merge in the kernel or in attn_decode_reduce, bit for bit the same, and the
+    counters are back at zero; a second launch is bitwise equal (fixed merge order)."""
+    gen = torch.Generator().manual_seed(33)
+    kv, attn = paged_kv_case(VERIFY_LENS, VERIFY_QUERIES, 3, 64, 16, gen)
+    tokens = sum(VERIFY_QUERIES)
+    q = torch.randn(tokens + 6, 9, 64, generator=gen).half()
+    ref = cpu_backend.attention(q[:tokens].float(), kv.float().nan_to_num(), attn, 0.125)
+    q, kv = q.cuda(), kv.cuda()
+    meta = metadata_to_cuda(attn, 8192, split_decode=True, max_query_len=64, rows_as_decodes=True)
+    saved = cuda_backend.attn_counters
+    if merge == "reduce":
+        cuda_backend.attn_counters = saved[:0]  # no counters: attn_decode_reduce merges
+    try:
+        with _nan_outputs(monkeypatch), launched_kernels(cuda_backend) as names:
+            got = [cuda_backend.attention(q, kv, meta, 0.125).cpu() for _ in range(2)]
+    finally:
+        cuda_backend.attn_counters = saved
+    assert ("attn_decode_reduce" in names) == (merge == "reduce")
+    assert torch.equal(got[0][:tokens], got[1][:tokens])
+    assert rel_err(got[0][:tokens], ref) <= TOL
+    assert torch.isnan(got[0][tokens:]).all()
+    assert int(cuda_backend.attn_counters.abs().sum()) == 0
+
+
+def test_verify_rows_as_decodes_off_takes_prefill(cuda_backend, cpu_backend, monkeypatch):
+    """VOLTSERVE_ATTN_VERIFY=prefill (attn_verify): the same step through attn_prefill, within TOL."""
+    monkeypatch.setattr(cuda_backend, "attn_verify", "prefill")
+    with launched_kernels(cuda_backend) as names:
+        err = _run(cuda_backend, cpu_backend, VERIFY_LENS, VERIFY_QUERIES, (9, 3, 64), 16, seed=5,
+                   rows_as_decodes=True)
+    assert err <= TOL and names == ["attn_prefill"], names

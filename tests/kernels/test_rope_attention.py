@@ -136,14 +136,9 @@ def test_rope_attention_unaligned_rows_take_two_launches(cuda_backend, cpu_backe
     _check(cuda_backend, cpu_backend, [300, 1, 77], (9, 3, 64), "neox", seed=6, spare=5)
 
 
-def _check_step(cuda_backend, cpu_backend, seq_lens, query_lens, heads, style, seed, split_decode=False,
-                max_seq_len=None, max_query_len=None, fused=None):
-    """A step with prompt rows (query length > 1), within TOL of the CPU reference, every new K / V row written,
-    and bit for bit the output and cache of "decode" and "off" (rope_kv_write, then the plain kernels). `fused`
-    (default: kernels.rope_fused's rule): under "auto" the step has no rope_kv_write (with split_decode
-    attn_decode, fused, for the one-token sequences; then attn_prefill, fused), else "auto" launches what "off"
-    does."""
-    fused = kernels.rope_fused("auto", False, sum(query_lens), len(query_lens)) if fused is None else fused
+def _step_case(cpu_backend, seq_lens, query_lens, heads, style, seed):
+    """A step of the given context and query lengths: (qkv, kv with NaN at every new key's slot, metadata with
+    the slots, positions, cos_sin, the CPU reference output, the reference cache with the new keys)."""
     gen = torch.Generator().manual_seed(seed)
     kv, attn = paged_kv_case(seq_lens, query_lens, heads[1], heads[2], 16, gen)
     positions, slots = [], []
@@ -158,6 +153,19 @@ def _check_step(cuda_backend, cpu_backend, seq_lens, query_lens, heads, style, s
     ref_kv = kv.float().nan_to_num()
     ref = rope_then_attention(cpu_backend, *[t.float() for t in _split(qkv, heads)], positions, cos_sin, style,
                               ref_kv, attn, heads[2] ** -0.5)
+    return qkv, kv, attn, positions, cos_sin, ref, ref_kv
+
+
+def _check_step(cuda_backend, cpu_backend, seq_lens, query_lens, heads, style, seed, split_decode=False,
+                max_seq_len=None, max_query_len=None, fused=None):
+    """A step with prompt rows (query length > 1), within TOL of the CPU reference, every new K / V row written,
+    and bit for bit the output and cache of "decode" and "off" (rope_kv_write, then the plain kernels). `fused`
+    (default: kernels.rope_fused's rule): under "auto" the step has no rope_kv_write (with split_decode
+    attn_decode, fused, for the one-token sequences; then attn_prefill, fused), else "auto" launches what "off"
+    does."""
+    fused = kernels.rope_fused("auto", False, sum(query_lens), len(query_lens)) if fused is None else fused
+    qkv, kv, attn, positions, cos_sin, ref, ref_kv = _step_case(cpu_backend, seq_lens, query_lens, heads, style,
+                                                                seed)
     runs = {mode: _gpu(cuda_backend, qkv, kv, attn, positions, cos_sin, heads, style, mode, max_seq_len,
                        split_decode, max_query_len) for mode in ("auto", "decode", "off")}
     got, got_kv, names = runs["auto"]
@@ -186,7 +194,7 @@ def test_rope_attention_prefill_step(cuda_backend, cpu_backend, heads, style):
 @pytest.mark.parametrize("style", ["neox", "interleaved"])
 def test_rope_attention_mixed_step(cuda_backend, cpu_backend, heads, style, attn_choice):
     """A mixed step (split_decode; the decode grid sized for an 8192-key capacity, as in a mixed CUDA graph):
-    attn_decode (fused) for every sequence's last row, then attn_prefill (fused) for the prompts: one fresh,
+    attn_decode (fused) for the one-token sequences, then attn_prefill (fused) for the prompts: one fresh,
     short ones after cached prefixes."""
     _check_step(cuda_backend, cpu_backend, [40, 9, 300, 1, 77, 21, 16], [1, 9, 1, 1, 1, 5, 16], heads, style,
                 seed=heads[2] + 1, split_decode=True, max_seq_len=8192, max_query_len=64)
@@ -248,3 +256,27 @@ def test_rope_attention_graph_replay_equals_eager(cuda_backend):
         torch.cuda.synchronize()
 
     assert_replay_equals_eager(cuda_backend, step, change)
+
+
+@pytest.mark.parametrize("heads", [(9, 3, 64), (32, 8, 128)])
+def test_rope_attention_verify_rows_as_decodes(cuda_backend, cpu_backend, heads, attn_choice):
+    """A verify step whose rows run as decodes (rows_as_decodes, a verify graph's metadata): rope_kv_write writes
+    every new key, then attn_decode reads them from the cache; within TOL of the CPU reference, K / V written as
+    the reference's, and within TOL of attn_prefill's answer (VOLTSERVE_ATTN_VERIFY=prefill)."""
+    qkv, kv, attn, positions, cos_sin, ref, ref_kv = _step_case(cpu_backend, [900, 41, 5000, 7, 130],
+                                                                [5, 1, 4, 1, 5], heads, "neox", seed=11)
+    runs = {}
+    for verify in ("decode", "prefill"):
+        meta = metadata_to_cuda(attn, 8192, split_decode=True, max_query_len=64, rows_as_decodes=True)
+        kv_dev = kv.cuda()
+        with backend_settings(cuda_backend, attn_verify=verify), launched_kernels(cuda_backend) as names:
+            out = cuda_backend.rope_attention(*_split(qkv.cuda(), heads), positions.cuda(), cos_sin.cuda(), "neox",
+                                              kv_dev, meta, heads[2] ** -0.5)
+        runs[verify] = (out.cpu(), kv_dev.cpu(), names)
+    got, got_kv, names = runs["decode"]
+    assert names[:2] == ["rope_kv_write", "attn_decode"] and "attn_prefill" not in names, names
+    assert "attn_prefill" in runs["prefill"][2]
+    assert rel_err(got, ref) <= TOL and rel_err(runs["prefill"][0], ref) <= TOL
+    flat, ref_flat = got_kv.view(2, -1, heads[1], heads[2]), ref_kv.view(2, -1, heads[1], heads[2])
+    assert rel_err(flat[0, attn.slot_mapping], ref_flat[0, attn.slot_mapping]) <= 2e-3
+    assert torch.equal(flat[1, attn.slot_mapping], ref_flat[1, attn.slot_mapping].half())

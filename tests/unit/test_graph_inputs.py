@@ -159,3 +159,35 @@ def test_fill_writes_the_backends_split_plan():
     plain = StepGraphs(None, _HostBackend(), torch.zeros(1, 2, 64, 16, 1, 8), 4, 8192)
     plain.fill(GraphKey(4), _decode_plan((5,)).entries)
     assert plain._decode.writable().decode_splits.tolist() == [0]
+
+
+def _verify_entries():
+    """The decode plan of two sequences (prompts of 5 and 17 tokens), the first verifying 3 drafts."""
+    plan = _decode_plan((5, 17))
+    first = plan.entries[0]
+    return [type(first)(first.seq, first.start, 4, True, drafts=(7, 8, 9))] + plan.entries[1:]
+
+
+def test_verify_steps_run_rows_as_decodes():
+    """A verify step's metadata asks for its rows as decodes (AttentionMetadata.rows_as_decodes): the verify
+    graph's static step, and an eager verify step unless a longer prompt chunk rides along; the verify graph's
+    split plan is asked for its token slots (one attention unit each), not its sequences."""
+    from voltserve.backends.base import ROWS_AS_DECODES_MAX_QUERY
+    from voltserve.graphs import GraphKey, StepGraphs
+    from voltserve.scheduler import StepPlan
+
+    backend = _PlanningBackend()
+    graphs = StepGraphs(None, backend, torch.zeros(1, 2, 64, 16, 1, 8), 4, 8192, (64,), verify_width=lambda b: 4)
+    graphs._graphs = dict.fromkeys(graphs.keys())  # as if captured
+    key = graphs.verify_key(_verify_entries())
+    assert key == GraphKey(2, 9, True) and key.tokens == 11
+    graphs.fill(key, _verify_entries())
+    assert backend.asked == [(8192, 11, 18)]  # units: 11 token slots; the longest context 17 + 1
+    assert graphs._verify.static_step(key, 8192).attn.rows_as_decodes
+    assert not graphs._mixed.static_step(GraphKey(4, 64), 8192).attn.rows_as_decodes
+    runner = ModelRunner(None, _HostBackend(), torch.zeros(1, 2, 64, 16, 1, 8), (2,), seed=0)
+    assert runner.prepare(StepPlan(_verify_entries(), has_drafts=True)).attn.rows_as_decodes
+    assert not runner.prepare(_mixed_plan()).attn.rows_as_decodes  # no drafts
+    prompt = _mixed_plan().entries[2]
+    long_chunk = type(prompt)(prompt.seq, 0, ROWS_AS_DECODES_MAX_QUERY + 1, False)
+    assert not runner.prepare(StepPlan(_verify_entries() + [long_chunk], has_drafts=True)).attn.rows_as_decodes

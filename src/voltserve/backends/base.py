@@ -15,6 +15,12 @@ from typing import Any, Protocol
 import torch
 
 
+# The longest query span of an eager verify step whose rows run as decodes (`AttentionMetadata.rows_as_decodes`):
+# a verify's 1 + k tokens, not a prompt chunk beside it (each row reads its whole context, where a prefill
+# kernel shares its key tiles among up to 16 rows).
+ROWS_AS_DECODES_MAX_QUERY = 16
+
+
 @dataclass
 class AttentionMetadata:
     """Where each sequence's queries and keys live for one step.
@@ -34,6 +40,9 @@ class AttentionMetadata:
             capacity, max_model_len), the split count the backend's decode attention planned on the host for this
             step's longest context (`CudaBackend.graph_decode_splits`; <= 0: none, plan for `max_seq_len`).
             Written only by host-to-device copies: the kernel reads it before its PDL wait.
+        rows_as_decodes: a step of short query spans (a verify of drafts, decodes beside it; a verify CUDA
+            graph): a backend may run every query row as a decode of the keys up to its own position (values
+            the same up to rounding).
     """
 
     query_start_loc: torch.Tensor
@@ -46,6 +55,7 @@ class AttentionMetadata:
     seq_lens_cpu: list[int]
     split_decode: bool = False
     decode_splits: torch.Tensor | None = None
+    rows_as_decodes: bool = False
 
     @property
     def num_seqs(self) -> int:

@@ -142,10 +142,14 @@ class CudaBackend:
         # decode attention path (attention_decode.cu): "auto" (tensor cores on SM80+ where the GQA group fits,
         # else CUDA cores) or "simt" (the CUDA-core path, V100's, on any GPU: tests and A/B runs)
         self.attn_kernel = _env_choice("VOLTSERVE_ATTN_KERNEL", ("auto", "simt"))
-        # rotary + KV write inside the attention kernels (rope_attention): "auto" (decode and mixed steps), "decode"
-        # (decode-only steps only, as before session 27) or "off" (the rope_kv_write launch first, then the plain
-        # attention); VOLTSERVE_ROPE_ATTN for A/B runs
+        # rotary + KV write inside the attention kernels (rope_attention): "auto" (decode steps and steps of <= 64
+        # prompt tokens, kernels.rope_fused), "decode" (decode-only steps only, as before session 27) or "off" (the
+        # rope_kv_write launch first, then the plain attention); VOLTSERVE_ROPE_ATTN for A/B runs
         self.rope_attn = _env_choice("VOLTSERVE_ROPE_ATTN", ("auto", "decode", "off"))
+        # a verify step's attention (AttentionMetadata.rows_as_decodes): "decode" (attn_decode over its query
+        # rows, since session 33) or "prefill" (attn_prefill, the fused rotary where rope_fused allows);
+        # VOLTSERVE_ATTN_VERIFY for A/B runs
+        self.attn_verify = _env_choice("VOLTSERVE_ATTN_VERIFY", ("decode", "prefill"))
         # attn_decode writing its output also quantized for the o_proj gemv_s8 / gemv_s8w launch after it, which
         # then skips quantize_s8 ("auto", linear.attention_xq) or not ("off"); VOLTSERVE_ATTN_XQ for A/B runs
         self.attn_xq = _env_choice("VOLTSERVE_ATTN_XQ", ("auto", "off"))
@@ -363,11 +367,13 @@ class CudaBackend:
         loads before its PDL wait overlap the QKV GEMM again); other steps attn_prefill alone. Longer steps,
         VOLTSERVE_ROPE_ATTN=off (=decode: decode-only steps only), q / k / v head rows not 16-byte aligned, or
         neox with head_dim % 16 != 0: the two ops (a fused pp512 was 3-8% slower: every key tile rotates its
-        keys again)."""
+        keys again). Steps whose rows run as decodes (`_rows_as_decodes`): the two ops."""
         # neox pairs dims d and d + head_dim / 2: the kernels rotate 8-dim vectors, so head_dim / 2 % 8 == 0
         vectors_pair = style != "neox" or q.shape[2] % 16 == 0
         fuse = kernels.rope_fused(self.rope_attn, attn.is_decode_only, q.shape[0], attn.num_seqs)
-        if not fuse or not vectors_pair or not all(_rows_aligned(t) for t in (q, k, v)):
+        # rows as decodes read the step's other new keys from the cache: rope_kv_write writes them first
+        rows = self._rows_as_decodes(attn)
+        if rows or not fuse or not vectors_pair or not all(_rows_aligned(t) for t in (q, k, v)):
             return rope_then_attention(self, q, k, v, positions, cos_sin, style, kv_layer, attn, scale)
         cs, pos, slots = self._rope_inputs(q, k, v, positions, cos_sin, style, kv_layer, attn.slot_mapping)
         rope = (k.data_ptr(), v.data_ptr(), pos.data_ptr(), slots.data_ptr(), cs.data_ptr(), k.stride(0),
@@ -379,6 +385,13 @@ class CudaBackend:
 
     def attention(self, q, kv_layer, attn: AttentionMetadata, scale):
         return self._attention(q, kv_layer, attn, scale)
+
+    def _rows_as_decodes(self, attn: AttentionMetadata) -> bool:
+        """Whether a step runs attn_decode over its query rows, each a decode of the keys up to its position
+        (`AttentionMetadata.rows_as_decodes`: verify steps; VOLTSERVE_ATTN_VERIFY=prefill keeps attn_prefill):
+        the keys split over the SMs as in decode steps, where attn_prefill runs one block a 16-row query tile and
+        head (a verify at batch 1: one tile a head) through every key."""
+        return attn.rows_as_decodes and not attn.is_decode_only and self.attn_verify == "decode"
 
     def _attention(self, q, kv_layer, attn: AttentionMetadata, scale, rope: tuple = _NO_ROPE, rope_meta: tuple = (),
                    out_linear=None):
@@ -404,6 +417,13 @@ class CudaBackend:
         common = (q.data_ptr(), kv_layer.data_ptr(), tables.data_ptr(), seq_lens.data_ptr(), qsl.data_ptr(),
                   out.data_ptr())
         plane = kv_layer[0].numel()
+        if self._rows_as_decodes(attn):
+            if rope is not _NO_ROPE:
+                raise ValueError("rows as decodes take the step's new keys from the cache: no fused rotary")
+            dq = q if _rows_aligned(q) else torch.empty(q.shape, dtype=q.dtype, device=q.device).copy_(q)
+            self._attention_decode(dq, attn, scale, (dq.data_ptr(),) + common[1:], plane, num_kv_heads, block_size,
+                                   tables.shape[1], meta_pdl, rope, per_row=True)
+            return out
         if attn.is_decode_only or attn.split_decode:
             # a mixed step: attn_decode computes the sequences of one query token (it leaves the others at once),
             # then attn_prefill the sequences of >= 2
@@ -423,15 +443,17 @@ class CudaBackend:
         return out
 
     def _attention_decode(self, q, attn: AttentionMetadata, scale, common, plane, num_kv_heads, block_size,
-                          max_blocks, meta_pdl, rope: tuple, xq: tuple = (None, 0, 0)) -> None:
-        """attn_decode (+ its split reduce) for the last query row of each of the step's sequences; `rope`:
-        DecodeParams' fused-rotary fields (cos_sin None: off); `xq`: its quantized-output fields
+                          max_blocks, meta_pdl, rope: tuple, xq: tuple = (None, 0, 0), per_row: bool = False) -> None:
+        """attn_decode (+ its split reduce) for the last query row of each of the step's sequences, or with
+        `per_row` for each of q's rows (a unit of the grid each; rows past the step's tokens leave at once);
+        `rope`: DecodeParams' fused-rotary fields (cos_sin None: off); `xq`: its quantized-output fields
         (linear.attention_xq)."""
         num_seqs, num_heads, head_dim = attn.num_seqs, q.shape[1], q.shape[2]
+        units = q.shape[0] if per_row else num_seqs  # grid.y
         group = num_heads // num_kv_heads
         spec = kernels.decode_spec(head_dim, group, simt=self.attn_kernel == "simt")
         smem = kernels.decode_smem_bytes(head_dim, group, block_size, spec["PARTITION"])
-        plan = (attn.max_seq_len, num_seqs, num_kv_heads, spec["PARTITION"], self.num_sms,
+        plan = (attn.max_seq_len, units, num_kv_heads, spec["PARTITION"], self.num_sms,
                 self._occupancy("attention_decode", "attn_decode", spec, smem), self.attn_min_part)
         num_splits, min_part = kernels.decode_plan(*plan)
         # a grid sized for a capacity (CUDA graphs): the splits of the step's longest context, planned on the host
@@ -440,20 +462,20 @@ class CudaBackend:
         if attn.decode_splits is not None and num_splits > 1 and self.attn_step_splits == "auto":
             self._register_graph_plan(plan, min_part, (num_kv_heads, head_dim, group))
             step_splits = attn.decode_splits.data_ptr()
-        acc = torch.empty(num_seqs * num_heads * num_splits * head_dim if num_splits > 1 else 1,
+        acc = torch.empty(units * num_heads * num_splits * head_dim if num_splits > 1 else 1,
                           dtype=torch.float32, device=self.device)
-        ml = torch.empty(num_seqs * num_heads * num_splits * 2, dtype=torch.float32, device=self.device)
+        ml = torch.empty(units * num_heads * num_splits * 2, dtype=torch.float32, device=self.device)
         # the last split block merges (one launch) while the counters cover every (sequence, KV head)
         merge_in_kernel = num_splits <= kernels.decode_max_merged_splits(head_dim) and \
-            num_seqs * num_kv_heads <= self.attn_counters.numel()
+            units * num_kv_heads <= self.attn_counters.numel()
         p = P.DecodeParams(*common, acc.data_ptr(), ml.data_ptr(),
                            self.attn_counters.data_ptr() if merge_in_kernel else None, q.stride(0), q.stride(1),
                            plane, num_seqs, num_heads, num_kv_heads, block_size, max_blocks, num_splits,
-                           scale, min_part, *rope, *xq, step_splits)
-        self._launch("attention_decode", "attn_decode", spec, (num_kv_heads, num_seqs, num_splits),
+                           scale, min_part, *rope, *xq, step_splits, int(per_row))
+        self._launch("attention_decode", "attn_decode", spec, (num_kv_heads, units, num_splits),
                      (128, 1, 1), smem, p, meta_pdl)
         if num_splits > 1 and not merge_in_kernel:
-            self._launch("attention_decode", "attn_decode_reduce", spec, (num_kv_heads, num_seqs, 1),
+            self._launch("attention_decode", "attn_decode_reduce", spec, (num_kv_heads, units, 1),
                          (128, 1, 1), 8 * group * num_splits, p)
 
     def _register_graph_plan(self, plan: tuple, min_part: int, shape: tuple[int, int, int] | None = None) -> None:

@@ -598,10 +598,11 @@ def prefill_tile_slots(num_tokens: int, num_seqs: int) -> int:
     return num_tokens // 16 + num_seqs
 
 
-# The most prompt tokens (a step's tokens past one a sequence; a mixed CUDA graph's bucket P) of a mixed step that
-# attn_prefill takes with the fused rotary (CudaBackend.rope_attention): the short-prompt graphs. Each key tile
-# rotates its new keys again, a cost that grows with the prompt: at 100 tokens next to 64 decodes the fused step
-# still gained 3.8%, a lone pp512 lost 3-8% (session 27); between them it is unmeasured.
+# The most prompt tokens (a step's tokens past one a sequence; a mixed CUDA graph's bucket P) of a step that
+# attn_prefill takes with the fused rotary (CudaBackend.rope_attention): the short-prompt graphs, lone short
+# prompts (since session 33). Each key tile rotates its new keys again, a cost that grows with the prompt: at 100
+# tokens next to 64 decodes the fused step still gained 3.8%, a lone pp512 lost 3-8% (session 27); between them,
+# and lone prompts of <= 65 tokens, it is unmeasured.
 ROPE_PREFILL_MAX_TOKENS = 64
 
 

@@ -3,7 +3,9 @@
 Asynchronous scheduling: when the step just launched samples on the device and the next step would be the same
 sequences decoding one more token each (`Scheduler.schedule_ahead`), that next step is launched, fed with this
 step's ids on the device, in the same trip to the worker that waits for this step's ids (`StepMsg`), so the
-device never waits for the host's bookkeeping between such steps.
+device never waits for the host's bookkeeping between such steps. A step that runs at once (speculative verify
+steps, whose next drafts need this step's tokens; every step on the CPU) has its results in the answer to its
+launch: nothing else crosses to the worker thread between two such steps, whose gap the device sits idle through.
 
 Detokenization and stop strings happen here. A sequence with stop strings is detokenized right after its step,
 so a stop string ends it before the next step is planned and no KV block outlives its request by more than one
@@ -100,17 +102,22 @@ class SchedulerActor(Actor):
                     self._fail_step(plan, exc)
                     continue
             # 3) asynchronous scheduling: launch the next step, fed on the device with this step's tokens, before
-            # waiting for them (Scheduler.schedule_ahead says when that equals the step schedule() would pick)
-            ahead = self.scheduler.schedule_ahead(plan) if handle.is_async else None
-            try:
-                ahead_handle, (sampled, logprobs) = await self._ask_then_emit_deferred(
-                    StepMsg(launch=ahead, feed=handle if ahead is not None else None, collect=handle))
-            except EngineDeadError:
-                raise
-            except Exception as exc:
-                self._fail_step(plan, exc)
-                plan, handle = None, None
-                continue
+            # waiting for them (Scheduler.schedule_ahead says when that equals the step schedule() would pick). A
+            # step that ran at once (verify steps, the CPU) brought its results back with its launch: no second trip
+            ahead, ahead_handle = None, None
+            if handle.is_async:
+                ahead = self.scheduler.schedule_ahead(plan)
+                try:
+                    ahead_handle, (sampled, logprobs) = await self._ask_then_emit_deferred(
+                        StepMsg(launch=ahead, feed=handle if ahead is not None else None, collect=handle))
+                except EngineDeadError:
+                    raise
+                except Exception as exc:
+                    self._fail_step(plan, exc)
+                    plan, handle = None, None
+                    continue
+            else:
+                sampled, logprobs = handle.result
             self.num_steps += 1
             self.num_failed_steps_in_row = 0
             # 4) apply it and stream the new tokens: now when the step ahead computes already; else those without
@@ -120,7 +127,7 @@ class SchedulerActor(Actor):
                     self._emit(seq, logprobs.get(seq.seq_id))
                 else:
                     self._deferred.append((seq, logprobs.get(seq.seq_id)))
-            plan, handle = (ahead, ahead_handle) if ahead is not None else (None, None)
+            plan, handle = ahead, ahead_handle
 
     async def _prepare_drafts(self) -> None:
         """A draft model's drafts for the step about to be planned, computed on the worker's thread. A failure

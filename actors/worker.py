@@ -47,11 +47,26 @@ class WorkerActor(Actor):
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name,
                                             initializer=thread_init)
 
+    def ask_nowait(self, msg) -> asyncio.Future:
+        """Hand a StepMsg / DraftMsg to the compute thread at once, not through the mailbox; the future gets the
+        answer straight from the thread's completion. A synchronous step (speculative verify, the CPU) waits on
+        this round trip: the mailbox's task added an event-loop turn each way.
+
+        Raises:
+            EngineDeadError: the worker stopped.
+        """
+        self._check_alive()
+        return asyncio.get_running_loop().run_in_executor(self._executor, self._call_for(msg), msg)
+
     async def handle(self, msg):
+        return await asyncio.get_running_loop().run_in_executor(self._executor, self._call_for(msg), msg)
+
+    def _call_for(self, msg):
+        """The compute-thread function that answers msg."""
         if isinstance(msg, StepMsg):
-            return await asyncio.get_running_loop().run_in_executor(self._executor, self._step, msg)
+            return self._step
         if isinstance(msg, DraftMsg):
-            return await asyncio.get_running_loop().run_in_executor(self._executor, msg.drafter.prepare, msg.wanted)
+            return _prepare_drafts
         raise TypeError(f"{self.name}: unknown message {msg!r}")
 
     def _step(self, msg: StepMsg):
@@ -76,3 +91,8 @@ class WorkerActor(Actor):
         await super().stop()
         self._executor.shutdown(wait=True)
         self.runner = None
+
+
+def _prepare_drafts(msg: DraftMsg):
+    """A DraftMsg's work on the compute thread."""
+    return msg.drafter.prepare(msg.wanted)

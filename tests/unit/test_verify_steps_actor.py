@@ -1,6 +1,6 @@
 """SchedulerActor with speculative verify steps on a real WorkerActor thread: a step that runs at once (verify
-steps, the CPU) is one trip to the compute thread, and its streams carry the tokens, text and finish reasons of
-plain decoding."""
+steps, the CPU) is one trip to the compute thread, handed over without an event-loop turn, and its streams carry
+the tokens, text and finish reasons of plain decoding."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import threading
 
 from actors.scheduler import AddRequestMsg, SchedulerActor
 from actors.stream import RequestStream
-from actors.worker import WorkerActor
+from actors.worker import StepMsg, WorkerActor
 from tests.api.fake_engine import ByteTokenizer
 from tests.helpers import OracleDrafter, make_scheduler, make_seq, next_token
 from voltserve.offline import run_steps
@@ -129,3 +129,23 @@ async def test_a_stop_string_inside_accepted_drafts_ends_where_plain_decoding_do
     assert [t for d in deltas for t in d.token_ids] == tokens[:9] and deltas[-1].num_output_tokens == 9
     assert deltas[-1].token_ids == tokens[7:9]  # the last delta: that verify's tokens up to the stop string
     assert sched.pool.num_free == sched.pool.num_blocks
+
+
+async def test_worker_hands_a_step_to_its_thread_without_a_loop_turn():
+    """`WorkerActor.ask_nowait` gives the step to the compute thread at once: the thread runs it while the
+    caller still holds the event loop (through the actor's mailbox it waited for the loop's next turn)."""
+    started = threading.Event()
+
+    class Runner:
+        def launch(self, plan, feed=None):
+            started.set()
+            return StepHandle(plan, result=({}, {}))
+
+    worker = WorkerActor(Runner(), name="worker-direct")
+    worker.start()
+    plan = make_scheduler().schedule()
+    reply = worker.ask_nowait(StepMsg(launch=plan))
+    assert started.wait(5)  # blocks the loop: only a step already with the thread can set it
+    handle, collected = await reply
+    assert handle.result == ({}, {}) and collected is None
+    await worker.stop()

@@ -148,7 +148,8 @@ class SchedulerActor(Actor):
                                  self.num_draft_failures)
 
     async def _ask_then_emit_deferred(self, msg: StepMsg | DraftMsg):
-        """Ask the worker; the deferred deltas are emitted after its wake-up is queued, while the step runs."""
+        """Ask the worker (the step goes to its compute thread at once, `WorkerActor.ask_nowait`); the deferred
+        deltas are emitted on the loop after that, while the step runs."""
         reply = self.worker.ask_nowait(msg)
         if self._deferred:
             asyncio.get_running_loop().call_soon(self._emit_deferred)
@@ -176,10 +177,9 @@ class SchedulerActor(Actor):
     def _emit(self, seq: Sequence, logprob, new_token: bool = True) -> None:
         """Detokenize seq's newest tokens, apply stop strings, and deliver the delta (runs once per token: lean).
 
-        The consumer is woken by a callback queued at the first delivery since the last wake-up. The loop runs
-        callbacks in order, so the worker's wake-up for the next step (queued by `ask` after this step's
-        deliveries) runs in the same loop iteration, right after ours: the next step reaches the worker thread
-        before any consumer formats and writes its chunk.
+        The consumer is woken by a callback queued at the first delivery since the last wake-up; the next step
+        reaches the worker thread as `ask_nowait` is called (`WorkerActor.ask_nowait` hands it to the compute
+        thread directly), before any consumer formats and writes its chunk.
         """
         detok = self.detoks.get(seq.seq_id)
         if detok is None:

@@ -18,12 +18,12 @@
 //                     partials itself (arrival counter, fixed merge order), so decode is one launch; the host
 //                     passes counters only when num_splits <= 2 * HEAD_DIM (the merge's maxima and sums reuse
 //                     the warps' smem).
-// Per-row mode (per_row = 1; a verify step's short spans of drafts, CudaBackend's `rows_as_decodes`): grid.y runs
+// Per-row build (-DPER_ROW=1; a verify step's short spans of drafts, CudaBackend's `rows_as_decodes`): grid.y runs
 //                     over the step's query rows instead, each a decode of the keys up to its own position (the
 //                     step's new keys are all in the cache: rope_kv_write ran first, no fused rotary); workspace
 //                     and counters per row. Every key of the causal prefix from the step's first new key on is
 //                     new, so the block waits (PDL) before its first key load.
-// attn_decode_reduce: grid (num_kv_heads, num_seqs); block 128 threads; 8 * GROUP * num_splits bytes of dynamic
+// attn_decode_reduce: grid (num_kv_heads, num_seqs, or query rows: PER_ROW); block 128 threads; 8 * GROUP * num_splits bytes of dynamic
 //                     smem; merges the used splits (log-sum-exp rescale, the same merge_splits as the in-kernel
 //                     path, so both are bitwise equal) when counters is nullptr; returns at once for sequences
 //                     written directly.
@@ -62,6 +62,9 @@
 #ifndef PARTITION
 #define PARTITION 4096
 #endif
+#ifndef PER_ROW
+#define PER_ROW 0  // 1: grid.y over query rows, each a decode (see the top)
+#endif
 #define NUM_THREADS 128
 #define NUM_WARPS (NUM_THREADS / 32)
 #define VECS (HEAD_DIM / 8)                                  // 16-byte vectors per K row
@@ -93,9 +96,10 @@ struct DecodeParams {
     const int* block_tables;     // [num_seqs, max_blocks] int32
     const int* seq_lens;         // [num_seqs] int32
     const int* query_start_loc;  // [num_seqs + 1] int32; the query of sequence s is row query_start_loc[s+1]-1
+                                 // (PER_ROW: every row of it, each a decode of the keys up to its position)
     half_t* out;                 // [num_tokens, num_heads, HEAD_DIM] fp16, contiguous
     float* part_acc;             // [units, num_heads, num_splits, HEAD_DIM] fp32 workspace (num_splits > 1);
-                                 // units: num_seqs, or grid.y (per_row)
+                                 // units: num_seqs, or grid.y (PER_ROW)
     float* part_ml;              // [units, num_heads, num_splits, 2] fp32 workspace: running max, sum
     int* counters;               // [units * num_kv_heads] int32 arrival counters, zero between launches, or
                                  // nullptr: then attn_decode_reduce merges the splits
@@ -129,13 +133,11 @@ struct DecodeParams {
     // count the host planned for the step's longest context (uploaded with the step's metadata; <= 0:
     // num_splits), so short contexts in a graph for long ones split as the step needs
     const int* step_splits;
-    // 1: every query row is a decode of its own causal prefix (grid.y over query rows; see the top), 0: grid.y
-    // over sequences
-    int per_row;
+    int mixed;                   // a mixed step: sequences of >= 2 query tokens are attn_prefill's (not PER_ROW)
 };
 VOLT_CHECK_PARAMS(DecodeParams, VOLT_DECODE_PARAMS_BYTES);
 
-// The step's query row `unit` (per_row) as a decode: its sequence (the last s with query_start_loc[s] <= row,
+// The step's query row `unit` (PER_ROW) as a decode: its sequence (the last s with query_start_loc[s] <= row,
 // by binary search over the step metadata) and its causal context (the keys up to its own position). Returns
 // false for rows past the step's tokens (a CUDA graph's token slots beyond its padded sequences).
 VOLT_DEVICE bool row_as_decode(const DecodeParams& p, int unit, int& seq, int& seq_len) {
@@ -327,28 +329,29 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, ATTN_MIN_BLOCKS) attn_
     const int kvh = blockIdx.x, unit = blockIdx.y, split = blockIdx.z;  // unit: a sequence, or a query row
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const bool first_block = (blockIdx.x | blockIdx.y | blockIdx.z) == 0;  // keeps the chain of PDL waits
-    int seq = unit, seq_len;
-    i64 row;
-    if (p.per_row) {
-        if (!row_as_decode(p, unit, seq, seq_len)) {
-            if (first_block) pdl_enter();
-            return;
-        }
-        row = unit;
-    } else {
-        seq_len = p.seq_lens[seq];
-        row = p.query_start_loc[seq + 1] - 1;
-        if (row != p.query_start_loc[seq]) {  // >= 2 query tokens: attn_prefill's (see the top)
-            if (first_block) pdl_enter();
-            return;
-        }
+#if PER_ROW
+    int seq, seq_len;
+    if (!row_as_decode(p, unit, seq, seq_len)) {
+        if (first_block) pdl_enter();
+        return;
     }
+    const i64 row = unit;
+#else
+    const int seq = unit, seq_len = p.seq_lens[seq];
+#endif
     const int plen = split_len(p, seq_len);
     const int start = split * plen;
     const int n = min(plen, seq_len - start);
     const i64 ws = ((i64)unit * p.num_heads + kvh * GROUP) * p.num_splits + split;  // head g adds g * num_splits
     if (n <= 0) return;  // past this context (the grid is sized for the longest): the reduce never reads it
     const bool direct = seq_len <= plen;  // one split holds the whole context: write out, the reduce skips it
+#if !PER_ROW
+    const i64 row = p.query_start_loc[seq + 1] - 1;
+    if (p.mixed && row != p.query_start_loc[seq]) {  // >= 2 query tokens: attn_prefill's (see the top)
+        if (first_block) pdl_enter();
+        return;
+    }
+#endif
     // fused rotary: the token's cos / sin row (constant table) and its cache slot (step metadata) before pdl_enter
     __shared__ float cs_s[HEAD_DIM];
     __shared__ __align__(16) half_t kv_new[2][HEAD_DIM];  // the new key's K (rotated) and V rows
@@ -366,7 +369,9 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, ATTN_MIN_BLOCKS) attn_
     for (int i = tid; i <= (start + n - 1) / p.block_size - first_blk; i += NUM_THREADS)
         tbl_s[i] = p.block_tables[(i64)seq * p.max_blocks + first_blk + i];
     __syncthreads();
-    if (p.per_row) pdl_enter();  // the step's new keys (rope_kv_write's) may lie anywhere in this split
+#if PER_ROW
+    pdl_enter();  // the step's new keys (rope_kv_write's) may lie anywhere in this split
+#endif
     const half_t* k_head = p.kv + (i64)kvh * HEAD_DIM;
     const i64 slot_stride = (i64)p.num_kv_heads * HEAD_DIM;
     auto key_off = [&](int t) -> i64 {  // element offset of the split's key t in the K (and V) plane
@@ -544,16 +549,15 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS) attn_decode_reduce(con
     pdl_enter();
     extern __shared__ float w[];  // [2][GROUP][num_splits]: maxima (then weights), sums
     const int kvh = blockIdx.x, unit = blockIdx.y;
-    int seq = unit, seq_len;
-    i64 row;
-    if (p.per_row) {
-        if (!row_as_decode(p, unit, seq, seq_len)) return;
-        row = unit;
-    } else {
-        seq_len = p.seq_lens[seq];
-        row = p.query_start_loc[seq + 1] - 1;
-        if (row != p.query_start_loc[seq]) return;  // left to attn_prefill
-    }
+#if PER_ROW
+    int seq, seq_len;
+    if (!row_as_decode(p, unit, seq, seq_len)) return;
+    const i64 row = unit;
+#else
+    const int seq_len = p.seq_lens[unit];
+    const i64 row = p.query_start_loc[unit + 1] - 1;
+    if (p.mixed && row != p.query_start_loc[unit]) return;  // left to attn_prefill
+#endif
     const int plen = split_len(p, seq_len);
     if (seq_len <= plen) return;  // attn_decode wrote this output directly (one split)
     merge_splits(p, unit, kvh, min(p.num_splits, (seq_len + plen - 1) / plen), w, p.num_splits, row);

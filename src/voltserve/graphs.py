@@ -12,7 +12,8 @@ their logits are dropped. Steps beyond the largest buckets run eagerly.
 Verify graphs (speculative decoding): a mixed graph per bucket b with room for the most drafts that many
 sequences verify (r * width(r) for the r sequences the bucket takes, `verify_width` = the ladder), plus one, with
 logits and the greedy argmax for every token slot (a verify step needs the target's row after each draft); its
-attention runs every token slot as a decode of the keys up to its position (`AttentionMetadata.rows_as_decodes`).
+attention runs every token slot as a decode of the keys up to its position (`AttentionMetadata.rows_as_decodes`;
+VOLTSERVE_ATTN_VERIFY=prefill: the mixed graphs' attention).
 Captured only for buckets of at most `VERIFY_MAX_DRAFT_TOKENS` drafts; a bigger verify step runs eagerly.
 """
 
@@ -376,8 +377,10 @@ class StepGraphs:
             if key.seqs > len(entries):
                 host.pad(len(entries), key.seqs)
         planner = self._plan_decode_splits
-        # a verify graph's decode attention runs a unit per token slot (AttentionMetadata.rows_as_decodes)
-        units = key.tokens if key.verify else key.seqs
+        # a verify graph's decode attention runs a unit per token slot where the backend runs its rows as decodes
+        # (AttentionMetadata.rows_as_decodes; CudaBackend.attn_verify "decode"), else one per sequence
+        rows = key.verify and getattr(self.backend, "attn_verify", "decode") == "decode"
+        units = key.tokens if rows else key.seqs
         host.decode_splits[0] = planner(self.max_model_len, units, host.longest) if planner is not None else 0
 
     def replay(self, key: GraphKey, n: int,

@@ -83,6 +83,8 @@ def test_smem_holds_the_block_table_slice():
 def test_spec_simt_forces_the_cuda_core_path():
     assert kernels.decode_spec(128, 4) == {"HEAD_DIM": 128, "GROUP": 4, "PARTITION": kernels.DECODE_PARTITION}
     assert kernels.decode_spec(128, 4, simt=True)["ATTN_SIMT"] == 1
+    assert kernels.decode_spec(64, 3, simt=True, per_row=True) == {"HEAD_DIM": 64, "GROUP": 3, "ATTN_SIMT": 1,
+                                                                   "PER_ROW": 1, "PARTITION": kernels.DECODE_PARTITION}
 
 
 def test_plan_without_sequences():

@@ -451,7 +451,7 @@ class CudaBackend:
         num_seqs, num_heads, head_dim = attn.num_seqs, q.shape[1], q.shape[2]
         units = q.shape[0] if per_row else num_seqs  # grid.y
         group = num_heads // num_kv_heads
-        spec = kernels.decode_spec(head_dim, group, simt=self.attn_kernel == "simt")
+        spec = kernels.decode_spec(head_dim, group, simt=self.attn_kernel == "simt", per_row=per_row)
         smem = kernels.decode_smem_bytes(head_dim, group, block_size, spec["PARTITION"])
         plan = (attn.max_seq_len, units, num_kv_heads, spec["PARTITION"], self.num_sms,
                 self._occupancy("attention_decode", "attn_decode", spec, smem), self.attn_min_part)
@@ -471,7 +471,7 @@ class CudaBackend:
         p = P.DecodeParams(*common, acc.data_ptr(), ml.data_ptr(),
                            self.attn_counters.data_ptr() if merge_in_kernel else None, q.stride(0), q.stride(1),
                            plane, num_seqs, num_heads, num_kv_heads, block_size, max_blocks, num_splits,
-                           scale, min_part, *rope, *xq, step_splits, int(per_row))
+                           scale, min_part, *rope, *xq, step_splits, int(attn.split_decode and not per_row))
         self._launch("attention_decode", "attn_decode", spec, (num_kv_heads, units, num_splits),
                      (128, 1, 1), smem, p, meta_pdl)
         if num_splits > 1 and not merge_in_kernel:

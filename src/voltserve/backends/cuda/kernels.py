@@ -611,8 +611,9 @@ def rope_fused(mode: str, decode_only: bool, num_tokens: int, num_seqs: int) -> 
     (VOLTSERVE_ROPE_ATTN `mode`: auto, decode or off): decode-only steps unless off; under auto also every other
     step of <= ROPE_PREFILL_MAX_TOKENS prompt tokens, counted as the `num_tokens` past one a sequence (a mixed
     CUDA graph's bucket), mixed (`split_decode`: attn_decode for the one-token sequences) or not (attn_prefill
-    alone: a lone short prompt, an eager verify of drafts). Since session 33 a one-sequence mixed graph (a lone
-    prompt, or a verify at batch 1) fuses too: attn_decode leaves sequences of >= 2 query tokens at once."""
+    alone: a lone short prompt). Since session 33 a one-sequence mixed graph fuses too: attn_decode leaves
+    sequences of >= 2 query tokens at once. Verify steps whose rows run as decodes take the two launches whatever
+    this says (CudaBackend._rows_as_decodes: rope_kv_write, then attn_decode over the rows)."""
     if decode_only:
         return mode != "off"
     return mode == "auto" and num_tokens - num_seqs <= ROPE_PREFILL_MAX_TOKENS
@@ -623,10 +624,16 @@ def prefill_smem_bytes(head_dim: int) -> int:
     return 4 * 16 * head_dim + 2 * 32 * (head_dim + 2) + 2 * 32 * head_dim
 
 
-def decode_spec(head_dim: int, group: int, simt: bool = False) -> dict[str, int]:
-    """attn_decode's specialisation; `simt` forces the CUDA-core path (V100's) on SM80+ GPUs."""
+def decode_spec(head_dim: int, group: int, simt: bool = False, per_row: bool = False) -> dict[str, int]:
+    """attn_decode's specialisation; `simt` forces the CUDA-core path (V100's) on SM80+ GPUs; `per_row`: the
+    build whose grid runs over query rows (CudaBackend's rows as decodes: verify steps), a build of its own so
+    decode steps run none of its code."""
     spec = {"HEAD_DIM": head_dim, "GROUP": group, "PARTITION": DECODE_PARTITION}
-    return {**spec, "ATTN_SIMT": 1} if simt else spec
+    if simt:
+        spec["ATTN_SIMT"] = 1
+    if per_row:
+        spec["PER_ROW"] = 1
+    return spec
 
 
 # Specialisations the engine compiles for the model families it serves (head_dim 64 / 128, GQA groups 1-8).
@@ -638,7 +645,8 @@ def engine_specializations() -> list[tuple[str, dict[str, int]]]:
     """Every (op, spec) the engine may compile; tools/build_ptx.py compiles all of them."""
     specs: list[tuple[str, dict[str, int]]] = [(op, {}) for op in ("embedding", "rmsnorm", "rope_kv",
                                                                   "silu_mul")]
-    specs += [("attention_decode", decode_spec(d, g)) for d in ENGINE_HEAD_DIMS for g in ENGINE_GROUPS]
+    specs += [("attention_decode", decode_spec(d, g, per_row=r)) for d in ENGINE_HEAD_DIMS for g in ENGINE_GROUPS
+              for r in (False, True)]
     specs += [("attention_prefill", {"HEAD_DIM": d}) for d in ENGINE_HEAD_DIMS]
     specs += [("gemv", gemv_spec(f, m, bool(s), bool(n))) for f in WTYPES for m in GEMV_ROW_BUCKETS
               for s in (0, 1) for n in (0, 1) if f == "F16" or not n]

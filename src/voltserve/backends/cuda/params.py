@@ -43,7 +43,7 @@ DecodeParams = _struct("DecodeParams", [
     ("max_blocks", I32), ("num_splits", I32), ("scale", F32), ("min_part", I32), ("k_new", P), ("v_new", P),
     ("positions", P), ("slot_mapping", P), ("cos_sin", P), ("k_token_stride", I64), ("v_token_stride", I64),
     ("max_positions", I32), ("interleaved", I32), ("xq", P), ("xq_fmt", I32), ("xq_rows", I32),
-    ("step_splits", P), ("per_row", I32)])
+    ("step_splits", P), ("mixed", I32)])
 
 PrefillParams = _struct("PrefillParams", [
     ("q", P), ("kv", P), ("block_tables", P), ("seq_lens", P), ("query_start_loc", P), ("out", P),

@@ -16,6 +16,11 @@ plus one. On the CPU no step is planned ahead and the tiny shape is host-bound: 
 sequence's last token repeated), both at T with top_p 0.95: what a sampled verify costs a step (its rows'
 distributions, the uniform draws and the residual's sample, on the device).
 
+`--gpu-busy` (CUDA) adds `gpu_busy_ms_per_step` to the plain rows (one step at a time) and to the failing verify
+rows without backoff: the time a step keeps the GPU busy (the union of its kernels' intervals under
+torch.profiler, so kernels that overlap through programmatic dependent launch count once), against which the
+rows' wall time shows the host's share of a step the device waits for.
+
 `--draft-shape` adds, per (batch, k), a run with a draft model of that shape (random weights, so its drafts
 fail and, without backoff, every step verifies k of them): `draft_ms_per_step` (the drafter's `prepare`: its
 catch-up and k - 1 decode steps), `verify_ms_per_step` (the rest of the step) and the speedup over pipelined plain
@@ -203,6 +208,31 @@ def sampled_row(bench: Bench, prompts, tokens: int, k: int, temperature: float, 
             "tokens_per_step": round(tokens / steps, 3)}
 
 
+def busy_seconds(intervals: list[tuple[float, float]]) -> float:
+    """Length of the union of [start, end) intervals (any unit, any order): the time at least one ran."""
+    total, cur_start, cur_end = 0.0, None, None
+    for start, end in sorted(intervals):
+        if cur_end is None or start > cur_end:
+            if cur_end is not None:
+                total += cur_end - cur_start
+            cur_start, cur_end = start, end
+        else:
+            cur_end = max(cur_end, end)
+    return total + (cur_end - cur_start if cur_end is not None else 0.0)
+
+
+def gpu_busy_ms_per_step(bench: Bench, *args, **kwargs) -> float:
+    """ms of GPU busy time a step of `bench.run(*args, **kwargs)` (a run after `timed`'s warm-up), under
+    torch.profiler: the union of its CUDA kernels' and copies' intervals over the run, per step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        _, _, _, steps = bench.run(*args, **kwargs)
+    events = [(e.time_range.start, e.time_range.end) for e in prof.events()
+              if e.device_type == torch.autograd.DeviceType.CUDA]
+    return round(busy_seconds(events) / 1e3 / steps, 4)  # profiler times are in us
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda")
@@ -215,8 +245,11 @@ def main() -> None:
     parser.add_argument("--draft-shape", default="", help="also a draft model of this shape (random weights)")
     parser.add_argument("--temperature", type=float, default=0.0,
                         help="also sampled verify steps at this temperature (top_p 0.95) against plain sampling")
+    parser.add_argument("--gpu-busy", action="store_true",
+                        help="also the GPU busy time a step of the plain and failing verify runs (CUDA)")
     parser.add_argument("--out", default="")
     args = parser.parse_args()
+    busy = args.gpu_busy and args.device == "cuda"
     qtype = None if args.device != "cuda" or args.qtype == "none" else args.qtype
     bench = Bench(args.device, args.shape, qtype, max(args.batch))
     rows = []
@@ -227,6 +260,8 @@ def main() -> None:
         base = {"device": args.device, "shape": args.shape, "qtype": qtype, "batch": batch, "tokens": args.tokens}
         rows.append({**base, "run": "plain", "sync_ms_per_token": round(1e3 * t_sync / args.tokens, 4),
                      "pipelined_ms_per_token": round(1e3 * t_pipe / args.tokens, 4)})
+        if busy:
+            rows[-1]["gpu_busy_ms_per_step"] = gpu_busy_ms_per_step(bench, prompts, args.tokens, pipelined=False)
         print(json.dumps(rows[-1]), flush=True)
         for k in args.k:
             for drafts, pause in (("pass", 0), ("fail", 0), ("fail", args.max_pause)):
@@ -238,6 +273,9 @@ def main() -> None:
                              "speedup_vs_pipelined": round(t_pipe / t, 3), "speedup_vs_sync": round(t_sync / t, 3),
                              "verify_steps": sched.num_verify_steps, "accepted": sched.num_accepted_tokens,
                              "lossless": out == plain})
+                if busy and drafts == "fail" and not pause:
+                    rows[-1]["gpu_busy_ms_per_step"] = gpu_busy_ms_per_step(
+                        bench, prompts, args.tokens, pipelined=True, k=k, drafter=drafter)
                 print(json.dumps(rows[-1]), flush=True)
             if args.temperature > 0:
                 rows.append(sampled_row(bench, prompts, args.tokens, k, args.temperature, base))

@@ -45,3 +45,12 @@ def test_bench_verify_rows(tmp_path):
     assert one["tokens_per_step"] == round(12 / one["steps"], 3)
     assert 6 <= sampled[2]["steps"] <= 12 and sampled[2]["verify_steps"] >= sampled[2]["steps"] - 2
     assert all(r["plain_ms_per_step"] > 0 and r["verify_ms_per_step"] > 0 for r in sampled.values())
+
+
+def test_busy_seconds_counts_overlaps_once():
+    """--gpu-busy's union of kernel intervals: overlapping (PDL) and nested intervals once, gaps not at all."""
+    sys.path.insert(0, str(ROOT))
+    from tools.bench_verify import busy_seconds
+
+    assert busy_seconds([]) == 0.0
+    assert busy_seconds([(5.0, 7.0), (0.0, 2.0), (1.0, 3.0), (5.5, 6.0), (7.0, 8.0)]) == 3.0 + 3.0

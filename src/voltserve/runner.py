@@ -15,7 +15,7 @@ from voltserve.sampling import SampleRow, generator_on, sample
 from voltserve.scheduler import StepPlan
 from voltserve.sequence import Sequence
 from voltserve.spec.verify import accept_greedy, verify_greedy, verify_sampled_many
-from voltserve.transfer import to_device
+from voltserve.transfer import indices_to_device, to_device
 
 logger = logging.getLogger(__name__)
 
@@ -366,26 +366,29 @@ class ModelRunner:
             return sampled, lps
         # the drafted spans verified where the logits are, all sampled ones at once, every span's tokens back in
         # one host copy
-        device = logits.device
-        drafts = to_device(torch.tensor([t for e, _ in spans for t in e.drafts], dtype=torch.int64), device)
+        sampled_spans, at = [], 0  # (entry, its first row, its first draft)
+        for e, r in spans:
+            if not e.seq.params.is_greedy:
+                sampled_spans.append((e, r, at))
+            at += len(e.drafts)
+        # the drafts and the sampled spans' rows go up in one copy
+        drafts, rows = indices_to_device(logits.device, [t for e, _ in spans for t in e.drafts],
+                                         [i for e, r, _ in sampled_spans for i in range(r, r + len(e.drafts) + 1)])
         width = max(e.num_new for e, _ in spans)  # tokens a span may emit
-        results, sampled_spans, at = [], [], 0
+        results, at = [], 0
         for e, r in spans:
             k = len(e.drafts)
             if e.seq.params.is_greedy:
                 tokens, accepted = verify_greedy(greedy_ids[r:r + k + 1] if greedy_ids is not None
                                                  else logits[r:r + k + 1], drafts[at:at + k])
                 results.append(torch.cat([accepted.view(1), tokens, tokens.new_zeros(width - k - 1)]))
-            else:
-                sampled_spans.append((e, r, at))
             at += k
         if sampled_spans:
-            rows = to_device(torch.cat([torch.arange(r, r + len(e.drafts) + 1) for e, r, _ in sampled_spans]), device)
             d = torch.cat([drafts[at:at + len(e.drafts)] for e, _, at in sampled_spans])
             # the engine's generator: seeded sampled requests are never drafted (`verify.draftable`)
             tokens, accepted = verify_sampled_many(
                 logits.index_select(0, rows), d, [len(e.drafts) for e, _, _ in sampled_spans],
-                [e.seq.params for e, _, _ in sampled_spans], self._generator_on(device),
+                [e.seq.params for e, _, _ in sampled_spans], self._generator_on(logits.device),
                 [e.draft_probs for e, _, _ in sampled_spans])
             results.append(torch.cat([accepted.view(-1, 1), tokens, tokens.new_zeros(len(sampled_spans),
                                                                                      width - tokens.shape[1])], 1))

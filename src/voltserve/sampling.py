@@ -82,8 +82,8 @@ def filter_logits(logits: torch.Tensor, p: SamplingParams | Sequence[SamplingPar
 
 
 def _filter_rows(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """filter_logits of x [n, vocab] with row i under params[i]. The parameters go to the device as columns;
-    which filters run at all is decided on the host, from the parameters."""
+    """filter_logits of x [n, vocab] with row i under params[i]. The parameters go to the device as columns
+    (`_column`); which filters run at all is decided on the host, from the parameters."""
     vocab = x.shape[-1]
     column = functools.partial(_column, device=x.device)
     x = x / column([q.temperature for q in params], torch.float32)
@@ -114,7 +114,12 @@ def _filter_rows(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
 
 
 def _column(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """values as a [len, 1] tensor on `device`, without a host sync."""
+    """values as a [len, 1] tensor on `device`, without a host sync. Where all are equal (one request's rows, a
+    batch of the same settings) it is filled on the device, a launch instead of a host-to-device copy (~4x less
+    host time on a GPU host); a tensor either way, so the arithmetic is the same (a Python number would make
+    torch's CUDA division multiply by its reciprocal)."""
+    if values and all(v == values[0] for v in values):
+        return torch.full((len(values), 1), values[0], dtype=dtype, device=device)
     return to_device(torch.tensor(values, dtype=dtype).view(-1, 1), device)
 
 

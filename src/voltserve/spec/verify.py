@@ -20,7 +20,7 @@ from collections.abc import Sequence
 import torch
 
 from voltserve.sampling import filter_logits
-from voltserve.transfer import to_device
+from voltserve.transfer import indices_to_device, to_device
 
 
 def draftable(seq, output_len: int | None = None) -> bool:
@@ -121,37 +121,42 @@ def verify_sampled_many(logits: torch.Tensor, drafts: torch.Tensor, num_drafts: 
     starts = [0, *itertools.accumulate(k + 1 for k in num_drafts)][:spans]  # each span's first row
     q = _draft_q(drafts, num_drafts, draft_probs, vocab, device)  # [sum(k_s), vocab], or None: point masses
     tokens = torch.zeros(spans, widest + 1, dtype=torch.int64, device=device)
-    tokens.view(-1).index_put_((_index([s * (widest + 1) + i for s in range(spans) for i in range(num_drafts[s])],
-                                       device),), drafts)
+    draft_slots = [s * (widest + 1) + i for s in range(spans) for i in range(num_drafts[s])]  # in `tokens`
     if at_once if at_once is not None else device.type != "cpu":
-        accepted, token = _verify_at_once(logits, drafts, num_drafts, params, generator, q, starts)
+        accepted, token, draft_slots = _verify_at_once(logits, drafts, num_drafts, params, generator, q, starts,
+                                                       draft_slots)
     else:
         accepted, token = _verify_rounds(logits, drafts, num_drafts, params, generator, q, starts)
+        draft_slots = _index(draft_slots, device)
+    tokens.view(-1).index_put_((draft_slots,), drafts)
     tokens.scatter_(1, accepted.view(-1, 1), token.view(-1, 1))
     return tokens, accepted
 
 
-def _verify_at_once(logits, drafts, num_drafts, params, generator, q, starts) -> tuple[torch.Tensor, torch.Tensor]:
+def _verify_at_once(logits, drafts, num_drafts, params, generator, q, starts, draft_slots: list[int]
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`verify_sampled_many` on a GPU: every row's distribution and every draft's check at once, so the launches
-    do not depend on what passes (no host sync). Returns (accepted [spans], sampled token [spans])."""
+    do not depend on what passes (no host sync). Returns (accepted [spans], sampled token [spans], draft_slots on
+    the device: uploaded with this function's own indices, in one copy)."""
     device = logits.device
     spans, widest = len(num_drafts), max(num_drafts, default=0)
     probs = sampling_distribution(logits.float(), [p for p, k in zip(params, num_drafts) for _ in range(k + 1)])
     draft_rows = [starts[s] + i for s in range(spans) for i in range(num_drafts[s])]
-    index = _index([*draft_rows, *(starts[s] + num_drafts[s] for s in range(spans))], device)
+    index, slots, first_draft, ks, draft_slots = indices_to_device(
+        device, [*draft_rows, *(starts[s] + num_drafts[s] for s in range(spans))],
+        [s * widest + i for s in range(spans) for i in range(num_drafts[s])], [starts[s] - s for s in range(spans)],
+        list(num_drafts), draft_slots)
     checked, last = probs.index_select(0, index[:len(draft_rows)]), probs.index_select(0, index[len(draft_rows):])
     passed, residual = _check(checked, drafts, q, generator)
     # per span: [spans, widest] passes (False past k_s), the count before the first failure
-    slots = _index([s * widest + i for s in range(spans) for i in range(num_drafts[s])], device)
     grid = torch.zeros(spans * widest, dtype=torch.bool, device=device).index_put_((slots,), passed)
     accepted = torch.cumprod(grid.view(spans, widest).to(torch.int64), 1).sum(1)
     # the row each span samples from: its residual at the first failure, else its last row
-    first_draft = _index([starts[s] - s for s in range(spans)], device)
-    complete = accepted == _index(list(num_drafts), device)
+    complete = accepted == ks
     fallback = torch.cat([residual, last]).index_select(
         0, torch.where(complete, len(draft_rows) + torch.arange(spans, device=device),
                        first_draft + accepted.clamp_max(max(widest - 1, 0))))
-    return accepted, exponential_race(fallback, generator)
+    return accepted, exponential_race(fallback, generator), draft_slots
 
 
 def _verify_rounds(logits, drafts, num_drafts, params, generator, q, starts) -> tuple[torch.Tensor, torch.Tensor]:

@@ -417,18 +417,18 @@ class CudaBackend:
         common = (q.data_ptr(), kv_layer.data_ptr(), tables.data_ptr(), seq_lens.data_ptr(), qsl.data_ptr(),
                   out.data_ptr())
         plane = kv_layer[0].numel()
-        if self._rows_as_decodes(attn):
-            if rope is not _NO_ROPE:
-                raise ValueError("rows as decodes take the step's new keys from the cache: no fused rotary")
-            dq = q if _rows_aligned(q) else torch.empty(q.shape, dtype=q.dtype, device=q.device).copy_(q)
-            self._attention_decode(dq, attn, scale, (dq.data_ptr(),) + common[1:], plane, num_kv_heads, block_size,
-                                   tables.shape[1], meta_pdl, rope, per_row=True)
-            return out
-        if attn.is_decode_only or attn.split_decode:
-            # a mixed step: attn_decode computes the sequences of one query token (it leaves the others at once),
-            # then attn_prefill the sequences of >= 2
+        rows = self._rows_as_decodes(attn)
+        if rows or attn.is_decode_only or attn.split_decode:
             # attn_decode reads q's head rows as 16-byte vectors (rope_attention checked its q)
             dq = q if _rows_aligned(q) else torch.empty(q.shape, dtype=q.dtype, device=q.device).copy_(q)
+            if rows:  # every query row a decode of its own
+                if rope is not _NO_ROPE:
+                    raise ValueError("rows as decodes take the step's new keys from the cache: no fused rotary")
+                self._attention_decode(dq, attn, scale, (dq.data_ptr(),) + common[1:], plane, num_kv_heads,
+                                       block_size, tables.shape[1], meta_pdl, rope, per_row=True)
+                return out
+            # a mixed step: attn_decode computes the sequences of one query token (it leaves the others at once),
+            # then attn_prefill the sequences of >= 2
             xq = attention_xq(self, out_linear, out, num_heads // num_kv_heads) \
                 if attn.is_decode_only and out_linear is not None else (None, 0, 0)
             self._attention_decode(dq, attn, scale, (dq.data_ptr(),) + common[1:], plane, num_kv_heads, block_size,

@@ -23,10 +23,10 @@
 //                     step's new keys are all in the cache: rope_kv_write ran first, no fused rotary); workspace
 //                     and counters per row. Every key of the causal prefix from the step's first new key on is
 //                     new, so the block waits (PDL) before its first key load.
-// attn_decode_reduce: grid (num_kv_heads, num_seqs, or query rows: PER_ROW); block 128 threads; 8 * GROUP * num_splits bytes of dynamic
-//                     smem; merges the used splits (log-sum-exp rescale, the same merge_splits as the in-kernel
-//                     path, so both are bitwise equal) when counters is nullptr; returns at once for sequences
-//                     written directly.
+// attn_decode_reduce: grid (num_kv_heads, num_seqs, or query rows: PER_ROW); block 128 threads;
+//                     8 * GROUP * num_splits bytes of dynamic smem; merges the used splits (log-sum-exp rescale,
+//                     the same merge_splits as the in-kernel path, so both are bitwise equal) when counters is
+//                     nullptr; returns at once for sequences written directly.
 // Compile-time: HEAD_DIM (multiple of 8, <= 256), GROUP (query heads per KV head), PARTITION (most keys per split),
 // KV_UNROLL (keys per lane per load batch).
 // Two paths for the scores and P @ V, both fp16 K/V loads as 16-byte vectors with fp32 softmax state:
@@ -184,12 +184,12 @@ VOLT_DEVICE int split_len(const DecodeParams& p, int seq_len) {
                                     : 1)
 
 // out[row, kvh * GROUP + g] for the group's heads from the `used` split partials of `unit` (the workspace's
-// index; log-sum-exp rescale), by the whole block. One dependent global round trip: the (max, sum) pairs (8-byte loads, to smem `w`: maxima
-// [GROUP][ws], then sums [GROUP][ws], used <= ws) and each thread's 16-byte partial outputs of the first
-// MERGE_REG_SPLITS splits (registers) are loaded together; then the split weights exp(m_s - M) / L, then each
-// output sums its splits in fixed order (deterministic; later splits are loaded then). Partials written by other
-// blocks are read past L1 (ld.global.cg): L1 is not coherent. Needs all threads (barriers); `row`: the
-// sequence's query row.
+// index; log-sum-exp rescale), by the whole block. One dependent global round trip: the (max, sum) pairs
+// (8-byte loads, to smem `w`: maxima [GROUP][ws], then sums [GROUP][ws], used <= ws) and each thread's 16-byte
+// partial outputs of the first MERGE_REG_SPLITS splits (registers) are loaded together; then the split weights
+// exp(m_s - M) / L, then each output sums its splits in fixed order (deterministic; later splits are loaded
+// then). Partials written by other blocks are read past L1 (ld.global.cg): L1 is not coherent. Needs all threads
+// (barriers); `row`: the query row written.
 VOLT_DEVICE void merge_splits(const DecodeParams& p, int unit, int kvh, int used, float* w, int ws, i64 row) {
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const i64 base = ((i64)unit * p.num_heads + kvh * GROUP) * p.num_splits;  // head g adds g * num_splits

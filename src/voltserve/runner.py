@@ -15,7 +15,7 @@ from voltserve.sampling import SampleRow, generator_on, sample
 from voltserve.scheduler import StepPlan
 from voltserve.sequence import Sequence
 from voltserve.spec.verify import accept_greedy, verify_greedy, verify_sampled_many
-from voltserve.transfer import indices_to_device, to_device
+from voltserve.transfer import indices_to_device
 
 logger = logging.getLogger(__name__)
 
@@ -239,7 +239,7 @@ class ModelRunner:
             if src != list(range(len(rows))):  # some finished meanwhile: gather the ids of the others
                 # the index goes up from pinned memory without a host sync (a pageable copy would wait for the
                 # step in flight); the caching host allocator keeps the buffer until the copy is done
-                index = to_device(torch.tensor(src, dtype=torch.int64), ids_from.device)
+                index, = indices_to_device(ids_from.device, src)
                 ids_from = ids_from[index]
         seqs = [e.seq for e in entries]
         offsets = [s.philox_offset for s in seqs]
@@ -331,7 +331,7 @@ class ModelRunner:
             logits, greedy_ids = g.replay(key, len(plan.entries))
             rows = _verify_rows(plan) if key.verify else [i for i, e in enumerate(plan.entries) if e.sample]
             if key.verify or (rows and len(rows) < len(plan.entries)):  # keep the rows `prepare` would give
-                index = to_device(torch.tensor(rows, dtype=torch.int64), logits.device)
+                index, = indices_to_device(logits.device, rows)
                 logits, greedy_ids = logits[index], greedy_ids[index]
         else:
             step = self.prepare(plan)
@@ -355,7 +355,7 @@ class ModelRunner:
         plain = StepPlan([e for e in plan.entries if not e.drafts])
         sampled, lps = {}, {}
         if plain_rows:
-            index = to_device(torch.tensor(plain_rows, dtype=torch.int64), logits.device)
+            index, = indices_to_device(logits.device, plain_rows)
             sampled, lps = self._sample(plain, logits[index], greedy_ids[index] if greedy_ids is not None else None)
         if all(e.seq.params.is_greedy for e, _ in spans):  # one host copy of every argmax
             targets = greedy_ids if greedy_ids is not None else logits.argmax(-1)

@@ -30,7 +30,7 @@ from voltserve.sampling import generator_on
 from voltserve.scheduler import ScheduledSeq, StepPlan
 from voltserve.sequence import Sequence, SequenceStatus
 from voltserve.spec.verify import exponential_race, sampling_distribution
-from voltserve.transfer import to_device
+from voltserve.transfer import indices_to_device
 
 _GREEDY = SamplingParams(temperature=0.0)
 _UNKNOWN = -1  # a draft launched and not collected yet (its step fed the next one on the device)
@@ -227,7 +227,7 @@ class DraftModelDrafter:
                 ids_from = drawn[-1][1]
                 rows = [last[e.seq.seq_id] for e in entries]
                 if rows != list(range(ids_from.shape[0])):  # some shadows have all their drafts already
-                    ids_from = ids_from[to_device(torch.tensor(rows, dtype=torch.int64), ids_from.device)]
+                    ids_from = ids_from[indices_to_device(ids_from.device, rows)[0]]
             else:
                 self._read_drafts(drawn)
             # the sampling entries' rows, in order

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 import torch
 
 from voltserve.sampling import filter_logits
-from voltserve.transfer import indices_to_device, to_device
+from voltserve.transfer import indices_to_device
 
 
 def draftable(seq, output_len: int | None = None) -> bool:
@@ -127,7 +127,7 @@ def verify_sampled_many(logits: torch.Tensor, drafts: torch.Tensor, num_drafts: 
                                                        draft_slots)
     else:
         accepted, token = _verify_rounds(logits, drafts, num_drafts, params, generator, q, starts)
-        draft_slots = _index(draft_slots, device)
+        draft_slots, = indices_to_device(device, draft_slots)
     tokens.view(-1).index_put_((draft_slots,), drafts)
     tokens.scatter_(1, accepted.view(-1, 1), token.view(-1, 1))
     return tokens, accepted
@@ -184,9 +184,8 @@ def _verify_rounds(logits, drafts, num_drafts, params, generator, q, starts) -> 
         for j, t in zip(done, exponential_race(fallback[done], generator).tolist()):
             accepted[active[j]], token[active[j]] = i, t
         active = [s for s in active if s in going]
-    device = logits.device
-    return (to_device(torch.tensor(accepted, dtype=torch.int64), device),
-            to_device(torch.tensor(token, dtype=torch.int64), device))
+    accepted, token = indices_to_device(logits.device, accepted, token)
+    return accepted, token
 
 
 def _draft_q(drafts, num_drafts, draft_probs, vocab: int, device) -> torch.Tensor | None:
@@ -226,11 +225,6 @@ def exponential_race(rows: torch.Tensor, generator: torch.Generator) -> torch.Te
     exponential race argmax(r / E), E ~ Exp(1) per id, picks id i with probability r_i / sum(r), with no host
     check of the distribution (torch.multinomial's), so it never syncs with the device."""
     return (rows / torch.empty_like(rows).exponential_(generator=generator)).argmax(-1)
-
-
-def _index(values: list[int], device: torch.device) -> torch.Tensor:
-    """int64 indices on `device`, without a host sync."""
-    return to_device(torch.tensor(values, dtype=torch.int64), device)
 
 
 def accept_sampled(logits: torch.Tensor, drafts: list[int], params, generator: torch.Generator | None,

@@ -26,6 +26,13 @@
 //   4. top-`num_logprobs`: radix select of the n-th largest logit, then an index-ordered block compaction
 //      (ballots) of the larger ones and the lowest-index ties, sorted by (logprob desc, index asc).
 //
+// Speculative sampling's draft checks (out_passed set; Leviathan et al. 2023, "Fast Inference from Transformers via
+// Speculative Decoding"), for drafts proposed for certain (q a point mass, as n-gram lookup proposes): a row with
+// draft d >= 0 passes with probability p(d) under the kept set above (one more Philox draw u, counter
+// (0, 1, offset lo, offset hi), distinct from the race's (i, 0, ..); passed = u * sum_kept e < e_d, e = exp(s -
+// s_max)), and its token is drawn from the residual, the kept set without d (p without d, renormalised: what a
+// rejection samples). A row whose kept set is {d} always passes. Greedy rows pass when d is the argmax. The
+// caller emits a span's drafts up to its first failing row, then that row's token (or the last row's).
 // Grid: (num_rows); block 1024 threads striding over the vocabulary (coalesced); static smem ~2.6 KiB
 // (256 x u64 histogram + reduction scratch). Up to 1 + 4 + 4 + 4 + 1 + 1 passes over the row for a row with top-k,
 // top-p and logprobs; passes are skipped when a feature is off.
@@ -53,7 +60,7 @@ struct SampleRow {           // per-row parameters, [num_rows] on the device
     float min_p;             // [0, 1]; 0 = off
     int top_k;               // <= 0 or >= vocab: off
     int num_logprobs;        // 0..SAMPLE_MAX_TOP alternatives written to out_top_*
-    int pad_;
+    int draft;               // with out_passed: the draft this row checks (< 0: none, a plain sample)
 };
 VOLT_CHECK_PARAMS(SampleRow, VOLT_SAMPLE_ROW_BYTES);
 
@@ -67,6 +74,7 @@ struct SampleParams {
     i64 row_stride;              // elements
     int num_rows;
     int vocab;
+    i64* out_passed;             // [num_rows] int64 draft checks (1: passed), or null: no row checks a draft
 };
 VOLT_CHECK_PARAMS(SampleParams, VOLT_SAMPLE_PARAMS_BYTES);
 
@@ -205,6 +213,20 @@ VOLT_DEVICE void block_argmax(float& v, int& idx, SampleSmem& sm) {
     __syncthreads();
 }
 
+// Block sum of v; every thread gets the result.
+VOLT_DEVICE float block_sum(float v, SampleSmem& sm) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    if (lane == 0) sm.f[warp] = v;
+    __syncthreads();
+    v = lane < nw ? sm.f[lane] : 0.f;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    __syncthreads();
+    return v;
+}
+
 // merge two online-softmax states (max m, sum s of exp(x - m), argmax index i)
 VOLT_DEVICE void merge_ms(float& m, float& s, int& i, float om, float os, int oi) {
     if (om > m || (om == m && oi < i)) {
@@ -316,8 +338,10 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) sample_topk_topp(co
         p.out_top_logprobs[o] = tid < n_top ? sm.top_v[tid] - log_z : VOLT_NEG_INF;
     }
 
-    // ---- 3. the token ----
+    // ---- 3. the token (and the draft check) ----
     int token = argmax;
+    const int draft = p.out_passed != nullptr && rp.draft < vocab ? rp.draft : -1;
+    int passed = 0;
     const float temp = rp.temperature;
     if (temp > 0.f) {
         const float s_max = x_max / temp;
@@ -346,12 +370,16 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) sample_topk_topp(co
                 vocab, 0.0, (double)rp.top_p, sm, &unused);
         const u32 k0 = (u32)rp.seed, k1 = (u32)(rp.seed >> 32);
         const u32 c2 = (u32)rp.offset, c3 = (u32)(rp.offset >> 32);
-        float best = VOLT_NEG_INF;
+        float best = VOLT_NEG_INF, kept_sum = 0.f;
         int best_i = 0x7fffffff;
         for (int i = tid; i < vocab; i += blockDim.x) {
             const float sv = load_x(p, base + i) / temp;
             const u32 key = fkey(sv);
             if (key < p_key || !kept1(sv, key)) continue;
+            if (draft >= 0) {
+                kept_sum += expf(sv - s_max);
+                if (i == draft) continue;  // the race runs over the residual
+            }
             u32 c[4] = {(u32)i, 0u, c2, c3};
             philox4x32_10(c, k0, k1);
             const float w = ((float)(c[0] >> 9) + 0.5f) * 1.1920928955078125e-7f;  // (0, 1), 2^-23 steps
@@ -360,10 +388,23 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) sample_topk_topp(co
         }
         block_argmax(best, best_i, sm);
         if (best_i != 0x7fffffff) token = best_i;
+        if (draft >= 0) {
+            kept_sum = block_sum(kept_sum, sm);
+            const float sd = load_x(p, base + draft) / temp;
+            const u32 kd = fkey(sd);
+            const float e_d = kd >= p_key && kept1(sd, kd) ? expf(sd - s_max) : 0.f;
+            u32 c[4] = {0u, 1u, c2, c3};
+            philox4x32_10(c, k0, k1);
+            const float u = ((float)(c[0] >> 9) + 0.5f) * 1.1920928955078125e-7f;
+            passed = u * kept_sum < e_d;
+        }
+    } else {
+        passed = draft >= 0 && argmax == draft;
     }
     if (tid == 0) {
         p.out_ids[row] = token;
         p.out_logprobs[row] = load_x(p, base + token) - log_z;
+        if (p.out_passed != nullptr) p.out_passed[row] = passed;
     }
 }
 

@@ -45,23 +45,27 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def _scheduler(built, batch: int, prompt_len: int, max_tokens: int, max_num_seqs: int = 0) -> Scheduler:
-    """A scheduler (no prefix caching) holding `batch` greedy sequences of distinct `prompt_len`-token prompts,
-    running at most max(batch, max_num_seqs) at once."""
+def _scheduler(built, batch: int, prompt_len: int, max_tokens: int, max_num_seqs: int = 0,
+               temperature: float = 0.0) -> Scheduler:
+    """A scheduler (no prefix caching) holding `batch` sequences of distinct `prompt_len`-token prompts, greedy
+    (temperature 0) or sampled at `temperature` (the device sampler), running at most max(batch, max_num_seqs) at
+    once."""
     cfg = built.model_config
     pool = BlockPool(built.num_blocks, built.runner.block_size, enable_prefix_caching=False)
     sched = Scheduler(pool, max(batch, max_num_seqs), max(2048, batch * prompt_len), prompt_len + max_tokens, (),
                       *built.runner.ahead_admission())
     for i in range(batch):
         prompt = [(7 * i + j) % min(cfg.vocab_size, 250) + 1 for j in range(prompt_len)]
-        sched.add(Sequence(i, f"r{i}", 0, prompt, SamplingParams(temperature=0, ignore_eos=True), max_tokens))
+        sched.add(Sequence(i, f"r{i}", 0, prompt, SamplingParams(temperature=temperature, ignore_eos=True),
+                           max_tokens, philox_seed=i))
     return sched
 
 
-def time_decode(built, batch: int, prompt_len: int, steps: int, device: str, pipelined: bool = True) -> float:
-    """Seconds per decode step at `batch` sequences. pipelined: asynchronous scheduling as the engine does it
-    (`voltserve.offline.run_steps`)."""
-    sched = _scheduler(built, batch, prompt_len, steps + 2)
+def time_decode(built, batch: int, prompt_len: int, steps: int, device: str, pipelined: bool = True,
+                temperature: float = 0.0) -> float:
+    """Seconds per decode step at `batch` sequences, greedy or sampled at `temperature`. pipelined: asynchronous
+    scheduling as the engine does it (`voltserve.offline.run_steps`)."""
+    sched = _scheduler(built, batch, prompt_len, steps + 2, temperature=temperature)
     plan = sched.schedule()  # prefill all
     sched.update(plan, built.runner.execute(plan)[0])
     _sync(device)
@@ -164,6 +168,9 @@ def main() -> None:
     parser.add_argument("--env", action="append", default=[], metavar="NAME=V1|V2",
                         help="repeat every point per value of this environment variable (read when the engine is "
                              "built, e.g. VOLTSERVE_FUSE_NORM=auto|off); '-' leaves it unset; may be repeated")
+    parser.add_argument("--temperature", default="0",
+                        help="decode greedily (0) or sample at this temperature on the device, or a list like 0,1 "
+                             "(OpenAI's default is 1)")
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
@@ -179,6 +186,7 @@ def main() -> None:
     parser.add_argument("--out", type=pathlib.Path)
     args = parser.parse_args()
     batches = [int(b) for b in args.batch.split(",")]
+    temperatures = [float(t) for t in args.temperature.split(",")]
     results = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
                "model": args.synthetic or args.model, "command": " ".join(sys.argv), "points": []}
     copy_bw = None
@@ -228,10 +236,12 @@ def main() -> None:
 
         for batch in batches:
             for mode in modes:
-                times = [time_decode(built, batch, args.prompt_len, args.steps, args.device, mode == "on")
-                         for _ in range(args.repeats)]
-                step_s = statistics.median(times)
-                emit(**{"async": mode}, batch=batch, step_ms=step_s * 1e3, tokens_per_s=batch / step_s)
+                for temp in temperatures:
+                    times = [time_decode(built, batch, args.prompt_len, args.steps, args.device, mode == "on", temp)
+                             for _ in range(args.repeats)]
+                    step_s = statistics.median(times)
+                    emit(**{"async": mode}, **({"temperature": temp} if temp else {}), batch=batch,
+                         step_ms=step_s * 1e3, tokens_per_s=batch / step_s)
             if args.churn:
                 runs_ = [time_churn(built, batch, args.prompt_len, args.churn, args.steps, args.device)
                          for _ in range(args.repeats)]

@@ -368,6 +368,16 @@ def _cases(be):
     yield "attn_prefill_q2048", attn_case(1, 2048, 2048), 2048 * (2 * KVH + 2 * NH) * D * 2, 2 * NH * 2048 * 2048 * D
     logits = torch.randn(256, 128256, device=dev)
     yield "argmax_logprob_256x128256", lambda: be.sample_greedy(logits), logits.numel() * 4, 0
+    # sampling at temperature 1, top-p 0.95 (bytes: one read of the logits; top-p passes over them 6 times), and
+    # speculative sampling's draft checks on the same rows: a verify of 4 drafts (5 rows), the default model's vocab
+    from voltserve.backends.cuda.params import SampleRowParams
+
+    for rows, vocab in ((5, 49152), (256, 128256)):
+        lg = torch.randn(rows, vocab, device=dev, dtype=h)
+        params = [SampleRowParams(7, i, 1.0, 0.95, 0.0, 0, 0, -1) for i in range(rows)]
+        checks = [SampleRowParams(7, i, 1.0, 0.95, 0.0, 0, 0, i % 5 if i % 5 < 4 else -1) for i in range(rows)]
+        yield f"sample_topp_{rows}x{vocab}", (lambda lg=lg, r=params: be.sample(lg, r)), lg.numel() * 2, 0
+        yield f"sample_verify_{rows}x{vocab}", (lambda lg=lg, r=checks: be.sample_verify(lg, r)), lg.numel() * 2, 0
 
 
 # Llama-3-8B's prefill GEMMs (out x in: qkv, o_proj, gate_up, down) and the x rows they are timed at

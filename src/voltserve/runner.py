@@ -14,7 +14,7 @@ from voltserve.request import MAX_LOGPROBS, TokenLogprob
 from voltserve.sampling import SampleRow, generator_on, sample
 from voltserve.scheduler import StepPlan
 from voltserve.sequence import Sequence
-from voltserve.spec.verify import accept_greedy, verify_greedy, verify_sampled_many
+from voltserve.spec.verify import accept_checked, accept_greedy, verify_greedy, verify_sampled_many
 from voltserve.transfer import indices_to_device
 
 logger = logging.getLogger(__name__)
@@ -331,8 +331,7 @@ class ModelRunner:
             logits, greedy_ids = g.replay(key, len(plan.entries))
             rows = _verify_rows(plan) if key.verify else [i for i, e in enumerate(plan.entries) if e.sample]
             if key.verify or (rows and len(rows) < len(plan.entries)):  # keep the rows `prepare` would give
-                index, = indices_to_device(logits.device, rows)
-                logits, greedy_ids = logits[index], greedy_ids[index]
+                logits, greedy_ids = _take_rows(logits, rows, greedy_ids)
         else:
             step = self.prepare(plan)
             self._begin_timer()
@@ -363,6 +362,9 @@ class ModelRunner:
             targets = targets.tolist()
             for e, r in spans:
                 sampled[e.seq.seq_id] = accept_greedy(targets[r:r + e.num_new], list(e.drafts))
+            return sampled, lps
+        if hasattr(self.backend, "sample_verify") and all(e.draft_probs is None for e, _ in spans):
+            sampled.update(self._verify_on_device(logits, spans))
             return sampled, lps
         # the drafted spans verified where the logits are, all sampled ones at once, every span's tokens back in
         # one host copy
@@ -398,6 +400,31 @@ class ModelRunner:
         for e, out in zip(order, host):
             sampled[e.seq.seq_id] = out[1:out[0] + 2]
         return sampled, lps
+
+    def _verify_on_device(self, logits: torch.Tensor, spans: list) -> dict[int, list[int]]:
+        """The drafted spans (entry, first row) of a verify step whose drafts were proposed for certain, checked
+        in one launch (`CudaBackend.sample_verify`; greedy spans too) and read back in one copy. Row i of a span
+        uses Philox counter philox_offset + i; the offset then moves past the span's rows."""
+        from voltserve.backends.cuda.params import SampleRowParams  # ctypes only; no CUDA import
+
+        rows, params = [], []
+        for e, r in spans:
+            s, p, k = e.seq, e.seq.params, len(e.drafts)
+            temperature = 0.0 if p.is_greedy else p.temperature
+            for i in range(k + 1):
+                params.append(SampleRowParams(s.philox_seed & _U64, (s.philox_offset + i) & _U64, temperature,
+                                              p.top_p, p.min_p, max(p.top_k, 0), 0, e.drafts[i] if i < k else -1))
+            rows.extend(range(r, r + k + 1))
+            s.philox_offset += k + 1
+        checked = self.backend.sample_verify(_take_rows(logits, rows), params)
+        self._end_timer()
+        tokens, passed = checked.tolist()
+        out, at = {}, 0
+        for e, _ in spans:
+            k = len(e.drafts)
+            out[e.seq.seq_id] = accept_checked(e.drafts, passed[at:at + k], tokens[at:at + k + 1])
+            at += k + 1
+        return out
 
     def _generator_on(self, device: torch.device) -> torch.Generator:
         """The engine's generator for requests without a seed, on `device` (an engine seed fixes both)."""
@@ -464,6 +491,17 @@ class ModelRunner:
         if all(s.params.logprobs is None for s in seqs):
             return sampled, {}
         return sampled, _token_logprobs(seqs, tokens, lp, top_ids, top_lps)
+
+
+def _take_rows(t: torch.Tensor, rows: list[int], *more: torch.Tensor):
+    """t[rows] (and each of `more` [rows], as a tuple): a view where rows are consecutive, else a gather whose
+    index goes up in one copy."""
+    if rows and rows == list(range(rows[0], rows[0] + len(rows))):
+        taken = [x[rows[0]:rows[0] + len(rows)] for x in (t, *more)]
+    else:
+        index, = indices_to_device(t.device, rows)
+        taken = [x[index] for x in (t, *more)]
+    return tuple(taken) if more else taken[0]
 
 
 def _verify_rows(plan: StepPlan) -> list[int]:

@@ -1,6 +1,11 @@
 """Device sampling vs the CPU reference (voltserve.sampling / torch on the CPU logits).
 
 greedy (argmax_logprob): token ids exact (first index on ties); logprob abs 1e-4 (fp32 logits) / 1e-3 (fp16).
+sample_verify (speculative sampling's draft checks, point-mass drafts): rows without a draft give sample's tokens
+exactly; with one, over many Philox streams the draft passes at the reference's p(draft) within 5 sigma, a failing
+row's token follows p without the draft (chi-square) and never is the draft, and the emitted token (the draft when it
+passes) follows p; a draft outside the kept set never passes, a kept set of the draft alone always does; greedy
+rows pass when the draft is the argmax.
 sample_topk_topp: greedy rows = argmax; logprobs and top-k alternatives = torch.log_softmax / torch.topk within
 1e-4 (fp32); the empirical distribution of temperature / top-k / top-p / min-p over many Philox streams matches the
 CPU reference's filtered softmax within 5 sigma per token (vocab 64) and never leaves its support (vocab 49152 /
@@ -36,10 +41,10 @@ def test_argmax_logprob(cuda_backend, rows, vocab, dtype):
 
 # -- sample_topk_topp -------------------------------------------------------------------------------------------
 
-def _row(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=0, offset=0, num_logprobs=0):
+def _row(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=0, offset=0, num_logprobs=0, draft=-1):
     from voltserve.backends.cuda.params import SampleRowParams
 
-    return SampleRowParams(seed, offset, temperature, top_p, min_p, top_k, num_logprobs, 0)
+    return SampleRowParams(seed, offset, temperature, top_p, min_p, top_k, num_logprobs, draft)
 
 
 def _ref_probs(x: torch.Tensor, **kw) -> torch.Tensor:
@@ -217,3 +222,73 @@ def test_runner_device_path_reproducible(cuda_backend):
         assert set(lp) == {0} and lp[0].token_id == tok
         assert abs(lp[0].logprob - float(ref[tok])) < 1e-4
         assert [t for t, _ in lp[0].top] == ref.topk(3).indices.tolist()
+
+
+# -- sample_verify: speculative sampling's draft checks ---------------------------------------------------------
+
+def _tally(values: torch.Tensor, vocab: int) -> torch.Tensor:
+    return torch.bincount(values, minlength=vocab).double()
+
+
+def _assert_follows(counts: torch.Tensor, ref: torch.Tensor) -> None:
+    """counts (a histogram of n draws) against probabilities ref: 5 sigma per token, a chi-square bound, and
+    nothing outside ref's support."""
+    n = float(counts.sum())
+    assert counts[ref == 0].sum() == 0, "a token outside the reference's support"
+    expect = n * ref
+    sigma = (n * ref * (1 - ref)).sqrt()
+    assert ((counts - expect).abs() <= 5 * sigma + 1).all(), (counts, expect)
+    keep = ref > 0
+    chi2 = float(((counts - expect)[keep] ** 2 / expect[keep]).sum())
+    dof = int(keep.sum()) - 1
+    assert chi2 < dof + 6 * (2 * dof) ** 0.5 + 10, chi2
+
+
+def test_verify_rows_without_a_draft_sample_as_sample_does(cuda_backend):
+    gen = torch.Generator().manual_seed(21)
+    x = (torch.randn(6, 4000, generator=gen) * 3).cuda()
+    params = [_row(temperature=t, top_k=k, top_p=p, seed=5 + i, offset=i)
+              for i, (t, k, p) in enumerate([(1.0, 0, 1.0), (0.7, 40, 1.0), (1.3, 0, 0.9), (0.0, 0, 1.0),
+                                             (1.0, 5, 0.5), (2.0, 0, 1.0)])]
+    ids, _, _ = cuda_backend.sample(x, params)
+    checked = cuda_backend.sample_verify(x, params)
+    assert checked.shape == (2, 6) and checked.dtype == torch.int64
+    assert torch.equal(checked[0], ids) and checked[1].tolist() == [0] * 6
+
+
+@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
+def test_verify_keeps_the_target_distribution(cuda_backend, cfg):
+    """Speculative sampling with a point-mass draft d (Leviathan et al. 2023): d passes with probability p(d);
+    a rejection samples p without d; so the emitted token follows p."""
+    vocab, n = 64, 40000
+    gen = torch.Generator().manual_seed(100 + CONFIGS.index(cfg))
+    x = torch.randn(vocab, generator=gen) * 2
+    ref = _ref_probs(x, **cfg).double()
+    d = int(ref.argsort(descending=True)[1])  # the second likeliest: passes and fails both common
+    params = [_row(seed=77, offset=i, draft=d, **cfg) for i in range(n)]
+    tokens, passed = cuda_backend.sample_verify(x.expand(n, vocab).contiguous().cuda(), params).cpu()
+    ok = passed == 1
+    p_d = float(ref[d])
+    assert abs(float(ok.sum()) - n * p_d) <= 5 * (n * p_d * (1 - p_d)) ** 0.5 + 1, (float(ok.sum()) / n, p_d)
+    assert (tokens[~ok] != d).all()
+    residual = ref.clone()
+    residual[d] = 0
+    _assert_follows(_tally(tokens[~ok], vocab), residual / residual.sum())
+    _assert_follows(_tally(torch.where(ok, d, tokens), vocab), ref)
+
+
+def test_verify_edge_rows(cuda_backend):
+    """A draft outside the kept set never passes; a kept set of the draft alone always does; greedy rows pass
+    when the draft is the argmax (fp16 logits, a large vocabulary)."""
+    vocab, n = 49152, 256
+    gen = torch.Generator().manual_seed(9)
+    x = (torch.randn(vocab, generator=gen) * 3).half()
+    order = x.float().argsort(descending=True)
+    top, outside = int(order[0]), int(order[100])
+    rows = [_row(top_k=3, seed=1, offset=i, draft=outside) for i in range(n)]
+    rows += [_row(top_k=1, seed=2, offset=i, draft=top) for i in range(n)]
+    rows += [_row(temperature=0.0, draft=top), _row(temperature=0.0, draft=outside)]
+    tokens, passed = cuda_backend.sample_verify(x.expand(len(rows), vocab).contiguous().cuda(), rows).cpu()
+    assert passed[:n].sum() == 0 and set(tokens[:n].tolist()) <= set(order[:3].tolist())
+    assert passed[n:2 * n].sum() == n
+    assert passed[2 * n:].tolist() == [1, 0] and tokens[2 * n:].tolist() == [top, top]

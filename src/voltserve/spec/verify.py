@@ -47,6 +47,14 @@ def accept_greedy(target_ids: list[int], drafts: list[int]) -> list[int]:
     return out
 
 
+def accept_checked(drafts: Sequence[int], passed: Sequence[int], tokens: Sequence[int]) -> list[int]:
+    """Tokens a verify emits from its rows' separate checks (`CudaBackend.sample_verify`): drafts [k]; passed
+    [k] (truthy where row i's draft passed its own check); tokens [k + 1], row i's token drawn from its residual
+    (the last row's from its distribution). The drafts up to the first failing row, then that row's token."""
+    accepted = next((i for i, ok in enumerate(passed) if not ok), len(drafts))
+    return [*drafts[:accepted], tokens[accepted]]
+
+
 def sampling_distribution(logits: torch.Tensor, params) -> torch.Tensor:
     """The distribution a request samples from: softmax of logits rows ([vocab] or [n, vocab] fp32, any device)
     under its temperature, top-k, top-p and min-p (params: one SamplingParams, or one per row of [n, vocab]); a

@@ -14,7 +14,6 @@ the step's value (it sizes the split-K grid).
 
 from __future__ import annotations
 
-import ctypes
 import math
 import os
 import weakref
@@ -30,6 +29,7 @@ from voltserve.backends.cuda.gemv_int8 import gemv_s8_enabled, gemv_s8_fits
 from voltserve.backends.cuda.linear import (CudaEmbedding, CudaLinear, attention_xq, folds_norm, gemv_mma_sb_fits,
                                            launch_linear, repack_wanted)
 from voltserve.backends.cuda.module import KernelLoader
+from voltserve.backends.cuda.sampling import DeviceSampling
 
 
 def _env_choice(name: str, choices: tuple[str, ...]) -> str:
@@ -48,7 +48,7 @@ def _env_choice(name: str, choices: tuple[str, ...]) -> str:
 _NO_ROPE = (None,) * 5 + (0,) * 4
 
 
-class CudaBackend:
+class CudaBackend(DeviceSampling):
     """Backend ops on one CUDA device. See `voltserve.backends.base.Backend` for each op's contract.
 
     Args:
@@ -512,93 +512,6 @@ class CudaBackend:
             return out
         p = P.SiluMulParams(x.data_ptr(), out.data_ptr(), x.stride(0), num_tokens, inner)
         self._launch("silu_mul", "silu_mul", None, (math.ceil(inner / 256), num_tokens, 1), (256, 1, 1), 0, p)
-        return out
-
-    def sample_greedy(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Greedy sampling on the device.
-
-        Args:
-            logits: [num_rows, vocab] fp32 or fp16, CUDA, contiguous last dim.
-        Returns:
-            (token_ids [num_rows] int64, logprobs [num_rows] fp32): argmax (first index on ties) and its
-            log_softmax value.
-        """
-        if logits.dim() != 2 or logits.stride(1) != 1 or logits.dtype not in (torch.float32, torch.float16):
-            raise ValueError(f"logits {tuple(logits.shape)} {logits.dtype}: need 2-D fp32/fp16, contiguous rows")
-        rows, vocab = logits.shape
-        ids = torch.empty(rows, dtype=torch.int64, device=self.device)
-        logprobs = torch.empty(rows, dtype=torch.float32, device=self.device)
-        if rows:
-            # vocabulary chunks over many blocks, merged by the last one (arrival counter per row)
-            chunks = min(kernels.ARGMAX_MAX_CHUNKS, math.ceil(vocab / kernels.ARGMAX_CHUNK))
-            if rows > self.argmax_counters.numel():
-                chunks = 1
-            chunk = math.ceil(vocab / chunks)
-            part = torch.empty(rows * chunks * 3 if chunks > 1 else 1, dtype=torch.float32, device=self.device)
-            p = P.ArgmaxParams(logits.data_ptr(), ids.data_ptr(), logprobs.data_ptr(), part.data_ptr(),
-                               self.argmax_counters.data_ptr(), logits.stride(0), rows, vocab, chunk, 0)
-            self._launch("sampling", "argmax_logprob", {"LOGITS_F16": int(logits.dtype == torch.float16)},
-                         (rows, chunks, 1), (1024 if chunks == 1 else 256, 1, 1), 0, p)
-        return ids, logprobs
-
-    def sample(self, logits: torch.Tensor, params_rows) -> tuple[torch.Tensor, torch.Tensor,
-                                                                 tuple[torch.Tensor, torch.Tensor]]:
-        """Sampling on the device: temperature, top-k, top-p, min-p with per-row Philox4x32-10, plus logprobs.
-
-        Semantics are those of `voltserve.sampling.sample` for rows without penalties or min_tokens masking
-        (ptx/sample_topk_topp.cu states the algorithm); temperature 0 is argmax.
-
-        Args:
-            logits: [num_rows, vocab] fp32 (or fp16), CUDA, contiguous last dim; vocab < 2^23.
-            params_rows: sequence of `params.SampleRowParams` (one per row: seed, offset, temperature, top_p,
-                min_p, top_k, num_logprobs in 0..SAMPLE_MAX_LOGPROBS), or a ctypes array of them.
-        Returns:
-            (token_ids [num_rows] int64, logprobs [num_rows] fp32 of the sampled tokens under log_softmax(logits),
-            (top_ids [num_rows, 20] int64, top_logprobs [num_rows, 20] fp32)): the top `num_logprobs` entries of
-            each row sorted by descending logprob (ties: lower id first); later entries are -1 / -inf.
-            All on the device; no host sync here (one small host-to-device copy of the row params).
-        """
-        if logits.dim() != 2 or logits.stride(1) != 1 or logits.dtype not in (torch.float32, torch.float16):
-            raise ValueError(f"logits {tuple(logits.shape)} {logits.dtype}: need 2-D fp32/fp16, contiguous rows")
-        rows, vocab = logits.shape
-        if len(params_rows) != rows:
-            raise ValueError(f"{len(params_rows)} params rows for {rows} logits rows")
-        if vocab >= kernels.SAMPLE_MAX_VOCAB:
-            raise ValueError(f"vocab {vocab} >= {kernels.SAMPLE_MAX_VOCAB} is not supported by sample_topk_topp")
-        top_n = kernels.SAMPLE_MAX_LOGPROBS
-        for r in params_rows:
-            if not 0 <= r.num_logprobs <= top_n or not 0 < r.top_p <= 1 or not 0 <= r.min_p <= 1:
-                raise ValueError(f"unsupported sampling row: num_logprobs {r.num_logprobs}, top_p {r.top_p}, "
-                                 f"min_p {r.min_p}")
-        ids = torch.empty(rows, dtype=torch.int64, device=self.device)
-        logprobs = torch.empty(rows, dtype=torch.float32, device=self.device)
-        top_ids = torch.empty(rows, top_n, dtype=torch.int64, device=self.device)
-        top_lps = torch.empty(rows, top_n, dtype=torch.float32, device=self.device)
-        if rows:
-            arr = params_rows if isinstance(params_rows, ctypes.Array) else (P.SampleRowParams * rows)(*params_rows)
-            host = torch.frombuffer(bytearray(arr), dtype=torch.uint8)
-            dev_rows = host.to(self.device)
-            p = P.SampleParams(logits.data_ptr(), dev_rows.data_ptr(), ids.data_ptr(), logprobs.data_ptr(),
-                               top_ids.data_ptr(), top_lps.data_ptr(), logits.stride(0), rows, vocab)
-            self._launch("sample_topk_topp", "sample_topk_topp",
-                         {"LOGITS_F16": int(logits.dtype == torch.float16)}, (rows, 1, 1), (1024, 1, 1), 0, p)
-        return ids, logprobs, (top_ids, top_lps)
-
-    def philox4x32_10(self, words: torch.Tensor) -> torch.Tensor:
-        """Test hook: Philox4x32-10 as the sampler computes it.
-
-        Args:
-            words: [n, 6] int32 (bit patterns of u32): counter c0..c3, key k0, k1.
-        Returns:
-            [n, 4] int32 (bit patterns of u32) outputs, on the device.
-        """
-        words = self._on_device(words, torch.int32)
-        n = words.shape[0]
-        out = torch.empty(n, 4, dtype=torch.int32, device=self.device)
-        if n:
-            p = P.SampleParams(words.data_ptr(), None, None, None, out.data_ptr(), None, 6, n, 0)
-            self._launch("sample_topk_topp", "philox4x32_10_test", {"LOGITS_F16": 0}, (math.ceil(n / 128), 1, 1),
-                         (128, 1, 1), 0, p)
         return out
 
     def allocate_kv_cache(self, num_layers, num_blocks, block_size, num_kv_heads, head_dim):

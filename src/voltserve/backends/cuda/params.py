@@ -83,8 +83,8 @@ ArgmaxParams = _struct("ArgmaxParams", [
 # sample_topk_topp.cu: one SampleRowParams per row (device array), SampleParams by value
 SampleRowParams = _struct("SampleRowParams", [
     ("seed", U64), ("offset", U64), ("temperature", F32), ("top_p", F32), ("min_p", F32), ("top_k", I32),
-    ("num_logprobs", I32), ("pad_", I32)])
+    ("num_logprobs", I32), ("draft", I32)])
 
 SampleParams = _struct("SampleParams", [
     ("logits", P), ("rows", P), ("out_ids", P), ("out_logprobs", P), ("out_top_ids", P), ("out_top_logprobs", P),
-    ("row_stride", I64), ("num_rows", I32), ("vocab", I32)])
+    ("row_stride", I64), ("num_rows", I32), ("vocab", I32), ("out_passed", P)])

@@ -1,0 +1,92 @@
+"""Sampled verification through per-row draft checks (`CudaBackend.sample_verify`'s contract), on the CPU: the
+host's reading of the checks (`accept_checked`) and the runner's bookkeeping around the one launch (which logits
+rows, which drafts and Philox counters go up, how the tokens come back), with a stand-in backend that records
+its call and answers fixed checks. The kernel itself is tested on the GPU (tests/kernels/test_sampling.py)."""
+
+from __future__ import annotations
+
+import torch
+
+from voltserve.request import SamplingParams
+from voltserve.runner import ModelRunner
+from voltserve.scheduler import ScheduledSeq, StepPlan
+from voltserve.sequence import Sequence
+from voltserve.spec.verify import accept_checked
+
+VOCAB = 50
+
+
+def test_accept_checked_emits_drafts_up_to_the_first_failing_row():
+    tokens = [40, 41, 42, 43]  # each row's token from its residual; the last row's from its distribution
+    assert accept_checked([5, 6, 7], [1, 1, 1], tokens) == [5, 6, 7, 43]  # all pass: the last row's token too
+    assert accept_checked([5, 6, 7], [1, 0, 1], tokens) == [5, 41]  # a pass after a failure does not count
+    assert accept_checked([5, 6, 7], [0, 1, 1], tokens) == [40]
+    assert accept_checked([], [], [40]) == [40]
+
+
+class _CheckingBackend:
+    """Stands in for CudaBackend.sample_verify: records its call; row i's token is 100 + i and its draft passes
+    where `passes[i]` is 1."""
+
+    def __init__(self, passes: list[int]):
+        self.passes = passes
+        self.calls = []
+
+    def sample_verify(self, logits, params_rows):
+        self.calls.append((logits.clone(), list(params_rows)))
+        n = logits.shape[0]
+        return torch.tensor([[100 + i for i in range(n)], self.passes[:n]], dtype=torch.int64)
+
+
+def _runner(backend, logits):
+    runner = ModelRunner(None, backend, torch.zeros(1, 2, 8, 16, 1, 8), (), seed=0)
+    runner.prepare = lambda plan: None
+    runner.forward = lambda step: logits
+    return runner
+
+
+def _seq(i, params, offset):
+    seq = Sequence(i, f"r{i}", 0, [1, 2, 3], params, 32, philox_seed=1000 + i)
+    seq.philox_offset = offset
+    return seq
+
+
+def test_runner_checks_every_drafted_span_in_one_launch():
+    """A step of a sampled span of 2 drafts, a plain sampled sequence and a greedy span of 1 draft: the spans'
+    rows (not the plain row) go to one sample_verify call with their drafts, -1 on each span's last row, Philox
+    counters philox_offset + i and temperature 0 for the greedy span; each span's tokens follow its checks, and its
+    Philox offset moves past its rows (the plain sequence's by its one token)."""
+    logits = torch.randn(6, VOCAB, generator=torch.Generator().manual_seed(0))
+    sampled = SamplingParams(temperature=0.8, top_p=0.9, top_k=20, min_p=0.05)
+    a, b = _seq(0, sampled, 7), _seq(1, SamplingParams(temperature=0.5), 3)
+    c = _seq(2, SamplingParams(temperature=0), 0)
+    # rows: a -> 0, 1, 2; b -> 3; c -> 4, 5
+    plan = StepPlan([ScheduledSeq(a, 3, 3, True, (11, 12)), ScheduledSeq(b, 3, 1, True),
+                     ScheduledSeq(c, 3, 2, True, (13,))], has_drafts=True)
+    backend = _CheckingBackend(passes=[1, 0, 0, 1, 0])  # a: first passes, second fails; c: its draft passes
+    tokens, _ = _runner(backend, logits).execute(plan)
+    assert len(backend.calls) == 1
+    got_logits, rows = backend.calls[0]
+    assert torch.equal(got_logits, logits[[0, 1, 2, 4, 5]])
+    assert [r.draft for r in rows] == [11, 12, -1, 13, -1]
+    assert [r.offset for r in rows] == [7, 8, 9, 0, 1]
+    assert [r.seed for r in rows] == [1000] * 3 + [1002] * 2
+    assert [round(r.temperature, 6) for r in rows] == [0.8] * 3 + [0.0] * 2
+    assert (rows[0].top_k, round(rows[0].top_p, 6), round(rows[0].min_p, 6), rows[0].num_logprobs) == (20, 0.9,
+                                                                                                      0.05, 0)
+    assert tokens[0] == [11, 101]  # the row after the first failing check gives its own token
+    assert tokens[2] == [13, 104]  # every draft passed: the last row's token
+    assert isinstance(tokens[1], int) and 0 <= tokens[1] < VOCAB  # the plain row, sampled on the host
+    assert (a.philox_offset, b.philox_offset, c.philox_offset) == (10, 4, 2)  # b: one sampled token
+
+
+def test_drafts_from_a_draft_models_distribution_keep_the_general_verify():
+    """A span whose drafts came with their q (a draft model's sampled drafts) is verified by
+    `verify_sampled_many`, not the point-mass checks."""
+    logits = torch.randn(3, VOCAB, generator=torch.Generator().manual_seed(1))
+    seq = _seq(0, SamplingParams(temperature=1.0), 0)
+    q = tuple(torch.softmax(torch.randn(VOCAB), -1) for _ in range(2))
+    plan = StepPlan([ScheduledSeq(seq, 3, 3, True, (4, 5), q)], has_drafts=True)
+    backend = _CheckingBackend(passes=[1, 1, 0])
+    tokens, _ = _runner(backend, logits).execute(plan)
+    assert backend.calls == [] and 1 <= len(tokens[0]) <= 3

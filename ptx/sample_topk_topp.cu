@@ -13,30 +13,31 @@
 // Algorithm (one block per row, no sort, deterministic: the same inputs and (seed, offset) give the same token):
 //   1. one pass: online max / sum(exp) (Milakov & Gimelshein 2018) -> argmax, logZ = max + log(sum).
 //   2. thresholds by radix select over order-preserving 32-bit keys of the fp32 values, 8 bits per pass (4
-//      passes): a 256-bin histogram in shared memory of u64 weights (warp-aggregated: one atomic per warp and
-//      distinct bin), then warp 0 scans the bins from the top to
+//      passes): a 256-bin histogram in shared memory of u64 weights (each a pair of u32 words every lane adds to
+//      with 32-bit atomics), then warp 0 scans the bins from the top to
 //      find the bin where the cumulative weight crosses the target. Weight 1 gives the k-th largest value
 //      (top-k and the top-`num_logprobs` logprobs); weight = round(exp(s - s_max) * 2^40) (fixed point, so the
 //      integer atomics are order-independent and the result deterministic) gives the top-p threshold, with target
 //      top_p * (total kept weight).
 //   3. sampling by the exponential race / Gumbel-max trick (argmax_i s_i - log E_i, E_i ~ Exp(1) i.i.d., equal
 //      to sampling from softmax(s) over the kept set): E_i from Philox4x32-10 (Salmon, Moraes, Dror, Shaw 2011,
-//      "Parallel random numbers: as easy as 1, 2, 3", SC'11) with key = the row's 64-bit seed and counter =
-//      (token index, 0, offset lo, offset hi); word 0 gives w = (r >> 9 + 0.5) * 2^-23 in (0, 1), E = -log1p(-w).
+//      "Parallel random numbers: as easy as 1, 2, 3", SC'11) with key = the row's 64-bit seed; token
+//      i = b0 + u * 1024 + t (thread t's u-th load of the SAMPLE_UNROLL from b0) takes word u % 4 of counter
+//      (b0 + t, 2 + u / 4, offset lo, offset hi), r giving w = (r >> 9 + 0.5) * 2^-23 in (0, 1), E = -log1p(-w).
 //   4. top-`num_logprobs`: radix select of the n-th largest logit, then an index-ordered block compaction
 //      (ballots) of the larger ones and the lowest-index ties, sorted by (logprob desc, index asc).
 //
 // Speculative sampling's draft checks (out_passed set; Leviathan et al. 2023, "Fast Inference from Transformers via
 // Speculative Decoding"), for drafts proposed for certain (q a point mass, as n-gram lookup proposes): a row with
 // draft d >= 0 passes with probability p(d) under the kept set above (one more Philox draw u, counter
-// (0, 1, offset lo, offset hi), distinct from the race's (i, 0, ..); passed = u * sum_kept e < e_d, e = exp(s -
+// (0, 1, offset lo, offset hi), distinct from the race's (.., >= 2, ..); passed = u * sum_kept e < e_d, e = exp(s -
 // s_max)), and its token is drawn from the residual, the kept set without d (p without d, renormalised: what a
 // rejection samples). A row whose kept set is {d} always passes. Greedy rows pass when d is the argmax. The
 // caller emits a span's drafts up to its first failing row, then that row's token (or the last row's).
-// Grid: (num_rows); block 1024 threads striding over the vocabulary (coalesced); static smem ~2.6 KiB
-// (256 x u64 histogram + reduction scratch). Up to 1 + 4 + 4 + 4 + 1 + 1 passes over the row for a row with top-k,
-// top-p and logprobs; passes are skipped when a feature is off.
-// Compile-time: LOGITS_F16 (1: fp16 logits, 0: fp32). SM70 path: the only path (fp32 math, u64 shared atomics,
+// Grid: (num_rows); block 1024 threads striding over the vocabulary (coalesced, SAMPLE_UNROLL loads in flight a
+// thread); static smem ~2.6 KiB (256 x 2 x u32 histogram + reduction scratch). Up to 1 + 4 + 4 + 4 + 1 + 1
+// passes over the row for a row with top-k, top-p and logprobs; passes are skipped when a feature is off.
+// Compile-time: LOGITS_F16 (1: fp16 logits, 0: fp32). SM70 path: the only path (fp32 math, u32 shared atomics,
 // no sm_80+ intrinsics). Vocab must be < 2^23 (fixed-point headroom of the top-p weights).
 // Also here: philox4x32_10_test, a test kernel exposing the generator for known-answer tests.
 // Reference: voltserve.sampling.sample / torch.log_softmax / torch.topk on the CPU logits.
@@ -104,8 +105,18 @@ VOLT_DEVICE void philox4x32_10(u32* c, u32 k0, u32 k1) {
     }
 }
 
+// elements a thread loads before it processes them (loads in flight: one block walks a whole row); a multiple of 4
+// (the race draws 4 words a Philox call)
+#ifndef SAMPLE_UNROLL
+#define SAMPLE_UNROLL 8
+#endif
+
 struct SampleSmem {
-    u64 hist[256];
+    // radix_select's bins of u64 weights as two u32 words (low, high): every lane adds to them with native 32-bit
+    // shared atomics, the low word's carry going to the high word (exact, so order-independent). Measured 2.7x
+    // faster on a top-p row than u64 bins each warp summed per distinct bin first (session 34, H100).
+    u32 hist_lo[256];
+    u32 hist_hi[256];
     float f[32];
     int i[32];
     int cnt_a[32];
@@ -117,45 +128,46 @@ struct SampleSmem {
     double target;
 };
 
+VOLT_DEVICE u64 hist_get(const SampleSmem& sm, int b) {
+    return ((u64)sm.hist_hi[b] << 32) | sm.hist_lo[b];
+}
+
+// Calls body(i, x) for every element i < vocab of the row at `base` in a block-strided order, each thread
+// loading SAMPLE_UNROLL elements before it processes them; x = 0 for i >= vocab (body must check i).
+template <class Body>
+VOLT_DEVICE void for_row(const SampleParams& p, i64 base, int vocab, const Body& body);
+
 // Block radix select over the keys of included elements: returns the key v with
 // W(key > v) < target <= W(key >= v), W = sum of weights; *above_out = W(key > v) (in weight units).
 // If frac > 0 the target is frac * (total weight), computed in the first pass.
-// f(i, key, weight) -> bool included. Every thread of the block must call it.
+// f(x, key, weight, mask, prefix) -> bool included, x the element's logit: sets key, and weight only when
+// (key & mask) == prefix (the elements this pass counts). Every thread of the block must call it.
 template <class F>
-VOLT_DEVICE u32 radix_select(const F& f, int vocab, double target, double frac, SampleSmem& sm, double* above_out) {
+VOLT_DEVICE u32 radix_select(const SampleParams& p, i64 base, const F& f, int vocab, double target, double frac,
+                             SampleSmem& sm, double* above_out) {
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     u32 prefix = 0, mask = 0;
     double above = 0.0;
     for (int shift = 24; shift >= 0; shift -= 8) {
-        for (int b = tid; b < 256; b += blockDim.x) sm.hist[b] = 0ull;
+        for (int b = tid; b < 256; b += blockDim.x) { sm.hist_lo[b] = 0u; sm.hist_hi[b] = 0u; }
         __syncthreads();
-        // warp-aggregated: one shared atomic per (warp, distinct bin) instead of one per element (most elements
-        // share a few bins in the first passes, and per-element atomics on one address serialise)
-        for (int b0 = 0; b0 < vocab; b0 += blockDim.x) {
-            const int i = b0 + tid;
+        for_row(p, base, vocab, [&](int i, float x) {
             u32 key = 0u;
             u64 w = 0ull;
-            const bool in = i < vocab && f(i, key, w) && (key & mask) == prefix;
-            const u32 bin = (key >> shift) & 255u;
-            unsigned pending = __ballot_sync(0xffffffffu, in);
-            while (pending) {
-                const int src = __ffs(pending) - 1;
-                const u32 b = __shfl_sync(0xffffffffu, bin, src);
-                const bool mine = in && bin == b;
-                u64 v = mine ? w : 0ull;
-#pragma unroll
-                for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-                if (lane == src) atomicAdd(&sm.hist[b], v);
-                pending &= ~__ballot_sync(0xffffffffu, mine);
+            const bool in = i < vocab && f(x, key, w, mask, prefix);
+            if (in) {
+                const u32 bin = (key >> shift) & 255u, lo = (u32)w, old = atomicAdd(&sm.hist_lo[bin], lo);
+                const u32 hi = (u32)(w >> 32) + (old + lo < old ? 1u : 0u);
+                if (hi) atomicAdd(&sm.hist_hi[bin], hi);
             }
-        }
+        });
         __syncthreads();
         if (warp == 0) {
             // lane l owns bins 255 - 8l .. 248 - 8l (descending); lane 0 holds the largest keys
             u64 local[8];
             u64 tot = 0;
 #pragma unroll
-            for (int j = 0; j < 8; ++j) { local[j] = sm.hist[255 - 8 * lane - j]; tot += local[j]; }
+            for (int j = 0; j < 8; ++j) { local[j] = hist_get(sm, 255 - 8 * lane - j); tot += local[j]; }
             u64 incl = tot;
 #pragma unroll
             for (int o = 1; o < 32; o <<= 1) {
@@ -189,6 +201,21 @@ VOLT_DEVICE u32 radix_select(const F& f, int vocab, double target, double frac, 
     }
     *above_out = above;
     return prefix;
+}
+
+template <class Body>
+VOLT_DEVICE void for_row(const SampleParams& p, i64 base, int vocab, const Body& body) {
+    const int step = blockDim.x * SAMPLE_UNROLL;
+    for (int b0 = 0; b0 < vocab; b0 += step) {
+        float xs[SAMPLE_UNROLL];
+#pragma unroll
+        for (int u = 0; u < SAMPLE_UNROLL; ++u) {
+            const int i = b0 + u * blockDim.x + threadIdx.x;
+            xs[u] = i < vocab ? load_x(p, base + i) : 0.f;
+        }
+#pragma unroll
+        for (int u = 0; u < SAMPLE_UNROLL; ++u) body(b0 + u * blockDim.x + threadIdx.x, xs[u]);
+    }
 }
 
 // Block argmax of (v, i) with ties to the lower index; every thread gets the result.
@@ -249,16 +276,16 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) sample_topk_topp(co
     // ---- 1. max, argmax, log-sum-exp of the raw logits (one pass, online) ----
     float m = VOLT_NEG_INF, s = 0.f;
     int am = 0x7fffffff;
-    for (int i = tid; i < vocab; i += blockDim.x) {
-        const float x = load_x(p, base + i);
+    for_row(p, base, vocab, [&](int i, float x) {
+        if (i >= vocab) return;
         if (x > m) {
             s = (m == VOLT_NEG_INF ? 0.f : s * expf(m - x)) + 1.f;
             m = x;
             am = i;
-        } else if (x != VOLT_NEG_INF) {
+        } else if (x != VOLT_NEG_INF) {  // a thread's indices increase: a tie keeps the lower index
             s += expf(x - m);
         }
-    }
+    });
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1)
         merge_ms(m, s, am, __shfl_xor_sync(0xffffffffu, m, o), __shfl_xor_sync(0xffffffffu, s, o),
@@ -282,7 +309,12 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) sample_topk_topp(co
     if (n_top > 0) {
         double n_greater;
         const u32 kth = radix_select(
-            [&](int i, u32& key, u64& w) { key = fkey(load_x(p, base + i)); w = 1ull; return true; },
+            p, base,
+            [&](float x, u32& key, u64& w, u32 mask, u32 prefix) {
+                key = fkey(x);
+                w = 1ull;
+                return (key & mask) == prefix;
+            },
             vocab, (double)n_top, 0.0, sm, &n_greater);
         const int greater = (int)n_greater, ties_needed = n_top - greater;
         int run_g = 0, run_t = 0;
@@ -353,17 +385,23 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) sample_topk_topp(co
         double unused;
         if (use_k)
             k_key = radix_select(
-                [&](int i, u32& key, u64& w) { key = fkey(load_x(p, base + i) / temp); w = 1ull; return true; },
+                p, base,
+                [&](float x, u32& key, u64& w, u32 mask, u32 prefix) {
+                    key = fkey(x / temp);
+                    w = 1ull;
+                    return (key & mask) == prefix;
+                },
                 vocab, (double)rp.top_k, 0.0, sm, &unused);
         // kept by top-k and min-p (e = exp(s - s_max) in (0, 1] >= min_p)
         auto kept1 = [&](float sv, u32 key) { return key >= k_key && (!use_minp || expf(sv - s_max) >= min_p); };
         u32 p_key = 0u;
         if (use_p)
             p_key = radix_select(
-                [&](int i, u32& key, u64& w) {
-                    const float sv = load_x(p, base + i) / temp;
+                p, base,
+                [&](float x, u32& key, u64& w, u32 mask, u32 prefix) {
+                    const float sv = x / temp;
                     key = fkey(sv);
-                    if (!kept1(sv, key)) return false;
+                    if ((key & mask) != prefix || !kept1(sv, key)) return false;
                     w = __float2ull_rn(expf(sv - s_max) * 1099511627776.0f);  // 2^40 fixed point
                     return true;
                 },
@@ -372,19 +410,41 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) sample_topk_topp(co
         const u32 c2 = (u32)rp.offset, c3 = (u32)(rp.offset >> 32);
         float best = VOLT_NEG_INF, kept_sum = 0.f;
         int best_i = 0x7fffffff;
-        for (int i = tid; i < vocab; i += blockDim.x) {
-            const float sv = load_x(p, base + i) / temp;
-            const u32 key = fkey(sv);
-            if (key < p_key || !kept1(sv, key)) continue;
-            if (draft >= 0) {
-                kept_sum += expf(sv - s_max);
-                if (i == draft) continue;  // the race runs over the residual
+        // element i = b0 + u * blockDim + tid takes word u % 4 of Philox counter (b0 + tid, 2 + u / 4, offset):
+        // one call for four elements (the race was bound by Philox's arithmetic)
+        const int step = blockDim.x * SAMPLE_UNROLL;
+        for (int b0 = 0; b0 < vocab; b0 += step) {
+            float sv[SAMPLE_UNROLL];
+            bool keep[SAMPLE_UNROLL];
+#pragma unroll
+            for (int u = 0; u < SAMPLE_UNROLL; ++u) {
+                const int i = b0 + u * blockDim.x + tid;
+                sv[u] = i < vocab ? load_x(p, base + i) / temp : 0.f;
             }
-            u32 c[4] = {(u32)i, 0u, c2, c3};
-            philox4x32_10(c, k0, k1);
-            const float w = ((float)(c[0] >> 9) + 0.5f) * 1.1920928955078125e-7f;  // (0, 1), 2^-23 steps
-            const float g = sv - logf(-log1pf(-w));                                 // s - log(E), E ~ Exp(1)
-            if (g > best || (g == best && i < best_i)) { best = g; best_i = i; }
+#pragma unroll
+            for (int u = 0; u < SAMPLE_UNROLL; ++u) {
+                const int i = b0 + u * blockDim.x + tid;
+                const u32 key = fkey(sv[u]);
+                keep[u] = i < vocab && key >= p_key && kept1(sv[u], key);
+                if (keep[u] && draft >= 0) {
+                    kept_sum += expf(sv[u] - s_max);
+                    keep[u] = i != draft;  // the race runs over the residual
+                }
+            }
+#pragma unroll
+            for (int q = 0; q < SAMPLE_UNROLL; q += 4) {
+                if (!(keep[q] || keep[q + 1] || keep[q + 2] || keep[q + 3])) continue;
+                u32 c[4] = {(u32)(b0 + tid), 2u + (u32)(q / 4), c2, c3};
+                philox4x32_10(c, k0, k1);
+#pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                    if (!keep[q + j]) continue;
+                    const int i = b0 + (q + j) * blockDim.x + tid;
+                    const float w = ((float)(c[j] >> 9) + 0.5f) * 1.1920928955078125e-7f;  // (0, 1), 2^-23 steps
+                    const float g = sv[q + j] - logf(-log1pf(-w));                      // s - log(E), E ~ Exp(1)
+                    if (g > best || (g == best && i < best_i)) { best = g; best_i = i; }
+                }
+            }
         }
         block_argmax(best, best_i, sm);
         if (best_i != 0x7fffffff) token = best_i;

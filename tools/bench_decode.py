@@ -46,26 +46,26 @@ def _sync(device: str) -> None:
 
 
 def _scheduler(built, batch: int, prompt_len: int, max_tokens: int, max_num_seqs: int = 0,
-               temperature: float = 0.0) -> Scheduler:
+               temperature: float = 0.0, top_p: float = 1.0) -> Scheduler:
     """A scheduler (no prefix caching) holding `batch` sequences of distinct `prompt_len`-token prompts, greedy
-    (temperature 0) or sampled at `temperature` (the device sampler), running at most max(batch, max_num_seqs) at
-    once."""
+    (temperature 0) or sampled at `temperature` with `top_p` (the device sampler), running at most
+    max(batch, max_num_seqs) at once."""
     cfg = built.model_config
     pool = BlockPool(built.num_blocks, built.runner.block_size, enable_prefix_caching=False)
     sched = Scheduler(pool, max(batch, max_num_seqs), max(2048, batch * prompt_len), prompt_len + max_tokens, (),
                       *built.runner.ahead_admission())
     for i in range(batch):
         prompt = [(7 * i + j) % min(cfg.vocab_size, 250) + 1 for j in range(prompt_len)]
-        sched.add(Sequence(i, f"r{i}", 0, prompt, SamplingParams(temperature=temperature, ignore_eos=True),
+        sched.add(Sequence(i, f"r{i}", 0, prompt, SamplingParams(temperature=temperature, top_p=top_p, ignore_eos=True),
                            max_tokens, philox_seed=i))
     return sched
 
 
 def time_decode(built, batch: int, prompt_len: int, steps: int, device: str, pipelined: bool = True,
-                temperature: float = 0.0) -> float:
-    """Seconds per decode step at `batch` sequences, greedy or sampled at `temperature`. pipelined: asynchronous
-    scheduling as the engine does it (`voltserve.offline.run_steps`)."""
-    sched = _scheduler(built, batch, prompt_len, steps + 2, temperature=temperature)
+                temperature: float = 0.0, top_p: float = 1.0) -> float:
+    """Seconds per decode step at `batch` sequences, greedy or sampled at `temperature` with `top_p`. pipelined:
+    asynchronous scheduling as the engine does it (`voltserve.offline.run_steps`)."""
+    sched = _scheduler(built, batch, prompt_len, steps + 2, temperature=temperature, top_p=top_p)
     plan = sched.schedule()  # prefill all
     sched.update(plan, built.runner.execute(plan)[0])
     _sync(device)
@@ -171,6 +171,7 @@ def main() -> None:
     parser.add_argument("--temperature", default="0",
                         help="decode greedily (0) or sample at this temperature on the device, or a list like 0,1 "
                              "(OpenAI's default is 1)")
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling's top_p of the sampled points")
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
@@ -237,11 +238,11 @@ def main() -> None:
         for batch in batches:
             for mode in modes:
                 for temp in temperatures:
-                    times = [time_decode(built, batch, args.prompt_len, args.steps, args.device, mode == "on", temp)
-                             for _ in range(args.repeats)]
+                    times = [time_decode(built, batch, args.prompt_len, args.steps, args.device, mode == "on", temp,
+                                         args.top_p) for _ in range(args.repeats)]
                     step_s = statistics.median(times)
-                    emit(**{"async": mode}, **({"temperature": temp} if temp else {}), batch=batch,
-                         step_ms=step_s * 1e3, tokens_per_s=batch / step_s)
+                    sampled = {"temperature": temp, "top_p": args.top_p} if temp else {}
+                    emit(**{"async": mode}, **sampled, batch=batch, step_ms=step_s * 1e3, tokens_per_s=batch / step_s)
             if args.churn:
                 runs_ = [time_churn(built, batch, args.prompt_len, args.churn, args.steps, args.device)
                          for _ in range(args.repeats)]

@@ -368,16 +368,41 @@ def _cases(be):
     yield "attn_prefill_q2048", attn_case(1, 2048, 2048), 2048 * (2 * KVH + 2 * NH) * D * 2, 2 * NH * 2048 * 2048 * D
     logits = torch.randn(256, 128256, device=dev)
     yield "argmax_logprob_256x128256", lambda: be.sample_greedy(logits), logits.numel() * 4, 0
-    # sampling at temperature 1, top-p 0.95 (bytes: one read of the logits; top-p passes over them 6 times), and
-    # speculative sampling's draft checks on the same rows: a verify of 4 drafts (5 rows), the default model's vocab
-    from voltserve.backends.cuda.params import SampleRowParams
+    # sampling at temperature 1 (plain) and top-p 0.95 (bytes: one read of the logits; top-p passes over them 6
+    # times), and speculative sampling's draft checks on the same rows, the kernel alone (row params already up,
+    # one launch a graph replay): 1 and 5 rows (batch-1 decode, a verify of 4 drafts) of the default model's vocab,
+    # 64 of it, 8 of Llama-3's
+    for rows, vocab in ((1, 49152), (5, 49152), (64, 49152), (8, 128256)):
+        lg = (torch.randn(rows, vocab, device=dev) * 3).to(h)
+        for name, top_p, drafts in (("plain", 1.0, False), ("topp", 0.95, False), ("verify_topp", 0.95, True)):
+            replay = _captured_sample(be, lg, top_p, drafts)
+            yield f"sample_{name}_{rows}x{vocab}", replay, lg.numel() * 2, 0
 
-    for rows, vocab in ((5, 49152), (256, 128256)):
-        lg = torch.randn(rows, vocab, device=dev, dtype=h)
-        params = [SampleRowParams(7, i, 1.0, 0.95, 0.0, 0, 0, -1) for i in range(rows)]
-        checks = [SampleRowParams(7, i, 1.0, 0.95, 0.0, 0, 0, i % 5 if i % 5 < 4 else -1) for i in range(rows)]
-        yield f"sample_topp_{rows}x{vocab}", (lambda lg=lg, r=params: be.sample(lg, r)), lg.numel() * 2, 0
-        yield f"sample_verify_{rows}x{vocab}", (lambda lg=lg, r=checks: be.sample_verify(lg, r)), lg.numel() * 2, 0
+
+def _captured_sample(be, logits: torch.Tensor, top_p: float, drafts: bool):
+    """A CUDA graph of one sample_topk_topp launch over `logits` (temperature 1, `top_p`; with `drafts` every row
+    but each fifth checks a draft, as a verify of 4 does); returns its replay."""
+    from voltserve.backends.cuda.params import SampleRowParams
+    from voltserve.transfer import to_device
+
+    rows = logits.shape[0]
+    params = (SampleRowParams * rows)(*[SampleRowParams(7, i, 1.0, top_p, 0.0, 0, 0, i % 5 if drafts and i % 5 < 4
+                                                        else -1) for i in range(rows)])
+    dev_rows = to_device(torch.frombuffer(bytearray(params), dtype=torch.uint8), be.device)
+    checked = torch.empty(2, rows, dtype=torch.int64, device=be.device) if drafts else None
+    if drafts:
+        be.sample_verify(logits, params)  # compile, warm
+    outputs = be.sample(logits, params)  # its output tensors are the graph's
+    if drafts:
+        outputs = (checked[0], *outputs[1:])
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        be.refresh_stream()
+        be._launch_sample(logits, dev_rows, outputs, checked)
+    be.refresh_stream()
+    keep = (g, dev_rows, outputs, checked, logits)  # the graph reads and writes these by address
+    return lambda: keep[0].replay()
 
 
 # Llama-3-8B's prefill GEMMs (out x in: qkv, o_proj, gate_up, down) and the x rows they are timed at

@@ -104,19 +104,29 @@ class DeviceSampling:
                 raise ValueError(f"unsupported sampling row: num_logprobs {r.num_logprobs}, top_p {r.top_p}, "
                                  f"min_p {r.min_p}")
         ids = torch.empty(rows, dtype=torch.int64, device=self.device) if checked is None else checked[0]
-        logprobs = torch.empty(rows, dtype=torch.float32, device=self.device)
-        top_ids = torch.empty(rows, top_n, dtype=torch.int64, device=self.device)
-        top_lps = torch.empty(rows, top_n, dtype=torch.float32, device=self.device)
+        outputs = (ids, torch.empty(rows, dtype=torch.float32, device=self.device),
+                   (torch.empty(rows, top_n, dtype=torch.int64, device=self.device),
+                    torch.empty(rows, top_n, dtype=torch.float32, device=self.device)))
         if rows:
             arr = params_rows if isinstance(params_rows, ctypes.Array) else (P.SampleRowParams * rows)(*params_rows)
             # through pinned memory: a pageable copy would wait for the step in flight (the graph before it)
             dev_rows = to_device(torch.frombuffer(bytearray(arr), dtype=torch.uint8), self.device)
-            p = P.SampleParams(logits.data_ptr(), dev_rows.data_ptr(), ids.data_ptr(), logprobs.data_ptr(),
-                               top_ids.data_ptr(), top_lps.data_ptr(), logits.stride(0), rows, vocab,
-                               None if checked is None else checked[1].data_ptr())
-            self._launch("sample_topk_topp", "sample_topk_topp",
-                         {"LOGITS_F16": int(logits.dtype == torch.float16)}, (rows, 1, 1), (1024, 1, 1), 0, p)
-        return ids, logprobs, (top_ids, top_lps)
+            self._launch_sample(logits, dev_rows, outputs, checked)
+        return outputs
+
+    def _launch_sample(self, logits: torch.Tensor, dev_rows: torch.Tensor, outputs, checked: torch.Tensor | None
+                       ) -> None:
+        """One sample_topk_topp launch: logits [rows, vocab] as `sample` takes them, dev_rows the rows'
+        SampleRowParams on the device, outputs `sample`'s (ids, logprobs, (top_ids, top_logprobs)), checked
+        `sample_verify`'s [2, rows] (ids = checked[0]) or None. No allocation or copy: capturable (the
+        benchmark times it so)."""
+        ids, logprobs, (top_ids, top_lps) = outputs
+        rows, vocab = logits.shape
+        p = P.SampleParams(logits.data_ptr(), dev_rows.data_ptr(), ids.data_ptr(), logprobs.data_ptr(),
+                           top_ids.data_ptr(), top_lps.data_ptr(), logits.stride(0), rows, vocab,
+                           None if checked is None else checked[1].data_ptr())
+        self._launch("sample_topk_topp", "sample_topk_topp", {"LOGITS_F16": int(logits.dtype == torch.float16)},
+                     (rows, 1, 1), (1024, 1, 1), 0, p)
 
     def philox4x32_10(self, words: torch.Tensor) -> torch.Tensor:
         """Test hook: Philox4x32-10 as the sampler computes it.

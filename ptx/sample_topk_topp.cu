@@ -55,7 +55,7 @@ typedef unsigned long long u64;
 
 struct SampleRow {           // per-row parameters, [num_rows] on the device
     u64 seed;                // Philox key
-    u64 offset;              // Philox counter words 2-3 (advanced by one per sampled token by the caller)
+    u64 offset;              // Philox counter words 2-3 (the caller gives each sampled row its own)
     float temperature;       // <= 0: greedy
     float top_p;             // (0, 1]; 1 = off
     float min_p;             // [0, 1]; 0 = off
@@ -110,6 +110,7 @@ VOLT_DEVICE void philox4x32_10(u32* c, u32 k0, u32 k1) {
 #ifndef SAMPLE_UNROLL
 #define SAMPLE_UNROLL 8
 #endif
+static_assert(SAMPLE_UNROLL % 4 == 0, "the race takes a Philox call's 4 words for 4 of a thread's loads");
 
 struct SampleSmem {
     // radix_select's bins of u64 weights as two u32 words (low, high): every lane adds to them with native 32-bit

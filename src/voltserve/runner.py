@@ -341,30 +341,37 @@ class ModelRunner:
     def _sample_verify(self, plan: StepPlan, logits: torch.Tensor, greedy_ids: torch.Tensor | None
                        ) -> tuple[dict, dict[int, TokenLogprob]]:
         """Sample a verify step's rows (`prepare`'s: one row a sampling entry, 1 + len(drafts) for an entry with
-        drafts; greedy_ids: their argmax from a verify graph, or None): the plain entries as `_sample` does, the
-        drafted ones through `voltserve.spec.verify` where the logits are, with one host copy of their tokens."""
-        plain_rows, spans, row = [], [], 0
+        drafts; greedy_ids: their argmax from a verify graph, or None): all-greedy spans from one host copy of the
+        argmax; on a GPU, spans of drafts proposed for certain (n-gram) in one device sampler launch with the
+        plain entries it takes (`_verify_on_device`); else through `voltserve.spec.verify` where the logits
+        are, with one host copy of their tokens. Other plain entries as `_sample` does."""
+        plain, spans, row = [], [], 0  # (entry, its first row)
         for e in plan.entries:
             if e.drafts:
                 spans.append((e, row))
                 row += e.num_new
             elif e.sample:
-                plain_rows.append(row)
+                plain.append((e, row))
                 row += 1
-        plain = StepPlan([e for e in plan.entries if not e.drafts])
+        all_greedy = all(e.seq.params.is_greedy for e, _ in spans)
+        on_device = not all_greedy and hasattr(self.backend, "sample_verify") \
+            and all(e.draft_probs is None for e, _ in spans)
+        riders = [(e, r) for e, r in plain if on_device and _rides_along(e.seq)]
+        rest = [(e, r) for e, r in plain if not (on_device and _rides_along(e.seq))]
         sampled, lps = {}, {}
-        if plain_rows:
-            index, = indices_to_device(logits.device, plain_rows)
-            sampled, lps = self._sample(plain, logits[index], greedy_ids[index] if greedy_ids is not None else None)
-        if all(e.seq.params.is_greedy for e, _ in spans):  # one host copy of every argmax
+        if rest:
+            index, = indices_to_device(logits.device, [r for _, r in rest])
+            sampled, lps = self._sample(StepPlan([e for e, _ in rest]), logits[index],
+                                        greedy_ids[index] if greedy_ids is not None else None)
+        if all_greedy:  # one host copy of every argmax
             targets = greedy_ids if greedy_ids is not None else logits.argmax(-1)
             self._end_timer()
             targets = targets.tolist()
             for e, r in spans:
                 sampled[e.seq.seq_id] = accept_greedy(targets[r:r + e.num_new], list(e.drafts))
             return sampled, lps
-        if hasattr(self.backend, "sample_verify") and all(e.draft_probs is None for e, _ in spans):
-            sampled.update(self._verify_on_device(logits, spans))
+        if on_device:
+            sampled.update(self._verify_on_device(logits, spans, riders))
             return sampled, lps
         # the drafted spans verified where the logits are, all sampled ones at once, every span's tokens back in
         # one host copy
@@ -401,14 +408,19 @@ class ModelRunner:
             sampled[e.seq.seq_id] = out[1:out[0] + 2]
         return sampled, lps
 
-    def _verify_on_device(self, logits: torch.Tensor, spans: list) -> dict[int, list[int]]:
-        """The drafted spans (entry, first row) of a verify step whose drafts were proposed for certain, checked
-        in one launch (`CudaBackend.sample_verify`; greedy spans too) and read back in one copy. Row i of a span
-        uses Philox counter philox_offset + i; the offset then moves past the span's rows."""
+    def _verify_on_device(self, logits: torch.Tensor, spans: list, riders: list) -> dict[int, list[int] | int]:
+        """Check drafts proposed for certain on the device: spans and riders are (entry, its first row of logits
+        [rows, vocab]), the spans' entries with drafts, the riders' plain sampling entries (no logprobs). One
+        `CudaBackend.sample_verify` launch over their rows (greedy ones at temperature 0) and one host copy.
+        Row i of an entry uses Philox counter philox_offset + i; the offset then moves past its rows.
+
+        Returns:
+            seq_id -> the tokens a span emits (`accept_checked`), or a rider's sampled token.
+        """
         from voltserve.backends.cuda.params import SampleRowParams  # ctypes only; no CUDA import
 
         rows, params = [], []
-        for e, r in spans:
+        for e, r in [*spans, *riders]:
             s, p, k = e.seq, e.seq.params, len(e.drafts)
             temperature = 0.0 if p.is_greedy else p.temperature
             for i in range(k + 1):
@@ -424,6 +436,9 @@ class ModelRunner:
             k = len(e.drafts)
             out[e.seq.seq_id] = accept_checked(e.drafts, passed[at:at + k], tokens[at:at + k + 1])
             at += k + 1
+        for e, _ in riders:
+            out[e.seq.seq_id] = tokens[at]
+            at += 1
         return out
 
     def _generator_on(self, device: torch.device) -> torch.Generator:
@@ -476,7 +491,7 @@ class ModelRunner:
 
         params = [SampleRowParams(s.philox_seed & _U64, off & _U64,
                                   0.0 if s.params.is_greedy else s.params.temperature,
-                                  s.params.top_p, s.params.min_p, max(s.params.top_k, 0), s.params.logprobs or 0, 0)
+                                  s.params.top_p, s.params.min_p, max(s.params.top_k, 0), s.params.logprobs or 0, -1)
                   for s, off in zip(seqs, offsets)]
         ids, lp, (top_ids, top_lps) = self.backend.sample(logits.contiguous(), params)
         return ids, lp, top_ids, top_lps
@@ -494,8 +509,8 @@ class ModelRunner:
 
 
 def _take_rows(t: torch.Tensor, rows: list[int], *more: torch.Tensor):
-    """t[rows] (and each of `more` [rows], as a tuple): a view where rows are consecutive, else a gather whose
-    index goes up in one copy."""
+    """t[rows] for t [n, ...] (any dtype and device), and each of `more` ([n, ...] too) at the same rows, as a
+    tuple: a view where rows are consecutive, else a gather whose index goes up in one copy."""
     if rows and rows == list(range(rows[0], rows[0] + len(rows))):
         taken = [x[rows[0]:rows[0] + len(rows)] for x in (t, *more)]
     else:
@@ -550,6 +565,12 @@ def _device_sampleable(seq) -> bool:
     """_device_supported for a sequence's next token, decided from the sequence alone (no min_tokens masking
     due: min_tokens is met already, and stays met for later tokens)."""
     return len(seq.output_ids) >= seq.params.min_tokens and _device_params_ok(seq.params)
+
+
+def _rides_along(seq) -> bool:
+    """A plain sampling entry of a verify step that joins its drafts' `sample_verify` launch: the device
+    sampler takes it as it is (`_device_sampleable`) and it wants no logprobs (that launch returns none)."""
+    return seq.params.logprobs is None and _device_sampleable(seq)
 
 
 def _plain_greedy(row) -> bool:

@@ -30,7 +30,8 @@ class Sequence:
         generator: torch.Generator seeded from params.seed (+ index), or None to use the engine's.
         philox_seed / philox_offset: the device sampler's Philox4x32-10 key and counter: the seed is
             params.seed (+ index) or a random draw when the request has no seed; the offset advances by one per
-            sampled token (ModelRunner.execute), so a seeded request samples the same tokens run to run.
+            sampled token (ModelRunner.execute) and by k + 1 per verify of k drafts (its rows' counters), so a
+            seeded request (never drafted) samples the same tokens run to run.
         block_ids: KV blocks holding this sequence's tokens, in order.
         block_hashes: prefix-cache hashes of the sequence's full blocks computed so far.
         num_computed_tokens: tokens whose K/V are in the cache.

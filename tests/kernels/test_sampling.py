@@ -227,6 +227,7 @@ def test_runner_device_path_reproducible(cuda_backend):
 # -- sample_verify: speculative sampling's draft checks ---------------------------------------------------------
 
 def _tally(values: torch.Tensor, vocab: int) -> torch.Tensor:
+    """A histogram of token ids [n] int64 over the vocabulary, fp64."""
     return torch.bincount(values, minlength=vocab).double()
 
 
@@ -292,3 +293,26 @@ def test_verify_edge_rows(cuda_backend):
     assert passed[:n].sum() == 0 and set(tokens[:n].tolist()) <= set(order[:3].tolist())
     assert passed[n:2 * n].sum() == n
     assert passed[2 * n:].tolist() == [1, 0] and tokens[2 * n:].tolist() == [top, top]
+
+
+def test_race_draws_each_token_its_own_word(cuda_backend):
+    """The race takes 4 tokens' words from one Philox call (token b0 + u * 1024 + t: word u % 4 of counter
+    (b0 + t, 2 + u / 4, offset)): tied tokens that share a thread, a counter or a call, and a second b0, are
+    drawn uniformly, plainly and (one of them a draft) after a failed check. A word shared by two tokens would
+    tie their exponentials and favour the lower index."""
+    vocab, n = 16384, 20000
+    tied = [5 + 1024 * u for u in range(8)] + [8192 + 5, 8192 + 5 * 1024 + 5]
+    x = torch.full((vocab,), float("-inf"))
+    x[tied] = 0.0
+    ref = torch.zeros(vocab, dtype=torch.float64)
+    ref[tied] = 1 / len(tied)
+    logits = x.cuda().expand(n, vocab)  # row stride 0: every row reads the one row
+    ids, _, _ = cuda_backend.sample(logits, [_row(seed=3, offset=i) for i in range(n)])
+    _assert_follows(_tally(ids.cpu(), vocab), ref)
+    d = tied[2]
+    tokens, passed = cuda_backend.sample_verify(logits, [_row(seed=4, offset=i, draft=d) for i in range(n)]).cpu()
+    ok = passed == 1
+    assert abs(float(ok.sum()) - n / len(tied)) <= 5 * (n * 0.1 * 0.9) ** 0.5
+    residual = ref.clone()
+    residual[d] = 0
+    _assert_follows(_tally(tokens[~ok], vocab), residual / residual.sum())

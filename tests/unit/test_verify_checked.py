@@ -33,6 +33,7 @@ class _CheckingBackend:
         self.calls = []
 
     def sample_verify(self, logits, params_rows):
+        """Records (logits, rows); answers [2, rows] int64: tokens 100 + i, checks `passes`."""
         self.calls.append((logits.clone(), list(params_rows)))
         n = logits.shape[0]
         return torch.tensor([[100 + i for i in range(n)], self.passes[:n]], dtype=torch.int64)
@@ -52,32 +53,45 @@ def _seq(i, params, offset):
 
 
 def test_runner_checks_every_drafted_span_in_one_launch():
-    """A step of a sampled span of 2 drafts, a plain sampled sequence and a greedy span of 1 draft: the spans'
-    rows (not the plain row) go to one sample_verify call with their drafts, -1 on each span's last row, Philox
-    counters philox_offset + i and temperature 0 for the greedy span; each span's tokens follow its checks, and its
-    Philox offset moves past its rows (the plain sequence's by its one token)."""
-    logits = torch.randn(6, VOCAB, generator=torch.Generator().manual_seed(0))
+    """A step of a sampled span of 2 drafts, a plain sampled sequence, a greedy span of 1 draft and a plain one
+    that wants logprobs: the spans' rows, then the first plain sequence's row (it rides along: draft -1), go to
+    one sample_verify call with their drafts, -1 on each span's last row, Philox counters philox_offset + i and
+    temperature 0 for the greedy span; each span's tokens follow its checks, the rider gets its row's token, and
+    each Philox offset moves past its rows. The logprobs sequence is sampled apart (`_sample`, with logprobs)."""
+    logits = torch.randn(7, VOCAB, generator=torch.Generator().manual_seed(0))
     sampled = SamplingParams(temperature=0.8, top_p=0.9, top_k=20, min_p=0.05)
     a, b = _seq(0, sampled, 7), _seq(1, SamplingParams(temperature=0.5), 3)
-    c = _seq(2, SamplingParams(temperature=0), 0)
-    # rows: a -> 0, 1, 2; b -> 3; c -> 4, 5
+    c, d = _seq(2, SamplingParams(temperature=0), 0), _seq(3, SamplingParams(temperature=0.7, logprobs=2), 5)
+    # rows: a -> 0, 1, 2; b -> 3; c -> 4, 5; d -> 6
     plan = StepPlan([ScheduledSeq(a, 3, 3, True, (11, 12)), ScheduledSeq(b, 3, 1, True),
-                     ScheduledSeq(c, 3, 2, True, (13,))], has_drafts=True)
-    backend = _CheckingBackend(passes=[1, 0, 0, 1, 0])  # a: first passes, second fails; c: its draft passes
-    tokens, _ = _runner(backend, logits).execute(plan)
+                     ScheduledSeq(c, 3, 2, True, (13,)), ScheduledSeq(d, 3, 1, True)], has_drafts=True)
+    backend = _CheckingBackend(passes=[1, 0, 0, 1, 0, 0])  # a: first passes, second fails; c: its draft passes
+    tokens, lps = _runner(backend, logits).execute(plan)
     assert len(backend.calls) == 1
     got_logits, rows = backend.calls[0]
-    assert torch.equal(got_logits, logits[[0, 1, 2, 4, 5]])
-    assert [r.draft for r in rows] == [11, 12, -1, 13, -1]
-    assert [r.offset for r in rows] == [7, 8, 9, 0, 1]
-    assert [r.seed for r in rows] == [1000] * 3 + [1002] * 2
-    assert [round(r.temperature, 6) for r in rows] == [0.8] * 3 + [0.0] * 2
+    assert torch.equal(got_logits, logits[[0, 1, 2, 4, 5, 3]])
+    assert [r.draft for r in rows] == [11, 12, -1, 13, -1, -1]
+    assert [r.offset for r in rows] == [7, 8, 9, 0, 1, 3]
+    assert [r.seed for r in rows] == [1000] * 3 + [1002] * 2 + [1001]
+    assert [round(r.temperature, 6) for r in rows] == [0.8] * 3 + [0.0] * 2 + [0.5]
     assert (rows[0].top_k, round(rows[0].top_p, 6), round(rows[0].min_p, 6), rows[0].num_logprobs) == (20, 0.9,
                                                                                                       0.05, 0)
     assert tokens[0] == [11, 101]  # the row after the first failing check gives its own token
     assert tokens[2] == [13, 104]  # every draft passed: the last row's token
-    assert isinstance(tokens[1], int) and 0 <= tokens[1] < VOCAB  # the plain row, sampled on the host
-    assert (a.philox_offset, b.philox_offset, c.philox_offset) == (10, 4, 2)  # b: one sampled token
+    assert tokens[1] == 105  # the rider: its row's token
+    assert isinstance(tokens[3], int) and 0 <= tokens[3] < VOCAB and set(lps) == {3}  # sampled on the host
+    assert (a.philox_offset, b.philox_offset, c.philox_offset, d.philox_offset) == (10, 4, 2, 6)
+
+
+def test_take_rows_gives_views_of_consecutive_rows_and_gathers_others():
+    from voltserve.runner import _take_rows
+
+    t, u = torch.arange(20).view(10, 2), torch.arange(10)
+    view, view_u = _take_rows(t, [3, 4, 5], u)
+    assert view.data_ptr() == t[3].data_ptr() and view.tolist() == [[6, 7], [8, 9], [10, 11]]
+    assert view_u.tolist() == [3, 4, 5]
+    assert _take_rows(t, [5, 1]).tolist() == [[10, 11], [2, 3]]
+    assert _take_rows(t, []).shape == (0, 2)
 
 
 def test_drafts_from_a_draft_models_distribution_keep_the_general_verify():

@@ -27,9 +27,9 @@ def draftable(seq, output_len: int | None = None) -> bool:
     """Whether `seq`'s next tokens may be drafted: no grammar (its mask follows each token), no logprobs, no
     penalties (each row's distribution would depend on the tokens accepted before it), min_tokens met (no EOS
     masking due), and not seeded sampling: a verify draws a number of random values that depends on how many
-    drafts it checks, which depends on the other requests (the ladder, the budget), while a seeded request must
-    sample the same tokens whatever runs beside it (case R1). output_len: the output length the step starts from
-    (default: the current one)."""
+    drafts it checks, which depends on the other requests (the ladder, the budget), while a seeded request's
+    random draws must not depend on what runs beside it (case R1: the same tokens run to run). output_len: the
+    output length the step starts from (default: the current one)."""
     p = seq.params
     n = len(seq.output_ids) if output_len is None else output_len
     return (p.grammar is None and p.logprobs is None and not p.has_penalties

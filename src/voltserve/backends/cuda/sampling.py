@@ -1,7 +1,7 @@
 """DeviceSampling: CudaBackend's sampling kernels (ptx/sampling.cu, ptx/sample_topk_topp.cu): greedy argmax,
 temperature / top-k / top-p / min-p sampling with logprobs, and speculative sampling's draft checks.
 
-A mixin: it needs the backend's `device`, `_launch` and `argmax_counters`.
+A mixin: it needs the backend's `device`, `_launch`, `_on_device` and `argmax_counters`.
 """
 
 from __future__ import annotations
@@ -76,7 +76,8 @@ class DeviceSampling:
         sample as `sample` does. Greedy rows (temperature 0) pass when the draft is the argmax.
 
         Args:
-            logits, params_rows: as `sample` takes (num_logprobs is ignored: no logprobs here).
+            logits, params_rows: as `sample` takes (num_logprobs should be 0: their logprobs are not returned,
+                and a non-zero value still costs the kernel its top-n passes).
         Returns:
             [2, num_rows] int64 on the device, no host sync: row 0 the tokens, row 1 the checks (1 where the
             row's draft passed; 0 for rows without one). A span emits its drafts up to its first failing row,

@@ -9,7 +9,8 @@ With matplotlib installed it also draws latency percentiles against concurrency 
 
 `--processes N` splits each level's streams and requests over N client processes (one httpx process parsing
 every SSE line is itself a bound near 12k tok/s) and sums their tokens over the longest one's wall time.
-`--offline MODEL` replays the same request stream through an in-process `AsyncEngine` without HTTP (same chat
+`--temperature T --top-p P` samples every request (OpenAI's default is temperature 1; the default here, 0, is
+greedy). `--offline MODEL` replays the same request stream through an in-process `AsyncEngine` without HTTP (same chat
 template, same concurrency gate): the engine's offline figure for the same load, the denominator of "HTTP tok/s
 >= 90% of offline" (issue "Performance", target 5). Engine settings come from VOLTSERVE_* variables.
 """
@@ -67,10 +68,12 @@ class RequestResult:
 
 
 async def one_request(client: httpx.AsyncClient, model: str, prompt: str, max_tokens: int,
-                      headers: dict[str, str]) -> RequestResult:
-    """Send one streaming chat completion (greedy, EOS ignored so every request makes `max_tokens` tokens)."""
+                      headers: dict[str, str], temperature: float = 0.0, top_p: float = 1.0) -> RequestResult:
+    """Send one streaming chat completion (greedy, or sampled at `temperature` / `top_p`; EOS ignored so every
+    request makes `max_tokens` tokens)."""
     body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
-            "temperature": 0, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+            "temperature": temperature, "top_p": top_p, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}
     result = RequestResult()
     try:
         async with client.stream("POST", "/v1/chat/completions", json=body, headers=headers) as response:
@@ -94,13 +97,14 @@ async def one_request(client: httpx.AsyncClient, model: str, prompt: str, max_to
     return result
 
 
-async def one_request_offline(engine, prompt_ids: list[int], max_tokens: int) -> RequestResult:
-    """One greedy request through `engine.generate` (EOS ignored), timed like `one_request`."""
+async def one_request_offline(engine, prompt_ids: list[int], max_tokens: int, temperature: float = 0.0,
+                              top_p: float = 1.0) -> RequestResult:
+    """One request through `engine.generate` (EOS ignored), sampled as `one_request` samples, timed like it."""
     from voltserve.request import SamplingParams
 
     result = RequestResult()
-    async for out in engine.generate(prompt_ids, SamplingParams(temperature=0, ignore_eos=True,
-                                                                max_tokens=max_tokens)):
+    params = SamplingParams(temperature=temperature, top_p=top_p, ignore_eos=True, max_tokens=max_tokens)
+    async for out in engine.generate(prompt_ids, params):
         result.output_tokens = out.num_output_tokens
         if out.text:
             result.content_delta()
@@ -178,9 +182,15 @@ async def bench(args: argparse.Namespace, transport: httpx.AsyncBaseTransport | 
         if not model:
             models = (await client.get("/v1/models", headers=headers)).raise_for_status().json()
             model = models["data"][0]["id"]
-        results = await _levels(args, lambda: one_request(client, model, args.prompt, args.max_tokens, headers))
+        results = await _levels(args, lambda: one_request(client, model, args.prompt, args.max_tokens, headers,
+                                                          args.temperature, args.top_p))
     return {"base_url": args.base_url, "model": model, "command": " ".join(sys.argv), "max_tokens": args.max_tokens,
-            "prompt_chars": len(args.prompt), "results": results}
+            **_sampling(args), "prompt_chars": len(args.prompt), "results": results}
+
+
+def _sampling(args: argparse.Namespace) -> dict:
+    """The report's sampling fields: none for greedy requests."""
+    return {"temperature": args.temperature, "top_p": args.top_p} if args.temperature else {}
 
 
 async def _levels(args: argparse.Namespace, send) -> list[dict]:
@@ -209,11 +219,12 @@ async def bench_offline(args: argparse.Namespace) -> dict:
         rendered = engine.chat_template.render([{"role": "user", "content": args.prompt}],
                                                add_generation_prompt=True)
         prompt_ids = encode_rendered(engine.tokenizer, rendered)
-        results = await _levels(args, lambda: one_request_offline(engine, prompt_ids, args.max_tokens))
+        results = await _levels(args, lambda: one_request_offline(engine, prompt_ids, args.max_tokens,
+                                                                  args.temperature, args.top_p))
     finally:
         await engine.stop()
     return {"offline": args.offline, "model": args.offline, "command": " ".join(sys.argv),
-            "max_tokens": args.max_tokens, "prompt_chars": len(args.prompt), "results": results}
+            "max_tokens": args.max_tokens, **_sampling(args), "prompt_chars": len(args.prompt), "results": results}
 
 
 def bench_processes(args: argparse.Namespace, argv: list[str]) -> dict:
@@ -245,7 +256,7 @@ def bench_processes(args: argparse.Namespace, argv: list[str]) -> dict:
                 "ttft_s": parts[0]["ttft_s"], "tpot_s": parts[0]["tpot_s"], "itl_s": parts[0]["itl_s"]})
             print(f"concurrency {concurrency} over {n} processes: {tokens / duration:.1f} tok/s", file=sys.stderr)
     return {"base_url": args.base_url, "model": args.model, "command": " ".join(sys.argv),
-            "max_tokens": args.max_tokens, "prompt_chars": len(args.prompt), "results": results}
+            "max_tokens": args.max_tokens, **_sampling(args), "prompt_chars": len(args.prompt), "results": results}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -258,6 +269,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--num-requests", type=int, default=0, help="per level; default max(4, 2 x concurrency)")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--prompt", default=DEFAULT_PROMPT)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy; OpenAI's default is 1")
+    parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--out", default="", help="also write the JSON report here")
     parser.add_argument("--plot", default="", help="PNG of latency percentiles vs concurrency (needs matplotlib)")
     parser.add_argument("--processes", type=int, default=1, help="client processes per level (their sum is reported)")

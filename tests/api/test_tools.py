@@ -119,3 +119,9 @@ async def test_bench_serving_report(monkeypatch):
     level = report["results"][0]
     assert set(level["ttft_s"]) == {"p50", "p90", "p99", "mean"} and level["ttft_s"]["p50"] >= 0
     assert level["tpot_s"]["p50"] is not None and level["output_tokens_per_s"] > 0
+    assert {(p.temperature, p.top_p) for _, p, _ in engine.requests} == {(0.0, 1.0)} and "temperature" not in report
+    args = bench.parse_args(["--base-url", "http://bench", "--concurrency", "1", "--max-tokens", "4",
+                             "--temperature", "0.7", "--top-p", "0.9"])
+    report = await bench.bench(args, transport=httpx.ASGITransport(app=app))
+    assert (report["temperature"], report["top_p"]) == (0.7, 0.9) and report["results"][0]["output_tokens"] == 16
+    assert {(round(p.temperature, 6), round(p.top_p, 6)) for _, p, _ in engine.requests[8:]} == {(0.7, 0.9)}

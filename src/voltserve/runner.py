@@ -356,13 +356,13 @@ class ModelRunner:
         all_greedy = all(e.seq.params.is_greedy for e, _ in spans)
         on_device = not all_greedy and hasattr(self.backend, "sample_verify") \
             and all(e.draft_probs is None for e, _ in spans)
-        riders = [(e, r) for e, r in plain if on_device and _rides_along(e.seq)]
-        rest = [(e, r) for e, r in plain if not (on_device and _rides_along(e.seq))]
+        riders, rest = [], []  # plain entries that join the device launch, and the others
+        for e, r in plain:
+            (riders if on_device and _rides_along(e.seq) else rest).append((e, r))
         sampled, lps = {}, {}
         if rest:
-            index, = indices_to_device(logits.device, [r for _, r in rest])
-            sampled, lps = self._sample(StepPlan([e for e, _ in rest]), logits[index],
-                                        greedy_ids[index] if greedy_ids is not None else None)
+            sampled, lps = self._sample(StepPlan([e for e, _ in rest]),
+                                        *_take_rows(logits, [r for _, r in rest], greedy_ids))
         if all_greedy:  # one host copy of every argmax
             targets = greedy_ids if greedy_ids is not None else logits.argmax(-1)
             self._end_timer()
@@ -417,15 +417,10 @@ class ModelRunner:
         Returns:
             seq_id -> the tokens a span emits (`accept_checked`), or a rider's sampled token.
         """
-        from voltserve.backends.cuda.params import SampleRowParams  # ctypes only; no CUDA import
-
         rows, params = [], []
         for e, r in [*spans, *riders]:
-            s, p, k = e.seq, e.seq.params, len(e.drafts)
-            temperature = 0.0 if p.is_greedy else p.temperature
-            for i in range(k + 1):
-                params.append(SampleRowParams(s.philox_seed & _U64, (s.philox_offset + i) & _U64, temperature,
-                                              p.top_p, p.min_p, max(p.top_k, 0), 0, e.drafts[i] if i < k else -1))
+            s, k = e.seq, len(e.drafts)
+            params += [_row_params(s, s.philox_offset + i, e.drafts[i] if i < k else -1) for i in range(k + 1)]
             rows.extend(range(r, r + k + 1))
             s.philox_offset += k + 1
         checked = self.backend.sample_verify(_take_rows(logits, rows), params)
@@ -487,12 +482,7 @@ class ModelRunner:
         """Launch CudaBackend.sample on logits [len(seqs), vocab] (CUDA); row i uses Philox key
         seqs[i].philox_seed and counter offsets[i]. Returns its device tensors (ids, logprobs, top_ids,
         top_logprobs) without a host sync."""
-        from voltserve.backends.cuda.params import SampleRowParams  # ctypes only; no CUDA import
-
-        params = [SampleRowParams(s.philox_seed & _U64, off & _U64,
-                                  0.0 if s.params.is_greedy else s.params.temperature,
-                                  s.params.top_p, s.params.min_p, max(s.params.top_k, 0), s.params.logprobs or 0, -1)
-                  for s, off in zip(seqs, offsets)]
+        params = [_row_params(s, off, num_logprobs=s.params.logprobs or 0) for s, off in zip(seqs, offsets)]
         ids, lp, (top_ids, top_lps) = self.backend.sample(logits.contiguous(), params)
         return ids, lp, top_ids, top_lps
 
@@ -508,15 +498,26 @@ class ModelRunner:
         return sampled, _token_logprobs(seqs, tokens, lp, top_ids, top_lps)
 
 
-def _take_rows(t: torch.Tensor, rows: list[int], *more: torch.Tensor):
-    """t[rows] for t [n, ...] (any dtype and device), and each of `more` ([n, ...] too) at the same rows, as a
-    tuple: a view where rows are consecutive, else a gather whose index goes up in one copy."""
+def _take_rows(t: torch.Tensor, rows: list[int], *more: torch.Tensor | None):
+    """t[rows] for t [n, ...] (any dtype and device), and each of `more` ([n, ...] too, or None: None) at the
+    same rows, as a tuple: a view where rows are consecutive, else a gather whose index goes up in one copy."""
     if rows and rows == list(range(rows[0], rows[0] + len(rows))):
-        taken = [x[rows[0]:rows[0] + len(rows)] for x in (t, *more)]
+        taken = [x[rows[0]:rows[0] + len(rows)] if x is not None else None for x in (t, *more)]
     else:
         index, = indices_to_device(t.device, rows)
-        taken = [x[index] for x in (t, *more)]
+        taken = [x[index] if x is not None else None for x in (t, *more)]
     return tuple(taken) if more else taken[0]
+
+
+def _row_params(seq, offset: int, draft: int = -1, num_logprobs: int = 0):
+    """The device sampler's row (`backends.cuda.params.SampleRowParams`) for a token of `seq` at Philox counter
+    `offset`: its seed and sampling parameters (temperature 0 when greedy), `draft` (< 0: none) and the top
+    alternatives it wants."""
+    from voltserve.backends.cuda.params import SampleRowParams  # ctypes only; no CUDA import
+
+    p = seq.params
+    return SampleRowParams(seq.philox_seed & _U64, offset & _U64, 0.0 if p.is_greedy else p.temperature, p.top_p,
+                           p.min_p, max(p.top_k, 0), num_logprobs, draft)
 
 
 def _verify_rows(plan: StepPlan) -> list[int]:

@@ -104,3 +104,24 @@ def test_drafts_from_a_draft_models_distribution_keep_the_general_verify():
     backend = _CheckingBackend(passes=[1, 1, 0])
     tokens, _ = _runner(backend, logits).execute(plan)
     assert backend.calls == [] and 1 <= len(tokens[0]) <= 3
+
+
+def test_device_sampler_rows_carry_each_sequences_parameters():
+    """`ModelRunner._launch_device_sampler`'s rows (a plain step's device sampling): seed, the given Philox
+    counter, temperature (0 when greedy), top-p / min-p / top-k (-1 -> 0), the logprobs wanted, no draft."""
+    calls = []
+
+    class Sampler:
+        def sample(self, logits, params_rows):
+            calls.append(list(params_rows))
+            n = logits.shape[0]
+            return torch.zeros(n, dtype=torch.int64), torch.zeros(n), (torch.zeros(n, 20), torch.zeros(n, 20))
+
+    a = _seq(0, SamplingParams(temperature=0.6, top_p=0.8, min_p=0.02, top_k=-1, logprobs=3), 0)
+    b = _seq(1, SamplingParams(temperature=0), 0)
+    _runner(Sampler(), None)._launch_device_sampler(torch.zeros(2, VOCAB), [a, b], [5, 9])
+    rows = calls[0]
+    assert [(r.seed, r.offset, r.top_k, r.num_logprobs, r.draft) for r in rows] == [(1000, 5, 0, 3, -1),
+                                                                                     (1001, 9, 0, 0, -1)]
+    assert [round(r.temperature, 6) for r in rows] == [0.6, 0.0]
+    assert (round(rows[0].top_p, 6), round(rows[0].min_p, 6)) == (0.8, 0.02)

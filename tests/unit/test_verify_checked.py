@@ -1,7 +1,8 @@
 """Sampled verification through per-row draft checks (`CudaBackend.sample_verify`'s contract), on the CPU: the
 host's reading of the checks (`accept_checked`) and the runner's bookkeeping around the one launch (which logits
 rows, which drafts and Philox counters go up, how the tokens come back), with a stand-in backend that records
-its call and answers fixed checks. The kernel itself is tested on the GPU (tests/kernels/test_sampling.py)."""
+its call and answers fixed checks; also the device sampler's rows of a plain step and `_take_rows`. The kernel
+itself is tested on the GPU (tests/kernels/test_sampling.py)."""
 
 from __future__ import annotations
 

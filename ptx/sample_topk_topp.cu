@@ -76,6 +76,8 @@ struct SampleParams {
     int num_rows;
     int vocab;
     i64* out_passed;             // [num_rows] int64 draft checks (1: passed), or null: no row checks a draft
+    float* part;                 // sample_plain_chunks: [num_rows, chunks] SampleChunk partials
+    int* counters;               // sample_plain_chunks: [num_rows] arrival counters, zero between launches
 };
 VOLT_CHECK_PARAMS(SampleParams, VOLT_SAMPLE_PARAMS_BYTES);
 
@@ -241,6 +243,28 @@ VOLT_DEVICE void block_argmax(float& v, int& idx, SampleSmem& sm) {
     __syncthreads();
 }
 
+// The race over one b0 step of a row: this thread's SAMPLE_UNROLL tokens i = b0 + u * blockDim + tid, sv[u] their
+// scaled logits, keep[u] whether they run (kept, not the draft); token i takes word u % 4 of Philox counter
+// (b0 + tid, 2 + u / 4, c2, c3) under key (k0, k1). Updates the thread's (best, best_i): the largest
+// sv - log(E), E ~ Exp(1), ties to the lower index.
+VOLT_DEVICE void race_step(const float* sv, const bool* keep, int b0, u32 k0, u32 k1, u32 c2, u32 c3, float& best,
+                           int& best_i) {
+#pragma unroll
+    for (int q = 0; q < SAMPLE_UNROLL; q += 4) {
+        if (!(keep[q] || keep[q + 1] || keep[q + 2] || keep[q + 3])) continue;
+        u32 c[4] = {(u32)(b0 + threadIdx.x), 2u + (u32)(q / 4), c2, c3};
+        philox4x32_10(c, k0, k1);
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            if (!keep[q + j]) continue;
+            const int i = b0 + (q + j) * blockDim.x + threadIdx.x;
+            const float w = ((float)(c[j] >> 9) + 0.5f) * 1.1920928955078125e-7f;  // (0, 1), 2^-23 steps
+            const float g = sv[q + j] - logf(-log1pf(-w));                      // s - log(E), E ~ Exp(1)
+            if (g > best || (g == best && i < best_i)) { best = g; best_i = i; }
+        }
+    }
+}
+
 // Block sum of v; every thread gets the result.
 VOLT_DEVICE float block_sum(float v, SampleSmem& sm) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
@@ -255,6 +279,17 @@ VOLT_DEVICE float block_sum(float v, SampleSmem& sm) {
     return v;
 }
 
+// one element x (index i, above every earlier one of this thread) into an online-softmax state (m, s, i)
+VOLT_DEVICE void online_ms(float& m, float& s, int& am, float x, int i) {
+    if (x > m) {
+        s = (m == VOLT_NEG_INF ? 0.f : s * expf(m - x)) + 1.f;
+        m = x;
+        am = i;
+    } else if (x != VOLT_NEG_INF) {  // a thread's indices increase: a tie keeps the lower index
+        s += expf(x - m);
+    }
+}
+
 // merge two online-softmax states (max m, sum s of exp(x - m), argmax index i)
 VOLT_DEVICE void merge_ms(float& m, float& s, int& i, float om, float os, int oi) {
     if (om > m || (om == m && oi < i)) {
@@ -266,27 +301,9 @@ VOLT_DEVICE void merge_ms(float& m, float& s, int& i, float om, float os, int oi
     }
 }
 
-extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) sample_topk_topp(const SampleParams p) {
-    pdl_enter();
-    __shared__ SampleSmem sm;
-    const int row = blockIdx.x, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nw = blockDim.x >> 5;
-    const int vocab = p.vocab;
-    const i64 base = (i64)row * p.row_stride;
-    const SampleRow rp = p.rows[row];
-
-    // ---- 1. max, argmax, log-sum-exp of the raw logits (one pass, online) ----
-    float m = VOLT_NEG_INF, s = 0.f;
-    int am = 0x7fffffff;
-    for_row(p, base, vocab, [&](int i, float x) {
-        if (i >= vocab) return;
-        if (x > m) {
-            s = (m == VOLT_NEG_INF ? 0.f : s * expf(m - x)) + 1.f;
-            m = x;
-            am = i;
-        } else if (x != VOLT_NEG_INF) {  // a thread's indices increase: a tie keeps the lower index
-            s += expf(x - m);
-        }
-    });
+// Block merge of every thread's online-softmax state; every thread gets the result.
+VOLT_DEVICE void block_merge_ms(float& m, float& s, int& am, SampleSmem& sm) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1)
         merge_ms(m, s, am, __shfl_xor_sync(0xffffffffu, m, o), __shfl_xor_sync(0xffffffffu, s, o),
@@ -301,6 +318,23 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) sample_topk_topp(co
         merge_ms(m, s, am, __shfl_xor_sync(0xffffffffu, m, o), __shfl_xor_sync(0xffffffffu, s, o),
                  __shfl_xor_sync(0xffffffffu, am, o));
     __syncthreads();
+}
+
+extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) sample_topk_topp(const SampleParams p) {
+    pdl_enter();
+    __shared__ SampleSmem sm;
+    const int row = blockIdx.x, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nw = blockDim.x >> 5;
+    const int vocab = p.vocab;
+    const i64 base = (i64)row * p.row_stride;
+    const SampleRow rp = p.rows[row];
+
+    // ---- 1. max, argmax, log-sum-exp of the raw logits (one pass, online) ----
+    float m = VOLT_NEG_INF, s = 0.f;
+    int am = 0x7fffffff;
+    for_row(p, base, vocab, [&](int i, float x) {
+        if (i < vocab) online_ms(m, s, am, x, i);
+    });
+    block_merge_ms(m, s, am, sm);
     const float x_max = m;
     const float log_z = m + logf(s);
     const int argmax = am == 0x7fffffff ? 0 : am;
@@ -432,20 +466,7 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) sample_topk_topp(co
                     keep[u] = i != draft;  // the race runs over the residual
                 }
             }
-#pragma unroll
-            for (int q = 0; q < SAMPLE_UNROLL; q += 4) {
-                if (!(keep[q] || keep[q + 1] || keep[q + 2] || keep[q + 3])) continue;
-                u32 c[4] = {(u32)(b0 + tid), 2u + (u32)(q / 4), c2, c3};
-                philox4x32_10(c, k0, k1);
-#pragma unroll
-                for (int j = 0; j < 4; ++j) {
-                    if (!keep[q + j]) continue;
-                    const int i = b0 + (q + j) * blockDim.x + tid;
-                    const float w = ((float)(c[j] >> 9) + 0.5f) * 1.1920928955078125e-7f;  // (0, 1), 2^-23 steps
-                    const float g = sv[q + j] - logf(-log1pf(-w));                      // s - log(E), E ~ Exp(1)
-                    if (g > best || (g == best && i < best_i)) { best = g; best_i = i; }
-                }
-            }
+            race_step(sv, keep, b0, k0, k1, c2, c3, best, best_i);
         }
         block_argmax(best, best_i, sm);
         if (best_i != 0x7fffffff) token = best_i;
@@ -466,6 +487,116 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) sample_topk_topp(co
         p.out_ids[row] = token;
         p.out_logprobs[row] = load_x(p, base + token) - log_z;
         if (p.out_passed != nullptr) p.out_passed[row] = passed;
+    }
+}
+
+// ---- sample_plain_chunks: sample_topk_topp's tokens for rows without top-k / top-p / min-p / logprobs, a row over
+// many blocks (one SM a row bounded the single-block kernel: ~46 us for a 49,152 row on an H100) ----
+// Grid (num_rows, chunks = ceil(vocab / (SAMPLE_THREADS * SAMPLE_UNROLL))), block SAMPLE_THREADS: block (r, c) runs
+// one b0 = c * SAMPLE_THREADS * SAMPLE_UNROLL step of sample_topk_topp's passes over row r (the same loads and the
+// same Philox words, so the same race: the same token for the same (seed, offset)), then writes its partials: the
+// raw logits' (max, sum of exp, argmax), the scaled ones' (max, sum of exp) for a draft check, and the race's
+// winner. The row's last block to arrive (an arrival counter) merges them in a fixed order and writes the row's
+// outputs as sample_topk_topp does (top entries -1 / -inf); log_z and a draft check's sum are summed in another
+// order than there (last-bit differences; the tokens are the same).
+struct SampleChunk {
+    float m, s;     // raw logits: max, sum of exp(x - m)
+    float sm, ss;   // scaled (x / temperature): max, sum of exp(sv - sm) (rows that check a draft)
+    float g;        // the race's best key
+    int am, gi;     // raw argmax, the race's winner (0x7fffffff: none)
+    int pad_;
+};
+
+extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) sample_plain_chunks(const SampleParams p) {
+    pdl_enter();
+    __shared__ SampleSmem sm;
+    __shared__ int s_last;
+    const int row = blockIdx.x, tid = threadIdx.x, lane = tid & 31;
+    const int vocab = p.vocab, b0 = blockIdx.y * blockDim.x * SAMPLE_UNROLL;
+    const i64 base = (i64)row * p.row_stride;
+    const SampleRow rp = p.rows[row];
+    const float temp = rp.temperature;
+    const int draft = p.out_passed != nullptr && rp.draft < vocab ? rp.draft : -1;
+    const u32 k0 = (u32)rp.seed, k1 = (u32)(rp.seed >> 32), c2 = (u32)rp.offset, c3 = (u32)(rp.offset >> 32);
+
+    float x[SAMPLE_UNROLL], sv[SAMPLE_UNROLL];
+    bool keep[SAMPLE_UNROLL];
+#pragma unroll
+    for (int u = 0; u < SAMPLE_UNROLL; ++u) {
+        const int i = b0 + u * blockDim.x + tid;
+        x[u] = i < vocab ? load_x(p, base + i) : 0.f;
+    }
+    float m = VOLT_NEG_INF, s = 0.f, smx = VOLT_NEG_INF, ss = 0.f, best = VOLT_NEG_INF;
+    int am = 0x7fffffff, unused = 0, best_i = 0x7fffffff;
+#pragma unroll
+    for (int u = 0; u < SAMPLE_UNROLL; ++u) {
+        const int i = b0 + u * blockDim.x + tid;
+        sv[u] = x[u] / (temp > 0.f ? temp : 1.f);
+        keep[u] = temp > 0.f && i < vocab && i != draft;  // every token is kept; the race skips the draft
+        if (i >= vocab) continue;
+        online_ms(m, s, am, x[u], i);
+        if (temp > 0.f && draft >= 0) online_ms(smx, ss, unused, sv[u], i);
+    }
+    race_step(sv, keep, b0, k0, k1, c2, c3, best, best_i);
+    block_merge_ms(m, s, am, sm);
+    block_merge_ms(smx, ss, unused, sm);
+    block_argmax(best, best_i, sm);
+    SampleChunk* part = reinterpret_cast<SampleChunk*>(p.part) + (i64)row * gridDim.y;
+    if (tid == 0) {
+        part[blockIdx.y] = SampleChunk{m, s, smx, ss, best, am, best_i, 0};
+        __threadfence();
+        s_last = atomicAdd(p.counters + row, 1) == (int)gridDim.y - 1;
+    }
+    __syncthreads();
+    if (!s_last || tid >= 32) return;
+    __threadfence();
+    // the chunks' partials, lane l taking chunks l, l + 32, ... (a fixed order: deterministic)
+    m = VOLT_NEG_INF; s = 0.f; am = 0x7fffffff;
+    smx = VOLT_NEG_INF; ss = 0.f; unused = 0;
+    best = VOLT_NEG_INF; best_i = 0x7fffffff;
+    for (int c = lane; c < (int)gridDim.y; c += 32) {
+        const float4 a = __ldcg(reinterpret_cast<const float4*>(part + c));
+        const int4 b = __ldcg(reinterpret_cast<const int4*>(part + c) + 1);
+        merge_ms(m, s, am, a.x, a.y, b.y);
+        merge_ms(smx, ss, unused, a.z, a.w, 0);
+        const float g = __int_as_float(b.x);
+        if (g > best || (g == best && b.z < best_i)) { best = g; best_i = b.z; }
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        merge_ms(m, s, am, __shfl_xor_sync(0xffffffffu, m, o), __shfl_xor_sync(0xffffffffu, s, o),
+                 __shfl_xor_sync(0xffffffffu, am, o));
+        merge_ms(smx, ss, unused, __shfl_xor_sync(0xffffffffu, smx, o), __shfl_xor_sync(0xffffffffu, ss, o), 0);
+        const float og = __shfl_xor_sync(0xffffffffu, best, o);
+        const int oi = __shfl_xor_sync(0xffffffffu, best_i, o);
+        if (og > best || (og == best && oi < best_i)) { best = og; best_i = oi; }
+    }
+    const float log_z = m + logf(s);
+    const int argmax = am == 0x7fffffff ? 0 : am;
+    int token = argmax, passed = 0;
+    if (temp > 0.f) {
+        if (best_i != 0x7fffffff) token = best_i;
+        if (draft >= 0) {
+            // the kept set is every token: p(draft) = exp(s_d - s_max) / sum exp(sv - s_max), s_max = smx
+            const float e_d = expf(load_x(p, base + draft) / temp - smx);
+            u32 c[4] = {0u, 1u, c2, c3};
+            philox4x32_10(c, k0, k1);
+            const float u = ((float)(c[0] >> 9) + 0.5f) * 1.1920928955078125e-7f;
+            passed = u * ss < e_d;
+        }
+    } else {
+        passed = draft >= 0 && argmax == draft;
+    }
+    if (lane < SAMPLE_MAX_TOP) {
+        const i64 o = (i64)row * SAMPLE_MAX_TOP + lane;
+        p.out_top_ids[o] = -1;
+        p.out_top_logprobs[o] = VOLT_NEG_INF;
+    }
+    if (lane == 0) {
+        p.out_ids[row] = token;
+        p.out_logprobs[row] = load_x(p, base + token) - log_z;
+        if (p.out_passed != nullptr) p.out_passed[row] = passed;
+        p.counters[row] = 0;  // ready for the next launch on this stream
     }
 }
 

@@ -410,7 +410,7 @@ def _captured_sample(be, logits: torch.Tensor, top_p: float, drafts: bool):
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         be.refresh_stream()
-        be._launch_sample(logits, dev_rows, outputs, checked)
+        be._launch_sample(logits, dev_rows, outputs, checked, be._chunked(params, logits.shape[1]))
     be.refresh_stream()
     keep = (g, dev_rows, outputs, checked, logits)  # the graph reads and writes these by address
     return lambda: keep[0].replay()

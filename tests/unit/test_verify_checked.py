@@ -126,3 +126,25 @@ def test_device_sampler_rows_carry_each_sequences_parameters():
                                                                                      (1001, 9, 0, 0, -1)]
     assert [round(r.temperature, 6) for r in rows] == [0.6, 0.0]
     assert (round(rows[0].top_p, 6), round(rows[0].min_p, 6)) == (0.8, 0.02)
+
+
+def test_the_chunked_sampler_takes_only_unfiltered_rows_without_logprobs():
+    """`DeviceSampling._chunked`: sample_plain_chunks runs rows with no top-k (or one >= vocab), top-p, min-p or
+    logprobs, while VOLTSERVE_SAMPLE_CHUNKS is not off and the rows fit its counters."""
+    from voltserve.backends.cuda.params import SampleRowParams
+    from voltserve.backends.cuda.sampling import DeviceSampling
+
+    class Backend(DeviceSampling):
+        sample_chunks = "auto"
+        sample_counters = torch.zeros(4)
+
+    def row(top_k=0, top_p=1.0, min_p=0.0, num_logprobs=0):
+        return SampleRowParams(1, 0, 0.8, top_p, min_p, top_k, num_logprobs, -1)
+
+    be = Backend()
+    assert be._chunked([row(), row(top_k=VOCAB), row(top_k=-1)], VOCAB)
+    for other in (row(top_k=5), row(top_p=0.95), row(min_p=0.1), row(num_logprobs=1)):
+        assert not be._chunked([row(), other], VOCAB)
+    assert not be._chunked([row()] * 5, VOCAB)  # more rows than counters
+    be.sample_chunks = "off"
+    assert not be._chunked([row()], VOCAB)

@@ -183,6 +183,10 @@ class CudaBackend(DeviceSampling):
         # attn_decode's split arrival counters, one per (sequence, KV head); zero between launches
         self.attn_counters = torch.zeros(kernels.ATTN_MAX_COUNTERS, dtype=torch.int32, device=self.device)
         self.argmax_counters = torch.zeros(kernels.ARGMAX_MAX_ROWS, dtype=torch.int32, device=self.device)
+        # sample_plain_chunks' arrival counters, one per row; zero between launches
+        self.sample_counters = torch.zeros(kernels.SAMPLE_MAX_CHUNKED_ROWS, dtype=torch.int32, device=self.device)
+        # rows without top-k / top-p / min-p / logprobs over many blocks (sample_plain_chunks), or always one
+        self.sample_chunks = _env_choice("VOLTSERVE_SAMPLE_CHUNKS", ("auto", "off"))
         # attn_decode's split count per longest context, per (graph capacity, sequences): graph_decode_splits
         self._graph_plans: dict[tuple[int, int], tuple[tuple[int, ...], int]] = {}
         # gemv_chain's grid barrier: an arrival counter that only grows, by kernels.GEMV_CHAIN_BARRIER_QUANTUM a

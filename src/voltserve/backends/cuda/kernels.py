@@ -23,6 +23,9 @@ GEMM_MIN_ROWS = 17
 GEMV_ROW_BUCKETS = (1, 2, 4, 8)
 SAMPLE_MAX_LOGPROBS = 20   # top alternatives per row of sample_topk_topp (SAMPLE_MAX_TOP in the .cu)
 SAMPLE_MAX_VOCAB = 1 << 23  # fixed-point headroom of the top-p weights
+SAMPLE_CHUNK = 1024 * 8  # sample_plain_chunks: vocabulary entries a block (SAMPLE_THREADS x SAMPLE_UNROLL)
+SAMPLE_CHUNK_PART_FLOATS = 8  # sample_plain_chunks: a SampleChunk's 32 bytes
+SAMPLE_MAX_CHUNKED_ROWS = 4096  # rows with arrival counters; more rows take sample_topk_topp
 GEMV_Q_WARPS = 8           # gemv_q: warps per block (they split k), 32 output features per block
 GEMV_Q_PIECE = 2048        # gemv_q: k staged in shared memory at a time (GEMV_Q_WARPS * 256)
 GEMV_Q_SUPERBLOCK = 256    # gemv_q needs k % 256 == 0 (rows of whole 16-byte-aligned 8-block superblocks)
@@ -497,7 +500,8 @@ SOURCES = {
     "gemm_tiled": KernelSource("gemm_tiled.cu", ("gemm_tiled",), P.GemmParams, "VOLT_GEMM_PARAMS_BYTES"),
     "gemm_tc": KernelSource("gemm_tc.cu", ("gemm_tc", "dequant_f16"), P.GemmTcParams, "VOLT_GEMM_TC_PARAMS_BYTES"),
     "sampling": KernelSource("sampling.cu", ("argmax_logprob",), P.ArgmaxParams, "VOLT_ARGMAX_PARAMS_BYTES"),
-    "sample_topk_topp": KernelSource("sample_topk_topp.cu", ("sample_topk_topp", "philox4x32_10_test"),
+    "sample_topk_topp": KernelSource("sample_topk_topp.cu", ("sample_topk_topp", "sample_plain_chunks",
+                                                             "philox4x32_10_test"),
                                      P.SampleParams, "VOLT_SAMPLE_PARAMS_BYTES",
                                      (("VOLT_SAMPLE_ROW_BYTES", P.SampleRowParams),)),
 }

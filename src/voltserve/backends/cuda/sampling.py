@@ -1,7 +1,8 @@
 """DeviceSampling: CudaBackend's sampling kernels (ptx/sampling.cu, ptx/sample_topk_topp.cu): greedy argmax,
 temperature / top-k / top-p / min-p sampling with logprobs, and speculative sampling's draft checks.
 
-A mixin: it needs the backend's `device`, `_launch`, `_on_device` and `argmax_counters`.
+A mixin: it needs the backend's `device`, `_launch`, `_on_device`, `argmax_counters`, `sample_counters` and
+`sample_chunks`.
 """
 
 from __future__ import annotations
@@ -112,22 +113,38 @@ class DeviceSampling:
             arr = params_rows if isinstance(params_rows, ctypes.Array) else (P.SampleRowParams * rows)(*params_rows)
             # through pinned memory: a pageable copy would wait for the step in flight (the graph before it)
             dev_rows = to_device(torch.frombuffer(bytearray(arr), dtype=torch.uint8), self.device)
-            self._launch_sample(logits, dev_rows, outputs, checked)
+            self._launch_sample(logits, dev_rows, outputs, checked, self._chunked(arr, vocab))
         return outputs
 
-    def _launch_sample(self, logits: torch.Tensor, dev_rows: torch.Tensor, outputs, checked: torch.Tensor | None
-                       ) -> None:
-        """One sample_topk_topp launch: logits [rows, vocab] as `sample` takes them, dev_rows the rows'
-        SampleRowParams on the device, outputs `sample`'s (ids, logprobs, (top_ids, top_logprobs)), checked
-        `sample_verify`'s [2, rows] (ids = checked[0]) or None. No allocation or copy: capturable (the
+    def _chunked(self, rows, vocab: int) -> bool:
+        """Whether sample_plain_chunks takes these SampleRowParams: every row without top-k, top-p, min-p and
+        logprobs, few enough rows for its counters, and VOLTSERVE_SAMPLE_CHUNKS not off."""
+        return (self.sample_chunks == "auto" and len(rows) <= self.sample_counters.numel()
+                and all((r.top_k <= 0 or r.top_k >= vocab) and r.top_p >= 1.0 and r.min_p <= 0.0
+                        and r.num_logprobs == 0 for r in rows))
+
+    def _launch_sample(self, logits: torch.Tensor, dev_rows: torch.Tensor, outputs, checked: torch.Tensor | None,
+                       chunked: bool = False) -> None:
+        """One sampler launch: logits [rows, vocab] as `sample` takes them, dev_rows the rows' SampleRowParams
+        on the device, outputs `sample`'s (ids, logprobs, (top_ids, top_logprobs)), checked `sample_verify`'s
+        [2, rows] (ids = checked[0]) or None; chunked: the rows are all `_chunked`'s (sample_plain_chunks: a row
+        over ceil(vocab / SAMPLE_CHUNK) blocks), else sample_topk_topp (a block a row). No copy; capturable (the
         benchmark times it so)."""
         ids, logprobs, (top_ids, top_lps) = outputs
         rows, vocab = logits.shape
+        part = counters = None
+        chunks = 1
+        if chunked:
+            chunks = math.ceil(vocab / kernels.SAMPLE_CHUNK)
+            part = torch.empty(rows * chunks * kernels.SAMPLE_CHUNK_PART_FLOATS, dtype=torch.float32,
+                               device=self.device)
+            counters = self.sample_counters
         p = P.SampleParams(logits.data_ptr(), dev_rows.data_ptr(), ids.data_ptr(), logprobs.data_ptr(),
                            top_ids.data_ptr(), top_lps.data_ptr(), logits.stride(0), rows, vocab,
-                           None if checked is None else checked[1].data_ptr())
-        self._launch("sample_topk_topp", "sample_topk_topp", {"LOGITS_F16": int(logits.dtype == torch.float16)},
-                     (rows, 1, 1), (1024, 1, 1), 0, p)
+                           None if checked is None else checked[1].data_ptr(),
+                           None if part is None else part.data_ptr(), None if counters is None else counters.data_ptr())
+        self._launch("sample_topk_topp", "sample_plain_chunks" if chunked else "sample_topk_topp",
+                     {"LOGITS_F16": int(logits.dtype == torch.float16)}, (rows, chunks, 1), (1024, 1, 1), 0, p)
 
     def philox4x32_10(self, words: torch.Tensor) -> torch.Tensor:
         """Test hook: Philox4x32-10 as the sampler computes it.
@@ -141,7 +158,7 @@ class DeviceSampling:
         n = words.shape[0]
         out = torch.empty(n, 4, dtype=torch.int32, device=self.device)
         if n:
-            p = P.SampleParams(words.data_ptr(), None, None, None, out.data_ptr(), None, 6, n, 0, None)
+            p = P.SampleParams(words.data_ptr(), None, None, None, out.data_ptr(), None, 6, n, 0, None, None, None)
             self._launch("sample_topk_topp", "philox4x32_10_test", {"LOGITS_F16": 0}, (math.ceil(n / 128), 1, 1),
                          (128, 1, 1), 0, p)
         return out

@@ -518,6 +518,8 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) sample_plain_chunks
     const float temp = rp.temperature;
     const int draft = p.out_passed != nullptr && rp.draft < vocab ? rp.draft : -1;
     const u32 k0 = (u32)rp.seed, k1 = (u32)(rp.seed >> 32), c2 = (u32)rp.offset, c3 = (u32)(rp.offset >> 32);
+    // the launcher's chunk (kernels.SAMPLE_CHUNK) must be this build's step, or tokens would go unread
+    if ((i64)gridDim.y * blockDim.x * SAMPLE_UNROLL < vocab) __trap();
 
     float x[SAMPLE_UNROLL], sv[SAMPLE_UNROLL];
     bool keep[SAMPLE_UNROLL];
@@ -545,7 +547,9 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) sample_plain_chunks
     if (tid == 0) {
         part[blockIdx.y] = SampleChunk{m, s, smx, ss, best, am, best_i, 0};
         __threadfence();
-        s_last = atomicAdd(p.counters + row, 1) == (int)gridDim.y - 1;
+        const bool last = atomicAdd(p.counters + row, 1) == (int)gridDim.y - 1;
+        __threadfence();  // acquire: the other blocks' partials before this block reads them
+        s_last = last;
     }
     __syncthreads();
     if (!s_last || tid >= 32) return;

@@ -318,21 +318,29 @@ def test_race_draws_each_token_its_own_word(cuda_backend):
     _assert_follows(_tally(tokens[~ok], vocab), residual / residual.sum())
 
 
-@pytest.mark.parametrize("vocab", [33, 8192, 49152, 128256, 151937])
+@pytest.mark.parametrize("vocab", [8193, 49152, 128256, 151937])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_chunked_rows_give_the_single_block_tokens(cuda_backend, vocab, dtype):
     """Rows without top-k / top-p / min-p / logprobs run over many blocks (sample_plain_chunks): the tokens and
     draft checks of sample_topk_topp (same loads, same Philox words), logprobs within 1e-4 (fp32) / 1e-3 (fp16)
-    (log_z summed in another order), top entries -1 / -inf."""
+    (log_z summed in another order), top entries -1 / -inf, the arrival counters zero again. Rows include a stripe
+    of -inf logits, greedy rows whose draft is the argmax and drafts in the last, partial chunk."""
+    from voltserve.backends.cuda.sampling import _plain_row
+
     gen = torch.Generator().manual_seed(vocab)
-    rows = 96
-    logits = (torch.randn(rows, vocab, generator=gen) * 3).to(dtype).cuda()
+    rows = min(96, cuda_backend.num_sms)
+    x = torch.randn(rows, vocab, generator=gen) * 3
+    x[:, 1000:3000] = float("-inf")
+    logits = x.to(dtype).cuda()
+    argmax = logits.float().argmax(-1).tolist()
     temps = [0.0, 0.7, 1.0, 1.3]
-    params = [_row(temperature=temps[i % 4], seed=11 + i, offset=i * 3, draft=(7 * i) % vocab if i % 3 else -1)
+    drafts = [argmax[i] if i % 8 == 0 else vocab - 1 - i if i % 3 == 1 else (7 * i) % vocab if i % 3 == 2 else -1
               for i in range(rows)]
-    assert cuda_backend._chunked(params, vocab) and not cuda_backend._chunked(params + [_row(top_p=0.9)], vocab)
+    params = [_row(temperature=temps[i % 4], seed=11 + i, offset=i * 3, draft=drafts[i]) for i in range(rows)]
+    assert all(_plain_row(r, vocab) for r in params) and cuda_backend._chunked(rows, vocab)
     chunked_ids, chunked_lp, (top_ids, top_lps) = cuda_backend.sample(logits, params)
     chunked_checks = cuda_backend.sample_verify(logits, params)
+    assert not cuda_backend.sample_counters.any()
     try:
         cuda_backend.sample_chunks = "off"
         ids, lp, _ = cuda_backend.sample(logits, params)
@@ -340,7 +348,8 @@ def test_chunked_rows_give_the_single_block_tokens(cuda_backend, vocab, dtype):
     finally:
         cuda_backend.sample_chunks = "auto"
     assert torch.equal(chunked_ids, ids) and torch.equal(chunked_checks[0], checks[0])
-    # a check differs only where u * sum lands within rounding of e_d (summed in another order)
+    assert chunked_checks[1][::8].tolist() == [1] * len(range(0, rows, 8))  # greedy rows (i % 8 == 0 -> T 0)
+    # a sampled check differs only where u * sum lands within rounding of e_d (summed in another order)
     assert int((chunked_checks[1] != checks[1]).sum()) <= 1
     tol = 1e-4 if dtype == torch.float32 else 1e-3
     assert torch.allclose(chunked_lp, lp, atol=tol, rtol=0)

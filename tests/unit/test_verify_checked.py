@@ -129,22 +129,26 @@ def test_device_sampler_rows_carry_each_sequences_parameters():
 
 
 def test_the_chunked_sampler_takes_only_unfiltered_rows_without_logprobs():
-    """`DeviceSampling._chunked`: sample_plain_chunks runs rows with no top-k (or one >= vocab), top-p, min-p or
-    logprobs, while VOLTSERVE_SAMPLE_CHUNKS is not off and the rows fit its counters."""
+    """`sampling._plain_row` and `DeviceSampling._chunked`: sample_plain_chunks runs launches whose rows have no
+    logprobs and, unless greedy, no top-k (or one >= vocab), top-p or min-p; of more than one chunk of vocabulary,
+    at most as many rows as SMs, while VOLTSERVE_SAMPLE_CHUNKS is not off."""
     from voltserve.backends.cuda.params import SampleRowParams
-    from voltserve.backends.cuda.sampling import DeviceSampling
+    from voltserve.backends.cuda.sampling import DeviceSampling, _plain_row
+
+    def row(temperature=0.8, top_k=0, top_p=1.0, min_p=0.0, num_logprobs=0):
+        return SampleRowParams(1, 0, temperature, top_p, min_p, top_k, num_logprobs, -1)
+
+    vocab = 49152
+    assert all(_plain_row(r, vocab) for r in (row(), row(top_k=vocab), row(top_k=-1), row(0.0, 5, 0.9, 0.1)))
+    assert not any(_plain_row(r, vocab) for r in (row(top_k=5), row(top_p=0.95), row(min_p=0.1),
+                                                   row(num_logprobs=1), row(0.0, num_logprobs=1)))
 
     class Backend(DeviceSampling):
         sample_chunks = "auto"
-        sample_counters = torch.zeros(4)
-
-    def row(top_k=0, top_p=1.0, min_p=0.0, num_logprobs=0):
-        return SampleRowParams(1, 0, 0.8, top_p, min_p, top_k, num_logprobs, -1)
+        num_sms = 4
+        sample_counters = torch.zeros(8)
 
     be = Backend()
-    assert be._chunked([row(), row(top_k=VOCAB), row(top_k=-1)], VOCAB)
-    for other in (row(top_k=5), row(top_p=0.95), row(min_p=0.1), row(num_logprobs=1)):
-        assert not be._chunked([row(), other], VOCAB)
-    assert not be._chunked([row()] * 5, VOCAB)  # more rows than counters
+    assert be._chunked(4, vocab) and not be._chunked(5, vocab) and not be._chunked(1, 8192)
     be.sample_chunks = "off"
-    assert not be._chunked([row()], VOCAB)
+    assert not be._chunked(1, vocab)

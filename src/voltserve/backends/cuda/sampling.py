@@ -1,8 +1,8 @@
 """DeviceSampling: CudaBackend's sampling kernels (ptx/sampling.cu, ptx/sample_topk_topp.cu): greedy argmax,
 temperature / top-k / top-p / min-p sampling with logprobs, and speculative sampling's draft checks.
 
-A mixin: it needs the backend's `device`, `_launch`, `_on_device`, `argmax_counters`, `sample_counters` and
-`sample_chunks`.
+A mixin: it needs the backend's `device`, `num_sms`, `_launch`, `_on_device`, `argmax_counters`,
+`sample_counters` and `sample_chunks`.
 """
 
 from __future__ import annotations
@@ -101,10 +101,12 @@ class DeviceSampling:
         if vocab >= kernels.SAMPLE_MAX_VOCAB:
             raise ValueError(f"vocab {vocab} >= {kernels.SAMPLE_MAX_VOCAB} is not supported by sample_topk_topp")
         top_n = kernels.SAMPLE_MAX_LOGPROBS
+        plain = True  # every row one `_chunked` takes
         for r in params_rows:
             if not 0 <= r.num_logprobs <= top_n or not 0 < r.top_p <= 1 or not 0 <= r.min_p <= 1:
                 raise ValueError(f"unsupported sampling row: num_logprobs {r.num_logprobs}, top_p {r.top_p}, "
                                  f"min_p {r.min_p}")
+            plain = plain and _plain_row(r, vocab)
         ids = torch.empty(rows, dtype=torch.int64, device=self.device) if checked is None else checked[0]
         outputs = (ids, torch.empty(rows, dtype=torch.float32, device=self.device),
                    (torch.empty(rows, top_n, dtype=torch.int64, device=self.device),
@@ -113,15 +115,16 @@ class DeviceSampling:
             arr = params_rows if isinstance(params_rows, ctypes.Array) else (P.SampleRowParams * rows)(*params_rows)
             # through pinned memory: a pageable copy would wait for the step in flight (the graph before it)
             dev_rows = to_device(torch.frombuffer(bytearray(arr), dtype=torch.uint8), self.device)
-            self._launch_sample(logits, dev_rows, outputs, checked, self._chunked(arr, vocab))
+            self._launch_sample(logits, dev_rows, outputs, checked, plain and self._chunked(rows, vocab))
         return outputs
 
-    def _chunked(self, rows, vocab: int) -> bool:
-        """Whether sample_plain_chunks takes these SampleRowParams: every row without top-k, top-p, min-p and
-        logprobs, few enough rows for its counters, and VOLTSERVE_SAMPLE_CHUNKS not off."""
-        return (self.sample_chunks == "auto" and len(rows) <= self.sample_counters.numel()
-                and all((r.top_k <= 0 or r.top_k >= vocab) and r.top_p >= 1.0 and r.min_p <= 0.0
-                        and r.num_logprobs == 0 for r in rows))
+    def _chunked(self, num_rows: int, vocab: int) -> bool:
+        """Whether sample_plain_chunks takes a launch of `num_rows` rows that are all `_plain_row`s: a vocabulary
+        of more than one chunk, at most as many rows as SMs (more rows fill the GPU a block a row already, and
+        each chunk block pays fixed costs; a provisional bound, not yet measured), and VOLTSERVE_SAMPLE_CHUNKS
+        not off."""
+        return (self.sample_chunks == "auto" and vocab > kernels.SAMPLE_CHUNK
+                and num_rows <= min(self.num_sms, self.sample_counters.numel()))
 
     def _launch_sample(self, logits: torch.Tensor, dev_rows: torch.Tensor, outputs, checked: torch.Tensor | None,
                        chunked: bool = False) -> None:
@@ -162,3 +165,10 @@ class DeviceSampling:
             self._launch("sample_topk_topp", "philox4x32_10_test", {"LOGITS_F16": 0}, (math.ceil(n / 128), 1, 1),
                          (128, 1, 1), 0, p)
         return out
+
+
+def _plain_row(r, vocab: int) -> bool:
+    """A SampleRowParams that sample_plain_chunks takes: no logprobs and, unless greedy (its filters are unused
+    then), no top-k (or one >= vocab), top-p or min-p."""
+    unfiltered = (r.top_k <= 0 or r.top_k >= vocab) and r.top_p >= 1.0 and r.min_p <= 0.0
+    return r.num_logprobs == 0 and (r.temperature <= 0.0 or unfiltered)

@@ -321,11 +321,11 @@ def test_race_draws_each_token_its_own_word(cuda_backend):
 @pytest.mark.parametrize("vocab", [8193, 49152, 128256, 151937])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_chunked_rows_give_the_single_block_tokens(cuda_backend, vocab, dtype):
-    """Rows without top-k / top-p / min-p / logprobs run over many blocks (sample_plain_chunks): the tokens and
+    """Rows without top-k / top-p / min-p / logprobs run over many blocks (sample_chunks): the tokens and
     draft checks of sample_topk_topp (same loads, same Philox words), logprobs within 1e-4 (fp32) / 1e-3 (fp16)
     (log_z summed in another order), top entries -1 / -inf, the arrival counters zero again. Rows include a stripe
     of -inf logits, greedy rows whose draft is the argmax and drafts in the last, partial chunk."""
-    from voltserve.backends.cuda.sampling import _plain_row
+    from voltserve.backends.cuda.sampling import _chunk_row, _filtered_row
 
     gen = torch.Generator().manual_seed(vocab)
     rows = min(96, cuda_backend.num_sms)
@@ -337,7 +337,7 @@ def test_chunked_rows_give_the_single_block_tokens(cuda_backend, vocab, dtype):
     drafts = [argmax[i] if i % 8 == 0 else vocab - 1 - i if i % 3 == 1 else (7 * i) % vocab if i % 3 == 2 else -1
               for i in range(rows)]
     params = [_row(temperature=temps[i % 4], seed=11 + i, offset=i * 3, draft=drafts[i]) for i in range(rows)]
-    assert all(_plain_row(r, vocab) for r in params) and cuda_backend._chunked(rows, vocab)
+    assert all(_chunk_row(r, vocab) and not _filtered_row(r) for r in params) and cuda_backend._chunked(rows, vocab)
     chunked_ids, chunked_lp, (top_ids, top_lps) = cuda_backend.sample(logits, params)
     chunked_checks = cuda_backend.sample_verify(logits, params)
     assert not cuda_backend.sample_counters.any()
@@ -354,3 +354,84 @@ def test_chunked_rows_give_the_single_block_tokens(cuda_backend, vocab, dtype):
     tol = 1e-4 if dtype == torch.float32 else 1e-3
     assert torch.allclose(chunked_lp, lp, atol=tol, rtol=0)
     assert (top_ids == -1).all() and torch.isinf(top_lps).all()
+
+
+def _single_block(backend, call):
+    """call() with every launch on sample_topk_topp (VOLTSERVE_SAMPLE_CHUNKS=off)."""
+    mode = backend.sample_chunks
+    try:
+        backend.sample_chunks = "off"
+        return call()
+    finally:
+        backend.sample_chunks = mode
+
+
+@pytest.mark.parametrize("vocab", [8193, 49152, 151937])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_chunked_top_p_rows_give_the_single_block_tokens(cuda_backend, vocab, dtype):
+    """Rows with top-p and / or min-p run over many blocks (sample_chunks: a weight histogram, the crossing
+    bin's candidates, the threshold radix-selected among them): sample_topk_topp's tokens and draft checks
+    (the same threshold, kept set and Philox words), logprobs within 1e-4 (fp32) / 1e-3 (fp16), the counters
+    and histograms zero again. Rows: spread logits, integer logits (tie groups of thousands: a crossing bin of
+    more than SAMPLE_CANDIDATES tokens reads the row again), a flat row (every token tied), greedy rows and
+    plain rows beside them, drafts kept, cut and in the last chunk."""
+    from voltserve.backends.cuda import kernels
+    from voltserve.backends.cuda.sampling import _chunk_row, _filtered_row
+
+    gen = torch.Generator().manual_seed(vocab + 1)
+    chunks = -(-vocab // kernels.SAMPLE_CHUNK)
+    rows = min(40, cuda_backend.num_sms // chunks)
+    x = torch.randn(rows, vocab, generator=gen) * 3
+    x[1::5] = torch.randint(0, 4, (len(range(1, rows, 5)), vocab), generator=gen).float()
+    x[2::5, 500:900] = float("-inf")
+    x[4] = 0.0
+    logits = x.to(dtype).cuda()
+    order = logits.float().argsort(-1, descending=True)
+    cfgs = [(1.0, 0.95, 0.0), (0.7, 0.5, 0.0), (1.3, 0.9, 0.05), (1.0, 1.0, 0.1), (0.8, 0.99, 0.0),
+            (0.0, 0.9, 0.0), (1.0, 1.0, 0.0), (1.0, 1e-6, 0.0)]
+    drafts = [int(order[i, i % 3]) if i % 4 == 0 else vocab - 1 if i % 4 == 1 else -1 if i % 4 == 2
+              else int(order[i, 50]) for i in range(rows)]
+    params = [_row(temperature=t, top_p=tp, min_p=mp, seed=31 + i, offset=5 * i, draft=drafts[i])
+              for i, (t, tp, mp) in enumerate(cfgs[i % len(cfgs)] for i in range(rows))]
+    assert all(_chunk_row(r, vocab) for r in params) and any(_filtered_row(r) for r in params)
+    assert cuda_backend._chunked(rows, vocab, filtered=True)
+    chunked_ids, chunked_lp, (top_ids, top_lps) = cuda_backend.sample(logits, params)
+    chunked_checks = cuda_backend.sample_verify(logits, params)
+    assert not cuda_backend.sample_counters.any() and not cuda_backend.sample_hist.any()
+    ids, lp, _ = _single_block(cuda_backend, lambda: cuda_backend.sample(logits, params))
+    checks = _single_block(cuda_backend, lambda: cuda_backend.sample_verify(logits, params))
+    assert torch.equal(chunked_ids, ids) and torch.equal(chunked_checks[0], checks[0])
+    # a sampled check differs only where u * sum lands within rounding of e_d (summed in another order)
+    assert int((chunked_checks[1] != checks[1]).sum()) <= 1
+    assert torch.allclose(chunked_lp, lp, atol=1e-4 if dtype == torch.float32 else 1e-3, rtol=0)
+    assert (top_ids == -1).all() and torch.isinf(top_lps).all()
+
+
+@pytest.mark.parametrize("cfg", [dict(temperature=1.0, top_p=0.9), dict(temperature=0.8, top_p=0.6, min_p=0.02),
+                                 dict(temperature=1.2, min_p=0.05)],
+                         ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
+def test_chunked_top_p_follows_the_reference(cuda_backend, cfg):
+    """sample_chunks' top-p / min-p rows (16,384 tokens: 2 chunks, 40 heavy tokens over a flat tail) draw from
+    the CPU reference's distribution, and with a point-mass draft keep it (Leviathan et al. 2023)."""
+    from voltserve.backends.cuda import kernels
+
+    vocab, n = 16384, 24000
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(vocab, generator=gen)
+    x[torch.randperm(vocab, generator=gen)[:40]] += 8 + 2 * torch.randn(40, generator=gen)
+    ref = _ref_probs(x, **cfg).double()
+    rows = min(64, cuda_backend.num_sms // -(-vocab // kernels.SAMPLE_CHUNK))
+    assert cuda_backend._chunked(rows, vocab, filtered=True)
+    logits = x.expand(rows, vocab).contiguous().cuda()
+    d = int(ref.argsort(descending=True)[1])
+    ids, tokens, passed = [], [], []
+    for start in range(0, n, rows):
+        ids.append(cuda_backend.sample(logits, [_row(seed=3, offset=start + i, **cfg) for i in range(rows)])[0])
+        t, ok = cuda_backend.sample_verify(logits, [_row(seed=4, offset=start + i, draft=d, **cfg)
+                                                    for i in range(rows)])
+        tokens.append(t)
+        passed.append(ok)
+    _assert_follows(_tally(torch.cat(ids).cpu(), vocab), ref)
+    tokens, ok = torch.cat(tokens).cpu(), torch.cat(passed).cpu() == 1
+    _assert_follows(_tally(torch.where(ok, d, tokens), vocab), ref)
+

@@ -128,27 +128,34 @@ def test_device_sampler_rows_carry_each_sequences_parameters():
     assert (round(rows[0].top_p, 6), round(rows[0].min_p, 6)) == (0.8, 0.02)
 
 
-def test_the_chunked_sampler_takes_only_unfiltered_rows_without_logprobs():
-    """`sampling._plain_row` and `DeviceSampling._chunked`: sample_plain_chunks runs launches whose rows have no
-    logprobs and, unless greedy, no top-k (or one >= vocab), top-p or min-p; of more than one chunk of vocabulary,
-    at most as many rows as SMs, while VOLTSERVE_SAMPLE_CHUNKS is not off."""
+def test_the_chunked_sampler_takes_rows_without_top_k_or_logprobs():
+    """`sampling._chunk_row`, `_filtered_row` and `DeviceSampling._chunked`: sample_chunks runs launches whose
+    rows have no logprobs and, unless greedy, no top-k (or one >= vocab); of more than one chunk of vocabulary
+    and at most as many rows as SMs; with top-p / min-p rows (sampled), at most one block an SM in all and rows
+    that fit the histograms, unless VOLTSERVE_SAMPLE_CHUNKS is plain; none when it is off."""
     from voltserve.backends.cuda.params import SampleRowParams
-    from voltserve.backends.cuda.sampling import DeviceSampling, _plain_row
+    from voltserve.backends.cuda.sampling import DeviceSampling, _chunk_row, _filtered_row
 
     def row(temperature=0.8, top_k=0, top_p=1.0, min_p=0.0, num_logprobs=0):
         return SampleRowParams(1, 0, temperature, top_p, min_p, top_k, num_logprobs, -1)
 
-    vocab = 49152
-    assert all(_plain_row(r, vocab) for r in (row(), row(top_k=vocab), row(top_k=-1), row(0.0, 5, 0.9, 0.1)))
-    assert not any(_plain_row(r, vocab) for r in (row(top_k=5), row(top_p=0.95), row(min_p=0.1),
-                                                   row(num_logprobs=1), row(0.0, num_logprobs=1)))
+    vocab = 49152  # 6 chunks
+    chunkable = (row(), row(top_k=vocab), row(top_k=-1), row(0.0, 5, 0.9, 0.1), row(top_p=0.95), row(min_p=0.1))
+    assert all(_chunk_row(r, vocab) for r in chunkable)
+    assert not any(_chunk_row(r, vocab) for r in (row(top_k=5), row(num_logprobs=1), row(0.0, num_logprobs=1)))
+    assert [_filtered_row(r) for r in chunkable] == [False, False, False, False, True, True]
 
     class Backend(DeviceSampling):
         sample_chunks = "auto"
-        num_sms = 4
+        num_sms = 13
         sample_counters = torch.zeros(8)
+        sample_hist = torch.zeros(6, 2049)
 
     be = Backend()
-    assert be._chunked(4, vocab) and not be._chunked(5, vocab) and not be._chunked(1, 8192)
+    assert be._chunked(8, vocab) and not be._chunked(9, vocab) and not be._chunked(1, 8192)
+    assert be._chunked(2, vocab, filtered=True) and not be._chunked(3, vocab, filtered=True)  # 12 / 18 blocks
+    assert be._chunked(6, 16384, filtered=True) and not be._chunked(7, 16384, filtered=True)  # the histograms
+    be.sample_chunks = "plain"
+    assert be._chunked(8, vocab) and not be._chunked(1, vocab, filtered=True)
     be.sample_chunks = "off"
     assert not be._chunked(1, vocab)

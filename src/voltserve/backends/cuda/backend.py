@@ -183,10 +183,14 @@ class CudaBackend(DeviceSampling):
         # attn_decode's split arrival counters, one per (sequence, KV head); zero between launches
         self.attn_counters = torch.zeros(kernels.ATTN_MAX_COUNTERS, dtype=torch.int32, device=self.device)
         self.argmax_counters = torch.zeros(kernels.ARGMAX_MAX_ROWS, dtype=torch.int32, device=self.device)
-        # sample_plain_chunks' arrival counters, one per row; zero between launches
+        # sample_chunks' arrival counters, one per row, and its top-p rows' weight histograms (a launch with a
+        # top-p row has at most one block an SM, so at most num_sms // 2 rows); zero between launches
         self.sample_counters = torch.zeros(kernels.SAMPLE_MAX_CHUNKED_ROWS, dtype=torch.int32, device=self.device)
-        # rows without top-k / top-p / min-p / logprobs over many blocks (sample_plain_chunks), or always one
-        self.sample_chunks = _env_choice("VOLTSERVE_SAMPLE_CHUNKS", ("auto", "off"))
+        self.sample_hist = torch.zeros(self.num_sms // 2, kernels.SAMPLE_BINS + 1, dtype=torch.int64,
+                                       device=self.device)
+        # rows without top-k / logprobs over many blocks (sample_chunks): all of them (auto), only those without
+        # top-p / min-p (plain), or always a block a row (off)
+        self.sample_chunks = _env_choice("VOLTSERVE_SAMPLE_CHUNKS", ("auto", "plain", "off"))
         # attn_decode's split count per longest context, per (graph capacity, sequences): graph_decode_splits
         self._graph_plans: dict[tuple[int, int], tuple[tuple[int, ...], int]] = {}
         # gemv_chain's grid barrier: an arrival counter that only grows, by kernels.GEMV_CHAIN_BARRIER_QUANTUM a

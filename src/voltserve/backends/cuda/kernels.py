@@ -23,9 +23,11 @@ GEMM_MIN_ROWS = 17
 GEMV_ROW_BUCKETS = (1, 2, 4, 8)
 SAMPLE_MAX_LOGPROBS = 20   # top alternatives per row of sample_topk_topp (SAMPLE_MAX_TOP in the .cu)
 SAMPLE_MAX_VOCAB = 1 << 23  # fixed-point headroom of the top-p weights
-SAMPLE_CHUNK = 1024 * 8  # sample_plain_chunks: vocabulary entries a block (SAMPLE_THREADS x SAMPLE_UNROLL)
-SAMPLE_CHUNK_PART_FLOATS = 8  # sample_plain_chunks: a SampleChunk's 32 bytes
+SAMPLE_CHUNK = 1024 * 8  # sample_chunks: vocabulary entries a block (SAMPLE_THREADS x SAMPLE_UNROLL)
+SAMPLE_CHUNK_PART_FLOATS = 8  # sample_chunks: a SampleChunk's 32 bytes
 SAMPLE_MAX_CHUNKED_ROWS = 4096  # rows with arrival counters; more rows take sample_topk_topp
+SAMPLE_BINS = 2048  # sample_chunks: a top-p row's weight histogram (2 x SAMPLE_THREADS)
+SAMPLE_CANDIDATES = 2048  # sample_chunks: the crossing bin's tokens a top-p row lists (more: the row is read again)
 GEMV_Q_WARPS = 8           # gemv_q: warps per block (they split k), 32 output features per block
 GEMV_Q_PIECE = 2048        # gemv_q: k staged in shared memory at a time (GEMV_Q_WARPS * 256)
 GEMV_Q_SUPERBLOCK = 256    # gemv_q needs k % 256 == 0 (rows of whole 16-byte-aligned 8-block superblocks)
@@ -500,10 +502,11 @@ SOURCES = {
     "gemm_tiled": KernelSource("gemm_tiled.cu", ("gemm_tiled",), P.GemmParams, "VOLT_GEMM_PARAMS_BYTES"),
     "gemm_tc": KernelSource("gemm_tc.cu", ("gemm_tc", "dequant_f16"), P.GemmTcParams, "VOLT_GEMM_TC_PARAMS_BYTES"),
     "sampling": KernelSource("sampling.cu", ("argmax_logprob",), P.ArgmaxParams, "VOLT_ARGMAX_PARAMS_BYTES"),
-    "sample_topk_topp": KernelSource("sample_topk_topp.cu", ("sample_topk_topp", "sample_plain_chunks",
-                                                             "philox4x32_10_test"),
+    "sample_topk_topp": KernelSource("sample_topk_topp.cu", ("sample_topk_topp", "philox4x32_10_test"),
                                      P.SampleParams, "VOLT_SAMPLE_PARAMS_BYTES",
                                      (("VOLT_SAMPLE_ROW_BYTES", P.SampleRowParams),)),
+    "sample_chunks": KernelSource("sample_chunks.cu", ("sample_chunks",), P.SampleParams, "VOLT_SAMPLE_PARAMS_BYTES",
+                                  (("VOLT_SAMPLE_ROW_BYTES", P.SampleRowParams),)),
 }
 
 
@@ -670,5 +673,5 @@ def engine_specializations() -> list[tuple[str, dict[str, int]]]:
     specs += [("gemm_tiled", {"WTYPE": w}) for w in WTYPES.values()]
     specs += [("gemm_tc", gemm_tc_spec(w, bn, r)) for w in (1, 2, 3) for bn in GEMM_TC_BNS for r in (False, True)]
     specs += [("sampling", {"LOGITS_F16": f}) for f in (0, 1)]
-    specs += [("sample_topk_topp", {"LOGITS_F16": f}) for f in (0, 1)]
+    specs += [(op, {"LOGITS_F16": f}) for op in ("sample_topk_topp", "sample_chunks") for f in (0, 1)]
     return specs

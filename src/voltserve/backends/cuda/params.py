@@ -87,4 +87,5 @@ SampleRowParams = _struct("SampleRowParams", [
 
 SampleParams = _struct("SampleParams", [
     ("logits", P), ("rows", P), ("out_ids", P), ("out_logprobs", P), ("out_top_ids", P), ("out_top_logprobs", P),
-    ("row_stride", I64), ("num_rows", I32), ("vocab", I32), ("out_passed", P), ("part", P), ("counters", P)])
+    ("row_stride", I64), ("num_rows", I32), ("vocab", I32), ("out_passed", P), ("part", P), ("counters", P),
+    ("hist", P)])

@@ -2,7 +2,7 @@
 temperature / top-k / top-p / min-p sampling with logprobs, and speculative sampling's draft checks.
 
 A mixin: it needs the backend's `device`, `num_sms`, `_launch`, `_on_device`, `argmax_counters`,
-`sample_counters` and `sample_chunks`.
+`sample_counters`, `sample_hist` and `sample_chunks`.
 """
 
 from __future__ import annotations
@@ -101,12 +101,13 @@ class DeviceSampling:
         if vocab >= kernels.SAMPLE_MAX_VOCAB:
             raise ValueError(f"vocab {vocab} >= {kernels.SAMPLE_MAX_VOCAB} is not supported by sample_topk_topp")
         top_n = kernels.SAMPLE_MAX_LOGPROBS
-        plain = True  # every row one `_chunked` takes
+        chunkable, filtered = True, False  # every row one `_chunked` may take; some with top-p / min-p
         for r in params_rows:
             if not 0 <= r.num_logprobs <= top_n or not 0 < r.top_p <= 1 or not 0 <= r.min_p <= 1:
                 raise ValueError(f"unsupported sampling row: num_logprobs {r.num_logprobs}, top_p {r.top_p}, "
                                  f"min_p {r.min_p}")
-            plain = plain and _plain_row(r, vocab)
+            chunkable = chunkable and _chunk_row(r, vocab)
+            filtered = filtered or _filtered_row(r)
         ids = torch.empty(rows, dtype=torch.int64, device=self.device) if checked is None else checked[0]
         outputs = (ids, torch.empty(rows, dtype=torch.float32, device=self.device),
                    (torch.empty(rows, top_n, dtype=torch.int64, device=self.device),
@@ -115,39 +116,47 @@ class DeviceSampling:
             arr = params_rows if isinstance(params_rows, ctypes.Array) else (P.SampleRowParams * rows)(*params_rows)
             # through pinned memory: a pageable copy would wait for the step in flight (the graph before it)
             dev_rows = to_device(torch.frombuffer(bytearray(arr), dtype=torch.uint8), self.device)
-            self._launch_sample(logits, dev_rows, outputs, checked, plain and self._chunked(rows, vocab))
+            chunked = chunkable and self._chunked(rows, vocab, filtered)
+            self._launch_sample(logits, dev_rows, outputs, checked, chunked, filtered)
         return outputs
 
-    def _chunked(self, num_rows: int, vocab: int) -> bool:
-        """Whether sample_plain_chunks takes a launch of `num_rows` rows that are all `_plain_row`s: a vocabulary
-        of more than one chunk, at most as many rows as SMs (more rows fill the GPU a block a row already, and
-        each chunk block pays fixed costs; H100: 64 x 49,152 still 42.5 vs 50.4 us, more rows not measured), and
-        VOLTSERVE_SAMPLE_CHUNKS not off."""
-        return (self.sample_chunks == "auto" and vocab > kernels.SAMPLE_CHUNK
-                and num_rows <= min(self.num_sms, self.sample_counters.numel()))
+    def _chunked(self, num_rows: int, vocab: int, filtered: bool = False) -> bool:
+        """Whether sample_chunks takes a launch of `num_rows` rows that are all `_chunk_row`s, `filtered` when
+        some are `_filtered_row`s: a vocabulary of more than one chunk, at most as many rows as SMs (more rows
+        fill the GPU a block a row already, and each chunk block pays fixed costs; H100: 64 x 49,152 still 42.5
+        vs 50.4 us, more rows not measured); with filtered rows, whose blocks wait for each other, at most one
+        block an SM in all (every block resident); VOLTSERVE_SAMPLE_CHUNKS auto (plain: no filtered rows)."""
+        if self.sample_chunks == "off" or vocab <= kernels.SAMPLE_CHUNK:
+            return False
+        if filtered:
+            return (self.sample_chunks == "auto" and num_rows <= self.sample_hist.shape[0]
+                    and num_rows * math.ceil(vocab / kernels.SAMPLE_CHUNK) <= self.num_sms)
+        return num_rows <= min(self.num_sms, self.sample_counters.numel())
 
     def _launch_sample(self, logits: torch.Tensor, dev_rows: torch.Tensor, outputs, checked: torch.Tensor | None,
-                       chunked: bool = False) -> None:
+                       chunked: bool = False, filtered: bool = False) -> None:
         """One sampler launch: logits [rows, vocab] as `sample` takes them, dev_rows the rows' SampleRowParams
         on the device, outputs `sample`'s (ids, logprobs, (top_ids, top_logprobs)), checked `sample_verify`'s
-        [2, rows] (ids = checked[0]) or None; chunked: the rows are all `_chunked`'s (sample_plain_chunks: a row
-        over ceil(vocab / SAMPLE_CHUNK) blocks), else sample_topk_topp (a block a row). No copy; capturable (the
-        benchmark times it so)."""
+        [2, rows] (ids = checked[0]) or None; chunked: the rows are all `_chunked`'s (sample_chunks: a row
+        over ceil(vocab / SAMPLE_CHUNK) blocks; filtered: some have top-p / min-p, and list top-p candidates),
+        else sample_topk_topp (a block a row). No copy; capturable (the benchmark times it so)."""
         ids, logprobs, (top_ids, top_lps) = outputs
         rows, vocab = logits.shape
         part = counters = None
         chunks = 1
         if chunked:
             chunks = math.ceil(vocab / kernels.SAMPLE_CHUNK)
-            part = torch.empty(rows * chunks * kernels.SAMPLE_CHUNK_PART_FLOATS, dtype=torch.float32,
-                               device=self.device)
+            part = torch.empty(rows * (chunks * kernels.SAMPLE_CHUNK_PART_FLOATS
+                                       + (kernels.SAMPLE_CANDIDATES if filtered else 0)),
+                               dtype=torch.float32, device=self.device)
             counters = self.sample_counters
         p = P.SampleParams(logits.data_ptr(), dev_rows.data_ptr(), ids.data_ptr(), logprobs.data_ptr(),
                            top_ids.data_ptr(), top_lps.data_ptr(), logits.stride(0), rows, vocab,
                            None if checked is None else checked[1].data_ptr(),
-                           None if part is None else part.data_ptr(), None if counters is None else counters.data_ptr())
-        self._launch("sample_topk_topp", "sample_plain_chunks" if chunked else "sample_topk_topp",
-                     {"LOGITS_F16": int(logits.dtype == torch.float16)}, (rows, chunks, 1), (1024, 1, 1), 0, p)
+                           None if part is None else part.data_ptr(), None if counters is None else counters.data_ptr(),
+                           self.sample_hist.data_ptr() if filtered else None)
+        op = "sample_chunks" if chunked else "sample_topk_topp"
+        self._launch(op, op, {"LOGITS_F16": int(logits.dtype == torch.float16)}, (rows, chunks, 1), (1024, 1, 1), 0, p)
 
     def philox4x32_10(self, words: torch.Tensor) -> torch.Tensor:
         """Test hook: Philox4x32-10 as the sampler computes it.
@@ -161,14 +170,19 @@ class DeviceSampling:
         n = words.shape[0]
         out = torch.empty(n, 4, dtype=torch.int32, device=self.device)
         if n:
-            p = P.SampleParams(words.data_ptr(), None, None, None, out.data_ptr(), None, 6, n, 0, None, None, None)
+            p = P.SampleParams(words.data_ptr(), None, None, None, out.data_ptr(), None, 6, n, 0, None, None, None,
+                               None)
             self._launch("sample_topk_topp", "philox4x32_10_test", {"LOGITS_F16": 0}, (math.ceil(n / 128), 1, 1),
                          (128, 1, 1), 0, p)
         return out
 
 
-def _plain_row(r, vocab: int) -> bool:
-    """A SampleRowParams that sample_plain_chunks takes: no logprobs and, unless greedy (its filters are unused
-    then), no top-k (or one >= vocab), top-p or min-p."""
-    unfiltered = (r.top_k <= 0 or r.top_k >= vocab) and r.top_p >= 1.0 and r.min_p <= 0.0
-    return r.num_logprobs == 0 and (r.temperature <= 0.0 or unfiltered)
+def _chunk_row(r, vocab: int) -> bool:
+    """A SampleRowParams that sample_chunks takes: no logprobs and, unless greedy (its filters are unused then),
+    no top-k (or one >= vocab)."""
+    return r.num_logprobs == 0 and (r.temperature <= 0.0 or r.top_k <= 0 or r.top_k >= vocab)
+
+
+def _filtered_row(r) -> bool:
+    """A sampled SampleRowParams with top-p or min-p: in sample_chunks its blocks wait for each other."""
+    return r.temperature > 0.0 and (r.top_p < 1.0 or r.min_p > 0.0)

@@ -384,7 +384,7 @@ def test_chunked_top_p_rows_give_the_single_block_tokens(cuda_backend, vocab, dt
     x = torch.randn(rows, vocab, generator=gen) * 3
     x[1::5] = torch.randint(0, 4, (len(range(1, rows, 5)), vocab), generator=gen).float()
     x[2::5, 500:900] = float("-inf")
-    x[4] = 0.0
+    x[4 % rows] = 0.0  # (fewer than 5 rows on GPUs of < 95 SMs at 151,937 tokens)
     logits = x.to(dtype).cuda()
     order = logits.float().argsort(-1, descending=True)
     cfgs = [(1.0, 0.95, 0.0), (0.7, 0.5, 0.0), (1.3, 0.9, 0.05), (1.0, 1.0, 0.1), (0.8, 0.99, 0.0),

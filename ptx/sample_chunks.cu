@@ -11,7 +11,7 @@
 //
 // Rows with top-p or min-p (sampled rows only) need the row's max first, and top-p its threshold; their blocks
 // meet at barriers on the row's counter (spinning: the launcher keeps every block of the launch resident, at most
-// one block an SM, DeviceSampling._chunked):
+// one block an SM, DeviceSampling._chunked; that assumes no other process's kernels hold SMs, as under MPS):
 //   1. each block's raw max; barrier; every block takes the row's max (s_max = max / temperature, exact).
 //   2. top-p: each block adds its tokens' fixed-point weights (sample_topk_topp's round(exp(s - s_max) * 2^40),
 //      min-p's rejects left out) to a histogram over SAMPLE_BINS bins of (s_max - s) * SAMPLE_BIN_SCALE (bin 0 the
@@ -73,6 +73,10 @@ VOLT_DEVICE void row_barrier(int* counter, int target) {
 // W(all); *above = W(bins < b), *tgt_out = tgt. Every thread of the block calls it and gets the result.
 VOLT_DEVICE int find_crossing(const u64* hist, double frac, SampleSmem& sm, u64* above, double* tgt_out) {
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nw = blockDim.x >> 5;
+    if (tid == 0) {  // no crossing when the row has no weight (NaN or all -inf logits): a defined bin all the same
+        sm.bin = SAMPLE_BINS - 1;
+        sm.above = 0ull;
+    }
     const u64 h0 = __ldcg(hist + 2 * tid), h1 = __ldcg(hist + 2 * tid + 1);
     u64 incl = h0 + h1;
 #pragma unroll

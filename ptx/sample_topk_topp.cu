@@ -36,7 +36,7 @@
 // rejection samples). A row whose kept set is {d} always passes. Greedy rows pass when d is the argmax. The
 // caller emits a span's drafts up to its first failing row, then that row's token (or the last row's).
 // Grid: (num_rows); block 1024 threads striding over the vocabulary (coalesced, SAMPLE_UNROLL loads in flight a
-// thread); static smem ~2.6 KiB (256 x 2 x u32 histogram + reduction scratch). Up to 1 + 4 + 4 + 4 + 1 + 1
+// thread); static smem ~2.9 KiB (256 x 2 x u32 histogram + reduction scratch). Up to 1 + 4 + 4 + 4 + 1 + 1
 // passes over the row for a row with top-k, top-p and logprobs; passes are skipped when a feature is off.
 // Compile-time: LOGITS_F16 (1: fp16 logits, 0: fp32). SM70 path: the only path (fp32 math, u32 shared atomics,
 // no sm_80+ intrinsics). Vocab must be < 2^23 (fixed-point headroom of the top-p weights).

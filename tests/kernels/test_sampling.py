@@ -407,6 +407,28 @@ def test_chunked_top_p_rows_give_the_single_block_tokens(cuda_backend, vocab, dt
     assert (top_ids == -1).all() and torch.isinf(top_lps).all()
 
 
+@pytest.mark.parametrize("top_p", [0.5, 0.9])
+def test_chunked_top_p_thresholds_over_many_draws(cuda_backend, top_p):
+    """A wrong top-p threshold shows only in draws that land near the cut, so sample_chunks' tokens are compared
+    with sample_topk_topp's over 64 offsets a row: dense rows (a permutation of 49,152 values 1.6e-4 apart:
+    ~96 tokens in each 1/64-wide bin, the crossing bin's among them) and spread rows, a block a step."""
+    from voltserve.backends.cuda import kernels
+
+    vocab = 49152
+    rows = min(16, cuda_backend.num_sms // -(-vocab // kernels.SAMPLE_CHUNK))
+    gen = torch.Generator().manual_seed(int(top_p * 100))
+    x = torch.randn(rows, vocab, generator=gen) * 3
+    for r in range(0, rows, 2):
+        x[r] = torch.linspace(4, -4, vocab)[torch.randperm(vocab, generator=gen)]
+    logits = x.cuda()
+    assert cuda_backend._chunked(rows, vocab, filtered=True)
+    for k in range(64):
+        params = [_row(top_p=top_p, seed=9 + r, offset=k) for r in range(rows)]
+        chunked = cuda_backend.sample(logits, params)[0]
+        single = _single_block(cuda_backend, lambda: cuda_backend.sample(logits, params))[0]
+        assert torch.equal(chunked, single), (k, chunked.tolist(), single.tolist())
+
+
 @pytest.mark.parametrize("cfg", [dict(temperature=1.0, top_p=0.9), dict(temperature=0.8, top_p=0.6, min_p=0.02),
                                  dict(temperature=1.2, min_p=0.05)],
                          ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))

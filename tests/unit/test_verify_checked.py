@@ -149,12 +149,12 @@ def test_the_chunked_sampler_takes_rows_without_top_k_or_logprobs():
         sample_chunks = "auto"
         num_sms = 13
         sample_counters = torch.zeros(8)
-        sample_hist = torch.zeros(6, 2049)
+        sample_hist = torch.zeros(5, 2049)
 
     be = Backend()
     assert be._chunked(8, vocab) and not be._chunked(9, vocab) and not be._chunked(1, 8192)
     assert be._chunked(2, vocab, filtered=True) and not be._chunked(3, vocab, filtered=True)  # 12 / 18 blocks
-    assert be._chunked(6, 16384, filtered=True) and not be._chunked(7, 16384, filtered=True)  # the histograms
+    assert be._chunked(5, 16384, filtered=True) and not be._chunked(6, 16384, filtered=True)  # the histograms
     be.sample_chunks = "plain"
     assert be._chunked(8, vocab) and not be._chunked(1, vocab, filtered=True)
     be.sample_chunks = "off"

@@ -1,5 +1,6 @@
-"""DeviceSampling: CudaBackend's sampling kernels (ptx/sampling.cu, ptx/sample_topk_topp.cu): greedy argmax,
-temperature / top-k / top-p / min-p sampling with logprobs, and speculative sampling's draft checks.
+"""DeviceSampling: CudaBackend's sampling kernels (ptx/sampling.cu, ptx/sample_topk_topp.cu,
+ptx/sample_chunks.cu): greedy argmax, temperature / top-k / top-p / min-p sampling with logprobs, and
+speculative sampling's draft checks.
 
 A mixin: it needs the backend's `device`, `num_sms`, `_launch`, `_on_device`, `argmax_counters`,
 `sample_counters`, `sample_hist` and `sample_chunks`.

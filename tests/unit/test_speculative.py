@@ -193,28 +193,26 @@ MODES = [("cpu", False), ("cpu", True), pytest.param("cuda", False, marks=pytest
 
 @pytest.mark.parametrize("device, at_once", MODES)
 def test_verify_sampled_keeps_every_positions_distribution(device, at_once):
-    """Three drafts at once on `device` (no host sync inside), 20,000 trials each way:
+    """Three drafts at once on `device` (no host sync inside), 20,050 trials each way: 50 `verify_sampled` calls,
+    then 1,000-span `verify_sampled_many` calls (a call per trial took minutes on a GPU):
     - point-mass drafts (each row's likeliest token): the first token follows p[0], a rejection at the second
       draft samples p[1] without its draft, and after three passes the last token follows p[3] (the rows differ,
       so a token sampled from the wrong row or residual shows);
     - drafts drawn from a draft model's q: the first token follows p[0], the first draft passes with probability
       sum(min(p[0], q[0]))."""
-    from voltserve.spec.verify import sampling_distribution, verify_sampled
+    from voltserve.spec.verify import sampling_distribution, verify_sampled, verify_sampled_many
 
     torch.manual_seed(7)
     logits = (torch.randn(4, 6) * 1.5).to(device)
     params = SamplingParams(temperature=0.9, top_p=0.95)
     p = sampling_distribution(logits.cpu(), params)
     gen, host_gen = torch.Generator(device=device).manual_seed(5), torch.Generator().manual_seed(6)
-    n = 20000
+    n, spans, singles = 20000, 1000, 50
 
     def trials(draw):
         firsts, seconds, lasts, lengths = torch.zeros(6), torch.zeros(6), torch.zeros(6), torch.zeros(5)
-        for _ in range(n):
-            drafts, q = draw()
-            tokens, accepted = verify_sampled(logits, torch.tensor(drafts, device=device), params, gen, q, at_once)
-            assert tokens.device.type == accepted.device.type == device
-            out = tokens[:int(accepted) + 1].tolist()
+
+        def tally(out, drafts):
             assert out[:-1] == drafts[:len(out) - 1]
             firsts[out[0]] += 1
             lengths[len(out)] += 1
@@ -222,7 +220,21 @@ def test_verify_sampled_keeps_every_positions_distribution(device, at_once):
                 seconds[out[1]] += 1
             if len(out) == 4:
                 lasts[out[3]] += 1
-        return firsts / n, seconds, lasts, lengths / n
+
+        for _ in range(singles):
+            drafts, q = draw()
+            tokens, accepted = verify_sampled(logits, torch.tensor(drafts, device=device), params, gen, q, at_once)
+            assert tokens.device.type == accepted.device.type == device and tokens.shape == (4,)
+            tally(tokens[:int(accepted) + 1].tolist(), drafts)
+        for _ in range(n // spans):
+            drawn = [draw() for _ in range(spans)]
+            drafts = torch.tensor([t for d, _ in drawn for t in d], device=device)
+            tokens, accepted = verify_sampled_many(logits.repeat(spans, 1), drafts, [3] * spans, [params] * spans,
+                                                   gen, [q for _, q in drawn], at_once)
+            for (d, _), row, a in zip(drawn, tokens.tolist(), accepted.tolist()):
+                tally(row[:a + 1], d)
+        total = singles + n // spans * spans
+        return firsts / total, seconds, lasts, lengths / total
 
     likely = p[:3].argmax(-1).tolist()  # so that all three pass often enough
     firsts, seconds, lasts, lengths = trials(lambda: (likely, None))
@@ -243,8 +255,9 @@ def test_verify_sampled_keeps_every_positions_distribution(device, at_once):
 @pytest.mark.parametrize("device, at_once", MODES)
 def test_verify_sampled_many_keeps_each_spans_distribution(device, at_once):
     """Four spans verified at once (point-mass drafts, none, drafts drawn from a draft model's q, one more point
-    mass), each under its own parameters, 8,000 trials: each span's drafts lead its tokens, its first token
-    follows its own first row's p, and its first draft passes as often as the rule says (max error 0.02)."""
+    mass), each under its own parameters, 8,000 trials (the four spans 500 times over in each of 16 calls): each
+    span's drafts lead its tokens, its first token follows its own first row's p, and its first draft passes as
+    often as the rule says (max error 0.02)."""
     from voltserve.spec.verify import sampling_distribution, verify_sampled_many
 
     torch.manual_seed(11)
@@ -257,15 +270,17 @@ def test_verify_sampled_many_keeps_each_spans_distribution(device, at_once):
     q = [torch.softmax(torch.randn(vocab), -1) for _ in range(3)]
     point = [[int(p[0].argmax()), 1], [], None, [int(p[3].argmax())]]
     gen, host_gen = torch.Generator(device=device).manual_seed(5), torch.Generator().manual_seed(6)
-    n = 8000
+    n, repeats = 8000, 500
     firsts, passes = torch.zeros(4, vocab), torch.zeros(4)
-    for _ in range(n):
+    for _ in range(n // repeats):
         drafted = [d if d is not None else [int(torch.multinomial(x, 1, generator=host_gen)) for x in q]
-                   for d in point]
+                   for _ in range(repeats) for d in point]
         drafts = torch.tensor([t for d in drafted for t in d], dtype=torch.int64, device=device)
-        tokens, accepted = verify_sampled_many(logits, drafts, ks, params, gen, [None, None, q, None], at_once)
-        for s, (row, a) in enumerate(zip(tokens.tolist(), accepted.tolist())):
-            assert row[:a] == drafted[s][:a] and a <= ks[s]
+        tokens, accepted = verify_sampled_many(logits.repeat(repeats, 1), drafts, ks * repeats, params * repeats,
+                                               gen, [None, None, q, None] * repeats, at_once)
+        for i, (row, a) in enumerate(zip(tokens.tolist(), accepted.tolist())):
+            s = i % 4
+            assert row[:a] == drafted[i][:a] and a <= ks[s]
             firsts[s, row[0]] += 1
             passes[s] += a > 0
     for s in range(4):

@@ -381,6 +381,8 @@ def test_chunked_top_p_rows_give_the_single_block_tokens(cuda_backend, vocab, dt
     gen = torch.Generator().manual_seed(vocab + 1)
     chunks = -(-vocab // kernels.SAMPLE_CHUNK)
     rows = min(40, cuda_backend.num_sms // chunks)
+    if rows == 0:
+        pytest.skip(f"{cuda_backend.num_sms} SMs hold no top-p row of {chunks} blocks")
     x = torch.randn(rows, vocab, generator=gen) * 3
     x[1::5] = torch.randint(0, 4, (len(range(1, rows, 5)), vocab), generator=gen).float()
     x[2::5, 500:900] = float("-inf")

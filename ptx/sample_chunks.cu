@@ -189,16 +189,11 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) sample_chunks(const
                 const int i = b0 + u * blockDim.x + tid;
                 const float svu = x[u] / temp, e = expf(svu - s_max);
                 const u64 w = i < vocab && (!use_minp || e >= min_p) ? topp_weight(e) : 0ull;
-                if (w) {
-                    const int b = topp_bin(svu, s_max);
-                    const u32 lo = (u32)w, old = atomicAdd(&bin_lo[b], lo);
-                    const u32 hi = (u32)(w >> 32) + (old + lo < old ? 1u : 0u);
-                    if (hi) atomicAdd(&bin_hi[b], hi);
-                }
+                if (w) pair_add(bin_lo, bin_hi, topp_bin(svu, s_max), w);
             }
             __syncthreads();
             for (int b = tid; b < SAMPLE_BINS; b += blockDim.x) {
-                const u64 v = ((u64)bin_hi[b] << 32) | bin_lo[b];
+                const u64 v = pair_get(bin_lo, bin_hi, b);
                 if (v) atomicAdd(hist + b, v);
             }
             row_barrier(counter, 2 * chunks);

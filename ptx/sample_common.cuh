@@ -95,8 +95,14 @@ struct SampleSmem {
     double target;
 };
 
-VOLT_DEVICE u64 hist_get(const SampleSmem& sm, int b) {
-    return ((u64)sm.hist_hi[b] << 32) | sm.hist_lo[b];
+// A u64 histogram kept as u32 word pairs in shared memory (lo[b], hi[b]): bin b's value, and adding w to it with
+// native 32-bit atomics, the low word's carry going to the high word (exact, so order-independent).
+VOLT_DEVICE u64 pair_get(const u32* lo, const u32* hi, int b) { return ((u64)hi[b] << 32) | lo[b]; }
+
+VOLT_DEVICE void pair_add(u32* lo, u32* hi, int b, u64 w) {
+    const u32 l = (u32)w, old = atomicAdd(&lo[b], l);
+    const u32 h = (u32)(w >> 32) + (old + l < old ? 1u : 0u);
+    if (h) atomicAdd(&hi[b], h);
 }
 
 // Calls body(i, x) for every element i < vocab of the row at `base` in a block-strided order, each thread
@@ -124,11 +130,7 @@ VOLT_DEVICE u32 radix_select(const Each& each, const F& f, double target, double
             u32 key = 0u;
             u64 w = 0ull;
             const bool in = i >= 0 && f(x, key, w, mask, prefix);
-            if (in) {
-                const u32 bin = (key >> shift) & 255u, lo = (u32)w, old = atomicAdd(&sm.hist_lo[bin], lo);
-                const u32 hi = (u32)(w >> 32) + (old + lo < old ? 1u : 0u);
-                if (hi) atomicAdd(&sm.hist_hi[bin], hi);
-            }
+            if (in) pair_add(sm.hist_lo, sm.hist_hi, (key >> shift) & 255u, w);
         });
         __syncthreads();
         if (warp == 0) {
@@ -136,7 +138,7 @@ VOLT_DEVICE u32 radix_select(const Each& each, const F& f, double target, double
             u64 local[8];
             u64 tot = 0;
 #pragma unroll
-            for (int j = 0; j < 8; ++j) { local[j] = hist_get(sm, 255 - 8 * lane - j); tot += local[j]; }
+            for (int j = 0; j < 8; ++j) { local[j] = pair_get(sm.hist_lo, sm.hist_hi, 255 - 8 * lane - j); tot += local[j]; }
             u64 incl = tot;
 #pragma unroll
             for (int o = 1; o < 32; o <<= 1) {

@@ -239,7 +239,7 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) sample_chunks(const
             if (barriers) ss += a.w;
             else merge_ms(smx, ss, unused, a.z, a.w, 0);
             const float g = __int_as_float(b.x);
-            if (g > best || (g == best && b.z < best_i)) { best = g; best_i = b.z; }
+            keep_max(best, best_i, g, b.z);
         }
 #pragma unroll
         for (int o = 16; o > 0; o >>= 1) {
@@ -250,7 +250,7 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) sample_chunks(const
                           0);
             const float og = __shfl_xor_sync(0xffffffffu, best, o);
             const int oi = __shfl_xor_sync(0xffffffffu, best_i, o);
-            if (og > best || (og == best && oi < best_i)) { best = og; best_i = oi; }
+            keep_max(best, best_i, og, oi);
         }
         if (tid == 0) {
             sm.f[0] = m; sm.f[1] = s; sm.f[2] = smx; sm.f[3] = ss; sm.f[4] = best;
@@ -287,7 +287,7 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) sample_chunks(const
             if (draft >= 0) cs += expf(svx - s_max);
             if (i == draft) return;
             const float g = race_key(i, svx, k0, k1, c2, c3);
-            if (g > cb || (g == cb && i < ci)) { cb = g; ci = i; }
+            keep_max(cb, ci, g, i);
         };
         u64 unused_above;
         if (listed <= SAMPLE_CANDIDATES) {
@@ -300,7 +300,7 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) sample_chunks(const
         }
         block_argmax(cb, ci, sm);
         cs = block_sum(cs, sm);
-        if (cb > best || (cb == best && ci < best_i)) { best = cb; best_i = ci; }
+        keep_max(best, best_i, cb, ci);
         ss += cs;
         for (int b = tid; b <= SAMPLE_BINS; b += blockDim.x) hist[b] = 0ull;  // ready for the next launch
     }

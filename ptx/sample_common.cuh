@@ -200,6 +200,12 @@ VOLT_DEVICE void for_row(const SampleParams& p, i64 base, int vocab, const Body&
     }
 }
 
+// (v, idx) = (ov, oi) where that is larger: the greater value, ties to the lower index (every argmax here, the
+// race's included, breaks ties so; the chunked kernel's tokens equal the single-block kernel's by it).
+VOLT_DEVICE void keep_max(float& v, int& idx, float ov, int oi) {
+    if (ov > v || (ov == v && oi < idx)) { v = ov; idx = oi; }
+}
+
 // Block argmax of (v, i) with ties to the lower index; every thread gets the result.
 VOLT_DEVICE void block_argmax(float& v, int& idx, SampleSmem& sm) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
@@ -207,7 +213,7 @@ VOLT_DEVICE void block_argmax(float& v, int& idx, SampleSmem& sm) {
     for (int o = 16; o > 0; o >>= 1) {
         const float ov = __shfl_xor_sync(0xffffffffu, v, o);
         const int oi = __shfl_xor_sync(0xffffffffu, idx, o);
-        if (ov > v || (ov == v && oi < idx)) { v = ov; idx = oi; }
+        keep_max(v, idx, ov, oi);
     }
     if (lane == 0) { sm.f[warp] = v; sm.i[warp] = idx; }
     __syncthreads();
@@ -217,7 +223,7 @@ VOLT_DEVICE void block_argmax(float& v, int& idx, SampleSmem& sm) {
     for (int o = 16; o > 0; o >>= 1) {
         const float ov = __shfl_xor_sync(0xffffffffu, v, o);
         const int oi = __shfl_xor_sync(0xffffffffu, idx, o);
-        if (ov > v || (ov == v && oi < idx)) { v = ov; idx = oi; }
+        keep_max(v, idx, ov, oi);
     }
     __syncthreads();
 }
@@ -250,7 +256,7 @@ VOLT_DEVICE void race_step(const float* sv, const bool* keep, int b0, u32 k0, u3
             const int i = b0 + (q + j) * blockDim.x + threadIdx.x;
             const float w = unit_float(c[j]);
             const float g = sv[q + j] - logf(-log1pf(-w));                      // s - log(E), E ~ Exp(1)
-            if (g > best || (g == best && i < best_i)) { best = g; best_i = i; }
+            keep_max(best, best_i, g, i);
         }
     }
 }

@@ -113,8 +113,9 @@ def _default_num_blocks(config: EngineConfig, device: str, block_bytes: int) -> 
 
 
 def speculation(config: EngineConfig, drafter=None) -> dict:
-    """The Scheduler's speculative decoding arguments (`drafter`, `ladder`) for `config.speculative_method`; {}
-    for "none". drafter: the built engine's (`BuiltEngine.drafter`, the "draft_model" method's)."""
+    """The Scheduler's speculative decoding arguments (`drafter`, `ladder`, `draft_max_pause`, `gate`) for
+    `config.speculative_method`; {} for "none". drafter: the built engine's (`BuiltEngine.drafter`, the
+    "draft_model" method's)."""
     if config.speculative_method == "none":
         return {}
     if config.speculative_method == "ngram":
@@ -123,7 +124,8 @@ def speculation(config: EngineConfig, drafter=None) -> dict:
         drafter = NgramDrafter(config.num_speculative_tokens, config.ngram_min, config.ngram_max)
     elif drafter is None:
         raise ValueError(f"speculative_method {config.speculative_method!r} needs the built engine's drafter")
-    return {"drafter": drafter, "ladder": config.draft_ladder(), "draft_max_pause": config.draft_max_pause}
+    return {"drafter": drafter, "ladder": config.draft_ladder(), "draft_max_pause": config.draft_max_pause,
+            "gate": config.draft_gate()}
 
 
 def rank_model(config: EngineConfig, loaded, backend, device: str, tp: TPGroup | None = None,

@@ -222,7 +222,8 @@ class AsyncEngine:
     def kv_stats(self) -> dict:
         """Pool and queue sizes: num_blocks, num_free_blocks, num_cached_blocks, num_running, num_waiting; and the
         speculative decoding counters since start: num_verify_steps (sequence-steps that verified drafts),
-        num_draft_tokens, num_accepted_tokens."""
+        num_draft_tokens, num_accepted_tokens, num_gate_draft_steps and num_gate_plain_steps (steps the draft
+        gate let draft / held drafts back in)."""
         sched = self._scheduler_actor.scheduler if self._scheduler_actor else None
         return {
             "num_blocks": self.pool.num_blocks if self.pool else 0,
@@ -233,4 +234,6 @@ class AsyncEngine:
             "num_verify_steps": sched.num_verify_steps if sched else 0,
             "num_draft_tokens": sched.num_draft_tokens if sched else 0,
             "num_accepted_tokens": sched.num_accepted_tokens if sched else 0,
+            "num_gate_draft_steps": sched.num_gate_draft_steps if sched else 0,
+            "num_gate_plain_steps": sched.num_gate_plain_steps if sched else 0,
         }

@@ -47,7 +47,8 @@ ENGINE_EXIT_WAIT_S = 60.0  # a new shared engine waits this long for the previou
 # messages read per readable event: the loop gets back to HTTP even if the engine outpaces the reader
 MAX_MESSAGES_PER_READ = 8
 _EMPTY_KV_STATS = {"num_blocks": 0, "num_free_blocks": 0, "num_cached_blocks": 0, "num_running": 0,
-                   "num_waiting": 0, "num_verify_steps": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0}
+                   "num_waiting": 0, "num_verify_steps": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0,
+                   "num_gate_draft_steps": 0, "num_gate_plain_steps": 0}
 
 
 class AttachTimeoutError(EngineDeadError):

@@ -127,6 +127,8 @@ class SchedulerActor(Actor):
                     self._emit(seq, logprobs.get(seq.seq_id))
                 else:
                     self._deferred.append((seq, logprobs.get(seq.seq_id)))
+            # 5) the draft gate times the step from the last step's outputs to these (what the user sees)
+            self.scheduler.record_step(plan, sampled)
             plan, handle = ahead, ahead_handle
 
     async def _prepare_drafts(self) -> None:

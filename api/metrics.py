@@ -16,7 +16,9 @@ alerts written for it carry over; every series has a `model_name` label (the ser
   `num_requests_waiting`, `kv_cache_usage_perc` (share of KV blocks in use, 0..1); and speculative decoding's
   counters, read there too (the engine's since it started; 0 without speculation), named as vLLM's:
   `spec_decode_num_drafts_total` (sequence-steps that verified drafts), `spec_decode_num_draft_tokens_total`,
-  `spec_decode_num_accepted_tokens_total` (mean acceptance length = 1 + accepted / drafts).
+  `spec_decode_num_accepted_tokens_total` (mean acceptance length = 1 + accepted / drafts); and the draft gate's
+  choices (`voltserve.spec.gate`), ours: `spec_decode_gate_steps_total{mode}`, steps run with drafting on
+  (`mode="draft"`) and steps it held drafts back in because plain decoding measured faster (`mode="plain"`).
 
 The per-request cost is a clock read at the first and at the last output and a few counter updates (~10 us);
 per delta, one comparison (the finish reason, in `UsageCounter.add`). GET /metrics needs the API key when one is set, as every route but /health.
@@ -77,6 +79,11 @@ class _EngineGauges:
             counter = CounterMetricFamily(name, doc, labels=["model_name"])
             counter.add_metric([self._model], float(stats.get(key, 0)))
             yield counter
+        gate = CounterMetricFamily("voltserve:spec_decode_gate_steps", "Steps by the draft gate's mode.",
+                                   labels=["model_name", "mode"])
+        for mode in ("draft", "plain"):
+            gate.add_metric([self._model, mode], float(stats.get(f"num_gate_{mode}_steps", 0)))
+        yield gate
 
 
 class ServerMetrics:

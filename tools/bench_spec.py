@@ -10,10 +10,13 @@ Reports, as JSON lines and in `--out`, for each (method, prompt set, concurrency
 `--repeats`), and for ngram the acceptance length (tokens a verify step emits per sequence, 1 + accepted /
 verifies) and drafts per verify. Greedy outputs of both methods are compared (case D1) and a mismatch is
 reported as `"lossless": false`. `--draft-max-pause` runs n-gram (and the draft model) once per backoff setting
-(0: none). `--speculative-model` names draft models (comma-separated; "self": the model itself, whose greedy
-drafts all pass: the bound of acceptance at the cost of a second model as large). `--temperature T` samples every
-request at T with top-p 0.95 instead (speculative sampling; outputs then differ run to run, so no `lossless`).
-Other engine settings come from VOLTSERVE_* variables.
+(0: none), `--speculative-gate` once per draft gate mode (`auto`, the engine's default, or `off`: always draft;
+`off,auto` compares them; one engine serves all prompt sets and concurrencies of a run, so the gate's
+measurements carry over from one to the next, as in a server). `--speculative-model` names draft models
+(comma-separated; "self": the model itself, whose greedy drafts all pass: the bound of acceptance at the cost of a
+second model as large). `--temperature T` samples every request at T with top-p 0.95 instead (speculative
+sampling; outputs then differ run to run, so no `lossless`). Other engine settings come from VOLTSERVE_*
+variables.
 """
 
 from __future__ import annotations
@@ -70,10 +73,13 @@ async def run(args) -> list[dict]:
     loaded = load_model(args.model)
     results, outputs = [], {}
     drafts = [("ngram", "")] + [("draft_model", args.model if m == "self" else m) for m in args.speculative_model]
-    for method, draft, pause in [("none", "", 0)] + [(m, d, p) for m, d in drafts for p in args.draft_max_pause]:
+    runs = [("none", "", 0, "off")] + [(m, d, p, g) for m, d in drafts for p in args.draft_max_pause
+                                       for g in args.speculative_gate]
+    for method, draft, pause, gate in runs:
         config = EngineConfig.from_env(model=args.model, device=args.device, speculative_method=method,
                                        speculative_model=draft, num_speculative_tokens=args.num_speculative_tokens,
-                                       concurrency_drafts=args.concurrency_drafts, draft_max_pause=pause)
+                                       concurrency_drafts=args.concurrency_drafts, draft_max_pause=pause,
+                                       speculative_gate=gate)
         engine = AsyncEngine(config, loaded=loaded)
         await engine.start()
         try:
@@ -88,7 +94,8 @@ async def run(args) -> list[dict]:
                     for _ in range(args.repeats):
                         rate, tokens = await level(engine, prompts, c, args.max_tokens, args.temperature)
                         rates.append(rate)
-                    row = {"method": method, **({"draft_max_pause": pause} if method != "none" else {}),
+                    row = {"method": method,
+                           **({"draft_max_pause": pause, "speculative_gate": gate} if method != "none" else {}),
                            **({"speculative_model": draft} if draft else {}),
                            "prompts": name, "concurrency": c, "device": args.device,
                            "output_tokens_per_s": round(statistics.median(rates), 1),
@@ -134,6 +141,8 @@ def main() -> None:
     parser.add_argument("--draft-max-pause", default=[64], type=lambda s: [int(x) for x in s.split(",")],
                         help="draft backoff's longest pause (EngineConfig.draft_max_pause), one n-gram run per value; "
                              "0: no backoff")
+    parser.add_argument("--speculative-gate", default=["auto"], type=lambda s: s.split(","),
+                        help="draft gate modes (EngineConfig.speculative_gate), one run per value: auto, off")
     parser.add_argument("--speculative-model", default=[], type=lambda s: [m for m in s.split(",") if m],
                         help="draft models to run the draft_model method with (comma-separated; self: the model)")
     parser.add_argument("--temperature", type=float, default=0.0,

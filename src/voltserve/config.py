@@ -11,8 +11,9 @@ from dataclasses import dataclass, field
 
 from voltserve.errors import ConfigError
 from voltserve.event_loop import check_kind as check_event_loop
-from voltserve.spec.ladder import DraftLadder
 from voltserve.spec.backoff import DEFAULT_MAX_PAUSE
+from voltserve.spec.gate import DraftGate
+from voltserve.spec.ladder import DraftLadder
 from voltserve.spec.ngram import MAX_NGRAM
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -182,6 +183,9 @@ class EngineConfig:
             decode plainly and, on a GPU, are planned ahead again; 0 = draft at every concurrency.
         draft_max_pause: draft backoff (`voltserve.spec.backoff`): after m verifies in a row that accepted no
             draft a sequence decodes its next 2^m tokens without drafts, at most this many; 0 = never pauses.
+        speculative_gate: "auto": the draft gate (`voltserve.spec.gate`) measures output tokens per second of
+            decode steps with and without drafts, per concurrency bucket, and turns drafting off where plain
+            decoding is faster (re-measuring now and then); "off": always draft.
     """
 
     model: str = DEFAULT_MODEL
@@ -227,6 +231,7 @@ class EngineConfig:
     concurrency_drafts: str = ""
     speculative_disable_by_batch_size: int = 0
     draft_max_pause: int = DEFAULT_MAX_PAUSE
+    speculative_gate: str = "auto"
 
     def validate(self) -> "EngineConfig":
         """Check ranges; raises ConfigError naming the setting. Returns self."""
@@ -275,6 +280,7 @@ class EngineConfig:
         self.draft_ladder()  # raises on a bad num_speculative_tokens, concurrency_drafts or disable size
         if self.draft_max_pause < 0:
             raise ConfigError(f"draft_max_pause must be >= 0, not {self.draft_max_pause}")
+        self.draft_gate()  # raises on an unknown speculative_gate
         if self.weight_format not in ("auto", "float"):
             raise ConfigError(f"weight_format must be auto or float, not {self.weight_format!r}")
         if (self.engine_socket or self.api_processes > 1) and not self.engine_process:
@@ -300,6 +306,14 @@ class EngineConfig:
         """
         return DraftLadder.parse(self.concurrency_drafts, self.num_speculative_tokens,
                                  self.speculative_disable_by_batch_size)
+
+    def draft_gate(self) -> DraftGate:
+        """A new draft gate of `speculative_gate`'s mode (one per scheduler: it holds the measurements).
+
+        Raises:
+            ConfigError: an unknown mode.
+        """
+        return DraftGate(self.speculative_gate)
 
     def engine_settings(self) -> dict:
         """The fields the engine process acts on (not the API's own: names, keys, ports, streaming): API

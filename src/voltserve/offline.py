@@ -54,5 +54,6 @@ def run_steps(scheduler: Scheduler, runner: ModelRunner, max_steps: int | None =
 def _apply(scheduler: Scheduler, plan, results, on_update) -> None:
     sampled, logprobs = results
     touched = scheduler.update(plan, sampled)
+    scheduler.record_step(plan, sampled)
     if on_update is not None:
         on_update(touched, logprobs)

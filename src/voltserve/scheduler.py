@@ -19,8 +19,9 @@ from dataclasses import dataclass
 from voltserve.kv_cache import BlockPool
 from voltserve.request import FinishReason
 from voltserve.sequence import Sequence, SequenceStatus
-from voltserve.spec.ladder import DraftLadder
 from voltserve.spec.backoff import DEFAULT_MAX_PAUSE, drafting_paused, record_verify
+from voltserve.spec.gate import DraftGate
+from voltserve.spec.ladder import DraftLadder
 from voltserve.spec.verify import draftable
 
 
@@ -53,10 +54,18 @@ class StepPlan:
 
     entries: list[ScheduledSeq]
     has_drafts: bool = False  # an entry verifies drafts: the runner runs the step eagerly, every row's logits
+    # the draft gate's mode for this step (`Scheduler.gate`): True drafts allowed, False held back; None: no gate,
+    # or the ladder gives no drafts at this concurrency
+    drafts_on: bool | None = None
 
     @property
     def num_tokens(self) -> int:
         return sum(e.num_new for e in self.entries)
+
+    @property
+    def is_decode_only(self) -> bool:
+        """Every entry decodes its sequence's last output token (with or without drafts): no prompt chunk."""
+        return all(e.start >= len(e.seq.prompt_ids) and e.num_new == 1 + len(e.drafts) for e in self.entries)
 
 
 class Scheduler:
@@ -82,16 +91,21 @@ class Scheduler:
         drafter: speculative decoding's drafter (`voltserve.spec.ngram.NgramDrafter`: `propose(seq, k)`), or
             None: decoding sequences that may be drafted (`voltserve.spec.verify.draftable`) verify up to
             `ladder.width(running sequences)` drafts a step. Steps are then never planned ahead while such a
-            sequence runs and its drafting is not paused (its drafts need the token the step before samples).
+            sequence runs, its drafting is not paused and the gate lets it draft (its drafts need the token the
+            step before samples).
         ladder: the verify width per concurrency (`voltserve.spec.ladder.DraftLadder`); needed with a drafter.
         draft_max_pause: the longest pause, in output tokens, of a sequence whose drafts keep failing
             (`voltserve.spec.backoff`); 0: it never pauses.
+        gate: with a drafter, decides per step whether drafting is on at all, from measured output tokens per
+            second (`voltserve.spec.gate.DraftGate`; fed by `record_step`); while it says plain, steps get no
+            drafts and are planned ahead like any plain step. None: drafting is always on.
     """
 
     def __init__(self, pool: BlockPool, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
                  eos_token_ids: tuple[int, ...], ahead_prefill_tokens: int = 0,
                  ahead_admissible: Callable[[Sequence], bool] | None = None, admission_wait_steps: int = 0,
-                 drafter=None, ladder: DraftLadder | None = None, draft_max_pause: int = DEFAULT_MAX_PAUSE):
+                 drafter=None, ladder: DraftLadder | None = None, draft_max_pause: int = DEFAULT_MAX_PAUSE,
+                 gate: DraftGate | None = None):
         self.pool = pool
         self.block_size = pool.block_size
         self.max_num_seqs = max_num_seqs
@@ -111,11 +125,14 @@ class Scheduler:
         self.drafter = drafter
         self.ladder = ladder
         self.draft_max_pause = draft_max_pause
+        self.gate = gate
         self._forget_drafts = getattr(drafter, "forget", None)
         self._draft_probs = getattr(drafter, "proposal_probs", None)  # q of sampled drafts (a draft model's)
         self.num_verify_steps = 0  # sequence-steps that verified drafts
         self.num_draft_tokens = 0  # drafts verified
         self.num_accepted_tokens = 0  # drafts accepted (the acceptance length is 1 + this / num_verify_steps)
+        self.num_gate_draft_steps = 0  # steps run with the gate's drafting on
+        self.num_gate_plain_steps = 0  # steps the gate held drafts back in (plain decoding measured faster)
 
     # -- queue management ---------------------------------------------------------------------------------
 
@@ -150,7 +167,7 @@ class Scheduler:
         entries: list[ScheduledSeq] = []
         preempted = False
         i = 0
-        width = self.ladder.width(len(self.running)) if self.drafter is not None else 0
+        width, drafts_on = self._draft_width(len(self.running))
         reserve = self._queue_head_reserve(width)  # drafts never take the budget the queue's head could start with
         # 1) running sequences: one decode token (with drafts to verify) or their next prefill chunk each
         while i < len(self.running) and budget > 0:
@@ -180,7 +197,7 @@ class Scheduler:
         if not preempted and not self._holds_back(entries):
             self._admit(entries, budget)
         self._num_plans += 1
-        return StepPlan(entries, has_drafts=any(e.drafts for e in entries) if width else False)
+        return StepPlan(entries, has_drafts=any(e.drafts for e in entries) if width else False, drafts_on=drafts_on)
 
     def draft_work(self) -> list[tuple[Sequence, int]]:
         """The (sequence, most drafts) pairs the next `schedule()` asks drafts for, for a drafter that computes
@@ -188,7 +205,7 @@ class Scheduler:
         right before `schedule()` with nothing applied in between, then the drafter's `prepare` with it."""
         if not getattr(self.drafter, "needs_prepare", False):
             return []
-        width = self.ladder.width(len(self.running))
+        width, _ = self._draft_width(len(self.running))
         # schedule()'s budget walk, every proposal taken whole: a sequence it would give no room gets no drafts
         budget, reserve, wanted, n = self.max_num_batched_tokens, self._queue_head_reserve(width), [], len(self.running)
         for i, seq in enumerate(self.running):
@@ -201,6 +218,15 @@ class Scheduler:
                 wanted.append((seq, k))
             budget -= num_new + k
         return wanted
+
+    def _draft_width(self, num_running: int) -> tuple[int, bool | None]:
+        """(drafts each decoding sequence may verify in a step of `num_running` running sequences, the gate's
+        mode for that step: `StepPlan.drafts_on`): the ladder's width, 0 while the gate holds drafts back."""
+        width = self.ladder.width(num_running) if self.drafter is not None else 0
+        if not width or self.gate is None:
+            return width, None
+        drafts_on = self.gate.drafts_on(num_running)
+        return (width if drafts_on else 0), drafts_on
 
     def _queue_head_reserve(self, width: int) -> int:
         """Budget tokens drafts leave to the head of the queue (its remaining prompt), when it could start."""
@@ -299,7 +325,7 @@ class Scheduler:
         entries = [e for e in plan.entries if e.seq.status is not SequenceStatus.FINISHED]
         if not entries or len(entries) != len(self.running) or len(entries) > self.max_num_batched_tokens:
             return None
-        width = self.ladder.width(len(entries)) if self.drafter is not None else 0
+        width, drafts_on = self._draft_width(len(entries))
         if width and any(self._draft_room(e.seq, width, len(e.seq.output_ids) + 1) > 0 for e in entries):
             return None  # schedule() may draft for it, from the token `plan` samples
         need = 0
@@ -326,7 +352,7 @@ class Scheduler:
                 and len(ahead) == len(entries):
             return None  # the head of the queue needs schedule(); the blocks grown above serve that step too
         self._num_plans += 1
-        return StepPlan(ahead)
+        return StepPlan(ahead, drafts_on=drafts_on)
 
     def update(self, plan: StepPlan, sampled: dict[int, int]) -> list[Sequence]:
         """Apply a finished step.
@@ -363,6 +389,22 @@ class Scheduler:
             if reason is not None:
                 self.finish(seq, reason, stop_reason)
         return touched
+
+    def record_step(self, plan: StepPlan, sampled: dict) -> None:
+        """Feed the draft gate a step whose outputs `update` just applied (`sampled` as update got it); the
+        engine's loop calls it right after `update` for every step, in order: the gate's clock times a step from
+        one call to the next. A no-op without a gate."""
+        if self.gate is None:
+            return
+        if plan.drafts_on is not None:
+            if plan.drafts_on:
+                self.num_gate_draft_steps += 1
+            else:
+                self.num_gate_plain_steps += 1
+        # per step: the entries are walked only for a step the gate measures
+        decode_only = plan.drafts_on is not None and self.gate.is_auto and plan.is_decode_only
+        num_tokens = sum(len(sampled[e.seq.seq_id]) if e.drafts else 1 for e in plan.entries) if decode_only else 0
+        self.gate.record(len(plan.entries), plan.drafts_on, num_tokens, decode_only)
 
     def _apply_verified(self, seq: Sequence, entry: ScheduledSeq, tokens: list[int]) -> None:
         """Append a verify's tokens up to the first that ends the sequence. The K / V of the last token fed and

@@ -143,7 +143,8 @@ def server_url(smollm2_gguf, tmp_path_factory):
 
 @pytest.fixture(scope="session", params=["ngram", "draft_model"])
 def spec_server_url(request, smollm2_gguf, tmp_path_factory):
-    """The same with speculative decoding (k = 4): n-gram drafts, or the model as its own draft model."""
+    """The same with speculative decoding (k = 4): n-gram drafts, or the model as its own draft model; the draft
+    gate off (the tests count verify steps, and several tokens a delta)."""
     draft = {"speculative_model": str(smollm2_gguf)} if request.param == "draft_model" else {}
     yield from _hypercorn(smollm2_gguf, tmp_path_factory.mktemp("spec_server"), speculative_method=request.param,
-                          num_speculative_tokens=4, **draft)
+                          num_speculative_tokens=4, speculative_gate="off", **draft)

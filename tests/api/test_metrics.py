@@ -74,7 +74,8 @@ async def test_engine_gauges_and_api_key(serve):
     """The gauges read engine.kv_stats() when scraped; with an API key /metrics needs it (unlike /health)."""
     engine = ScriptedEngine()
     engine.kv_stats = lambda: {"num_blocks": 200, "num_free_blocks": 150, "num_running": 3, "num_waiting": 2,
-                               "num_verify_steps": 10, "num_draft_tokens": 40, "num_accepted_tokens": 17}
+                               "num_verify_steps": 10, "num_draft_tokens": 40, "num_accepted_tokens": 17,
+                               "num_gate_draft_steps": 12, "num_gate_plain_steps": 30}
     async with serve(engine, api_key="k") as (client, _):
         assert (await client.get("/metrics")).status_code == 401
         metrics = await _scrape(client, authorization="Bearer k")
@@ -83,6 +84,7 @@ async def test_engine_gauges_and_api_key(serve):
     assert metrics[("voltserve:kv_cache_usage_perc", _m())] == 0.25
     assert [metrics[(f"voltserve:spec_decode_num_{n}_total", _m())] for n in ("drafts", "draft_tokens",
                                                                               "accepted_tokens")] == [10, 40, 17]
+    assert [metrics[("voltserve:spec_decode_gate_steps_total", _m(mode=m))] for m in ("draft", "plain")] == [12, 30]
 
 
 def test_tpot_uses_the_longest_sequence():

@@ -56,3 +56,7 @@ def test_metrics_count_drafts(spec_server_url):
     drafts, tokens, accepted = (values[f"voltserve:spec_decode_num_{n}_total"]
                                 for n in ("drafts", "draft_tokens", "accepted_tokens"))
     assert drafts > 0 and tokens >= drafts and 0 < accepted <= tokens
+    # the draft gate's steps by mode: off here (VOLTSERVE_SPECULATIVE_GATE reached the engine), none held back
+    gate = {line.split('mode="')[1].split('"')[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+            if line.startswith("voltserve:spec_decode_gate_steps_total{")}
+    assert gate["draft"] > 0 and gate["plain"] == 0

@@ -10,13 +10,15 @@ import torch
 
 from tests.e2e.engine_helpers import chat_ids, complete, running_engine
 from tests.helpers import OracleDrafter
+from voltserve.spec.gate import DEFAULT_WINDOW
 
 # prompts whose answers copy their input or repeat: the drafts pass often
 PROMPTS = ["List the numbers from 1 to 30 separated by commas.",
            "Repeat this sentence exactly three times: The quick brown fox jumps over the lazy dog.",
            "What is the capital of France?"]
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
-SPEC = {"speculative_method": "ngram", "num_speculative_tokens": 4}
+# the draft gate off: these tests count verify steps, which a gate that measured plain decoding faster stops
+SPEC = {"speculative_method": "ngram", "num_speculative_tokens": 4, "speculative_gate": "off"}
 
 
 async def answers(engine, concurrent: bool, **params) -> list[list[int]]:
@@ -41,6 +43,12 @@ async def test_greedy_output_equals_plain_decoding(smollm2, device):
     assert alone == plain and together == plain
     # drafts were verified and some passed: 1 + accepted / verifies tokens a verify step
     assert sched.num_verify_steps > 20 and sched.num_accepted_tokens > sched.num_verify_steps // 4
+    # the draft gate on (the default): whichever mode it picks a step, the output is the same; it explored both
+    async with running_engine(smollm2, device=device, **{**SPEC, "speculative_gate": "auto"}) as engine:
+        gated = await answers(engine, False, **params), await answers(engine, True, **params)
+        stats = engine.kv_stats()
+    assert gated == (plain, plain)
+    assert min(stats["num_gate_draft_steps"], stats["num_gate_plain_steps"]) >= DEFAULT_WINDOW
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -94,7 +102,7 @@ async def test_draft_model_is_lossless(smollm2, device):
     async with running_engine(smollm2, device=device) as engine:
         plain = await answers(engine, False, **params)
     spec = {"speculative_method": "draft_model", "speculative_model": "smollm2-135m-instruct",
-            "num_speculative_tokens": 3}
+            "num_speculative_tokens": 3, "speculative_gate": "off"}
     async with running_engine(smollm2, device=device, **spec) as engine:
         alone = await answers(engine, False, **params)
         together = await answers(engine, True, **params)

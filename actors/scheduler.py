@@ -122,13 +122,15 @@ class SchedulerActor(Actor):
             self.num_failed_steps_in_row = 0
             # 4) apply it and stream the new tokens: now when the step ahead computes already; else those without
             # stop strings after the next step is handed to the worker
+            before = self.scheduler.gate_output_len(plan)
             for seq in self.scheduler.update(plan, sampled):
                 if ahead is not None or seq.params.stop:
                     self._emit(seq, logprobs.get(seq.seq_id))
                 else:
                     self._deferred.append((seq, logprobs.get(seq.seq_id)))
-            # 5) the draft gate times the step from the last step's outputs to these (what the user sees)
-            self.scheduler.record_step(plan, sampled)
+            # 5) the draft gate times the step from the last step's outputs to these (what the user sees), with
+            # the tokens it added after stop strings (deferred sequences have none to cut)
+            self.scheduler.record_step(plan, self.scheduler.gate_output_len(plan) - before)
             plan, handle = ahead, ahead_handle
 
     async def _prepare_drafts(self) -> None:

@@ -18,7 +18,7 @@ alerts written for it carry over; every series has a `model_name` label (the ser
   `spec_decode_num_drafts_total` (sequence-steps that verified drafts), `spec_decode_num_draft_tokens_total`,
   `spec_decode_num_accepted_tokens_total` (mean acceptance length = 1 + accepted / drafts); and the draft gate's
   choices (`voltserve.spec.gate`), ours: `spec_decode_gate_steps_total{mode}`, steps run with drafting on
-  (`mode="draft"`) and steps it held drafts back in because plain decoding measured faster (`mode="plain"`).
+  (`mode="draft"`) and steps it held drafts back in (`mode="plain"`: measuring plain decoding, or plain chosen).
 
 The per-request cost is a clock read at the first and at the last output and a few counter updates (~10 us);
 per delta, one comparison (the finish reason, in `UsageCounter.add`). GET /metrics needs the API key when one is set, as every route but /health.

@@ -83,8 +83,8 @@ HELP = {
                                          "are planned ahead again on a GPU); 0: draft at every concurrency",
     "draft_max_pause": "after m verifies in a row that accept no draft a sequence decodes 2^m tokens without "
                        "drafts, at most this many; 0: never pauses",
-    "speculative_gate": "auto: measure output tokens/s of decode steps with and without drafts per concurrency "
-                        "and draft only where that is faster; off: always draft",
+    "speculative_gate": "auto: measure output tokens/s of decode steps with and without drafts per concurrency, "
+                        "in epochs, and draft only where that is faster; off: always draft",
 }
 
 

@@ -17,6 +17,7 @@ from voltserve.spec.ladder import DraftLadder
 from voltserve.spec.ngram import MAX_NGRAM
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
+DEFAULT_GATE = "auto"  # speculative_gate: the draft gate on (tests/unit/test_draft_gate.py's simulation)
 
 
 @dataclass(frozen=True)
@@ -184,8 +185,8 @@ class EngineConfig:
         draft_max_pause: draft backoff (`voltserve.spec.backoff`): after m verifies in a row that accepted no
             draft a sequence decodes its next 2^m tokens without drafts, at most this many; 0 = never pauses.
         speculative_gate: "auto": the draft gate (`voltserve.spec.gate`) measures output tokens per second of
-            decode steps with and without drafts, per concurrency bucket, and turns drafting off where plain
-            decoding is faster (re-measuring now and then); "off": always draft.
+            decode steps with and without drafts, per concurrency bucket, in epochs (both modes measured back to
+            back, then the winner), and turns drafting off where plain decoding is faster; "off": always draft.
     """
 
     model: str = DEFAULT_MODEL
@@ -231,7 +232,7 @@ class EngineConfig:
     concurrency_drafts: str = ""
     speculative_disable_by_batch_size: int = 0
     draft_max_pause: int = DEFAULT_MAX_PAUSE
-    speculative_gate: str = "auto"
+    speculative_gate: str = DEFAULT_GATE
 
     def validate(self) -> "EngineConfig":
         """Check ranges; raises ConfigError naming the setting. Returns self."""

@@ -53,7 +53,8 @@ def run_steps(scheduler: Scheduler, runner: ModelRunner, max_steps: int | None =
 
 def _apply(scheduler: Scheduler, plan, results, on_update) -> None:
     sampled, logprobs = results
+    before = scheduler.gate_output_len(plan)
     touched = scheduler.update(plan, sampled)
-    scheduler.record_step(plan, sampled)
+    scheduler.record_step(plan, scheduler.gate_output_len(plan) - before)
     if on_update is not None:
         on_update(touched, logprobs)

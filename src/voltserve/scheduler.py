@@ -132,7 +132,7 @@ class Scheduler:
         self.num_draft_tokens = 0  # drafts verified
         self.num_accepted_tokens = 0  # drafts accepted (the acceptance length is 1 + this / num_verify_steps)
         self.num_gate_draft_steps = 0  # steps run with the gate's drafting on
-        self.num_gate_plain_steps = 0  # steps the gate held drafts back in (plain decoding measured faster)
+        self.num_gate_plain_steps = 0  # steps the gate held drafts back in (measuring plain, or plain won)
 
     # -- queue management ---------------------------------------------------------------------------------
 
@@ -317,6 +317,9 @@ class Scheduler:
         the step ahead; `update` then skips it, and its blocks, freed by that finish, are only reused by steps that
         run after this one (its slot too: admission here counts it as running).
         Call `update(plan, ...)` before `update` of the returned plan, and no `schedule()` in between.
+        The draft gate's mode (`StepPlan.drafts_on`) is read here, before `plan` is recorded: when recording
+        `plan` ends the gate's plain phase, `schedule()` would draft but this step still runs plain (the gate
+        does not measure it); the switch takes effect one step later.
         """
         # a sequence that finished while `plan` ran (aborted, or by the token of the step before) is dropped:
         # its blocks are free again and may go to a sequence admitted below
@@ -327,7 +330,7 @@ class Scheduler:
             return None
         width, drafts_on = self._draft_width(len(entries))
         if width and any(self._draft_room(e.seq, width, len(e.seq.output_ids) + 1) > 0 for e in entries):
-            return None  # schedule() may draft for it, from the token `plan` samples
+            return None  # schedule() may draft for it, from the token `plan` samples (the gate as of now)
         need = 0
         for e, seq in zip(entries, self.running):
             if e.seq is not seq or not e.sample or seq.num_computed_tokens != e.start:
@@ -390,10 +393,19 @@ class Scheduler:
                 self.finish(seq, reason, stop_reason)
         return touched
 
-    def record_step(self, plan: StepPlan, sampled: dict) -> None:
-        """Feed the draft gate a step whose outputs `update` just applied (`sampled` as update got it); the
-        engine's loop calls it right after `update` for every step, in order: the gate's clock times a step from
-        one call to the next. A no-op without a gate."""
+    def gate_output_len(self, plan: StepPlan) -> int:
+        """Output tokens the sequences of `plan` hold (0 unless the draft gate measures such a step): the engine's
+        loop takes it before `update(plan)` and after the step's stop strings were applied, and hands
+        `record_step` the difference, the tokens the step really added (per step: walks the entries)."""
+        if self.gate is None or not self.gate.is_auto or plan.drafts_on is None:
+            return 0
+        return sum(len(e.seq.output_ids) for e in plan.entries)
+
+    def record_step(self, plan: StepPlan, num_tokens: int) -> None:
+        """Feed the draft gate a step whose outputs `update` just applied; num_tokens: the output tokens it added
+        (`gate_output_len` after less before: past EOS, stop ids and stop strings, none for a sequence that had
+        finished before it ran). The engine's loop calls it right after applying every step, in order: the gate's
+        clock times a step from one call to the next. A no-op without a gate."""
         if self.gate is None:
             return
         if plan.drafts_on is not None:
@@ -401,9 +413,7 @@ class Scheduler:
                 self.num_gate_draft_steps += 1
             else:
                 self.num_gate_plain_steps += 1
-        # per step: the entries are walked only for a step the gate measures
         decode_only = plan.drafts_on is not None and self.gate.is_auto and plan.is_decode_only
-        num_tokens = sum(len(sampled[e.seq.seq_id]) if e.drafts else 1 for e in plan.entries) if decode_only else 0
         self.gate.record(len(plan.entries), plan.drafts_on, num_tokens, decode_only)
 
     def _apply_verified(self, seq: Sequence, entry: ScheduledSeq, tokens: list[int]) -> None:

@@ -34,6 +34,10 @@ VOLT_DEVICE half_t f2h(float f) {
 
 // Round-trip through fp16 (what a torch fp16 op does between two steps).
 VOLT_DEVICE float round_h(float f) { return h2f(f2h(f)); }
+// Element i of an fp16 (f16) or fp32 array as fp32: the sampler kernels' logits, whose dtype a build fixes.
+VOLT_DEVICE float load_f16_or_f32(const void* data, i64 i, bool f16) {
+    return f16 ? h2f(reinterpret_cast<const half_t*>(data)[i]) : reinterpret_cast<const float*>(data)[i];
+}
 
 // Two packed fp16 values of one 32-bit word.
 VOLT_DEVICE void unpack2(u32 w, float& lo, float& hi) {

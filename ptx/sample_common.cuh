@@ -44,13 +44,7 @@ struct SampleParams {
 };
 VOLT_CHECK_PARAMS(SampleParams, VOLT_SAMPLE_PARAMS_BYTES);
 
-VOLT_DEVICE float load_x(const SampleParams& p, i64 i) {
-#if LOGITS_F16
-    return h2f(reinterpret_cast<const half_t*>(p.logits)[i]);
-#else
-    return reinterpret_cast<const float*>(p.logits)[i];
-#endif
-}
+VOLT_DEVICE float load_x(const SampleParams& p, i64 i) { return load_f16_or_f32(p.logits, i, LOGITS_F16); }
 
 // Order-preserving map fp32 -> u32 (-0 folded into +0 so equal values get equal keys).
 VOLT_DEVICE u32 fkey(float f) {
@@ -138,7 +132,10 @@ VOLT_DEVICE u32 radix_select(const Each& each, const F& f, double target, double
             u64 local[8];
             u64 tot = 0;
 #pragma unroll
-            for (int j = 0; j < 8; ++j) { local[j] = pair_get(sm.hist_lo, sm.hist_hi, 255 - 8 * lane - j); tot += local[j]; }
+            for (int j = 0; j < 8; ++j) {
+                local[j] = pair_get(sm.hist_lo, sm.hist_hi, 255 - 8 * lane - j);
+                tot += local[j];
+            }
             u64 incl = tot;
 #pragma unroll
             for (int o = 1; o < 32; o <<= 1) {

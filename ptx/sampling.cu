@@ -30,13 +30,7 @@ struct ArgmaxParams {
 };
 VOLT_CHECK_PARAMS(ArgmaxParams, VOLT_ARGMAX_PARAMS_BYTES);
 
-VOLT_DEVICE float load_logit(const ArgmaxParams& p, i64 i) {
-#if LOGITS_F16
-    return h2f(reinterpret_cast<const half_t*>(p.logits)[i]);
-#else
-    return reinterpret_cast<const float*>(p.logits)[i];
-#endif
-}
+VOLT_DEVICE float load_logit(const ArgmaxParams& p, i64 i) { return load_f16_or_f32(p.logits, i, LOGITS_F16); }
 
 #define AM_BATCH 16  // logits per thread loaded together
 

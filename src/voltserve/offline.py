@@ -55,6 +55,7 @@ def _apply(scheduler: Scheduler, plan, results, on_update) -> None:
     sampled, logprobs = results
     before = scheduler.gate_output_len(plan)
     touched = scheduler.update(plan, sampled)
-    scheduler.record_step(plan, scheduler.gate_output_len(plan) - before)
     if on_update is not None:
         on_update(touched, logprobs)
+    # after on_update, as the engine's loop records after its deltas went out: the gate times host work too
+    scheduler.record_step(plan, scheduler.gate_output_len(plan) - before)

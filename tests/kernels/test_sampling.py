@@ -379,7 +379,7 @@ def test_chunked_top_p_rows_give_the_single_block_tokens(cuda_backend, vocab, dt
     from voltserve.backends.cuda.sampling import _chunk_row, _filtered_row
 
     gen = torch.Generator().manual_seed(vocab + 1)
-    chunks = -(-vocab // kernels.SAMPLE_CHUNK)
+    chunks = kernels.sample_chunk_count(vocab)
     rows = min(40, cuda_backend.num_sms // chunks)
     if rows == 0:
         pytest.skip(f"{cuda_backend.num_sms} SMs hold no top-p row of {chunks} blocks")
@@ -417,7 +417,7 @@ def test_chunked_top_p_thresholds_over_many_draws(cuda_backend, top_p):
     from voltserve.backends.cuda import kernels
 
     vocab = 49152
-    rows = min(16, cuda_backend.num_sms // -(-vocab // kernels.SAMPLE_CHUNK))
+    rows = min(16, cuda_backend.num_sms // kernels.sample_chunk_count(vocab))
     gen = torch.Generator().manual_seed(int(top_p * 100))
     x = torch.randn(rows, vocab, generator=gen) * 3
     for r in range(0, rows, 2):
@@ -444,7 +444,7 @@ def test_chunked_top_p_follows_the_reference(cuda_backend, cfg):
     x = torch.randn(vocab, generator=gen)
     x[torch.randperm(vocab, generator=gen)[:40]] += 8 + 2 * torch.randn(40, generator=gen)
     ref = _ref_probs(x, **cfg).double()
-    rows = min(64, cuda_backend.num_sms // -(-vocab // kernels.SAMPLE_CHUNK))
+    rows = min(64, cuda_backend.num_sms // kernels.sample_chunk_count(vocab))
     assert cuda_backend._chunked(rows, vocab, filtered=True)
     logits = x.expand(rows, vocab).contiguous().cuda()
     d = int(ref.argsort(descending=True)[1])

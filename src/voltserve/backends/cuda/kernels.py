@@ -74,6 +74,11 @@ GEMV_S8_MAX_KSPLITS = 4
 GEMV_MMA_STATIC_SMEM = 4 * (GEMV_MMA_WARPS * 32 * 8 + 8 * 32 + 8)
 
 
+def sample_chunk_count(vocab: int) -> int:
+    """sample_chunks' blocks a row: ceil(vocab / SAMPLE_CHUNK)."""
+    return -(-vocab // SAMPLE_CHUNK)
+
+
 def gemv_mma_spec(fmt: str, silu: bool, norm_one_pass: bool = False,
                   tile_rows: int = GEMV_MMA_TILES[0], repacked: bool = False) -> dict[str, int]:
     """The -D set of gemv_mma.cu for a weight format; `norm_one_pass`: the build whose fused RMSNorm takes 1/rms

@@ -131,7 +131,7 @@ class DeviceSampling:
             return False
         if filtered:
             return (self.sample_chunks == "auto" and num_rows <= self.sample_hist.shape[0]
-                    and num_rows * math.ceil(vocab / kernels.SAMPLE_CHUNK) <= self.num_sms)
+                    and num_rows * kernels.sample_chunk_count(vocab) <= self.num_sms)
         return num_rows <= min(self.num_sms, self.sample_counters.numel())
 
     def _launch_sample(self, logits: torch.Tensor, dev_rows: torch.Tensor, outputs, checked: torch.Tensor | None,
@@ -146,7 +146,7 @@ class DeviceSampling:
         part = counters = None
         chunks = 1
         if chunked:
-            chunks = math.ceil(vocab / kernels.SAMPLE_CHUNK)
+            chunks = kernels.sample_chunk_count(vocab)
             part = torch.empty(rows * (chunks * kernels.SAMPLE_CHUNK_PART_FLOATS
                                        + (kernels.SAMPLE_CANDIDATES if filtered else 0)),
                                dtype=torch.float32, device=self.device)

@@ -19,7 +19,13 @@ ARCHS = (70, 90)
 
 
 def main() -> int:
-    os.environ["VOLTSERVE_CACHE_DIR"] = tempfile.mkdtemp(prefix="voltserve-build-ptx-")
+    with tempfile.TemporaryDirectory(prefix="voltserve-build-ptx-") as cache:  # removed at exit
+        os.environ["VOLTSERVE_CACHE_DIR"] = cache
+        return build_all()
+
+
+def build_all() -> int:
+    """Compile every specialisation for each of ARCHS; returns the process's exit status."""
     from voltserve.backends.cuda import kernels, nvrtc
     from voltserve.errors import VoltError
 

@@ -76,7 +76,7 @@ def add_request(engine, prompt_ids: list[int], params: SamplingParams, *, prompt
 # Prompts up to this many characters are rendered and tokenized on the event loop (~0.1-1.5 ms with the default
 # model's tokenizer): a trip through `asyncio.to_thread` costs a short request far more under streaming load, since
 # the thread waits for the GIL (up to the 5 ms switch interval, several times) and then for a loop turn. Longer
-# prompts still go to a thread: the tokenizer releases the GIL, so the loop keeps streaming meanwhile.
+# prompts still go to a thread: `Tokenizer.encode` releases the GIL for them, so the loop keeps streaming meanwhile.
 INLINE_PROMPT_CHARS = 1024
 
 

@@ -102,3 +102,31 @@ def test_may_spell_special_defers_to_normalized_special_tokens():
     assert Tokenizer(backend, None, [2], byte_level=False).may_spell_special("plain")
     backend.normalizer = None
     assert not Tokenizer(backend, None, [2], byte_level=False).may_spell_special("plain")
+
+
+@pytest.mark.parametrize("parse_special", [True, False])
+def test_long_text_encodes_the_same_and_lets_other_threads_run(smollm2_tokenizer, parse_special):
+    """A text past ENCODE_INLINE_CHARS goes through encode_batch: the same ids as the backend's plain encode,
+    while another thread (the API's event loop) keeps running; `encode` held the GIL throughout (a 4.8 MB
+    prompt stalled the server for 1.9 s)."""
+    import threading
+    import time
+
+    from voltserve.tokenizer import ENCODE_INLINE_CHARS
+
+    tok = smollm2_tokenizer
+    text = "<|im_start|>user\n" + "hello world, 42 times. " * 40_000 + "<|im_end|>"
+    assert len(text) > ENCODE_INLINE_CHARS
+    backend = tok.backend if parse_special else tok._tok_plain
+    expected = backend.encode(text, add_special_tokens=False).ids
+    result = {}
+    worker = threading.Thread(target=lambda: result.setdefault("ids", tok.encode(text, parse_special=parse_special)))
+    ticks = 0
+    worker.start()
+    while worker.is_alive():  # each sleep needs the GIL back to return
+        time.sleep(0.005)
+        ticks += 1
+    worker.join()
+    assert result["ids"] == expected
+    assert (1 in expected) == parse_special  # <|im_start|> read as the special token only when asked
+    assert ticks >= 10, f"the main thread ran {ticks} times while the text was encoded"

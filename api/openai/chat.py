@@ -66,11 +66,10 @@ def _with_reasoning_tokens(usage: Usage, parsers: Iterable[OutputParser]) -> Usa
 def _functions(req: ChatCompletionRequest) -> tuple[dict, ...]:
     functions = []
     for i, tool in enumerate(req.tools or ()):
-        function = tool.get("function") if tool.get("type", "function") == "function" else None
-        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        if tool.type != "function" or tool.function is None:
             raise InvalidRequestError("a tool must be {'type': 'function', 'function': {'name': ..., "
                                       "'parameters': ...}}", param=f"tools.{i}")
-        functions.append(function)
+        functions.append(tool.function.model_dump(exclude_none=True))
     return tuple(functions)
 
 

@@ -211,5 +211,5 @@ async def chat_prompt_ids(engine, req: ChatCompletionRequest, trust_mm_kwargs: b
     Raises:
         InvalidRequestError: see `template_messages` and `messages_prompt_ids`.
     """
-    return await messages_prompt_ids(engine, template_messages(req, trust_mm_kwargs), req.tools,
+    return await messages_prompt_ids(engine, template_messages(req, trust_mm_kwargs), req.template_tools(),
                                      req.chat_template_kwargs)

@@ -8,9 +8,11 @@ and https://platform.openai.com/docs/api-reference/completions.
 from __future__ import annotations
 
 import re
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_serializer, model_serializer
+from pydantic import (
+    BaseModel, ConfigDict, Field, StringConstraints, ValidationError, field_serializer, model_serializer,
+)
 
 from voltserve.errors import InvalidRequestError
 
@@ -36,6 +38,34 @@ class ChatMessage(_Request):
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
     tool_call_id: str | None = None
+
+
+# A tool's name in every API: OpenAI's rule for function names, which Anthropic's client tools share
+# (https://platform.openai.com/docs/api-reference/chat/create#chat-create-tools,
+# https://docs.anthropic.com/en/docs/agents-and-tools/tool-use/implement-tool-use)
+ToolName = Annotated[str, StringConstraints(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
+
+
+class FunctionDefinition(_Request):
+    """A Chat Completions tool's `function`; `parameters` is the JSON schema (an object) of its arguments. Other
+    fields are kept: the chat template gets the tool as sent."""
+
+    model_config = ConfigDict(extra="allow")
+
+    name: ToolName
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ChatTool(_Request):
+    """One of a chat request's `tools`; a type other than "function", or no `function`, is refused when the
+    tools are read (`api.openai.chat`)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    type: str = "function"
+    function: FunctionDefinition | None = None
 
 
 class SamplingFields(_Request):
@@ -71,11 +101,16 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
     top_logprobs: int | None = None
-    tools: list[dict[str, Any]] | None = None
+    tools: list[ChatTool] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     response_format: dict[str, Any] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+
+    def template_tools(self) -> list[dict] | None:
+        """The tools as the chat template takes them: dicts of the fields sent (declared ones first); None
+        without tools."""
+        return [tool.model_dump(exclude_unset=True) for tool in self.tools] if self.tools else None
 
 
 class CompletionRequest(SamplingFields):

@@ -12,7 +12,7 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from api.openai.protocol import ContentPart, SamplingFields
+from api.openai.protocol import ContentPart, SamplingFields, ToolName
 
 # ---- request ---------------------------------------------------------------------------------------------
 
@@ -46,11 +46,11 @@ class InputItem(_Request):
 
 class FunctionTool(_Request):
     """One of `tools`. Only function tools are served; any other type (web_search, file_search, mcp, ...) is
-    parsed just far enough to be refused by name, so `name` is checked when the tools are converted.
+    parsed just far enough to be refused by name, so `name`'s presence is checked when the tools are converted.
 
     Attributes:
         type: the tool type ("function").
-        name: the function's name.
+        name: the function's name (`ToolName`'s rule).
         description: what it does, for the model.
         parameters: the JSON schema of its arguments.
         strict: accepted and echoed; free calls are not held to the schema, forced ones always are
@@ -58,7 +58,7 @@ class FunctionTool(_Request):
     """
 
     type: str
-    name: str | None = None
+    name: ToolName | None = None
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None

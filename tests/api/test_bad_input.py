@@ -97,6 +97,9 @@ CASES = [
      tools=[{"type": "function", "function": {"name": "f"}}]), 400, INVALID, "tool_choice", None),
     ("tool_parameters_not_object", "POST", CHAT, chat_body(tool_choice="required", tools=[{"type": "function",
      "function": {"name": "f", "parameters": {"type": "string"}}}]), 400, INVALID, "tools", None),
+    ("tool_not_object", "POST", CHAT, chat_body(tools=["f"]), 400, INVALID, "tools.0", None),
+    ("tool_name_with_space", "POST", CHAT, chat_body(tools=[{"type": "function", "function": {"name": "a b"}}]),
+     400, INVALID, "tools.0.function.name", None),
     ("response_format_unknown", "POST", CHAT, chat_body(response_format={"type": "yaml"}), 400, INVALID,
      "response_format.type", None),
     ("unknown_route", "POST", "/v1/nope", chat_body(), 404, INVALID, None, "unknown_url"),
@@ -164,3 +167,46 @@ async def test_S7_mm_kwargs_only_when_trusted(serve):
             {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]))
         error = orjson.loads(await image.get_data())["error"]
         assert (image.status_code, error["param"]) == (400, "messages.0.content.0.type")
+
+
+NOT_OBJECTS = ["x", [1, 2], 5, True]
+TOOL_CHOICES = [None, "auto", "required", {"type": "function", "function": {"name": "f"}}]
+
+
+@pytest.mark.parametrize("parameters", NOT_OBJECTS)
+@pytest.mark.parametrize("tool_choice", TOOL_CHOICES)
+async def test_tool_parameters_must_be_an_object(serve, parameters, tool_choice):
+    """Whatever the tool_choice: a 400 naming the field, as the Responses and Messages APIs answer."""
+    payload = chat_body(tools=[{"type": "function", "function": {"name": "f", "parameters": parameters}}],
+                        **({"tool_choice": tool_choice} if tool_choice is not None else {}))
+    async with serve(ScriptedEngine(scripts=["ok"]), tool_call_parser="hermes") as (client, engine):
+        response = await client.post(CHAT, json=payload)
+        assert (response.status_code, orjson.loads(await response.get_data())) == (400, {"error": {
+            "message": "invalid value for 'tools.0.function.parameters': Input should be an object",
+            "type": INVALID, "param": "tools.0.function.parameters", "code": None}})
+        assert engine.requests == []
+
+
+BAD_NAME = "invalid value for '{}': String should match pattern '^[a-zA-Z0-9_-]{{1,64}}$'"
+
+
+@pytest.mark.parametrize("name", ["", "a b", "get.weather", "f(x)", "é", "x" * 65])
+async def test_tool_names_follow_one_rule_in_every_api(serve, name):
+    """OpenAI's function-name rule, which Anthropic's tool names share, in Chat, Responses and Messages."""
+    async with serve(ScriptedEngine(scripts=["ok"])) as (client, _):
+        chat = await client.post(CHAT, json=chat_body(tools=[{"type": "function", "function": {"name": name}}]))
+        responses = await client.post("/v1/responses", json={"model": MODEL, "input": "Hi", "tools": [
+            {"type": "function", "name": name}]})
+        messages = await client.post("/v1/messages", json={
+            "model": MODEL, "max_tokens": 8, "messages": [{"role": "user", "content": "Hi"}],
+            "tools": [{"name": name, "input_schema": {"type": "object"}}]})
+        got = [(r.status_code, orjson.loads(await r.get_data())) for r in (chat, responses, messages)]
+        good = await client.post(CHAT, json=chat_body(tools=[{"type": "function", "function": {
+            "name": "get_weather-2", "parameters": {"type": "object"}}}]))
+    assert got == [
+        (400, {"error": {"message": BAD_NAME.format("tools.0.function.name"), "type": INVALID,
+                         "param": "tools.0.function.name", "code": None}}),
+        (400, {"error": {"message": BAD_NAME.format("tools.0.name"), "type": INVALID, "param": "tools.0.name",
+                         "code": None}}),
+        (400, {"type": "error", "error": {"type": INVALID, "message": BAD_NAME.format("tools.0.name")}})]
+    assert good.status_code == 200

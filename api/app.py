@@ -165,6 +165,7 @@ def create_app(engine: Any = None, config: EngineConfig | None = None, *,
 
     @app.errorhandler(Exception)
     async def unexpected_error(exc: Exception):
+        state.count_internal_error()  # raised before a stream driver could count it (or where none runs)
         return error_response(exc, anthropic=speaks_anthropic(request.path, request.headers))
 
     return app

@@ -5,8 +5,9 @@ alerts written for it carry over; every series has a `model_name` label (the ser
 
 - counters: `voltserve:request_success_total{finished_reason}` (requests whose every sequence finished: stop,
   length, ...; the reason of the last sequence to finish), `voltserve:request_failure_total{reason}` (requests
-  ended early after they were admitted: `client_gone`, `internal_error`, or the error code sent in-band / as the
-  5xx status: `engine_dead`, `step_failed`, `server_shutting_down`, ...), `voltserve:prompt_tokens_total`,
+  ended early after they were admitted: `client_gone`, or the error code sent in-band / as the 5xx status:
+  `engine_dead`, `step_failed`, `server_shutting_down`, ...; and `internal_error`: an unexpected exception, which
+  answers 500 or ends a stream, admitted or not), `voltserve:prompt_tokens_total`,
   `voltserve:generation_tokens_total` (both counted for finished requests).
 - histograms (seconds, measured in the API process from the handler's start): `time_to_first_token_seconds`
   (TTFT: until the first output is handed to the HTTP server, or received for a non-streamed request),
@@ -108,7 +109,8 @@ class ServerMetrics:
         reg, label = (None if MULTIPROCESS else self.registry), ["model_name"]
         self.success = Counter("voltserve:request_success", "Finished requests, by finish reason.",
                                label + ["finished_reason"], registry=reg)
-        self.failure = Counter("voltserve:request_failure", "Admitted requests that ended early, by reason.",
+        self.failure = Counter("voltserve:request_failure",
+                               "Admitted requests that ended early, and internal errors, by reason.",
                                label + ["reason"], registry=reg)
         # the series with the model's label only, bound to it once
         self.prompt_tokens = Counter("voltserve:prompt_tokens", "Prompt tokens of finished requests.", label,

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from quart import current_app
+from quart import current_app, g
 
 from voltserve.config import EngineConfig
 from voltserve.errors import EngineDeadError, InvalidRequestError, ModelNotFoundError, ServerShuttingDownError
@@ -116,6 +116,18 @@ class ServerState:
             logger.warning("shutting down: ended %d request(s) still running after %.1f s", len(open_),
                            loop.time() - start)
         return len(open_)
+
+    def request_stats(self) -> Any:
+        """A started `api.metrics.RequestStats` for the request being handled, kept on `quart.g` so that the
+        app's handler of unexpected errors counts a 500 against it (`count_internal_error`)."""
+        g.voltserve_stats = self.metrics.request()
+        return g.voltserve_stats
+
+    def count_internal_error(self) -> None:
+        """Count the request being handled as failed with `internal_error` (a no-op when its stats already
+        counted it; a route without stats counts it here)."""
+        stats = g.get("voltserve_stats") or self.metrics.request()
+        stats.failed("internal_error")
 
     def check_model(self, name: str) -> None:
         """Raises ModelNotFoundError (404) unless `name` is the served model name (empty -> 400)."""

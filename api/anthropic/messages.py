@@ -360,7 +360,7 @@ def constraint(req: MessagesRequest, tools: list[dict] | None, tools_parsed: boo
 async def create_message():
     """Create a message; `stream: true` answers with Anthropic's named server-sent events."""
     state = get_state()
-    stats = state.metrics.request()
+    stats = state.request_stats()
     req = parse_request(MessagesRequest, await request_body())
     state.check_model(req.model)
     params = sampling_params(req)

@@ -116,7 +116,7 @@ def constraint(req: ChatCompletionRequest, tools_parsed: bool) -> Constraint:
 async def chat_completions():
     """Create a chat completion; `stream: true` answers with server-sent events."""
     state = get_state()
-    stats = state.metrics.request()
+    stats = state.request_stats()
     req = parse_request(ChatCompletionRequest, await request_body())
     state.check_model(req.model)
     params = _params(req)

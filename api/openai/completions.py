@@ -99,7 +99,7 @@ class _LogprobsBuilder:
 async def completions():
     """Create a text completion; `stream: true` answers with server-sent events."""
     state = get_state()
-    stats = state.metrics.request()
+    stats = state.request_stats()
     req = parse_request(CompletionRequest, await request_body())
     state.check_model(req.model)
     check_mm_kwargs(req, state.config.trust_request_mm_kwargs)

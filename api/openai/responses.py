@@ -216,7 +216,7 @@ def _outcome(finish_reason: str | None) -> dict:
 async def create_response():
     """Create a model response; `stream: true` answers with server-sent events."""
     state = get_state()
-    stats = state.metrics.request()
+    stats = state.request_stats()
     req = parse_request(ResponsesRequest, await request_body())
     state.check_model(req.model)
     check_mm_kwargs(req, state.config.trust_request_mm_kwargs)

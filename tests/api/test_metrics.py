@@ -70,6 +70,53 @@ async def test_failures_by_reason(serve):
     assert metrics[("voltserve:e2e_request_latency_seconds_count", _m())] == 0  # no finished request
 
 
+class _BrokenStream:
+    """An engine stream that fails with an unexpected error at its first output."""
+
+    finished = done = False
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        raise RuntimeError("boom")
+
+    def abort(self) -> None:
+        pass
+
+
+async def test_internal_errors_are_counted_once(serve, monkeypatch):
+    """A 500 counts as `internal_error` once: raised before the request reached the engine (a handler's
+    dependency), while a non-streamed request collects its output (counted there, not again by the app's 500
+    handler), and in a route without request stats (count_tokens)."""
+    import api.anthropic.messages
+    import api.openai.chat
+
+    async def broken(*args, **kwargs):
+        raise RuntimeError("boom")
+
+    openai_500 = {"error": {"message": "internal server error", "type": "server_error", "param": None, "code": None}}
+    engine = ScriptedEngine()
+    async with serve(engine) as (client, _):
+        with monkeypatch.context() as patch:
+            patch.setattr(api.openai.chat, "chat_prompt_ids", broken)
+            before_engine = await client.post("/v1/chat/completions", json=chat_body())
+        with monkeypatch.context() as patch:
+            patch.setattr(engine, "add_request", lambda *args, **kwargs: _BrokenStream())
+            in_collect = await client.post("/v1/chat/completions", json=chat_body())
+        with monkeypatch.context() as patch:
+            patch.setattr(api.anthropic.messages, "prompt_ids", broken)
+            count = await client.post("/v1/messages/count_tokens", json={
+                "model": MODEL, "messages": [{"role": "user", "content": "Hi"}]})
+        for response in (before_engine, in_collect):
+            assert (response.status_code, orjson.loads(await response.get_data())) == (500, openai_500)
+        assert (count.status_code, orjson.loads(await count.get_data())) == (
+            500, {"type": "error", "error": {"type": "api_error", "message": "internal server error"}})
+        metrics = await _scrape(client)
+    assert metrics[("voltserve:request_failure_total", _m(reason="internal_error"))] == 3
+    assert ("voltserve:request_success_total", _m(finished_reason="stop")) not in metrics
+
+
 async def test_engine_gauges_and_api_key(serve):
     """The gauges read engine.kv_stats() when scraped; with an API key /metrics needs it (unlike /health)."""
     engine = ScriptedEngine()

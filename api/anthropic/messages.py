@@ -193,11 +193,17 @@ def split_prefill(req: CountTokensRequest) -> tuple[list[dict], str]:
     `tool` messages are never joined.
 
     Raises:
-        InvalidRequestError: no messages, a prefill that ends in whitespace (as Anthropic refuses it) or holds
-            tool_use blocks, a block `_chat_turns` refuses.
+        InvalidRequestError: no messages, a message with empty content but a final assistant one (as Anthropic
+            refuses them), a prefill that ends in whitespace (likewise) or holds tool_use blocks, a block
+            `_chat_turns` refuses.
     """
     if not req.messages:
         raise InvalidRequestError("'messages' must contain at least one message", param="messages")
+    last = len(req.messages) - 1
+    for i, msg in enumerate(req.messages):
+        if not msg.content and not (i == last and msg.role == "assistant"):
+            raise InvalidRequestError(f"messages.{i}: all messages must have non-empty content except for the "
+                                      "optional final assistant message", param=f"messages.{i}.content")
     messages = []
     if req.system is not None:
         messages.append({"role": "system", "content": strip_billing_header(_blocks_text(req.system, "system"))})
@@ -259,8 +265,11 @@ def sampling_params(req: MessagesRequest) -> SamplingParams:
     """Anthropic sampling fields -> validated SamplingParams (temperature defaults to 1.0, as Anthropic's).
 
     Raises:
-        InvalidRequestError: a value out of range.
+        InvalidRequestError: a value out of range (temperature above Anthropic's 1.0 too; the rest of the
+            ranges are SamplingParams').
     """
+    if req.temperature is not None and req.temperature > 1:
+        raise InvalidRequestError("temperature must be <= 1", param="temperature")
     defaults = SamplingParams()
     return SamplingParams(
         temperature=defaults.temperature if req.temperature is None else req.temperature,

@@ -264,6 +264,12 @@ BAD_INPUTS = [
     (body(messages=[{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "So "}]), 400, BAD,
      "final assistant content cannot end with trailing whitespace"),
     (body(temperature=-1), 400, BAD, "temperature must be >= 0"),
+    (body(temperature=3), 400, BAD, "temperature must be <= 1"),  # Anthropic's range: 0..1
+    (body(messages=[{"role": "user", "content": []}]), 400, BAD,
+     "messages.0: all messages must have non-empty content except for the optional final assistant message"),
+    (body(messages=[{"role": "user", "content": "Hi"}, {"role": "assistant", "content": ""},
+                    {"role": "user", "content": "x"}]), 400, BAD,
+     "messages.1: all messages must have non-empty content except for the optional final assistant message"),
     (body(top_p=2), 400, BAD, "top_p must be in (0, 1]"),
     (body(stop_sequences=[""]), 400, BAD, "stop strings must be non-empty strings"),
     (body(max_tokens=10_000), 400, BAD, "This model's maximum context length is 256 tokens. However, you requested "
@@ -283,6 +289,15 @@ async def test_bad_input_gets_an_anthropic_error(serve, payload, status, kind, m
             assert got["error"]["message"] == message
         assert engine.requests == []
         assert (await client.post(URL, json=body(max_tokens=2))).status_code == 200  # still serving
+
+
+async def test_edges_anthropic_accepts(serve):
+    """temperature 1 (the top of Anthropic's range) and an empty final assistant message (no prefill)."""
+    for payload in (body(temperature=1), body(messages=[{"role": "user", "content": "Hi"},
+                                                        {"role": "assistant", "content": []}])):
+        status, data, engine = await _post(serve, payload, ScriptedEngine(scripts=["ok"]))
+        assert (status, orjson.loads(data)["content"]) == (200, [{"type": "text", "text": "ok"}])
+        assert _prompt(engine) == USER_HI
 
 
 async def test_malformed_json_api_key_and_unknown_route_in_anthropic_shape(serve):

@@ -13,6 +13,9 @@ goes through the server's tool-call parser (`api.tool_calls`): each call becomes
 message stops with "tool_use". A forced call (tool_choice "any" / "tool") and a JSON output format are held to a
 grammar (`api.structured`).
 
+An output with nothing to show (no text, no call, no reasoning: e.g. a forced call cut by max_tokens) has no
+content block, as Anthropic answers `content: []`: an empty text block could not be sent back to it.
+
 With a reasoning parser (`api.reasoning`), the model's reasoning is a `thinking` block ahead of the others
 (`signature` empty), streamed with `thinking_delta` events. `thinking: {"type": "disabled"}` turns the model's
 thinking off (`enable_thinking` false); "enabled" needs a server that reads reasoning (else a 400).
@@ -310,7 +313,7 @@ def _content_blocks(pieces: list, message_id: str, max_calls: int | None,
                     forced: bool = False) -> list[ThinkingBlock | TextBlock | ToolUseBlock]:
     """A whole output's content blocks, in the order the stream sends them (`_tool_block_events`): a thinking
     block for the reasoning, a text block per run of text (a dropped call does not split one), a `tool_use`
-    block per kept call, and one empty text block when there is nothing else.
+    block per kept call; none when there is nothing.
 
     Args:
         pieces: the output as `voltserve.parsers.output.parse_deltas` splits it.
@@ -333,7 +336,7 @@ def _content_blocks(pieces: list, message_id: str, max_calls: int | None,
         elif max_calls is None or kept < max_calls:
             blocks.append(_tool_use(piece, message_id, kept))
             kept += 1
-    return blocks or [TextBlock(text="")]
+    return blocks
 
 
 def constraint(req: MessagesRequest, tools: list[dict] | None, tools_parsed: bool) -> Constraint:
@@ -387,12 +390,12 @@ async def create_message():
     stream = state.track(add_request(engine, ids, params, prompt_param="messages", max_tokens_param="max_tokens"))
     message_id = state.new_id("msg_")
     if req.stream:
-        events = _stream_events(stream, message_id, req.model, len(ids), state.config.sse_keep_alive_interval,
-                                stats, new_parser, max_calls, forced)
+        events = _stream_events(stream, message_id, req.model, state.config.sse_keep_alive_interval, stats,
+                                new_parser, max_calls, forced)
         return sse_response(events, stream)
     results, counter = await collect(stream, stats)
     seq = results[0]
-    blocks, called = [TextBlock(text=seq.text)], False
+    blocks, called = [TextBlock(text=seq.text)] if seq.text else [], False
     if new_parser is not None:
         blocks = _content_blocks(parse_deltas(new_parser(), seq.deltas), message_id, max_calls, forced)
         called = any(isinstance(block, ToolUseBlock) for block in blocks)
@@ -424,6 +427,7 @@ _DELTA_HEAD = _DELTA_HEAD_AT % 0
 _DELTA_TAIL = b"}}\n\n"
 _TEXT_BLOCK = {"type": "text", "text": ""}
 _THINKING_BLOCK = {"type": "thinking", "thinking": "", "signature": ""}
+_PING = sse.typed_frame("ping", {"type": "ping"})
 
 
 def _block_start(index: int, block: dict) -> bytes:
@@ -435,52 +439,91 @@ def _block_stop(index: int) -> bytes:
     return sse.typed_frame("content_block_stop", {"type": "content_block_stop", "index": index})
 
 
-def _message_end(out: RequestOutput, called: bool = False) -> bytes:
-    """message_delta (stop_reason, stop_sequence and the final usage: the prompt's cached share is known only
-    once it was scheduled) and message_stop."""
-    usage = _usage(out.num_prompt_tokens, out.num_cached_tokens, out.num_output_tokens).model_dump()
-    return sse.typed_frame("message_delta", {"type": "message_delta",
-                                             "delta": stop_fields(out.finish_reason, out.stop_reason, called),
-                                             "usage": usage}) + \
-        sse.typed_frame("message_stop", {"type": "message_stop"})
+class _MessageFrames:
+    """message_start and the closing message_delta + message_stop of one streamed message.
+
+    message_start goes out with the engine's first output, not before: the prompt's prefix-cache share is known
+    only once it was scheduled, and so message_start and message_delta report the same usage split
+    (input_tokens = uncached prompt tokens, cache_read_input_tokens = cached ones, as `_usage`).
+    """
+
+    def __init__(self, message_id: str, model: str):
+        self.message_id, self.model = message_id, model
+        self.cached_tokens: int | None = None  # the prompt's cached tokens, as message_start reported them
+
+    @property
+    def started(self) -> bool:
+        return self.cached_tokens is not None
+
+    def start(self, out: RequestOutput) -> bytes:
+        """message_start, with the usage of `out` (the first output)."""
+        self.cached_tokens = out.num_cached_tokens
+        message = MessageResponse(id=self.message_id, model=self.model, content=[], stop_reason=None,
+                                  stop_sequence=None, usage=_usage(out.num_prompt_tokens, self.cached_tokens, 0))
+        return sse.typed_frame("message_start", {"type": "message_start", "message": message.model_dump(mode="json")})
+
+    def end(self, out: RequestOutput, called: bool = False) -> bytes:
+        """message_delta (stop_reason, stop_sequence and the final usage) and message_stop."""
+        usage = _usage(out.num_prompt_tokens, self.cached_tokens, out.num_output_tokens).model_dump()
+        return sse.typed_frame("message_delta", {"type": "message_delta",
+                                                 "delta": stop_fields(out.finish_reason, out.stop_reason, called),
+                                                 "usage": usage}) + \
+            sse.typed_frame("message_stop", {"type": "message_stop"})
 
 
-def _stream_events(stream, message_id: str, model: str, num_prompt_tokens: int, keep_alive_s: float = 0.0,
-                   stats=NO_STATS, new_parser=None, max_calls: int | None = None, forced: bool = False):
-    """The event sequence of a streamed message: message_start, content_block_start (one text block), ping,
-    content_block_delta per delta, then content_block_stop, message_delta and message_stop (`_message_end`).
+def _stream_events(stream, message_id: str, model: str, keep_alive_s: float = 0.0, stats=NO_STATS,
+                   new_parser=None, max_calls: int | None = None, forced: bool = False):
+    """The event sequence of a streamed message: message_start (with the first output: `_MessageFrames`), one text
+    block (content_block_start with the first text, then ping, content_block_delta per delta, content_block_stop),
+    then message_delta and message_stop. An output without text has no block.
 
     With a tool-call parser (`new_parser`), see `_tool_block_events`.
     """
-    start = MessageResponse(id=message_id, model=model, content=[], stop_reason=None, stop_sequence=None,
-                            usage=_usage(num_prompt_tokens, 0, 0))
-    message_start = sse.typed_frame("message_start", {"type": "message_start",
-                                                      "message": start.model_dump(mode="json")})
-    ping = sse.typed_frame("ping", {"type": "ping"})
+    frames = _MessageFrames(message_id, model)
     if new_parser is not None:
-        event, first = _tool_block_events(new_parser(), message_id, max_calls, forced), [message_start, ping]
+        event = _tool_block_events(new_parser(), frames, max_calls, forced)
     else:
-        event, first = _text_block_event, [message_start, _block_start(0, _TEXT_BLOCK), ping]
-    return drive_stream(stream, event, None, first, keep_alive_s, stats, error_frame=anthropic_error_frame,
-                        done=b"")
+        event = _text_block_events(frames)
+    return drive_stream(stream, event, None, (), keep_alive_s, stats, error_frame=anthropic_error_frame, done=b"")
 
 
-def _text_block_event(out: RequestOutput, _logprobs) -> bytes:
-    """One delta's events when the message is one text block, opened before the first token."""
-    delta = _DELTA_HEAD + orjson.dumps(out.text) + _DELTA_TAIL if out.text else b""
-    if out.finish_reason is None:
-        return delta
-    return b"".join((delta, _block_stop(0), _message_end(out)))
+def _text_block_events(frames: _MessageFrames):
+    """The event function of a message that is one text block, opened by its first text (Anthropic's order:
+    message_start, content_block_start, ping, deltas)."""
+    text_open = False
+
+    def event(out: RequestOutput, _logprobs) -> bytes:
+        nonlocal text_open
+        if text_open and out.finish_reason is None:  # the per-token path (called only for a delta with text)
+            return _DELTA_HEAD + orjson.dumps(out.text) + _DELTA_TAIL
+        parts, first = [], not frames.started
+        if first:
+            parts.append(frames.start(out))
+        if out.text and not text_open:
+            parts.append(_block_start(0, _TEXT_BLOCK))
+            text_open = True
+        if first:
+            parts.append(_PING)
+        if out.text:
+            parts.append(_DELTA_HEAD + orjson.dumps(out.text) + _DELTA_TAIL)
+        if out.finish_reason is not None:
+            if text_open:
+                parts.append(_block_stop(0))
+            parts.append(frames.end(out))
+        return parts[0] if len(parts) == 1 else b"".join(parts)
+
+    return event
 
 
-def _tool_block_events(parser, message_id: str, max_calls: int | None, forced: bool = False):
+def _tool_block_events(parser, frames: _MessageFrames, max_calls: int | None, forced: bool = False):
     """The event function of a message whose output goes through an output parser (reasoning, then tool calls:
     `api.structured.sequence_parser`). Blocks are indexed in order: the reasoning is a thinking block
     (content_block_start with `thinking: ""`, one `thinking_delta` per reasoning delta, content_block_stop when
     anything else arrives); a text block opens when content first arrives (after a call, a new one); each call
     closes the open text block and goes out whole as a `tool_use` block (content_block_start with `input: {}`,
-    one `input_json_delta` holding the arguments' JSON text, content_block_stop), once the model closed it. A
-    message that ends with no block gets an empty text block; it stops with "tool_use" when it called tools.
+    one `input_json_delta` holding the arguments' JSON text, content_block_stop), once the model closed it. The
+    first output's events start with message_start and ping (`_MessageFrames`); a message that ends with no block
+    has none; it stops with "tool_use" when it called tools.
 
     Returns:
         (delta, its logprobs) -> its events, b"" while the parser holds the text back.
@@ -493,7 +536,7 @@ def _tool_block_events(parser, message_id: str, max_calls: int | None, forced: b
         pieces = parser.pieces(out.text)  # in the model's order
         if out.finish_reason is not None:
             pieces += parser.finish_pieces()
-        parts = []
+        parts = [] if frames.started else [frames.start(out), _PING]
         for call in pieces:
             if isinstance(call, Reasoning):
                 if not thinking_open:
@@ -519,7 +562,8 @@ def _tool_block_events(parser, message_id: str, max_calls: int | None, forced: b
             if text_open:
                 parts.append(_block_stop(index))
                 index, text_open = index + 1, False
-            block = {"type": "tool_use", "id": call_id("toolu_", message_id, 0, kept), "name": call.name, "input": {}}
+            block = {"type": "tool_use", "id": call_id("toolu_", frames.message_id, 0, kept), "name": call.name,
+                     "input": {}}
             parts += [_block_start(index, block),
                       sse.typed_frame("content_block_delta", {
                           "type": "content_block_delta", "index": index,
@@ -529,9 +573,7 @@ def _tool_block_events(parser, message_id: str, max_calls: int | None, forced: b
         if out.finish_reason is not None:
             if text_open or thinking_open:
                 parts.append(_block_stop(index))
-            elif index == 0:  # no block at all: the message still has content
-                parts += [_block_start(0, _TEXT_BLOCK), _block_stop(0)]
-            parts.append(_message_end(out, kept > 0))
+            parts.append(frames.end(out, kept > 0))
         return b"".join(parts)
 
     return event

@@ -143,15 +143,16 @@ async def test_count_tokens_matches_the_prompt(serve):
 
 async def test_A4_stream_event_sequence_text(serve):
     """Case A4 for text: message_start, one text block (start, deltas, stop), message_delta with the stop reason
-    and usage, message_stop; named events, no `[DONE]`."""
+    and usage, message_stop; named events, no `[DONE]`. message_start and message_delta split the prompt alike:
+    uncached input_tokens, cache_read_input_tokens (message_start waits for the engine's first output)."""
     status, data, _ = await _post(serve, body(stream=True, stop_sequences=["c"]),
                                   ScriptedEngine(scripts=["abc"], cached_tokens=4))
     assert status == 200
     assert data == (
         b'event: message_start\ndata: {"type":"message_start","message":{"id":"msg_0","type":"message",'
         b'"role":"assistant","model":"test-model","content":[],"stop_reason":null,"stop_sequence":null,'
-        b'"usage":{"input_tokens":21,"output_tokens":0,"cache_creation_input_tokens":0,'
-        b'"cache_read_input_tokens":0}}}\n\n'
+        b'"usage":{"input_tokens":17,"output_tokens":0,"cache_creation_input_tokens":0,'
+        b'"cache_read_input_tokens":4}}}\n\n'
         b'event: content_block_start\ndata: {"type":"content_block_start","index":0,'
         b'"content_block":{"type":"text","text":""}}\n\n'
         b'event: ping\ndata: {"type":"ping"}\n\n'
@@ -163,6 +164,25 @@ async def test_A4_stream_event_sequence_text(serve):
         b'event: message_delta\ndata: {"type":"message_delta","delta":{"stop_reason":"stop_sequence",'
         b'"stop_sequence":"c"},"usage":{"input_tokens":17,"output_tokens":3,"cache_creation_input_tokens":0,'
         b'"cache_read_input_tokens":4}}\n\n'
+        b'event: message_stop\ndata: {"type":"message_stop"}\n\n')
+
+
+async def test_empty_output_has_no_content_block(serve):
+    """Nothing generated: `content: []` and no block streamed, as Anthropic answers (an empty text block could
+    not be sent back to it)."""
+    status, data, _ = await _post(serve, body(), ScriptedEngine(scripts=[""], cached_tokens=16))
+    assert (status, orjson.loads(data)["content"]) == (200, [])
+    status, data, _ = await _post(serve, body(stream=True), ScriptedEngine(scripts=[""], cached_tokens=16))
+    assert status == 200
+    assert data == (
+        b'event: message_start\ndata: {"type":"message_start","message":{"id":"msg_0","type":"message",'
+        b'"role":"assistant","model":"test-model","content":[],"stop_reason":null,"stop_sequence":null,'
+        b'"usage":{"input_tokens":5,"output_tokens":0,"cache_creation_input_tokens":0,'
+        b'"cache_read_input_tokens":16}}}\n\n'
+        b'event: ping\ndata: {"type":"ping"}\n\n'
+        b'event: message_delta\ndata: {"type":"message_delta","delta":{"stop_reason":"end_turn",'
+        b'"stop_sequence":null},"usage":{"input_tokens":5,"output_tokens":1,"cache_creation_input_tokens":0,'
+        b'"cache_read_input_tokens":16}}\n\n'
         b'event: message_stop\ndata: {"type":"message_stop"}\n\n')
 
 

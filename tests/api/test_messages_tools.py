@@ -185,12 +185,11 @@ async def test_markup_is_text_without_parsing(serve, tool_choice, parser):
     assert [e["type"] for e in events[:3]] == ["message_start", "content_block_start", "ping"]
 
 
-async def test_no_content_still_has_a_text_block(serve):
-    """Nothing to say: the message holds one empty text block, streamed too."""
+async def test_no_content_has_no_block(serve):
+    """Nothing to say: `content: []`, and no block streamed (an empty text block could not be sent back)."""
     whole, events = await _both(serve, "")
-    assert whole["content"] == _blocks(events) == [{"type": "text", "text": ""}]
-    assert [e["type"] for e in events] == ["message_start", "ping", "content_block_start", "content_block_stop",
-                                           "message_delta", "message_stop"]
+    assert whole["content"] == _blocks(events) == []
+    assert [e["type"] for e in events] == ["message_start", "ping", "message_delta", "message_stop"]
 
 
 async def test_call_cut_by_max_tokens_is_text(serve):

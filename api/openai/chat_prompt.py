@@ -205,11 +205,27 @@ async def messages_prompt_ids(engine, messages: list[dict], tools: list[dict] | 
                              param)
 
 
+# The chat template arguments the server gives itself. vLLM lets `chat_template_kwargs` override them; here they
+# are refused: `messages` would skip the special-token masking (case S6), `tools` the tool checks, and every chat
+# endpoint answers as the assistant (the reasoning and prefill handling read the prompt's generation prompt).
+_RESERVED_TEMPLATE_KWARGS = ("messages", "tools", "add_generation_prompt")
+
+
+def _check_template_kwargs(template_kwargs: dict | None) -> None:
+    """Raises InvalidRequestError (param `chat_template_kwargs.<key>`) for a key the server sets itself."""
+    for key in _RESERVED_TEMPLATE_KWARGS:
+        if key in (template_kwargs or {}):
+            raise InvalidRequestError(f"chat_template_kwargs cannot set '{key}': the server sets messages, tools "
+                                      "and add_generation_prompt itself", param=f"chat_template_kwargs.{key}")
+
+
 async def chat_prompt_ids(engine, req: ChatCompletionRequest, trust_mm_kwargs: bool = False) -> list[int]:
     """A chat request's prompt ids (`template_messages`, then `messages_prompt_ids`).
 
     Raises:
-        InvalidRequestError: see `template_messages` and `messages_prompt_ids`.
+        InvalidRequestError: a reserved key in `chat_template_kwargs` (`_RESERVED_TEMPLATE_KWARGS`), or see
+            `template_messages` and `messages_prompt_ids`.
     """
+    _check_template_kwargs(req.chat_template_kwargs)
     return await messages_prompt_ids(engine, template_messages(req, trust_mm_kwargs), req.template_tools(),
                                      req.chat_template_kwargs)

@@ -210,3 +210,18 @@ async def test_tool_names_follow_one_rule_in_every_api(serve, name):
                          "code": None}}),
         (400, {"type": "error", "error": {"type": INVALID, "message": BAD_NAME.format("tools.0.name")}})]
     assert good.status_code == 200
+
+
+@pytest.mark.parametrize("key, value", [("add_generation_prompt", "x"), ("add_generation_prompt", False),
+                                        ("messages", []), ("tools", None)])
+async def test_chat_template_kwargs_cannot_set_what_the_server_sets(serve, key, value):
+    """A clear 400 naming the key (not the template's TypeError); other keys still reach the template."""
+    async with serve(ScriptedEngine(scripts=["ok"])) as (client, engine):
+        response = await client.post(CHAT, json=chat_body(chat_template_kwargs={key: value}))
+        assert (response.status_code, orjson.loads(await response.get_data())) == (400, {"error": {
+            "message": f"chat_template_kwargs cannot set '{key}': the server sets messages, tools and "
+                       "add_generation_prompt itself",
+            "type": INVALID, "param": f"chat_template_kwargs.{key}", "code": None}})
+        assert engine.requests == []
+        good = await client.post(CHAT, json=chat_body(chat_template_kwargs={"enable_thinking": False}))
+        assert good.status_code == 200

@@ -75,15 +75,17 @@ def _checked_grammar(tokenizer, c: Constraint) -> str:
         param = c.tool_param
     elif c.json_schema is not None:
         param = c.format_param
-        if c.functions and c.tools_parsed:
-            text = grammar.tool_calls_grammar(list(c.functions), max_calls=max_calls, json_answer=c.json_schema,
-                                              reasoning=c.reasoning)
-        else:
-            try:
+        try:
+            if c.functions and c.tools_parsed:
+                text = grammar.tool_calls_grammar(list(c.functions), max_calls=max_calls, json_answer=c.json_schema,
+                                                  reasoning=c.reasoning)
+            else:
                 text = grammar.json_schema_grammar(c.json_schema, reasoning=c.reasoning)
-            except InvalidRequestError as exc:
-                exc.param = param
+        except InvalidRequestError as exc:
+            if exc.param is not None:  # a tool's schema, named by the grammar
                 raise
+            # the format's schema: named in the message too, as Anthropic's error shape has no `param`
+            raise InvalidRequestError(f"invalid {param}: {exc.message}", param=param) from exc
     grammar.check(tokenizer, text, param)
     return text
 

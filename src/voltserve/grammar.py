@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 from typing import Any
+from urllib.parse import unquote
 
 import torch
 
@@ -60,8 +61,77 @@ def check(tokenizer, grammar: str, param: str) -> None:
 _JSON_OPTIONS = {"whitespace_flexible": False, "lenient": True}
 
 
-def _with_options(schema: dict) -> dict:
+def _with_options(schema: dict, param: str | None = None) -> dict:
+    """`schema` with the JSON options, once `_check_recursion` passed it (its errors blame `param`)."""
+    _check_recursion(schema, param)
     return {**schema, "x-guidance": {**_JSON_OPTIONS, **(schema.get("x-guidance") or {})}}
+
+
+_DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})  # their values are JSON data, not schemas
+
+
+def _resolve(root: dict, ref: str) -> dict | None:
+    """The subschema a local `$ref` ("#" or a JSON pointer "#/...") names; None for any other or a dangling one
+    (llguidance reports those itself)."""
+    if ref != "#" and not ref.startswith("#/"):
+        return None
+    node: Any = root
+    for token in ref[2:].split("/") if ref != "#" else ():
+        token = unquote(token).replace("~1", "/").replace("~0", "~")
+        if isinstance(node, dict) and token in node:
+            node = node[token]
+        elif isinstance(node, list) and token.isdigit() and int(token) < len(node):
+            node = node[int(token)]
+        else:
+            return None
+    return node if isinstance(node, dict) else None
+
+
+def _check_recursion(schema: dict, param: str | None) -> None:
+    """Refuse a schema that refers to itself without nesting: a cycle of `$ref` / `allOf` that stays on one JSON
+    value. No finite value matches it (llguidance compiles it to a grammar that allows nothing, so the output
+    would be empty); JSON Schema leaves such schemas undefined (2020-12 core, section 9.4.1). Recursion through
+    properties or items (a tree) nests and is fine.
+
+    Raises:
+        InvalidRequestError: such a cycle (param `param`).
+    """
+    nodes, stack = [], [("#", schema)]  # every subschema with its JSON pointer, in document order
+    while stack:
+        pointer, node = stack.pop()
+        if isinstance(node, dict):
+            nodes.append((pointer, node))
+            stack += reversed([(f"{pointer}/{k.replace('~', '~0').replace('/', '~1')}", v)
+                               for k, v in node.items() if k not in _DATA_KEYWORDS])
+        elif isinstance(node, list):
+            stack += reversed([(f"{pointer}/{i}", v) for i, v in enumerate(node)])
+
+    pointers = {id(node): pointer for pointer, node in nodes}
+
+    def same_value(node: dict) -> list[dict]:  # the subschemas `node` applies to its own value, all of them
+        ref = node.get("$ref")
+        target = _resolve(schema, ref) if isinstance(ref, str) else None
+        parts = node.get("allOf") if isinstance(node.get("allOf"), list) else []
+        return [n for n in ([target] + parts) if id(n) in pointers]  # a `$ref` into data names no schema
+
+    done: set[int] = set()  # depth-first search over the same-value edges; `path` holds the open nodes
+    for _, root in nodes:
+        if id(root) in done:
+            continue
+        path, walk = {id(root)}, [(root, iter(same_value(root)))]
+        while walk:
+            node, children = walk[-1]
+            child = next(children, None)
+            if child is None:
+                walk.pop()
+                path.discard(id(node))
+                done.add(id(node))
+            elif id(child) in path:
+                raise InvalidRequestError(f"the JSON schema at '{pointers[id(child)]}' refers to itself without "
+                                          "nesting ($ref / allOf): no finite JSON value matches it", param=param)
+            elif id(child) not in done:
+                path.add(id(child))
+                walk.append((child, iter(same_value(child))))
 
 
 _EMPTY_OBJECT = {"type": "object", "properties": {}, "additionalProperties": False}
@@ -82,7 +152,7 @@ def _arguments_schema(name: str, parameters: dict | None) -> dict:
     if kind != "object":
         raise InvalidRequestError(f"the parameters of tool '{name}' must be an object schema, not {kind!r}",
                                   param="tools")
-    return _with_options({**parameters, "type": "object"})
+    return _with_options({**parameters, "type": "object"}, param="tools")
 
 
 _CALL_OPEN, _CALL_END = "<tool_call>", "}\n</tool_call>"

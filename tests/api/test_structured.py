@@ -99,3 +99,29 @@ async def test_json_output_is_the_content(serve):
         got = orjson.loads(await (await client.post("/v1/chat/completions", json=chat_body(
             response_format={"type": "json_object"}))).get_data())
     assert orjson.loads(got["choices"][0]["message"]["content"]) == {"ok": True}
+
+
+async def test_a_schema_no_value_matches_is_a_400_naming_the_format(serve):
+    """A `$ref` to itself (no finite JSON value matches it) used to answer 200 with empty content."""
+    loop = {"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a"}}}
+    why = "the JSON schema at '#/$defs/a' refers to itself without nesting ($ref / allOf): no finite JSON value " \
+          "matches it"
+    cases = [  # (url, request, the error body)
+        ("/v1/chat/completions", chat_body(response_format={"type": "json_schema", "json_schema": {
+            "name": "a", "schema": loop}}), {"error": {"message": f"invalid response_format: {why}",
+                                                       "type": "invalid_request_error", "param": "response_format",
+                                                       "code": None}}),
+        ("/v1/responses", {"model": "test-model", "input": "Hi", "text": {"format": {
+            "type": "json_schema", "name": "a", "schema": loop}}},
+         {"error": {"message": f"invalid text.format: {why}", "type": "invalid_request_error",
+                    "param": "text.format", "code": None}}),
+        ("/v1/messages", {"model": "test-model", "max_tokens": 8, "messages": [{"role": "user", "content": "Hi"}],
+                          "output_config": {"format": {"type": "json_schema", "schema": loop}}},
+         {"type": "error", "error": {"type": "invalid_request_error",
+                                     "message": f"invalid output_config.format: {why}"}}),
+    ]
+    async with serve(ScriptedEngine(scripts=["{}"])) as (client, engine):
+        for url, payload, error in cases:
+            response = await client.post(url, json=payload)
+            assert (response.status_code, orjson.loads(await response.get_data())) == (400, error), url
+        assert engine.requests == []

@@ -95,6 +95,43 @@ def test_T11_a_recursive_reference_stays_in_the_arguments():
     assert not walk(call("tree", '{"v":1,"kids":[{"name"'), g)[0]
 
 
+ALIAS = {"$ref": "#/$defs/a"}
+
+
+@pytest.mark.parametrize("schema, at", [
+    ({"$ref": "#/$defs/a", "$defs": {"a": ALIAS}}, "#/$defs/a"),
+    ({"$ref": "#"}, "#"),
+    ({"allOf": [{"$ref": "#/$defs/b"}], "$defs": {"b": {"allOf": [{"type": "object"}, {"$ref": "#"}]}}}, "#"),
+    ({"type": "object", "properties": {"x": ALIAS}, "$defs": {"a": {"$ref": "#/$defs/a~1b"},
+                                                              "a/b": {"description": "d", "$ref": "#/$defs/a"}}},
+     "#/$defs/a"),
+])
+def test_a_schema_that_refers_to_itself_without_nesting_is_refused(schema, at):
+    """No finite JSON value matches it: llguidance would compile a grammar that allows nothing (an empty output)."""
+    message = f"the JSON schema at '{at}' refers to itself without nesting ($ref / allOf): no finite JSON value " \
+              "matches it"
+    with pytest.raises(InvalidRequestError) as info:
+        grammar.json_schema_grammar(schema)
+    assert (info.value.message, info.value.param) == (message, None)
+    with pytest.raises(InvalidRequestError) as info:
+        grammar.tool_calls_grammar([{"name": "f", "parameters": schema}])
+    assert (info.value.message, info.value.param) == (message, "tools")
+
+
+def test_recursion_that_nests_or_has_a_way_out_is_kept():
+    """A tree (through properties / items), an anyOf with a branch that ends, $defs shared by two properties,
+    and a `$ref` that is only data (in an enum)."""
+    cases = [
+        ({"type": "object", "properties": {"kids": {"type": "array", "items": {"$ref": "#"}}}}, '{"kids":[{}]}'),
+        ({"anyOf": [{"$ref": "#"}, {"type": "integer"}]}, "7"),
+        ({"type": "object", "properties": {"a": {"$ref": "#/$defs/s"}, "b": {"$ref": "#/$defs/s"}},
+          "required": ["a", "b"], "$defs": {"s": {"type": "string"}}}, '{"a":"x","b":"y"}'),
+        ({"enum": [{"$ref": "#"}]}, '{"$ref":"#"}'),
+    ]
+    for schema, text in cases:
+        assert complete(text, grammar.json_schema_grammar(schema)), schema
+
+
 def test_arguments_are_always_an_object():
     untyped = {"properties": {"a": {"type": "integer"}}, "required": ["a"]}
     g = grammar.tool_calls_grammar([{"name": "f", "parameters": untyped}])

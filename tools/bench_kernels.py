@@ -392,8 +392,8 @@ def _lazy(make, *args):
 
 def _captured_sample(be, logits: torch.Tensor, top_p: float, drafts: bool):
     """A CUDA graph of one sampler launch over `logits` (temperature 1, `top_p`; with `drafts` every row but each
-    fifth checks a draft, as a verify of 4 does), the kernel the backend routes the rows to (sample_chunks where
-    `DeviceSampling._chunked` takes them; `VOLTSERVE_SAMPLE_CHUNKS=off`: sample_topk_topp; `plain`: top-p rows on
+    fifth checks a draft, as a verify of 4 does), the kernel the backend routes the rows to (sample_chunks as
+    `DeviceSampling._sample_chunks` plans it; `VOLTSERVE_SAMPLE_CHUNKS=off`: sample_topk_topp; `plain`: top-p rows on
     sample_topk_topp); returns its replay."""
     from voltserve.backends.cuda.params import SampleRowParams
     from voltserve.transfer import to_device
@@ -412,7 +412,7 @@ def _captured_sample(be, logits: torch.Tensor, top_p: float, drafts: bool):
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         be.refresh_stream()
-        be._launch_sample(logits, dev_rows, outputs, checked, be._chunked(rows, logits.shape[1], top_p < 1.0),
+        be._launch_sample(logits, dev_rows, outputs, checked, be._sample_chunks(rows, logits.shape[1], top_p < 1.0),
                           top_p < 1.0)
     be.refresh_stream()
     keep = (g, dev_rows, outputs, checked, logits)  # the graph reads and writes these by address

@@ -320,15 +320,18 @@ def test_race_draws_each_token_its_own_word(cuda_backend):
 
 @pytest.mark.parametrize("vocab", [8193, 49152, 128256, 151937])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_chunked_rows_give_the_single_block_tokens(cuda_backend, vocab, dtype):
-    """Rows without top-k / top-p / min-p / logprobs run over many blocks (sample_chunks): the tokens and
-    draft checks of sample_topk_topp (same loads, same Philox words), logprobs within 1e-4 (fp32) / 1e-3 (fp16)
-    (log_z summed in another order), top entries -1 / -inf, the arrival counters zero again. Rows include a stripe
-    of -inf logits, greedy rows whose draft is the argmax and drafts in the last, partial chunk."""
+@pytest.mark.parametrize("many", [False, True], ids=["block-a-step", "block-a-row"])
+def test_chunked_rows_give_the_single_block_tokens(cuda_backend, vocab, dtype, many):
+    """Rows without top-k / top-p / min-p / logprobs on sample_chunks (a block a step while rows <= SMs; `many`:
+    more rows, a block a row in one pass): the tokens and draft checks of sample_topk_topp (same loads, same
+    Philox words), logprobs within 1e-4 (fp32) / 1e-3 (fp16) (log_z summed in another order), top entries
+    -1 / -inf, the arrival counters zero again. Rows include a stripe of -inf logits, greedy rows whose draft is
+    the argmax and drafts in the last, partial step."""
+    from voltserve.backends.cuda import kernels
     from voltserve.backends.cuda.sampling import _chunk_row, _filtered_row
 
     gen = torch.Generator().manual_seed(vocab)
-    rows = min(96, cuda_backend.num_sms)
+    rows = cuda_backend.num_sms + 8 if many else min(96, cuda_backend.num_sms)
     x = torch.randn(rows, vocab, generator=gen) * 3
     x[:, 1000:3000] = float("-inf")
     logits = x.to(dtype).cuda()
@@ -337,7 +340,8 @@ def test_chunked_rows_give_the_single_block_tokens(cuda_backend, vocab, dtype):
     drafts = [argmax[i] if i % 8 == 0 else vocab - 1 - i if i % 3 == 1 else (7 * i) % vocab if i % 3 == 2 else -1
               for i in range(rows)]
     params = [_row(temperature=temps[i % 4], seed=11 + i, offset=i * 3, draft=drafts[i]) for i in range(rows)]
-    assert all(_chunk_row(r, vocab) and not _filtered_row(r) for r in params) and cuda_backend._chunked(rows, vocab)
+    assert all(_chunk_row(r, vocab) and not _filtered_row(r) for r in params)
+    assert cuda_backend._sample_chunks(rows, vocab) == (1 if many else kernels.sample_chunk_count(vocab))
     chunked_ids, chunked_lp, (top_ids, top_lps) = cuda_backend.sample(logits, params)
     chunked_checks = cuda_backend.sample_verify(logits, params)
     assert not cuda_backend.sample_counters.any()
@@ -368,21 +372,24 @@ def _single_block(backend, call):
 
 @pytest.mark.parametrize("vocab", [8193, 49152, 151937])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_chunked_top_p_rows_give_the_single_block_tokens(cuda_backend, vocab, dtype):
-    """Rows with top-p and / or min-p run over many blocks (sample_chunks: a weight histogram, the crossing
-    bin's candidates, the threshold radix-selected among them): sample_topk_topp's tokens and draft checks
-    (the same threshold, kept set and Philox words), logprobs within 1e-4 (fp32) / 1e-3 (fp16), the counters
-    and histograms zero again. Rows: spread logits, integer logits (tie groups of thousands: a crossing bin of
+@pytest.mark.parametrize("blocks", ["step", "two", "row"])
+def test_chunked_top_p_rows_give_the_single_block_tokens(cuda_backend, vocab, dtype, blocks):
+    """Rows with top-p and / or min-p on sample_chunks (a weight histogram, the crossing bin's candidates, the
+    threshold radix-selected among them), a block a step, two blocks a row (each several steps; not for 8,193
+    tokens: two steps) or one (more rows than half the SMs): sample_topk_topp's tokens and draft checks (the
+    same threshold, kept set and Philox words), logprobs within 1e-4 (fp32) / 1e-3 (fp16), the counters and
+    histograms zero again. Rows: spread logits, integer logits (tie groups of thousands: a crossing bin of
     more than SAMPLE_CANDIDATES tokens reads the row again), a flat row (every token tied), greedy rows and
     plain rows beside them, drafts kept, cut and in the last chunk."""
     from voltserve.backends.cuda import kernels
     from voltserve.backends.cuda.sampling import _chunk_row, _filtered_row
 
     gen = torch.Generator().manual_seed(vocab + 1)
-    chunks = kernels.sample_chunk_count(vocab)
-    rows = min(40, cuda_backend.num_sms // chunks)
+    steps = kernels.sample_chunk_count(vocab)
+    sms = cuda_backend.num_sms
+    rows, chunks = {"step": (min(40, sms // steps), steps), "two": (sms // 2, 2), "row": (sms // 2 + 3, 1)}[blocks]
     if rows == 0:
-        pytest.skip(f"{cuda_backend.num_sms} SMs hold no top-p row of {chunks} blocks")
+        pytest.skip(f"{sms} SMs hold no top-p row of {steps} blocks")
     x = torch.randn(rows, vocab, generator=gen) * 3
     x[1::5] = torch.randint(0, 4, (len(range(1, rows, 5)), vocab), generator=gen).float()
     x[2::5, 500:900] = float("-inf")
@@ -396,7 +403,7 @@ def test_chunked_top_p_rows_give_the_single_block_tokens(cuda_backend, vocab, dt
     params = [_row(temperature=t, top_p=tp, min_p=mp, seed=31 + i, offset=5 * i, draft=drafts[i])
               for i, (t, tp, mp) in enumerate(cfgs[i % len(cfgs)] for i in range(rows))]
     assert all(_chunk_row(r, vocab) for r in params) and any(_filtered_row(r) for r in params)
-    assert cuda_backend._chunked(rows, vocab, filtered=True)
+    assert cuda_backend._sample_chunks(rows, vocab, filtered=True) == chunks
     chunked_ids, chunked_lp, (top_ids, top_lps) = cuda_backend.sample(logits, params)
     chunked_checks = cuda_backend.sample_verify(logits, params)
     assert not cuda_backend.sample_counters.any() and not cuda_backend.sample_hist.any()
@@ -423,7 +430,7 @@ def test_chunked_top_p_thresholds_over_many_draws(cuda_backend, top_p):
     for r in range(0, rows, 2):
         x[r] = torch.linspace(4, -4, vocab)[torch.randperm(vocab, generator=gen)]
     logits = x.cuda()
-    assert cuda_backend._chunked(rows, vocab, filtered=True)
+    assert cuda_backend._sample_chunks(rows, vocab, filtered=True) == kernels.sample_chunk_count(vocab)
     for k in range(64):
         params = [_row(top_p=top_p, seed=9 + r, offset=k) for r in range(rows)]
         chunked = cuda_backend.sample(logits, params)[0]
@@ -445,7 +452,7 @@ def test_chunked_top_p_follows_the_reference(cuda_backend, cfg):
     x[torch.randperm(vocab, generator=gen)[:40]] += 8 + 2 * torch.randn(40, generator=gen)
     ref = _ref_probs(x, **cfg).double()
     rows = min(64, cuda_backend.num_sms // kernels.sample_chunk_count(vocab))
-    assert cuda_backend._chunked(rows, vocab, filtered=True)
+    assert cuda_backend._sample_chunks(rows, vocab, filtered=True) == 2
     logits = x.expand(rows, vocab).contiguous().cuda()
     d = int(ref.argsort(descending=True)[1])
     ids, tokens, passed = [], [], []

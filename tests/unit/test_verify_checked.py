@@ -129,17 +129,18 @@ def test_device_sampler_rows_carry_each_sequences_parameters():
 
 
 def test_the_chunked_sampler_takes_rows_without_top_k_or_logprobs():
-    """`sampling._chunk_row`, `_filtered_row` and `DeviceSampling._chunked`: sample_chunks runs launches whose
-    rows have no logprobs and, unless greedy, no top-k (or one >= vocab); of more than one chunk of vocabulary
-    and at most as many rows as SMs; with top-p / min-p rows (sampled), at most one block an SM in all and rows
-    that fit the histograms, unless VOLTSERVE_SAMPLE_CHUNKS is plain; none when it is off."""
+    """`sampling._chunk_row`, `_filtered_row` and `DeviceSampling._sample_chunks`: sample_chunks runs launches
+    whose rows have no logprobs and, unless greedy, no top-k (or one >= vocab): a block a step while the rows fit
+    the SMs, else a block a row; with top-p / min-p rows (sampled) at most one block an SM in all (a block a step,
+    else as many as fit, at least one); VOLTSERVE_SAMPLE_CHUNKS=plain leaves launches with such rows to
+    sample_topk_topp (0), off every launch."""
     from voltserve.backends.cuda.params import SampleRowParams
     from voltserve.backends.cuda.sampling import DeviceSampling, _chunk_row, _filtered_row
 
     def row(temperature=0.8, top_k=0, top_p=1.0, min_p=0.0, num_logprobs=0):
         return SampleRowParams(1, 0, temperature, top_p, min_p, top_k, num_logprobs, -1)
 
-    vocab = 49152  # 6 chunks
+    vocab = 49152  # 6 steps
     chunkable = (row(), row(top_k=vocab), row(top_k=-1), row(0.0, 5, 0.9, 0.1), row(top_p=0.95), row(min_p=0.1))
     assert all(_chunk_row(r, vocab) for r in chunkable)
     assert not any(_chunk_row(r, vocab) for r in (row(top_k=5), row(num_logprobs=1), row(0.0, num_logprobs=1)))
@@ -149,13 +150,12 @@ def test_the_chunked_sampler_takes_rows_without_top_k_or_logprobs():
         sample_chunks = "auto"
         num_sms = 13
         sample_counters = torch.zeros(8)
-        sample_hist = torch.zeros(5, 2049)
 
     be = Backend()
-    assert be._chunked(8, vocab) and not be._chunked(9, vocab) and not be._chunked(1, 8192)
-    assert be._chunked(2, vocab, filtered=True) and not be._chunked(3, vocab, filtered=True)  # 12 / 18 blocks
-    assert be._chunked(5, 16384, filtered=True) and not be._chunked(6, 16384, filtered=True)  # the histograms
+    assert [be._sample_chunks(n, vocab) for n in (1, 8, 9, 500)] == [6, 6, 1, 1]
+    assert be._sample_chunks(1, 100) == 1 and be._sample_chunks(3, 8193) == 2
+    assert [be._sample_chunks(n, vocab, filtered=True) for n in (1, 2, 3, 6, 7, 500)] == [6, 6, 4, 2, 1, 1]
     be.sample_chunks = "plain"
-    assert be._chunked(8, vocab) and not be._chunked(1, vocab, filtered=True)
+    assert be._sample_chunks(8, vocab) == 6 and be._sample_chunks(1, vocab, filtered=True) == 0
     be.sample_chunks = "off"
-    assert not be._chunked(1, vocab)
+    assert be._sample_chunks(1, vocab) == 0

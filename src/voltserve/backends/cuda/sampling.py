@@ -102,7 +102,7 @@ class DeviceSampling:
         if vocab >= kernels.SAMPLE_MAX_VOCAB:
             raise ValueError(f"vocab {vocab} >= {kernels.SAMPLE_MAX_VOCAB} is not supported by sample_topk_topp")
         top_n = kernels.SAMPLE_MAX_LOGPROBS
-        chunkable, filtered = True, False  # every row one `_chunked` may take; some with top-p / min-p
+        chunkable, filtered = True, False  # every row one sample_chunks takes; some with top-p / min-p
         for r in params_rows:
             if not 0 <= r.num_logprobs <= top_n or not 0 < r.top_p <= 1 or not 0 <= r.min_p <= 1:
                 raise ValueError(f"unsupported sampling row: num_logprobs {r.num_logprobs}, top_p {r.top_p}, "
@@ -117,47 +117,51 @@ class DeviceSampling:
             arr = params_rows if isinstance(params_rows, ctypes.Array) else (P.SampleRowParams * rows)(*params_rows)
             # through pinned memory: a pageable copy would wait for the step in flight (the graph before it)
             dev_rows = to_device(torch.frombuffer(bytearray(arr), dtype=torch.uint8), self.device)
-            chunked = chunkable and self._chunked(rows, vocab, filtered)
-            self._launch_sample(logits, dev_rows, outputs, checked, chunked, filtered)
+            chunks = self._sample_chunks(rows, vocab, filtered) if chunkable else 0
+            self._launch_sample(logits, dev_rows, outputs, checked, chunks, filtered)
         return outputs
 
-    def _chunked(self, num_rows: int, vocab: int, filtered: bool = False) -> bool:
-        """Whether sample_chunks takes a launch of `num_rows` rows that are all `_chunk_row`s, `filtered` when
-        some are `_filtered_row`s: a vocabulary of more than one chunk, at most as many rows as SMs (more rows
-        fill the GPU a block a row already, and each chunk block pays fixed costs; H100: 64 x 49,152 still 42.5
-        vs 50.4 us, more rows not measured); with filtered rows, whose blocks wait for each other, at most one
-        block an SM in all (every block resident); VOLTSERVE_SAMPLE_CHUNKS auto (plain: no filtered rows)."""
-        if self.sample_chunks == "off" or vocab <= kernels.SAMPLE_CHUNK:
-            return False
-        if filtered:
-            return (self.sample_chunks == "auto" and num_rows <= self.sample_hist.shape[0]
-                    and num_rows * kernels.sample_chunk_count(vocab) <= self.num_sms)
-        return num_rows <= min(self.num_sms, self.sample_counters.numel())
+    def _sample_chunks(self, num_rows: int, vocab: int, filtered: bool = False) -> int:
+        """Blocks a row of sample_chunks for a launch of `num_rows` rows that are all `_chunk_row`s (`filtered`:
+        some are `_filtered_row`s), or 0: sample_topk_topp. A block a step of SAMPLE_CHUNK tokens while the
+        launch has at most as many rows as SMs (more rows fill the GPU already, and each block pays fixed
+        costs; H100: 64 x 49,152 plain 42.5 vs 50.4 us a block a row); with filtered rows, whose blocks wait for
+        each other, at most one block an SM in all (every block resident); else one block a row, which walks the
+        row in fewer passes than sample_topk_topp. VOLTSERVE_SAMPLE_CHUNKS=plain leaves launches with filtered rows
+        to sample_topk_topp, off every launch."""
+        if self.sample_chunks == "off" or (filtered and self.sample_chunks == "plain"):
+            return 0
+        steps = kernels.sample_chunk_count(vocab)
+        if not filtered:
+            return steps if num_rows <= min(self.num_sms, self.sample_counters.numel()) else 1
+        if num_rows * steps <= self.num_sms:
+            return steps
+        return max(1, self.num_sms // num_rows)  # >= 2 blocks only for rows <= num_sms / 2: sample_hist's rows
 
     def _launch_sample(self, logits: torch.Tensor, dev_rows: torch.Tensor, outputs, checked: torch.Tensor | None,
-                       chunked: bool = False, filtered: bool = False) -> None:
+                       chunks: int = 0, filtered: bool = False) -> None:
         """One sampler launch: logits [rows, vocab] as `sample` takes them, dev_rows the rows' SampleRowParams
         on the device, outputs `sample`'s (ids, logprobs, (top_ids, top_logprobs)), checked `sample_verify`'s
-        [2, rows] (ids = checked[0]) or None; chunked: the rows are all `_chunked`'s (sample_chunks: a row
-        over ceil(vocab / SAMPLE_CHUNK) blocks; filtered: some have top-p / min-p, and list top-p candidates),
-        else sample_topk_topp (a block a row). No copy; capturable (the benchmark times it so)."""
+        [2, rows] (ids = checked[0]) or None; chunks: sample_chunks' blocks a row (`_sample_chunks`; filtered:
+        some rows have top-p / min-p), 0: sample_topk_topp (a block a row). No copy; capturable (the benchmark
+        times it so)."""
         ids, logprobs, (top_ids, top_lps) = outputs
         rows, vocab = logits.shape
-        part = counters = None
-        chunks = 1
-        if chunked:
-            chunks = kernels.sample_chunk_count(vocab)
+        part = counters = hist = None
+        if chunks > 1:  # the blocks' partials (and top-p candidates), arrival counters, top-p histograms
             part = torch.empty(rows * (chunks * kernels.SAMPLE_CHUNK_PART_FLOATS
                                        + (kernels.SAMPLE_CANDIDATES if filtered else 0)),
                                dtype=torch.float32, device=self.device)
             counters = self.sample_counters
+            hist = self.sample_hist if filtered else None
         p = P.SampleParams(logits.data_ptr(), dev_rows.data_ptr(), ids.data_ptr(), logprobs.data_ptr(),
                            top_ids.data_ptr(), top_lps.data_ptr(), logits.stride(0), rows, vocab,
                            None if checked is None else checked[1].data_ptr(),
                            None if part is None else part.data_ptr(), None if counters is None else counters.data_ptr(),
-                           self.sample_hist.data_ptr() if filtered else None)
-        op = "sample_chunks" if chunked else "sample_topk_topp"
-        self._launch(op, op, {"LOGITS_F16": int(logits.dtype == torch.float16)}, (rows, chunks, 1), (1024, 1, 1), 0, p)
+                           None if hist is None else hist.data_ptr())
+        op = "sample_chunks" if chunks else "sample_topk_topp"
+        self._launch(op, op, {"LOGITS_F16": int(logits.dtype == torch.float16)}, (rows, max(chunks, 1), 1),
+                     (1024, 1, 1), 0, p)
 
     def philox4x32_10(self, words: torch.Tensor) -> torch.Tensor:
         """Test hook: Philox4x32-10 as the sampler computes it.

@@ -7,7 +7,8 @@ alerts written for it carry over; every series has a `model_name` label (the ser
   length, ...; the reason of the last sequence to finish), `voltserve:request_failure_total{reason}` (requests
   ended early after they were admitted: `client_gone`, or the error code sent in-band / as the 5xx status:
   `engine_dead`, `step_failed`, `server_shutting_down`, ...; and `internal_error`: an unexpected exception, which
-  answers 500 or ends a stream, admitted or not), `voltserve:prompt_tokens_total`,
+  answers 500 or ends a stream, admitted or not; one raised while the response is built, after the output was
+  complete, has already counted as a success), `voltserve:prompt_tokens_total`,
   `voltserve:generation_tokens_total` (both counted for finished requests).
 - histograms (seconds, measured in the API process from the handler's start): `time_to_first_token_seconds`
   (TTFT: until the first output is handed to the HTTP server, or received for a non-streamed request),

@@ -125,7 +125,8 @@ class ServerState:
 
     def count_internal_error(self) -> None:
         """Count the request being handled as failed with `internal_error` (a no-op when its stats already
-        counted it; a route without stats counts it here)."""
+        counted it, a failure or, for an error raised after its output was complete, a success; a route without
+        stats counts it here)."""
         stats = g.get("voltserve_stats") or self.metrics.request()
         stats.failed("internal_error")
 

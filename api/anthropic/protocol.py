@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from api.openai.protocol import ToolName
+from api.openai.protocol import AnthropicToolName
 
 
 class _Request(BaseModel):
@@ -46,7 +46,7 @@ class Tool(_Request):
     """A client tool: `name`, `description`, `input_schema` (a JSON schema). A server tool (a `type` such as
     "web_search_20250305") is refused with a 400."""
 
-    name: ToolName
+    name: AnthropicToolName
     description: str | None = None
     input_schema: dict[str, Any] | None = None  # required of client tools: checked with the type
     type: str | None = None  # absent or "custom" for a client tool

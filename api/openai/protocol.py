@@ -40,10 +40,11 @@ class ChatMessage(_Request):
     tool_call_id: str | None = None
 
 
-# A tool's name in every API: OpenAI's rule for function names, which Anthropic's client tools share
-# (https://platform.openai.com/docs/api-reference/chat/create#chat-create-tools,
-# https://docs.anthropic.com/en/docs/agents-and-tools/tool-use/implement-tool-use)
+# A tool's name: OpenAI's rule for function names (Chat Completions, Responses;
+# https://platform.openai.com/docs/api-reference/chat/create#chat-create-tools); Anthropic's client tools allow
+# up to 128 characters (its Messages API's `Tool.name`: ^[a-zA-Z0-9_-]{1,128}$), e.g. MCP's `mcp__server__tool`
 ToolName = Annotated[str, StringConstraints(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
+AnthropicToolName = Annotated[str, StringConstraints(pattern=r"^[a-zA-Z0-9_-]{1,128}$")]
 
 
 class FunctionDefinition(_Request):

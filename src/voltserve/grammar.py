@@ -88,10 +88,12 @@ def _resolve(root: dict, ref: str) -> dict | None:
 
 
 def _check_recursion(schema: dict, param: str | None) -> None:
-    """Refuse a schema that refers to itself without nesting: a cycle of `$ref` / `allOf` that stays on one JSON
-    value. No finite value matches it (llguidance compiles it to a grammar that allows nothing, so the output
-    would be empty); JSON Schema leaves such schemas undefined (2020-12 core, section 9.4.1). Recursion through
-    properties or items (a tree) nests and is fine.
+    """Refuse a schema whose root refers to itself without nesting: a cycle of `$ref` / `allOf` that the root
+    enters while staying on its own JSON value. No value matches it (llguidance compiles it to a grammar that
+    allows nothing, so the output would be empty); JSON Schema leaves such schemas undefined (2020-12 core,
+    section 9.4.1). Recursion through properties or items (a tree) nests and is fine; a cycle the root reaches
+    only through a property, an item or an `anyOf` branch is left to llguidance, which treats that branch as
+    unmatchable (other branches, optional properties, unused `$defs` keep the schema satisfiable).
 
     Raises:
         InvalidRequestError: such a cycle (param `param`).
@@ -114,24 +116,22 @@ def _check_recursion(schema: dict, param: str | None) -> None:
         parts = node.get("allOf") if isinstance(node.get("allOf"), list) else []
         return [n for n in ([target] + parts) if id(n) in pointers]  # a `$ref` into data names no schema
 
-    done: set[int] = set()  # depth-first search over the same-value edges; `path` holds the open nodes
-    for _, root in nodes:
-        if id(root) in done:
-            continue
-        path, walk = {id(root)}, [(root, iter(same_value(root)))]
-        while walk:
-            node, children = walk[-1]
-            child = next(children, None)
-            if child is None:
-                walk.pop()
-                path.discard(id(node))
-                done.add(id(node))
-            elif id(child) in path:
-                raise InvalidRequestError(f"the JSON schema at '{pointers[id(child)]}' refers to itself without "
-                                          "nesting ($ref / allOf): no finite JSON value matches it", param=param)
-            elif id(child) not in done:
-                path.add(id(child))
-                walk.append((child, iter(same_value(child))))
+    # depth-first search from the root over the same-value edges; `path` holds the open nodes
+    done: set[int] = set()
+    path, walk = {id(schema)}, [(schema, iter(same_value(schema)))]
+    while walk:
+        node, children = walk[-1]
+        child = next(children, None)
+        if child is None:
+            walk.pop()
+            path.discard(id(node))
+            done.add(id(node))
+        elif id(child) in path:
+            raise InvalidRequestError(f"the JSON schema at '{pointers[id(child)]}' refers to itself without "
+                                      "nesting ($ref / allOf): no JSON value matches it", param=param)
+        elif id(child) not in done:
+            path.add(id(child))
+            walk.append((child, iter(same_value(child))))
 
 
 _EMPTY_OBJECT = {"type": "object", "properties": {}, "additionalProperties": False}

@@ -187,29 +187,48 @@ async def test_tool_parameters_must_be_an_object(serve, parameters, tool_choice)
         assert engine.requests == []
 
 
-BAD_NAME = "invalid value for '{}': String should match pattern '^[a-zA-Z0-9_-]{{1,64}}$'"
+BAD_NAME = "invalid value for '{}': String should match pattern '^[a-zA-Z0-9_-]{{1,{}}}$'"
 
 
-@pytest.mark.parametrize("name", ["", "a b", "get.weather", "f(x)", "é", "x" * 65])
-async def test_tool_names_follow_one_rule_in_every_api(serve, name):
-    """OpenAI's function-name rule, which Anthropic's tool names share, in Chat, Responses and Messages."""
+async def _tool_name_answers(client, name: str) -> list:
+    """(status, body) of Chat, Responses and Messages for one tool named `name`."""
+    chat = await client.post(CHAT, json=chat_body(tools=[{"type": "function", "function": {"name": name}}]))
+    responses = await client.post("/v1/responses", json={"model": MODEL, "input": "Hi", "tools": [
+        {"type": "function", "name": name}]})
+    messages = await client.post("/v1/messages", json={
+        "model": MODEL, "max_tokens": 8, "messages": [{"role": "user", "content": "Hi"}],
+        "tools": [{"name": name, "input_schema": {"type": "object"}}]})
+    return [(r.status_code, orjson.loads(await r.get_data())) for r in (chat, responses, messages)]
+
+
+def _openai_name_errors() -> list:
+    return [(400, {"error": {"message": BAD_NAME.format("tools.0.function.name", 64), "type": INVALID,
+                             "param": "tools.0.function.name", "code": None}}),
+            (400, {"error": {"message": BAD_NAME.format("tools.0.name", 64), "type": INVALID,
+                             "param": "tools.0.name", "code": None}})]
+
+
+@pytest.mark.parametrize("name", ["", "a b", "get.weather", "f(x)", "é", "x" * 129])
+async def test_bad_tool_names_are_refused_in_every_api(serve, name):
+    """OpenAI's function-name rule (1-64 of [a-zA-Z0-9_-]) in Chat and Responses, Anthropic's (1-128) in
+    Messages."""
     async with serve(ScriptedEngine(scripts=["ok"])) as (client, _):
-        chat = await client.post(CHAT, json=chat_body(tools=[{"type": "function", "function": {"name": name}}]))
-        responses = await client.post("/v1/responses", json={"model": MODEL, "input": "Hi", "tools": [
-            {"type": "function", "name": name}]})
-        messages = await client.post("/v1/messages", json={
-            "model": MODEL, "max_tokens": 8, "messages": [{"role": "user", "content": "Hi"}],
-            "tools": [{"name": name, "input_schema": {"type": "object"}}]})
-        got = [(r.status_code, orjson.loads(await r.get_data())) for r in (chat, responses, messages)]
+        got = await _tool_name_answers(client, name)
         good = await client.post(CHAT, json=chat_body(tools=[{"type": "function", "function": {
             "name": "get_weather-2", "parameters": {"type": "object"}}}]))
-    assert got == [
-        (400, {"error": {"message": BAD_NAME.format("tools.0.function.name"), "type": INVALID,
-                         "param": "tools.0.function.name", "code": None}}),
-        (400, {"error": {"message": BAD_NAME.format("tools.0.name"), "type": INVALID, "param": "tools.0.name",
-                         "code": None}}),
-        (400, {"type": "error", "error": {"type": INVALID, "message": BAD_NAME.format("tools.0.name")}})]
+    assert got == _openai_name_errors() + [
+        (400, {"type": "error", "error": {"type": INVALID, "message": BAD_NAME.format("tools.0.name", 128)}})]
     assert good.status_code == 200
+
+
+@pytest.mark.parametrize("name", ["x" * 65, "mcp__" + "s" * 60 + "__" + "t" * 61])
+async def test_anthropic_tool_names_may_be_128_characters(serve, name):
+    """Names of 65-128 characters (MCP's `mcp__server__tool`): refused by OpenAI's rule, taken by Messages."""
+    assert len(name) <= 128
+    async with serve(ScriptedEngine(scripts=["ok"])) as (client, _):
+        got = await _tool_name_answers(client, name)
+    assert got[:2] == _openai_name_errors()
+    assert got[2][0] == 200 and got[2][1]["content"] == [{"type": "text", "text": "ok"}]
 
 
 @pytest.mark.parametrize("key, value", [("add_generation_prompt", "x"), ("add_generation_prompt", False),

@@ -102,10 +102,9 @@ async def test_json_output_is_the_content(serve):
 
 
 async def test_a_schema_no_value_matches_is_a_400_naming_the_format(serve):
-    """A `$ref` to itself (no finite JSON value matches it) used to answer 200 with empty content."""
+    """A `$ref` to itself (no JSON value matches it) used to answer 200 with empty content."""
     loop = {"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a"}}}
-    why = "the JSON schema at '#/$defs/a' refers to itself without nesting ($ref / allOf): no finite JSON value " \
-          "matches it"
+    why = "the JSON schema at '#/$defs/a' refers to itself without nesting ($ref / allOf): no JSON value matches it"
     cases = [  # (url, request, the error body)
         ("/v1/chat/completions", chat_body(response_format={"type": "json_schema", "json_schema": {
             "name": "a", "schema": loop}}), {"error": {"message": f"invalid response_format: {why}",

@@ -102,14 +102,12 @@ ALIAS = {"$ref": "#/$defs/a"}
     ({"$ref": "#/$defs/a", "$defs": {"a": ALIAS}}, "#/$defs/a"),
     ({"$ref": "#"}, "#"),
     ({"allOf": [{"$ref": "#/$defs/b"}], "$defs": {"b": {"allOf": [{"type": "object"}, {"$ref": "#"}]}}}, "#"),
-    ({"type": "object", "properties": {"x": ALIAS}, "$defs": {"a": {"$ref": "#/$defs/a~1b"},
-                                                              "a/b": {"description": "d", "$ref": "#/$defs/a"}}},
+    ({"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a~1b"}, "a/b": {"description": "d", "$ref": "#/$defs/a"}}},
      "#/$defs/a"),
 ])
 def test_a_schema_that_refers_to_itself_without_nesting_is_refused(schema, at):
-    """No finite JSON value matches it: llguidance would compile a grammar that allows nothing (an empty output)."""
-    message = f"the JSON schema at '{at}' refers to itself without nesting ($ref / allOf): no finite JSON value " \
-              "matches it"
+    """No JSON value matches it: llguidance would compile a grammar that allows nothing (an empty output)."""
+    message = f"the JSON schema at '{at}' refers to itself without nesting ($ref / allOf): no JSON value matches it"
     with pytest.raises(InvalidRequestError) as info:
         grammar.json_schema_grammar(schema)
     assert (info.value.message, info.value.param) == (message, None)
@@ -120,8 +118,14 @@ def test_a_schema_that_refers_to_itself_without_nesting_is_refused(schema, at):
 
 def test_recursion_that_nests_or_has_a_way_out_is_kept():
     """A tree (through properties / items), an anyOf with a branch that ends, $defs shared by two properties,
-    and a `$ref` that is only data (in an enum)."""
+    a `$ref` that is only data (in an enum), and loops the root does not enter on its own value: in an optional
+    property, in an anyOf branch beside one that ends, in an unused `$defs` entry (left to llguidance, which
+    treats the loop as unmatchable)."""
+    loop = {"a": ALIAS}
     cases = [
+        ({"type": "object", "properties": {"x": ALIAS}, "$defs": loop}, "{}"),
+        ({"anyOf": [{"type": "integer"}, ALIAS], "$defs": loop}, "7"),
+        ({"type": "object", "properties": {"a": {"type": "string"}}, "$defs": loop}, '{"a":"x"}'),
         ({"type": "object", "properties": {"kids": {"type": "array", "items": {"$ref": "#"}}}}, '{"kids":[{}]}'),
         ({"anyOf": [{"$ref": "#"}, {"type": "integer"}]}, "7"),
         ({"type": "object", "properties": {"a": {"$ref": "#/$defs/s"}, "b": {"$ref": "#/$defs/s"}},

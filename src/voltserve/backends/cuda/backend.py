@@ -184,7 +184,8 @@ class CudaBackend(DeviceSampling):
         self.attn_counters = torch.zeros(kernels.ATTN_MAX_COUNTERS, dtype=torch.int32, device=self.device)
         self.argmax_counters = torch.zeros(kernels.ARGMAX_MAX_ROWS, dtype=torch.int32, device=self.device)
         # sample_chunks' arrival counters, one per row, and its top-p rows' weight histograms (a launch with a
-        # top-p row has at most one block an SM, so at most num_sms // 2 rows); zero between launches
+        # top-p row and >= 2 blocks a row has at most one block an SM, so at most num_sms // 2 rows); zero between
+        # launches
         self.sample_counters = torch.zeros(kernels.SAMPLE_MAX_CHUNKED_ROWS, dtype=torch.int32, device=self.device)
         self.sample_hist = torch.zeros(self.num_sms // 2, kernels.SAMPLE_BINS + 1, dtype=torch.int64,
                                        device=self.device)

@@ -10,7 +10,7 @@ import json
 import re
 import secrets
 
-from api.openai.common import INLINE_PROMPT_CHARS, prompt_work
+from api.openai.common import INLINE_PROMPT_CHARS, check_prompt_chars, prompt_work
 from api.openai.protocol import ChatCompletionRequest
 from voltserve.errors import InvalidRequestError, VoltError
 
@@ -140,7 +140,9 @@ def _render_and_encode(engine, messages: list[dict], tools: list[dict] | None, t
     tokenizer = engine.tokenizer
     risky = [i for i, m in enumerate(messages) if _has_special_text(tokenizer, m["content"])]
     if not risky:
-        return encode_rendered(tokenizer, _render(engine, messages, tools, template_kwargs, param))
+        rendered = _render(engine, messages, tools, template_kwargs, param)
+        check_prompt_chars(engine, len(rendered), param)
+        return encode_rendered(tokenizer, rendered)
     # Render with a unique placeholder in place of each such content, so the template's own markup and the
     # user's text are told apart by position, never by matching text (the user may type the template's markup).
     nonce = secrets.token_hex(8)
@@ -150,6 +152,7 @@ def _render_and_encode(engine, messages: list[dict], tools: list[dict] | None, t
     if any(rendered.count(key) != 1 for key in spans):
         raise InvalidRequestError("a message spells a special token and the chat template does not place its "
                                   "content verbatim; remove the special-token text", param=param)
+    check_prompt_chars(engine, len(rendered) + sum(len(text) - len(key) for key, text in spans.items()), param)
     return encode_rendered(tokenizer, rendered, spans)
 
 

@@ -13,8 +13,8 @@ from quart import Blueprint
 
 from api.metrics import NO_STATS
 from api.openai.common import (
-    ChunkFrames, add_request, collect, drive_stream, finish_json, json_response, prompt_work, request_body,
-    sampling_params, sse_response, token_text,
+    ChunkFrames, add_request, check_prompt_chars, collect, drive_stream, finish_json, json_response, prompt_work,
+    request_body, sampling_params, sse_response, token_text,
 )
 from api.openai.chat_prompt import check_mm_kwargs
 from api.openai.protocol import (
@@ -106,6 +106,8 @@ async def completions():
     params = _params(req)
     engine = state.ready_engine()
     prompt = _single_prompt(req.prompt)
+    if isinstance(prompt, str):
+        check_prompt_chars(engine, len(prompt), "prompt")
     prompt_ids = await prompt_work(len(prompt), _prompt_ids, engine.tokenizer, prompt)
     stream = state.track(add_request(engine, prompt_ids, params, prompt_param="prompt", max_tokens_param="max_tokens"))
     response_id, created = state.new_id("cmpl-"), state.clock()

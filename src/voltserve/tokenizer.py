@@ -89,6 +89,7 @@ class Tokenizer:
         self.bos_token: str = "" if bos_token_id is None else self.id_to_token(bos_token_id)
         self.eos_token: str = self.id_to_token(self.eos_token_ids[0]) if self.eos_token_ids else ""
         self._byte_tables: dict[bool, tuple[bytes, ...] | None] = {}  # skip_special_tokens -> byte_table()
+        self._max_token_chars: int | None = None  # min_num_tokens' divisor, 0: no bound (built on first use)
 
     def __reduce__(self):
         # pickled as its constructor's arguments: `tokenizers` does not pickle `encode_special_tokens`, and the
@@ -121,6 +122,25 @@ class Tokenizer:
         if add_special_tokens and self.add_bos and self.bos_token_id is not None:
             ids = [self.bos_token_id, *ids]
         return ids
+
+    def min_num_tokens(self, num_chars: int) -> int:
+        """A lower bound on `len(encode(text))` (either `parse_special`) for any text of `num_chars` characters,
+        so that a prompt far past the context is refused before its seconds of encoding: ceil(num_chars / M), M
+        the most bytes one token spells. Sound where every token spells its own bytes of the text: a ByteLevel
+        decoder, no normalizer, no added token that strips the whitespace beside it; else 0 (no bound).
+        """
+        if self._max_token_chars is None:
+            self._max_token_chars = self._token_span_limit()
+        m = self._max_token_chars
+        return -(-num_chars // m) if m else 0
+
+    def _token_span_limit(self) -> int:
+        """The most bytes (hence characters) of a text one token covers, or 0 where that is not bounded."""
+        added = self._tok.get_added_tokens_decoder().values()
+        if self._tok.normalizer is not None or any(t.lstrip or t.rstrip for t in added):
+            return 0
+        table = self.byte_table(skip_special_tokens=False)  # None unless the decoder is ByteLevel
+        return max(map(len, table), default=0) if table is not None else 0
 
     def may_spell_special(self, text: str) -> bool:
         """False when `text` cannot hold the text of a special token (none occurs in it), so that encoding it with

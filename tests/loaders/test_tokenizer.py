@@ -130,3 +130,24 @@ def test_long_text_encodes_the_same_and_lets_other_threads_run(smollm2_tokenizer
     assert result["ids"] == expected
     assert (1 in expected) == parse_special  # <|im_start|> read as the special token only when asked
     assert ticks >= 10, f"the main thread ran {ticks} times while the text was encoded"
+
+
+def test_min_num_tokens_is_a_lower_bound(smollm2_tokenizer):
+    """Random texts of long tokens, special-token text, multi-byte characters and whitespace runs: the bound
+    never exceeds the real count, with or without special-token parsing; a normalizer turns the bound off."""
+    import random
+
+    import tokenizers
+
+    from voltserve.tokenizer import Tokenizer
+
+    tok = smollm2_tokenizer
+    pieces = ["a", " the", "  ", "\n\n", "\t", "<|im_start|>", "é", "日本語", "😀", "1234", " " * 40, "-" * 33]
+    rng = random.Random(7)
+    for _ in range(300):
+        text = "".join(rng.choice(pieces) for _ in range(rng.randint(1, 80)))
+        bound = tok.min_num_tokens(len(text))
+        assert 0 < bound <= min(len(tok.encode(text)), len(tok.encode(text, parse_special=False))), text
+    normalized = tokenizers.Tokenizer.from_str(tok.backend.to_str())
+    normalized.normalizer = tokenizers.normalizers.NFC()
+    assert Tokenizer(normalized, tok.bos_token_id, tok.eos_token_ids).min_num_tokens(10**6) == 0

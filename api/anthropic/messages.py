@@ -39,7 +39,8 @@ from api.errors import ErrorKind, anthropic_payload
 from api.metrics import NO_STATS
 from api.openai.chat_prompt import messages_prompt_ids, strip_billing_header
 from api.openai.common import (
-    add_request, collect, drive_stream, json_response, prompt_work, request_body, sse_response,
+    add_request, check_prompt_chars, collect, drive_stream, json_response, prompt_work, request_body,
+    sse_response,
 )
 from api.openai.protocol import parse_request
 from api.state import get_state
@@ -232,8 +233,8 @@ def split_prefill(req: CountTokensRequest) -> tuple[list[dict], str]:
 
 
 async def prompt_ids(engine, req: CountTokensRequest, tools: list[dict] | None,
-                     template_kwargs: dict | None = None, reasoning_of: Callable[[list[int]], str | None] | None = None
-                     ) -> list[int] | tuple[list[int], str | None]:
+                     template_kwargs: dict | None = None, reasoning_of: Callable[[list[int]], str | None] | None = None,
+                     check_fit: bool = True) -> list[int] | tuple[list[int], str | None]:
     """Render and tokenize a Messages request like a chat request; a prefill's tokens follow the generation
     prompt (tokenized as plain text).
 
@@ -243,6 +244,7 @@ async def prompt_ids(engine, req: CountTokensRequest, tools: list[dict] | None,
         reasoning_of: `api.reasoning.reasoning_mode` of rendered prompt ids; when given, the mode is decided on
             the prompt before the prefill (a prefill after an opened `<think>` continues the reasoning unless it
             closes it, then the output is "open") and returned too.
+        check_fit: as `messages_prompt_ids`' (the prefill counted too); False for count_tokens.
 
     Returns:
         [num_prompt_tokens] token ids; with `reasoning_of`, (those ids, the reasoning mode).
@@ -251,11 +253,14 @@ async def prompt_ids(engine, req: CountTokensRequest, tools: list[dict] | None,
         InvalidRequestError: see `split_prefill` and `api.openai.chat_prompt.messages_prompt_ids`.
     """
     messages, prefill = split_prefill(req)
-    ids = await messages_prompt_ids(engine, messages, tools=tools, template_kwargs=template_kwargs)
+    ids = await messages_prompt_ids(engine, messages, tools=tools, template_kwargs=template_kwargs,
+                                    check_fit=check_fit)
     mode = reasoning_of(ids) if reasoning_of is not None else None
     if mode == "inside" and THINK_CLOSE in prefill:
         mode = "open"  # the prefill ended the reasoning: the output continues the answer
     if prefill:  # a long one in a thread, as the messages (`prompt_work`)
+        if check_fit:
+            check_prompt_chars(engine, len(prefill), "messages", num_tokens=len(ids))
         ids += await prompt_work(len(prefill), _encode_plain, engine.tokenizer, prefill)
     return (ids, mode) if reasoning_of is not None else ids
 
@@ -412,7 +417,8 @@ async def count_tokens():
     req = parse_request(CountTokensRequest, await request_body())
     state.check_model(req.model)
     engine = state.ready_engine()
-    ids = await prompt_ids(engine, req, template_tools(req), thinking_kwargs(state.config, engine, req))
+    ids = await prompt_ids(engine, req, template_tools(req), thinking_kwargs(state.config, engine, req),
+                           check_fit=False)  # a count, whether or not it fits
     return json_response(TokenCount(input_tokens=len(ids)))
 
 

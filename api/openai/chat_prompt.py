@@ -136,12 +136,13 @@ def _render(engine, messages: list[dict], tools: list[dict] | None, template_kwa
 
 
 def _render_and_encode(engine, messages: list[dict], tools: list[dict] | None, template_kwargs: dict,
-                       param: str) -> list[int]:
+                       param: str, check_fit: bool = True) -> list[int]:
     tokenizer = engine.tokenizer
     risky = [i for i, m in enumerate(messages) if _has_special_text(tokenizer, m["content"])]
     if not risky:
         rendered = _render(engine, messages, tools, template_kwargs, param)
-        check_prompt_chars(engine, len(rendered), param)
+        if check_fit:
+            check_prompt_chars(engine, len(rendered), param)
         return encode_rendered(tokenizer, rendered)
     # Render with a unique placeholder in place of each such content, so the template's own markup and the
     # user's text are told apart by position, never by matching text (the user may type the template's markup).
@@ -152,7 +153,8 @@ def _render_and_encode(engine, messages: list[dict], tools: list[dict] | None, t
     if any(rendered.count(key) != 1 for key in spans):
         raise InvalidRequestError("a message spells a special token and the chat template does not place its "
                                   "content verbatim; remove the special-token text", param=param)
-    check_prompt_chars(engine, len(rendered) + sum(len(text) - len(key) for key, text in spans.items()), param)
+    if check_fit:
+        check_prompt_chars(engine, len(rendered) + sum(len(text) - len(key) for key, text in spans.items()), param)
     return encode_rendered(tokenizer, rendered, spans)
 
 
@@ -182,7 +184,8 @@ def with_argument_objects(message: dict) -> dict:
 
 
 async def messages_prompt_ids(engine, messages: list[dict], tools: list[dict] | None = None,
-                              template_kwargs: dict | None = None, param: str = "messages") -> list[int]:
+                              template_kwargs: dict | None = None, param: str = "messages",
+                              check_fit: bool = True) -> list[int]:
     """Render and tokenize chat messages (off the event loop unless they are short: `prompt_work`); the one
     path from messages to prompt ids of every chat-shaped endpoint (Chat Completions, Responses).
 
@@ -191,6 +194,8 @@ async def messages_prompt_ids(engine, messages: list[dict], tools: list[dict] | 
         tools: the tool definitions the template renders, if any.
         template_kwargs: extra variables for the chat template (`chat_template_kwargs`).
         param: the request field the messages came from, blamed by errors ("messages", or "input").
+        check_fit: refuse a rendered prompt whose characters alone prove it cannot fit the context before it is
+            tokenized (`check_prompt_chars`); False where only its count is asked for.
 
     Returns:
         [num_prompt_tokens] token ids, ending with the assistant generation prompt.
@@ -198,6 +203,7 @@ async def messages_prompt_ids(engine, messages: list[dict], tools: list[dict] | 
     Raises:
         InvalidRequestError: the template refused the conversation, or a special token's text it would not place
             verbatim (case S6).
+        ContextLengthError: with check_fit, a prompt that cannot fit.
     """
     # tools and earlier tool calls are rendered into the prompt too, uncounted here: such requests take the thread
     uncounted = tools or any("tool_calls" in m for m in messages)
@@ -205,7 +211,7 @@ async def messages_prompt_ids(engine, messages: list[dict], tools: list[dict] | 
         messages = [with_argument_objects(m) for m in messages]
     size = sum(len(m["content"]) for m in messages) + (INLINE_PROMPT_CHARS + 1 if uncounted else 0)
     return await prompt_work(size, _render_and_encode, engine, messages, tools, dict(template_kwargs or {}),
-                             param)
+                             param, check_fit)
 
 
 # The chat template arguments the server gives itself. vLLM lets `chat_template_kwargs` override them; here they

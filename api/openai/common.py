@@ -55,15 +55,16 @@ def sampling_params(req: SamplingFields, *, max_tokens: int | None, max_tokens_p
     ).validate()
 
 
-def check_prompt_chars(engine, num_chars: int, param: str) -> None:
-    """Refuse, before tokenizing it, a prompt of `num_chars` characters that cannot fit the context: its tokens
-    number at least `Tokenizer.min_num_tokens` (a 30 MB prompt otherwise costs ~30 s of encoding to learn that).
+def check_prompt_chars(engine, num_chars: int, param: str, num_tokens: int = 0) -> None:
+    """Refuse, before tokenizing it, a prompt of `num_chars` characters (after `num_tokens` tokens already
+    encoded) that cannot fit the context: its tokens number at least `Tokenizer.min_num_tokens` (a 30 MB prompt
+    otherwise costs ~30 s of encoding to learn that).
 
     Raises:
-        ContextLengthError: that bound alone fills the window (param `param`).
+        ContextLengthError: that bound fills the window (param `param`).
     """
     bound = getattr(engine.tokenizer, "min_num_tokens", None)  # absent from test doubles' tokenizers
-    least = bound(num_chars) if bound is not None else 0
+    least = num_tokens + (bound(num_chars) if bound is not None else 0)
     if least >= engine.max_model_len:
         raise ContextLengthError(f"This model's maximum context length is {engine.max_model_len} tokens, but the "
                                  f"prompt has at least {least} tokens (no room for any output).", param=param)

@@ -270,3 +270,23 @@ async def test_a_prompt_far_past_the_context_is_refused_before_it_is_tokenized(s
         assert error["message"].startswith("This model's maximum context length is 8192 tokens, but the prompt "
                                            "has at least ")
     assert engine.requests == []
+
+
+async def test_messages_refuse_a_prompt_past_the_context_but_count_tokens_counts_it(serve, smollm2_tokenizer):
+    """Messages (a prefill too) take the same early 400; count_tokens answers the count whatever its size."""
+    text = "hello world " * 60_000
+    engine = ScriptedEngine(scripts=["ok"], max_model_len=8_192, tokenizer=smollm2_tokenizer)
+    body = {"model": MODEL, "max_tokens": 8, "messages": [{"role": "user", "content": text}]}
+    prefilled = {**body, "messages": [{"role": "user", "content": "Hi"},
+                                      {"role": "assistant", "content": text.rstrip()}]}
+    async with serve(engine) as (client, _):
+        got = [await client.post("/v1/messages", json=payload) for payload in (body, prefilled)]
+        counted = await client.post("/v1/messages/count_tokens", json={"model": MODEL,
+                                                                       "messages": body["messages"]})
+        errors = [(r.status_code, orjson.loads(await r.get_data())) for r in got]
+        count = orjson.loads(await counted.get_data())
+    for status, error in errors:
+        assert status == 400 and error["error"]["message"].startswith(
+            "This model's maximum context length is 8192 tokens, but the prompt has at least ")
+    assert counted.status_code == 200 and count["input_tokens"] > 60_000
+    assert engine.requests == []

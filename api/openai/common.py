@@ -20,7 +20,7 @@ from api.errors import ErrorKind, describe, kind_of, openai_payload
 from api.metrics import NO_STATS
 from api.openai.protocol import PromptTokensDetails, SamplingFields, Usage
 from voltserve.errors import ContextLengthError, InvalidRequestError, VoltError
-from voltserve.request import RequestOutput, SamplingParams, TokenLogprob
+from voltserve.request import RequestOutput, SamplingParams, TokenLogprob, prompt_fills_context
 
 
 def sampling_params(req: SamplingFields, *, max_tokens: int | None, max_tokens_param: str,
@@ -63,11 +63,12 @@ def check_prompt_chars(engine, num_chars: int, param: str, num_tokens: int = 0) 
     Raises:
         ContextLengthError: that bound fills the window (param `param`).
     """
+    if num_tokens + num_chars < engine.max_model_len:  # the bound is at most one token a character
+        return
     bound = getattr(engine.tokenizer, "min_num_tokens", None)  # absent from test doubles' tokenizers
     least = num_tokens + (bound(num_chars) if bound is not None else 0)
     if least >= engine.max_model_len:
-        raise ContextLengthError(f"This model's maximum context length is {engine.max_model_len} tokens, but the "
-                                 f"prompt has at least {least} tokens (no room for any output).", param=param)
+        raise prompt_fills_context(engine.max_model_len, f"at least {least}", param)
 
 
 def add_request(engine, prompt_ids: list[int], params: SamplingParams, *, prompt_param: str,

@@ -6,7 +6,7 @@ import enum
 import math
 from dataclasses import dataclass, field
 
-from voltserve.errors import InvalidRequestError
+from voltserve.errors import ContextLengthError, InvalidRequestError
 
 MAX_LOGPROBS = 20
 # below this temperature sampling is greedy (as vLLM does): dividing logits by ~0 only overflows
@@ -157,6 +157,13 @@ class RequestOutput:
         return self.finish_reason is not None
 
 
+def prompt_fills_context(max_model_len: int, num_tokens: str, param: str = "messages") -> ContextLengthError:
+    """The ContextLengthError of a prompt that leaves no room for output; `num_tokens` as the message gives the
+    prompt's length ("812", or "at least 8889" for a bound)."""
+    return ContextLengthError(f"This model's maximum context length is {max_model_len} tokens, but the prompt has "
+                              f"{num_tokens} tokens (no room for any output).", param=param)
+
+
 def check_request(prompt_token_ids: list[int], params: SamplingParams, vocab_size: int, max_model_len: int) -> int:
     """Validate a request against the model before it is queued.
 
@@ -171,8 +178,6 @@ def check_request(prompt_token_ids: list[int], params: SamplingParams, vocab_siz
         InvalidRequestError: empty prompt, ids outside the vocabulary, bad parameters.
         ContextLengthError: the prompt (plus max_tokens) does not fit the context; the message names both lengths.
     """
-    from voltserve.errors import ContextLengthError
-
     params.validate()
     num_prompt = len(prompt_token_ids)
     if num_prompt == 0:
@@ -182,9 +187,7 @@ def check_request(prompt_token_ids: list[int], params: SamplingParams, vocab_siz
     if any(t >= vocab_size for t in params.stop_token_ids):
         raise InvalidRequestError(f"stop_token_ids must be in [0, {vocab_size})", param="stop_token_ids")
     if num_prompt >= max_model_len:
-        raise ContextLengthError(
-            f"This model's maximum context length is {max_model_len} tokens, but the prompt has {num_prompt} "
-            f"tokens (no room for any output).", param="messages")
+        raise prompt_fills_context(max_model_len, str(num_prompt))
     max_tokens = params.max_tokens if params.max_tokens is not None else max_model_len - num_prompt
     if num_prompt + max_tokens > max_model_len:
         raise ContextLengthError(

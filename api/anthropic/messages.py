@@ -64,12 +64,16 @@ def _block_text(block: ContentBlock, where: str) -> str | None:
     """A text block's text; None for a block left out of the prompt (earlier thinking).
 
     Raises:
-        InvalidRequestError: a media block (the served model reads text only), a text block without text, or any
-            other type (tool blocks are read by `_chat_turns`, where they belong).
+        InvalidRequestError: a media block (the served model reads text only), a text block without text or with
+            empty text (as Anthropic refuses it, naming the top-level field: "messages" or "system"), or any other
+            type (tool blocks are read by `_chat_turns`, where they belong).
     """
     if block.type == "text":
         if block.text is None:
             raise InvalidRequestError("a text block needs 'text'", param=f"{where}.text")
+        if not block.text:
+            field = where.split(".", 1)[0]
+            raise InvalidRequestError(f"{field}: text content blocks must be non-empty", param=f"{where}.text")
         return block.text
     if block.type in _MEDIA_BLOCKS:
         raise InvalidRequestError(f"content block type '{block.type}' is not supported: the served model "

@@ -170,7 +170,8 @@ def template_tools(req: CountTokensRequest) -> list[dict] | None:
     {"name", "description", "parameters"}}`); None without tools.
 
     Raises:
-        InvalidRequestError: a server tool (a `type` other than "custom") or a tool without `input_schema`.
+        InvalidRequestError: a server tool (a `type` other than "custom"), a tool without `input_schema` or one
+            whose schema has a `type` other than "object" (Anthropic's wording; a schema without `type` passes).
     """
     if not req.tools:
         return None
@@ -182,6 +183,9 @@ def template_tools(req: CountTokensRequest) -> list[dict] | None:
         if tool.input_schema is None:
             raise InvalidRequestError(f"missing required field 'tools.{k}.input_schema'",
                                       param=f"tools.{k}.input_schema")
+        if tool.input_schema.get("type", "object") != "object":  # a call's input is always a JSON object
+            raise InvalidRequestError(f"tools.{k}.custom.input_schema.type: Input should be 'object'",
+                                      param=f"tools.{k}.input_schema.type")
         function = {"name": tool.name}
         if tool.description is not None:
             function["description"] = tool.description

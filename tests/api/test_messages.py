@@ -287,6 +287,8 @@ BAD_INPUTS = [
      "tool type 'web_search_20250305' is not supported: only client tools (name, description, input_schema) are"),
     (body(tools=[{"name": "f"}]), 400, BAD, "missing required field 'tools.0.input_schema'"),
     (body(tools=[{"input_schema": {"type": "object"}}]), 400, BAD, "missing required field 'tools.0.name'"),
+    (body(tools=[{"name": "f", "input_schema": {"type": "object"}}, {"name": "g", "input_schema": {"type": "string"}}]),
+     400, BAD, "tools.1.custom.input_schema.type: Input should be 'object'"),
     (body(tool_choice={"type": "any"}), 400, BAD, "tool_choice forces a call but the request gives no tools"),
     (body(tools=[{"name": "f", "input_schema": {"type": "object"}}], tool_choice={"type": "tool", "name": "g"}), 400,
      BAD, "tool_choice names 'g', which is not one of the tools"),

@@ -64,12 +64,16 @@ def _block_text(block: ContentBlock, where: str) -> str | None:
     """A text block's text; None for a block left out of the prompt (earlier thinking).
 
     Raises:
-        InvalidRequestError: a media block (the served model reads text only), a text block without text, or any
-            other type (tool blocks are read by `_chat_turns`, where they belong).
+        InvalidRequestError: a media block (the served model reads text only), a text block without text or with
+            empty text (as Anthropic refuses it, naming the top-level field: "messages" or "system"), or any other
+            type (tool blocks are read by `_chat_turns`, where they belong).
     """
     if block.type == "text":
         if block.text is None:
             raise InvalidRequestError("a text block needs 'text'", param=f"{where}.text")
+        if not block.text:
+            field = where.split(".", 1)[0]
+            raise InvalidRequestError(f"{field}: text content blocks must be non-empty", param=f"{where}.text")
         return block.text
     if block.type in _MEDIA_BLOCKS:
         raise InvalidRequestError(f"content block type '{block.type}' is not supported: the served model "
@@ -166,7 +170,8 @@ def template_tools(req: CountTokensRequest) -> list[dict] | None:
     {"name", "description", "parameters"}}`); None without tools.
 
     Raises:
-        InvalidRequestError: a server tool (a `type` other than "custom") or a tool without `input_schema`.
+        InvalidRequestError: a server tool (a `type` other than "custom"), a tool without `input_schema` or one
+            whose schema has a `type` other than "object" (Anthropic's wording; a schema without `type` passes).
     """
     if not req.tools:
         return None
@@ -178,6 +183,9 @@ def template_tools(req: CountTokensRequest) -> list[dict] | None:
         if tool.input_schema is None:
             raise InvalidRequestError(f"missing required field 'tools.{k}.input_schema'",
                                       param=f"tools.{k}.input_schema")
+        if tool.input_schema.get("type", "object") != "object":  # a call's input is always a JSON object
+            raise InvalidRequestError(f"tools.{k}.custom.input_schema.type: Input should be 'object'",
+                                      param=f"tools.{k}.input_schema.type")
         function = {"name": tool.name}
         if tool.description is not None:
             function["description"] = tool.description

@@ -25,6 +25,7 @@ from api.structured import Constraint, request_grammar, sequence_parser
 from api.tool_calls import call_id, parser_factory
 from voltserve.parsers.output import OutputParser, parse_deltas, split
 from voltserve.errors import InvalidRequestError
+from voltserve.grammar import check_parameters
 from voltserve.request import MAX_LOGPROBS, SamplingParams, TokenLogprob
 
 bp = Blueprint("openai_chat", __name__)
@@ -69,6 +70,7 @@ def _functions(req: ChatCompletionRequest) -> tuple[dict, ...]:
         if tool.type != "function" or tool.function is None:
             raise InvalidRequestError("a tool must be {'type': 'function', 'function': {'name': ..., "
                                       "'parameters': ...}}", param=f"tools.{i}")
+        check_parameters(tool.function.name, tool.function.parameters, f"tools.{i}.function.parameters")
         functions.append(tool.function.model_dump(exclude_none=True))
     return tuple(functions)
 
@@ -92,7 +94,8 @@ def constraint(req: ChatCompletionRequest, tools_parsed: bool) -> Constraint:
     """The request's tool_choice, parallel_tool_calls and response_format as a `Constraint`.
 
     Raises:
-        InvalidRequestError: a malformed tool, tool_choice or response_format.
+        InvalidRequestError: a malformed tool (parameters not an object schema too), tool_choice or
+            response_format.
     """
     choice, forced = req.tool_choice, None
     if choice == "required":

@@ -55,6 +55,7 @@ from api.structured import Constraint, request_grammar, sequence_parser
 from api.tool_calls import ToolCall, call_id, parser_factory
 from voltserve.parsers.output import Reasoning, with_ids
 from voltserve.errors import InvalidRequestError
+from voltserve.grammar import check_parameters
 from voltserve.request import RequestOutput, SamplingParams, TokenLogprob
 
 bp = Blueprint("openai_responses", __name__)
@@ -121,8 +122,8 @@ def template_tools(req: ResponsesRequest) -> list[dict]:
     (`{"type": "function", "function": {"name", "description", "parameters"}}`, the absent fields left out).
 
     Raises:
-        InvalidRequestError: a tool of another type (web_search, file_search, mcp, ...: not supported yet), or
-            a function tool without a name.
+        InvalidRequestError: a tool of another type (web_search, file_search, mcp, ...: not supported yet), a
+            function tool without a name, or one whose parameters are not an object schema.
     """
     tools = []
     for i, tool in enumerate(req.tools or ()):
@@ -135,6 +136,7 @@ def template_tools(req: ResponsesRequest) -> list[dict]:
         if tool.description is not None:
             function["description"] = tool.description
         if tool.parameters is not None:
+            check_parameters(tool.name, tool.parameters, f"tools.{i}.parameters")
             function["parameters"] = tool.parameters
         tools.append({"type": "function", "function": function})
     return tools

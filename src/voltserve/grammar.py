@@ -137,21 +137,38 @@ def _check_recursion(schema: dict, param: str | None) -> None:
 _EMPTY_OBJECT = {"type": "object", "properties": {}, "additionalProperties": False}
 
 
+def check_parameters(name: str, parameters: dict | None, param: str) -> None:
+    """Refuse a tool's `parameters` schema of a type other than "object", as OpenAI does whatever the tool_choice
+    (a call's arguments are always a JSON object). Absent, {} and a schema without `type` pass: the grammar makes
+    the last an object's.
+
+    Args:
+        name: the tool's name, for the message.
+        parameters: its JSON schema, or None when absent.
+        param: the request field the error names (e.g. "tools.0.function.parameters").
+
+    Raises:
+        InvalidRequestError: `parameters` has a `type` other than "object" (a string, a list of types, ...).
+    """
+    kind = (parameters or {}).get("type", "object")
+    if kind != "object":
+        got = f'"{kind}"' if isinstance(kind, str) else json.dumps(kind, ensure_ascii=False)
+        raise InvalidRequestError(f"Invalid schema for function '{name}': schema must be a JSON Schema of "
+                                  f"'type: \"object\"', got 'type: {got}'.", param=param)
+
+
 def _arguments_schema(name: str, parameters: dict | None) -> dict:
     """The schema a call's arguments are held to, as a root of its own (so its `$ref`s resolve in it, case T11).
     A tool without parameters (absent, {}, or an object schema with no properties, required or
     additionalProperties) takes exactly `{}` (case T4); any other schema without a type is made an object's.
 
     Raises:
-        InvalidRequestError: parameters whose type is not "object" (arguments are always a JSON object).
+        InvalidRequestError: parameters whose type is not "object" (`check_parameters`; the APIs check first,
+            naming the tool's field).
     """
-    if not parameters or (set(parameters) <= {"type", "properties"} and not parameters.get("properties")
-                          and parameters.get("type", "object") == "object"):
+    check_parameters(name, parameters, param="tools")
+    if not parameters or (set(parameters) <= {"type", "properties"} and not parameters.get("properties")):
         return _with_options(_EMPTY_OBJECT)
-    kind = parameters.get("type", "object")
-    if kind != "object":
-        raise InvalidRequestError(f"the parameters of tool '{name}' must be an object schema, not {kind!r}",
-                                  param="tools")
     return _with_options({**parameters, "type": "object"}, param="tools")
 
 

@@ -35,7 +35,8 @@ class Sequence:
         block_ids: KV blocks holding this sequence's tokens, in order.
         block_hashes: prefix-cache hashes of the sequence's full blocks computed so far.
         num_computed_tokens: tokens whose K/V are in the cache.
-        num_cached_tokens: prompt tokens that came from the prefix cache at (last) admission.
+        num_cached_tokens: prompt tokens that came from the prefix cache at the admission that computed its
+            first token; an admission after a preemption keeps it (every delta reports one figure).
         grammar: its `voltserve.grammar.GrammarState` when params.grammar is set: the tokens allowed next.
         draft_misses / drafts_resume_at: speculative decoding's backoff (`voltserve.spec.backoff`): verifies in a
             row that accepted no draft, and the output length from which it drafts again.

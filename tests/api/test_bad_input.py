@@ -96,7 +96,8 @@ CASES = [
     ("tool_choice_function_not_object", "POST", CHAT, chat_body(tool_choice={"type": "function", "function": "f"},
      tools=[{"type": "function", "function": {"name": "f"}}]), 400, INVALID, "tool_choice", None),
     ("tool_parameters_not_object", "POST", CHAT, chat_body(tool_choice="required", tools=[{"type": "function",
-     "function": {"name": "f", "parameters": {"type": "string"}}}]), 400, INVALID, "tools", None),
+     "function": {"name": "f", "parameters": {"type": "string"}}}]), 400, INVALID, "tools.0.function.parameters",
+     None),
     ("tool_not_object", "POST", CHAT, chat_body(tools=["f"]), 400, INVALID, "tools.0", None),
     ("tool_name_with_space", "POST", CHAT, chat_body(tools=[{"type": "function", "function": {"name": "a b"}}]),
      400, INVALID, "tools.0.function.name", None),
@@ -290,3 +291,33 @@ async def test_messages_refuse_a_prompt_past_the_context_but_count_tokens_counts
             "This model's maximum context length is 8192 tokens, but the prompt has at least ")
     assert counted.status_code == 200 and count["input_tokens"] > 60_000
     assert engine.requests == []
+
+
+def _tools(schema: dict | None) -> list[dict]:
+    function = {"name": "f"} if schema is None else {"name": "f", "parameters": schema}
+    return [{"type": "function", "function": {"name": "g"}}, {"type": "function", "function": function}]
+
+
+@pytest.mark.parametrize("tool_choice", [None, "auto", "none", "required"])
+@pytest.mark.parametrize("schema, got", [({"type": "string"}, '"string"'), ({"type": ["object", "null"]},
+                                         '["object", "null"]'), ({"type": 5, "properties": {}}, "5")])
+async def test_tool_parameters_not_an_object_schema(serve, tool_choice, schema, got):
+    """A function's parameters of a type other than "object" are OpenAI's 400 whatever the tool_choice (it was
+    refused only where a grammar was built: required or named)."""
+    choice = {} if tool_choice is None else {"tool_choice": tool_choice}
+    async with serve(ScriptedEngine(scripts=["ok"])) as (client, engine):
+        response = await client.post(CHAT, json=chat_body(tools=_tools(schema), **choice))
+        assert (response.status_code, orjson.loads(await response.get_data())) == (400, {"error": {
+            "message": "Invalid schema for function 'f': schema must be a JSON Schema of 'type: \"object\"', "
+                       f"got 'type: {got}'.",
+            "type": INVALID, "param": "tools.1.function.parameters", "code": None}})
+        assert engine.requests == []
+
+
+@pytest.mark.parametrize("schema", [None, {}, {"type": "object"}, {"properties": {"a": {"type": "integer"}}}])
+async def test_tool_parameters_absent_or_an_object_schema_pass(serve, schema):
+    """Absent, {} and a schema without `type` (taken as an object's) stay valid, as before."""
+    async with serve(ScriptedEngine(scripts=["ok"])) as (client, _):
+        response = await client.post(CHAT, json=chat_body(tools=_tools(schema), tool_choice="auto"))
+        assert response.status_code == 200
+        assert orjson.loads(await response.get_data())["choices"][0]["message"]["content"] == "ok"

@@ -141,6 +141,14 @@ async def test_count_tokens_matches_the_prompt(serve):
     assert orjson.loads(await counted.get_data()) == {"input_tokens": len(engine.requests[-1][0])}
 
 
+async def test_count_tokens_refuses_an_empty_text_block(serve):
+    """count_tokens reads the request as /v1/messages does: an empty text block is Anthropic's 400 there too."""
+    async with serve() as (client, _):
+        response = await client.post(URL + "/count_tokens", json=body(system=[{"type": "text", "text": ""}]))
+        assert (response.status_code, orjson.loads(await response.get_data())) == \
+            (400, _error(BAD, "system: text content blocks must be non-empty"))
+
+
 async def test_A4_stream_event_sequence_text(serve):
     """Case A4 for text: message_start, one text block (start, deltas, stop), message_delta with the stop reason
     and usage, message_stop; named events, no `[DONE]`. message_start and message_delta split the prompt alike:
@@ -262,10 +270,25 @@ BAD_INPUTS = [
      "a final assistant message (a prefill) cannot hold tool_use blocks: its tool_result must follow in a user "
      "message"),
     (body(messages=[{"role": "user", "content": [{"type": "text"}]}]), 400, BAD, "a text block needs 'text'"),
+    (body(messages=[{"role": "user", "content": [{"type": "text", "text": ""}]}]), 400, BAD,
+     "messages: text content blocks must be non-empty"),
+    (body(messages=[{"role": "user", "content": [{"type": "text", "text": "Hi"}, {"type": "text", "text": ""}]}]),
+     400, BAD, "messages: text content blocks must be non-empty"),
+    (body(messages=[{"role": "user", "content": "Hi"}, {"role": "assistant", "content": [
+        {"type": "text", "text": ""}, {"type": "tool_use", "id": "t", "name": "f", "input": {}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "content": "3"}]}]), 400, BAD,
+     "messages: text content blocks must be non-empty"),
+    (body(messages=[{"role": "user", "content": "Hi"}, {"role": "assistant", "content": [
+        {"type": "text", "text": ""}]}]), 400, BAD, "messages: text content blocks must be non-empty"),  # a prefill
+    (body(messages=[{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "content": [
+        {"type": "text", "text": ""}]}]}]), 400, BAD, "messages: text content blocks must be non-empty"),
+    (body(system=[{"type": "text", "text": ""}]), 400, BAD, "system: text content blocks must be non-empty"),
     (body(tools=[{"type": "web_search_20250305", "name": "web_search", "max_uses": 5}]), 400, BAD,
      "tool type 'web_search_20250305' is not supported: only client tools (name, description, input_schema) are"),
     (body(tools=[{"name": "f"}]), 400, BAD, "missing required field 'tools.0.input_schema'"),
     (body(tools=[{"input_schema": {"type": "object"}}]), 400, BAD, "missing required field 'tools.0.name'"),
+    (body(tools=[{"name": "f", "input_schema": {"type": "object"}}, {"name": "g", "input_schema": {"type": "string"}}]),
+     400, BAD, "tools.1.custom.input_schema.type: Input should be 'object'"),
     (body(tool_choice={"type": "any"}), 400, BAD, "tool_choice forces a call but the request gives no tools"),
     (body(tools=[{"name": "f", "input_schema": {"type": "object"}}], tool_choice={"type": "tool", "name": "g"}), 400,
      BAD, "tool_choice names 'g', which is not one of the tools"),

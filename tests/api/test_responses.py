@@ -273,6 +273,13 @@ CASES = [
      "missing required field 'tools.0.name'"),
     ("function_tool_parameters_not_object", body(tools=[{"type": "function", "name": "f", "parameters": "x"}]), 400,
      "tools.0.parameters", None, "invalid value for 'tools.0.parameters': Input should be an object"),
+    ("function_tool_parameters_string_schema", body(tools=[{"type": "function", "name": "f", "parameters": {
+        "type": "string"}}]), 400, "tools.0.parameters", None,
+     "Invalid schema for function 'f': schema must be a JSON Schema of 'type: \"object\"', got 'type: \"string\"'."),
+    ("function_tool_parameters_type_list", body(tool_choice="none", tools=[{"type": "function", "name": "f"}, {
+        "type": "function", "name": "g", "parameters": {"type": ["object", "null"]}}]), 400, "tools.1.parameters",
+     None, "Invalid schema for function 'g': schema must be a JSON Schema of 'type: \"object\"', "
+     "got 'type: [\"object\", \"null\"]'."),
     ("tool_choice_required", body(tool_choice="required"), 400, "tool_choice", None,
      "tool_choice forces a call but the request gives no tools"),
     ("tool_choice_named_unknown", body(tool_choice={"type": "function", "name": "g"},

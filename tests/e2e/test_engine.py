@@ -60,6 +60,24 @@ async def test_K2_small_pool_preempts_and_matches(smollm2):
     assert stats["num_free_blocks"] == stats["num_blocks"] == 14
 
 
+async def _cached_figures(engine, prompt_ids) -> set[int]:
+    return {out.num_cached_tokens async for out in engine.generate(
+        prompt_ids, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))}
+
+
+async def test_cached_tokens_one_figure_a_request_through_preemption(smollm2):
+    """Usage's cached tokens are read from different deltas (a streamed Anthropic message's first, a streamed
+    Responses one's last, the max when not streamed): with the prefix cache on and requests preempted and
+    prefilled again, every delta of a request carries one figure, so the readers agree."""
+    prefix = "You are a helpful assistant. " * 4
+    async with running_engine(smollm2, num_kv_blocks=14, max_model_len=160) as engine:
+        await complete(engine, chat_ids(engine, prefix + "Hi."), temperature=0, max_tokens=1)  # cache the prefix
+        prompts = [chat_ids(engine, prefix + q) for q in QUESTIONS[:6]]
+        figures = await asyncio.gather(*(_cached_figures(engine, p) for p in prompts))
+        assert engine._scheduler_actor.scheduler.num_preemptions > 0
+    assert all(len(f) == 1 for f in figures) and any(f != {0} for f in figures), figures
+
+
 async def test_R1_reproducible_greedy_and_seeded(smollm2):
     async with running_engine(smollm2) as engine:
         ids = chat_ids(engine, "Write a haiku about rain.")

@@ -104,6 +104,26 @@ def test_preemption_by_recompute_when_pool_runs_dry():
     s.pool.check_invariants()
 
 
+def test_cached_tokens_keep_the_first_figure_through_preemption():
+    """A sequence preempted after its first token matches more of its own blocks when it is admitted again, but
+    its cached-token figure stays the one its deltas already carried: usage read from any delta (the first in a
+    streamed Anthropic message, the last in a streamed Responses one, the max when not streamed) agrees."""
+    s = make_scheduler(num_blocks=9, block_size=4)
+    warm = make_seq(range(1, 6), max_tokens=1)  # publishes block [1, 2, 3, 4]
+    s.add(warm)
+    run_step(s)
+    a, b = make_seq(range(20, 31), max_tokens=12), make_seq([1, 2, 3, 4, *range(40, 47)], max_tokens=12)
+    s.add(a)
+    s.add(b)
+    starts, figures = [], set()
+    while s.has_work():
+        plan, touched = run_step(s)
+        starts += [e.start for e in plan.entries if e.seq is b and e.num_new > 1]  # b's (re-)prefills
+        figures |= {b.num_cached_tokens for seq in touched if seq is b}
+    assert s.num_preemptions == 1 and starts == [4, 12] and figures == {4}
+    assert b.output_ids == [7] * 12
+
+
 def test_abort_frees_blocks():
     s = make_scheduler()
     a = make_seq(range(1, 30), max_tokens=50)

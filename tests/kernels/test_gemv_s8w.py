@@ -122,6 +122,28 @@ def test_x_per_launch_equals_per_block(cuda_backend, fmt):
             assert rel_err(a, b) <= EMU_TOL
 
 
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_full_grid_equals_persistent(s8w_backend, cpu_backend, fmt):
+    """VOLTSERVE_GEMV_S8_GRID=full (a block per S8W_WARPS outputs) against the persistent grid on more rows than
+    the persistent grid has warps (20,000): each output is one warp's sum in one order either way, so bit for bit,
+    plain and with the fused norm + SwiGLU (every block then quantizes x itself or reads quantize_s8's x)."""
+    n, k = 20000, 512
+    quant, weight, lin = repacked_weight(s8w_backend, fmt, n, k, 51)
+    gen = torch.Generator().manual_seed(52)
+    x = torch.randn(1, k, generator=gen).half()
+    nd = s8w_backend.prepare_norm(torch.rand(k, generator=gen) + 0.5)
+    got = {}
+    for grid in ("persistent", "full"):
+        with backend_settings(s8w_backend, gemv_s8_grid=grid), launched_kernels(s8w_backend) as names:
+            got[grid] = (s8w_backend.linear(x.cuda(), lin),
+                         s8w_backend.norm_linear(x.cuda(), nd, 1e-5, lin, silu=True))
+        assert "gemv_s8w" in names and "gemv_s8" not in names
+    assert rel_err(got["full"][0], s8_reference(x, quant)) <= EMU_TOL
+    assert rel_err(got["full"][0], cpu_backend.linear(x.float(), weight)) <= S8_TOL
+    for a, b in zip(got["persistent"], got["full"]):
+        assert torch.equal(a, b)
+
+
 def test_nan_and_zero_blocks(s8w_backend):
     """A NaN in x makes every output NaN; an all-zero x block (d = 0) and blocks of very different magnitudes
     stay exact against the emulation (kutils.assert_nan_and_zero_blocks)."""

@@ -455,3 +455,17 @@ def test_gemv_tma_routing():
     assert gemv_tma_fits(fake_backend(90), 227 * 1024 - 1024) and not gemv_tma_fits(fake_backend(90), 227 * 1024 - 1023)
     assert kernels.gemv_tma_spec(False, True, 2) == {"NORM_POST": 1, "TMA_MIN_BLOCKS": 2}
     assert kernels.gemv_tma_spec(True, False) == {"SILU": 1}
+
+
+@pytest.mark.parametrize("grid_knob", ["persistent", "full"])
+@pytest.mark.parametrize("fmt", ["Q4_1", "Q8_0"])
+def test_gemv_s8w_grid(grid_knob, fmt):
+    """gemv_s8w's grid (VOLTSERVE_GEMV_S8_GRID): a block per S8W_WARPS outputs, capped under "persistent" at the
+    blocks the GPU holds at once (132 SMs x the fake's 2 blocks an SM)."""
+    backend, launches = recording_backend(gemv_s8_grid=grid_knob)
+    w = fake_linear(fmt, 14336, 4096)
+    w.layout = "repacked"
+    launch_linear(backend, torch.zeros(1, 4096, dtype=torch.float16), w)
+    warps = kernels.GEMV_S8W_WARPS[fmt]
+    assert [launch.kernel for launch in launches] == ["gemv_s8w"]
+    assert launches[0].grid == ((14336 // warps if grid_knob == "full" else 132 * 2), 1, 1)

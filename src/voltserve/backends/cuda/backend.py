@@ -109,8 +109,8 @@ class CudaBackend(DeviceSampling):
         # its consumer warps per block (VOLTSERVE_GEMV_TMA_S8_WARPS, A/B runs)
         self.gemv_tma_s8_warps = int(_env_choice("VOLTSERVE_GEMV_TMA_S8_WARPS",
                                                  (str(kernels.GEMV_TMA_S8_CONSUMERS), "8", "24")))
-        # gemv_s8's grid: "persistent" (the blocks the GPU holds at once, looping over the tiles) or "full" (one
-        # block per tile); VOLTSERVE_GEMV_S8_GRID for A/B runs
+        # gemv_s8's and gemv_s8w's grid: "persistent" (the blocks the GPU holds at once, looping over the tiles /
+        # outputs) or "full" (one block per tile / per S8W_WARPS outputs); VOLTSERVE_GEMV_S8_GRID for A/B runs
         self.gemv_s8_grid = _env_choice("VOLTSERVE_GEMV_S8_GRID", ("persistent", "full"))
         # where gemv_s8 quantizes x: "auto" (gemv_int8.gemv_s8_x_per_launch), "block" (every block, in its prologue)
         # or "launch" (once, by a quantize_s8 launch before it); VOLTSERVE_GEMV_S8_X for A/B runs

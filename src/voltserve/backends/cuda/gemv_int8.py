@@ -218,8 +218,9 @@ def launch_gemv_s8w(backend: Any, x: torch.Tensor, w: CudaLinear, y: torch.Tenso
                     norm_weight: torch.Tensor | None, eps: float, residual: torch.Tensor | None, silu: bool,
                     vec_ok: int, ready: torch.Tensor | None = None) -> None:
     """The gemv_s8w launch of one x row (fusions as gemv_s8; x quantized as gemv_s8_x_per_launch picks, or
-    `ready` as s8_quantized_x takes it): a grid of one output feature per warp, capped at the blocks the GPU
-    holds at once (its warps then loop over the rest)."""
+    `ready` as s8_quantized_x takes it): a grid of one output feature per warp, under `backend.gemv_s8_grid`
+    "persistent" capped at the blocks the GPU holds at once (its warps then loop over the rest; x quantized once
+    per block, not per 16 outputs), "full" uncapped (the hardware hands out the blocks as earlier ones finish)."""
     k = x.shape[1]
     n_out = y.shape[1]
     per_launch = x_per_launch_of(backend, "gemv_s8w", 1, k)
@@ -230,8 +231,9 @@ def launch_gemv_s8w(backend: Any, x: torch.Tensor, w: CudaLinear, y: torch.Tenso
     smem = kernels.gemv_s8w_smem_bytes(k)
     warps = spec["S8W_WARPS"]
     threads = 32 * warps
-    grid = min(-(-n_out // warps),
-               backend.num_sms * backend._occupancy("gemv_s8", "gemv_s8w", spec, smem, threads))
+    grid = -(-n_out // warps)
+    if getattr(backend, "gemv_s8_grid", "persistent") == "persistent":
+        grid = min(grid, backend.num_sms * backend._occupancy("gemv_s8", "gemv_s8w", spec, smem, threads))
     p = gemv_params(x, 0, w, y, residual, norm, eps, vec_ok, xq=xq)
     backend._launch("gemv_s8", "gemv_s8w", spec, (grid, 1, 1), (threads, 1, 1), smem, p, pdl)
     launched_gemv(backend, w)

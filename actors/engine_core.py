@@ -1,8 +1,8 @@
 """The engine process: an AsyncEngine (scheduler actor + worker) driven by commands from the API process.
 
 `main` is what `actors.engine_process.ProcessEngine` runs in a new interpreter (`ENTRY`). It loads the model,
-answers `ReadyMsg` (or `StartFailedMsg`), then serves `AddMsg` / `AbortMsg` from its socket and streams every
-step's outputs back through `core_outputs.OutputForwarder`. It exits when told to stop
+answers `ReadyMsg` (or `StartFailedMsg`), then serves `AddMsg` / `AbortMsg` / `StatsQueryMsg` from its socket and
+streams every step's outputs back through `core_outputs.OutputForwarder`. It exits when told to stop
 (`StopMsg`, exit code 0), when the API process goes away (EOF on the socket, 0), when the engine dies
 (`EngineDiedMsg`, then exit code 1) or when writing outputs to the API process fails for another reason (1:
 the API process sees the exit and fails its streams instead of waiting for outputs that never come).
@@ -33,7 +33,8 @@ from multiprocessing.reduction import ForkingPickler
 from actors import engine_socket
 from actors.core_outputs import OutputForwarder, api_gone
 from actors.engine_ipc import (AbortMsg, AddMsg, AttachMsg, EngineDiedMsg, EngineStartMsg, ListenSocket,
-                               ReadyMsg, StartFailedMsg, StopMsg, portable_error, watch_readable)
+                               ReadyMsg, StartFailedMsg, StatsMsg, StatsQueryMsg, StopMsg, portable_error,
+                               watch_readable)
 from voltserve import event_loop
 from voltserve.config import EngineConfig
 from voltserve.errors import ConfigError, EngineDeadError
@@ -261,6 +262,8 @@ class EngineCore:
                 stream.fail(exc)
         elif isinstance(cmd, AbortMsg):
             self.engine.abort(cmd.request_id)
+        elif isinstance(cmd, StatsQueryMsg):  # read on this loop, which a running step (a thread's) leaves free
+            client.forwarder.send(StatsMsg(self.engine.kv_stats()))
         elif isinstance(cmd, StopMsg):
             self._finish(0)
         else:

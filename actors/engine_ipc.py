@@ -2,10 +2,12 @@
 (`actors.engine_core`), pickled over one multiprocessing Connection (a Unix socket pair).
 
 Parent -> child: its sys.path and `EngineStartMsg` once, then a list of commands per event-loop turn (`AddMsg`,
-`AbortMsg`, `StopMsg`). An API process that attaches to a shared engine (`EngineConfig.engine_socket`) connects
-to its socket and sends `[AttachMsg]` instead of the start messages; it never sends `StopMsg`.
-Child -> parent (each API process): `ReadyMsg` or `StartFailedMsg` once, then one `StepOutputsMsg` per engine step (several steps
-coalesce into one message when the parent lags), and `EngineDiedMsg` if the engine dies.
+`AbortMsg`, `StatsQueryMsg`, `StopMsg`). An API process that attaches to a shared engine
+(`EngineConfig.engine_socket`) connects to its socket and sends `[AttachMsg]` instead of the start messages; it
+never sends `StopMsg`.
+Child -> parent (each API process): `ReadyMsg` or `StartFailedMsg` once, then one `StepOutputsMsg` per engine step
+(several steps coalesce into one message when the parent lags), a `StatsMsg` per `StatsQueryMsg`, and
+`EngineDiedMsg` if the engine dies.
 RequestOutputs travel as plain tuples in `RequestOutput`'s field order: per token this is the only IPC cost, and
 a tuple pickles several times faster than a dataclass.
 """
@@ -109,6 +111,13 @@ class AbortMsg:
 
 
 @dataclass(frozen=True)
+class StatsQueryMsg:
+    """Ask for the engine's kv_stats() as they are now (a /metrics scrape): answered with a StatsMsg, after the
+    outputs collected so far. Step outputs carry them too, but none come during a long prefill, nor to an API
+    process whose requests have ended while another's run."""
+
+
+@dataclass(frozen=True)
 class StopMsg:
     """Abort everything, stop the engine, exit the process."""
 
@@ -144,6 +153,13 @@ class StepOutputsMsg:
     failures: list[tuple[str, BaseException]] = field(default_factory=list)
     # AsyncEngine.kv_stats() when the message was built
     kv_stats: dict | None = None
+
+
+@dataclass(frozen=True)
+class StatsMsg:
+    """The answer to a StatsQueryMsg: AsyncEngine.kv_stats() when the engine read the question."""
+
+    kv_stats: dict
 
 
 @dataclass(frozen=True)

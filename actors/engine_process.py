@@ -30,7 +30,7 @@ from multiprocessing.connection import Connection
 from actors import engine_socket
 from actors.engine_core import ENTRY
 from actors.engine_ipc import (AbortMsg, AddMsg, AttachMsg, EngineDiedMsg, EngineStartMsg, ListenSocket, ReadyMsg,
-                               StartFailedMsg, StepOutputsMsg, StopMsg, watch_readable)
+                               StartFailedMsg, StatsMsg, StatsQueryMsg, StepOutputsMsg, StopMsg, watch_readable)
 from actors.stream import RequestStream, generate_outputs
 from voltserve.config import EngineConfig
 from voltserve.errors import EngineDeadError
@@ -46,6 +46,9 @@ ATTACH_TRIES = 3  # an attach that meets the engine's exit (its last API process
 ENGINE_EXIT_WAIT_S = 60.0  # a new shared engine waits this long for the previous one's exit (its stop)
 # messages read per readable event: the loop gets back to HTTP even if the engine outpaces the reader
 MAX_MESSAGES_PER_READ = 8
+# refresh_kv_stats waits this long for the engine's answer (its loop answers within a turn, a step in flight or
+# not), then goes on with the last figures it has: a scrape is never held up by an engine that hangs
+STATS_TIMEOUT_S = 1.0
 _EMPTY_KV_STATS = {"num_blocks": 0, "num_free_blocks": 0, "num_cached_blocks": 0, "num_running": 0,
                    "num_waiting": 0, "num_verify_steps": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0,
                    "num_gate_draft_steps": 0, "num_gate_plain_steps": 0}
@@ -97,6 +100,7 @@ class ProcessEngine:
         self._streams: dict[str, RequestStream] = {}
         self._commands: list = []  # parent -> child: aborts wait for the end of the loop turn, adds go at once
         self._kv_stats = dict(_EMPTY_KV_STATS)
+        self._stats_answer: asyncio.Future | None = None  # the pending StatsQueryMsg's answer (refresh_kv_stats)
         self._started = False  # the child answered ReadyMsg
         self._dead: BaseException | None = None
         self._stopped = False
@@ -260,6 +264,8 @@ class ProcessEngine:
         self._close_conn()
 
     def _close_conn(self) -> None:
+        if self._stats_answer is not None and not self._stats_answer.done():  # no answer will come
+            self._stats_answer.set_result(None)
         if self._conn is not None:
             self._loop.remove_reader(self._conn.fileno())
             self._conn.close()
@@ -279,6 +285,10 @@ class ProcessEngine:
     def _dispatch(self, msg) -> None:
         if isinstance(msg, StepOutputsMsg):
             self._deliver(msg)
+        elif isinstance(msg, StatsMsg):
+            self._kv_stats = msg.kv_stats
+            if self._stats_answer is not None and not self._stats_answer.done():
+                self._stats_answer.set_result(None)
         elif isinstance(msg, (ReadyMsg, StartFailedMsg)):
             if not self._ready.done():  # done: start() was cancelled meanwhile
                 if isinstance(msg, ReadyMsg):
@@ -389,6 +399,22 @@ class ProcessEngine:
             self._send(AbortMsg(request_id))
 
     def kv_stats(self) -> dict:
-        """num_blocks, num_free_blocks, num_cached_blocks, num_running, num_waiting as of the engine's last
-        message (sent with every step's outputs)."""
+        """AsyncEngine.kv_stats() as of the engine's last message to this process: sent with each step's outputs
+        for this process's requests (none come during a long prefill, nor while only other API processes' requests
+        run) and answering `refresh_kv_stats`, which brings it up to date."""
         return dict(self._kv_stats)
+
+    async def refresh_kv_stats(self, timeout_s: float = STATS_TIMEOUT_S) -> dict:
+        """Ask the engine process for its kv_stats() now and wait for the answer (a round trip: its event loop
+        answers, which a running step does not hold), e.g. before a /metrics scrape. Callers meanwhile share the
+        question. Returns kv_stats(): as of the answer, or the last known after `timeout_s` without one, or when
+        the engine does not run."""
+        if self.is_healthy and self._conn is not None:
+            if self._stats_answer is None or self._stats_answer.done():
+                self._stats_answer = self._loop.create_future()
+                self._send(StatsQueryMsg())
+            try:  # shielded: a caller that gives up leaves the answer to the others
+                await asyncio.wait_for(asyncio.shield(self._stats_answer), timeout_s)
+            except TimeoutError:
+                logger.warning("the engine process did not report its stats in %g s; using older ones", timeout_s)
+        return self.kv_stats()

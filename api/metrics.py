@@ -14,9 +14,10 @@ alerts written for it carry over; every series has a `model_name` label (the ser
   (TTFT: until the first output is handed to the HTTP server, or received for a non-streamed request),
   `time_per_output_token_seconds` (TPOT: (last - first output) / (tokens of the longest sequence - 1): the
   sequences of n > 1 decode side by side; for requests of >= 2 such tokens) and `e2e_request_latency_seconds`.
-- gauges, read from the engine at scrape time (`engine.kv_stats()`): `num_requests_running`,
-  `num_requests_waiting`, `kv_cache_usage_perc` (share of KV blocks in use, 0..1); and speculative decoding's
-  counters, read there too (the engine's since it started; 0 without speculation), named as vLLM's:
+- gauges, the engine's state at scrape time (`engine.kv_stats()`; a ProcessEngine's are first brought up to
+  date, `refresh_engine_stats`): `num_requests_running`, `num_requests_waiting`, `kv_cache_usage_perc` (share of
+  KV blocks in use, 0..1); and speculative decoding's counters, read there too (the engine's since it started; 0
+  without speculation), named as vLLM's:
   `spec_decode_num_drafts_total` (sequence-steps that verified drafts), `spec_decode_num_draft_tokens_total`,
   `spec_decode_num_accepted_tokens_total` (mean acceptance length = 1 + accepted / drafts); and the draft gate's
   choices (`voltserve.spec.gate`), ours: `spec_decode_gate_steps_total{mode}`, steps run with drafting on
@@ -28,7 +29,8 @@ per delta, one comparison (the finish reason, in `UsageCounter.add`). GET /metri
 Several API processes on one engine (`voltserve serve --api-processes N`, or `hypercorn -w N`): with
 `PROMETHEUS_MULTIPROC_DIR` set when the process starts (the supervisor sets a private folder), the counters and
 histograms live in prometheus-client's per-process files there and a scrape of any process sums them over all
-(prometheus-client's multiprocess mode); without it each process counts its own requests only.
+(prometheus-client's multiprocess mode); without it each process counts its own requests only. The engine
+figures (gauges, speculative counters) are the shared engine's, asked for by whichever process is scraped.
 """
 
 from __future__ import annotations
@@ -194,6 +196,17 @@ class _NoStats:
 NO_STATS = _NoStats()
 
 
+async def refresh_engine_stats(engine: Any) -> None:
+    """Bring `engine.kv_stats()` up to the engine's present state before a scrape renders it. A ProcessEngine's
+    are a copy, sent with the outputs of this API process's requests only (stale during a long prefill, or once
+    they ended while other processes' requests ran or finished): it asks the engine process
+    (`refresh_kv_stats`, one round trip, awaited here because the collector runs synchronously). An
+    AsyncEngine's (or a test double's) are live: nothing to do."""
+    refresh = getattr(engine, "refresh_kv_stats", None)
+    if refresh is not None and getattr(engine, "is_healthy", False):
+        await refresh()
+
+
 def engine_stats(engine: Any) -> dict | None:
     """`engine.kv_stats()` when the engine runs, else None (the gauges then read 0)."""
     if engine is None or not getattr(engine, "is_healthy", False):
@@ -209,4 +222,6 @@ async def metrics():
     """The Prometheus text exposition of this server's metrics."""
     from api.state import get_state
 
-    return Response(get_state().metrics.render(), content_type=CONTENT_TYPE)
+    state = get_state()
+    await refresh_engine_stats(state.engine)
+    return Response(state.metrics.render(), content_type=CONTENT_TYPE)

@@ -25,8 +25,10 @@ import pytest
 from actors import engine_socket
 from actors.engine_ipc import EngineDiedMsg
 from actors.engine_process import ProcessEngine
+from api import create_app
 from tests.e2e import slow_start_engine
 from tests.e2e.engine_helpers import assert_engine_dead, complete
+from tests.e2e.test_metrics_gauges import scrape_gauges
 from tests.helpers import stop_process
 from voltserve.config import EngineConfig
 from voltserve.errors import ConfigError, EngineDeadError
@@ -112,6 +114,34 @@ async def test_an_api_process_that_leaves_has_its_requests_aborted(tiny_dir, soc
         while first.kv_stats()["num_running"] or first.kv_stats()["num_waiting"]:
             assert time.monotonic() < deadline, first.kv_stats()
             await _greedy(first, n=1)
+    finally:
+        await first.stop()
+    assert await _wait_exit(first.process) == 0
+
+
+async def test_metrics_of_one_api_process_show_the_engine_as_it_is(tiny_dir, sock_path):
+    """/metrics of an API process reads the shared engine's present state: another process's request while it
+    runs, and nothing once it ended, although this process's own last output (sent while that request ran)
+    said one was running. (Each API process used to serve the figures of its last output: after a run,
+    scrapes alternated between processes and showed requests running on an idle engine.)"""
+    first = ProcessEngine(_config(tiny_dir, sock_path))
+    await first.start()
+    second = ProcessEngine(_config(tiny_dir, sock_path))
+    try:
+        async with create_app(second).test_app() as test_app:
+            client = test_app.test_client()
+            running = first.add_request(first.tokenizer.encode("hello"), SamplingParams(**LONG))
+            await running.__anext__()
+            gauges = await scrape_gauges(client)
+            assert gauges[:2] == (1, 0) and gauges[2] > 0
+            response = await client.post("/v1/completions", json={"model": second.config.served_model_name,
+                                                                   "prompt": "other", "max_tokens": 3})
+            assert response.status_code == 200
+            assert second.kv_stats()["num_running"] == 1  # as of its last output: the other request ran
+            running.abort()
+            assert [o async for o in running][-1].finish_reason is FinishReason.ABORT
+            assert await scrape_gauges(client) == (0, 0, 0)
+            assert second.kv_stats()["num_running"] == 0
     finally:
         await first.stop()
     assert await _wait_exit(first.process) == 0

@@ -42,6 +42,19 @@ def ll_tokenizer(tokenizer) -> Any:
     return cached
 
 
+def _matcher(tokenizer, grammar: str):
+    """A new `llguidance.LLMatcher` of `grammar` for an `ll_tokenizer`: silent (its errors reach our logs through
+    the callers, not as bare "Warning:" lines on stderr) and with short errors (no parser-state dump, which would
+    reach the client's error message)."""
+    llguidance = _llguidance()
+    return llguidance.LLMatcher(tokenizer, grammar, log_level=0,
+                                limits=llguidance.LLParserLimits(verbose_errors=False))
+
+
+def _error_text(matcher) -> str:
+    return matcher.get_error().replace("\n<non-verbose/>", "").strip()
+
+
 def check(tokenizer, grammar: str, param: str) -> None:
     """Raise InvalidRequestError (param `param`) when `grammar` does not compile for `tokenizer`: a 400 before
     the request is queued, rather than a sequence that cannot start."""
@@ -275,12 +288,14 @@ class GrammarState:
 
     Attributes:
         done: the grammar is complete and allows no further token (the sequence then ends).
+        error: None, or llguidance's error once it failed (a resource limit hit mid-output, e.g. "lexer error: too
+            many expressions constructed"): the grammar then allows only EOS, and the sequence must fail, not stop.
     """
 
     def __init__(self, tokenizer, grammar: str, matcher=None):
-        self._matcher = matcher if matcher is not None else _llguidance().LLMatcher(ll_tokenizer(tokenizer), grammar)
+        self._matcher = matcher if matcher is not None else _matcher(ll_tokenizer(tokenizer), grammar)
         if self._matcher.is_error():
-            raise InvalidRequestError(f"the grammar does not compile: {self._matcher.get_error()}")
+            raise InvalidRequestError(f"the grammar does not compile: {_error_text(self._matcher)}")
         self._bits = torch.arange(32, dtype=torch.int32)
 
     @classmethod
@@ -308,4 +323,8 @@ class GrammarState:
 
     @property
     def done(self) -> bool:
-        return self._matcher.is_stopped() or self._matcher.is_error()
+        return self._matcher.is_stopped() and not self._matcher.is_error()  # stopped is true on errors too
+
+    @property
+    def error(self) -> str | None:
+        return _error_text(self._matcher) if self._matcher.is_error() else None

@@ -159,3 +159,16 @@ def test_check_refuses_what_does_not_compile():
     assert info.value.param == "tool_choice"
     with pytest.raises(InvalidRequestError):
         grammar.tool_calls_grammar([])
+
+
+HUGE_REGEX = {"type": "string", "pattern": "^a{1000000}$"}  # compiles; llguidance's lexer limit fails on it
+
+
+def test_a_failure_after_tokens_the_model_chose_is_an_error_not_done():
+    """An optional property: nothing forces the output into it; decoding fails once the output enters it."""
+    g = grammar.json_schema_grammar({"type": "object", "properties": {"p": HUGE_REGEX}})
+    ok, state = walk('{"p":"', g)
+    assert not ok and state.error == "lexer error: too many expressions constructed" and not state.done
+    assert state.allowed(TOK.vocab_size).nonzero().flatten().tolist() == [EOS_ID]  # it can only end now
+    state.accept(EOS_ID)
+    assert state.error is not None and not state.done

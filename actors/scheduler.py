@@ -25,7 +25,7 @@ from actors.base import Actor, _Stop
 from actors.stream import RequestStream
 from actors.worker import DraftMsg, StepMsg, WorkerActor
 from voltserve.detok import IncrementalDetokenizer
-from voltserve.errors import EngineDeadError, StepFailedError
+from voltserve.errors import EngineDeadError, InvalidRequestError, StepFailedError
 from voltserve.request import FinishReason, RequestOutput
 from voltserve.scheduler import Scheduler
 from voltserve.sequence import Sequence
@@ -124,7 +124,9 @@ class SchedulerActor(Actor):
             # stop strings after the next step is handed to the worker
             before = self.scheduler.gate_output_len(plan)
             for seq in self.scheduler.update(plan, sampled):
-                if ahead is not None or seq.params.stop:
+                if seq.error is not None:
+                    self._fail_grammar(seq)
+                elif ahead is not None or seq.params.stop:
                     self._emit(seq, logprobs.get(seq.seq_id))
                 else:
                     self._deferred.append((seq, logprobs.get(seq.seq_id)))
@@ -268,14 +270,28 @@ class SchedulerActor(Actor):
         logger.error("step failed (%r); failing its %d requests", exc, len(request_ids), exc_info=exc)
         error = StepFailedError(f"internal error while running the request: {type(exc).__name__}")
         for rid in request_ids:
-            stream = self.streams.get(rid)
-            for seq in self.seqs.get(rid, []):
-                self.scheduler.finish(seq, FinishReason.ABORT)
-                self.detoks.pop(seq.seq_id, None)
-            self.seqs.pop(rid, None)
-            self.streams.pop(rid, None)
-            if stream is not None:
-                stream.fail(error)
+            self._fail_request(rid, error)
+
+    def _fail_grammar(self, seq: Sequence) -> None:
+        """`seq`'s grammar failed mid-output (`Sequence.error`): its request fails with InvalidRequestError (the
+        client's schema is the cause: a 400, or an error event mid-stream) rather than ending as a stop."""
+        rid = seq.request_id
+        if rid not in self.streams:  # a sibling sequence failed it already this step
+            return
+        logger.warning("request %s: constrained decoding failed, failing the request: %s", rid, seq.error)
+        self._fail_request(rid, InvalidRequestError(
+            f"constrained decoding failed on the grammar this request asks for (its JSON schema or tool "
+            f"parameters): {seq.error}"))
+
+    def _fail_request(self, rid: str, error: Exception) -> None:
+        """End every sequence of request `rid` (freeing their KV blocks) and fail its stream with `error`; the
+        deltas already put still reach the consumer first."""
+        stream = self.streams.pop(rid, None)
+        for seq in self.seqs.pop(rid, []):
+            self.scheduler.finish(seq, FinishReason.ABORT)
+            self.detoks.pop(seq.seq_id, None)
+        if stream is not None:
+            stream.fail(error)
 
     def _abort_all(self) -> None:
         for rid in list(self.seqs):

@@ -52,8 +52,8 @@ async def request_grammar(tokenizer, c: Constraint) -> str | None:
 
     Raises:
         InvalidRequestError: a forced call without tools or of a tool the request does not define, or a grammar
-            that does not compile
-            (a schema llguidance does not take).
+            that does not compile (a schema llguidance does not take) or that llguidance fails on at the output's
+            forced start (`voltserve.grammar.check`).
     """
     if c.forced is None and c.json_schema is None:
         return None

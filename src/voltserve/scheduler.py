@@ -365,8 +365,9 @@ class Scheduler:
             sampled: seq_id -> sampled token id, for every entry with `sample` set; for an entry with drafts the
                 list of tokens its verify emits (the accepted drafts, then the target's own token).
         Returns:
-            The sequences that got new tokens, in plan order (finished ones have `finish_reason` set); one token
-            each, but 1..len(drafts) + 1 for entries with drafts.
+            The sequences that got new tokens, in plan order (finished ones have `finish_reason` set; one whose
+            grammar failed has `error` set, finish_reason ABORT, and its request must fail); one token each, but
+            1..len(drafts) + 1 for entries with drafts.
         """
         touched = []
         block_size = self.block_size
@@ -388,6 +389,10 @@ class Scheduler:
             touched.append(seq)
             if seq.grammar is not None:
                 seq.grammar.accept(token)
+                if seq.grammar.error is not None:  # llguidance failed mid-output: a failure, not a stop
+                    seq.error = seq.grammar.error
+                    self.finish(seq, FinishReason.ABORT)
+                    continue
             reason, stop_reason = self._check_stop(seq, token)
             if reason is not None:
                 self.finish(seq, reason, stop_reason)

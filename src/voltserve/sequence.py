@@ -38,6 +38,8 @@ class Sequence:
         num_cached_tokens: prompt tokens that came from the prefix cache at the admission that computed its
             first token; an admission after a preemption keeps it (every delta reports one figure).
         grammar: its `voltserve.grammar.GrammarState` when params.grammar is set: the tokens allowed next.
+        error: None, or why the sequence failed rather than finished (its grammar's error at decode time): it
+            ends with finish_reason ABORT and its request fails with that error.
         draft_misses / drafts_resume_at: speculative decoding's backoff (`voltserve.spec.backoff`): verifies in a
             row that accepted no draft, and the output length from which it drafts again.
     """
@@ -60,6 +62,7 @@ class Sequence:
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
     grammar: Any = None
+    error: str | None = None
     draft_misses: int = 0
     drafts_resume_at: int = 0
 

@@ -159,3 +159,26 @@ def test_check_refuses_what_does_not_compile():
     assert info.value.param == "tool_choice"
     with pytest.raises(InvalidRequestError):
         grammar.tool_calls_grammar([])
+
+
+HUGE_REGEX = {"type": "string", "pattern": "^a{1000000}$"}  # compiles; llguidance's lexer limit fails on it
+
+
+def test_check_refuses_a_grammar_llguidance_fails_on_at_its_forced_start():
+    """The forced `"` of a string schema runs the regex: a 400 at request time, not a truncated output."""
+    with pytest.raises(InvalidRequestError) as info:
+        grammar.check(TOK, grammar.json_schema_grammar(HUGE_REGEX), "response_format")
+    assert (info.value.message, info.value.param) == (
+        "invalid response_format: constrained decoding cannot follow the grammar it asks for: "
+        "lexer error: too many expressions constructed", "response_format")
+
+
+def test_a_failure_after_tokens_the_model_chose_is_an_error_not_done():
+    """An optional property: nothing forces the output into it, so `check` passes, and decoding fails there."""
+    g = grammar.json_schema_grammar({"type": "object", "properties": {"p": HUGE_REGEX}})
+    grammar.check(TOK, g, "response_format")
+    ok, state = walk('{"p":"', g)
+    assert not ok and state.error == "lexer error: too many expressions constructed" and not state.done
+    assert state.allowed(TOK.vocab_size).nonzero().flatten().tolist() == [EOS_ID]  # it can only end now
+    state.accept(EOS_ID)
+    assert state.error is not None and not state.done

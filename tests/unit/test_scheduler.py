@@ -294,3 +294,31 @@ def test_schedule_ahead_drops_a_sequence_that_finished_meanwhile():
     s.update(ahead3, {b.seq_id: 7, c.seq_id: 7})
     assert len(b.output_ids) == 4 and c.output_ids == [7]
     s.pool.check_invariants()
+
+
+class _GrammarFailingAt:
+    """A `GrammarState` stand-in whose llguidance fails on its `n`-th token (a resource limit mid-output)."""
+
+    def __init__(self, n: int):
+        self.n, self.done, self.error = n, False, None
+
+    def accept(self, token: int) -> None:
+        self.n -= 1
+        if self.n == 0:
+            self.error = "lexer error: too many expressions constructed"
+
+
+def test_a_grammar_error_fails_the_sequence_and_frees_its_blocks():
+    """Not a stop: finish_reason ABORT with `error` set (the actor fails the request), blocks back in the pool."""
+    s = make_scheduler()
+    a, b = make_seq(range(1, 10), max_tokens=20), make_seq(range(1, 10), max_tokens=20)
+    a.grammar = _GrammarFailingAt(2)
+    s.add(a)
+    s.add(b)
+    run_step(s)
+    assert a.finish_reason is None and a.error is None
+    _, touched = run_step(s)
+    assert a in touched and (a.finish_reason, a.error) == (FinishReason.ABORT, a.grammar.error)
+    assert b.finish_reason is None and s.running == [b]
+    s.finish(b, FinishReason.ABORT)
+    assert s.pool.num_free == s.pool.num_blocks

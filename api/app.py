@@ -36,8 +36,9 @@ def _blueprints():
     from api.metrics import bp as metrics
     from api.openai.models import bp as models
     from api.openai.responses import bp as responses
+    from api.tokenize import bp as tokenize
 
-    return [health, metrics, chat, completions, models, messages, responses]
+    return [health, metrics, chat, completions, models, messages, responses, tokenize]
 
 
 async def watch_engine(engine: Any, on_death: Callable[[], None], interval_s: float = 1.0,

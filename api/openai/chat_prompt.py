@@ -126,21 +126,42 @@ def encode_rendered(tokenizer, rendered: str, spans: dict[str, str] | None = Non
     return ids
 
 
-def _render(engine, messages: list[dict], tools: list[dict] | None, template_kwargs: dict, param: str) -> str:
+def _render(engine, messages: list[dict], tools: list[dict] | None, template_kwargs: dict, param: str,
+            add_generation_prompt: bool = True, continue_final: bool = False) -> str:
     try:
-        return engine.chat_template.render(messages, add_generation_prompt=True, tools=tools, **template_kwargs)
+        rendered = engine.chat_template.render(messages, add_generation_prompt=add_generation_prompt, tools=tools,
+                                               **template_kwargs)
     except VoltError:
         raise
     except Exception as exc:  # a template's own raise_exception(), e.g. "roles must alternate"
         raise InvalidRequestError(f"the chat template rejected the messages: {exc}", param=param) from exc
+    return _cut_after_final(rendered, messages[-1]["content"], param) if continue_final else rendered
+
+
+def _cut_after_final(rendered: str, content: str, param: str) -> str:
+    """`rendered` cut right after the last occurrence of the final message's `content`, so that the model continues
+    that message (transformers' `continue_final_message`): the template's end-of-turn markup is dropped, and
+    whitespace the template trimmed off the content's end stays off.
+
+    Raises:
+        InvalidRequestError: the template did not write the content (stripped) verbatim.
+    """
+    stripped = content.strip()
+    at = rendered.rfind(stripped)
+    if at < 0:
+        raise InvalidRequestError("continue_final_message: the chat template does not write the final message's "
+                                  "content verbatim", param=param)
+    kept = content.lstrip()
+    return rendered[:at + (len(kept) if rendered.startswith(kept, at) else len(stripped))]
 
 
 def _render_and_encode(engine, messages: list[dict], tools: list[dict] | None, template_kwargs: dict,
-                       param: str, check_fit: bool = True) -> list[int]:
+                       param: str, check_fit: bool = True, add_generation_prompt: bool = True,
+                       continue_final: bool = False) -> list[int]:
     tokenizer = engine.tokenizer
     risky = [i for i, m in enumerate(messages) if _has_special_text(tokenizer, m["content"])]
     if not risky:
-        rendered = _render(engine, messages, tools, template_kwargs, param)
+        rendered = _render(engine, messages, tools, template_kwargs, param, add_generation_prompt, continue_final)
         if check_fit:
             check_prompt_chars(engine, len(rendered), param)
         return encode_rendered(tokenizer, rendered)
@@ -149,7 +170,7 @@ def _render_and_encode(engine, messages: list[dict], tools: list[dict] | None, t
     nonce = secrets.token_hex(8)
     spans = {f"voltserve{nonce}m{i}x": messages[i]["content"] for i in risky}
     masked = [dict(m, content=f"voltserve{nonce}m{i}x") if i in risky else m for i, m in enumerate(messages)]
-    rendered = _render(engine, masked, tools, template_kwargs, param)
+    rendered = _render(engine, masked, tools, template_kwargs, param, add_generation_prompt, continue_final)
     if any(rendered.count(key) != 1 for key in spans):
         raise InvalidRequestError("a message spells a special token and the chat template does not place its "
                                   "content verbatim; remove the special-token text", param=param)
@@ -185,9 +206,10 @@ def with_argument_objects(message: dict) -> dict:
 
 async def messages_prompt_ids(engine, messages: list[dict], tools: list[dict] | None = None,
                               template_kwargs: dict | None = None, param: str = "messages",
-                              check_fit: bool = True) -> list[int]:
+                              check_fit: bool = True, add_generation_prompt: bool = True,
+                              continue_final: bool = False) -> list[int]:
     """Render and tokenize chat messages (off the event loop unless they are short: `prompt_work`); the one
-    path from messages to prompt ids of every chat-shaped endpoint (Chat Completions, Responses).
+    path from messages to prompt ids of every chat-shaped endpoint (Chat Completions, Responses, /tokenize).
 
     Args:
         messages: `{"role", "content": str, ...}` dicts as `template_messages` makes them.
@@ -196,9 +218,11 @@ async def messages_prompt_ids(engine, messages: list[dict], tools: list[dict] | 
         param: the request field the messages came from, blamed by errors ("messages", or "input").
         check_fit: refuse a rendered prompt whose characters alone prove it cannot fit the context before it is
             tokenized (`check_prompt_chars`); False where only its count is asked for.
+        add_generation_prompt: end with the assistant turn's opening (what every chat endpoint generates after).
+        continue_final: end inside the final message instead, right after its content (`_cut_after_final`).
 
     Returns:
-        [num_prompt_tokens] token ids, ending with the assistant generation prompt.
+        [num_prompt_tokens] token ids, ending with the assistant generation prompt (by default).
 
     Raises:
         InvalidRequestError: the template refused the conversation, or a special token's text it would not place
@@ -211,7 +235,7 @@ async def messages_prompt_ids(engine, messages: list[dict], tools: list[dict] | 
         messages = [with_argument_objects(m) for m in messages]
     size = sum(len(m["content"]) for m in messages) + (INLINE_PROMPT_CHARS + 1 if uncounted else 0)
     return await prompt_work(size, _render_and_encode, engine, messages, tools, dict(template_kwargs or {}),
-                             param, check_fit)
+                             param, check_fit, add_generation_prompt, continue_final)
 
 
 # The chat template arguments the server gives itself. vLLM lets `chat_template_kwargs` override them; here they
@@ -228,8 +252,14 @@ def _check_template_kwargs(template_kwargs: dict | None) -> None:
                                       "and add_generation_prompt itself", param=f"chat_template_kwargs.{key}")
 
 
-async def chat_prompt_ids(engine, req: ChatCompletionRequest, trust_mm_kwargs: bool = False) -> list[int]:
+async def chat_prompt_ids(engine, req: ChatCompletionRequest, trust_mm_kwargs: bool = False,
+                          **options: bool) -> list[int]:
     """A chat request's prompt ids (`template_messages`, then `messages_prompt_ids`).
+
+    Args:
+        req: a ChatCompletionRequest, or a request with its `messages`, `chat_template_kwargs`, multimodal kwargs
+            and `template_tools()` (`api.tokenize.TokenizeRequest`).
+        options: `messages_prompt_ids`' check_fit, add_generation_prompt and continue_final.
 
     Raises:
         InvalidRequestError: a reserved key in `chat_template_kwargs` (`_RESERVED_TEMPLATE_KWARGS`), or see
@@ -237,4 +267,4 @@ async def chat_prompt_ids(engine, req: ChatCompletionRequest, trust_mm_kwargs: b
     """
     _check_template_kwargs(req.chat_template_kwargs)
     return await messages_prompt_ids(engine, template_messages(req, trust_mm_kwargs), req.template_tools(),
-                                     req.chat_template_kwargs)
+                                     req.chat_template_kwargs, **options)

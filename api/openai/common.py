@@ -71,6 +71,14 @@ def check_prompt_chars(engine, num_chars: int, param: str, num_tokens: int = 0) 
         raise prompt_fills_context(engine.max_model_len, f"at least {least}", param)
 
 
+def check_token_ids(tokenizer, ids: list[int], param: str) -> None:
+    """Raises InvalidRequestError (param `param`) unless every id is in [0, vocab_size) (>= 0 only, for a
+    tokenizer double without `vocab_size`)."""
+    vocab_size = getattr(tokenizer, "vocab_size", None)
+    if any(t < 0 or (vocab_size is not None and t >= vocab_size) for t in ids):
+        raise InvalidRequestError(f"{param}: token ids must be in [0, {vocab_size or 'vocab_size'})", param=param)
+
+
 def add_request(engine, prompt_ids: list[int], params: SamplingParams, *, prompt_param: str,
                 max_tokens_param: str):
     """`engine.add_request`, with a context-length error blamed on the request field at fault.

@@ -13,8 +13,8 @@ from quart import Blueprint
 
 from api.metrics import NO_STATS
 from api.openai.common import (
-    ChunkFrames, add_request, check_prompt_chars, collect, drive_stream, finish_json, json_response, prompt_work,
-    request_body, sampling_params, sse_response, token_text,
+    ChunkFrames, add_request, check_prompt_chars, check_token_ids, collect, drive_stream, finish_json,
+    json_response, prompt_work, request_body, sampling_params, sse_response, token_text,
 )
 from api.openai.chat_prompt import check_mm_kwargs
 from api.openai.protocol import (
@@ -66,9 +66,7 @@ def _prompt_ids(tokenizer, prompt) -> list[int]:
         return tokenizer.encode(prompt, add_special_tokens=True, parse_special=True)
     if not prompt:
         raise InvalidRequestError("prompt must not be empty", param="prompt")
-    vocab_size = getattr(tokenizer, "vocab_size", None)
-    if any(t < 0 or (vocab_size is not None and t >= vocab_size) for t in prompt):
-        raise InvalidRequestError("prompt token ids must be in [0, vocab_size)", param="prompt")
+    check_token_ids(tokenizer, prompt, "prompt")
     return list(prompt)
 
 

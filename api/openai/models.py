@@ -7,6 +7,7 @@ from __future__ import annotations
 import datetime
 
 from quart import Blueprint, request
+from werkzeug.routing import PathConverter
 
 from api.anthropic.protocol import ModelInfo, ModelInfoList
 from api.openai.common import json_response
@@ -14,6 +15,17 @@ from api.openai.protocol import ModelCard, ModelList
 from api.state import get_state
 
 bp = Blueprint("openai_models", __name__)
+
+
+class ModelIdConverter(PathConverter):
+    """A model id in a URL: any text, slashes included, a leading one too (werkzeug's `path` converter refuses
+    that), so a model served under a local path (`/root/model.gguf`) is retrieved as /v1/models listed it."""
+
+    regex = ".+"
+    part_isolating = False  # werkzeug would infer True from a regex without "/"
+
+
+bp.record_once(lambda setup: setup.app.url_map.converters.setdefault("model_id", ModelIdConverter))
 
 
 def _card():
@@ -36,7 +48,9 @@ async def list_models():
     return json_response(ModelList(data=[card]))
 
 
-@bp.get("/v1/models/<path:model>")
+# merge_slashes off: werkzeug would answer `/v1/models//root/m.gguf` (how an SDK sends the id `/root/m.gguf`)
+# with an HTML redirect to `/v1/models/root/m.gguf`
+@bp.get("/v1/models/<model_id:model>", merge_slashes=False)
 async def retrieve_model(model: str):
     """The served model by its name; any other name is a 404 (model_not_found)."""
     get_state().check_model(model)

@@ -6,6 +6,7 @@ Replays the streaming cases S3 (UTF-8), S4 (stop strings), S5 (usage, n=2) of ..
 
 from __future__ import annotations
 
+import httpx
 import openai
 import pytest
 
@@ -46,6 +47,19 @@ def test_completions_string_and_token_ids(client):
     assert text.choices[0].finish_reason == "length" and text.usage.completion_tokens == 5
     ids = client.completions.create(model=MODEL, prompt=[504, 3575, 282, 4649, 314], temperature=0, max_tokens=5)
     assert ids.usage.prompt_tokens == 5 and ids.usage.completion_tokens == 5
+
+
+def test_tokenize_counts_the_chat_prompt_and_detokenize_restores_it(client, server_url):
+    """With the engine in its own process: /tokenize's ids of messages are the chat request's prompt (its usage
+    counts them), and /detokenize gives back the default model's template text."""
+    chat = client.chat.completions.create(model=MODEL, messages=FRANCE, temperature=0, max_tokens=1)
+    tokenized = httpx.post(server_url + "/tokenize", json={"model": MODEL, "messages": FRANCE}).json()
+    assert tokenized["count"] == len(tokenized["tokens"]) == chat.usage.prompt_tokens
+    assert tokenized["max_model_len"] == 1024
+    text = httpx.post(server_url + "/detokenize", json={"model": MODEL, "tokens": tokenized["tokens"]}).json()
+    assert text == {"prompt": "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging "
+                              "Face<|im_end|>\n<|im_start|>user\nWhat is the capital of France?<|im_end|>\n"
+                              "<|im_start|>assistant\n"}
 
 
 def test_S3_utf8_stream_never_splits_characters(client):

@@ -104,14 +104,28 @@ def test_may_spell_special_defers_to_normalized_special_tokens():
     assert not Tokenizer(backend, None, [2], byte_level=False).may_spell_special("plain")
 
 
+def _run_counting_ticks(fn):
+    """`fn()` in a thread; returns (its result, how many 5 ms sleeps this thread finished meanwhile: each needs
+    the GIL back, so a call that holds it throughout lets about one through)."""
+    import threading
+    import time
+
+    result = {}
+    worker = threading.Thread(target=lambda: result.setdefault("value", fn()))
+    ticks = 0
+    worker.start()
+    while worker.is_alive():
+        time.sleep(0.005)
+        ticks += 1
+    worker.join()
+    return result["value"], ticks
+
+
 @pytest.mark.parametrize("parse_special", [True, False])
 def test_long_text_encodes_the_same_and_lets_other_threads_run(smollm2_tokenizer, parse_special):
     """A text past ENCODE_INLINE_CHARS goes through encode_batch: the same ids as the backend's plain encode,
     while another thread (the API's event loop) keeps running; `encode` held the GIL throughout (a 4.8 MB
     prompt stalled the server for 1.9 s)."""
-    import threading
-    import time
-
     from voltserve.tokenizer import ENCODE_INLINE_CHARS
 
     tok = smollm2_tokenizer
@@ -119,17 +133,26 @@ def test_long_text_encodes_the_same_and_lets_other_threads_run(smollm2_tokenizer
     assert len(text) > ENCODE_INLINE_CHARS
     backend = tok.backend if parse_special else tok._tok_plain
     expected = backend.encode(text, add_special_tokens=False).ids
-    result = {}
-    worker = threading.Thread(target=lambda: result.setdefault("ids", tok.encode(text, parse_special=parse_special)))
-    ticks = 0
-    worker.start()
-    while worker.is_alive():  # each sleep needs the GIL back to return
-        time.sleep(0.005)
-        ticks += 1
-    worker.join()
-    assert result["ids"] == expected
+    ids, ticks = _run_counting_ticks(lambda: tok.encode(text, parse_special=parse_special))
+    assert ids == expected
     assert (1 in expected) == parse_special  # <|im_start|> read as the special token only when asked
     assert ticks >= 10, f"the main thread ran {ticks} times while the text was encoded"
+
+
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_long_id_list_decodes_the_same_and_lets_other_threads_run(smollm2_tokenizer, skip_special_tokens):
+    """A list past DECODE_INLINE_IDS goes through decode_batch: the backend's plain decode's text, while another
+    thread (the API's event loop, during /detokenize) keeps running; `decode` holds the GIL throughout."""
+    from voltserve.tokenizer import DECODE_INLINE_IDS
+
+    tok = smollm2_tokenizer
+    ids = tok.encode("<|im_start|>user\n" + "hello wörld, 42 times. " * 100_000 + "<|im_end|>")
+    assert len(ids) > DECODE_INLINE_IDS
+    expected = tok.backend.decode(ids, skip_special_tokens=skip_special_tokens)
+    text, ticks = _run_counting_ticks(lambda: tok.decode(ids, skip_special_tokens))
+    assert text == expected
+    assert expected.startswith("<|im_start|>") != skip_special_tokens
+    assert ticks >= 10, f"the main thread ran {ticks} times while the ids were decoded"
 
 
 def test_min_num_tokens_is_a_lower_bound(smollm2_tokenizer):

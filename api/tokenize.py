@@ -97,6 +97,11 @@ async def _chat_ids(engine, req: TokenizeRequest) -> list[int]:
     return ids
 
 
+def _token_strs(tokenizer, ids: list[int]) -> list[str]:
+    """Each id's token as the vocabulary spells it (byte-level BPE: "Ġ" for a leading space), as vLLM returns."""
+    return [tokenizer.id_to_token(i) for i in ids]
+
+
 @bp.post("/tokenize")
 async def tokenize():
     """A prompt's or chat messages' token ids, their count and the context window."""
@@ -112,7 +117,8 @@ async def tokenize():
         ids = await prompt_work(len(req.prompt), tokenizer.encode, req.prompt, add_special, True)
     else:
         ids = await _chat_ids(engine, req)
-    strs = [tokenizer.id_to_token(i) for i in ids] if req.return_token_strs else None
+    # a Python loop over the ids: off the event loop for long prompts, as the encoding above
+    strs = await prompt_work(len(ids), _token_strs, tokenizer, ids) if req.return_token_strs else None
     return json_response(TokenizeResponse(count=len(ids), max_model_len=engine.max_model_len, tokens=ids,
                                           token_strs=strs))
 

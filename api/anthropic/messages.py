@@ -65,15 +65,16 @@ def _block_text(block: ContentBlock, where: str) -> str | None:
 
     Raises:
         InvalidRequestError: a media block (the served model reads text only), a text block without text or with
-            empty text (as Anthropic refuses it, naming the top-level field: "messages" or "system"), or any other
-            type (tool blocks are read by `_chat_turns`, where they belong).
+            empty or whitespace-only text (as Anthropic refuses them, naming the top-level field: "messages" or
+            "system"), or any other type (tool blocks are read by `_chat_turns`, where they belong).
     """
     if block.type == "text":
         if block.text is None:
             raise InvalidRequestError("a text block needs 'text'", param=f"{where}.text")
-        if not block.text:
+        if not block.text.strip():
             field = where.split(".", 1)[0]
-            raise InvalidRequestError(f"{field}: text content blocks must be non-empty", param=f"{where}.text")
+            rule = "be non-empty" if not block.text else "contain non-whitespace text"
+            raise InvalidRequestError(f"{field}: text content blocks must {rule}", param=f"{where}.text")
         return block.text
     if block.type in _MEDIA_BLOCKS:
         raise InvalidRequestError(f"content block type '{block.type}' is not supported: the served model "

@@ -144,9 +144,12 @@ def _cut_after_final(rendered: str, content: str, param: str) -> str:
     whitespace the template trimmed off the content's end stays off.
 
     Raises:
-        InvalidRequestError: the template did not write the content (stripped) verbatim.
+        InvalidRequestError: the final message has no text to continue, or the template did not write its content
+            (stripped) verbatim.
     """
-    stripped = content.strip()
+    stripped = (content or "").strip()
+    if not stripped:  # rfind("") would match the end: the prompt would close the message instead
+        raise InvalidRequestError("continue_final_message: the final message has no text to continue", param=param)
     at = rendered.rfind(stripped)
     if at < 0:
         raise InvalidRequestError("continue_final_message: the chat template does not write the final message's "

@@ -283,6 +283,10 @@ BAD_INPUTS = [
     (body(messages=[{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "content": [
         {"type": "text", "text": ""}]}]}]), 400, BAD, "messages: text content blocks must be non-empty"),
     (body(system=[{"type": "text", "text": ""}]), 400, BAD, "system: text content blocks must be non-empty"),
+    (body(messages=[{"role": "user", "content": [{"type": "text", "text": " \n"}]}]), 400, BAD,
+     "messages: text content blocks must contain non-whitespace text"),
+    (body(system=[{"type": "text", "text": "\t"}]), 400, BAD,
+     "system: text content blocks must contain non-whitespace text"),
     (body(tools=[{"type": "web_search_20250305", "name": "web_search", "max_uses": 5}]), 400, BAD,
      "tool type 'web_search_20250305' is not supported: only client tools (name, description, input_schema) are"),
     (body(tools=[{"name": "f"}]), 400, BAD, "missing required field 'tools.0.input_schema'"),

@@ -134,6 +134,8 @@ BAD = [
     ("/tokenize", {"messages": USER, "continue_final_message": True, "add_generation_prompt": True},
      _error("Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
             "continue_final_message")),
+    ("/tokenize", {"messages": USER + [{"role": "assistant", "content": " "}], "continue_final_message": True},
+     _error("continue_final_message: the final message has no text to continue", "messages")),
     ("/tokenize", {"messages": USER, "chat_template_kwargs": {"add_generation_prompt": False}},
      _error("chat_template_kwargs cannot set 'add_generation_prompt': the server sets messages, tools and "
             "add_generation_prompt itself", "chat_template_kwargs.add_generation_prompt")),

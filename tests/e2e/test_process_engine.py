@@ -139,3 +139,29 @@ async def test_http_disconnect_returns_kv_blocks(served):
     assert stats == {**stats, "num_running": 0, "num_waiting": 0, "num_free_blocks": 256}
     _, tokens, last = await complete(engine, chat_ids(engine, "Hi"), temperature=0, max_tokens=3, ignore_eos=True)
     assert len(tokens) == 3 and last.finish_reason is FinishReason.LENGTH
+
+
+async def test_a_grammar_failing_mid_output_fails_across_the_process_boundary(served):
+    """A grammar llguidance fails on while decoding (the API's request-time walk would refuse this one; called
+    here on the engine directly, it stands for any failure after tokens the model chose) fails the request in the
+    API process with the engine process's InvalidRequestError, once, and frees its KV blocks there; a sibling
+    request decoding beside it ends normally."""
+    from voltserve.grammar import json_schema_grammar
+
+    _, engine = served
+    ids = chat_ids(engine, "Say hi.")
+    plain = engine.generate(ids, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    failing = engine.generate(ids, SamplingParams(temperature=0, max_tokens=30, grammar=json_schema_grammar(
+        {"type": "string", "pattern": "^a{1000000}$"})))
+
+    async def drain(outputs):
+        return [out async for out in outputs]
+
+    done, error = await asyncio.gather(drain(plain), drain(failing), return_exceptions=True)
+    assert isinstance(error, InvalidRequestError), error
+    assert str(error) == ("constrained decoding failed on the grammar this request asks for (its JSON schema or "
+                          "tool parameters): lexer error: too many expressions constructed")
+    assert done[-1].finish_reason is FinishReason.LENGTH and done[-1].num_output_tokens == 8
+    stats = await engine.refresh_kv_stats()
+    assert (stats["num_running"], stats["num_waiting"], stats["num_free_blocks"]) == (0, 0, stats["num_blocks"])
+    assert engine.is_healthy and engine._streams == {}

@@ -26,7 +26,7 @@ from actors.stream import RequestStream
 from actors.worker import DraftMsg, StepMsg, WorkerActor
 from voltserve.detok import IncrementalDetokenizer
 from voltserve.errors import EngineDeadError, InvalidRequestError, StepFailedError
-from voltserve.request import FinishReason, RequestOutput
+from voltserve.request import FinishReason, RequestOutput, TokenLogprob
 from voltserve.scheduler import Scheduler
 from voltserve.sequence import Sequence
 
@@ -59,6 +59,8 @@ class SchedulerActor(Actor):
         self.streams: dict[str, RequestStream] = {}
         self.seqs: dict[str, list[Sequence]] = {}
         self.detoks: dict[int, IncrementalDetokenizer] = {}
+        # per seq_id that asked for logprobs: the TokenLogprobs of its tokens whose text is not out yet
+        self.held_logprobs: dict[int, list[TokenLogprob]] = {}
         self._to_wake: list[RequestStream] = []  # streams given deltas whose consumers are not woken yet
         # (sequence, logprob) of the last step, emitted once the next step is with the worker
         self._deferred: list[tuple[Sequence, object]] = []
@@ -170,6 +172,8 @@ class SchedulerActor(Actor):
                 p = seq.params
                 self.detoks[seq.seq_id] = IncrementalDetokenizer(
                     self.tokenizer, stop=p.stop, include_stop_str_in_output=p.include_stop_str_in_output)
+                if p.logprobs is not None:
+                    self.held_logprobs[seq.seq_id] = []
                 self.scheduler.add(seq)
         elif isinstance(msg, AbortRequestMsg):
             self._emit_deferred()  # its last token goes out before the abort
@@ -180,8 +184,13 @@ class SchedulerActor(Actor):
         else:
             raise TypeError(f"scheduler: unknown message {msg!r}")
 
-    def _emit(self, seq: Sequence, logprob, new_token: bool = True) -> None:
+    def _emit(self, seq: Sequence, logprob: TokenLogprob | None, new_token: bool = True) -> None:
         """Detokenize seq's newest tokens, apply stop strings, and deliver the delta (runs once per token: lean).
+
+        Logprobs follow the text, not the tokens: the delta carries those of the tokens whose text it releases
+        (`IncrementalDetokenizer.num_text_tokens`), so a token whose text is held back has its logprob held with
+        it, and the tokens left out of the final text (the EOS or stop token, tokens from a matched stop string's
+        start on) get none, streamed or not.
 
         The consumer is woken by a callback queued at the first delivery since the last wake-up; the next step
         reaches the worker thread as `ask_nowait` is called (`WorkerActor.ask_nowait` hands it to the compute
@@ -194,6 +203,11 @@ class SchedulerActor(Actor):
         tokens = seq.output_ids[len(detok.token_ids):] if new_token else []
         finished = seq.is_finished
         text = ""
+        held = self.held_logprobs.get(seq.seq_id)  # None: no logprobs asked
+        if held is not None:
+            num_released = detok.num_text_tokens
+            if logprob is not None:
+                held.append(logprob)
         pushed = tokens[:-1] if tokens and finished and seq.stop_reason == tokens[-1] else tokens
         if pushed:
             if len(pushed) > 1 and seq.params.stop:
@@ -208,11 +222,15 @@ class SchedulerActor(Actor):
                     finished = seq.is_finished
         if finished and seq.finish_reason is not FinishReason.ABORT and not isinstance(seq.stop_reason, str):
             text += detok.flush()
+        logprobs = None
+        if held is not None:
+            num_out = detok.num_text_tokens - num_released
+            logprobs = held[:num_out]
+            del held[:num_out]
         rid = seq.request_id
         stream = self.streams[rid]
         stream.put(RequestOutput(
-            rid, seq.index, tokens, text,
-            [logprob] if logprob is not None else None, seq.finish_reason, seq.stop_reason,
+            rid, seq.index, tokens, text, logprobs, seq.finish_reason, seq.stop_reason,
             len(seq.prompt_ids), seq.num_cached_tokens, len(seq.output_ids),
         ), wake=False)
         if self._to_wake:
@@ -227,19 +245,18 @@ class SchedulerActor(Actor):
             self._forget(seq)
 
     def _push_to_stop(self, seq: Sequence, detok, pushed: list[int], tokens: list[int]):
-        """Detokenize a verify's tokens one by one up to the one that completes a stop string; the tokens after
-        it are dropped from the sequence (as the plain engine never makes them). Returns (text, the matched
-        stop string or None, the step's tokens kept)."""
-        text = ""
-        for used, token in enumerate(pushed, 1):
-            piece, matched = detok.push((token,))
-            text += piece
-            if matched is not None:
-                extra = len(tokens) - used
-                if extra:
-                    del seq.output_ids[-extra:]
-                return text, matched, tokens[:used]
-        return text, None, tokens
+        """Detokenize a verify's tokens (the detokenizer takes them one by one, up to the one that completes a stop
+        string); the tokens after it are dropped from the sequence (as the plain engine never makes them).
+        Returns (text, the matched stop string or None, the step's tokens kept)."""
+        num_before = len(detok.token_ids)
+        text, matched = detok.push(pushed)
+        if matched is None:
+            return text, None, tokens
+        used = len(detok.token_ids) - num_before
+        extra = len(tokens) - used
+        if extra:
+            del seq.output_ids[-extra:]
+        return text, matched, tokens[:used]
 
     def _emit_deferred(self) -> None:
         """Emit the last step's deferred deltas (before the next update appends more tokens)."""
@@ -255,6 +272,7 @@ class SchedulerActor(Actor):
     def _forget(self, seq: Sequence) -> None:
         """Drop a sequence whose final delta went out; the request goes once all of its final deltas did."""
         self.detoks.pop(seq.seq_id, None)
+        self.held_logprobs.pop(seq.seq_id, None)  # those left are of tokens outside the final text
         rid = seq.request_id
         if not any(s.seq_id in self.detoks for s in self.seqs.get(rid, [])):
             self.seqs.pop(rid, None)

@@ -138,7 +138,7 @@ class SequenceResult:
         deltas: (text, tokens new in it: `NewTokens`, the end of its ids in `token_ids`) of each delta, in order:
             what an output parser reads (`voltserve.parsers.output.parse_deltas`), as the stream feeds it.
         token_ids: [num_output_tokens] output token ids.
-        logprobs: one TokenLogprob per output token (when requested).
+        logprobs: one TokenLogprob per output token whose text is in `text` (when requested; see RequestOutput).
         finish_reason: "stop" / "length" / "abort", None while running.
         stop_reason: the stop string or stop token id that ended it, when one did.
     """

@@ -8,10 +8,14 @@ Two rules make a streamed delta safe:
    U+FFFD, and both give the same deltas.
 2. Never part of a stop string. Text whose end could still grow into a stop string is held back; on a match
    the text before it (or through it, if asked) is emitted and everything after is dropped.
+
+`num_text_tokens` says which tokens the emitted text covers, for logprobs (which OpenAI and vLLM give only for
+the tokens of the returned text): see its docstring for the rule.
 """
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections.abc import Sequence
 
 from voltserve.detok_bytes import _REPLACEMENT, ByteStreamDecoder
@@ -50,6 +54,10 @@ class IncrementalDetokenizer:
         self._prefix_offset = 0  # window start: context so the first new token decodes as it would in place
         self._read_offset = 0  # tokens before this are already turned into text
         self._pending = ""  # decoded text not emitted yet (may still become a stop string)
+        self._num_decoded = 0  # characters the decoding layer released (emitted, pending or cut by a stop)
+        self._num_chars = 0  # whole characters the pushed tokens decode to (held ones of a split character too)
+        self._token_starts: list[int] = []  # [num_tokens] whole characters decoded before each token
+        self._num_emitted = 0  # characters push and flush returned: the output text's length so far
         self.stop_reason: str | None = None
         self.finished = False
         byte_table = getattr(tokenizer, "byte_table", None)
@@ -60,7 +68,8 @@ class IncrementalDetokenizer:
         """Add newly generated tokens.
 
         Args:
-            token_ids: [num_new_tokens] ids, in generation order.
+            token_ids: [num_new_tokens] ids, in generation order; taken one by one, as if pushed singly, so the
+                tokens after the one that completes a stop string are not taken (nor in `token_ids`).
 
         Returns:
             (text safe to emit now, possibly ""; the stop string that matched, or None). After a match the
@@ -68,10 +77,26 @@ class IncrementalDetokenizer:
         """
         if self.finished or not token_ids:
             return "", None
-        new_ids = list(map(int, token_ids))
-        self.token_ids += new_ids
-        new = self._bytes.push(new_ids) if self._bytes is not None else self._decode_new()
+        if len(token_ids) > 1:  # token by token: each token's text position (`num_text_tokens`)
+            text = ""
+            for token_id in token_ids:
+                piece, stop = self.push((token_id,))
+                text += piece
+                if stop is not None:
+                    return text, stop
+            return text, None
+        token_id = int(token_ids[0])
+        self._token_starts.append(self._num_chars)
+        self.token_ids.append(token_id)
+        if self._bytes is not None:
+            new = self._bytes.push((token_id,))
+            held = self._bytes.num_held_chars if not new else 0
+        else:
+            new, held = self._decode_new()
+        self._num_decoded += len(new)
+        self._num_chars = self._num_decoded + held
         if not self._stop:  # nothing to hold back: the per-token fast path
+            self._num_emitted += len(new)
             return new, None
         self._pending += new
         hit = self._find_stop()
@@ -82,11 +107,28 @@ class IncrementalDetokenizer:
             self._pending = ""
             self.stop_reason = stop
             self.finished = True
+            self._num_emitted += len(out)
             return out, stop
         hold = self._held_suffix_len()
         out = self._pending[: len(self._pending) - hold]
         self._pending = self._pending[len(out):]
+        self._num_emitted += len(out)
         return out, None
+
+    @property
+    def num_text_tokens(self) -> int:
+        """How many of the pushed tokens (a leading run) have text in the output emitted so far.
+
+        Rule: a token counts once the emitted text goes on past the whole characters that the tokens before it
+        decode to, i.e. once some of its own text is out. So the count ends at the shortest run of leading tokens
+        whose text covers the output: a token from a matched stop string's start on (unless the stop string is
+        kept in the output), an EOS or other skipped special token at the end, or the bytes of a character cut off
+        by the end of the sequence never count; a token whose text is held back (it could begin a stop string,
+        or ends inside a UTF-8 character) counts only once that text is emitted. A token that carries only
+        bytes of a split character counts with the character, when it is emitted. Once the sequence is over
+        (a stop string matched, or `flush`), the count is final.
+        """
+        return bisect_left(self._token_starts, self._num_emitted)
 
     def flush(self) -> str:
         """Text still held back at the end of the sequence (a stop-string prefix that never completed, or an
@@ -101,6 +143,7 @@ class IncrementalDetokenizer:
         # a sequence cut off inside a multi-byte character: drop the incomplete bytes, never send U+FFFD
         out = self._pending + tail.rstrip(_REPLACEMENT)
         self._pending = ""
+        self._num_emitted += len(out)
         self._prefix_offset = self._read_offset = len(self.token_ids)
         self.finished = True
         return out
@@ -110,15 +153,16 @@ class IncrementalDetokenizer:
             return ""
         return self._tokenizer.decode(self.token_ids[start:end], skip_special_tokens=self._skip_special)
 
-    def _decode_new(self) -> str:
-        """Text of the tokens after the read offset, or "" while it ends inside a UTF-8 character."""
+    def _decode_new(self) -> tuple[str, int]:
+        """(text of the tokens after the read offset, or "" while it ends inside a UTF-8 character; the whole
+        characters held back meanwhile, as `ByteStreamDecoder.num_held_chars` counts them)."""
         prefix = self._window_text(self._prefix_offset, self._read_offset)
         full = self._window_text(self._prefix_offset, len(self.token_ids))
         if len(full) <= len(prefix) or full.endswith(_REPLACEMENT):
-            return ""
+            return "", len(full[len(prefix):].rstrip(_REPLACEMENT))
         self._prefix_offset = self._read_offset
         self._read_offset = len(self.token_ids)
-        return full[len(prefix):]
+        return full[len(prefix):], 0
 
     def _find_stop(self) -> tuple[int, str] | None:
         """Earliest stop-string occurrence in the pending text (longest string wins a tie)."""

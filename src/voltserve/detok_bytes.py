@@ -52,6 +52,12 @@ class ByteStreamDecoder:
         self._unreleased = ""
         return text
 
+    @property
+    def num_held_chars(self) -> int:
+        """Whole characters decoded but held back (before a character still being completed), a trailing U+FFFD
+        not counted: where the next token's text starts, past the text released so far."""
+        return len(self._unreleased.rstrip(_REPLACEMENT))
+
     def flush(self) -> str:
         """Everything not released, with an incomplete or invalid UTF-8 tail dropped (never a trailing U+FFFD)."""
         text = (self._unreleased + self._utf8.decode(b"", final=True)).rstrip(_REPLACEMENT)

@@ -133,7 +133,9 @@ class RequestOutput:
         index: which of the request's `n` sequences (the OpenAI choice index).
         token_ids: token ids new in this delta.
         text: text new in this delta (whole UTF-8 characters only; stop strings removed).
-        logprobs: one TokenLogprob per new token when the request asked for logprobs, else None.
+        logprobs: when the request asked for logprobs, one TokenLogprob per token whose text this delta releases
+            (`IncrementalDetokenizer.num_text_tokens`: they follow the text, so they may lag `token_ids`, and the
+            tokens left out of the final text, such as the EOS or stop token, never get one); else None.
         finish_reason: set on the sequence's last delta.
         stop_reason: the stop string or stop token id that ended it, when one did.
         num_prompt_tokens: prompt length in tokens.

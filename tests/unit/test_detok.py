@@ -90,3 +90,31 @@ def test_flush_drops_incomplete_utf8_tail(smollm2_tokenizer):
     assert tok.decode(ids[:-1])[len("x"):] == " \ufffd"
     assert detok.flush() == " "
     assert detok.flush() == ""
+
+
+def test_num_text_tokens_follows_the_emitted_text(smollm2_tokenizer):
+    """Logprobs' rule: the tokens counted are the shortest leading run whose text covers the emitted text."""
+    tok = smollm2_tokenizer
+    ids = tok.encode("The capital of France is Paris.")  # The| capital| of| France| is| Paris|.
+    assert len(ids) == 7
+    detok, deltas, stop = _stream(tok, ids, stop=[" is Paris"])
+    assert (stop, "".join(deltas)) == (" is Paris", "The capital of France")
+    assert detok.num_text_tokens == 4  # " is" (held back, then cut) and " Paris" do not count
+    detok, deltas, stop = _stream(tok, ids, stop=["ital of"])
+    assert ("".join(deltas), detok.num_text_tokens) == ("The cap", 2)  # " capital" has "cap" in the text
+    detok, deltas, stop = _stream(tok, ids, stop=[" France is"], include_stop_str_in_output=True)
+    assert ("".join(deltas), detok.num_text_tokens) == ("The capital of France is", 5)
+    detok = IncrementalDetokenizer(tok, stop=[" is Lyon"])
+    counts = [(detok.push([i]), detok.num_text_tokens)[1] for i in ids[:5]]
+    assert counts == [1, 2, 3, 4, 4]  # " is" is held back: it counts once its text is out
+    detok.push([tok.encode("<|im_end|>")[0]])  # EOS: skipped special token, no text
+    assert (detok.flush(), detok.num_text_tokens) == (" is", 5)
+
+
+def test_num_text_tokens_leaves_out_a_cut_off_character(smollm2_tokenizer):
+    tok = smollm2_tokenizer
+    ids = tok.encode("x 😀😀")
+    detok = IncrementalDetokenizer(tok)
+    text = "".join(detok.push([i])[0] for i in ids[:-1]) + detok.flush()  # the last emoji lacks its last byte
+    assert text == "x 😀"
+    assert len(ids) - 1 > detok.num_text_tokens == len(tok.encode("x 😀"))

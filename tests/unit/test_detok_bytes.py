@@ -59,13 +59,15 @@ def _random_ids(rng: random.Random, tok, vocab_size: int, special_ids: list[int]
 
 
 def _run(tok, ids, chunks, **kwargs):
+    """(each push's (text, stop, num_text_tokens after it), flush's text, stop reason, num_text_tokens at the end,
+    the ids the detokenizer took)."""
     detok = IncrementalDetokenizer(tok, **kwargs)
     deltas = []
     start = 0
     for size in chunks:
-        deltas.append(detok.push(ids[start:start + size]))
+        deltas.append((*detok.push(ids[start:start + size]), detok.num_text_tokens))
         start += size
-    return deltas, detok.flush(), detok.stop_reason
+    return deltas, detok.flush(), detok.stop_reason, detok.num_text_tokens, detok.token_ids
 
 
 def _tokenizers() -> dict:
@@ -89,10 +91,14 @@ def test_same_deltas_as_windowed_and_decode(name, request):
                       skip_special_tokens=rng.random() < 0.7)
         fast = _run(tok, ids, chunks, **kwargs)
         assert fast == _run(WindowedOnly(tok), ids, chunks, **kwargs), (ids, chunks, kwargs)
-        deltas, flushed, stop = fast
-        text = "".join(d for d, _ in deltas) + flushed
+        deltas, flushed, stop, num_text_tokens, taken = fast
+        text = "".join(d for d, _, _ in deltas) + flushed
+        skip = kwargs["skip_special_tokens"]
         if stop is None:  # everything, less an incomplete (or invalid) UTF-8 tail
-            assert text == tok.decode(ids, skip_special_tokens=kwargs["skip_special_tokens"]).rstrip("\ufffd")
+            assert text == tok.decode(ids, skip_special_tokens=skip).rstrip("\ufffd")
+        # logprobs' rule: a token counts iff the text goes on past the whole characters of the tokens before it
+        starts = [len(tok.decode(taken[:i], skip_special_tokens=skip).rstrip("\ufffd")) for i in range(len(taken))]
+        assert num_text_tokens == sum(start < len(text) for start in starts), (ids, chunks, kwargs)
 
 
 def test_table_matches_decode_token_by_token(smollm2_tokenizer):

@@ -196,9 +196,9 @@ SCHEMA_ERRORS = [  # (id, url, request, the error body): the field that carries 
      _openai_error(f"Invalid schema for function 'f': {WHY_LOOP}", "tools.1.parameters")),
     # Anthropic's shape has no param: the message starts with the field, as Anthropic's own errors do
     ("messages_tool_any", "/v1/messages", _messages(tools=_anthropic_tools(MISSING), tool_choice={"type": "any"}),
-     _anthropic_error(f"tools.1.input_schema: {WHY_MISSING}")),
+     _anthropic_error(f"tools.1.custom.input_schema: {WHY_MISSING}")),
     ("messages_tool_named", "/v1/messages", _messages(tools=_anthropic_tools(HUGE), tool_choice={
-        "type": "tool", "name": "f"}), _anthropic_error(f"tools.1.input_schema: {WHY_HUGE}")),
+        "type": "tool", "name": "f"}), _anthropic_error(f"tools.1.custom.input_schema: {WHY_HUGE}")),
     ("messages_output_format", "/v1/messages", _messages(output_format={"type": "json_schema", "schema": MISSING}),
      _anthropic_error(f"output_format: {WHY_MISSING}")),
     ("messages_output_config", "/v1/messages", _messages(output_config={"format": {

@@ -89,7 +89,7 @@ async def test_a_schema_that_fails_on_its_forced_start_is_a_400(smollm2):
         ("/v1/chat/completions", CHAT_TOOL, _openai_error(
             f"Invalid schema for function 'f': {CANNOT_FOLLOW}{TOO_MANY_EXPRESSIONS}", "tools.0.function.parameters")),
         ("/v1/messages", MESSAGES_TOOL,
-         _anthropic_error(f"tools.0.input_schema: {CANNOT_FOLLOW}{TOO_MANY_EXPRESSIONS}")),
+         _anthropic_error(f"tools.0.custom.input_schema: {CANNOT_FOLLOW}{TOO_MANY_EXPRESSIONS}")),
     ]
     async with _served(smollm2) as (client, engine):
         for url, body, error in cases:

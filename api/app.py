@@ -19,6 +19,7 @@ from werkzeug.exceptions import HTTPException
 from api.auth import check_api_key
 from api.errors import error_response, speaks_anthropic, unknown_url_response
 from api.metrics import ServerMetrics, engine_stats
+from api.routing import App
 from api.state import EXTENSION_KEY, ServerState, random_id, unix_time_s
 from voltserve.config import EngineConfig
 from voltserve.errors import VoltError
@@ -123,7 +124,7 @@ def create_app(engine: Any = None, config: EngineConfig | None = None, *,
     """
     if config is None:
         config = engine.config if engine is not None else EngineConfig.from_env()
-    app = Quart("voltserve")
+    app = App("voltserve")  # a path with repeated slashes is routed as its single-slash form
     app.config["MAX_CONTENT_LENGTH"] = MAX_BODY_BYTES
     app.config["RESPONSE_TIMEOUT"] = None  # streams may outlive Quart's 60 s default
     state = ServerState(engine=engine, config=config, new_id=new_id, clock=clock)

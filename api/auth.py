@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hmac
 
+from api.routing import merged_path
 from voltserve.errors import AuthenticationError
 
 OPEN_PATHS = frozenset({"/health"})
@@ -14,10 +15,10 @@ def check_api_key(expected: str, path: str, headers) -> None:
 
     Args:
         expected: the configured key ("" = auth off).
-        path: the request path.
+        path: the request path (with repeated slashes, its single-slash form is checked: the route it is served by).
         headers: the request headers (case-insensitive mapping).
     """
-    if not expected or path in OPEN_PATHS:
+    if not expected or merged_path(path) in OPEN_PATHS:
         return
     scheme, _, token = (headers.get("authorization") or "").partition(" ")
     candidates = [headers.get("x-api-key"), token.strip() if scheme.lower() == "bearer" else None]

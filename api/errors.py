@@ -15,6 +15,7 @@ import orjson
 from quart import Response
 from werkzeug.exceptions import HTTPException
 
+from api.routing import merged_path
 from voltserve import errors as E
 
 logger = logging.getLogger(__name__)
@@ -152,7 +153,9 @@ ANTHROPIC_PREFIX = "/v1/messages"
 def speaks_anthropic(path: str, headers=None) -> bool:
     """Whether errors take Anthropic's shape: on the Messages routes (`/v1/messages`,
     `/v1/messages/count_tokens`), and for a client that sends `anthropic-version` (Anthropic's SDKs, on any
-    route: e.g. `GET /v1/models/{id}`)."""
+    route: e.g. `GET /v1/models/{id}`). A path with repeated slashes counts as its single-slash form, as it is
+    routed (`api.routing`)."""
     if headers is not None and "anthropic-version" in headers:
         return True
+    path = merged_path(path)
     return path == ANTHROPIC_PREFIX or path.startswith(ANTHROPIC_PREFIX + "/")

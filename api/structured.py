@@ -27,7 +27,13 @@ class Constraint:
             or a tool's name (that tool: a named tool_choice).
         parallel: more than one call allowed.
         json_schema: the output's JSON schema when the request asks for JSON ({} = any object), else None.
-        tool_param / format_param: the request fields errors blame.
+        tool_param / format_param: the request fields errors blame: the tool choice (no tools to force, a name no
+            tool has), the JSON format (its schema).
+        function_params: for each of `functions`, the request field of its schema (e.g.
+            "tools.0.function.parameters"), which errors of that schema blame; "tools" for any not listed.
+        field_first: error messages start with the field they blame ("tools.1.input_schema: ..."), as
+            Anthropic's do (its error shape has no `param`); else OpenAI's wording ("Invalid schema for function
+            'f': ...", "invalid response_format: ...").
         tools_parsed: the server parses tool calls of a free choice (`api.tool_calls.parser_factory` not None).
         reasoning: the reasoning the output starts with (`api.reasoning.reasoning_mode`: None, "inside" or
             "open"); a grammar lets it run free first (case T1).
@@ -39,8 +45,14 @@ class Constraint:
     json_schema: dict | None = None
     tool_param: str = "tool_choice"
     format_param: str = "response_format"
+    function_params: tuple[str, ...] = ()
+    field_first: bool = False
     tools_parsed: bool = False
     reasoning: str | None = None
+
+    def function_param(self, i: int) -> str:
+        """The request field of the schema of `functions[i]`."""
+        return self.function_params[i] if i < len(self.function_params) else "tools"
 
 
 async def request_grammar(tokenizer, c: Constraint) -> str | None:
@@ -51,9 +63,10 @@ async def request_grammar(tokenizer, c: Constraint) -> str | None:
     call (and a server that parses calls) allows either the calls or the JSON answer (case T5).
 
     Raises:
-        InvalidRequestError: a forced call without tools or of a tool the request does not define, or a grammar
-            that does not compile (a schema llguidance does not take) or that llguidance fails on at the output's
-            forced start (`voltserve.grammar.check`).
+        InvalidRequestError: a forced call without tools or of a tool the request does not define (param
+            `c.tool_param`); a grammar that does not compile (a schema llguidance does not take) or that
+            llguidance fails on at the output's forced start (`voltserve.grammar.grammar_error`): param the field
+            of the schema at fault (`c.format_param`, or the tool's in `c.function_params`).
     """
     if c.forced is None and c.json_schema is None:
         return None
@@ -64,30 +77,51 @@ def _checked_grammar(tokenizer, c: Constraint) -> str:
     if c.forced is not None and not c.functions:
         raise InvalidRequestError("tool_choice forces a call but the request gives no tools", param=c.tool_param)
     max_calls = 1 if not c.parallel or c.forced not in (None, "any") else None  # a named tool: one call
-    if c.forced is not None:
-        functions = list(c.functions)
-        if c.forced != "any":
-            functions = [f for f in functions if f["name"] == c.forced]
-            if not functions:
-                raise InvalidRequestError(f"tool_choice names '{c.forced}', which is not one of the tools",
-                                          param=c.tool_param)
-        text = grammar.tool_calls_grammar(functions, max_calls=max_calls, reasoning=c.reasoning)
-        param = c.tool_param
-    elif c.json_schema is not None:
-        param = c.format_param
-        try:
-            if c.functions and c.tools_parsed:
-                text = grammar.tool_calls_grammar(list(c.functions), max_calls=max_calls, json_answer=c.json_schema,
-                                                  reasoning=c.reasoning)
-            else:
-                text = grammar.json_schema_grammar(c.json_schema, reasoning=c.reasoning)
-        except InvalidRequestError as exc:
-            if exc.param is not None:  # a tool's schema, named by the grammar
-                raise
-            # the format's schema: named in the message too, as Anthropic's error shape has no `param`
-            raise InvalidRequestError(f"invalid {param}: {exc.message}", param=param) from exc
-    grammar.check(tokenizer, text, param)
+    tools = list(enumerate(c.functions)) if makes_calls(c) else []  # (index in the request, function)
+    if c.forced not in (None, "any"):
+        tools = [(i, f) for i, f in tools if f["name"] == c.forced]
+        if not tools:
+            raise InvalidRequestError(f"tool_choice names '{c.forced}', which is not one of the tools",
+                                      param=c.tool_param)
+    answer = c.json_schema if c.forced is None else None  # a forced choice: calls only
+    try:
+        if tools:
+            text = grammar.tool_calls_grammar([f for _, f in tools], max_calls=max_calls, json_answer=answer,
+                                              reasoning=c.reasoning)
+        else:
+            text = grammar.json_schema_grammar(answer, reasoning=c.reasoning)
+    except InvalidRequestError as exc:  # a schema refused before compiling (one that refers to itself, ...)
+        raise _schema_error(tokenizer, c, tools, answer, exc.message) from exc
+    problem = grammar.grammar_error(tokenizer, text, c.tool_param if tools else c.format_param)
+    if problem is not None:
+        raise _schema_error(tokenizer, c, tools, answer, problem)
     return text
+
+
+def _schema_error(tokenizer, c: Constraint, tools: list[tuple[int, dict]], answer: dict | None,
+                  problem: str) -> InvalidRequestError:
+    """The 400 of a grammar that cannot be served (`problem`: why), blaming the first of its schemas (the tools'
+    in request order, then the JSON format's) that cannot constrain an output on its own; when each can, the
+    grammar as a whole (its one schema, else the tools)."""
+    suspects = [(c.function_param(i), f.get("parameters"), f["name"]) for i, f in tools]
+    if answer is not None:
+        suspects.append((c.format_param, answer, None))
+    for param, schema, function in suspects:
+        why = grammar.schema_error(tokenizer, schema, function)  # llguidance's words for that schema alone
+        if why is not None:
+            return _blame(c, param, function, why)
+    if len(suspects) == 1:  # it fails only inside the grammar (behind the reasoning, ...): still its fault
+        param, _, function = suspects[0]
+        return _blame(c, param, function, problem)
+    return _blame(c, "tools" if tools else c.format_param, None, problem)
+
+
+def _blame(c: Constraint, param: str, function: str | None, why: str) -> InvalidRequestError:
+    if c.field_first:
+        return InvalidRequestError(f"{param}: {why}", param=param)
+    if function is not None:
+        return InvalidRequestError(f"Invalid schema for function '{function}': {why}", param=param)
+    return InvalidRequestError(f"invalid {param}: {why}", param=param)
 
 
 def makes_calls(c: Constraint) -> bool:

@@ -377,9 +377,13 @@ def constraint(req: MessagesRequest, tools: list[dict] | None, tools_parsed: boo
                                           param=param)
             schema = config.get("schema") or {}
             break
-    return Constraint(functions=tuple(t["function"] for t in tools or ()), forced=forced,
+    functions = tuple(t["function"] for t in tools or ())
+    # Anthropic names the field at the head of the message ("tools.1.custom.input_schema: ..."): no `param`
+    return Constraint(functions=functions, forced=forced,
                       parallel=not (choice is not None and choice.disable_parallel_tool_use), json_schema=schema,
-                      format_param=param, tools_parsed=tools_parsed and (choice is None or choice.type != "none"))
+                      format_param=param, field_first=True,
+                      function_params=tuple(f"tools.{k}.custom.input_schema" for k in range(len(functions))),
+                      tools_parsed=tools_parsed and (choice is None or choice.type != "none"))
 
 
 @bp.post("/v1/messages")

@@ -110,8 +110,10 @@ def constraint(req: ChatCompletionRequest, tools_parsed: bool) -> Constraint:
     elif choice not in (None, "auto", "none"):
         raise InvalidRequestError(f"tool_choice '{choice}' is not one of none, auto, required or a named function",
                                   param="tool_choice")
-    return Constraint(functions=_functions(req), forced=forced, parallel=req.parallel_tool_calls is not False,
+    functions = _functions(req)
+    return Constraint(functions=functions, forced=forced, parallel=req.parallel_tool_calls is not False,
                       json_schema=_json_schema(req.response_format),
+                      function_params=tuple(f"tools.{i}.function.parameters" for i in range(len(functions))),
                       tools_parsed=tools_parsed and choice != "none")
 
 

@@ -7,6 +7,7 @@ and https://platform.openai.com/docs/api-reference/completions.
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Annotated, Any, Literal
 
@@ -299,6 +300,54 @@ def _param_path(loc: tuple) -> str | None:
     return ".".join(parts) or None
 
 
+# pydantic's (jiter's) words for a `\\uXXXX` escape of a UTF-16 surrogate without its other half: "lone leading
+# surrogate in hex escape" (a low one, or a high one followed by another escape), "unexpected end of hex escape"
+# (a high one followed by no escape)
+_SURROGATE_ERRORS = ("surrogate", "end of hex escape")
+_SURROGATE_RULE = "surrogate escapes come in pairs: one of \\ud800-\\udbff, then one of \\udc00-\\udfff"
+
+
+def _lone_surrogate(text: str) -> str | None:
+    """The first lone surrogate of `text` (what json.loads makes of an escape without its other half)."""
+    return next((ch for ch in text if "\ud800" <= ch <= "\udfff"), None)
+
+
+def _find_lone_surrogate(node: Any) -> tuple[tuple, str] | None:
+    """(the path, the surrogate) of the first string, key or value, in document order that holds a lone
+    surrogate (a key's path ends with that key); None when there is none. Iterative: a body may nest deeper than
+    Python's recursion limit."""
+    stack: list[tuple[tuple, Any]] = [((), node)]
+    while stack:
+        where, node = stack.pop()
+        if isinstance(node, str):
+            if (ch := _lone_surrogate(node)) is not None:
+                return where, ch
+        elif isinstance(node, dict):  # each key (a string) before its value
+            stack += reversed([entry for key, value in node.items() for entry in (((*where, key), key),
+                                                                                  ((*where, key), value))])
+        elif isinstance(node, list):
+            stack += reversed([((*where, i), value) for i, value in enumerate(node)])
+    return None
+
+
+def _lone_surrogate_error(body: bytes) -> InvalidRequestError:
+    """The 400 of a body whose JSON holds a `\\uXXXX` escape of a lone UTF-16 surrogate (no Unicode text can hold
+    one: pydantic refuses it), naming the field that holds it (json.loads, which accepts lone surrogates, finds
+    it; when it fails too, on a later syntax error, the field stays unnamed)."""
+    try:
+        found = _find_lone_surrogate(json.loads(body))
+    except (ValueError, RecursionError):
+        found = None
+    if found is None or not found[0]:
+        return InvalidRequestError("the request body holds an invalid Unicode escape: a lone surrogate "
+                                   f"({_SURROGATE_RULE})", None)
+    where, ch = found
+    # a key may itself hold the surrogate, which no JSON encoder writes: escaped as the request spelled it
+    param = ".".join(str(p).encode("utf-8", "backslashreplace").decode() for p in where)
+    return InvalidRequestError(f"the request body holds an invalid Unicode escape at '{param}': \\u{ord(ch):04x} "
+                               f"is a lone surrogate ({_SURROGATE_RULE})", param)
+
+
 def parse_request(model: type[_Request], body: bytes) -> Any:
     """Parse a JSON body into `model`.
 
@@ -310,12 +359,15 @@ def parse_request(model: type[_Request], body: bytes) -> Any:
         An instance of `model`.
 
     Raises:
-        InvalidRequestError: malformed JSON (param None), or the first field error with `param` set to its path.
+        InvalidRequestError: malformed JSON (param None; for an escape of a lone UTF-16 surrogate, the path of the
+            string that holds it), or the first field error with `param` set to its path.
     """
     try:
         return model.model_validate_json(body or b"", strict=True)
     except ValidationError as exc:
         first = exc.errors(include_url=False)[0]
+        if first["type"] == "json_invalid" and any(word in first["msg"] for word in _SURROGATE_ERRORS):
+            raise _lone_surrogate_error(body) from None
         if first["type"] in ("json_invalid", "json_type") or not first["loc"]:
             raise InvalidRequestError(
                 "request body is not a valid JSON object" + (f": {first['msg']}" if body else ""), None

@@ -184,6 +184,7 @@ def constraint(req: ResponsesRequest, tools: list[dict], tools_parsed: bool) -> 
         schema = text_format.schema_ or {}
     return Constraint(functions=tuple(t["function"] for t in tools), forced=forced,
                       parallel=req.parallel_tool_calls is not False, json_schema=schema, format_param="text.format",
+                      function_params=tuple(f"tools.{i}.parameters" for i in range(len(tools))),
                       tools_parsed=tools_parsed and choice != "none")
 
 

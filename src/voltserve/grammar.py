@@ -55,11 +55,52 @@ def _error_text(matcher) -> str:
     return matcher.get_error().replace("\n<non-verbose/>", "").strip()
 
 
+def _problem(tokenizer, grammar: str) -> tuple[str, str] | None:
+    """Why `grammar` cannot be served for an `ll_tokenizer`: ("compile", llguidance's error) when it does not
+    compile, ("start", its error) when decoding fails on the tokens every output starts with; None when it can."""
+    matcher = _matcher(tokenizer, grammar)
+    if matcher.is_error():
+        return "compile", _error_text(matcher)
+    # the tokens the grammar forces (a schema's `{"a":` of a required key, a named tool's call head) and the mask
+    # after them: where llguidance's limits fail for the schemas that compile but cannot be decoded; failures
+    # further in, after tokens the model chose, end the request at decode time (`GrammarState.error`)
+    matcher.consume_tokens(matcher.compute_ff_tokens())
+    matcher.compute_bitmask()
+    if matcher.is_error():
+        return "start", _error_text(matcher)
+    return None
+
+
+_CANNOT_FOLLOW = "constrained decoding cannot follow the grammar it asks for"
+
+
+def grammar_error(tokenizer, grammar: str, param: str | None = None) -> str | None:
+    """Why `grammar` cannot be served for `tokenizer`, for a message ("the grammar does not compile: ...",
+    "constrained decoding cannot follow the grammar it asks for: ..."; llguidance's error, its first line only:
+    a Lark grammar's compile error goes on with the grammar's text); None when it can. Compiles the grammar and
+    walks its forced start (~0.3 ms for a small schema, ~60 ms for 300 tools, ~150 ms for a regex `a{1000000}`):
+    call it off the event loop.
+
+    Raises:
+        InvalidRequestError: (param `param`) the tokenizer takes no grammar.
+    """
+    try:
+        tokenizer = ll_tokenizer(tokenizer)
+    except Exception as exc:  # llguidance cannot read this tokenizer: no grammar can be served for it
+        raise InvalidRequestError(f"grammars are not available for this model's tokenizer: {exc}",
+                                  param=param) from exc
+    problem = _problem(tokenizer, grammar)
+    if problem is None:
+        return None
+    stage, error = problem
+    error = error.split("\n", 1)[0]
+    return f"the grammar does not compile: {error}" if stage == "compile" else f"{_CANNOT_FOLLOW}: {error}"
+
+
 def check(tokenizer, grammar: str, param: str) -> None:
     """Refuse `grammar` when it does not compile for `tokenizer`, or when llguidance fails on the tokens every
-    output starts with: a 400 before the request is queued, rather than a sequence that cannot start or one cut
-    short mid-output. Compiles the grammar and walks its forced start (~0.3 ms for a small schema, ~60 ms for 300
-    tools, ~150 ms for the regex below): call it off the event loop.
+    output starts with (`grammar_error`): a 400 before the request is queued, rather than a sequence that cannot
+    start or one cut short mid-output. Call it off the event loop.
 
     Args:
         tokenizer: the served tokenizer (`ll_tokenizer`).
@@ -71,23 +112,38 @@ def check(tokenizer, grammar: str, param: str) -> None:
             decoding it fails on its forced start (a resource limit of llguidance: e.g. a required property that
             refers to its own schema, `{"a": {"a": ...}}` forever; a regex such as `a{1000000}`).
     """
+    error = grammar_error(tokenizer, grammar, param)
+    if error is not None:
+        raise InvalidRequestError(f"invalid {param}: {error}", param=param)
+
+
+def schema_error(tokenizer, schema: dict | None, function: str | None = None) -> str | None:
+    """Why the JSON schema `schema` cannot constrain an output on its own, for a message ("the JSON schema does
+    not compile: ...", "constrained decoding cannot follow the grammar it asks for: ...", or why it is refused
+    before compiling, e.g. a schema that refers to itself without nesting); None when it can. What tells which of
+    the schemas of a grammar that fails is at fault (`api.structured`); call it off the event loop.
+
+    Args:
+        tokenizer: the served tokenizer (it takes grammars: `grammar_error` or `check` passed it).
+        schema: a JSON schema (None or {} = any JSON object), e.g. a JSON response_format's.
+        function: `schema` is the parameters of the tool of that name: held as its calls' arguments are (an
+            object's schema; `{}` without properties, case T4).
+    """
     try:
-        tokenizer = ll_tokenizer(tokenizer)
-    except Exception as exc:  # llguidance cannot read this tokenizer: no grammar can be served for it
-        raise InvalidRequestError(f"grammars are not available for this model's tokenizer: {exc}",
-                                  param=param) from exc
-    matcher = _matcher(tokenizer, grammar)
-    if matcher.is_error():
-        raise InvalidRequestError(f"the grammar this request asks for does not compile: {_error_text(matcher)}",
-                                  param=param)
-    # the tokens the grammar forces (a schema's `{"a":` of a required key, a named tool's call head) and the mask
-    # after them: where llguidance's limits fail for the schemas that compile but cannot be decoded; failures
-    # further in, after tokens the model chose, end the request at decode time (`GrammarState.error`)
-    matcher.consume_tokens(matcher.compute_ff_tokens())
-    matcher.compute_bitmask()
-    if matcher.is_error():
-        raise InvalidRequestError(f"invalid {param}: constrained decoding cannot follow the grammar it asks for: "
-                                  f"{_error_text(matcher)}", param=param)
+        if function is not None:
+            schema = _arguments_schema(function, schema)
+        else:
+            schema = _with_options(schema or {"type": "object"})
+        text = _llguidance().LLMatcher.grammar_from_json_schema(schema)
+    except InvalidRequestError as exc:
+        return exc.message
+    except (ValueError, TypeError) as exc:
+        return f"the JSON schema is not supported: {exc}"
+    problem = _problem(ll_tokenizer(tokenizer), text)
+    if problem is None:
+        return None
+    stage, error = problem
+    return f"the JSON schema does not compile: {error}" if stage == "compile" else f"{_CANNOT_FOLLOW}: {error}"
 
 
 # JSON without free whitespace (`{"a":1}`): a small model otherwise spends its tokens on line breaks and indents;

@@ -92,7 +92,7 @@ CASES = [
         "name": "g"}}, tools=[{"type": "function", "function": {"name": "f"}}]), 400, INVALID, "tool_choice", None),
     ("tool_schema_bad_ref", "POST", CHAT, chat_body(tool_choice="required", tools=[{"type": "function", "function": {
         "name": "f", "parameters": {"type": "object", "properties": {"p": {"$ref": "#/$defs/Missing"}}}}}]), 400,
-     INVALID, "tool_choice", None),
+     INVALID, "tools.0.function.parameters", None),
     ("tool_choice_function_not_object", "POST", CHAT, chat_body(tool_choice={"type": "function", "function": "f"},
      tools=[{"type": "function", "function": {"name": "f"}}]), 400, INVALID, "tool_choice", None),
     ("tool_parameters_not_object", "POST", CHAT, chat_body(tool_choice="required", tools=[{"type": "function",
@@ -321,3 +321,72 @@ async def test_tool_parameters_absent_or_an_object_schema_pass(serve, schema):
         response = await client.post(CHAT, json=chat_body(tools=_tools(schema), tool_choice="auto"))
         assert response.status_code == 200
         assert orjson.loads(await response.get_data())["choices"][0]["message"]["content"] == "ok"
+
+
+SURROGATE_RULE = "surrogate escapes come in pairs: one of \\ud800-\\udbff, then one of \\udc00-\\udfff"
+
+
+def _surrogate_message(where: str | None, escape: str | None) -> str:
+    if where is None:
+        return f"the request body holds an invalid Unicode escape: a lone surrogate ({SURROGATE_RULE})"
+    return (f"the request body holds an invalid Unicode escape at '{where}': {escape} is a lone surrogate "
+            f"({SURROGATE_RULE})")
+
+
+# (id, path, raw body, param, the escape as the message quotes it); every body but the paired one is refused
+LONE_SURROGATES = [
+    ("chat_high_at_end", CHAT, b'{"model": "test-model", "messages": [{"role": "user", "content": "\\ud800"}]}',
+     "messages.0.content", "\\ud800"),
+    ("chat_low", CHAT, b'{"model": "test-model", "messages": [{"role": "user", "content": "a\\uDC00b"}]}',
+     "messages.0.content", "\\udc00"),
+    ("chat_high_then_text", CHAT, b'{"model": "test-model", "messages": [{"role": "user", "content": [{"type": '
+     b'"text", "text": "ok \\ud83dx"}]}]}', "messages.0.content.0.text", "\\ud83d"),
+    ("chat_pair_reversed", CHAT, b'{"model": "test-model", "stop": ["x", "\\ude00\\ud83d"], "messages": [{"role": '
+     b'"user", "content": "Hi"}]}', "stop.1", "\\ude00"),
+    ("chat_in_a_key", CHAT, b'{"model": "test-model", "metadata": {"\\ud800": 1}, "messages": [{"role": "user", '
+     b'"content": "Hi"}]}', "metadata.\\ud800", "\\ud800"),
+    ("completions_prompt", COMPLETIONS, b'{"model": "test-model", "prompt": "\\udfff"}', "prompt", "\\udfff"),
+    ("responses_input", "/v1/responses", b'{"model": "test-model", "input": [{"role": "user", "content": '
+     b'"\\ud800\\ud800"}]}', "input.0.content", "\\ud800"),
+    ("not_locatable", CHAT, b'{"model": "test-model", "messages": [{"role": "user", "content": "\\ud800"}], x}',
+     None, None),  # a later syntax error: the lone surrogate is named, not where it is
+]
+
+
+@pytest.mark.parametrize("case", LONE_SURROGATES, ids=[c[0] for c in LONE_SURROGATES])
+async def test_a_lone_surrogate_escape_is_named_with_where_it_is(serve, case):
+    """`"\\ud800"` is valid JSON syntax but no Unicode text: the 400 says so and names the field that holds it
+    (it used to say "unexpected end of hex escape at line 1 column 73")."""
+    _, path, raw, param, escape = case
+    async with serve(ScriptedEngine(scripts=["ok"])) as (client, engine):
+        response = await client.post(path, data=raw, headers={"content-type": "application/json"})
+    assert response.status_code == 400
+    assert orjson.loads(await response.get_data()) == {"error": {
+        "message": _surrogate_message(param, escape), "type": INVALID, "param": param, "code": None}}
+    assert engine.requests == []
+
+
+async def test_a_surrogate_pair_escape_is_one_character(serve):
+    """The escapes of a character outside the BMP, a high surrogate then a low one, are that character."""
+    raw = b'{"model": "test-model", "messages": [{"role": "user", "content": "\\ud83d\\ude00"}]}'
+    async with serve(ScriptedEngine(scripts=["ok"])) as (client, engine):
+        response = await client.post(CHAT, data=raw, headers={"content-type": "application/json"})
+    assert response.status_code == 200
+    assert "\U0001f600" in engine.tokenizer.decode(engine.requests[-1][0])
+
+
+@pytest.mark.parametrize("path, raw, where, escape", [
+    ("/v1/messages", b'{"model": "test-model", "max_tokens": 8, "messages": [{"role": "user", "content": '
+     b'[{"type": "text", "text": "a\\udc00"}]}]}', "messages.0.content.0.text", "\\udc00"),
+    ("/v1/messages", b'{"model": "test-model", "max_tokens": 8, "system": "\\ud800", "messages": [{"role": "user", '
+     b'"content": "Hi"}]}', "system", "\\ud800"),
+    ("/v1/messages/count_tokens", b'{"model": "test-model", "messages": [{"role": "user", "content": "\\ud800"}]}',
+     "messages.0.content", "\\ud800"),
+])
+async def test_a_lone_surrogate_escape_in_anthropic_shape(serve, path, raw, where, escape):
+    """The Messages routes: the same 400 in Anthropic's shape, whose message names the field (it has no param)."""
+    async with serve(ScriptedEngine(scripts=["ok"])) as (client, _):
+        response = await client.post(path, data=raw, headers={"content-type": "application/json"})
+    assert response.status_code == 400
+    assert orjson.loads(await response.get_data()) == {"type": "error", "error": {
+        "type": "invalid_request_error", "message": _surrogate_message(where, escape)}}

@@ -6,9 +6,10 @@ The engine applying the grammar is tests/e2e/test_grammar.py's; the real server'
 from __future__ import annotations
 
 import orjson
+import pytest
 
 from tests.api.conftest import chat_body
-from tests.api.fake_engine import ScriptedEngine
+from tests.api.fake_engine import ScriptedEngine, ThinkingTemplate
 from tests.api.test_messages_tools import TOOLS as ANTHROPIC_TOOLS, _both as messages_both, _blocks, _stop_reason
 from tests.api.test_responses_tools import WEATHER as RESPONSES_TOOL, both as responses_both
 from tests.api.test_tool_calls import TOOLS, _both as chat_both, _joined
@@ -117,10 +118,125 @@ async def test_a_schema_no_value_matches_is_a_400_naming_the_format(serve):
         ("/v1/messages", {"model": "test-model", "max_tokens": 8, "messages": [{"role": "user", "content": "Hi"}],
                           "output_config": {"format": {"type": "json_schema", "schema": loop}}},
          {"type": "error", "error": {"type": "invalid_request_error",
-                                     "message": f"invalid output_config.format: {why}"}}),
+                                     "message": f"output_config.format: {why}"}}),  # Anthropic: the field first
     ]
     async with serve(ScriptedEngine(scripts=["{}"])) as (client, engine):
         for url, payload, error in cases:
             response = await client.post(url, json=payload)
             assert (response.status_code, orjson.loads(await response.get_data())) == (400, error), url
         assert engine.requests == []
+
+
+# Schemas a grammar cannot serve, each failing at another stage: llguidance does not compile it; it refers to itself
+# without nesting (refused before compiling); it compiles, but llguidance's lexer limit fails on its forced start
+MISSING = {"type": "object", "properties": {"p": {"$ref": "#/$defs/Missing"}}}
+LOOP = {"$ref": "#"}
+HUGE = {"type": "object", "properties": {"p": {"type": "string", "pattern": "^a{1000000}$"}}, "required": ["p"]}
+WHY_MISSING = "the JSON schema does not compile: Pointer '/$defs/Missing' does not exist"
+WHY_LOOP = "the JSON schema at '#' refers to itself without nesting ($ref / allOf): no JSON value matches it"
+WHY_HUGE = "constrained decoding cannot follow the grammar it asks for: lexer error: too many expressions constructed"
+GOOD = {"type": "object", "properties": {"city": {"type": "string"}}}
+USER = [{"role": "user", "content": "Hi"}]
+
+
+def _chat_tools(bad: dict) -> list[dict]:
+    return [{"type": "function", "function": {"name": "g", "parameters": GOOD}},
+            {"type": "function", "function": {"name": "f", "parameters": bad}}]
+
+
+def _responses_tools(bad: dict) -> list[dict]:
+    return [{"type": "function", "name": "g", "parameters": GOOD}, {"type": "function", "name": "f", "parameters": bad}]
+
+
+def _messages(**extra) -> dict:
+    return {"model": "test-model", "max_tokens": 8, "messages": USER, **extra}
+
+
+def _anthropic_tools(bad: dict) -> list[dict]:
+    return [{"name": "g", "input_schema": GOOD}, {"name": "f", "input_schema": bad}]
+
+
+def _openai_error(message: str, param: str) -> dict:
+    return {"error": {"message": message, "type": "invalid_request_error", "param": param, "code": None}}
+
+
+def _anthropic_error(message: str) -> dict:
+    return {"type": "error", "error": {"type": "invalid_request_error", "message": message}}
+
+
+def _format(schema: dict) -> dict:
+    return {"type": "json_schema", "json_schema": {"name": "a", "schema": schema}}
+
+
+SCHEMA_ERRORS = [  # (id, url, request, the error body): the field that carries the bad schema is blamed
+    ("chat_format", "/v1/chat/completions", chat_body(response_format=_format(MISSING)),
+     _openai_error(f"invalid response_format: {WHY_MISSING}", "response_format")),
+    ("chat_format_huge", "/v1/chat/completions", chat_body(response_format=_format(HUGE)),
+     _openai_error(f"invalid response_format: {WHY_HUGE}", "response_format")),
+    ("chat_tool_required", "/v1/chat/completions", chat_body(tools=_chat_tools(MISSING), tool_choice="required"),
+     _openai_error(f"Invalid schema for function 'f': {WHY_MISSING}", "tools.1.function.parameters")),
+    ("chat_tool_named", "/v1/chat/completions", chat_body(tools=_chat_tools(HUGE), tool_choice={
+        "type": "function", "function": {"name": "f"}}),
+     _openai_error(f"Invalid schema for function 'f': {WHY_HUGE}", "tools.1.function.parameters")),
+    ("chat_tool_loop", "/v1/chat/completions", chat_body(tools=_chat_tools(LOOP), tool_choice="required"),
+     _openai_error(f"Invalid schema for function 'f': {WHY_LOOP}", "tools.1.function.parameters")),
+    # T5: tools the model may call beside a JSON format, one grammar: the tool or the format, whichever is bad
+    ("chat_T5_tool", "/v1/chat/completions", chat_body(tools=_chat_tools(MISSING), response_format=_format(GOOD)),
+     _openai_error(f"Invalid schema for function 'f': {WHY_MISSING}", "tools.1.function.parameters")),
+    ("chat_T5_format", "/v1/chat/completions", chat_body(tools=_chat_tools(GOOD), response_format=_format(LOOP)),
+     _openai_error(f"invalid response_format: {WHY_LOOP}", "response_format")),
+    ("responses_format", "/v1/responses", {"model": "test-model", "input": "Hi", "text": {"format": {
+        "type": "json_schema", "name": "a", "schema": MISSING}}},
+     _openai_error(f"invalid text.format: {WHY_MISSING}", "text.format")),
+    ("responses_tool", "/v1/responses", {"model": "test-model", "input": "Hi", "tools": _responses_tools(MISSING),
+                                         "tool_choice": "required"},
+     _openai_error(f"Invalid schema for function 'f': {WHY_MISSING}", "tools.1.parameters")),
+    ("responses_tool_named", "/v1/responses", {"model": "test-model", "input": "Hi", "tools": _responses_tools(LOOP),
+                                               "tool_choice": {"type": "function", "name": "f"}},
+     _openai_error(f"Invalid schema for function 'f': {WHY_LOOP}", "tools.1.parameters")),
+    # Anthropic's shape has no param: the message starts with the field, as Anthropic's own errors do
+    ("messages_tool_any", "/v1/messages", _messages(tools=_anthropic_tools(MISSING), tool_choice={"type": "any"}),
+     _anthropic_error(f"tools.1.custom.input_schema: {WHY_MISSING}")),
+    ("messages_tool_named", "/v1/messages", _messages(tools=_anthropic_tools(HUGE), tool_choice={
+        "type": "tool", "name": "f"}), _anthropic_error(f"tools.1.custom.input_schema: {WHY_HUGE}")),
+    ("messages_output_format", "/v1/messages", _messages(output_format={"type": "json_schema", "schema": MISSING}),
+     _anthropic_error(f"output_format: {WHY_MISSING}")),
+    ("messages_output_config", "/v1/messages", _messages(output_config={"format": {
+        "type": "json_schema", "schema": LOOP}}), _anthropic_error(f"output_config.format: {WHY_LOOP}")),
+]
+
+
+# Behind reasoning the output starts free: no forced start to fail on, so HUGE fails at decode time instead
+SCHEMA_CASES = [pytest.param(case, False, id=f"plain-{case[0]}") for case in SCHEMA_ERRORS] + [
+    pytest.param(case, True, id=f"reasoning-{case[0]}") for case in SCHEMA_ERRORS if WHY_HUGE not in str(case[3])]
+
+
+@pytest.mark.parametrize("case, thinking", SCHEMA_CASES)
+async def test_a_schema_the_grammar_cannot_serve_names_its_field(serve, case, thinking):
+    """A grammar that does not compile, or fails on its forced start, is a 400 that names the request field that
+    carries the bad schema: the format (`response_format`, `text.format`, `output_format`), or the tool's own
+    schema (`tools.N.function.parameters`, `tools.N.parameters`, `tools.N.input_schema`), never `tool_choice`;
+    the message holds llguidance's reason, not the grammar's text. The same behind reasoning (a template that
+    opens `<think>`: the grammar lets the reasoning run first, and is written in Lark)."""
+    _, url, payload, error = case
+    engine = ScriptedEngine(scripts=["{}"], max_model_len=4096)
+    if thinking:
+        engine.chat_template = ThinkingTemplate()
+    async with serve(engine, tool_call_parser="hermes", reasoning_parser="qwen3" if thinking else "none") as \
+            (client, _):
+        response = await client.post(url, json=payload)
+        assert (response.status_code, orjson.loads(await response.get_data())) == (400, error)
+        assert engine.requests == []
+
+
+async def test_tool_choice_errors_still_name_tool_choice(serve):
+    """What is wrong with the choice itself (no tools to force, a name no tool has) blames `tool_choice`."""
+    async with serve(ScriptedEngine()) as (client, _):
+        unknown = await client.post("/v1/chat/completions", json=chat_body(
+            tools=_chat_tools(GOOD), tool_choice={"type": "function", "function": {"name": "h"}}))
+        none = await client.post("/v1/responses", json={"model": "test-model", "input": "Hi",
+                                                         "tool_choice": "required"})
+    assert orjson.loads(await unknown.get_data()) == _openai_error(
+        "tool_choice names 'h', which is not one of the tools", "tool_choice")
+    assert orjson.loads(await none.get_data()) == _openai_error(
+        "tool_choice forces a call but the request gives no tools", "tool_choice")

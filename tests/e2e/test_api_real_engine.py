@@ -40,3 +40,35 @@ async def test_disconnect_mid_stream_frees_kv_blocks(smollm2):
         response = await client.post("/v1/chat/completions", json={**body, "stream": False, "max_tokens": 3})
         assert response.status_code == 200
         assert (await response.get_json())["usage"]["completion_tokens"] == 3
+
+
+async def test_stop_sequences_match_the_generated_text_only_not_the_prefill(smollm2):
+    """Anthropic Messages with an assistant prefill: `stop_sequences` are matched against the text the model
+    generates, as Anthropic's are (the prefill is input, not output): a stop sequence that spans the prefill's end
+    and the generated text ("...is Par" + "is." holds "Paris"), or one inside the prefill, does not stop the
+    output; one inside the generated text does. Streamed alike. Greedy answers of the default model:
+    "The capital of France" + " is Paris."."""
+    engine = AsyncEngine(EngineConfig(model=MODEL, device="cpu", num_kv_blocks=128, max_model_len=2048),
+                         loaded=smollm2)
+    question = [{"role": "user", "content": "What is the capital of France?"}]
+    cases = [  # (prefill, stop_sequences, text, stop_reason, stop_sequence)
+        ("The capital of France is Par", ["Paris"], "is.", "end_turn", None),
+        ("The capital of France", ["France is", "capital"], " is Paris.", "end_turn", None),
+        ("The capital of France", ["France is", " Paris"], " is", "stop_sequence", " Paris"),
+    ]
+    async with create_app(engine).test_app() as test_app:
+        client = test_app.test_client()
+        for prefill, stops, text, stop_reason, stop_sequence in cases:
+            body = {"model": MODEL, "max_tokens": 16, "temperature": 0, "stop_sequences": stops,
+                    "messages": [*question, {"role": "assistant", "content": prefill}]}
+            response = await client.post("/v1/messages", json=body)
+            assert response.status_code == 200
+            message = await response.get_json()
+            assert (message["content"], message["stop_reason"], message["stop_sequence"]) == \
+                ([{"type": "text", "text": text}], stop_reason, stop_sequence), (prefill, stops)
+            streamed = await client.post("/v1/messages", json={**body, "stream": True})
+            events = [orjson.loads(line.removeprefix(b"data: ")) for line in (await streamed.get_data()).split(b"\n")
+                      if line.startswith(b"data: ")]
+            deltas = [e["delta"] for e in events if e["type"] in ("content_block_delta", "message_delta")]
+            assert "".join(d.get("text", "") for d in deltas) == text
+            assert (deltas[-1]["stop_reason"], deltas[-1]["stop_sequence"]) == (stop_reason, stop_sequence)

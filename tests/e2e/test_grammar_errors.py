@@ -21,6 +21,7 @@ SELF_REF = {"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["
 HUGE_REGEX = {"type": "string", "pattern": "^a{1000000}$"}
 TOO_MANY_ITEMS = "parser error: Too many items (limit 50000; ff_tokens); try avoiding single-byte/short lexemes"
 TOO_MANY_EXPRESSIONS = "lexer error: too many expressions constructed"
+CANNOT_FOLLOW = "constrained decoding cannot follow the grammar it asks for: "
 AT_DECODE = "constrained decoding failed on the grammar this request asks for (its JSON schema or tool parameters): "
 PARAMETERS = {"type": "object", "properties": {"p": HUGE_REGEX}, "required": ["p"]}
 OK_SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
@@ -75,7 +76,7 @@ async def test_a_schema_that_fails_on_its_forced_start_is_a_400(smollm2):
     """Its first tokens are forced (`{"a":` again and again; `"` then a million a's): llguidance's limits fail
     there, so the request is refused before it is queued, naming the field."""
     def fails(param: str, why: str) -> str:
-        return f"invalid {param}: constrained decoding cannot follow the grammar it asks for: {why}"
+        return f"invalid {param}: {CANNOT_FOLLOW}{why}"
 
     cases = [  # (url, request, the error body)
         ("/v1/chat/completions", _chat(SELF_REF), _openai_error(fails("response_format", TOO_MANY_ITEMS),
@@ -84,8 +85,11 @@ async def test_a_schema_that_fails_on_its_forced_start_is_a_400(smollm2):
                                                                   "response_format")),
         ("/v1/chat/completions", _chat(HUGE_REGEX, stream=True),
          _openai_error(fails("response_format", TOO_MANY_EXPRESSIONS), "response_format")),
-        ("/v1/chat/completions", CHAT_TOOL, _openai_error(fails("tool_choice", TOO_MANY_EXPRESSIONS), "tool_choice")),
-        ("/v1/messages", MESSAGES_TOOL, _anthropic_error(fails("tool_choice", TOO_MANY_EXPRESSIONS))),
+        # a tool's schema: its own field is blamed (Anthropic's message starts with it)
+        ("/v1/chat/completions", CHAT_TOOL, _openai_error(
+            f"Invalid schema for function 'f': {CANNOT_FOLLOW}{TOO_MANY_EXPRESSIONS}", "tools.0.function.parameters")),
+        ("/v1/messages", MESSAGES_TOOL,
+         _anthropic_error(f"tools.0.custom.input_schema: {CANNOT_FOLLOW}{TOO_MANY_EXPRESSIONS}")),
     ]
     async with _served(smollm2) as (client, engine):
         for url, body, error in cases:
@@ -98,7 +102,7 @@ async def test_a_grammar_failing_mid_output_fails_the_request(smollm2, monkeypat
     """The same schemas with the request-time walk off stand for any failure after tokens the model chose: the
     request fails (400 / an in-band error event), never a 200 with finish "stop" and truncated output; the
     llguidance message is logged once per request through our logger."""
-    monkeypatch.setattr(grammar, "check", lambda *args: None)  # the engine still compiles the grammar
+    monkeypatch.setattr(grammar, "grammar_error", lambda *args: None)  # the engine still compiles the grammar
     chat_error = orjson.dumps(_openai_error(AT_DECODE + TOO_MANY_EXPRESSIONS, None))
     async with _served(smollm2) as (client, engine):
         with caplog.at_level(logging.WARNING, logger="actors.scheduler"):

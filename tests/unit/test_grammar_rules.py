@@ -182,3 +182,26 @@ def test_a_failure_after_tokens_the_model_chose_is_an_error_not_done():
     assert state.allowed(TOK.vocab_size).nonzero().flatten().tolist() == [EOS_ID]  # it can only end now
     state.accept(EOS_ID)
     assert state.error is not None and not state.done
+
+
+def test_schema_error_says_why_one_schema_cannot_constrain_an_output():
+    """What `api.structured` tells a failing grammar's schemas apart with: each schema alone, llguidance's reason
+    (a tool's parameters held as its arguments: an object, `{"p":"` forced by the required key)."""
+    cannot_follow = "constrained decoding cannot follow the grammar it asks for: "
+    assert grammar.schema_error(TOK, {"type": "object"}) is None
+    assert grammar.schema_error(TOK, None, function="f") is None
+    assert grammar.schema_error(TOK, {"$ref": "#/$defs/Missing"}) == \
+        "the JSON schema does not compile: Pointer '/$defs/Missing' does not exist"
+    assert grammar.schema_error(TOK, {"$ref": "#"}) == \
+        "the JSON schema at '#' refers to itself without nesting ($ref / allOf): no JSON value matches it"
+    assert grammar.schema_error(TOK, HUGE_REGEX) == cannot_follow + "lexer error: too many expressions constructed"
+    assert grammar.schema_error(TOK, {"properties": {"p": HUGE_REGEX}, "required": ["p"]}, function="f") == \
+        cannot_follow + "lexer error: too many expressions constructed"
+
+
+def test_grammar_error_keeps_the_first_line_of_a_lark_compile_error():
+    """A Lark grammar's compile error goes on with the grammar's text, which a client's message must not carry."""
+    g = grammar.tool_calls_grammar([{"name": "f", "parameters": {"$ref": "#/$defs/Missing"}}])
+    assert grammar.grammar_error(TOK, g) == \
+        "the grammar does not compile: at 2(9): failed to compile JSON schema: Pointer '/$defs/Missing' does not exist"
+    assert grammar.grammar_error(TOK, grammar.tool_calls_grammar([{"name": "f"}])) is None

@@ -308,6 +308,7 @@ class SchedulerActor(Actor):
         for seq in self.seqs.pop(rid, []):
             self.scheduler.finish(seq, FinishReason.ABORT)
             self.detoks.pop(seq.seq_id, None)
+            self.held_logprobs.pop(seq.seq_id, None)
         if stream is not None:
             stream.fail(error)
 

@@ -30,6 +30,9 @@ class IncrementalDetokenizer:
         stop: stop strings; the first (earliest in the text) match ends the output.
         include_stop_str_in_output: keep the matched stop string in the emitted text.
         skip_special_tokens: drop special tokens from the text.
+        count_text_tokens: keep `num_text_tokens` (a request that asked for logprobs). It costs a list entry per
+            token and takes a push of several tokens (a verify step's) token by token; without it, such a push
+            without stop strings is decoded at once.
 
     Attributes:
         token_ids: every id pushed so far.
@@ -43,6 +46,7 @@ class IncrementalDetokenizer:
         stop: Sequence[str] = (),
         include_stop_str_in_output: bool = False,
         skip_special_tokens: bool = True,
+        count_text_tokens: bool = True,
     ):
         self._tokenizer = tokenizer
         self._stop = tuple(s for s in stop if s)
@@ -54,9 +58,12 @@ class IncrementalDetokenizer:
         self._prefix_offset = 0  # window start: context so the first new token decodes as it would in place
         self._read_offset = 0  # tokens before this are already turned into text
         self._pending = ""  # decoded text not emitted yet (may still become a stop string)
-        self._num_decoded = 0  # characters the decoding layer released (emitted, pending or cut by a stop)
-        self._num_chars = 0  # whole characters the pushed tokens decode to (held ones of a split character too)
-        self._token_starts: list[int] = []  # [num_tokens] whole characters decoded before each token
+        # with count_text_tokens only (else None, 0, 0): [num_tokens] whole characters decoded before each token;
+        # characters the decoding layer released (emitted, pending or cut by a stop); whole characters the pushed
+        # tokens decode to (held ones of a split character too)
+        self._token_starts: list[int] | None = [] if count_text_tokens else None
+        self._num_decoded = 0
+        self._num_chars = 0
         self._num_emitted = 0  # characters push and flush returned: the output text's length so far
         self.stop_reason: str | None = None
         self.finished = False
@@ -77,24 +84,31 @@ class IncrementalDetokenizer:
         """
         if self.finished or not token_ids:
             return "", None
-        if len(token_ids) > 1:  # token by token: each token's text position (`num_text_tokens`)
-            text = ""
-            for token_id in token_ids:
-                piece, stop = self.push((token_id,))
-                text += piece
-                if stop is not None:
-                    return text, stop
-            return text, None
-        token_id = int(token_ids[0])
-        self._token_starts.append(self._num_chars)
-        self.token_ids.append(token_id)
-        if self._bytes is not None:
-            new = self._bytes.push((token_id,))
-            held = self._bytes.num_held_chars if not new else 0
+        starts = self._token_starts
+        if len(token_ids) > 1:
+            if starts is not None or self._stop:  # token by token: each token's text position, the stop's token
+                text = ""
+                for token_id in token_ids:
+                    piece, stop = self.push((token_id,))
+                    text += piece
+                    if stop is not None:
+                        return text, stop
+                return text, None
+            new_ids = list(map(int, token_ids))  # nothing to count or hold back: the tokens at once
+            self.token_ids += new_ids
+            new = self._bytes.push(new_ids) if self._bytes is not None else self._decode_new()[0]
         else:
-            new, held = self._decode_new()
-        self._num_decoded += len(new)
-        self._num_chars = self._num_decoded + held
+            token_id = int(token_ids[0])
+            self.token_ids.append(token_id)
+            if self._bytes is not None:
+                new = self._bytes.push((token_id,))
+                held = self._bytes.num_held_chars if starts is not None and not new else 0
+            else:
+                new, held = self._decode_new()
+            if starts is not None:
+                starts.append(self._num_chars)
+                self._num_decoded += len(new)
+                self._num_chars = self._num_decoded + held
         if not self._stop:  # nothing to hold back: the per-token fast path
             self._num_emitted += len(new)
             return new, None
@@ -127,7 +141,12 @@ class IncrementalDetokenizer:
         or ends inside a UTF-8 character) counts only once that text is emitted. A token that carries only
         bytes of a split character counts with the character, when it is emitted. Once the sequence is over
         (a stop string matched, or `flush`), the count is final.
+
+        Raises:
+            RuntimeError: the detokenizer was made with `count_text_tokens=False`.
         """
+        if self._token_starts is None:
+            raise RuntimeError("num_text_tokens: this detokenizer does not count them (count_text_tokens=False)")
         return bisect_left(self._token_starts, self._num_emitted)
 
     def flush(self) -> str:

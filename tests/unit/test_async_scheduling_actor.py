@@ -219,3 +219,14 @@ async def test_a_failing_draft_model_costs_drafts_not_requests(caplog):
     assert actor.num_draft_failures == 12  # a prepare before each decode step with room for a draft
     assert [r.getMessage()[:45] for r in caplog.records if "drafting failed" in r.getMessage()] == \
         ["draft model: drafting failed (1 times so far)", "draft model: drafting failed (10 times so far"]
+
+
+def test_only_sequences_with_logprobs_count_text_tokens():
+    """Token positions (`IncrementalDetokenizer.num_text_tokens`) cost a list entry per token and a token-by-token
+    push of a verify step's tokens: kept only for the sequences whose logprobs follow the text."""
+    actor = SchedulerActor(make_scheduler(), None, ByteTokenizer())
+    plain, counted = make_seq(PROMPTS[0], request_id="plain"), make_seq(PROMPTS[0], request_id="lp", logprobs=0)
+    for seq in (plain, counted):
+        actor._on_message(AddRequestMsg((seq,), RequestStream(seq.request_id, 1, abort=lambda r: None)))
+    assert actor.detoks[plain.seq_id]._token_starts is None and plain.seq_id not in actor.held_logprobs
+    assert actor.detoks[counted.seq_id]._token_starts == [] and actor.held_logprobs[counted.seq_id] == []

@@ -118,3 +118,16 @@ def test_num_text_tokens_leaves_out_a_cut_off_character(smollm2_tokenizer):
     text = "".join(detok.push([i])[0] for i in ids[:-1]) + detok.flush()  # the last emoji lacks its last byte
     assert text == "x 😀"
     assert len(ids) - 1 > detok.num_text_tokens == len(tok.encode("x 😀"))
+
+
+def test_without_counting_text_tokens(smollm2_tokenizer):
+    """A request without logprobs keeps no per-token positions: a verify step's tokens are decoded at once, and
+    `num_text_tokens` is refused rather than wrong."""
+    tok = smollm2_tokenizer
+    ids = tok.encode("The capital of France is Paris.")
+    detok = IncrementalDetokenizer(tok, count_text_tokens=False)
+    assert detok.push(ids[:4]) == ("The capital of France", None)
+    assert detok.push(ids[4:]) == (" is Paris.", None)
+    assert (detok.token_ids, detok._token_starts) == (ids, None)
+    with pytest.raises(RuntimeError, match="count_text_tokens"):
+        detok.num_text_tokens

@@ -58,12 +58,12 @@ class IncrementalDetokenizer:
         self._prefix_offset = 0  # window start: context so the first new token decodes as it would in place
         self._read_offset = 0  # tokens before this are already turned into text
         self._pending = ""  # decoded text not emitted yet (may still become a stop string)
-        # with count_text_tokens only (else None, 0, 0): [num_tokens] whole characters decoded before each token;
-        # characters the decoding layer released (emitted, pending or cut by a stop); whole characters the pushed
-        # tokens decode to (held ones of a split character too)
+        # with count_text_tokens only (else None, 0, 0): [num_tokens] characters of the text before each token
+        # (`_place_run`); characters the decoding layer released (emitted, pending or cut by a stop); the first
+        # token whose text it has not released yet
         self._token_starts: list[int] | None = [] if count_text_tokens else None
         self._num_decoded = 0
-        self._num_chars = 0
+        self._run_start = 0
         self._num_emitted = 0  # characters push and flush returned: the output text's length so far
         self.stop_reason: str | None = None
         self.finished = False
@@ -96,19 +96,20 @@ class IncrementalDetokenizer:
                 return text, None
             new_ids = list(map(int, token_ids))  # nothing to count or hold back: the tokens at once
             self.token_ids += new_ids
-            new = self._bytes.push(new_ids) if self._bytes is not None else self._decode_new()[0]
-        else:
+            new = self._bytes.push(new_ids) if self._bytes is not None else self._decode_new()
+        elif starts is None:
             token_id = int(token_ids[0])
             self.token_ids.append(token_id)
-            if self._bytes is not None:
-                new = self._bytes.push((token_id,))
-                held = self._bytes.num_held_chars if starts is not None and not new else 0
-            else:
-                new, held = self._decode_new()
-            if starts is not None:
-                starts.append(self._num_chars)
+            new = self._bytes.push((token_id,)) if self._bytes is not None else self._decode_new()
+        else:
+            token_id = int(token_ids[0])
+            starts.append(self._num_decoded)  # exact for the first token of a run; the others: `_place_run`
+            self.token_ids.append(token_id)
+            prefix_offset = self._prefix_offset
+            new = self._bytes.push((token_id,)) if self._bytes is not None else self._decode_new()
+            if new:
+                self._place_run(new, prefix_offset)
                 self._num_decoded += len(new)
-                self._num_chars = self._num_decoded + held
         if not self._stop:  # nothing to hold back: the per-token fast path
             self._num_emitted += len(new)
             return new, None
@@ -133,14 +134,15 @@ class IncrementalDetokenizer:
     def num_text_tokens(self) -> int:
         """How many of the pushed tokens (a leading run) have text in the output emitted so far.
 
-        Rule: a token counts once the emitted text goes on past the whole characters that the tokens before it
-        decode to, i.e. once some of its own text is out. So the count ends at the shortest run of leading tokens
-        whose text covers the output: a token from a matched stop string's start on (unless the stop string is
-        kept in the output), an EOS or other skipped special token at the end, or the bytes of a character cut off
-        by the end of the sequence never count; a token whose text is held back (it could begin a stop string,
-        or ends inside a UTF-8 character) counts only once that text is emitted. A token that carries only
-        bytes of a split character counts with the character, when it is emitted. Once the sequence is over
-        (a stop string matched, or `flush`), the count is final.
+        Rule: a token counts once the emitted text goes on past the text before it (the characters the tokens before
+        it decode to that the output keeps as they are: not a U+FFFD standing for bytes of a character that later
+        tokens complete; a literal U+FFFD, or one for invalid bytes, is text), i.e. once some of its own text is out.
+        So the count ends at the shortest run of leading tokens whose text covers the output: a token from a matched
+        stop string's start on (unless the stop string is kept in the output), an EOS or other skipped special token
+        at the end, or the bytes of a character cut off by the end of the sequence never count; a token whose text is
+        held back (it could begin a stop string, or ends inside a UTF-8 character) counts only once that text is
+        emitted. A token that carries only bytes of a split character counts with the character, when it is emitted.
+        Once the sequence is over (a stop string matched, or `flush`), the count is final.
 
         Raises:
             RuntimeError: the detokenizer was made with `count_text_tokens=False`.
@@ -160,7 +162,10 @@ class IncrementalDetokenizer:
             prefix = self._window_text(self._prefix_offset, self._read_offset)
             tail = self._window_text(self._prefix_offset, len(self.token_ids))[len(prefix):]
         # a sequence cut off inside a multi-byte character: drop the incomplete bytes, never send U+FFFD
-        out = self._pending + tail.rstrip(_REPLACEMENT)
+        tail = tail.rstrip(_REPLACEMENT)
+        if self._token_starts is not None and tail:
+            self._place_run(tail, self._prefix_offset)
+        out = self._pending + tail
         self._pending = ""
         self._num_emitted += len(out)
         self._prefix_offset = self._read_offset = len(self.token_ids)
@@ -172,16 +177,42 @@ class IncrementalDetokenizer:
             return ""
         return self._tokenizer.decode(self.token_ids[start:end], skip_special_tokens=self._skip_special)
 
-    def _decode_new(self) -> tuple[str, int]:
-        """(text of the tokens after the read offset, or "" while it ends inside a UTF-8 character; the whole
-        characters held back meanwhile, as `ByteStreamDecoder.num_held_chars` counts them)."""
+    def _decode_new(self) -> str:
+        """Text of the tokens after the read offset, or "" while it ends inside a UTF-8 character."""
         prefix = self._window_text(self._prefix_offset, self._read_offset)
         full = self._window_text(self._prefix_offset, len(self.token_ids))
         if len(full) <= len(prefix) or full.endswith(_REPLACEMENT):
-            return "", len(full[len(prefix):].rstrip(_REPLACEMENT))
+            return ""
         self._prefix_offset = self._read_offset
         self._read_offset = len(self.token_ids)
-        return full[len(prefix):], 0
+        return full[len(prefix):]
+
+    def _place_run(self, text: str, prefix_offset: int) -> None:
+        """The decoding layer released `text`, the text of the run of tokens since its last release (several when
+        it ended inside a character, with U+FFFD, or had no text): place each of the run's tokens after its first
+        (which `push` placed) at the characters of `text` that the tokens before it in the run decode to as they
+        are in `text` (their text up to where the two differ: a U+FFFD there stands for bytes of a character
+        the next tokens complete, unless `text` has it too, a literal U+FFFD or invalid bytes). Costs a decode
+        of each prefix of the run (in the windowed path, after `prefix_offset`: the run's window start).
+        """
+        starts, start, end = self._token_starts, self._run_start, len(self.token_ids)
+        self._run_start = end
+        if end - start < 2:
+            return
+        base = starts[start]
+        if self._bytes is None:
+            prefix_len = len(self._window_text(prefix_offset, start))
+        for j in range(start + 1, end):
+            if self._bytes is not None:
+                before = self._bytes.decode(self.token_ids[start:j])
+            else:
+                before = self._window_text(prefix_offset, j)[prefix_len:]
+            same = 0
+            for a, b in zip(before, text):
+                if a != b:
+                    break
+                same += 1
+            starts[j] = base + same
 
     def _find_stop(self) -> tuple[int, str] | None:
         """Earliest stop-string occurrence in the pending text (longest string wins a tie)."""

@@ -52,11 +52,10 @@ class ByteStreamDecoder:
         self._unreleased = ""
         return text
 
-    @property
-    def num_held_chars(self) -> int:
-        """Whole characters decoded but held back (before a character still being completed), a trailing U+FFFD
-        not counted: where the next token's text starts, past the text released so far."""
-        return len(self._unreleased.rstrip(_REPLACEMENT))
+    def decode(self, token_ids: Sequence[int]) -> str:
+        """The text of `token_ids` on their own (U+FFFD for invalid or incomplete bytes, as `tokenizers` decodes
+        them); the stream is left as it is."""
+        return b"".join([self._lookup(i) for i in token_ids]).decode("utf-8", errors="replace")
 
     def flush(self) -> str:
         """Everything not released, with an incomplete or invalid UTF-8 tail dropped (never a trailing U+FFFD)."""

@@ -131,3 +131,28 @@ def test_without_counting_text_tokens(smollm2_tokenizer):
     assert (detok.token_ids, detok._token_starts) == (ids, None)
     with pytest.raises(RuntimeError, match="count_text_tokens"):
         detok.num_text_tokens
+
+
+class _TableTokenizer:
+    """Ids 0-4: a literal U+FFFD, " is", " Paris", "The", the invalid byte 0xff."""
+
+    table = ("\ufffd".encode(), b" is", b" Paris", b"The", b"\xff")
+
+    def decode(self, ids, skip_special_tokens=True):
+        return b"".join(self.table[i] for i in ids).decode("utf-8", errors="replace")
+
+
+class _BytesTableTokenizer(_TableTokenizer):
+    def byte_table(self, skip_special_tokens=True):
+        return self.table
+
+
+@pytest.mark.parametrize("tok", [_TableTokenizer(), _BytesTableTokenizer()], ids=["windowed", "bytes"])
+@pytest.mark.parametrize("replacement", [0, 4], ids=["literal", "invalid_byte"])
+def test_num_text_tokens_after_a_replacement_character(tok, replacement):
+    """A U+FFFD that stays in the text (a literal one, or invalid bytes) is text: the token after it counts only
+    once its own text is out, not with the U+FFFD (it once counted from the U+FFFD's release on, so a stop string
+    that then cut its text left it a logprob entry)."""
+    detok = IncrementalDetokenizer(tok, stop=[" is Paris"])
+    counts = [(detok.push([i]), detok.num_text_tokens) for i in (3, replacement, 1, 2)]
+    assert counts == [(("The", None), 1), (("", None), 1), (("\ufffd", None), 2), (("", " is Paris"), 2)]

@@ -75,6 +75,10 @@ def _run(tok, ids, chunks, count_text_tokens=True, **kwargs):
     return deltas, flushed, detok.stop_reason, count(), detok.token_ids
 
 
+def _common_prefix_len(a: str, b: str) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
 def _without_counts(run):
     """(the whole text, the stop reason, the ids taken) of a `_run`."""
     deltas, flushed, stop, _, taken = run
@@ -112,8 +116,10 @@ def test_same_deltas_as_windowed_and_decode(name, request):
         skip = kwargs["skip_special_tokens"]
         if stop is None:  # everything, less an incomplete (or invalid) UTF-8 tail
             assert text == tok.decode(ids, skip_special_tokens=skip).rstrip("\ufffd")
-        # logprobs' rule: a token counts iff the text goes on past the whole characters of the tokens before it
-        starts = [len(tok.decode(taken[:i], skip_special_tokens=skip).rstrip("\ufffd")) for i in range(len(taken))]
+        # logprobs' rule: a token counts iff the text goes on past the text of the tokens before it, as far as the
+        # whole sequence's text has it (a U+FFFD for bytes a later token completes is not in it; a literal one is)
+        whole = tok.decode(taken, skip_special_tokens=skip)
+        starts = [_common_prefix_len(tok.decode(taken[:i], skip_special_tokens=skip), whole) for i in range(len(taken))]
         assert num_text_tokens == sum(start < len(text) for start in starts), (ids, chunks, kwargs)
 
 

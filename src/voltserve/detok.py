@@ -15,6 +15,7 @@ the tokens of the returned text): see its docstring for the rule.
 
 from __future__ import annotations
 
+import codecs
 from bisect import bisect_left
 from collections.abc import Sequence
 
@@ -191,28 +192,27 @@ class IncrementalDetokenizer:
         """The decoding layer released `text`, the text of the run of tokens since its last release (several when
         it ended inside a character, with U+FFFD, or had no text): place each of the run's tokens after its first
         (which `push` placed) at the characters of `text` that the tokens before it in the run decode to as they
-        are in `text` (their text up to where the two differ: a U+FFFD there stands for bytes of a character
-        the next tokens complete, unless `text` has it too, a literal U+FFFD or invalid bytes). Costs a decode
-        of each prefix of the run (in the windowed path, after `prefix_offset`: the run's window start).
+        are in `text` (up to where the two differ: a U+FFFD there stands for bytes of a character the next tokens
+        complete, unless `text` has it too, a literal U+FFFD or invalid bytes). Linear in the run's bytes on the
+        table path; the windowed path decodes each prefix of the run (after `prefix_offset`, its window start).
         """
         starts, start, end = self._token_starts, self._run_start, len(self.token_ids)
         self._run_start = end
         if end - start < 2:
             return
         base = starts[start]
-        if self._bytes is None:
+        if self._bytes is not None:
+            decoder = codecs.getincrementaldecoder("utf-8")("replace")
+            stable = 0  # characters of the run's bytes so far that no later byte changes: a prefix of `text`
+            for j in range(start + 1, end):
+                stable += len(decoder.decode(self._bytes.token_bytes(self.token_ids[j - 1])))
+                # the bytes of a character not complete yet decode to one U+FFFD: text only if `text` has it too
+                incomplete = decoder.getstate()[0] != b""
+                starts[j] = base + stable + int(incomplete and text[stable:stable + 1] == _REPLACEMENT)
+        else:
             prefix_len = len(self._window_text(prefix_offset, start))
-        for j in range(start + 1, end):
-            if self._bytes is not None:
-                before = self._bytes.decode(self.token_ids[start:j])
-            else:
-                before = self._window_text(prefix_offset, j)[prefix_len:]
-            same = 0
-            for a, b in zip(before, text):
-                if a != b:
-                    break
-                same += 1
-            starts[j] = base + same
+            for j in range(start + 1, end):
+                starts[j] = base + _common_prefix_len(self._window_text(prefix_offset, j)[prefix_len:], text)
 
     def _find_stop(self) -> tuple[int, str] | None:
         """Earliest stop-string occurrence in the pending text (longest string wins a tie)."""
@@ -231,3 +231,15 @@ class IncrementalDetokenizer:
             if any(s.startswith(suffix) for s in self._stop):
                 return length
         return 0
+
+
+def _common_prefix_len(before: str, text: str) -> int:
+    """Length of the common prefix of `before` and `text`: `before` is `text`'s start but where trailing U+FFFDs
+    may differ (a byte-level decoder's), in C where it is."""
+    if text.startswith(before):
+        return len(before)
+    stem = before.rstrip(_REPLACEMENT)
+    if text.startswith(stem):
+        rest = text[len(stem):len(before)]
+        return len(stem) + len(rest) - len(rest.lstrip(_REPLACEMENT))
+    return next((i for i, (a, b) in enumerate(zip(before, text)) if a != b), min(len(before), len(text)))

@@ -52,10 +52,13 @@ class ByteStreamDecoder:
         self._unreleased = ""
         return text
 
-    def decode(self, token_ids: Sequence[int]) -> str:
-        """The text of `token_ids` on their own (U+FFFD for invalid or incomplete bytes, as `tokenizers` decodes
-        them); the stream is left as it is."""
-        return b"".join([self._lookup(i) for i in token_ids]).decode("utf-8", errors="replace")
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes `token_id` decodes to (b"" for an id the table drops or does not have).
+
+        Raises:
+            ValueError: a negative id.
+        """
+        return self._lookup(token_id)
 
     def flush(self) -> str:
         """Everything not released, with an incomplete or invalid UTF-8 tail dropped (never a trailing U+FFFD)."""

@@ -171,7 +171,8 @@ class SchedulerActor(Actor):
             for seq in msg.seqs:
                 p = seq.params
                 self.detoks[seq.seq_id] = IncrementalDetokenizer(
-                    self.tokenizer, stop=p.stop, include_stop_str_in_output=p.include_stop_str_in_output)
+                    self.tokenizer, stop=p.stop, include_stop_str_in_output=p.include_stop_str_in_output,
+                    count_text_tokens=p.logprobs is not None)
                 if p.logprobs is not None:
                     self.held_logprobs[seq.seq_id] = []
                 self.scheduler.add(seq)
@@ -308,6 +309,7 @@ class SchedulerActor(Actor):
         for seq in self.seqs.pop(rid, []):
             self.scheduler.finish(seq, FinishReason.ABORT)
             self.detoks.pop(seq.seq_id, None)
+            self.held_logprobs.pop(seq.seq_id, None)
         if stream is not None:
             stream.fail(error)
 

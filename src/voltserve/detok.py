@@ -15,6 +15,7 @@ the tokens of the returned text): see its docstring for the rule.
 
 from __future__ import annotations
 
+import codecs
 from bisect import bisect_left
 from collections.abc import Sequence
 
@@ -30,6 +31,9 @@ class IncrementalDetokenizer:
         stop: stop strings; the first (earliest in the text) match ends the output.
         include_stop_str_in_output: keep the matched stop string in the emitted text.
         skip_special_tokens: drop special tokens from the text.
+        count_text_tokens: keep `num_text_tokens` (a request that asked for logprobs). It costs a list entry per
+            token and takes a push of several tokens (a verify step's) token by token; without it, such a push
+            without stop strings is decoded at once.
 
     Attributes:
         token_ids: every id pushed so far.
@@ -43,6 +47,7 @@ class IncrementalDetokenizer:
         stop: Sequence[str] = (),
         include_stop_str_in_output: bool = False,
         skip_special_tokens: bool = True,
+        count_text_tokens: bool = True,
     ):
         self._tokenizer = tokenizer
         self._stop = tuple(s for s in stop if s)
@@ -54,9 +59,12 @@ class IncrementalDetokenizer:
         self._prefix_offset = 0  # window start: context so the first new token decodes as it would in place
         self._read_offset = 0  # tokens before this are already turned into text
         self._pending = ""  # decoded text not emitted yet (may still become a stop string)
-        self._num_decoded = 0  # characters the decoding layer released (emitted, pending or cut by a stop)
-        self._num_chars = 0  # whole characters the pushed tokens decode to (held ones of a split character too)
-        self._token_starts: list[int] = []  # [num_tokens] whole characters decoded before each token
+        # with count_text_tokens only (else None, 0, 0): [num_tokens] characters of the text before each token
+        # (`_place_run`); characters the decoding layer released (emitted, pending or cut by a stop); the first
+        # token whose text it has not released yet
+        self._token_starts: list[int] | None = [] if count_text_tokens else None
+        self._num_decoded = 0
+        self._run_start = 0
         self._num_emitted = 0  # characters push and flush returned: the output text's length so far
         self.stop_reason: str | None = None
         self.finished = False
@@ -77,24 +85,32 @@ class IncrementalDetokenizer:
         """
         if self.finished or not token_ids:
             return "", None
-        if len(token_ids) > 1:  # token by token: each token's text position (`num_text_tokens`)
-            text = ""
-            for token_id in token_ids:
-                piece, stop = self.push((token_id,))
-                text += piece
-                if stop is not None:
-                    return text, stop
-            return text, None
-        token_id = int(token_ids[0])
-        self._token_starts.append(self._num_chars)
-        self.token_ids.append(token_id)
-        if self._bytes is not None:
-            new = self._bytes.push((token_id,))
-            held = self._bytes.num_held_chars if not new else 0
+        starts = self._token_starts
+        if len(token_ids) > 1:
+            if starts is not None or self._stop:  # token by token: each token's text position, the stop's token
+                text = ""
+                for token_id in token_ids:
+                    piece, stop = self.push((token_id,))
+                    text += piece
+                    if stop is not None:
+                        return text, stop
+                return text, None
+            new_ids = list(map(int, token_ids))  # nothing to count or hold back: the tokens at once
+            self.token_ids += new_ids
+            new = self._bytes.push(new_ids) if self._bytes is not None else self._decode_new()
+        elif starts is None:
+            token_id = int(token_ids[0])
+            self.token_ids.append(token_id)
+            new = self._bytes.push((token_id,)) if self._bytes is not None else self._decode_new()
         else:
-            new, held = self._decode_new()
-        self._num_decoded += len(new)
-        self._num_chars = self._num_decoded + held
+            token_id = int(token_ids[0])
+            starts.append(self._num_decoded)  # exact for the first token of a run; the others: `_place_run`
+            self.token_ids.append(token_id)
+            prefix_offset = self._prefix_offset
+            new = self._bytes.push((token_id,)) if self._bytes is not None else self._decode_new()
+            if new:
+                self._place_run(new, prefix_offset)
+                self._num_decoded += len(new)
         if not self._stop:  # nothing to hold back: the per-token fast path
             self._num_emitted += len(new)
             return new, None
@@ -119,15 +135,21 @@ class IncrementalDetokenizer:
     def num_text_tokens(self) -> int:
         """How many of the pushed tokens (a leading run) have text in the output emitted so far.
 
-        Rule: a token counts once the emitted text goes on past the whole characters that the tokens before it
-        decode to, i.e. once some of its own text is out. So the count ends at the shortest run of leading tokens
-        whose text covers the output: a token from a matched stop string's start on (unless the stop string is
-        kept in the output), an EOS or other skipped special token at the end, or the bytes of a character cut off
-        by the end of the sequence never count; a token whose text is held back (it could begin a stop string,
-        or ends inside a UTF-8 character) counts only once that text is emitted. A token that carries only
-        bytes of a split character counts with the character, when it is emitted. Once the sequence is over
-        (a stop string matched, or `flush`), the count is final.
+        Rule: a token counts once the emitted text goes on past the text before it (the characters the tokens before
+        it decode to that the output keeps as they are: not a U+FFFD standing for bytes of a character that later
+        tokens complete; a literal U+FFFD, or one for invalid bytes, is text), i.e. once some of its own text is out.
+        So the count ends at the shortest run of leading tokens whose text covers the output: a token from a matched
+        stop string's start on (unless the stop string is kept in the output), an EOS or other skipped special token
+        at the end, or the bytes of a character cut off by the end of the sequence never count; a token whose text is
+        held back (it could begin a stop string, or ends inside a UTF-8 character) counts only once that text is
+        emitted. A token that carries only bytes of a split character counts with the character, when it is emitted.
+        Once the sequence is over (a stop string matched, or `flush`), the count is final.
+
+        Raises:
+            RuntimeError: the detokenizer was made with `count_text_tokens=False`.
         """
+        if self._token_starts is None:
+            raise RuntimeError("num_text_tokens: this detokenizer does not count them (count_text_tokens=False)")
         return bisect_left(self._token_starts, self._num_emitted)
 
     def flush(self) -> str:
@@ -141,7 +163,10 @@ class IncrementalDetokenizer:
             prefix = self._window_text(self._prefix_offset, self._read_offset)
             tail = self._window_text(self._prefix_offset, len(self.token_ids))[len(prefix):]
         # a sequence cut off inside a multi-byte character: drop the incomplete bytes, never send U+FFFD
-        out = self._pending + tail.rstrip(_REPLACEMENT)
+        tail = tail.rstrip(_REPLACEMENT)
+        if self._token_starts is not None and tail:
+            self._place_run(tail, self._prefix_offset)
+        out = self._pending + tail
         self._pending = ""
         self._num_emitted += len(out)
         self._prefix_offset = self._read_offset = len(self.token_ids)
@@ -153,16 +178,41 @@ class IncrementalDetokenizer:
             return ""
         return self._tokenizer.decode(self.token_ids[start:end], skip_special_tokens=self._skip_special)
 
-    def _decode_new(self) -> tuple[str, int]:
-        """(text of the tokens after the read offset, or "" while it ends inside a UTF-8 character; the whole
-        characters held back meanwhile, as `ByteStreamDecoder.num_held_chars` counts them)."""
+    def _decode_new(self) -> str:
+        """Text of the tokens after the read offset, or "" while it ends inside a UTF-8 character."""
         prefix = self._window_text(self._prefix_offset, self._read_offset)
         full = self._window_text(self._prefix_offset, len(self.token_ids))
         if len(full) <= len(prefix) or full.endswith(_REPLACEMENT):
-            return "", len(full[len(prefix):].rstrip(_REPLACEMENT))
+            return ""
         self._prefix_offset = self._read_offset
         self._read_offset = len(self.token_ids)
-        return full[len(prefix):], 0
+        return full[len(prefix):]
+
+    def _place_run(self, text: str, prefix_offset: int) -> None:
+        """The decoding layer released `text`, the text of the run of tokens since its last release (several when
+        it ended inside a character, with U+FFFD, or had no text): place each of the run's tokens after its first
+        (which `push` placed) at the characters of `text` that the tokens before it in the run decode to as they
+        are in `text` (up to where the two differ: a U+FFFD there stands for bytes of a character the next tokens
+        complete, unless `text` has it too, a literal U+FFFD or invalid bytes). Linear in the run's bytes on the
+        table path; the windowed path decodes each prefix of the run (after `prefix_offset`, its window start).
+        """
+        starts, start, end = self._token_starts, self._run_start, len(self.token_ids)
+        self._run_start = end
+        if end - start < 2:
+            return
+        base = starts[start]
+        if self._bytes is not None:
+            decoder = codecs.getincrementaldecoder("utf-8")("replace")
+            stable = 0  # characters of the run's bytes so far that no later byte changes: a prefix of `text`
+            for j in range(start + 1, end):
+                stable += len(decoder.decode(self._bytes.token_bytes(self.token_ids[j - 1])))
+                # the bytes of a character not complete yet decode to one U+FFFD: text only if `text` has it too
+                incomplete = decoder.getstate()[0] != b""
+                starts[j] = base + stable + int(incomplete and text[stable:stable + 1] == _REPLACEMENT)
+        else:
+            prefix_len = len(self._window_text(prefix_offset, start))
+            for j in range(start + 1, end):
+                starts[j] = base + _common_prefix_len(self._window_text(prefix_offset, j)[prefix_len:], text)
 
     def _find_stop(self) -> tuple[int, str] | None:
         """Earliest stop-string occurrence in the pending text (longest string wins a tie)."""
@@ -181,3 +231,15 @@ class IncrementalDetokenizer:
             if any(s.startswith(suffix) for s in self._stop):
                 return length
         return 0
+
+
+def _common_prefix_len(before: str, text: str) -> int:
+    """Length of the common prefix of `before` and `text`: `before` is `text`'s start but where trailing U+FFFDs
+    may differ (a byte-level decoder's), in C where it is."""
+    if text.startswith(before):
+        return len(before)
+    stem = before.rstrip(_REPLACEMENT)
+    if text.startswith(stem):
+        rest = text[len(stem):len(before)]
+        return len(stem) + len(rest) - len(rest.lstrip(_REPLACEMENT))
+    return next((i for i, (a, b) in enumerate(zip(before, text)) if a != b), min(len(before), len(text)))

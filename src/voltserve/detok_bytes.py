@@ -52,11 +52,13 @@ class ByteStreamDecoder:
         self._unreleased = ""
         return text
 
-    @property
-    def num_held_chars(self) -> int:
-        """Whole characters decoded but held back (before a character still being completed), a trailing U+FFFD
-        not counted: where the next token's text starts, past the text released so far."""
-        return len(self._unreleased.rstrip(_REPLACEMENT))
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes `token_id` decodes to (b"" for an id the table drops or does not have).
+
+        Raises:
+            ValueError: a negative id.
+        """
+        return self._lookup(token_id)
 
     def flush(self) -> str:
         """Everything not released, with an incomplete or invalid UTF-8 tail dropped (never a trailing U+FFFD)."""

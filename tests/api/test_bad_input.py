@@ -390,3 +390,47 @@ async def test_a_lone_surrogate_escape_in_anthropic_shape(serve, path, raw, wher
     assert response.status_code == 400
     assert orjson.loads(await response.get_data()) == {"type": "error", "error": {
         "type": "invalid_request_error", "message": _surrogate_message(where, escape)}}
+
+
+def _wide_deep_body(num_strings: int, depth: int, user: bytes) -> bytes:
+    """A chat body whose `metadata` nests `depth` objects around a list of `num_strings` short strings, then
+    `user`: a body that makes a search building each string's path as a tuple quadratic in time and memory."""
+    inner = b"[" + b",".join([b'"a"'] * num_strings) + b"]"
+    return (b'{"model": "test-model", "messages": [{"role": "user", "content": "Hi"}], "metadata": '
+            + b'{"k": ' * depth + inner + b"}" * depth + b', "user": "' + user + b'"}')
+
+
+def test_the_lone_surrogate_search_is_linear():
+    """The field search runs on the event loop: each of 200k strings 100 objects deep once took a 101-item path
+    tuple (~160 MB, ~1 s); the search keeps one path, so it costs about what json.loads does."""
+    import tracemalloc
+
+    from api.openai.protocol import SURROGATE_SEARCH_MAX_BYTES, ChatCompletionRequest, parse_request
+    from voltserve.errors import InvalidRequestError
+
+    body = _wide_deep_body(200_000, 100, b"\\ud800")
+    assert len(body) <= SURROGATE_SEARCH_MAX_BYTES
+    tracemalloc.start()
+    try:
+        with pytest.raises(InvalidRequestError) as caught:
+            parse_request(ChatCompletionRequest, body)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert caught.value.param == "user"
+    assert peak < 48 << 20  # json.loads' 200k strings: ~15 MB
+
+
+def test_a_lone_surrogate_in_a_body_over_the_search_limit_is_not_located():
+    """A larger body is refused as clearly, without the search (its cost grows with the body: up to 32 MB)."""
+    from api.openai.protocol import SURROGATE_SEARCH_MAX_BYTES, ChatCompletionRequest, parse_request
+    from voltserve.errors import InvalidRequestError
+
+    body = _wide_deep_body(SURROGATE_SEARCH_MAX_BYTES // 4, 1, b"\\ud800")
+    assert len(body) > SURROGATE_SEARCH_MAX_BYTES
+    with pytest.raises(InvalidRequestError) as caught:
+        parse_request(ChatCompletionRequest, body)
+    assert (caught.value.param, str(caught.value)) == (None, _surrogate_message(None, None))
+    with pytest.raises(InvalidRequestError) as caught:  # within the limit: located
+        parse_request(ChatCompletionRequest, _wide_deep_body(1000, 1, b"ok \\udfff"))
+    assert (caught.value.param, str(caught.value)) == ("user", _surrogate_message("user", "\\udfff"))

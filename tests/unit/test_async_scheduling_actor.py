@@ -129,6 +129,35 @@ async def test_a_failing_launch_ahead_still_waits_for_the_step_in_flight():
     assert sched.pool.num_free == sched.pool.num_blocks and not sched.has_work()
 
 
+class _FirstLaunchFails(FakeAsyncRunner):
+    def launch(self, plan, feed=None):
+        if not getattr(self, "failed", False):
+            self.failed = True
+            raise RuntimeError("launch failed")
+        return super().launch(plan, feed)
+
+
+async def test_a_failed_request_leaves_no_per_sequence_state():
+    """A request that fails (its step raised; likewise a grammar failing mid-output) drops every per-sequence
+    record, the logprobs held for its text included: none outlives it, however many requests fail."""
+    sched, worker, actor = await _start(_FirstLaunchFails())
+    failing = RequestStream("fails", 2, abort=lambda r: None)
+    seqs = tuple(make_seq(PROMPTS[0], max_tokens=8, request_id="fails", logprobs=0) for _ in range(2))
+    for index, seq in enumerate(seqs):
+        seq.index = index
+    actor.tell(AddRequestMsg(seqs, failing))
+    try:
+        await asyncio.wait_for(_tokens(failing), 5)
+        raise AssertionError("the request should have failed")
+    except StepFailedError:
+        pass
+    ids, reason = await asyncio.wait_for(_tokens(_add(actor, PROMPTS[1], 4, "ok", logprobs=0)), 5)
+    await actor.stop()
+    await worker.stop()
+    assert reason is FinishReason.LENGTH and len(ids) == 4
+    assert (actor.detoks, actor.held_logprobs, actor.seqs, actor.streams) == ({}, {}, {}, {})
+
+
 async def test_the_last_steps_tokens_stream_while_a_draft_model_drafts():
     """With a drafter that computes its drafts before the step (a draft model: `DraftMsg` on the worker thread),
     the previous step's deferred deltas go out while it runs, not after: each `prepare` here waits (up to 10 s)
@@ -190,3 +219,14 @@ async def test_a_failing_draft_model_costs_drafts_not_requests(caplog):
     assert actor.num_draft_failures == 12  # a prepare before each decode step with room for a draft
     assert [r.getMessage()[:45] for r in caplog.records if "drafting failed" in r.getMessage()] == \
         ["draft model: drafting failed (1 times so far)", "draft model: drafting failed (10 times so far"]
+
+
+def test_only_sequences_with_logprobs_count_text_tokens():
+    """Token positions (`IncrementalDetokenizer.num_text_tokens`) cost a list entry per token and a token-by-token
+    push of a verify step's tokens: kept only for the sequences whose logprobs follow the text."""
+    actor = SchedulerActor(make_scheduler(), None, ByteTokenizer())
+    plain, counted = make_seq(PROMPTS[0], request_id="plain"), make_seq(PROMPTS[0], request_id="lp", logprobs=0)
+    for seq in (plain, counted):
+        actor._on_message(AddRequestMsg((seq,), RequestStream(seq.request_id, 1, abort=lambda r: None)))
+    assert actor.detoks[plain.seq_id]._token_starts is None and plain.seq_id not in actor.held_logprobs
+    assert actor.detoks[counted.seq_id]._token_starts == [] and actor.held_logprobs[counted.seq_id] == []

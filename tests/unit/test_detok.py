@@ -118,3 +118,41 @@ def test_num_text_tokens_leaves_out_a_cut_off_character(smollm2_tokenizer):
     text = "".join(detok.push([i])[0] for i in ids[:-1]) + detok.flush()  # the last emoji lacks its last byte
     assert text == "x 😀"
     assert len(ids) - 1 > detok.num_text_tokens == len(tok.encode("x 😀"))
+
+
+def test_without_counting_text_tokens(smollm2_tokenizer):
+    """A request without logprobs keeps no per-token positions: a verify step's tokens are decoded at once, and
+    `num_text_tokens` is refused rather than wrong."""
+    tok = smollm2_tokenizer
+    ids = tok.encode("The capital of France is Paris.")
+    detok = IncrementalDetokenizer(tok, count_text_tokens=False)
+    assert detok.push(ids[:4]) == ("The capital of France", None)
+    assert detok.push(ids[4:]) == (" is Paris.", None)
+    assert (detok.token_ids, detok._token_starts) == (ids, None)
+    with pytest.raises(RuntimeError, match="count_text_tokens"):
+        detok.num_text_tokens
+
+
+class _TableTokenizer:
+    """Ids 0-4: a literal U+FFFD, " is", " Paris", "The", the invalid byte 0xff."""
+
+    table = ("\ufffd".encode(), b" is", b" Paris", b"The", b"\xff")
+
+    def decode(self, ids, skip_special_tokens=True):
+        return b"".join(self.table[i] for i in ids).decode("utf-8", errors="replace")
+
+
+class _BytesTableTokenizer(_TableTokenizer):
+    def byte_table(self, skip_special_tokens=True):
+        return self.table
+
+
+@pytest.mark.parametrize("tok", [_TableTokenizer(), _BytesTableTokenizer()], ids=["windowed", "bytes"])
+@pytest.mark.parametrize("replacement", [0, 4], ids=["literal", "invalid_byte"])
+def test_num_text_tokens_after_a_replacement_character(tok, replacement):
+    """A U+FFFD that stays in the text (a literal one, or invalid bytes) is text: the token after it counts only
+    once its own text is out, not with the U+FFFD (it once counted from the U+FFFD's release on, so a stop string
+    that then cut its text left it a logprob entry)."""
+    detok = IncrementalDetokenizer(tok, stop=[" is Paris"])
+    counts = [(detok.push([i]), detok.num_text_tokens) for i in (3, replacement, 1, 2)]
+    assert counts == [(("The", None), 1), (("", None), 1), (("\ufffd", None), 2), (("", " is Paris"), 2)]

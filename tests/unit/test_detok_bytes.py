@@ -58,16 +58,31 @@ def _random_ids(rng: random.Random, tok, vocab_size: int, special_ids: list[int]
     return ids
 
 
-def _run(tok, ids, chunks, **kwargs):
+def _run(tok, ids, chunks, count_text_tokens=True, **kwargs):
     """(each push's (text, stop, num_text_tokens after it), flush's text, stop reason, num_text_tokens at the end,
-    the ids the detokenizer took)."""
-    detok = IncrementalDetokenizer(tok, **kwargs)
+    the ids the detokenizer took); with count_text_tokens=False, None for each num_text_tokens."""
+    detok = IncrementalDetokenizer(tok, count_text_tokens=count_text_tokens, **kwargs)
+
+    def count():
+        return detok.num_text_tokens if count_text_tokens else None
+
     deltas = []
     start = 0
     for size in chunks:
-        deltas.append((*detok.push(ids[start:start + size]), detok.num_text_tokens))
+        deltas.append((*detok.push(ids[start:start + size]), count()))
         start += size
-    return deltas, detok.flush(), detok.stop_reason, detok.num_text_tokens, detok.token_ids
+    flushed = detok.flush()
+    return deltas, flushed, detok.stop_reason, count(), detok.token_ids
+
+
+def _common_prefix_len(a: str, b: str) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def _without_counts(run):
+    """(the whole text, the stop reason, the ids taken) of a `_run`."""
+    deltas, flushed, stop, _, taken = run
+    return "".join(text for text, _, _ in deltas) + flushed, stop, taken
 
 
 def _tokenizers() -> dict:
@@ -91,13 +106,20 @@ def test_same_deltas_as_windowed_and_decode(name, request):
                       skip_special_tokens=rng.random() < 0.7)
         fast = _run(tok, ids, chunks, **kwargs)
         assert fast == _run(WindowedOnly(tok), ids, chunks, **kwargs), (ids, chunks, kwargs)
+        # without the count (no logprobs), a push of several tokens is decoded at once: the same text (a character
+        # completed inside a push may wait for the push's end), stop and ids
+        uncounted = _without_counts(fast)
+        assert _without_counts(_run(tok, ids, chunks, count_text_tokens=False, **kwargs)) == uncounted, (ids, chunks)
+        assert _without_counts(_run(WindowedOnly(tok), ids, chunks, count_text_tokens=False, **kwargs)) == uncounted
         deltas, flushed, stop, num_text_tokens, taken = fast
         text = "".join(d for d, _, _ in deltas) + flushed
         skip = kwargs["skip_special_tokens"]
         if stop is None:  # everything, less an incomplete (or invalid) UTF-8 tail
             assert text == tok.decode(ids, skip_special_tokens=skip).rstrip("\ufffd")
-        # logprobs' rule: a token counts iff the text goes on past the whole characters of the tokens before it
-        starts = [len(tok.decode(taken[:i], skip_special_tokens=skip).rstrip("\ufffd")) for i in range(len(taken))]
+        # logprobs' rule: a token counts iff the text goes on past the text of the tokens before it, as far as the
+        # whole sequence's text has it (a U+FFFD for bytes a later token completes is not in it; a literal one is)
+        whole = tok.decode(taken, skip_special_tokens=skip)
+        starts = [_common_prefix_len(tok.decode(taken[:i], skip_special_tokens=skip), whole) for i in range(len(taken))]
         assert num_text_tokens == sum(start < len(text) for start in starts), (ids, chunks, kwargs)
 
 

@@ -171,7 +171,8 @@ class SchedulerActor(Actor):
             for seq in msg.seqs:
                 p = seq.params
                 self.detoks[seq.seq_id] = IncrementalDetokenizer(
-                    self.tokenizer, stop=p.stop, include_stop_str_in_output=p.include_stop_str_in_output)
+                    self.tokenizer, stop=p.stop, include_stop_str_in_output=p.include_stop_str_in_output,
+                    min_tokens=p.min_tokens)
                 if p.logprobs is not None:
                     self.held_logprobs[seq.seq_id] = []
                 self.scheduler.add(seq)

@@ -172,7 +172,7 @@ class SchedulerActor(Actor):
                 p = seq.params
                 self.detoks[seq.seq_id] = IncrementalDetokenizer(
                     self.tokenizer, stop=p.stop, include_stop_str_in_output=p.include_stop_str_in_output,
-                    count_text_tokens=p.logprobs is not None)
+                    count_text_tokens=p.logprobs is not None, min_tokens=p.min_tokens)
                 if p.logprobs is not None:
                     self.held_logprobs[seq.seq_id] = []
                 self.scheduler.add(seq)

@@ -11,13 +11,13 @@ from quart import Blueprint
 from api.metrics import NO_STATS
 from api.openai.chat_prompt import chat_prompt_ids
 from api.openai.common import (
-    ChunkFrames, NewTokens, add_request, collect, drive_stream, finish_json, json_response, request_body,
-    sampling_params, sse_response, token_text,
+    ChunkFrames, NewTokens, add_request, check_stream_options, check_top_logprobs, collect, drive_stream, finish_json,
+    json_response, logprob_entries, request_body, sampling_params, sse_response,
 )
 from api.openai.protocol import (
     AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
-    ChatCompletionResponse, ChatLogprobs, ChatTokenLogprob, CompletionTokensDetails, DeltaMessage, DeltaToolCall,
-    FunctionCall, ToolCallOut, TopLogprob, Usage, parse_request,
+    ChatCompletionResponse, ChatLogprobs, CompletionTokensDetails, DeltaMessage, DeltaToolCall, FunctionCall,
+    ToolCallOut, Usage, parse_request,
 )
 from api.state import get_state
 from api.reasoning import reasoning_mode
@@ -26,15 +26,15 @@ from api.tool_calls import call_id, parser_factory
 from voltserve.parsers.output import OutputParser, parse_deltas, split
 from voltserve.errors import InvalidRequestError
 from voltserve.grammar import check_parameters
-from voltserve.request import MAX_LOGPROBS, SamplingParams, TokenLogprob
+from voltserve.request import SamplingParams, TokenLogprob
 
 bp = Blueprint("openai_chat", __name__)
 
 
 def _params(req: ChatCompletionRequest) -> SamplingParams:
+    check_stream_options(req)
     top = req.top_logprobs
-    if top is not None and not 0 <= top <= MAX_LOGPROBS:
-        raise InvalidRequestError(f"top_logprobs must be between 0 and {MAX_LOGPROBS}", param="top_logprobs")
+    check_top_logprobs(top)
     if top and not req.logprobs:
         raise InvalidRequestError("top_logprobs needs logprobs set to true", param="top_logprobs")
     if req.max_completion_tokens is not None:
@@ -46,15 +46,7 @@ def _params(req: ChatCompletionRequest) -> SamplingParams:
 
 
 def _logprobs(tokenizer, logprobs: list[TokenLogprob]) -> ChatLogprobs:
-    def entry(token_id: int, logprob: float) -> TopLogprob:
-        return TopLogprob(token=token_text(tokenizer, token_id), logprob=logprob,
-                          bytes=list(tokenizer.token_bytes(token_id)))
-
-    content = []
-    for lp in logprobs:
-        first = entry(lp.token_id, lp.logprob)
-        content.append(ChatTokenLogprob(**first.model_dump(), top_logprobs=[entry(t, v) for t, v in lp.top]))
-    return ChatLogprobs(content=content)
+    return ChatLogprobs(content=logprob_entries(tokenizer, logprobs))
 
 
 def _with_reasoning_tokens(usage: Usage, parsers: Iterable[OutputParser]) -> Usage:

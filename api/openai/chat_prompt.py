@@ -17,6 +17,13 @@ from voltserve.errors import InvalidRequestError, VoltError
 BILLING_HEADER_PREFIX = "x-anthropic-billing-header"
 
 
+def template_role(role: str) -> str:
+    """The role a chat template gets for an API message role: OpenAI's `developer` is the system role (as OpenAI
+    treats it for every model but o1), so templates that know only `system` (SmolLM2's adds its default system
+    prompt otherwise; Qwen's refuse any other role) render it as one."""
+    return "system" if role == "developer" else role
+
+
 def content_text(content, param: str, text_types: frozenset[str] = frozenset({"text"})) -> str:
     """A message's content (a string or a list of parts) as one string; text parts join with newlines.
 
@@ -65,7 +72,8 @@ def check_mm_kwargs(req, trusted: bool) -> None:
 
 
 def template_messages(req: ChatCompletionRequest, trust_mm_kwargs: bool = False) -> list[dict]:
-    """The request's messages as plain dicts for the chat template.
+    """The request's messages as plain dicts for the chat template; a `developer` message is a system one
+    (`template_role`).
 
     Args:
         trust_mm_kwargs: accept (and, the model being text-only, ignore) non-empty `mm_processor_kwargs` /
@@ -82,9 +90,10 @@ def template_messages(req: ChatCompletionRequest, trust_mm_kwargs: bool = False)
         if msg.content is None and msg.role in ("system", "developer", "user"):
             raise InvalidRequestError(f"a {msg.role} message needs 'content'", param=f"messages.{i}.content")
         text = content_text(msg.content, f"messages.{i}.content")
-        if msg.role == "system":
+        role = template_role(msg.role)
+        if role == "system":
             text = strip_billing_header(text)
-        entry = {"role": msg.role, "content": text}
+        entry = {"role": role, "content": text}
         for key in ("name", "tool_calls", "tool_call_id"):
             if getattr(msg, key) is not None:
                 entry[key] = getattr(msg, key)
@@ -131,6 +140,8 @@ def _render(engine, messages: list[dict], tools: list[dict] | None, template_kwa
     try:
         rendered = engine.chat_template.render(messages, add_generation_prompt=add_generation_prompt, tools=tools,
                                                **template_kwargs)
+    except InvalidRequestError as exc:  # the template's raise_exception() or failure: blame the request's field
+        raise InvalidRequestError(exc.message, param=param) from exc
     except VoltError:
         raise
     except Exception as exc:  # a template's own raise_exception(), e.g. "roles must alternate"

@@ -18,14 +18,31 @@ from werkzeug.exceptions import RequestTimeout
 from api import sse
 from api.errors import ErrorKind, describe, kind_of, openai_payload
 from api.metrics import NO_STATS
-from api.openai.protocol import PromptTokensDetails, SamplingFields, Usage
+from api.openai.protocol import ChatTokenLogprob, PromptTokensDetails, SamplingFields, TopLogprob, Usage
 from voltserve.errors import ContextLengthError, InvalidRequestError, VoltError
-from voltserve.request import RequestOutput, SamplingParams, TokenLogprob, prompt_fills_context
+from voltserve.request import MAX_LOGPROBS, RequestOutput, SamplingParams, TokenLogprob, prompt_fills_context
+
+
+# OpenAI's temperature range is [0, 2] (the engine takes up to `voltserve.request.MAX_TEMPERATURE`)
+OPENAI_MAX_TEMPERATURE = 2
+
+
+def check_stream_options(req: SamplingFields) -> None:
+    """OpenAI's rule for Chat Completions and Completions: `stream_options` only with `stream: true` (null is
+    fine either way).
+
+    Raises:
+        InvalidRequestError: `stream_options` set on a request that does not stream (param "stream_options").
+    """
+    if req.stream_options is not None and not req.stream:
+        raise InvalidRequestError("The 'stream_options' parameter is only allowed when 'stream' is enabled.",
+                                  param="stream_options")
 
 
 def sampling_params(req: SamplingFields, *, max_tokens: int | None, max_tokens_param: str,
                     logprobs: int | None) -> SamplingParams:
-    """OpenAI/vLLM request fields -> validated SamplingParams (None fields take SamplingParams' defaults).
+    """OpenAI/vLLM request fields -> validated SamplingParams (None fields take SamplingParams' defaults;
+    temperature within OpenAI's [0, 2]).
 
     Args:
         req: the parsed request.
@@ -40,6 +57,8 @@ def sampling_params(req: SamplingFields, *, max_tokens: int | None, max_tokens_p
         raise InvalidRequestError(f"{max_tokens_param} must be >= 1", param=max_tokens_param)
     if req.logit_bias:
         raise InvalidRequestError("logit_bias is not supported yet", param="logit_bias")
+    if req.temperature is not None and req.temperature > OPENAI_MAX_TEMPERATURE:
+        raise InvalidRequestError(f"temperature must be <= {OPENAI_MAX_TEMPERATURE}", param="temperature")
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     defaults = SamplingParams()
     given = {
@@ -129,6 +148,27 @@ def token_text(tokenizer, token_id: int) -> str:
     return tokenizer.token_bytes(token_id).decode("utf-8", errors="replace")
 
 
+def check_top_logprobs(top: int | None) -> None:
+    """Raises InvalidRequestError (param "top_logprobs") unless `top` is None or in [0, MAX_LOGPROBS]."""
+    if top is not None and not 0 <= top <= MAX_LOGPROBS:
+        raise InvalidRequestError(f"top_logprobs must be between 0 and {MAX_LOGPROBS}", param="top_logprobs")
+
+
+def logprob_entries(tokenizer, logprobs: list[TokenLogprob]) -> list[ChatTokenLogprob]:
+    """Per-token logprob entries as Chat Completions' `logprobs.content` and Responses' `output_text.logprobs`
+    show them: each token's text, logprob and bytes, with its `top_logprobs` alternatives alike."""
+    def entry(token_id: int, logprob: float) -> TopLogprob:
+        return TopLogprob(token=token_text(tokenizer, token_id), logprob=logprob,
+                          bytes=list(tokenizer.token_bytes(token_id)))
+
+    content = []
+    for lp in logprobs:
+        first = entry(lp.token_id, lp.logprob)
+        content.append(ChatTokenLogprob(token=first.token, logprob=first.logprob, bytes=first.bytes,
+                                        top_logprobs=[entry(t, v) for t, v in lp.top]))
+    return content
+
+
 @dataclass
 class SequenceResult:
     """Everything one choice produced, accumulated over its deltas.
@@ -139,6 +179,7 @@ class SequenceResult:
             what an output parser reads (`voltserve.parsers.output.parse_deltas`), as the stream feeds it.
         token_ids: [num_output_tokens] output token ids.
         logprobs: one TokenLogprob per output token whose text is in `text` (when requested; see RequestOutput).
+        logprob_ends: the end of each delta's entries in `logprobs`, one per delta of `deltas`.
         finish_reason: "stop" / "length" / "abort", None while running.
         stop_reason: the stop string or stop token id that ended it, when one did.
     """
@@ -147,6 +188,7 @@ class SequenceResult:
     deltas: list[tuple[str, int, int]] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    logprob_ends: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: str | int | None = None
 
@@ -213,6 +255,7 @@ async def collect(stream, stats=NO_STATS) -> tuple[dict[int, SequenceResult], Us
             seq.token_ids.extend(out.token_ids)
             seq.deltas.append((out.text, new_tokens(out), len(seq.token_ids)))  # ids by index: not copied twice
             seq.logprobs.extend(out.logprobs or [])
+            seq.logprob_ends.append(len(seq.logprobs))
             if out.finish_reason is not None:
                 seq.finish_reason, seq.stop_reason = out.finish_reason.value, out.stop_reason
             counter.add(out)

@@ -13,8 +13,8 @@ from quart import Blueprint
 
 from api.metrics import NO_STATS
 from api.openai.common import (
-    ChunkFrames, add_request, check_prompt_chars, check_token_ids, collect, drive_stream, finish_json,
-    json_response, prompt_work, request_body, sampling_params, sse_response, token_text,
+    ChunkFrames, add_request, check_prompt_chars, check_stream_options, check_token_ids, collect, drive_stream,
+    finish_json, json_response, prompt_work, request_body, sampling_params, sse_response, token_text,
 )
 from api.openai.chat_prompt import check_mm_kwargs
 from api.openai.protocol import (
@@ -29,6 +29,7 @@ DEFAULT_MAX_TOKENS = 16  # OpenAI's default for this endpoint
 
 
 def _params(req: CompletionRequest) -> SamplingParams:
+    check_stream_options(req)
     if req.logprobs is not None and not 0 <= req.logprobs <= MAX_LOGPROBS:
         raise InvalidRequestError(f"logprobs must be between 0 and {MAX_LOGPROBS}", param="logprobs")
     if req.echo:

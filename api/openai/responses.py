@@ -3,10 +3,11 @@
 
 The input becomes chat messages and takes the chat path to prompt ids (`chat_prompt.messages_prompt_ids`: the chat
 template, special-token text kept plain (case S6), the billing-header line dropped from system text (case S2)):
-message items are messages, function_call items the tool calls of an assistant message, function_call_output
-items tool messages. Function `tools` are rendered by the chat template, and with tool_choice "auto" the server's
-tool-call parser (`api.tool_calls`) splits the output into message items and function_call items, in the order
-the model wrote them. Nothing is stored: `previous_response_id` is refused and there is no GET
+message items are messages (a developer message a system one; `instructions` and the system / developer items
+that open the input one system message), function_call items the tool calls of an assistant message,
+function_call_output items tool messages. Function `tools` are rendered by the chat template, and with tool_choice
+"auto" the server's tool-call parser (`api.tool_calls`) splits the output into message items and function_call
+items, in the order the model wrote them. Nothing is stored: `previous_response_id` is refused and there is no GET
 /v1/responses/{id}.
 
 A streamed response is a sequence of named events, `event: <type>\\ndata: <json>\\n\\n` (`sse.typed_frame`), whose
@@ -15,13 +16,16 @@ response.created, response.in_progress, response.output_item.added, response.con
 response.output_text.delta per text delta, then response.output_text.done, response.content_part.done,
 response.output_item.done and response.completed (response.incomplete when max_output_tokens cut the output),
 whose response carries the usage. No `data: [DONE]`. An error after the stream began is an `error` event.
+With `include: ["message.output_text.logprobs"]` (`top_logprobs` alternatives each), the output_text parts carry
+their tokens' logprobs, and each text delta event those of its delta (`ResponseEvents`).
 
 With the tool-call parser, a message item is added when its first text is ready (never, when the model only
 calls), and each call, once the model closed it, closes the open message item (output_text.done,
 content_part.done, output_item.done) and is sent as its own item: response.output_item.added (status
 "in_progress", arguments ""), response.function_call_arguments.delta (the whole arguments),
 response.function_call_arguments.done, response.output_item.done. Text after a call opens a new message item.
-`output_index` numbers the items in that order. An output with no call is one message item, as without tools.
+`output_index` numbers the items in that order. An output with no call is one message item, as without tools,
+but under a forced tool choice (whose text can only be an unfinished call) there is none.
 
 With a reasoning parser (`api.reasoning`), the model's reasoning is a `reasoning` item ahead of the others
 (`summary` empty, `content` [{"type": "reasoning_text", "text"}]), streamed as response.output_item.added, one
@@ -38,16 +42,20 @@ from quart import Blueprint
 
 from api import sse
 from api.errors import ErrorKind
-from api.openai.chat_prompt import check_mm_kwargs, content_text, messages_prompt_ids, strip_billing_header
-from api.openai.common import (
-    NewTokens, add_request, collect, drive_stream, json_response, request_body, sampling_params, sse_response,
+from api.openai.chat_prompt import (
+    check_mm_kwargs, content_text, messages_prompt_ids, strip_billing_header, template_role,
 )
-from api.openai.protocol import parse_request
+from api.openai.common import (
+    NewTokens, add_request, check_top_logprobs, collect, drive_stream, json_response, logprob_entries, request_body,
+    sampling_params, sse_response,
+)
+from api.openai.protocol import ChatTokenLogprob, parse_request
 from api.openai.responses_protocol import (
-    ContentPartEvent, ErrorEvent, FunctionCallArgumentsDeltaEvent, FunctionCallArgumentsDoneEvent, FunctionCallItem,
-    IncompleteDetails, OutputItemEvent, OutputMessage, OutputText, OutputTextDeltaEvent, OutputTextDoneEvent,
-    OutputTokensDetails, ReasoningItem, ReasoningText, ReasoningTextDeltaEvent, ReasoningTextDoneEvent, ResponseError,
-    ResponseEvent, ResponsesRequest, ResponsesResponse, ResponseUsage,
+    LOGPROBS_INCLUDE, ContentPartEvent, ErrorEvent, EventLogprob, FunctionCallArgumentsDeltaEvent,
+    FunctionCallArgumentsDoneEvent, FunctionCallItem, IncompleteDetails, OutputItemEvent, OutputMessage, OutputText,
+    OutputTextDeltaEvent, OutputTextDoneEvent, OutputTokensDetails, ReasoningItem, ReasoningText,
+    ReasoningTextDeltaEvent, ReasoningTextDoneEvent, ResponseError, ResponseEvent, ResponsesRequest,
+    ResponsesResponse, ResponseUsage,
 )
 from api.state import get_state
 from api.reasoning import reasoning_mode
@@ -69,8 +77,12 @@ REQUIRED_FIELDS = {"message": ("role", "content"), "function_call": ("call_id", 
 def input_messages(req: ResponsesRequest) -> list[dict]:
     """The request's instructions and input as chat messages (`{"role", "content": str, ...}` dicts).
 
-    `instructions` is a system message placed first; a string `input` is one user message; a list holds message
-    items, whose text parts join with newlines as Chat Completions joins them; function_call items, each a tool
+    `instructions` and the system and developer message items that lead the input (a developer message is a system
+    one: `template_role`) are one system message placed first, their texts joined with a blank line, instructions
+    first: templates that take a single leading system message render them all. A string `input` is one user
+    message; a list holds message items, whose text parts join with newlines as Chat Completions joins them (a
+    system or developer item after the first other item stays a system message of its own); function_call items,
+    each a tool
     call (`{"id": call_id, "type": "function", "function": {"name", "arguments"}}`) of the assistant message
     before it, or of a new one (content "") when the message before is not the assistant's; and
     function_call_output items, each a tool message (`{"role": "tool", "tool_call_id", "content"}`).
@@ -110,11 +122,21 @@ def input_messages(req: ResponsesRequest) -> list[dict]:
             messages.append({"role": "tool", "tool_call_id": item.call_id, "content": output})
         else:
             text = content_text(item.content, f"input.{i}.content", TEXT_PART_TYPES)
-            messages.append({"role": item.role,
-                             "content": strip_billing_header(text) if item.role == "system" else text})
+            role = template_role(item.role)
+            messages.append({"role": role, "content": strip_billing_header(text) if role == "system" else text})
     if not any(m["role"] != "system" for m in messages):
         raise InvalidRequestError("'input' holds no message, function call or function call output", param="input")
-    return messages
+    return _one_leading_system(messages)
+
+
+def _one_leading_system(messages: list[dict]) -> list[dict]:
+    """`messages` with its leading system messages joined into one (their non-empty texts with a blank line
+    between)."""
+    lead = next(k for k, m in enumerate(messages) if m["role"] != "system")
+    if lead < 2:
+        return messages
+    system = {"role": "system", "content": "\n\n".join(m["content"] for m in messages[:lead] if m["content"])}
+    return [system, *messages[lead:]]
 
 
 def template_tools(req: ResponsesRequest) -> list[dict]:
@@ -152,8 +174,10 @@ def _params(req: ResponsesRequest) -> SamplingParams:
     if req.background:
         raise InvalidRequestError("background responses are not supported: this server answers in the foreground",
                                   param="background")
+    check_top_logprobs(req.top_logprobs)
+    logprobs = (req.top_logprobs or 0) if LOGPROBS_INCLUDE in (req.include or ()) else None
     return sampling_params(req, max_tokens=req.max_output_tokens, max_tokens_param="max_output_tokens",
-                           logprobs=None)
+                           logprobs=logprobs)
 
 
 def constraint(req: ResponsesRequest, tools: list[dict], tools_parsed: bool) -> Constraint:
@@ -240,22 +264,27 @@ async def create_response():
     item_id = state.new_id("msg_")
     parallel = c.parallel
     forced = c.forced is not None
+    tokenizer = engine.tokenizer if params.logprobs is not None else None  # None: no logprobs asked
     if req.stream:
-        events = ResponseEvents(started, item_id, new_parser, parallel, forced)
+        events = ResponseEvents(started, item_id, new_parser, parallel, forced, logprobs_tokenizer=tokenizer)
         return sse_response(drive_stream(stream, events.chunk if new_parser is None else events.tool_chunk, None,
                                          events.opening(), state.config.sse_keep_alive_interval, stats,
                                          error_frame=events.error, done=b""), stream)
     results, counter = await collect(stream, stats)
     usage = ResponseUsage.of(counter.prompt_tokens, counter.cached_tokens, sum(counter.output_tokens.values()))
-    text, finish_reason = results[0].text, results[0].finish_reason
+    seq = results[0]
     if new_parser is not None:  # the stream's path without its bytes: the same items and usage as streamed
-        events = ResponseEvents(started, item_id, new_parser, parallel, forced, frames=False)
-        for delta, num_tokens, ids in with_ids(results[0].deltas, results[0].token_ids):
-            events.feed(delta, num_tokens, ids)
-        events.end(finish_reason, usage)
+        events = ResponseEvents(started, item_id, new_parser, parallel, forced, frames=False,
+                                logprobs_tokenizer=tokenizer)
+        start = 0
+        for (delta, num_tokens, ids), end in zip(with_ids(seq.deltas, seq.token_ids), seq.logprob_ends):
+            events.feed(delta, num_tokens, ids, seq.logprobs[start:end])
+            start = end
+        events.end(seq.finish_reason, usage)
         return json_response(events.response)
-    end = _outcome(finish_reason)
-    message = OutputMessage(id=item_id, status=end["status"], content=[OutputText(text=text)])
+    end = _outcome(seq.finish_reason)
+    logprobs = logprob_entries(tokenizer, seq.logprobs) if tokenizer is not None else []
+    message = OutputMessage(id=item_id, status=end["status"], content=[OutputText(text=seq.text, logprobs=logprobs)])
     return json_response(started.model_copy(update={**end, "output": [message], "usage": usage}))
 
 
@@ -271,6 +300,10 @@ class ResponseEvents:
         forced: the grammar forced calls: text is not sent (it can only be a call the output did not finish).
         frames: make the events' bytes; False for a non-streamed response, which reads `response` alone (the
             methods then return empty frames).
+        logprobs_tokenizer: the tokenizer that renders the tokens of the logprobs asked for (`include`
+            "message.output_text.logprobs"), None when none are asked. Each text delta event carries the entries
+            of its tokens, the message's output_text and output_text.done all of them (`PendingLogprobs` says
+            which tokens' entries a message gets with the parser).
 
     Use `opening()` for the events before any output, `chunk` (text only) or `tool_chunk` (with the parser) as
     `drive_stream`'s `choice_chunk`, and `error` as its `error_frame`. A non-streamed response with the parser
@@ -281,8 +314,11 @@ class ResponseEvents:
     """
 
     def __init__(self, started: ResponsesResponse, item_id: str, new_parser=None, parallel_tool_calls: bool = True,
-                 forced: bool = False, frames: bool = True):
+                 forced: bool = False, frames: bool = True, logprobs_tokenizer=None):
         self._started, self._item_id = started, item_id
+        self._tokenizer = logprobs_tokenizer
+        self._pending = PendingLogprobs(logprobs_tokenizer) if logprobs_tokenizer is not None else None
+        self._entries: list[ChatTokenLogprob] = []  # the open message's logprob entries (when asked)
         self._frames = frames
         self._forced = forced
         self._parser = new_parser() if new_parser is not None else None
@@ -331,20 +367,28 @@ class ResponseEvents:
 
     def _close_message(self, status: str) -> list[bytes]:
         """The events ending the open message item: its whole text, its part, the item with `status`."""
-        item = OutputMessage(id=self._open, status=status, content=[OutputText(text="".join(self._texts))])
+        entries, self._entries = self._entries, []
+        item = OutputMessage(id=self._open, status=status, content=[OutputText(text="".join(self._texts),
+                                                                              logprobs=entries)])
         index = len(self._items)
         self._items.append(item)
         self._open, self._texts = None, []
         part = item.content[0]
         return [
-            self._event(OutputTextDoneEvent, item_id=item.id, output_index=index, text=part.text),
+            self._event(OutputTextDoneEvent, item_id=item.id, output_index=index, text=part.text,
+                        logprobs=[EventLogprob.of(e) for e in entries]),
             self._event(ContentPartEvent, type="response.content_part.done", item_id=item.id, output_index=index,
                         part=part),
             self._event(OutputItemEvent, type="response.output_item.done", output_index=index, item=item),
         ]
 
-    def _delta(self, text: str) -> bytes:
+    def _delta(self, text: str, entries: list[ChatTokenLogprob] | None = None) -> bytes:
+        """A text delta event of the open message; `entries`: its tokens' logprobs (None when none are asked)."""
         self._texts.append(text)
+        if entries is not None:  # logprobs asked: the event through its model
+            self._entries += entries
+            return self._event(OutputTextDeltaEvent, item_id=self._open, output_index=len(self._items), delta=text,
+                               logprobs=[EventLogprob.of(e) for e in entries])
         number, self._next = self._next, self._next + 1
         if not self._frames:
             return b""
@@ -354,6 +398,8 @@ class ResponseEvents:
         """The events of one whole call: the open message item ends, and the function_call item is added, its
         arguments sent in one delta, and done. Without parallel calls, every call after the first is dropped."""
         k, self._calls = self._calls, self._calls + 1
+        if self._pending is not None:
+            self._pending.drop()  # the call's tokens
         if k and not self._parallel:
             return []
         frames = self._close_message("completed") if self._open is not None else []
@@ -397,22 +443,29 @@ class ResponseEvents:
 
     def _piece(self, piece) -> list[bytes]:
         """The events of one parsed piece: reasoning, content text or a call (which end the reasoning)."""
+        if self._pending is not None:
+            self._pending.drop_reasoning(self._parser.reasoning_tokens)
         if isinstance(piece, Reasoning):
             return self._reasoning_delta(piece.text)
         frames = self._close_reasoning()
         return frames + (self._content(piece) if isinstance(piece, str) else self._call(piece))
 
     def _content(self, text: str) -> list[bytes]:
+        entries = self._pending.take() if self._pending is not None else None
         if self._forced:  # the grammar writes calls only: other text is a call the output did not finish
             return []
         if self._open is not None:
-            return [self._delta(text)]
-        return self._open_message() + [self._delta(text)]
+            return [self._delta(text, entries)]
+        return self._open_message() + [self._delta(text, entries)]
 
-    def feed(self, text: str, num_tokens: int = 0, token_ids: Sequence[int] = ()) -> list[bytes]:
+    def feed(self, text: str, num_tokens: int = 0, token_ids: Sequence[int] = (),
+             logprobs: Sequence[TokenLogprob] = ()) -> list[bytes]:
         """The events of the next output text (`num_tokens`: the tokens new in it, `token_ids`: the ids of its
-        last ones, for the usage's `reasoning_tokens`), through the output parser: reasoning deltas, text deltas
-        (the item added first when none is open) and whole calls; none while the parser holds the text back."""
+        last ones, for the usage's `reasoning_tokens`; `logprobs`: the entries new with it, when asked), through
+        the output parser: reasoning deltas, text deltas (the item added first when none is open) and whole calls;
+        none while the parser holds the text back."""
+        if self._pending is not None:
+            self._pending.add(logprobs)
         frames = []
         for piece in self._parser.pieces(text, num_tokens, token_ids):  # in the model's order
             frames += self._piece(piece)
@@ -420,15 +473,16 @@ class ResponseEvents:
 
     def end(self, finish_reason: str | None, usage: ResponseUsage) -> list[bytes]:
         """The closing events: the parser's last text, the open message item done (an output with no item at
-        all is one empty message, as without tools), and response.completed or response.incomplete with every
-        output item and the usage (`response`; with the parser, `reasoning_tokens` is its count)."""
+        all is one empty message, as without tools; a forced one has none: its output is only the calls made,
+        as Chat gives content null), and response.completed or response.incomplete with every output item and the
+        usage (`response`; with the parser, `reasoning_tokens` is its count)."""
         end = _outcome(finish_reason)
         frames = []
         if self._parser is not None:
             for piece in self._parser.finish_pieces():  # the last text, or a call the output ended in
                 frames += self._piece(piece)
             frames += self._close_reasoning(end["status"])  # an output that ended in its reasoning
-            if self._open is None and not self._items:
+            if self._open is None and not self._items and not self._forced:
                 frames += self._open_message()
             details = OutputTokensDetails(reasoning_tokens=self._parser.reasoning_tokens)
             usage = usage.model_copy(update={"output_tokens_details": details})
@@ -442,20 +496,26 @@ class ResponseEvents:
         return ResponseUsage.of(out.num_prompt_tokens, out.num_cached_tokens, out.num_output_tokens)
 
     def chunk(self, out: RequestOutput, logprobs: list[TokenLogprob]) -> bytes:
-        """A delta's events, text only: its text as a response.output_text.delta; the last delta's closing
-        events too (`drive_stream` calls it only for deltas with text or a finish)."""
+        """A delta's events, text only: its text as a response.output_text.delta (with its `logprobs` when
+        asked); the last delta's closing events too (`drive_stream` calls it only for deltas with text or a
+        finish)."""
+        entries = logprob_entries(self._tokenizer, logprobs) if self._tokenizer is not None else None
         if out.finish_reason is None:  # the per-token case
-            return self._delta(out.text)
-        frames = [self._delta(out.text)] if out.text else []
+            return self._delta(out.text, entries)
+        frames = [self._delta(out.text, entries)] if out.text else []
         return b"".join(frames + self.end(out.finish_reason.value, self._usage(out)))
 
     def tool_chunk(self, out: RequestOutput, logprobs: list[TokenLogprob]) -> bytes:
         """A delta's events with the tool-call parser (`feed`; the last delta's `end` too); b"" while the parser
         holds its text back."""
-        frames = self.feed(out.text, self._new_tokens(out), out.token_ids)  # a delta with no text (EOS) counts too
+        new = self._pending.from_stream(logprobs) if self._pending is not None else ()
+        frames = self.feed(out.text, self._new_tokens(out), out.token_ids, new)  # a delta with no text counts too
         if out.finish_reason is not None:
             frames += self.end(out.finish_reason.value, self._usage(out))
-        return b"".join(frames)
+        data = b"".join(frames)
+        if self._pending is not None:
+            self._pending.returned(data, logprobs)
+        return data
 
     def error(self, kind: ErrorKind, message: str, param: str | None) -> bytes:
         """The in-band `error` event for an error after the stream began, then `response.failed` (status
@@ -463,3 +523,53 @@ class ResponseEvents:
         failed = self._started.model_copy(update={"status": "failed", "error": ResponseError(message=message)})
         return self._event(ErrorEvent, code=kind.reason, message=message, param=param) + \
             self._event(ResponseEvent, type="response.failed", response=failed)
+
+
+class PendingLogprobs:
+    """The logprobs of an output read by the output parser, waiting for the message text they go with.
+
+    Rule: a message gets the entries of the tokens that came (engine deltas, in order) up to the delta whose text
+    the parser released as that message's text, since the last piece released; the entries of the reasoning's
+    tokens (the first `reasoning_tokens` of the output, as the reasoning parser counts them) and of the tokens
+    before a call (its markup, and whitespace the call drops) go nowhere. Exact at one token a delta; a delta
+    that holds both message text and a whole call gives all its entries to the text.
+
+    Entries arrive with `add` (a non-streamed response, delta by delta) or `from_stream` and `returned` (as
+    `drive_stream`'s `choice_chunk`, which hands the logprobs of a chunk that sent nothing back with the next).
+    """
+
+    def __init__(self, tokenizer):
+        self._tokenizer = tokenizer
+        self._queued: list[TokenLogprob] = []
+        self._first = 0  # the output position of the first queued entry
+        self._handed_back = 0  # entries `drive_stream` hands back: already queued
+
+    def add(self, logprobs: Sequence[TokenLogprob]) -> None:
+        """Queue the entries of the next delta."""
+        self._queued += logprobs
+
+    def from_stream(self, logprobs: list[TokenLogprob]) -> list[TokenLogprob]:
+        """The entries of `drive_stream`'s list that are new (it leads with those of chunks that sent nothing)."""
+        return logprobs[self._handed_back:]
+
+    def returned(self, data: bytes, logprobs: list[TokenLogprob]) -> None:
+        """Note what a chunk given `logprobs` returned: `drive_stream` hands them back with the next when b""."""
+        self._handed_back = 0 if data else len(logprobs)
+
+    def drop_reasoning(self, reasoning_tokens: int) -> None:
+        """Drop the queued entries of the first `reasoning_tokens` output tokens (the reasoning's)."""
+        cut = min(max(0, reasoning_tokens - self._first), len(self._queued))
+        if cut:
+            del self._queued[:cut]
+            self._first += cut
+
+    def drop(self) -> None:
+        """Drop every queued entry (a call's tokens)."""
+        self._first += len(self._queued)
+        self._queued = []
+
+    def take(self) -> list[ChatTokenLogprob]:
+        """Every queued entry, rendered (`logprob_entries`), for the message text released now."""
+        entries = logprob_entries(self._tokenizer, self._queued)
+        self.drop()
+        return entries

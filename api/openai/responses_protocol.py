@@ -12,9 +12,11 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from api.openai.protocol import ContentPart, SamplingFields, ToolName
+from api.openai.protocol import ChatTokenLogprob, ContentPart, SamplingFields, ToolName
 
 # ---- request ---------------------------------------------------------------------------------------------
+
+LOGPROBS_INCLUDE = "message.output_text.logprobs"  # the `include` value that asks for the output's logprobs
 
 
 class _Request(BaseModel):
@@ -96,6 +98,9 @@ class ResponsesRequest(SamplingFields):
         previous_response_id, conversation, prompt, background: refused (400): this server stores no responses,
             conversations or prompts, and answers in the foreground.
         store, metadata: accepted; nothing is stored, metadata is echoed.
+        include: extra output data; "message.output_text.logprobs" (`LOGPROBS_INCLUDE`) returns each output text's
+            logprobs, other values are accepted and ignored.
+        top_logprobs: 0-20 alternatives listed with each token's logprob (with that `include` only, as OpenAI's).
     The sampling fields (temperature, top_p, seed, vLLM's top_k, ...) are `SamplingFields`'; Chat's `n` and
     `max_tokens` are not Responses fields, so they are ignored like any unknown field.
     """
@@ -115,6 +120,8 @@ class ResponsesRequest(SamplingFields):
     background: bool | None = None
     store: bool | None = None
     metadata: dict[str, str] | None = None
+    include: list[str] | None = None
+    top_logprobs: int | None = None
 
 
 # ---- response object -------------------------------------------------------------------------------------
@@ -130,12 +137,39 @@ class ResponseError(BaseModel):
 
 
 class OutputText(BaseModel):
-    """A text content part of an output message (no annotations, no logprobs yet: both always empty)."""
+    """A text content part of an output message (no annotations: always empty).
+
+    Attributes:
+        logprobs: with `include` "message.output_text.logprobs", one entry per token of `text` (token, logprob,
+            bytes, top_logprobs: Chat Completions' entries); else empty.
+    """
 
     type: Literal["output_text"] = "output_text"
     text: str
     annotations: list[Any] = Field(default_factory=list)
-    logprobs: list[Any] = Field(default_factory=list)
+    logprobs: list[ChatTokenLogprob] = Field(default_factory=list)
+
+
+class EventTopLogprob(BaseModel):
+    """One alternative of a streamed token's logprob (the text events' shape: no bytes)."""
+
+    token: str
+    logprob: float
+
+
+class EventLogprob(BaseModel):
+    """A token's logprob in a response.output_text.delta / .done event (the `openai` SDK's
+    `ResponseTextDeltaEvent.Logprob`: token, logprob, top_logprobs; no bytes)."""
+
+    token: str
+    logprob: float
+    top_logprobs: list[EventTopLogprob]
+
+    @classmethod
+    def of(cls, entry: ChatTokenLogprob) -> EventLogprob:
+        """The event form of an output_text logprob entry."""
+        return cls(token=entry.token, logprob=entry.logprob,
+                   top_logprobs=[EventTopLogprob(token=t.token, logprob=t.logprob) for t in entry.top_logprobs])
 
 
 class OutputMessage(BaseModel):
@@ -297,13 +331,13 @@ class OutputTextDeltaEvent(_ContentEvent):
 
     type: Literal["response.output_text.delta"] = "response.output_text.delta"
     delta: str
-    logprobs: list[Any] = Field(default_factory=list)
+    logprobs: list[EventLogprob] = Field(default_factory=list)  # of the delta's tokens, when asked
 
 
 class OutputTextDoneEvent(_ContentEvent):
     type: Literal["response.output_text.done"] = "response.output_text.done"
     text: str
-    logprobs: list[Any] = Field(default_factory=list)
+    logprobs: list[EventLogprob] = Field(default_factory=list)  # of the whole text's tokens, when asked
 
 
 class ReasoningTextDeltaEvent(_ContentEvent):

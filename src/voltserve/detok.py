@@ -7,7 +7,9 @@ Two rules make a streamed delta safe:
    offsets, as vLLM's `detokenize_incrementally` does). Either way new text is held back while it ends with
    U+FFFD, and both give the same deltas.
 2. Never part of a stop string. Text whose end could still grow into a stop string is held back; on a match
-   the text before it (or through it, if asked) is emitted and everything after is dropped.
+   the text before it (or through it, if asked) is emitted and everything after is dropped. With `min_tokens`,
+   a match that ends within the text of the first min_tokens tokens does not count (vLLM's rule: stop strings
+   are ignored until min_tokens tokens are out, as EOS and stop ids are masked until then).
 
 `num_text_tokens` says which tokens the emitted text covers, for logprobs (which OpenAI and vLLM give only for
 the tokens of the returned text): see its docstring for the rule.
@@ -34,6 +36,8 @@ class IncrementalDetokenizer:
         count_text_tokens: keep `num_text_tokens` (a request that asked for logprobs). It costs a list entry per
             token and takes a push of several tokens (a verify step's) token by token; without it, such a push
             without stop strings is decoded at once.
+        min_tokens: a stop-string match ending within the text of the first `min_tokens` tokens is ignored (that
+            text is emitted); one ending past it counts, even if it begins there.
 
     Attributes:
         token_ids: every id pushed so far.
@@ -48,9 +52,11 @@ class IncrementalDetokenizer:
         include_stop_str_in_output: bool = False,
         skip_special_tokens: bool = True,
         count_text_tokens: bool = True,
+        min_tokens: int = 0,
     ):
         self._tokenizer = tokenizer
         self._stop = tuple(s for s in stop if s)
+        self._min_tokens = min_tokens if self._stop else 0  # cleared once no pending match can end before it
         self._include_stop = include_stop_str_in_output
         self._skip_special = skip_special_tokens
         # Longest stop-string prefix that may need holding back.
@@ -59,10 +65,11 @@ class IncrementalDetokenizer:
         self._prefix_offset = 0  # window start: context so the first new token decodes as it would in place
         self._read_offset = 0  # tokens before this are already turned into text
         self._pending = ""  # decoded text not emitted yet (may still become a stop string)
-        # with count_text_tokens only (else None, 0, 0): [num_tokens] characters of the text before each token
-        # (`_place_run`); characters the decoding layer released (emitted, pending or cut by a stop); the first
-        # token whose text it has not released yet
-        self._token_starts: list[int] | None = [] if count_text_tokens else None
+        # with count_text_tokens or min_tokens only (else None, 0, 0): [num_tokens] characters of the text before
+        # each token (`_place_run`); characters the decoding layer released (emitted, pending or cut by a stop);
+        # the first token whose text it has not released yet
+        counted = count_text_tokens or self._min_tokens > 0
+        self._token_starts: list[int] | None = [] if counted else None
         self._num_decoded = 0
         self._run_start = 0
         self._num_emitted = 0  # characters push and flush returned: the output text's length so far
@@ -115,7 +122,7 @@ class IncrementalDetokenizer:
             self._num_emitted += len(new)
             return new, None
         self._pending += new
-        hit = self._find_stop()
+        hit = self._find_stop(self._min_tokens_end() if self._min_tokens else 0)
         if hit is not None:
             index, stop = hit
             end = index + len(stop) if self._include_stop else index
@@ -214,11 +221,26 @@ class IncrementalDetokenizer:
             for j in range(start + 1, end):
                 starts[j] = base + _common_prefix_len(self._window_text(prefix_offset, j)[prefix_len:], text)
 
-    def _find_stop(self) -> tuple[int, str] | None:
-        """Earliest stop-string occurrence in the pending text (longest string wins a tie)."""
+    def _min_tokens_end(self) -> int | None:
+        """Where the text of the first `min_tokens` tokens ends, as an index into the pending text (a match must
+        end after it); None while every pushed token is one of them (no match counts yet)."""
+        if len(self.token_ids) <= self._min_tokens or self._min_tokens > self._run_start:
+            return None  # (the latter: the token is inside a run not released yet, all pending text is before it)
+        end = self._token_starts[self._min_tokens] - self._num_emitted
+        if end <= 0:  # the pending text, now and from now on, lies past it
+            self._min_tokens = 0
+            return 0
+        return end
+
+    def _find_stop(self, after: int | None = 0) -> tuple[int, str] | None:
+        """Earliest stop-string occurrence in the pending text that ends past index `after` (longest string wins a
+        tie); None when `after` is None."""
+        if after is None:
+            return None
         best: tuple[int, str] | None = None
         for stop in self._stop:
-            index = self._pending.find(stop)
+            # a match must start at or past after - len(stop) + 1 to end past `after`
+            index = self._pending.find(stop, after - len(stop) + 1) if after >= len(stop) else self._pending.find(stop)
             if index >= 0 and (best is None or index < best[0] or (index == best[0] and len(stop) > len(best[1]))):
                 best = (index, stop)
         return best

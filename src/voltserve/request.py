@@ -34,7 +34,8 @@ class SamplingParams:
         min_p: drop tokens whose probability is below min_p times the top token's, in [0, 1].
         seed: per-request generator seed; None draws from the engine's generator.
         max_tokens: most output tokens; None = up to the context window.
-        min_tokens: EOS and stop ids are masked until this many tokens are out.
+        min_tokens: EOS and stop ids are masked until this many tokens are out, and stop strings that end in
+            their text are ignored (`detok.IncrementalDetokenizer`).
         stop: stop strings; the matched text is not returned.
         stop_token_ids: extra token ids that end the sequence (the token is not returned as text).
         ignore_eos: keep going past EOS.

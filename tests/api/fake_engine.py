@@ -126,7 +126,9 @@ class ScriptedStream:
         return self._run()
 
     def _logprob(self, token_id: int, position: int) -> TokenLogprob | None:
-        if self.params.logprobs is None:
+        """The scripted logprob of a token: -0.25 * (position % 4), its top k the ids after it, each 1 lower;
+        none for EOS, which has no text (as the engine's: logprobs cover the returned text)."""
+        if self.params.logprobs is None or token_id == EOS_ID:
             return None
         top = tuple((token_id + k, -0.25 * (position % 4) - k) for k in range(self.params.logprobs))
         return TokenLogprob(token_id, -0.25 * (position % 4), top)

@@ -434,3 +434,45 @@ def test_a_lone_surrogate_in_a_body_over_the_search_limit_is_not_located():
     with pytest.raises(InvalidRequestError) as caught:  # within the limit: located
         parse_request(ChatCompletionRequest, _wide_deep_body(1000, 1, b"ok \\udfff"))
     assert (caught.value.param, str(caught.value)) == ("user", _surrogate_message("user", "\\udfff"))
+
+
+RESPONSES = "/v1/responses"
+ROUTE_BODIES = {CHAT: chat_body, COMPLETIONS: completion_body,
+                RESPONSES: lambda **extra: {"model": MODEL, "input": "Hi", **extra}}
+
+
+@pytest.mark.parametrize("path", [CHAT, COMPLETIONS, RESPONSES])
+@pytest.mark.parametrize("field, value, message", [
+    ("temperature", 2.5, "temperature must be <= 2"),  # OpenAI's range is [0, 2] (the engine's is wider)
+    ("temperature", 3, "temperature must be <= 2"),
+    ("temperature", -0.5, "temperature must be >= 0"),
+    ("top_p", 0, "top_p must be in (0, 1]"),
+    ("top_p", 1.5, "top_p must be in (0, 1]"),
+])
+async def test_openai_sampling_ranges(serve, path, field, value, message):
+    """Out of OpenAI's ranges on every OpenAI route: a 400 naming the field (exact JSON); the bounds themselves
+    pass."""
+    async with serve(ScriptedEngine(scripts=["ok"])) as (client, engine):
+        response = await client.post(path, json=ROUTE_BODIES[path](**{field: value}))
+        assert (response.status_code, orjson.loads(await response.get_data())) == (400, {"error": {
+            "message": message, "type": INVALID, "param": field, "code": None}})
+        assert engine.requests == []
+        for bound in ({"temperature": 2, "top_p": 1}, {"temperature": 0, "top_p": 1e-9}):
+            assert (await client.post(path, json=ROUTE_BODIES[path](**bound))).status_code == 200
+
+
+@pytest.mark.parametrize("path", [CHAT, COMPLETIONS])
+@pytest.mark.parametrize("stream", [False, None, "absent"])
+@pytest.mark.parametrize("options", [{"include_usage": True}, {"include_usage": False}, {}])
+async def test_stream_options_only_with_stream(serve, path, stream, options):
+    """OpenAI's rule: `stream_options` without `stream: true` is a 400 naming it; null is fine either way."""
+    extra = {} if stream == "absent" else {"stream": stream}
+    async with serve(ScriptedEngine(scripts=["ok"])) as (client, engine):
+        response = await client.post(path, json=ROUTE_BODIES[path](stream_options=options, **extra))
+        assert (response.status_code, orjson.loads(await response.get_data())) == (400, {"error": {
+            "message": "The 'stream_options' parameter is only allowed when 'stream' is enabled.", "type": INVALID,
+            "param": "stream_options", "code": None}})
+        assert engine.requests == []
+        assert (await client.post(path, json=ROUTE_BODIES[path](stream_options=None, **extra))).status_code == 200
+        streamed = await client.post(path, json=ROUTE_BODIES[path](stream_options=options, stream=True))
+        assert streamed.status_code == 200 and (await streamed.get_data()).endswith(b"data: [DONE]\n\n")

@@ -29,9 +29,11 @@ async def _both(serve, script: str | list[str], engine_cls=ScriptedEngine, templ
     if template:
         engine.chat_template = ThinkingTemplate()
     body = chat_body(**extra)
+    streamed = {**body, "stream": True}
+    body.pop("stream_options", None)  # allowed only when streaming
     async with serve(engine, **(config or {})) as (client, _):
         whole = orjson.loads(await (await client.post(URL, json=body)).get_data())
-        data = await (await client.post(URL, json={**body, "stream": True})).get_data()
+        data = await (await client.post(URL, json=streamed)).get_data()
     events = data.split(b"\n\n")
     assert events[-2:] == [b"data: [DONE]", b""]
     return whole, [orjson.loads(e.removeprefix(b"data: ")) for e in events[:-2]], engine.requests[-1][1].grammar
@@ -129,7 +131,7 @@ async def test_T1_json_response_format_content_parses(serve, engine_cls, end):
     assert _joined(chunks) == ("Sure.", content, [], ["stop"])
 
 
-USAGE = {"stream_options": {"include_usage": True}}  # the streamed request's usage chunk (ignored when not streamed)
+USAGE = {"stream_options": {"include_usage": True}}  # the streamed request's usage chunk (`_both` sends it there only)
 CHATML_PROMPT = "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
 
 

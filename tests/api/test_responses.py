@@ -155,11 +155,12 @@ async def test_input_forms_give_the_chat_prompt(serve):
         await client.post("/v1/chat/completions", json=chat_body(messages=[m for _, m in CONVERSATION]))
     ids = [prompt for prompt, _, _ in engine.requests]
     assert ids[0] == ids[1] == ids[2] == engine.tokenizer.encode(PROMPT_HI)
-    assert ids[3] == ids[4]
-    assert ids[3] == engine.tokenizer.encode(
-        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>developer\nNo emoji.<|im_end|>\n"
-        "<|im_start|>user\nHi\nthere<|im_end|>\n<|im_start|>assistant\nHello!<|im_end|>\n"
-        "<|im_start|>user\nBye<|im_end|>\n<|im_start|>assistant\n")
+    turns = ("<|im_start|>user\nHi\nthere<|im_end|>\n<|im_start|>assistant\nHello!<|im_end|>\n"
+             "<|im_start|>user\nBye<|im_end|>\n<|im_start|>assistant\n")
+    # the developer message is a system one; Responses joins the leading system messages into one, Chat does not
+    assert ids[3] == engine.tokenizer.encode("<|im_start|>system\nBe brief.\n\nNo emoji.<|im_end|>\n" + turns)
+    assert ids[4] == engine.tokenizer.encode(
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>system\nNo emoji.<|im_end|>\n" + turns)
 
 
 async def test_S2_instructions_are_the_first_system_message_without_billing_header(serve):
@@ -169,7 +170,7 @@ async def test_S2_instructions_are_the_first_system_message_without_billing_head
     status, data, engine = await post(serve, ScriptedEngine(scripts=["ok"]), json)
     assert status == 200
     assert engine.requests[0][0] == engine.tokenizer.encode(
-        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>system\nRule two.<|im_end|>\n" + PROMPT_HI)
+        "<|im_start|>system\nBe brief.\n\nRule two.<|im_end|>\n" + PROMPT_HI)
     assert orjson.loads(data)["instructions"] == billing + "Be brief."  # echoed as sent
 
 

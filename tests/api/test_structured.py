@@ -95,6 +95,17 @@ async def test_forced_responses_call_is_a_function_call_item(serve):
     assert whole["output"][0]["arguments"] == '{"city": "Paris"}' and whole == final and whole["status"] == "completed"
 
 
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "name": "get_weather"}])
+async def test_forced_responses_call_cut_short_leaves_no_empty_message(serve, tool_choice):
+    """A forced call cut by max_output_tokens: no output item at all (Chat's content is null, Messages' []), not an
+    empty message; status incomplete; streamed, no message or text events."""
+    whole, events, final = await responses_both(serve, CALL, tool_choice=tool_choice, max_output_tokens=30)
+    assert (whole["status"], whole["incomplete_details"], whole["output"]) == \
+        ("incomplete", {"reason": "max_output_tokens"}, [])
+    assert [name for name, _ in events] == ["response.created", "response.in_progress", "response.incomplete"]
+    assert final == whole
+
+
 async def test_json_output_is_the_content(serve):
     async with serve(ScriptedEngine(scripts=['{"ok":true}'])) as (client, _):
         got = orjson.loads(await (await client.post("/v1/chat/completions", json=chat_body(

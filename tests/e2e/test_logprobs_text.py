@@ -108,3 +108,47 @@ async def test_completion_logprobs_per_choice_cover_the_text(smollm2, prompt, ma
                   for key in ("tokens", "token_logprobs", "text_offset")}
         assert joined["tokens"] == logprobs["tokens"] and joined["text_offset"] == logprobs["text_offset"]
         assert joined["token_logprobs"] == pytest.approx(logprobs["token_logprobs"], abs=1e-4)
+
+
+@pytest.mark.parametrize("min_tokens, content, finish_reason", [
+    (0, "The", "stop"),  # " capital" stops at once
+    (2, "The capital of France", "stop"),  # " capital" ends in token 2's text: ignored; " is" stops
+    (5, "The capital of France is Paris.", "stop"),  # both end within the first 5 tokens' text: EOS ends it
+])
+async def test_min_tokens_ignores_stop_strings_until_that_many_tokens(smollm2, min_tokens, content, finish_reason):
+    """vLLM's min_tokens rule for stop strings (its test_min_tokens_with_stop): a stop string that ends in the
+    text of the first min_tokens tokens is returned as text; streamed as not; logprobs cover the returned text."""
+    body = {"messages": FRANCE, "max_tokens": 20, "logprobs": True, "stop": [" capital", " is"],
+            "min_tokens": min_tokens}
+    async with _client(smollm2) as client:
+        whole, chunks = await _both(client, "/v1/chat/completions", body)
+    (choice,) = whole["choices"]
+    assert (choice["message"]["content"], choice["finish_reason"]) == (content, finish_reason)
+    assert [e["token"] for e in choice["logprobs"]["content"]] == ANSWER[:len(ANSWER) if "." in content else
+                                                                          content.count(" ") + 1]
+    streamed, entries = _chat_streamed(chunks)
+    assert (streamed, [e["token"] for e in entries]) == (content, [e["token"] for e in choice["logprobs"]["content"]])
+
+
+async def test_responses_logprobs_are_chats(smollm2):
+    """Responses with `include: ["message.output_text.logprobs"]`: the output_text's entries are Chat's for the same
+    conversation (no EOS entry), and the streamed delta events carry the same tokens and values."""
+    body = {"model": MODEL, "temperature": 0, "input": FRANCE, "max_output_tokens": 20,
+            "include": ["message.output_text.logprobs"], "top_logprobs": 2}
+    async with _client(smollm2) as client:
+        whole = orjson.loads(await (await client.post("/v1/responses", json=body)).get_data())
+        data = await (await client.post("/v1/responses", json={**body, "stream": True})).get_data()
+        chat, _ = await _both(client, "/v1/chat/completions", {"messages": FRANCE, "max_tokens": 20,
+                                                               "logprobs": True, "top_logprobs": 2})
+    (message,) = whole["output"]
+    (part,) = message["content"]
+    assert (whole["status"], part["text"]) == ("completed", "The capital of France is Paris.")
+    assert [e["token"] for e in part["logprobs"]] == ANSWER
+    assert all(e["bytes"] == list(e["token"].encode()) and len(e["top_logprobs"]) == 2 for e in part["logprobs"])
+    expected = chat["choices"][0]["logprobs"]["content"]
+    assert [e["logprob"] for e in part["logprobs"]] == pytest.approx([e["logprob"] for e in expected], abs=1e-4)
+    events = [orjson.loads(frame.split(b"\ndata: ", 1)[1]) for frame in data.split(b"\n\n")[:-1]]
+    streamed = [lp for e in events if e["type"] == "response.output_text.delta" for lp in e["logprobs"]]
+    assert [e["token"] for e in streamed] == ANSWER
+    assert [e["logprob"] for e in streamed] == pytest.approx([e["logprob"] for e in expected], abs=1e-4)
+    assert events[-1]["response"]["output"][0]["content"][0]["text"] == part["text"]

@@ -156,3 +156,40 @@ def test_num_text_tokens_after_a_replacement_character(tok, replacement):
     detok = IncrementalDetokenizer(tok, stop=[" is Paris"])
     counts = [(detok.push([i]), detok.num_text_tokens) for i in (3, replacement, 1, 2)]
     assert counts == [(("The", None), 1), (("", None), 1), (("\ufffd", None), 2), (("", " is Paris"), 2)]
+
+
+@pytest.mark.parametrize("stop, min_tokens, text, stop_reason", [
+    ([" of"], 3, "The capital of France is Paris.", None),  # ends in token 3's text: ignored
+    ([" of"], 2, "The capital", " of"),  # ends in token 3's text, past the first 2: counts
+    (["of France"], 3, "The capital ", "of France"),  # begins in the first 3 tokens' text, ends past it: counts
+    ([" capital", " is"], 3, "The capital of France", " is"),  # " capital" ignored, the later " is" stops
+    (["The"], 7, "The capital of France is Paris.", None),  # every token is one of the first 7
+])
+@pytest.mark.parametrize("count", [True, False], ids=["logprobs", "no_logprobs"])
+def test_min_tokens_ignores_stop_strings_that_end_in_their_text(smollm2_tokenizer, stop, min_tokens, text,
+                                                                 stop_reason, count):
+    """vLLM's rule (its test_min_tokens_with_stop): a stop string does not count until min_tokens tokens are out;
+    here, a match whose end lies in the text of the first min_tokens tokens is emitted as text. Pushed one token
+    at a time or all at once, the same text; logprobs' count follows it."""
+    tok = smollm2_tokenizer
+    ids = tok.encode("The capital of France is Paris.")  # The| capital| of| France| is| Paris|.
+    detok, deltas, matched = _stream(tok, ids, stop=stop, min_tokens=min_tokens, count_text_tokens=count)
+    assert ("".join(deltas) + detok.flush(), matched) == (text, stop_reason)
+    assert detok.num_text_tokens == len(tok.encode(text))  # min_tokens keeps token positions either way
+    whole = IncrementalDetokenizer(tok, stop=stop, min_tokens=min_tokens, count_text_tokens=count)
+    out, matched = whole.push(ids)
+    assert (out + whole.flush(), matched) == (text, stop_reason)
+
+
+def test_min_tokens_finds_the_next_occurrence_of_an_ignored_stop_string(smollm2_tokenizer):
+    tok = smollm2_tokenizer
+    ids = tok.encode("one, two, three, four.")  # one|,| two|,| three|,| four|.
+    for min_tokens, text in ((0, "one"), (2, "one, two"), (3, "one, two"), (4, "one, two, three")):
+        detok, deltas, matched = _stream(tok, ids, stop=[","], min_tokens=min_tokens)
+        assert ("".join(deltas), matched) == (text, ","), min_tokens
+    # a stop string spanning an ignored occurrence and the text after it: "aa" in "aaaa| a|aa|a"
+    ids = tok.encode("aaaa aaaa")
+    detok, deltas, matched = _stream(tok, ids, stop=["aa"], min_tokens=1)
+    assert ("".join(deltas), matched) == ("aaaa ", "aa")
+    detok, deltas, matched = _stream(tok, ids, stop=["a a"], min_tokens=1)
+    assert ("".join(deltas), matched) == ("aaa", "a a")  # begins in token 1, ends in token 2

@@ -223,9 +223,10 @@ def test_backend_knobs_read_from_the_environment(monkeypatch):
 
 
 def test_gemv_pdl_rule():
-    """"auto": PDL for every decode GEMV except a large one right after another large GEMV (the launch before
-    it streamed > GEMV_PDL_MAX_WEIGHT_BYTES); "small": only small weights (the rule before); "on" / "off";
-    never without the backend's PDL (pre-SM90, --no-pdl)."""
+    """"auto": PDL for every one-row decode GEMV, and for launches of more rows except a large one right after
+    another large GEMV (the launch before it streamed > GEMV_PDL_MAX_WEIGHT_BYTES); "small": only small weights
+    (the rule of sessions <= 11), whatever the rows; "on" / "off"; never without the backend's PDL (pre-SM90,
+    --no-pdl)."""
     from voltserve.backends.cuda.kernels import GEMV_PDL_MAX_WEIGHT_BYTES
     from voltserve.backends.cuda.gemv_launch import gemv_pdl
 
@@ -237,11 +238,15 @@ def test_gemv_pdl_rule():
         return SimpleNamespace(pdl=pdl, gemv_pdl=choice, last_launch_weight_bytes=last)
 
     for last in (0, 1 << 20, big_bytes):
-        assert gemv_pdl(backend("auto", last), small)
-        assert gemv_pdl(backend("auto", last), big) == (last <= GEMV_PDL_MAX_WEIGHT_BYTES)
-        assert gemv_pdl(backend("small", last), small) and not gemv_pdl(backend("small", last), big)
-        assert gemv_pdl(backend("on", last), big) and not gemv_pdl(backend("off", last), small)
-        assert not gemv_pdl(backend("auto", last, pdl=False), small)
+        for rows in (2, 8):
+            assert gemv_pdl(backend("auto", last), small, rows)
+            assert gemv_pdl(backend("auto", last), big, rows) == (last <= GEMV_PDL_MAX_WEIGHT_BYTES)
+        assert gemv_pdl(backend("auto", last), big, 1) and gemv_pdl(backend("auto", last), small, 1)
+        for rows in (1, 4):
+            assert gemv_pdl(backend("small", last), small, rows) and not gemv_pdl(backend("small", last), big, rows)
+            assert gemv_pdl(backend("on", last), big, rows) and not gemv_pdl(backend("off", last), small, rows)
+            assert not gemv_pdl(backend("auto", last, pdl=False), small, rows)
+            assert not gemv_pdl(backend("auto", last, pdl=False), big, 1)
 
 
 def test_gemv_prefetch_bytes():
@@ -258,8 +263,8 @@ def test_gemv_prefetch_bytes():
 
 def test_gemv_pdl_is_decided_per_launch():
     """A 12-row call on a large fp16 weight is two 8-row gemv_mma launches: the first may start early after a
-    short kernel, the second follows the first (a large GEMV) and does not; after a large GEMV neither does.
-    Every GEMV launch records its weight bytes for the next decision."""
+    short kernel, the second follows the first (a large GEMV) and does not; after a large GEMV neither does, but a
+    one-row launch does. Every GEMV launch records its weight bytes for the next decision."""
     from voltserve.backends.cuda.linear import launch_linear
 
     big = fake_linear("F16", 6144, 4096)
@@ -280,6 +285,9 @@ def test_gemv_pdl_is_decided_per_launch():
     launches.clear()
     launch_linear(backend, x, big)  # right after the large GEMV above
     assert launches == [("gemv_mma", False), ("gemv_mma", False)]
+    launches.clear()
+    launch_linear(backend, x[:1], big)  # one row: early start even after a large GEMV (session 39)
+    assert launches == [("gemv", True)]
 
 
 @pytest.mark.parametrize("case", ["f16_gemv", "f16_mma", "f16_tma", "f16_tma_pair", "s8w", "s8_m1", "s8",

@@ -224,7 +224,7 @@ def launch_gemv_s8w(backend: Any, x: torch.Tensor, w: CudaLinear, y: torch.Tenso
     k = x.shape[1]
     n_out = y.shape[1]
     per_launch = x_per_launch_of(backend, "gemv_s8w", 1, k)
-    pdl = gemv_pdl(backend, w)  # against the launch before quantize_s8: the pair counts as one GEMV
+    pdl = gemv_pdl(backend, w, 1)  # against the launch before quantize_s8: the pair counts as one GEMV
     spec = kernels.gemv_s8_spec(w.fmt, silu, 1, False, per_launch)
     xq, norm = s8_quantized_x(backend, x, spec, kernels.gemv_s8_smem_bytes(1, k), norm_weight, eps, vec_ok,
                               per_launch, ready)
@@ -255,7 +255,7 @@ def launch_gemv_s8(backend: Any, x: torch.Tensor, w: CudaLinear, y: torch.Tensor
         rows = min(step, m - r0)
         xr = x[r0:r0 + rows]
         per_launch = x_per_launch_of(backend, "gemv_s8", rows, k)
-        pdl = gemv_pdl(backend, w)  # against the launch before quantize_s8: the pair counts as one GEMV
+        pdl = gemv_pdl(backend, w, rows)  # against the launch before quantize_s8: the pair counts as one GEMV
         ranges = gemv_s8_k_ranges(backend, w.fmt, rows, k)
         assert ranges is not None, "gemv_s8_ok and gemv_s8_launch_rows pick only launches whose x fits"
         split = len(ranges) > 1
@@ -275,6 +275,6 @@ def launch_gemv_s8(backend: Any, x: torch.Tensor, w: CudaLinear, y: torch.Tensor
             if split:
                 p.part, p.kb_begin, p.kb_end = part.data_ptr(), kb0, kb1
                 p.part_in, p.part_out = int(i > 0), int(i < len(ranges) - 1)
-                pdl = gemv_pdl(backend, w) if i else pdl
+                pdl = gemv_pdl(backend, w, rows) if i else pdl
             backend._launch("gemv_s8", "gemv_s8", spec, (grid, 1, 1), (threads, 1, 1), smem, p, pdl)
             launched_gemv(backend, w)

@@ -37,23 +37,26 @@ def launched_gemv(backend: Any, w: CudaLinear) -> None:
     backend.last_launch_weight_bytes = w.out_features * w.row_bytes
 
 
-def gemv_pdl(backend: Any, w: CudaLinear) -> bool:
-    """Whether a decode GEMV on `w` launches with programmatic dependent launch (`backend.pdl`, SM90+).
+def gemv_pdl(backend: Any, w: CudaLinear, rows: int) -> bool:
+    """Whether a decode GEMV launch of `rows` x rows on `w` uses programmatic dependent launch (`backend.pdl`,
+    SM90+).
 
-    `backend.gemv_pdl` "auto": every GEMV but one whose weight and the previous launch's
-    (`backend.last_launch_weight_bytes`) both exceed GEMV_PDL_MAX_WEIGHT_BYTES. After a short kernel (rms_norm,
-    attention) the early start hides the launch and the first loads; after a large GEMV, the dependent's blocks
-    take the SM slots the primary frees first, unevenly (8B shapes, H200, the unfused norm: down_proj after
-    gate_up 31.3 us with PDL vs 29.3 without, qkv / o_proj / gate_up after rms_norm or attention 1.3 / 1.5 /
-    0.5 us faster with it; tools/profile_step.py). Decided per launch, against the launch right before it (a
-    call's second 8-row launch follows its first); gemv_s8's quantize_s8 + gemv_s8 pair counts as one launch,
-    decided before quantize_s8. "small": PDL only for weights of at most
-    GEMV_PDL_MAX_WEIGHT_BYTES (the rule before). "on" / "off": every GEMV / none (A/B runs)."""
+    `backend.gemv_pdl` "auto": every one-row launch, and every launch of more rows but one whose weight and the
+    previous launch's (`backend.last_launch_weight_bytes`) both exceed GEMV_PDL_MAX_WEIGHT_BYTES. After a short
+    kernel (rms_norm, attention) the early start hides the launch and the first loads (8B shapes, H200, the
+    unfused norm: qkv / o_proj / gate_up 1.3 / 1.5 / 0.5 us faster; tools/profile_step.py). After a large GEMV, a
+    multi-row launch's blocks take the SM slots the primary frees first, unevenly (H100, session 39: the 8B step
+    at 4 sequences 5.3-5.5% slower with PDL there, Q4_1 and Q8_0; at 2 sequences +2.5% / equal). One-row launches
+    gain (session 39, H100, 8B step at batch 1 with PDL after large GEMVs too: Q4_1 -1.3%, Q8_0 -3.0%, fp16
+    -0.3 to -0.8%; gemv_s8w alone at Q4_1 14336x4096 17.3 -> 15.2 us). Decided per launch, against the launch
+    right before it (a call's second 8-row launch follows its first); gemv_s8's quantize_s8 + gemv_s8 pair counts
+    as one launch, decided before quantize_s8. "small": PDL only for weights of at most GEMV_PDL_MAX_WEIGHT_BYTES
+    (the rule of sessions <= 11). "on" / "off": every GEMV / none (A/B runs)."""
     choice = getattr(backend, "gemv_pdl", "auto")
     if not backend.pdl or choice == "off":
         return False
     small = w.out_features * w.row_bytes <= kernels.GEMV_PDL_MAX_WEIGHT_BYTES
     if choice == "small":
         return small
-    return choice == "on" or small or getattr(backend, "last_launch_weight_bytes", 0) <= \
+    return choice == "on" or rows == 1 or small or getattr(backend, "last_launch_weight_bytes", 0) <= \
         kernels.GEMV_PDL_MAX_WEIGHT_BYTES

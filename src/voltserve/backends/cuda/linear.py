@@ -293,7 +293,7 @@ def launch_linear(backend: Any, x: torch.Tensor, w: CudaLinear, *, norm_weight: 
         fuse_norm = norm_weight is not None and (use_q or bucket * k * 2 <= kernels.GEMV_NORM_MAX_SMEM)
         if norm_weight is not None and not fuse_norm:
             xr, _ = backend.rms_norm(xr, norm_weight, eps)
-        pdl = gemv_pdl(backend, w)  # per launch: it depends on the launch right before
+        pdl = gemv_pdl(backend, w, rows)  # per launch: it depends on the launch right before
         spec = kernels.gemv_spec(w.fmt, bucket, silu, norm_post)
         groups = math.ceil(n_out / 4)
         if fuse_norm and not use_q:  # each block normalizes x once: fewer blocks, grid-stride over the features
@@ -493,7 +493,7 @@ def _launch_gemv_mma(backend: Any, x: torch.Tensor, w: CudaLinear, y: torch.Tens
         rows = min(kernels.GEMV_MAX_ROWS, m - r0)
         p = gemv_params(x[r0:r0 + rows], r0, w, y, residual, norm_weight, eps, vec_ok)
         backend._launch("gemv_mma", kernel, spec, grid, (32 * kernels.GEMV_MMA_WARPS, 1, 1), smem, p,
-                        gemv_pdl(backend, w))
+                        gemv_pdl(backend, w, rows))
         launched_gemv(backend, w)
 
 

@@ -34,6 +34,7 @@ response.reasoning_text.delta per reasoning delta, response.reasoning_text.done 
 
 from __future__ import annotations
 
+import codecs
 from collections.abc import Sequence
 from dataclasses import replace
 
@@ -398,8 +399,6 @@ class ResponseEvents:
         """The events of one whole call: the open message item ends, and the function_call item is added, its
         arguments sent in one delta, and done. Without parallel calls, every call after the first is dropped."""
         k, self._calls = self._calls, self._calls + 1
-        if self._pending is not None:
-            self._pending.drop()  # the call's tokens
         if k and not self._parallel:
             return []
         frames = self._close_message("completed") if self._open is not None else []
@@ -441,17 +440,45 @@ class ResponseEvents:
         return [self._event(ReasoningTextDoneEvent, item_id=item.id, output_index=index, text=text),
                 self._event(OutputItemEvent, type="response.output_item.done", output_index=index, item=item)]
 
-    def _piece(self, piece) -> list[bytes]:
-        """The events of one parsed piece: reasoning, content text or a call (which end the reasoning)."""
-        if self._pending is not None:
-            self._pending.drop_reasoning(self._parser.reasoning_tokens)
+    def _attributed(self, pieces, parts: list) -> None:
+        """Append each parsed piece to `parts` as (piece, the logprob entries of a content piece, None when none are
+        asked), a content piece's text as a list of strings: it takes the queued entries (`PendingLogprobs`), a
+        call drops them; content right after content joins it (one text delta per run of content, however the
+        text was fed; `_frames_of` joins the strings)."""
+        pending = self._pending
+        for piece in pieces:
+            entries = None
+            if pending is not None:
+                pending.drop_reasoning(self._parser.reasoning_tokens)
+                if isinstance(piece, str):
+                    entries = pending.take()
+                elif not isinstance(piece, Reasoning):
+                    pending.drop()  # the call's tokens
+            if not isinstance(piece, str):
+                parts.append((piece, None))
+            elif parts and isinstance(parts[-1][0], list):
+                parts[-1][0].append(piece)
+                if entries is not None:
+                    parts[-1][1].extend(entries)
+            else:
+                parts.append(([piece], entries))
+
+    def _frames_of(self, parts: list) -> list[bytes]:
+        """The events of `_attributed`'s parts, in order."""
+        frames = []
+        for piece, entries in parts:
+            frames += self._piece("".join(piece) if isinstance(piece, list) else piece, entries)
+        return frames
+
+    def _piece(self, piece, entries: list[ChatTokenLogprob] | None = None) -> list[bytes]:
+        """The events of one parsed piece: reasoning, content text (`entries`: its tokens' logprobs, when asked) or
+        a call (which end the reasoning)."""
         if isinstance(piece, Reasoning):
             return self._reasoning_delta(piece.text)
         frames = self._close_reasoning()
-        return frames + (self._content(piece) if isinstance(piece, str) else self._call(piece))
+        return frames + (self._content(piece, entries) if isinstance(piece, str) else self._call(piece))
 
-    def _content(self, text: str) -> list[bytes]:
-        entries = self._pending.take() if self._pending is not None else None
+    def _content(self, text: str, entries: list[ChatTokenLogprob] | None) -> list[bytes]:
         if self._forced:  # the grammar writes calls only: other text is a call the output did not finish
             return []
         if self._open is not None:
@@ -463,13 +490,26 @@ class ResponseEvents:
         """The events of the next output text (`num_tokens`: the tokens new in it, `token_ids`: the ids of its
         last ones, for the usage's `reasoning_tokens`; `logprobs`: the entries new with it, when asked), through
         the output parser: reasoning deltas, text deltas (the item added first when none is open) and whole calls;
-        none while the parser holds the text back."""
-        if self._pending is not None:
-            self._pending.add(logprobs)
-        frames = []
-        for piece in self._parser.pieces(text, num_tokens, token_ids):  # in the model's order
-            frames += self._piece(piece)
-        return frames
+        none while the parser holds the text back.
+
+        With logprobs, a delta of several tokens is fed to the parser token by token once the reasoning is over
+        (`PendingLogprobs.by_token`), so that each message gets its own tokens' entries however the engine's
+        deltas merged (a stream interval, a consumer that fell behind, a verify step's tokens).
+        """
+        pending = self._pending
+        if pending is None:  # the per-token path without logprobs
+            frames = []
+            for piece in self._parser.pieces(text, num_tokens, token_ids):  # in the model's order
+                frames += self._piece(piece)
+            return frames
+        # the reasoning counts its tokens by delta: a delta is fed whole until it is over
+        runs = pending.by_token(text, logprobs) if self._parser.in_content else ((text, logprobs),)
+        parts = []
+        for run, entries in runs:
+            pending.add(entries)
+            self._attributed(self._parser.pieces(run, num_tokens, token_ids), parts)
+            num_tokens, token_ids = 0, ()  # the reasoning is over: no later run needs them
+        return self._frames_of(parts)
 
     def end(self, finish_reason: str | None, usage: ResponseUsage) -> list[bytes]:
         """The closing events: the parser's last text, the open message item done (an output with no item at
@@ -479,8 +519,9 @@ class ResponseEvents:
         end = _outcome(finish_reason)
         frames = []
         if self._parser is not None:
-            for piece in self._parser.finish_pieces():  # the last text, or a call the output ended in
-                frames += self._piece(piece)
+            parts = []
+            self._attributed(self._parser.finish_pieces(), parts)  # the last text, or a call the output ended in
+            frames += self._frames_of(parts)
             frames += self._close_reasoning(end["status"])  # an output that ended in its reasoning
             if self._open is None and not self._items and not self._forced:
                 frames += self._open_message()
@@ -531,8 +572,10 @@ class PendingLogprobs:
     Rule: a message gets the entries of the tokens that came (engine deltas, in order) up to the delta whose text
     the parser released as that message's text, since the last piece released; the entries of the reasoning's
     tokens (the first `reasoning_tokens` of the output, as the reasoning parser counts them) and of the tokens
-    before a call (its markup, and whitespace the call drops) go nowhere. Exact at one token a delta; a delta
-    that holds both message text and a whole call gives all its entries to the text.
+    before a call (its markup, and whitespace the call drops) go nowhere. Exact at one token a delta, and so is a
+    delta of several tokens after the reasoning (`by_token` cuts it into its tokens' texts), unless its entries'
+    tokens do not spell its text (text a stop string held back, a token without text); such a delta, and one that
+    ends the reasoning, gives all its entries after the reasoning's to the first content it releases.
 
     Entries arrive with `add` (a non-streamed response, delta by delta) or `from_stream` and `returned` (as
     `drive_stream`'s `choice_chunk`, which hands the logprobs of a chunk that sent nothing back with the next).
@@ -543,6 +586,18 @@ class PendingLogprobs:
         self._queued: list[TokenLogprob] = []
         self._first = 0  # the output position of the first queued entry
         self._handed_back = 0  # entries `drive_stream` hands back: already queued
+
+    def by_token(self, text: str, logprobs: Sequence[TokenLogprob]) -> list[tuple[str, Sequence[TokenLogprob]]]:
+        """A delta's `text` cut into its tokens' texts, each with its token's entry, when the entries' tokens decode
+        to exactly `text` (a character split over tokens goes with the token that completes it, the others get "");
+        else the whole delta with all its entries."""
+        if len(logprobs) < 2:
+            return [(text, logprobs)]
+        decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        texts = [decoder.decode(self._tokenizer.token_bytes(lp.token_id)) for lp in logprobs]
+        if "".join(texts) != text:
+            return [(text, logprobs)]
+        return [(run, (lp,)) for run, lp in zip(texts, logprobs)]
 
     def add(self, logprobs: Sequence[TokenLogprob]) -> None:
         """Queue the entries of the next delta."""

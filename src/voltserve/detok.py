@@ -37,7 +37,8 @@ class IncrementalDetokenizer:
             token and takes a push of several tokens (a verify step's) token by token; without it, such a push
             without stop strings is decoded at once.
         min_tokens: a stop-string match ending within the text of the first `min_tokens` tokens is ignored (that
-            text is emitted); one ending past it counts, even if it begins there.
+            text is emitted); one ending past it counts, even if it begins there. Without `count_text_tokens`, the
+            token positions it needs are kept only until the emitted text is past those tokens' text.
 
     Attributes:
         token_ids: every id pushed so far.
@@ -68,6 +69,7 @@ class IncrementalDetokenizer:
         # with count_text_tokens or min_tokens only (else None, 0, 0): [num_tokens] characters of the text before
         # each token (`_place_run`); characters the decoding layer released (emitted, pending or cut by a stop);
         # the first token whose text it has not released yet
+        self._count_text_tokens = count_text_tokens
         counted = count_text_tokens or self._min_tokens > 0
         self._token_starts: list[int] | None = [] if counted else None
         self._num_decoded = 0
@@ -155,7 +157,7 @@ class IncrementalDetokenizer:
         Raises:
             RuntimeError: the detokenizer was made with `count_text_tokens=False`.
         """
-        if self._token_starts is None:
+        if not self._count_text_tokens:
             raise RuntimeError("num_text_tokens: this detokenizer does not count them (count_text_tokens=False)")
         return bisect_left(self._token_starts, self._num_emitted)
 
@@ -229,6 +231,8 @@ class IncrementalDetokenizer:
         end = self._token_starts[self._min_tokens] - self._num_emitted
         if end <= 0:  # the pending text, now and from now on, lies past it
             self._min_tokens = 0
+            if not self._count_text_tokens:  # the positions were kept for min_tokens only: the plain path from now on
+                self._token_starts = None
             return 0
         return end
 

@@ -8,14 +8,18 @@ after it, each 1 lower; none for EOS."""
 
 from __future__ import annotations
 
+import functools
+
 import orjson
 import pytest
 
-from tests.api.fake_engine import MarkerTokenizer, ScriptedEngine, ThinkingTemplate
+from api.openai.responses import PendingLogprobs
+from tests.api.fake_engine import MarkerTokenizer, ScriptedEngine, StreamedEngine, ThinkingTemplate
 from tests.api.test_responses import (
     INVALID, URL, body, event, events_of, opening_events, post, response_object, sdk_checked, usage,
 )
 from tests.api.test_responses_tools import PARIS, PARIS_ARGS, WEATHER, both, function_call, names, with_tools
+from voltserve.request import TokenLogprob
 
 LOGPROBS = ["message.output_text.logprobs"]
 
@@ -158,3 +162,34 @@ async def test_text_the_parser_held_back_keeps_its_entries_once(serve):
     deltas = [(e["delta"], [lp["token"] for lp in e["logprobs"]]) for name, e in events
               if name == "response.output_text.delta"]
     assert deltas == [("a", ["a"]), ("<b", ["<", "b"])]
+
+
+@pytest.mark.parametrize("interval", [1, 4])
+@pytest.mark.parametrize("script, messages", [
+    ("Ok\n" + PARIS + "Bye", [("Ok", 0), ("Bye", len("Ok\n" + PARIS))]),
+    (PARIS + "Done.", [("Done.", len(PARIS))]),
+])
+async def test_deltas_of_several_tokens_give_each_message_its_own_entries(serve, interval, script, messages):
+    """A stream interval merges the engine's deltas (so does a consumer that fell behind, or a verify step): a delta
+    holding a message's last text and a call's first markup, or a call's last markup and the next message's text,
+    is read token by token, so each message still gets exactly its own text's entries (they once got the markup's
+    or lost theirs with the call's); the merged text still goes out as one delta event."""
+    whole, events, _ = await both(serve, script, functools.partial(StreamedEngine, interval=interval),
+                                  include=LOGPROBS)
+    got = [(item["content"][0]["text"], item["content"][0]["logprobs"]) for item in whole["output"]
+           if item["type"] == "message"]
+    assert got == [(text, scripted(text, first)) for text, first in messages]
+    deltas = [(e["delta"], "".join(lp["token"] for lp in e["logprobs"])) for name, e in events
+              if name == "response.output_text.delta"]
+    assert all(delta == tokens for delta, tokens in deltas)
+    assert (len(deltas) < sum(len(text) for text, _ in messages)) == (interval > 1)  # one event a merged delta
+
+
+def test_by_token_cuts_a_delta_at_its_tokens_or_not_at_all():
+    """A split character's text goes with the token that completes it; entries that do not spell the text (here
+    text a stop string held back: the token " Thi" had its entry with " ") leave the delta whole."""
+    pending = PendingLogprobs(MarkerTokenizer())
+    h, c3, a9 = (TokenLogprob(3 + b, -1.0, ()) for b in b"H\xc3\xa9")
+    assert pending.by_token("Hé", [h, c3, a9]) == [("H", (h,)), ("", (c3,)), ("é", (a9,))]
+    assert pending.by_token("Hi", [h]) == [("Hi", [h])]
+    assert pending.by_token("iH", [h, h]) == [("iH", [h, h])]

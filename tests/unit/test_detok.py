@@ -175,10 +175,24 @@ def test_min_tokens_ignores_stop_strings_that_end_in_their_text(smollm2_tokenize
     ids = tok.encode("The capital of France is Paris.")  # The| capital| of| France| is| Paris|.
     detok, deltas, matched = _stream(tok, ids, stop=stop, min_tokens=min_tokens, count_text_tokens=count)
     assert ("".join(deltas) + detok.flush(), matched) == (text, stop_reason)
-    assert detok.num_text_tokens == len(tok.encode(text))  # min_tokens keeps token positions either way
+    if count:
+        assert detok.num_text_tokens == len(tok.encode(text))
     whole = IncrementalDetokenizer(tok, stop=stop, min_tokens=min_tokens, count_text_tokens=count)
     out, matched = whole.push(ids)
     assert (out + whole.flush(), matched) == (text, stop_reason)
+
+
+def test_min_tokens_keeps_positions_without_logprobs_only_while_it_needs_them(smollm2_tokenizer):
+    """Without logprobs, the token positions min_tokens reads are dropped once the emitted text is past the first
+    min_tokens tokens' text: the rest of the output takes the per-token path of a request without min_tokens."""
+    tok = smollm2_tokenizer
+    ids = tok.encode("The capital of France is Paris.")  # The| capital| of| France| is| Paris|.
+    detok = IncrementalDetokenizer(tok, stop=["Lyon"], min_tokens=2, count_text_tokens=False)
+    held = [(detok.push([i])[0], detok._token_starts is not None) for i in ids[:4]]
+    assert held == [("The", True), (" capital", True), (" of", False), (" France", False)]
+    assert detok.push(ids[4:]) == (" is Paris.", None)
+    with pytest.raises(RuntimeError, match="count_text_tokens"):
+        detok.num_text_tokens
 
 
 def test_min_tokens_finds_the_next_occurrence_of_an_ignored_stop_string(smollm2_tokenizer):

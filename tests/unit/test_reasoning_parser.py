@@ -43,6 +43,17 @@ def test_held_text_goes_out_once_it_cannot_become_a_marker():
                                                                        ("</that", "")]
 
 
+def test_in_content_once_the_reasoning_is_over_or_never_began():
+    parser = ReasoningParser()
+    assert [(parser.feed(d), parser.in_content) for d in ["<th", "ink>x", "</think>", "y"]] == [
+        (("", ""), False), (("x", ""), False), (("", ""), True), (("", "y"), True)]
+    parser = ReasoningParser()
+    assert (parser.feed("<thi"), parser.in_content) == (("", ""), False)  # may still open the reasoning
+    assert (parser.feed("s"), parser.in_content) == (("", "<this"), True)
+    assert OutputParser(None, HermesToolParser()).in_content
+    assert not OutputParser(ReasoningParser(starts_inside=True)).in_content
+
+
 def test_no_end_marker_is_all_reasoning():
     assert _joined(_streamed(ReasoningParser(), ["<think>still ", "going </thi"])) == ("still going </thi", "")
 

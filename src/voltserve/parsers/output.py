@@ -47,6 +47,12 @@ class OutputParser:
         """The reasoning's tokens so far (`ReasoningParser.reasoning_tokens`); 0 without a reasoning parser."""
         return self._reasoning.reasoning_tokens if self._reasoning is not None else 0
 
+    @property
+    def in_content(self) -> bool:
+        """The reasoning is over, or there is none to read (`ReasoningParser.in_content`): how the next text is cut
+        into deltas no longer changes `reasoning_tokens`."""
+        return self._reasoning is None or self._reasoning.in_content
+
     def _after_reasoning(self, reasoning: str, content: str) -> list[Piece]:
         out: list[Piece] = [Reasoning(reasoning)] if reasoning else []
         if content:

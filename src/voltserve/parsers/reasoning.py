@@ -79,6 +79,12 @@ class ReasoningParser:
         self._pending = 0  # tokens fed while held as a possible `<think>`: reasoning or not, not known yet
         self._began = False  # the output wrote `<think>` or reasoning text
 
+    @property
+    def in_content(self) -> bool:
+        """The reasoning is over (or the output does not reason): what comes next is content, passed on as it comes,
+        and nothing more counts in `reasoning_tokens`."""
+        return self._state == _CONTENT
+
     def feed(self, text: str, num_tokens: int = 0, token_ids: Sequence[int] = ()) -> tuple[str, str]:
         """Take the next text delta.
 

@@ -28,8 +28,8 @@ OPENAI_MAX_TEMPERATURE = 2
 
 
 def check_stream_options(req: SamplingFields) -> None:
-    """OpenAI's rule for Chat Completions and Completions: `stream_options` only with `stream: true` (null is
-    fine either way).
+    """OpenAI's rule for Chat Completions, Completions and Responses: `stream_options` only with `stream: true`
+    (null is fine either way).
 
     Raises:
         InvalidRequestError: `stream_options` set on a request that does not stream (param "stream_options").

@@ -22,7 +22,17 @@ class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
 
-class StreamOptions(_Request):
+class ObfuscationOptions(_Request):
+    """The `stream_options` of a Responses request (`include_obfuscation` only), and the part that Chat
+    Completions' and Completions' share with it. `include_obfuscation` is accepted and ignored: OpenAI pads each
+    delta event with an `obfuscation` field against side channels that read payload sizes; this server adds none."""
+
+    include_obfuscation: bool | None = None
+
+
+class StreamOptions(ObfuscationOptions):
+    """The `stream_options` of Chat Completions and Completions."""
+
     include_usage: bool = False
 
 

@@ -47,8 +47,8 @@ from api.openai.chat_prompt import (
     check_mm_kwargs, content_text, messages_prompt_ids, strip_billing_header, template_role,
 )
 from api.openai.common import (
-    NewTokens, add_request, check_top_logprobs, collect, drive_stream, json_response, logprob_entries, request_body,
-    sampling_params, sse_response,
+    NewTokens, add_request, check_stream_options, check_top_logprobs, collect, drive_stream, json_response,
+    logprob_entries, request_body, sampling_params, sse_response,
 )
 from api.openai.protocol import ChatTokenLogprob, parse_request
 from api.openai.responses_protocol import (
@@ -167,7 +167,8 @@ def template_tools(req: ResponsesRequest) -> list[dict]:
 
 def _params(req: ResponsesRequest) -> SamplingParams:
     """The request's sampling parameters, after refusing the features that are not served (each a 400 naming
-    its field)."""
+    its field; `stream_options` without `stream`, as OpenAI's)."""
+    check_stream_options(req)
     stored = {"previous_response_id": "responses", "conversation": "conversations", "prompt": "prompts"}
     for name, what in stored.items():
         if getattr(req, name) is not None:
@@ -228,7 +229,8 @@ def _started(req: ResponsesRequest, params: SamplingParams, response_id: str, cr
         max_output_tokens=req.max_output_tokens, model=req.model, output=[],
         parallel_tool_calls=req.parallel_tool_calls is not False,  # null = the default, true (case T3)
         temperature=params.temperature, text=_text_echo(req), tool_choice=req.tool_choice or "auto",
-        tools=list(req.tools or ()), top_p=params.top_p, user=req.user, metadata=req.metadata or {})
+        tools=list(req.tools or ()), top_logprobs=req.top_logprobs or 0, top_p=params.top_p, user=req.user,
+        metadata=req.metadata or {})
 
 
 def _outcome(finish_reason: str | None) -> dict:

@@ -12,11 +12,21 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from api.openai.protocol import ChatTokenLogprob, ContentPart, SamplingFields, ToolName
+from api.openai.protocol import ChatTokenLogprob, ContentPart, ObfuscationOptions, SamplingFields, ToolName
 
 # ---- request ---------------------------------------------------------------------------------------------
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"  # the `include` value that asks for the output's logprobs
+# The values `include` takes: OpenAI's (the `openai` SDK's `ResponseIncludable`, in its order), any other a 400.
+# Only LOGPROBS_INCLUDE is served; the others ask for data of items this server refuses before they could occur
+# (file_search / web_search / code_interpreter tools, computer_call_output items, input images) or that it has
+# none of (reasoning items carry no `encrypted_content`: nothing of them is kept or read back), so they are
+# accepted and change nothing.
+Includable = Literal[
+    "file_search_call.results", "web_search_call.results", "web_search_call.action.sources",
+    "message.input_image.image_url", "computer_call_output.output.image_url", "code_interpreter_call.outputs",
+    "reasoning.encrypted_content", LOGPROBS_INCLUDE,
+]
 
 
 class _Request(BaseModel):
@@ -98,9 +108,13 @@ class ResponsesRequest(SamplingFields):
         previous_response_id, conversation, prompt, background: refused (400): this server stores no responses,
             conversations or prompts, and answers in the foreground.
         store, metadata: accepted; nothing is stored, metadata is echoed.
-        include: extra output data; "message.output_text.logprobs" (`LOGPROBS_INCLUDE`) returns each output text's
-            logprobs, other values are accepted and ignored.
-        top_logprobs: 0-20 alternatives listed with each token's logprob (with that `include` only, as OpenAI's).
+        include: extra output data, each one of OpenAI's values (`Includable`; any other is a 400 naming its
+            element, `include.<i>`); "message.output_text.logprobs" (`LOGPROBS_INCLUDE`) returns each output text's
+            logprobs, the other values change nothing (`Includable` says why).
+        top_logprobs: 0-20 alternatives listed with each token's logprob (with that `include` only, as OpenAI's);
+            echoed by the response object either way.
+        stream_options: `{"include_obfuscation": bool}`, with `stream: true` only (`check_stream_options`);
+            accepted and ignored (`ObfuscationOptions`).
     The sampling fields (temperature, top_p, seed, vLLM's top_k, ...) are `SamplingFields`'; Chat's `n` and
     `max_tokens` are not Responses fields, so they are ignored like any unknown field.
     """
@@ -120,8 +134,9 @@ class ResponsesRequest(SamplingFields):
     background: bool | None = None
     store: bool | None = None
     metadata: dict[str, str] | None = None
-    include: list[str] | None = None
+    include: list[Includable] | None = None
     top_logprobs: int | None = None
+    stream_options: ObfuscationOptions | None = None  # Responses' own: no include_usage (the usage is always sent)
 
 
 # ---- response object -------------------------------------------------------------------------------------
@@ -262,7 +277,8 @@ class ResponsesResponse(BaseModel):
         output: the output items in the order the model wrote them: message items and function calls (empty
             until the first starts).
         usage: null until the response ends.
-        The other fields echo the request's settings, with the defaults applied (temperature, top_p).
+        The other fields echo the request's settings, with the defaults applied (temperature, top_p,
+        top_logprobs 0).
     """
 
     id: str
@@ -281,6 +297,7 @@ class ResponsesResponse(BaseModel):
     text: dict[str, Any]
     tool_choice: str | dict[str, Any]
     tools: list[FunctionTool]
+    top_logprobs: int
     top_p: float
     truncation: Literal["disabled"] = "disabled"
     usage: ResponseUsage | None = None

@@ -76,6 +76,12 @@ CASES = [
     ("stream_wrong_type", "POST", CHAT, chat_body(stream="yes"), 400, INVALID, "stream", None),
     ("include_usage_wrong_type", "POST", CHAT, chat_body(stream=True, stream_options={"include_usage": 1}), 400,
      INVALID, "stream_options.include_usage", None),
+    ("include_obfuscation_wrong_type", "POST", COMPLETIONS, completion_body(
+        stream=True, stream_options={"include_obfuscation": "no"}), 400, INVALID, "stream_options.include_obfuscation",
+     None),
+    ("responses_include_obfuscation_wrong_type", "POST", "/v1/responses", {
+        "model": MODEL, "input": "Hi", "stream": True, "stream_options": {"include_obfuscation": 0}}, 400, INVALID,
+     "stream_options.include_obfuscation", None),
     ("empty_prompt", "POST", COMPLETIONS, completion_body(prompt=""), 400, INVALID, "prompt", None),
     ("prompt_id_outside_vocab", "POST", COMPLETIONS, completion_body(prompt=[1, 10**6]), 400, INVALID, "prompt",
      None),
@@ -461,11 +467,21 @@ async def test_openai_sampling_ranges(serve, path, field, value, message):
             assert (await client.post(path, json=ROUTE_BODIES[path](**bound))).status_code == 200
 
 
-@pytest.mark.parametrize("path", [CHAT, COMPLETIONS])
+# each route's `stream_options`: Chat's and Completions' (`include_usage`, `include_obfuscation`), Responses' own
+# (`include_obfuscation` only)
+STREAM_OPTIONS = {CHAT: [{"include_usage": True}, {"include_usage": False, "include_obfuscation": True}, {}],
+                  RESPONSES: [{"include_obfuscation": True}, {"include_obfuscation": False}, {}]}
+STREAM_OPTIONS[COMPLETIONS] = STREAM_OPTIONS[CHAT]
+# how each route's stream's last frame begins (Responses: no [DONE], its last event is response.completed)
+LAST_FRAME = {CHAT: b"data: [DONE]", COMPLETIONS: b"data: [DONE]", RESPONSES: b"event: response.completed\n"}
+
+
+@pytest.mark.parametrize("path, options", [(path, options) for path, each in STREAM_OPTIONS.items()
+                                           for options in each])
 @pytest.mark.parametrize("stream", [False, None, "absent"])
-@pytest.mark.parametrize("options", [{"include_usage": True}, {"include_usage": False}, {}])
 async def test_stream_options_only_with_stream(serve, path, stream, options):
-    """OpenAI's rule: `stream_options` without `stream: true` is a 400 naming it; null is fine either way."""
+    """OpenAI's rule, on every OpenAI route (`common.check_stream_options`): `stream_options` without
+    `stream: true` is a 400 naming it; null is fine either way."""
     extra = {} if stream == "absent" else {"stream": stream}
     async with serve(ScriptedEngine(scripts=["ok"])) as (client, engine):
         response = await client.post(path, json=ROUTE_BODIES[path](stream_options=options, **extra))
@@ -475,4 +491,6 @@ async def test_stream_options_only_with_stream(serve, path, stream, options):
         assert engine.requests == []
         assert (await client.post(path, json=ROUTE_BODIES[path](stream_options=None, **extra))).status_code == 200
         streamed = await client.post(path, json=ROUTE_BODIES[path](stream_options=options, stream=True))
-        assert streamed.status_code == 200 and (await streamed.get_data()).endswith(b"data: [DONE]\n\n")
+        data = await streamed.get_data()
+        assert streamed.status_code == 200 and data.endswith(b"\n\n")
+        assert data[:-2].rsplit(b"\n\n", 1)[-1].startswith(LAST_FRAME[path])

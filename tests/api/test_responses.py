@@ -16,10 +16,15 @@ from tests.api.test_metrics import _m, _scrape
 from tests.api.fake_engine import hermes_call as call
 
 from api import sse
-from api.openai.responses_protocol import OutputTextDeltaEvent
+from api.openai.responses_protocol import LOGPROBS_INCLUDE, Includable, OutputTextDeltaEvent
 
 URL = "/v1/responses"
 INVALID = "invalid_request_error"
+# the `include` values OpenAI takes, in the `openai` SDK's order, as the 400 for any other lists them
+INCLUDE_VALUES = ("'file_search_call.results', 'web_search_call.results', 'web_search_call.action.sources', "
+                  "'message.input_image.image_url', 'computer_call_output.output.image_url', "
+                  "'code_interpreter_call.outputs', 'reasoning.encrypted_content' or 'message.output_text.logprobs'")
+STREAM_OPTIONS_WITHOUT_STREAM = "The 'stream_options' parameter is only allowed when 'stream' is enabled."
 PROMPT_HI = "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"  # ChatML of one user message "Hi"
 
 
@@ -28,13 +33,15 @@ def body(**extra) -> dict:
     return {"model": MODEL, "input": "Hi", **extra}
 
 
-def response_object(status: str, output: list, usage: dict | None, max_output_tokens=None, details=None) -> dict:
+def response_object(status: str, output: list, usage: dict | None, max_output_tokens=None, details=None,
+                    top_logprobs: int = 0) -> dict:
     """The response object as the server renders it for `body()` (field order included)."""
     return {"id": "resp_0", "object": "response", "created_at": 1700000000, "status": status, "error": None,
             "incomplete_details": details, "instructions": None, "max_output_tokens": max_output_tokens,
             "model": MODEL, "output": output, "parallel_tool_calls": True, "previous_response_id": None,
             "temperature": 1.0, "text": {"format": {"type": "text"}}, "tool_choice": "auto", "tools": [],
-            "top_p": 1.0, "truncation": "disabled", "usage": usage, "user": None, "metadata": {}}
+            "top_logprobs": top_logprobs, "top_p": 1.0, "truncation": "disabled", "usage": usage, "user": None,
+            "metadata": {}}
 
 
 def message(text: str, status: str) -> dict:
@@ -204,6 +211,63 @@ async def test_settings_echoed_and_chat_only_fields_ignored(serve):
     assert response["output"][0]["content"][0]["text"] == "ok"
 
 
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("extra, echoed", [({}, 0), ({"top_logprobs": None}, 0), ({"top_logprobs": 0}, 0),
+                                           ({"top_logprobs": 5}, 5),
+                                           ({"top_logprobs": 20, "include": [LOGPROBS_INCLUDE]}, 20)])
+async def test_top_logprobs_echoed(serve, stream, extra, echoed):
+    """The response object echoes `top_logprobs` (0 by default, as OpenAI's), with or without the logprobs
+    `include`: whole, and in every lifecycle event of a stream (created, in_progress, completed)."""
+    status, data, _ = await post(serve, ScriptedEngine(scripts=["ok"]), body(stream=stream, **extra))
+    assert status == 200
+    if not stream:
+        assert orjson.loads(data)["top_logprobs"] == echoed
+        assert SdkResponse.model_validate(orjson.loads(data)).top_logprobs == echoed
+        return
+    events, final = sdk_checked(data)
+    lifecycle = [(name, e["response"]["top_logprobs"]) for name, e in events if "response" in e]
+    assert lifecycle == [(name, echoed) for name in ("response.created", "response.in_progress",
+                                                     "response.completed")]
+    assert final.top_logprobs == echoed
+
+
+async def test_top_logprobs_echoed_by_a_failed_response(serve):
+    """An error mid-stream: `response.failed` echoes `top_logprobs` too."""
+    engine = ScriptedEngine(scripts=["abcdef"], delay_s=0.05)
+    async with serve(engine) as (client, _):
+        data = await stream_until_engine_dies(client, engine, URL, body(stream=True, top_logprobs=3))
+    failed = [e["response"] for name, e in events_of(data) if name == "response.failed"]
+    assert [r["top_logprobs"] for r in failed] == [3]
+
+
+@pytest.mark.parametrize("value", [v for v in Includable.__args__ if v != LOGPROBS_INCLUDE])
+async def test_other_include_values_change_nothing(serve, value):
+    """OpenAI's other `include` values ask for data of items this server refuses earlier (built-in tool calls,
+    computer call outputs, input images) or never makes (reasoning's encrypted_content): accepted, and the
+    response, whole and streamed, is byte for byte the one without them."""
+    async with serve(ScriptedEngine(scripts=["ok"])) as (client, engine):
+        for stream in (False, True):
+            plain = await client.post(URL, json=body(stream=stream))
+            included = await client.post(URL, json=body(stream=stream, include=[value, value]))
+            assert included.status_code == 200
+            assert await included.get_data() == await plain.get_data()
+        assert all(params.logprobs is None for _, params, _ in engine.requests)
+
+
+@pytest.mark.parametrize("options", [{"include_obfuscation": True}, {"include_obfuscation": False},
+                                     {"include_obfuscation": None}, {}, {"include_usage": True}])
+async def test_stream_options_accepted_with_stream(serve, options):
+    """With `stream: true`, Responses' `stream_options` are accepted and change nothing: this server pads no
+    delta with an `obfuscation` field, and Chat's `include_usage` is an unknown field here (the usage is always
+    in the last event); null `stream_options` is fine streamed or not."""
+    async with serve(ScriptedEngine(scripts=["ok"])) as (client, _):
+        plain = await (await client.post(URL, json=body(stream=True))).get_data()
+        response = await client.post(URL, json=body(stream=True, stream_options=options))
+        assert response.status_code == 200 and await response.get_data() == plain
+        for stream in (False, True, None):
+            assert (await client.post(URL, json=body(stream=stream, stream_options=None))).status_code == 200
+
+
 def _missing(key: str) -> dict:
     json = body()
     del json[key]
@@ -304,6 +368,25 @@ CASES = [
      "text.format of type 'yaml' is not supported"),
     ("metadata_value_not_string", body(metadata={"k": 1}), 400, "metadata.k", None,
      "invalid value for 'metadata.k': Input should be a valid string"),
+    # `include`: OpenAI's values only; the error names the element, as every list element's does
+    ("include_unknown", body(include=["message.output_text.logprobs", "file_search_call.result"]), 400,
+     "include.1", None, f"invalid value for 'include.1': Input should be {INCLUDE_VALUES}"),
+    ("include_chat_field", body(include=["logprobs"]), 400, "include.0", None,
+     f"invalid value for 'include.0': Input should be {INCLUDE_VALUES}"),
+    ("include_not_a_string", body(include=[1]), 400, "include.0", None,
+     f"invalid value for 'include.0': Input should be {INCLUDE_VALUES}"),
+    ("include_not_a_list", body(include="message.output_text.logprobs"), 400, "include", None,
+     "invalid value for 'include': Input should be a valid array"),
+    # `stream_options`: Responses' own ({"include_obfuscation"}), with `stream: true` only (Chat's rule)
+    ("stream_options_without_stream", body(stream_options={"include_obfuscation": False}), 400, "stream_options",
+     None, STREAM_OPTIONS_WITHOUT_STREAM),
+    ("stream_options_stream_false", body(stream=False, stream_options={}), 400, "stream_options", None,
+     STREAM_OPTIONS_WITHOUT_STREAM),
+    ("stream_options_not_an_object", body(stream=True, stream_options=True), 400, "stream_options", None,
+     "invalid value for 'stream_options': Input should be an object"),
+    ("include_obfuscation_not_a_boolean", body(stream=True, stream_options={"include_obfuscation": "no"}), 400,
+     "stream_options.include_obfuscation", None,
+     "invalid value for 'stream_options.include_obfuscation': Input should be a valid boolean"),
 ]
 
 

@@ -54,7 +54,8 @@ async def test_non_stream_exact_json(serve):
                                       body(include=LOGPROBS, top_logprobs=1))
     assert status == 200
     assert engine.requests[0][1].logprobs == 1
-    assert data == orjson.dumps(response_object("completed", [message_with("Hé", "completed", H_E)], usage(21, 4)))
+    assert data == orjson.dumps(response_object("completed", [message_with("Hé", "completed", H_E)], usage(21, 4),
+                                                top_logprobs=1))
 
 
 async def test_stream_exact_bytes(serve):
@@ -73,9 +74,9 @@ async def test_stream_exact_bytes(serve):
         ("response.content_part.done", {**head, "part": part}),
         ("response.output_item.done", {"output_index": 0, "item": message_with("Hé", "completed", H_E)}),
     ]
-    done = response_object("completed", [message_with("Hé", "completed", H_E)], usage(21, 4))
+    done = response_object("completed", [message_with("Hé", "completed", H_E)], usage(21, 4), top_logprobs=1)
     expected = b"".join([
-        *opening_events(response_object("in_progress", [], None)),
+        *opening_events(response_object("in_progress", [], None, top_logprobs=1)),
         *(event(name, {"type": name, "sequence_number": k, **payload})
           for k, (name, payload) in enumerate(payloads, 2)),
         event("response.completed", {"type": "response.completed", "sequence_number": 9, "response": done}),
@@ -124,7 +125,8 @@ async def test_tool_calls_split_the_entries_between_the_messages(serve):
     after = len("Ok\n" + PARIS)
     assert whole == with_tools(response_object("completed", [
         message_with("Ok", "completed", scripted("Ok", 0, 1)), function_call(0, PARIS_ARGS),
-        message_with("Bye", "completed", scripted("Bye", after, 1), "msg_0_1")], usage(21, len(script) + 1)))
+        message_with("Bye", "completed", scripted("Bye", after, 1), "msg_0_1")], usage(21, len(script) + 1),
+        top_logprobs=1))
     deltas = [(e["delta"], e["logprobs"]) for name, e in events if name == "response.output_text.delta"]
     entries = scripted("Ok", 0, 1) + scripted("Bye", after, 1)
     assert deltas == [(ch, [event_entry(e)]) for ch, e in zip("OkBye", entries)]

@@ -64,13 +64,19 @@ class ModelConfig:
             raise ConfigError(f"unknown rope_style {self.rope_style!r}")
 
 
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
 def _env(name: str, default, cast=str):
     raw = os.environ.get(f"VOLTSERVE_{name.upper()}")
     if raw is None or raw == "":
         return default
     try:
-        if cast is bool:
-            return raw.strip().lower() in ("1", "true", "yes", "on")
+        if cast is bool:  # a typo must not silently mean "off"
+            value = raw.strip().lower()
+            if value not in _TRUE + _FALSE:
+                raise ValueError(value)
+            return value in _TRUE
         return cast(raw)
     except ValueError as exc:
         raise ConfigError(f"VOLTSERVE_{name.upper()}={raw!r} is not a valid {cast.__name__}") from exc

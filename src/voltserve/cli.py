@@ -134,6 +134,8 @@ def serve(args: argparse.Namespace) -> int:
         prometheus_multiproc_dir()  # a set but missing folder
         if not config.engine_socket:  # else the engine resolves it (one may already run, started elsewhere)
             check_model_spec(config.model)
+            if config.speculative_model:  # before the target model loads, as MODEL is
+                check_model_spec(config.speculative_model)
     except (ConfigError, LoaderError) as exc:
         logger.error("bad configuration: %s", exc)
         return 2

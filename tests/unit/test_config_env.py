@@ -1,6 +1,9 @@
 """`VOLTSERVE_<NAME>` variables: booleans take a fixed set of words; anything else is a ConfigError (the CLI's
 one-line exit 2), not a silent "off"."""
 
+import os
+from unittest import mock
+
 import pytest
 
 from voltserve import cli
@@ -23,5 +26,15 @@ def test_an_unknown_boolean_word_is_an_error(monkeypatch, raw):
 
 def test_the_cli_refuses_an_unknown_boolean_word(monkeypatch, caplog):
     monkeypatch.setenv("VOLTSERVE_EXIT_ON_ENGINE_DEATH", "treu")
-    assert cli.main(["serve"]) == 2
+    with mock.patch.dict(os.environ):  # main exports its flags to the environment: keep them from later tests
+        assert cli.main(["serve"]) == 2
     assert "bad configuration: VOLTSERVE_EXIT_ON_ENGINE_DEATH='treu' is not a valid bool" in caplog.text
+
+
+def test_the_cli_checks_the_draft_model_before_loading_the_target(caplog):
+    """--speculative-model is checked as MODEL is: one line, exit 2, before any weights load."""
+    args = ["serve", "--speculative-method", "draft_model", "--speculative-model", "/nope/draft.gguf"]
+    with mock.patch.dict(os.environ):  # main exports its flags to the environment: keep them from later tests
+        assert cli.main(args) == 2
+    assert "VOLTSERVE_SPECULATIVE_MODEL" not in os.environ
+    assert "bad configuration: " in caplog.text and "/nope/draft.gguf" in caplog.text

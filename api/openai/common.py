@@ -148,10 +148,11 @@ def token_text(tokenizer, token_id: int) -> str:
     return tokenizer.token_bytes(token_id).decode("utf-8", errors="replace")
 
 
-def check_top_logprobs(top: int | None) -> None:
-    """Raises InvalidRequestError (param "top_logprobs") unless `top` is None or in [0, MAX_LOGPROBS]."""
+def check_top_logprobs(top: int | None, param: str = "top_logprobs") -> None:
+    """Raises InvalidRequestError (param `param`: chat's and Responses' "top_logprobs", completions' "logprobs")
+    unless `top` is None or in [0, MAX_LOGPROBS]."""
     if top is not None and not 0 <= top <= MAX_LOGPROBS:
-        raise InvalidRequestError(f"top_logprobs must be between 0 and {MAX_LOGPROBS}", param="top_logprobs")
+        raise InvalidRequestError(f"{param} must be between 0 and {MAX_LOGPROBS}", param=param)
 
 
 def logprob_entries(tokenizer, logprobs: list[TokenLogprob]) -> list[ChatTokenLogprob]:

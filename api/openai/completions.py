@@ -13,8 +13,8 @@ from quart import Blueprint
 
 from api.metrics import NO_STATS
 from api.openai.common import (
-    ChunkFrames, add_request, check_prompt_chars, check_stream_options, check_token_ids, collect, drive_stream,
-    finish_json, json_response, prompt_work, request_body, sampling_params, sse_response, token_text,
+    ChunkFrames, add_request, check_prompt_chars, check_stream_options, check_token_ids, check_top_logprobs, collect,
+    drive_stream, finish_json, json_response, prompt_work, request_body, sampling_params, sse_response, token_text,
 )
 from api.openai.chat_prompt import check_mm_kwargs
 from api.openai.protocol import (
@@ -22,7 +22,7 @@ from api.openai.protocol import (
 )
 from api.state import get_state
 from voltserve.errors import InvalidRequestError
-from voltserve.request import MAX_LOGPROBS, SamplingParams, TokenLogprob
+from voltserve.request import SamplingParams, TokenLogprob
 
 bp = Blueprint("openai_completions", __name__)
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for this endpoint
@@ -30,8 +30,7 @@ DEFAULT_MAX_TOKENS = 16  # OpenAI's default for this endpoint
 
 def _params(req: CompletionRequest) -> SamplingParams:
     check_stream_options(req)
-    if req.logprobs is not None and not 0 <= req.logprobs <= MAX_LOGPROBS:
-        raise InvalidRequestError(f"logprobs must be between 0 and {MAX_LOGPROBS}", param="logprobs")
+    check_top_logprobs(req.logprobs, "logprobs")
     if req.echo:
         raise InvalidRequestError("echo is not supported", param="echo")
     if req.suffix:

@@ -183,10 +183,21 @@ class Tokenizer:
         return "" if tok is None else tok
 
     def token_bytes(self, i: int) -> bytes:
-        """The bytes a token stands for (a BPE token may be part of a UTF-8 character). Used for logprob `bytes`."""
+        """The bytes a token stands for (a BPE token may be part of a UTF-8 character). Used for logprob `bytes`.
+
+        Byte-level BPE tokens map through GPT-2's byte alphabet. SentencePiece-style pieces (not byte-level):
+        a byte-fallback piece `<0xNN>` is that one byte and U+2581 (the Metaspace word marker) is a space, as
+        their decoders (ByteFallback, Metaspace / Replace) read them; added tokens are their UTF-8 text."""
         tok = self.id_to_token(i)
-        if not self.byte_level or int(i) in self._added_ids:
+        if int(i) in self._added_ids:
             return tok.encode("utf-8")
+        if not self.byte_level:
+            if len(tok) == 6 and tok.startswith("<0x") and tok.endswith(">"):
+                try:
+                    return bytes([int(tok[3:5], 16)])
+                except ValueError:
+                    pass
+            return tok.replace("\u2581", " ").encode("utf-8")
         table = _byte_decoder()
         try:
             return bytes(table[c] for c in tok)

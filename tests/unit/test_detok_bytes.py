@@ -172,3 +172,16 @@ def test_stream_decoder_hold_back_and_flush():
     assert dec.push([0, 5, 99, 1]) == "" and dec.push([2]) == "Aé"  # ids past the table decode to b""
     with pytest.raises(ValueError, match="negative"):
         dec.push([-1])
+
+
+def test_token_bytes_of_sentencepiece_pieces():
+    """Logprob `bytes` of a SentencePiece-style vocabulary (not byte-level): a byte-fallback piece `<0xNN>` is its
+    one byte (two of them spell "é"), U+2581 is a space, other pieces and added tokens their UTF-8 text."""
+    vocab = {"<unk>": 0, "▁Hello": 1, "<0xC3>": 2, "<0xA9>": 3, "é": 4, "<0xZZ>": 5, "lo": 6}
+    backend = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True))
+    backend.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])
+    backend.add_special_tokens(["</s>"])
+    tok = Tokenizer(backend, bos_token_id=None, eos_token_ids=[7], byte_level=False)
+    assert [tok.token_bytes(i) for i in range(8)] == [b"<unk>", b" Hello", b"\xc3", b"\xa9", "é".encode(),
+                                                      b"<0xZZ>", b"lo", b"</s>"]
+    assert tok.token_bytes(2) + tok.token_bytes(3) == tok.decode([2, 3]).encode()

@@ -101,6 +101,14 @@ class ApiClient:
         self.dropped = False
 
 
+def _shown(name: str, value, effective: int = 0) -> str:
+    """A setting's value in a mismatch message: max_model_len 0 is the model's default (`effective`: what that came
+    to in the engine)."""
+    if name == "max_model_len" and value == 0:
+        return f"{effective}, its default from the model" if effective else "0, the model's default"
+    return repr(value)
+
+
 class EngineCore:
     """Args: config: engine settings; conn: the socket to the API process that started it; engine_factory: see
     EngineStartMsg; listen: the shared engine's listening socket (`ListenSocket()`: nobody else attaches)."""
@@ -279,7 +287,8 @@ class EngineCore:
             raise TypeError(f"engine process: expected AttachMsg from an attaching API process, got {cmd!r}")
         theirs, ours = cmd.config.engine_settings(), self.config.engine_settings()
         if theirs != ours:
-            differ = ", ".join(f"{k}={theirs[k]!r} (engine: {ours[k]!r})" for k in ours if theirs[k] != ours[k])
+            differ = ", ".join(f"{k}={_shown(k, theirs[k])} (engine: {_shown(k, ours[k], self.engine.max_model_len)})"
+                               for k in ours if theirs[k] != ours[k])
             raise ConfigError(f"the engine at {self.listen_path} runs other settings: {differ}")
         client.attached = True
         _set_recv_timeout(client.fd, 0.0)  # its reads block as the others' do

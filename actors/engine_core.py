@@ -37,7 +37,7 @@ from actors.engine_ipc import (AbortMsg, AddMsg, AttachMsg, EngineDiedMsg, Engin
                                watch_readable)
 from voltserve import event_loop
 from voltserve.config import EngineConfig
-from voltserve.errors import ConfigError, EngineDeadError
+from voltserve.errors import INPUT_ERRORS, ConfigError, EngineDeadError
 
 logger = logging.getLogger(__name__)
 
@@ -137,11 +137,17 @@ class EngineCore:
         try:
             await self.engine.start()
         except Exception as exc:
-            logger.error("engine start failed: %r", exc)
             if self.listen_path:  # the API processes waiting for this start fail with its error, not load again
                 engine_socket.record_failure(self.listen_path, exc)
-            with contextlib.suppress(OSError):  # the API process that started us may be gone
+            try:
                 self.conn.send(StartFailedMsg(portable_error(exc)))
+                told = True
+            except OSError:  # the API process that started us is gone
+                told = False
+            if told and isinstance(exc, INPUT_ERRORS):  # a bad setting or model file: the API process reports it
+                logger.debug("engine start failed: %r", exc)
+            else:
+                logger.error("engine start failed: %r", exc)
             self._close_listener()
             await self.engine.stop()
             return 1

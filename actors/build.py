@@ -14,6 +14,7 @@ from voltserve.distributed import check_tp_devices
 from voltserve.distributed.group import TPGroup
 from voltserve.distributed.sharding import local_heads
 from voltserve.errors import ConfigError
+from voltserve.kv_cache import blocks_in_memory, pool_block_bytes, pool_max_model_len
 from voltserve.models.llama import LlamaModel
 from voltserve.runner import ModelRunner
 
@@ -93,7 +94,7 @@ def kv_block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype, tp_siz
         ConfigError: num_kv_heads does not divide by tp_size (`local_heads`).
     """
     _, kv_heads = local_heads(cfg, tp_size)
-    return cfg.num_layers * 2 * block_size * kv_heads * cfg.head_dim * dtype.itemsize
+    return pool_block_bytes(cfg, block_size, dtype.itemsize, kv_heads)
 
 
 # activations and CUDA graph pools beside the weights and the KV pool (bytes); generous for small models
@@ -103,13 +104,22 @@ _GPU_ACTIVATION_RESERVE = 2 * 2**30
 def _default_num_blocks(config: EngineConfig, device: str, block_bytes: int) -> int:
     """KV blocks from `kv_cache_memory_gb` on the CPU; on a GPU from free memory and gpu_memory_utilization."""
     if device != "cuda":
-        return int(config.kv_cache_memory_gb * 2**30 // block_bytes)
+        return blocks_in_memory(config.kv_cache_memory_gb, block_bytes)
     free, total = torch.cuda.mem_get_info()
     budget = total * config.gpu_memory_utilization - (total - free) - _GPU_ACTIVATION_RESERVE
     if budget < block_bytes:
         raise ConfigError(f"no GPU memory left for the KV pool ({free / 2**30:.1f} GiB free of "
                           f"{total / 2**30:.1f}); raise --gpu-memory-utilization or free the GPU")
     return int(budget // block_bytes)
+
+
+def warn_past_model_len(max_model_len: int, model_len: int) -> None:
+    """Log one warning when `max_model_len` is above the model's own context length: accepted (as llama.cpp does;
+    vLLM refuses it), since the model may still serve it, but positions past those it was trained on can degrade
+    its output."""
+    if max_model_len > model_len:
+        logger.warning("max_model_len %d is above the model's context length %d: serving it, but output past %d "
+                       "tokens may degrade", max_model_len, model_len, model_len)
 
 
 def speculation(config: EngineConfig, drafter=None) -> dict:
@@ -189,6 +199,7 @@ def _build(config: EngineConfig, loaded, spare_cores: int, device: str, ranks) -
     if loaded is None:
         loaded = load_model(config.model)
     cfg = loaded.config
+    warn_past_model_len(config.max_model_len, cfg.max_position_embeddings)
     backend = make_backend(config, device, spare_cores)
     max_model_len = config.max_model_len or cfg.max_position_embeddings
     draft_model, draft_block_bytes = None, 0
@@ -201,11 +212,8 @@ def _build(config: EngineConfig, loaded, spare_cores: int, device: str, ranks) -
                                                 draft_block_bytes)
     if ranks is not None:  # one pool size for all: block ids mean the same slots on every rank
         num_blocks = ranks.agree_num_blocks(num_blocks)
-    if num_blocks * config.block_size < max_model_len:
-        if config.max_model_len:
-            raise ConfigError(f"the KV pool ({num_blocks} blocks of {config.block_size} tokens) cannot hold one "
-                              f"sequence of max_model_len {max_model_len}; give it more memory or blocks")
-        max_model_len = num_blocks * config.block_size
+    max_model_len = pool_max_model_len(config.max_model_len, cfg.max_position_embeddings, num_blocks,
+                                       config.block_size)
     kv_cache = allocate_kv(model, num_blocks, config.block_size)
     logger.info("KV pool: %d blocks x %d tokens = %d tokens (%.1f MiB per rank, %s, %d TP ranks)", num_blocks,
                 config.block_size, num_blocks * config.block_size, num_blocks * block_bytes / 2**20, device,

@@ -37,7 +37,7 @@ from actors.engine_ipc import (AbortMsg, AddMsg, AttachMsg, EngineDiedMsg, Engin
                                watch_readable)
 from voltserve import event_loop
 from voltserve.config import EngineConfig
-from voltserve.errors import ConfigError, EngineDeadError
+from voltserve.errors import INPUT_ERRORS, ConfigError, EngineDeadError
 
 logger = logging.getLogger(__name__)
 
@@ -101,6 +101,14 @@ class ApiClient:
         self.dropped = False
 
 
+def _shown(name: str, value, effective: int = 0) -> str:
+    """A setting's value in a mismatch message: max_model_len 0 is the model's default (`effective`: what that came
+    to in the engine)."""
+    if name == "max_model_len" and value == 0:
+        return f"{effective}, its default from the model" if effective else "0, the model's default"
+    return repr(value)
+
+
 class EngineCore:
     """Args: config: engine settings; conn: the socket to the API process that started it; engine_factory: see
     EngineStartMsg; listen: the shared engine's listening socket (`ListenSocket()`: nobody else attaches)."""
@@ -129,11 +137,17 @@ class EngineCore:
         try:
             await self.engine.start()
         except Exception as exc:
-            logger.error("engine start failed: %r", exc)
             if self.listen_path:  # the API processes waiting for this start fail with its error, not load again
                 engine_socket.record_failure(self.listen_path, exc)
-            with contextlib.suppress(OSError):  # the API process that started us may be gone
+            try:
                 self.conn.send(StartFailedMsg(portable_error(exc)))
+                told = True
+            except OSError:  # the API process that started us is gone
+                told = False
+            if told and isinstance(exc, INPUT_ERRORS):  # a bad setting or model file: the API process reports it
+                logger.debug("engine start failed: %r", exc)
+            else:
+                logger.error("engine start failed: %r", exc)
             self._close_listener()
             await self.engine.stop()
             return 1
@@ -279,7 +293,8 @@ class EngineCore:
             raise TypeError(f"engine process: expected AttachMsg from an attaching API process, got {cmd!r}")
         theirs, ours = cmd.config.engine_settings(), self.config.engine_settings()
         if theirs != ours:
-            differ = ", ".join(f"{k}={theirs[k]!r} (engine: {ours[k]!r})" for k in ours if theirs[k] != ours[k])
+            differ = ", ".join(f"{k}={_shown(k, theirs[k])} (engine: {_shown(k, ours[k], self.engine.max_model_len)})"
+                               for k in ours if theirs[k] != ours[k])
             raise ConfigError(f"the engine at {self.listen_path} runs other settings: {differ}")
         client.attached = True
         _set_recv_timeout(client.fd, 0.0)  # its reads block as the others' do

@@ -13,7 +13,7 @@ import signal
 from collections.abc import Callable
 from typing import Any
 
-from quart import Quart, request
+from quart import Quart, has_request_context, request
 from werkzeug.exceptions import HTTPException
 
 from api.auth import check_api_key
@@ -22,7 +22,7 @@ from api.metrics import ServerMetrics, engine_stats
 from api.routing import App
 from api.state import EXTENSION_KEY, ServerState, random_id, unix_time_s
 from voltserve.config import EngineConfig
-from voltserve.errors import VoltError
+from voltserve.errors import INPUT_ERRORS, VoltError
 from voltserve.log_setup import configure_logging
 
 logger = logging.getLogger(__name__)
@@ -100,6 +100,21 @@ class SignalDrain:
                 self._loop.remove_signal_handler(sig)
 
 
+class ServerApp(App):
+    """The app's class: a bad setting or model file that fails the app's startup is logged in one line (the
+    operator's to fix: a traceback would only hide it), any other startup error with its traceback, as Quart
+    does."""
+
+    def log_exception(self, exception_info) -> None:
+        """Quart's hook for an exception no handler took: one error line for an `INPUT_ERRORS` one outside a
+        request (the startup's), else Quart's message and traceback."""
+        exc = exception_info[1]
+        if isinstance(exc, INPUT_ERRORS) and not has_request_context():
+            logger.error("bad configuration: %s", exc)
+            return
+        super().log_exception(exception_info)
+
+
 def _terminate_self() -> None:
     # the server's SIGTERM handler (hypercorn's, or voltserve serve's SignalDrain) shuts down; after_serving runs
     os.kill(os.getpid(), signal.SIGTERM)
@@ -124,7 +139,7 @@ def create_app(engine: Any = None, config: EngineConfig | None = None, *,
     """
     if config is None:
         config = engine.config if engine is not None else EngineConfig.from_env()
-    app = App("voltserve")  # a path with repeated slashes is routed as its single-slash form
+    app = ServerApp("voltserve")  # a path with repeated slashes is routed as its single-slash form
     app.config["MAX_CONTENT_LENGTH"] = MAX_BODY_BYTES
     app.config["RESPONSE_TIMEOUT"] = None  # streams may outlive Quart's 60 s default
     state = ServerState(engine=engine, config=config, new_id=new_id, clock=clock)
@@ -140,7 +155,11 @@ def create_app(engine: Any = None, config: EngineConfig | None = None, *,
         if state.engine is None:
             state.engine = make_engine(config)
         logger.info("starting engine: %s", config)
-        await state.engine.start()
+        try:
+            await state.engine.start()
+        except INPUT_ERRORS as exc:
+            state.start_error = exc  # voltserve serve exits 2 on it (ServerApp.log_exception logs its line)
+            raise
         logger.info("serving %r (max_model_len=%d)", config.served_model_name, state.engine.max_model_len)
         if config.exit_on_engine_death:
             app.add_background_task(watch_engine, state.engine, _terminate_self, stop=app.shutdown_event)

@@ -44,6 +44,8 @@ class ServerState:
         metrics: the app's Prometheus metrics (`api.metrics`; made in `create_app`).
         draining: set by `drain`: the server is shutting down and takes no new requests.
         streams: the engine streams of the requests in flight (`track`), weakly held.
+        start_error: the bad setting or model file (`voltserve.errors.INPUT_ERRORS`) the engine's start failed on,
+            if it did (`voltserve serve` exits 2 on it).
     """
 
     engine: Any
@@ -54,6 +56,7 @@ class ServerState:
     metrics: Any = None
     draining: bool = False
     streams: weakref.WeakSet = field(default_factory=weakref.WeakSet)
+    start_error: BaseException | None = None
 
     def ready_engine(self) -> Any:
         """The engine, when it can take requests.

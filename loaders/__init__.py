@@ -9,10 +9,12 @@ import os
 import pathlib
 from typing import TYPE_CHECKING
 
-from loaders.sources import resolve_model
+from loaders.sources import ALIASES, check_model_spec, default_cache_dir, resolve_model
+from voltserve.errors import LoaderError
 
 if TYPE_CHECKING:
     from loaders.model import LoadedModel
+    from voltserve.config import ModelConfig
 
 
 def load_model(spec: str, cache_dir: str | os.PathLike | None = None, progress: bool = True) -> LoadedModel:
@@ -41,4 +43,33 @@ def load_model(spec: str, cache_dir: str | os.PathLike | None = None, progress: 
     return load_gguf(pathlib.Path(path))
 
 
-__all__ = ["load_model", "resolve_model"]
+def peek_model_config(spec: str) -> ModelConfig | None:
+    """The hyper-parameters of the model `spec` names, read as `load_model` reads them but without loading it
+    (no torch, no weights): a GGUF file's header (checked whole: `loaders.gguf_header`), a Hugging Face
+    directory's config.json, or the cached file of a built-in alias.
+
+    Returns:
+        the ModelConfig; None for a built-in alias not fetched yet (or whose cached copy is damaged: the loader
+        fetches it again).
+
+    Raises:
+        LoaderError: the spec is no alias, file or directory, or the file is empty, truncated or corrupt.
+        UnsupportedModelError: an architecture (or rope scaling) the loader does not support.
+    """
+    from loaders.gguf_header import read_gguf_header
+    from loaders.hf_config import config_from_hf
+
+    path = check_model_spec(spec)
+    if path is not None:
+        return config_from_hf(path) if path.is_dir() else read_gguf_header(path).model_config()
+    alias = ALIASES[spec.strip().lower()]
+    cached = default_cache_dir() / alias.filename
+    if not cached.is_file() or cached.stat().st_size != alias.file_bytes:
+        return None
+    try:
+        return read_gguf_header(cached).model_config()
+    except LoaderError:
+        return None
+
+
+__all__ = ["load_model", "peek_model_config", "resolve_model"]

@@ -13,6 +13,7 @@ import time
 import numpy as np
 import torch
 
+from loaders.gguf_header import config_from_metadata, read_gguf_header
 from loaders.gguf_tokenizer import build_tokenizer
 from loaders.model import LoadedModel, QuantizedTensor
 from voltserve.config import ModelConfig
@@ -20,7 +21,6 @@ from voltserve.errors import LoaderError, UnsupportedModelError
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_ARCHITECTURES = ("llama",)
 # Types we can turn into fp32 (gguf.quants.dequantize); the first three also stay packed for the backends.
 PACKED_TYPES = ("Q4_0", "Q4_1", "Q8_0")
 FLOAT_TYPES = ("F32", "F16", "BF16")
@@ -84,53 +84,6 @@ def read_metadata(reader) -> dict[str, object]:
     return meta
 
 
-def config_from_metadata(meta: dict[str, object], vocab_size: int, has_output: bool) -> ModelConfig:
-    """`llama.*` GGUF metadata -> ModelConfig (neox rope: Q/K rows are un-permuted on load).
-
-    Args:
-        meta: GGUF key -> value.
-        vocab_size: rows of token_embd.
-        has_output: the file has its own `output.weight` (else embeddings are tied).
-
-    Raises:
-        UnsupportedModelError: an architecture other than llama.
-        LoaderError: a required key is missing.
-    """
-    arch = meta.get("general.architecture")
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise UnsupportedModelError(f"unsupported GGUF architecture {arch!r} (supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
-
-    def need(key: str):
-        full = f"{arch}.{key}"
-        if full not in meta:
-            raise LoaderError(f"GGUF metadata lacks {full}")
-        return meta[full]
-
-    hidden = int(need("embedding_length"))
-    num_heads = int(need("attention.head_count"))
-    num_kv_heads = int(meta.get(f"{arch}.attention.head_count_kv", num_heads))
-    head_dim = int(meta.get(f"{arch}.attention.key_length", meta.get(f"{arch}.rope.dimension_count", hidden // num_heads)))
-    eos = [int(meta[k]) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id") if k in meta]
-    bos = meta.get("tokenizer.ggml.bos_token_id")
-    return ModelConfig(
-        architecture=str(arch),
-        vocab_size=vocab_size,
-        hidden_size=hidden,
-        intermediate_size=int(need("feed_forward_length")),
-        num_layers=int(need("block_count")),
-        num_heads=num_heads,
-        num_kv_heads=num_kv_heads,
-        head_dim=head_dim,
-        rms_norm_eps=float(meta.get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
-        rope_theta=float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
-        max_position_embeddings=int(meta.get(f"{arch}.context_length", 2048)),
-        tie_word_embeddings=not has_output,
-        rope_style="neox",
-        bos_token_id=None if bos is None else int(bos),
-        eos_token_ids=tuple(dict.fromkeys(eos)),
-    )
-
-
 def _dequantize(tensor, qtype: str) -> np.ndarray:
     """One GGUF tensor -> fp32 numpy array in row-major [rows, cols] (GGUF lists dims innermost first)."""
     from gguf.quants import dequantize
@@ -156,15 +109,17 @@ def load_gguf(path: str | pathlib.Path) -> LoadedModel:
         holding the raw blocks of every Q4_0/Q4_1/Q8_0 2-D tensor, the GGUF tokenizer and chat template.
 
     Raises:
-        LoaderError: the file cannot be read or lacks required tensors/keys.
+        LoaderError: the file cannot be read, is empty, truncated or corrupt (`read_gguf_header`), or lacks
+            required tensors/keys.
         UnsupportedModelError: architecture, tokenizer or a tensor type is not supported (names the tensor).
     """
     import gguf
 
     t0 = time.perf_counter()
+    read_gguf_header(path)  # an empty, truncated or corrupt file: a LoaderError that says so, naming the file
     try:
         reader = gguf.GGUFReader(str(path), "r")
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, IndexError) as exc:
         raise LoaderError(f"cannot read GGUF {path}: {exc}") from exc
     meta = read_metadata(reader)
     by_name = {t.name: t for t in reader.tensors}

@@ -14,22 +14,24 @@ import os
 import signal
 import sys
 
-from loaders.sources import check_model_spec
-from voltserve import __version__, event_loop
+from voltserve import __version__, event_loop, preflight
 from voltserve.api_processes import LISTEN_FD_ENV, PARENT_FD_ENV, run_api_processes, watch_parent
 from voltserve.config import EngineConfig, prometheus_multiproc_dir
-from voltserve.errors import ConfigError, LoaderError
+from voltserve.errors import INPUT_ERRORS, ConfigError
 from voltserve.log_setup import configure_logging
 
 logger = logging.getLogger("voltserve.cli")
 STARTUP_TIMEOUT_S = 3600.0  # the app's startup: the model's load (and, on a GPU, its CUDA graphs' capture)
 
 HELP = {
-    "model": "model: the alias smollm2-135m-instruct, a .gguf file or a Hugging Face directory",
+    "model": "model: the alias smollm2-135m-instruct, a .gguf file or a Hugging Face directory (MODEL or --model; "
+             "both only when they name the same one)",
     "served_model_name": "name clients send as `model` (default: MODEL)",
     "device": "auto, cpu or cuda",
     "dtype": "compute dtype of the CPU backend: float32, bfloat16, float16",
-    "max_model_len": "context window in tokens; 0 = the model's own",
+    "max_model_len": "context window in tokens; 0 = the model's own (capped to the KV pool); above the model's own "
+                     "it is served with a warning (output past the trained length may degrade); more than the KV "
+                     "pool holds is an error",
     "max_num_seqs": "most sequences in one step",
     "max_num_batched_tokens": "token budget of one step",
     "admission_wait_steps": "steps a new request may wait to start together with others rather than alone in "
@@ -37,14 +39,15 @@ HELP = {
                             "none",
     "block_size": "tokens per KV block",
     "num_kv_blocks": "KV pool size in blocks; 0 = size it from --kv-cache-memory-gb",
-    "kv_cache_memory_gb": "memory for the KV pool (GiB) when --num-kv-blocks is 0",
+    "kv_cache_memory_gb": "memory for the KV pool (GiB, > 0) when --num-kv-blocks is 0",
     "enable_prefix_caching": "reuse KV blocks of identical prompt prefixes",
     "api_key": "require this key (Bearer or x-api-key) on every route but /health",
     "sse_keep_alive_interval": "seconds of idle stream before a ': keep-alive' comment; 0 = off",
     "stream_interval": "tokens a stream gathers before each SSE chunk is written; 1 = every token",
-    "host": "address to listen on",
-    "port": "TCP port to listen on",
-    "num_threads": "torch intra-op threads on the CPU; 0 = one per core less one for the HTTP server (at least 1)",
+    "host": "address to listen on (checked before the model loads)",
+    "port": "TCP port to listen on, 0-65535 (checked before the model loads)",
+    "num_threads": "torch intra-op threads on the CPU (>= 0); 0 = one per core less one for the HTTP server (at "
+                   "least 1)",
     "weight_format": "CPU: auto (int4 kernels for Q4 weights, bf16 for other quantized ones, where available) "
                      "or float (the fp32 reference)",
     "tensor_parallel_size": "ranks (GPUs) one model is split over; > 1 runs each rank in its own process, steps eagerly",
@@ -109,9 +112,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _same_model(a: str, b: str) -> bool:
+    """Whether two model specs name the same model: equal, or paths of the same file or directory."""
+    return a == b or os.path.realpath(os.path.expanduser(a)) == os.path.realpath(os.path.expanduser(b))
+
+
 def _export_env(args: argparse.Namespace) -> None:
-    """Set `VOLTSERVE_<FIELD>` for every flag given (the app reads its config from the environment)."""
-    if args.model_positional and args.model is None:
+    """Set `VOLTSERVE_<FIELD>` for every flag given (the app reads its config from the environment).
+
+    Raises:
+        ConfigError: MODEL and --model name different models (neither silently wins).
+    """
+    if args.model_positional:
+        if args.model is not None and not _same_model(args.model_positional, args.model):
+            raise ConfigError(f"MODEL {args.model_positional!r} and --model {args.model!r} name different models: "
+                              "give one of them")
         args.model = args.model_positional
     for f in dataclasses.fields(EngineConfig):
         value = getattr(args, f.name)
@@ -126,17 +141,17 @@ def serve(args: argparse.Namespace) -> int:
     from hypercorn.config import Config as HypercornConfig
     from hypercorn.utils import LifespanFailureError
 
-    _export_env(args)
     os.environ.setdefault("VOLTSERVE_EXIT_ON_ENGINE_DEATH", "1")  # a dead engine ends the process (exit 1)
-    try:
-        config = EngineConfig.from_env()  # fail fast, before the model loads
+    try:  # fail fast, before the model loads: one line and status 2
+        _export_env(args)
+        config = EngineConfig.from_env()
         loop_name = event_loop.resolve(config.event_loop)  # fails when uvloop is asked for but missing
         prometheus_multiproc_dir()  # a set but missing folder
         if not config.engine_socket:  # else the engine resolves it (one may already run, started elsewhere)
-            check_model_spec(config.model)
-            if config.speculative_model:  # before the target model loads, as MODEL is
-                check_model_spec(config.speculative_model)
-    except (ConfigError, LoaderError) as exc:
+            preflight.check_model(config)  # the draft model too, and the KV pool where its size is known
+        if not os.environ.get(LISTEN_FD_ENV):  # (one of several API processes serves its supervisor's socket)
+            preflight.check_address(config.host, config.port)
+    except INPUT_ERRORS as exc:
         logger.error("bad configuration: %s", exc)
         return 2
     if config.api_processes > 1:
@@ -145,9 +160,9 @@ def serve(args: argparse.Namespace) -> int:
         except ConfigError as exc:
             logger.error("bad configuration: %s", exc)
             return 2
-        except OSError as exc:
-            logger.error("cannot start the API processes on %s:%d: %s", config.host, config.port, exc)
-            return 1
+        except OSError as exc:  # taken since the check above
+            logger.error("bad configuration: %s", preflight.listen_error(config.host, config.port, exc))
+            return 2
     listen_fd = os.environ.pop(LISTEN_FD_ENV, "")  # set when this is one of several API processes
     parent_fd = os.environ.pop(PARENT_FD_ENV, "")
     try:
@@ -157,7 +172,7 @@ def serve(args: argparse.Namespace) -> int:
         return 2
 
     hconfig = HypercornConfig()
-    address = f"[{config.host}]:{config.port}" if ":" in config.host else f"{config.host}:{config.port}"
+    address = preflight.address(config.host, config.port)
     hconfig.bind = [f"fd://{listen_fd}" if listen_fd else address]
     hconfig.accesslog = logging.getLogger("hypercorn.access")
     if listen_fd:  # one of several API processes: say which one served a request
@@ -179,7 +194,9 @@ def serve(args: argparse.Namespace) -> int:
 
     try:
         event_loop.run(run(), config.event_loop)
-    except LifespanFailureError as exc:  # the app's startup failed (logged with its traceback by the app)
+    except LifespanFailureError as exc:  # the app's startup failed (the app logged why)
+        if state.start_error is not None:  # a bad setting or model file: the app logged it in one line
+            return 2
         logger.error("exiting with status 1: the server did not start: %s", exc.args[0] if exc.args else exc)
         return 1
     except KeyboardInterrupt:  # a SIGINT after the drain (SignalDrain leaves it the default action) cut the stop

@@ -255,6 +255,12 @@ class EngineConfig:
             raise ConfigError("admission_wait_steps must be >= 0")
         if self.max_model_len < 0 or self.num_kv_blocks < 0:
             raise ConfigError("max_model_len and num_kv_blocks must be >= 0")
+        if self.kv_cache_memory_gb <= 0:  # 0 GiB holds no KV block (num_kv_blocks sizes the pool in blocks)
+            raise ConfigError(f"kv_cache_memory_gb must be > 0, not {self.kv_cache_memory_gb:g}")
+        if self.num_threads < 0:  # was taken as 0 (auto) silently
+            raise ConfigError(f"num_threads must be >= 0 (0 = auto), not {self.num_threads}")
+        if not 0 <= self.port <= 65535:
+            raise ConfigError(f"port must be in 0..65535, not {self.port}")
         if self.sse_keep_alive_interval < 0:
             raise ConfigError("sse_keep_alive_interval must be >= 0")
         if self.gpu_busy_log_interval < 0:

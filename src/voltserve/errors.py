@@ -77,6 +77,11 @@ class UnsupportedModelError(LoaderError):
     """The model's architecture, tensor type or format is not supported."""
 
 
+# a bad setting or model file: the operator's to fix, reported in one line without a traceback (`voltserve serve`
+# exits 2 on them, before the model loads where it can check them, else when the engine's start fails)
+INPUT_ERRORS = (ConfigError, LoaderError)
+
+
 class KernelCompileError(VoltError):
     """NVRTC failed to compile a kernel. Carries the kernel name, options and the full log."""
 

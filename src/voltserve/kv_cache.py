@@ -10,8 +10,51 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from voltserve.errors import ConfigError
+
+if TYPE_CHECKING:
+    from voltserve.config import ModelConfig
+
+# bytes of one KV element on the CPU backend, whose KV pool has its compute dtype (`EngineConfig.dtype`)
+CPU_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def pool_block_bytes(cfg: ModelConfig, block_size: int, dtype_bytes: int,
+                     kv_heads: int | None = None) -> int:
+    """Bytes of one KV block across all layers (K and V) holding `kv_heads` KV heads (None: all of the model's;
+    a TP rank holds its share)."""
+    heads = cfg.num_kv_heads if kv_heads is None else kv_heads
+    return cfg.num_layers * 2 * block_size * heads * cfg.head_dim * dtype_bytes
+
+
+def blocks_in_memory(memory_gb: float, one_block_bytes: int) -> int:
+    """KV blocks that `memory_gb` GiB hold (the CPU backend's pool when `num_kv_blocks` is 0).
+
+    Raises:
+        ConfigError: not even one.
+    """
+    blocks = int(memory_gb * 2**30 // one_block_bytes)
+    if blocks < 1:
+        raise ConfigError(f"kv_cache_memory_gb {memory_gb:g} GiB holds no KV block (one takes "
+                          f"{one_block_bytes / 2**20:.2f} MiB); give the pool more memory or set num_kv_blocks")
+    return blocks
+
+
+def pool_max_model_len(max_model_len: int, model_len: int, num_blocks: int, block_size: int) -> int:
+    """The context window an engine with a pool of `num_blocks` blocks serves: `max_model_len` when set (> 0),
+    else the model's own `model_len` capped to the pool's tokens.
+
+    Raises:
+        ConfigError: a `max_model_len` set above what the pool holds (one sequence must fit).
+    """
+    tokens = num_blocks * block_size
+    if max_model_len > tokens:
+        raise ConfigError(f"the KV pool ({num_blocks} blocks of {block_size} tokens = {tokens} tokens) cannot hold "
+                          f"one sequence of max_model_len {max_model_len}; give it more memory or blocks, or lower "
+                          "max_model_len")
+    return max_model_len or min(model_len, tokens)
 
 
 def hash_block(parent_hash: int | None, token_ids: Sequence[int]) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import logging
 import os
 import subprocess
@@ -84,23 +85,78 @@ def test_cli_signal_during_the_stop_exits_130_with_one_line(monkeypatch, caplog)
     monkeypatch.setattr(cli.event_loop, "run", interrupted)
     monkeypatch.setattr(os, "environ", {k: v for k, v in os.environ.items() if k != "VOLTSERVE_ENGINE_SOCKET"})
     with caplog.at_level(logging.WARNING, logger="voltserve.cli"):
-        assert cli.main(["serve", "smollm2-135m-instruct", "--device", "cpu", "--port", "1"]) == 130
+        assert cli.main(["serve", "smollm2-135m-instruct", "--device", "cpu", "--port", "0"]) == 130
     assert [r.getMessage() for r in caplog.records if r.name == "voltserve.cli"] == [
         "interrupted while shutting down: exiting with status 130 (the engine process ends on its own once this "
         "process is gone)"]
 
 
-def test_cli_failed_startup_exits_1_with_one_line(tmp_path):
-    """A model that resolves but does not load: the app's startup fails; status 1 and a line naming the cause
-    (no traceback of hypercorn's own)."""
+def test_cli_unreadable_model_dir_exits_2_before_loading(caplog, tmp_path):
+    """A Hugging Face directory whose config.json says nothing: read as the loader reads it, before the engine
+    starts; one line, status 2 (it used to fail the app's startup, status 1)."""
     (tmp_path / "config.json").write_text("{}")
-    done = subprocess.run([sys.executable, "-m", "voltserve.cli", "serve", str(tmp_path), "--device", "cpu",
-                           "--port", "0"], cwd=ROOT, capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "VOLTSERVE_API_KEY": "", "VOLTSERVE_ENGINE_SOCKET": ""})
+    assert cli.main(["serve", str(tmp_path), "--device", "cpu", "--port", "0"]) == 2
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == [
+        f"bad configuration: {tmp_path} has no readable config.json"]
+
+
+def _serve_subprocess(argv: list[str], setup: str = "") -> subprocess.CompletedProcess:
+    """`voltserve serve ARGV` in a fresh interpreter (its app is built from the environment at import), after
+    `setup` (Python run first)."""
+    code = f"import sys\n{setup}\nfrom voltserve.cli import main\nsys.exit(main(sys.argv[1:]))"
+    return subprocess.run([sys.executable, "-c", code, "serve", *argv], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "VOLTSERVE_API_KEY": "", "VOLTSERVE_ENGINE_SOCKET": ""})
+
+
+@pytest.mark.parametrize("engine_process", ["--engine-process", "--no-engine-process"])
+def test_cli_model_that_fails_to_load_exits_2_with_one_line(tmp_path, engine_process):
+    """A model that passes the checks before the load and fails in it (no tokenizer.json): the engine's
+    LoaderError is one error line (no traceback, none from the engine process) and status 2."""
+    (tmp_path / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "hidden_size": 64, "num_attention_heads": 4, "intermediate_size": 96,
+        "num_hidden_layers": 2, "vocab_size": 320}))
+    done = _serve_subprocess([str(tmp_path), "--device", "cpu", "--port", "0", engine_process])
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert [line.partition(" ERROR ")[2] for line in done.stderr.splitlines() if " ERROR " in line] == [
+        f"api.app: bad configuration: {tmp_path} has no tokenizer.json"]
+    assert "Traceback" not in done.stderr
+
+
+def test_cli_failed_startup_exits_1_with_one_line():
+    """The engine's start fails unexpectedly (not a bad setting or model file): the app's startup fails; status
+    1 and a line naming the cause (no traceback of hypercorn's own)."""
+    setup = ("from actors.engine_process import ProcessEngine\n"
+             "async def start(self): raise RuntimeError('no engine today')\n"
+             "ProcessEngine.start = start")
+    done = _serve_subprocess(["--device", "cpu", "--port", "0"], setup)
     assert done.returncode == 1, done.stderr[-2000:]
-    assert f"exiting with status 1: the server did not start: Lifespan failure in startup. '{tmp_path} has no " \
-           "readable config.json'" in done.stderr
+    assert "exiting with status 1: the server did not start: Lifespan failure in startup. 'no engine today'" \
+        in done.stderr
     assert "LifespanFailureError" not in done.stderr
+
+
+async def test_a_bad_setting_that_fails_the_apps_startup_is_one_line(caplog):
+    """Under `hypercorn api:app` too: a ConfigError / LoaderError from the engine's start is logged in one line,
+    without a traceback, and kept for `voltserve serve`'s status 2; other errors keep Quart's traceback."""
+    from api.state import EXTENSION_KEY
+    from voltserve.errors import ConfigError
+
+    class Failing(ScriptedEngine):
+        async def start(self):
+            raise self.error
+
+    for error, message, traceback in [(ConfigError("the KV pool is too small"),
+                                       "bad configuration: the KV pool is too small", False),
+                                      (RuntimeError("boom"), "Exception", True)]:
+        engine = Failing(scripts=["x"])
+        engine.config, engine.error = EngineConfig(model="m").validate(), error
+        app = create_app(engine)
+        caplog.clear()
+        with pytest.raises(type(error)):
+            await app.startup()
+        (record,) = [r for r in caplog.records if r.levelno >= logging.ERROR]
+        assert (record.getMessage(), record.exc_info is not None) == (message, traceback)
+        assert app.extensions[EXTENSION_KEY].start_error is (error if not traceback else None)
 
 
 async def test_bench_serving_report(monkeypatch):

@@ -66,3 +66,24 @@ def test_chat_template_file_replaces_the_models(tiny_dir, tmp_path):
     assert rendered == "[user] hi\n<tool_call> 1 tools"
     with pytest.raises(ConfigError, match="is not a file"):
         EngineConfig(model=str(tiny_dir), chat_template=str(tmp_path / "missing.jinja")).validate()
+
+
+def test_a_max_model_len_above_the_models_is_served_with_one_warning(tiny_dir, caplog):
+    """Above the model's own context length (512): accepted, as llama.cpp does (vLLM refuses it), with one warning
+    line; up to it, none."""
+    import logging
+
+    from actors.build import build_runner
+    from voltserve.config import EngineConfig
+
+    def warnings(max_model_len):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING):
+            built = build_runner(EngineConfig(model=str(tiny_dir), device="cpu", num_kv_blocks=64,
+                                              max_model_len=max_model_len).validate())
+        assert built.max_model_len == (max_model_len or 512)
+        return [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+
+    assert warnings(1000) == ["max_model_len 1000 is above the model's context length 512: serving it, but output "
+                              "past 512 tokens may degrade"]
+    assert warnings(512) == warnings(0) == []

@@ -9,8 +9,9 @@ from gguf import GGMLQuantizationType as QT
 from gguf import GGUFWriter
 from gguf.quants import dequantize, quantize
 
-from loaders.gguf import hf_name, load_gguf
-from voltserve.errors import UnsupportedModelError
+from loaders.gguf import hf_name, load_gguf, read_metadata
+from loaders.gguf_header import read_gguf_header
+from voltserve.errors import LoaderError, UnsupportedModelError
 from voltserve.tokenizer import _byte_decoder
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, FFN, LAYERS = 64, 4, 2, 16, 96, 2
@@ -120,6 +121,48 @@ def test_unsupported_tokenizer_model(tmp_path):
     write_tiny_gguf(tmp_path / "x.gguf", tokenizer_model="llama")
     with pytest.raises(UnsupportedModelError, match="tokenizer.ggml.model='llama'"):
         load_gguf(tmp_path / "x.gguf")
+
+
+def test_the_header_says_what_the_loader_reads(tmp_path):
+    """`read_gguf_header` (no torch, metadata arrays skipped): the loader's ModelConfig, the tensors' shapes, and
+    the bytes their data needs (all of the file but the writer's padding)."""
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(path, types={"model.layers.0.self_attn.q_proj.weight": QT.Q8_0})
+    header = read_gguf_header(path)
+    assert header.model_config() == load_gguf(path).config
+    assert header.tensor_shapes["blk.0.attn_q.weight"] == (HIDDEN, HEADS * HEAD_DIM)  # innermost first
+    assert len(header.tensor_shapes) == 2 + LAYERS * 9
+    assert header.file_bytes - 32 < header.data_end <= header.file_bytes == path.stat().st_size
+
+
+@pytest.mark.parametrize("keep", [0, 3, 24, 300, "half", -1])
+def test_a_truncated_gguf_is_a_loader_error_that_says_so(tmp_path, keep):
+    """Cut anywhere (the last case: one byte short), the file is refused in words naming it, not with numpy's
+    "cannot reshape array" (data cut) or an IndexError (metadata cut)."""
+    path = tmp_path / "cut.gguf"
+    write_tiny_gguf(path)
+    data = path.read_bytes()
+    path.write_bytes(data[:{"half": len(data) // 2, -1: len(data) - 1}.get(keep, keep)])
+    with pytest.raises(LoaderError, match="truncated or corrupt") as info:
+        load_gguf(path)
+    assert str(path) in str(info.value)
+
+
+def test_a_file_that_is_no_gguf_is_named(tmp_path):
+    path = tmp_path / "model.gguf"
+    path.write_bytes(b"PK\x03\x04" + bytes(100))  # e.g. the wheel instead of the file inside it
+    with pytest.raises(LoaderError, match=f"{path} is not a GGUF file"):
+        load_gguf(path)
+
+
+def test_smollm2_header_matches_the_gguf_reader(smollm2, smollm2_gguf):
+    import gguf
+
+    header = read_gguf_header(smollm2_gguf)
+    meta = read_metadata(gguf.GGUFReader(str(smollm2_gguf), "r"))
+    assert header.metadata == {k: v for k, v in meta.items() if not isinstance(v, list)}
+    assert header.model_config() == smollm2.config
+    assert header.data_end == header.file_bytes == 98_362_432
 
 
 def test_smollm2_config(smollm2):

@@ -1,7 +1,7 @@
 import pytest
 
 from voltserve.errors import ConfigError
-from voltserve.kv_cache import BlockPool, NoFreeBlocksError, hash_block
+from voltserve.kv_cache import BlockPool, NoFreeBlocksError, blocks_in_memory, hash_block, pool_max_model_len
 
 
 def test_allocate_free_roundtrip():
@@ -69,3 +69,16 @@ def test_double_free_is_caught():
 def test_bad_sizes():
     with pytest.raises(ConfigError):
         BlockPool(0, 16)
+
+
+def test_pool_sizing_and_the_context_it_serves():
+    """What the engine (`actors.build`) and `voltserve serve`'s check before the load both use: a set
+    max_model_len the pool cannot hold is an error, the model's own is capped to the pool; no block is an error."""
+    assert blocks_in_memory(1.0, 2**20) == 1024
+    with pytest.raises(ConfigError, match=r"kv_cache_memory_gb 0.0001 GiB holds no KV block \(one takes 1.00 MiB\)"):
+        blocks_in_memory(0.0001, 2**20)
+    assert pool_max_model_len(0, 8192, 100, 16) == 1600  # the model's own, capped
+    assert pool_max_model_len(0, 512, 100, 16) == 512
+    assert pool_max_model_len(1600, 512, 100, 16) == 1600  # above the model's own: served (the engine warns)
+    with pytest.raises(ConfigError, match="cannot hold one sequence of max_model_len 1601"):
+        pool_max_model_len(1601, 8192, 100, 16)

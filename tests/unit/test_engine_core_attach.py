@@ -37,3 +37,19 @@ def test_a_stray_connection_is_dropped_without_holding_the_loop(stray, most_s):
 
     took, dropped = asyncio.run(drive())
     assert dropped and took < most_s
+
+
+@pytest.mark.parametrize("engine_len, attach_len, differ", [
+    (0, 512, "max_model_len=512 (engine: 16, its default from the model)"),  # 16: _TinyEngine's effective one
+    (512, 0, "max_model_len=0, the model's default (engine: 512)"),
+])
+def test_an_attach_with_another_max_model_len_names_what_0_means(engine_len, attach_len, differ):
+    """0 is "the model's default", not a length: the engine's side shows what it came to (it said "engine: 0")."""
+    from actors.engine_ipc import AttachMsg
+    from voltserve.config import EngineConfig
+    from voltserve.errors import ConfigError
+
+    core = EngineCore(EngineConfig(max_model_len=engine_len).validate(), Pipe()[0], engine_factory=_TinyEngine)
+    with pytest.raises(ConfigError, match="runs other settings: ") as info:
+        core._attach(None, AttachMsg(EngineConfig(max_model_len=attach_len).validate()))
+    assert str(info.value).endswith(differ)

@@ -1,0 +1,117 @@
+"""`voltserve serve` with bad startup input: one line and exit status 2 before the model loads (the address, the
+model file, the KV pool against max_model_len, flag values), never a traceback after it."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+
+import pytest
+
+from tests.loaders.test_gguf import write_tiny_gguf
+from voltserve import cli
+from voltserve.config import ConfigError, EngineConfig
+
+
+def _errors(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+
+
+@pytest.fixture
+def tiny_gguf(tmp_path):
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(path)  # context length 256, 2 layers, 2 KV heads of 16
+    return path
+
+
+@pytest.fixture
+def taken_port():
+    """A port another socket listens on (with SO_REUSEADDR, as a server's)."""
+    with socket.socket() as other:
+        other.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        other.bind(("127.0.0.1", 0))
+        other.listen()
+        yield other.getsockname()[1]
+
+
+@pytest.mark.parametrize("processes", ["1", "2"])
+def test_a_taken_port_is_one_line_before_the_model_loads(caplog, tiny_gguf, taken_port, processes):
+    """One API process or several: the same line naming host:port and the OS's reason, status 2 (one API process
+    used to load the model first, then fail with hypercorn's traceback and status 1)."""
+    args = ["serve", str(tiny_gguf), "--device", "cpu", "--port", str(taken_port), "--api-processes", processes]
+    assert cli.main(args) == 2
+    assert _errors(caplog) == [f"bad configuration: cannot listen on 127.0.0.1:{taken_port}: Address already in use "
+                               "(--host / --port)"]
+
+
+@pytest.mark.parametrize("host, port, message", [
+    ("192.0.2.1", "0", "cannot listen on 192.0.2.1:0: "),  # TEST-NET-1: no address of this host
+    ("no-such-host.invalid", "0", "cannot listen on no-such-host.invalid:0: "),
+    ("127.0.0.1", "70000", "port must be in 0..65535, not 70000"),
+])
+def test_a_bad_host_or_port_is_one_line(caplog, tiny_gguf, host, port, message):
+    assert cli.main(["serve", str(tiny_gguf), "--device", "cpu", "--host", host, "--port", port]) == 2
+    (line,) = _errors(caplog)
+    assert line.startswith("bad configuration: " + message)
+
+
+@pytest.mark.parametrize("keep", [0, 3, 200, "half"])
+def test_an_empty_truncated_or_corrupt_gguf_is_one_line_naming_it(caplog, tiny_gguf, keep):
+    """Cut in the magic, in the metadata or in the tensor data: refused before the engine starts, in words."""
+    data = tiny_gguf.read_bytes()
+    tiny_gguf.write_bytes(data[:len(data) // 2 if keep == "half" else keep])
+    assert cli.main(["serve", str(tiny_gguf), "--device", "cpu", "--port", "0"]) == 2
+    (line,) = _errors(caplog)
+    assert line.startswith(f"bad configuration: {tiny_gguf} is ")
+    assert "truncated or corrupt" in line
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--num-kv-blocks", "4", "--max-model-len", "65"],
+     "the KV pool (4 blocks of 16 tokens = 64 tokens) cannot hold one sequence of max_model_len 65"),
+    (["--kv-cache-memory-gb", "1e-6", "--max-model-len", "16"], "kv_cache_memory_gb 1e-06 GiB holds no KV block"),
+    (["--kv-cache-memory-gb", "0"], "kv_cache_memory_gb must be > 0, not 0"),
+    (["--kv-cache-memory-gb", "-1"], "kv_cache_memory_gb must be > 0, not -1"),
+    (["--num-threads", "-1"], "num_threads must be >= 0 (0 = auto), not -1"),
+])
+def test_a_kv_pool_or_thread_count_that_cannot_work_is_one_line(caplog, tiny_gguf, flags, message):
+    assert cli.main(["serve", str(tiny_gguf), "--device", "cpu", "--port", "0", *flags]) == 2
+    (line,) = _errors(caplog)
+    assert line.startswith("bad configuration: " + message)
+
+
+def test_the_kv_pool_check_matches_the_engines_sizing(tiny_gguf, monkeypatch):
+    """The CPU pool from kv_cache_memory_gb: 2 layers x K,V x 16 tokens x 2 KV heads x 16 x 4 bytes = 8 KiB a block;
+    64 KiB hold 8 blocks = 128 tokens: max_model_len 128 fits, 129 does not (the engine's `pool_max_model_len`)."""
+    from voltserve import preflight
+
+    def config(max_model_len):
+        return EngineConfig(model=str(tiny_gguf), device="cpu", kv_cache_memory_gb=64 / 2**20,
+                            max_model_len=max_model_len).validate()
+
+    preflight.check_model(config(128))
+    with pytest.raises(ConfigError, match="8 blocks of 16 tokens = 128 tokens"):
+        preflight.check_model(config(129))
+    monkeypatch.setattr(preflight, "NVIDIA_SIGNS", (str(tiny_gguf),))  # "auto" may mean a GPU: not checked
+    preflight.check_model(EngineConfig(model=str(tiny_gguf), kv_cache_memory_gb=64 / 2**20,
+                                       max_model_len=129).validate())
+
+
+def test_num_threads_zero_is_auto_and_negative_an_error():
+    assert EngineConfig(num_threads=0).validate().num_threads == 0
+    with pytest.raises(ConfigError, match="num_threads must be >= 0"):
+        EngineConfig(num_threads=-2).validate()
+
+
+def test_model_and_dash_dash_model_must_agree(caplog, tiny_gguf, monkeypatch):
+    """Both MODEL and --model: different ones are refused (--model used to win silently); the same one (also as
+    another path of the same file) is taken."""
+    assert cli.main(["serve", str(tiny_gguf), "--model", "other.gguf", "--port", "0"]) == 2
+    assert _errors(caplog) == [f"bad configuration: MODEL {str(tiny_gguf)!r} and --model 'other.gguf' name "
+                               "different models: give one of them"]
+    monkeypatch.chdir(tiny_gguf.parent)
+    for same in (str(tiny_gguf), "tiny.gguf", "./tiny.gguf"):
+        monkeypatch.delenv("VOLTSERVE_MODEL", raising=False)
+        cli._export_env(cli.build_parser().parse_args(["serve", str(tiny_gguf), "--model", same]))
+        assert os.environ["VOLTSERVE_MODEL"] == str(tiny_gguf)

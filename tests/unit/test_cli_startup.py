@@ -115,3 +115,25 @@ def test_model_and_dash_dash_model_must_agree(caplog, tiny_gguf, monkeypatch):
         monkeypatch.delenv("VOLTSERVE_MODEL", raising=False)
         cli._export_env(cli.build_parser().parse_args(["serve", str(tiny_gguf), "--model", same]))
         assert os.environ["VOLTSERVE_MODEL"] == str(tiny_gguf)
+
+
+def test_api_processes_that_waited_for_a_shared_start_report_a_bad_model_as_the_starter_does(tmp_path):
+    """`--api-processes N` / `hypercorn -w N` on a shared engine whose start fails on a bad model file (what only
+    the load tells, e.g. a missing tokenizer.json): the API processes that waited for it fail with the same error
+    type (so `voltserve serve` says one line and exits 2 in each), not an EngineDeadError with a traceback and
+    status 1 in all but the first; any other error stays an EngineDeadError."""
+    from actors import engine_socket
+    from actors.engine_process import _raise_if_failed_meanwhile
+    from voltserve.errors import EngineDeadError, LoaderError, UnsupportedModelError
+
+    path = str(tmp_path / "engine.sock")
+    for error in (LoaderError("/m has no tokenizer.json"), UnsupportedModelError("rope scaling"),
+                  ConfigError("the KV pool cannot hold one sequence")):
+        engine_socket.record_failure(path, error)
+        with pytest.raises(type(error)) as info:
+            _raise_if_failed_meanwhile(path, None)
+        assert str(info.value) == (f"the shared engine at {path} failed to start while this API process waited for "
+                                   f"it: {type(error).__name__}: {error}")
+    engine_socket.record_failure(path, RuntimeError("CUDA error: out of memory"))
+    with pytest.raises(EngineDeadError, match="waited for it: RuntimeError: CUDA error: out of memory"):
+        _raise_if_failed_meanwhile(path, None)

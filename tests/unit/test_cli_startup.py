@@ -137,3 +137,15 @@ def test_api_processes_that_waited_for_a_shared_start_report_a_bad_model_as_the_
     engine_socket.record_failure(path, RuntimeError("CUDA error: out of memory"))
     with pytest.raises(EngineDeadError, match="waited for it: RuntimeError: CUDA error: out of memory"):
         _raise_if_failed_meanwhile(path, None)
+
+
+def test_model_and_dash_dash_model_may_spell_one_alias_differently(monkeypatch):
+    """The loader reads an alias case-insensitively, spaces aside: MODEL SmolLM2-135M-Instruct with --model
+    smollm2-135m-instruct name one model (refused before as "different models"); an alias and a path do not."""
+    for model, flag in (("SmolLM2-135M-Instruct", "smollm2-135m-instruct"),
+                        (" smollm2-135m-instruct", "SMOLLM2-135M-INSTRUCT")):
+        monkeypatch.delenv("VOLTSERVE_MODEL", raising=False)
+        cli._export_env(cli.build_parser().parse_args(["serve", model, "--model", flag]))
+        assert os.environ["VOLTSERVE_MODEL"] == model
+    with pytest.raises(ConfigError, match="name different models"):
+        cli._export_env(cli.build_parser().parse_args(["serve", "smollm2-135m-instruct", "--model", "x.gguf"]))

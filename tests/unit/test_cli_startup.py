@@ -73,6 +73,8 @@ def test_an_empty_truncated_or_corrupt_gguf_is_one_line_naming_it(caplog, tiny_g
     (["--kv-cache-memory-gb", "1e-6", "--max-model-len", "16"], "kv_cache_memory_gb 1e-06 GiB holds no KV block"),
     (["--kv-cache-memory-gb", "0"], "kv_cache_memory_gb must be > 0, not 0"),
     (["--kv-cache-memory-gb", "-1"], "kv_cache_memory_gb must be > 0, not -1"),
+    (["--kv-cache-memory-gb", "nan"], "kv_cache_memory_gb must be > 0, not nan"),  # was a ValueError traceback
+    (["--kv-cache-memory-gb", "inf"], "kv_cache_memory_gb must be > 0, not inf"),
     (["--num-threads", "-1"], "num_threads must be >= 0 (0 = auto), not -1"),
 ])
 def test_a_kv_pool_or_thread_count_that_cannot_work_is_one_line(caplog, tiny_gguf, flags, message):
@@ -96,6 +98,16 @@ def test_the_kv_pool_check_matches_the_engines_sizing(tiny_gguf, monkeypatch):
     monkeypatch.setattr(preflight, "NVIDIA_SIGNS", (str(tiny_gguf),))  # "auto" may mean a GPU: not checked
     preflight.check_model(EngineConfig(model=str(tiny_gguf), kv_cache_memory_gb=64 / 2**20,
                                        max_model_len=129).validate())
+
+
+def test_kv_cache_memory_gb_zero_is_unused_beside_num_kv_blocks():
+    """--num-kv-blocks sizes the pool: --kv-cache-memory-gb is unused then, and 0 (accepted before the check that
+    refuses 0 GiB came) still starts; alone, 0 GiB holds no block."""
+    assert EngineConfig(num_kv_blocks=64, kv_cache_memory_gb=0).validate().num_kv_blocks == 64
+    with pytest.raises(ConfigError, match="kv_cache_memory_gb must be > 0, not 0"):
+        EngineConfig(kv_cache_memory_gb=0).validate()
+    with pytest.raises(ConfigError, match="kv_cache_memory_gb must be > 0, not -1"):
+        EngineConfig(num_kv_blocks=64, kv_cache_memory_gb=-1).validate()
 
 
 def test_num_threads_zero_is_auto_and_negative_an_error():

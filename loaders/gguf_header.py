@@ -189,7 +189,7 @@ def _parse(path: pathlib.Path, buf, size: int) -> GGUFHeader:
         shapes[name] = dims
     if data_end > size:
         raise LoaderError(f"{path} is truncated or corrupt: its tensors need {data_end} bytes, the file has {size} "
-                          f"({100 * size / data_end:.0f}%)")
+                          f"({100 * size // data_end}%)")
     return GGUFHeader(path, metadata, shapes, data_end, size)
 
 

@@ -146,6 +146,8 @@ def test_a_truncated_gguf_is_a_loader_error_that_says_so(tmp_path, keep):
     with pytest.raises(LoaderError, match="truncated or corrupt") as info:
         load_gguf(path)
     assert str(path) in str(info.value)
+    if keep == -1:  # the share of its data the file holds, rounded down: not "(100%)" for one byte short
+        assert str(info.value).endswith("(99%)")
 
 
 def test_a_file_that_is_no_gguf_is_named(tmp_path):

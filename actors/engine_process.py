@@ -33,7 +33,8 @@ from actors.engine_ipc import (AbortMsg, AddMsg, AttachMsg, EngineDiedMsg, Engin
                                StartFailedMsg, StatsMsg, StatsQueryMsg, StepOutputsMsg, StopMsg, watch_readable)
 from actors.stream import RequestStream, generate_outputs
 from voltserve.config import EngineConfig
-from voltserve.errors import EngineDeadError
+from voltserve import errors
+from voltserve.errors import INPUT_ERRORS, EngineDeadError
 from voltserve.request import RequestOutput, SamplingParams, check_request
 
 logger = logging.getLogger(__name__)
@@ -58,17 +59,25 @@ class AttachTimeoutError(EngineDeadError):
     """A shared engine did not answer an attach in ATTACH_TIMEOUT_S (hung: not retried)."""
 
 
+# a failure note's error type (its name) -> the class a waiting API process raises it as
+_INPUT_ERROR_TYPES = {cls.__name__: cls for cls in vars(errors).values()
+                      if isinstance(cls, type) and issubclass(cls, INPUT_ERRORS)}
+
+
 def _raise_if_failed_meanwhile(path: str, before: str | None) -> None:
     """Raise the start error of the shared engine at `path` if its failure note is not `before` (the one there
     when this API process began to wait): it failed while this one waited (`actors.engine_socket`).
 
     Raises:
-        EngineDeadError: naming that error.
+        ConfigError / LoaderError (the error's own type): a bad setting or model file (`INPUT_ERRORS`), which
+            `voltserve serve` then reports in one line and exit status 2 in this API process too.
+        EngineDeadError: any other error; both name it.
     """
     note = engine_socket.read_failure(path)
     if note is not None and note != before:
-        raise EngineDeadError(f"the shared engine at {path} failed to start while this API process waited for "
-                              f"it: {engine_socket.failure_error(note)}")
+        error = engine_socket.failure_error(note)
+        kind = _INPUT_ERROR_TYPES.get(error.partition(":")[0], EngineDeadError)
+        raise kind(f"the shared engine at {path} failed to start while this API process waited for it: {error}")
 
 
 class ProcessEngine:
@@ -115,7 +124,8 @@ class ProcessEngine:
         Raises:
             The child's start error with its type and message (LoaderError, ConfigError, ...), or
             EngineDeadError when the process exits before it is ready, or (a shared engine) when its start by
-            another API process failed while this one waited for it (`actors.engine_socket`, PATH.failed).
+            another API process failed while this one waited for it (`actors.engine_socket`, PATH.failed; with
+            the error's own type where it is a bad setting or model file, `voltserve.errors.INPUT_ERRORS`).
         """
         self._loop = asyncio.get_running_loop()
         path = self.config.engine_socket

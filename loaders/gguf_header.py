@@ -189,7 +189,7 @@ def _parse(path: pathlib.Path, buf, size: int) -> GGUFHeader:
         shapes[name] = dims
     if data_end > size:
         raise LoaderError(f"{path} is truncated or corrupt: its tensors need {data_end} bytes, the file has {size} "
-                          f"({100 * size / data_end:.0f}%)")
+                          f"({100 * size // data_end}%)")
     return GGUFHeader(path, metadata, shapes, data_end, size)
 
 
@@ -215,40 +215,52 @@ def config_from_metadata(meta: dict[str, object], vocab_size: int, has_output: b
 
     Raises:
         UnsupportedModelError: an architecture other than llama.
-        LoaderError: a required key is missing.
+        LoaderError: a required key is missing, or a value is no number of its kind (a size or count not > 0).
     """
     arch = meta.get("general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
         raise UnsupportedModelError(f"unsupported GGUF architecture {arch!r} "
                                     f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
 
-    def need(key: str):
-        full = f"{arch}.{key}"
-        if full not in meta:
-            raise LoaderError(f"GGUF metadata lacks {full}")
-        return meta[full]
+    def number(key: str, default=None, cast=int, least: int = 1):
+        """`key`'s value as `cast` (an int at least `least`: 1 for a size or count, 0 for a token id); `default`
+        when it is absent (None: required). A corrupt or mistyped value fails here in words, not as a ValueError
+        or ZeroDivisionError."""
+        if key not in meta:
+            if default is None:
+                raise LoaderError(f"GGUF metadata lacks {key}")
+            return default
+        value = meta[key]
+        try:
+            out = cast(value)
+        except (TypeError, ValueError, OverflowError):
+            out = None
+        if out is None or (cast is int and out < least):
+            kind = f"an integer >= {least}" if cast is int else "a number"
+            raise LoaderError(f"GGUF metadata {key} is {value!r}, not {kind}: corrupt, or not a llama model file")
+        return out
 
-    hidden = int(need("embedding_length"))
-    num_heads = int(need("attention.head_count"))
-    num_kv_heads = int(meta.get(f"{arch}.attention.head_count_kv", num_heads))
-    head_dim = int(meta.get(f"{arch}.attention.key_length",
-                            meta.get(f"{arch}.rope.dimension_count", hidden // num_heads)))
-    eos = [int(meta[k]) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id") if k in meta]
+    hidden = number(f"{arch}.embedding_length")
+    num_heads = number(f"{arch}.attention.head_count")
+    num_kv_heads = number(f"{arch}.attention.head_count_kv", num_heads)
+    head_dim = (number(f"{arch}.attention.key_length") if f"{arch}.attention.key_length" in meta
+                else number(f"{arch}.rope.dimension_count", hidden // num_heads))
+    eos = [number(k, least=0) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id") if k in meta]
     bos = meta.get("tokenizer.ggml.bos_token_id")
     return ModelConfig(
         architecture=str(arch),
         vocab_size=vocab_size,
         hidden_size=hidden,
-        intermediate_size=int(need("feed_forward_length")),
-        num_layers=int(need("block_count")),
+        intermediate_size=number(f"{arch}.feed_forward_length"),
+        num_layers=number(f"{arch}.block_count"),
         num_heads=num_heads,
         num_kv_heads=num_kv_heads,
         head_dim=head_dim,
-        rms_norm_eps=float(meta.get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
-        rope_theta=float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
-        max_position_embeddings=int(meta.get(f"{arch}.context_length", 2048)),
+        rms_norm_eps=number(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5, float),
+        rope_theta=number(f"{arch}.rope.freq_base", 10000.0, float),
+        max_position_embeddings=number(f"{arch}.context_length", 2048),
         tie_word_embeddings=not has_output,
         rope_style="neox",
-        bos_token_id=None if bos is None else int(bos),
+        bos_token_id=None if bos is None else number("tokenizer.ggml.bos_token_id", least=0),
         eos_token_ids=tuple(dict.fromkeys(eos)),
     )

@@ -61,12 +61,32 @@ def config_from_hf(model_dir: pathlib.Path) -> ModelConfig:
 
     Raises:
         UnsupportedModelError: an architecture not in `ARCHITECTURES`, or rope scaling (not implemented).
-        LoaderError: config.json is missing, unreadable or lacks a required field.
+        LoaderError: config.json is missing, unreadable, lacks a required field or holds one of the wrong type or
+            range (a traceback-free message: `voltserve serve` checks it before the load).
     """
-    cfg = read_json(model_dir / "config.json")
+    path = model_dir / "config.json"
+    cfg = read_json(path)
     if not cfg:
         raise LoaderError(f"{model_dir} has no readable config.json")
-    cfg = {**cfg.get("text_config", {}), **cfg}
+    if not isinstance(cfg, dict):
+        raise LoaderError(f"{path} is not a JSON object")
+    try:
+        config = _model_config(model_dir, cfg)
+    except KeyError as exc:
+        raise LoaderError(f"{path} lacks {exc.args[0]!r}") from exc
+    except (TypeError, ValueError, AttributeError, ZeroDivisionError) as exc:  # e.g. a string where a count goes
+        raise LoaderError(f"{model_dir}: a value in config.json or generation_config.json has the wrong type or "
+                          f"range: {exc}") from exc
+    for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
+                 "head_dim", "max_position_embeddings"):
+        if getattr(config, name) < 1:
+            raise LoaderError(f"{path} gives {name} {getattr(config, name)}: a size or count must be >= 1")
+    return config
+
+
+def _model_config(model_dir: pathlib.Path, cfg: dict) -> ModelConfig:
+    """`config_from_hf` on the parsed config.json (`cfg`); a missing field is a KeyError."""
+    cfg = {**(cfg.get("text_config") or {}), **cfg}
     archs = cfg.get("architectures") or []
     arch = next((ARCHITECTURES[a] for a in archs if a in ARCHITECTURES), None)
     if arch is None:
@@ -77,28 +97,25 @@ def config_from_hf(model_dir: pathlib.Path) -> ModelConfig:
     theta, scaling = _rope(cfg)
     if scaling is not None:
         raise UnsupportedModelError(f"rope scaling {scaling!r} is not supported yet")
-    try:
-        hidden = int(cfg["hidden_size"])
-        num_heads = int(cfg["num_attention_heads"])
-        gen = read_json(model_dir / "generation_config.json")
-        eos = _id_list(gen.get("eos_token_id")) + _id_list(cfg.get("eos_token_id"))
-        bos = gen.get("bos_token_id", cfg.get("bos_token_id"))
-        return ModelConfig(
-            architecture=arch,
-            vocab_size=int(cfg["vocab_size"]),
-            hidden_size=hidden,
-            intermediate_size=int(cfg["intermediate_size"]),
-            num_layers=int(cfg["num_hidden_layers"]),
-            num_heads=num_heads,
-            num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
-            head_dim=int(cfg.get("head_dim") or hidden // num_heads),
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            rope_theta=theta,
-            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            rope_style="neox",
-            bos_token_id=None if bos is None else int(bos),
-            eos_token_ids=tuple(dict.fromkeys(eos)),
-        )
-    except KeyError as exc:
-        raise LoaderError(f"{model_dir / 'config.json'} lacks {exc.args[0]!r}") from exc
+    hidden = int(cfg["hidden_size"])
+    num_heads = int(cfg["num_attention_heads"])
+    gen = read_json(model_dir / "generation_config.json")
+    eos = _id_list(gen.get("eos_token_id")) + _id_list(cfg.get("eos_token_id"))
+    bos = gen.get("bos_token_id", cfg.get("bos_token_id"))
+    return ModelConfig(
+        architecture=arch,
+        vocab_size=int(cfg["vocab_size"]),
+        hidden_size=hidden,
+        intermediate_size=int(cfg["intermediate_size"]),
+        num_layers=int(cfg["num_hidden_layers"]),
+        num_heads=num_heads,
+        num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
+        head_dim=int(cfg.get("head_dim") or hidden // num_heads),
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        rope_theta=theta,
+        max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        rope_style="neox",
+        bos_token_id=None if bos is None else int(bos),
+        eos_token_ids=tuple(dict.fromkeys(eos)),
+    )

@@ -14,6 +14,7 @@ import os
 import signal
 import sys
 
+from loaders.sources import ALIASES
 from voltserve import __version__, event_loop, preflight
 from voltserve.api_processes import LISTEN_FD_ENV, PARENT_FD_ENV, run_api_processes, watch_parent
 from voltserve.config import EngineConfig, prometheus_multiproc_dir
@@ -113,7 +114,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _same_model(a: str, b: str) -> bool:
-    """Whether two model specs name the same model: equal, or paths of the same file or directory."""
+    """Whether two model specs name the same model: equal, one built-in alias however spelled (as the loader reads
+    it: case and surrounding spaces aside), or paths of the same file or directory."""
+    alias_a, alias_b = a.strip().lower(), b.strip().lower()
+    if alias_a in ALIASES or alias_b in ALIASES:  # an alias is one before it is a path (`check_model_spec`)
+        return alias_a == alias_b
     return a == b or os.path.realpath(os.path.expanduser(a)) == os.path.realpath(os.path.expanduser(b))
 
 

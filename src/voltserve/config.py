@@ -6,6 +6,7 @@ Precedence for every engine setting: CLI flag > environment variable `VOLTSERVE_
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from dataclasses import dataclass, field
 
@@ -255,8 +256,9 @@ class EngineConfig:
             raise ConfigError("admission_wait_steps must be >= 0")
         if self.max_model_len < 0 or self.num_kv_blocks < 0:
             raise ConfigError("max_model_len and num_kv_blocks must be >= 0")
-        if self.kv_cache_memory_gb <= 0:  # 0 GiB holds no KV block (num_kv_blocks sizes the pool in blocks)
-            raise ConfigError(f"kv_cache_memory_gb must be > 0, not {self.kv_cache_memory_gb:g}")
+        gb = self.kv_cache_memory_gb  # 0 GiB holds no KV block; unused (0 too) where num_kv_blocks sizes the pool
+        if not math.isfinite(gb) or gb < 0 or (gb == 0 and not self.num_kv_blocks):
+            raise ConfigError(f"kv_cache_memory_gb must be > 0, not {gb:g}")
         if self.num_threads < 0:  # was taken as 0 (auto) silently
             raise ConfigError(f"num_threads must be >= 0 (0 = auto), not {self.num_threads}")
         if not 0 <= self.port <= 65535:

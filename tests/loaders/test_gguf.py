@@ -146,12 +146,36 @@ def test_a_truncated_gguf_is_a_loader_error_that_says_so(tmp_path, keep):
     with pytest.raises(LoaderError, match="truncated or corrupt") as info:
         load_gguf(path)
     assert str(path) in str(info.value)
+    if keep == -1:  # the share of its data the file holds, rounded down: not "(100%)" for one byte short
+        assert str(info.value).endswith("(99%)")
 
 
 def test_a_file_that_is_no_gguf_is_named(tmp_path):
     path = tmp_path / "model.gguf"
     path.write_bytes(b"PK\x03\x04" + bytes(100))  # e.g. the wheel instead of the file inside it
     with pytest.raises(LoaderError, match=f"{path} is not a GGUF file"):
+        load_gguf(path)
+
+
+@pytest.mark.parametrize("method, key, value", [
+    ("add_context_length", "llama.context_length", "abc"),  # a string where a count goes: was a ValueError
+    ("add_context_length", "llama.context_length", -5),  # was taken: a negative context window
+    ("add_head_count", "llama.attention.head_count", 0),  # was a ZeroDivisionError
+    ("add_embedding_length", "llama.embedding_length", "x"),
+])
+def test_a_corrupt_metadata_value_is_a_loader_error_that_names_it(tmp_path, monkeypatch, method, key, value):
+    """A value of the wrong type or range is a LoaderError naming key and value, from the header (`voltserve serve`:
+    one line, exit 2) and from the loader alike, not a ValueError / ZeroDivisionError with a traceback."""
+    def write(self, *_):
+        (self.add_string if isinstance(value, str) else self.add_int32)(key, value)
+
+    monkeypatch.setattr(GGUFWriter, method, write)
+    path = tmp_path / "bad.gguf"
+    write_tiny_gguf(path)
+    message = f"GGUF metadata {key} is {value!r}, not an integer >= 1"
+    with pytest.raises(LoaderError, match=message):
+        read_gguf_header(path).model_config()
+    with pytest.raises(LoaderError, match=message):
         load_gguf(path)
 
 

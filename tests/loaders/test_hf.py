@@ -74,3 +74,31 @@ def test_unsupported_and_broken_dirs(tmp_path, smollm2_tokenizer):
     (model_dir / "tokenizer.json").unlink()
     with pytest.raises(LoaderError, match="no tokenizer.json"):
         load_hf_dir(model_dir)
+
+
+_TINY_CONFIG = {"architectures": ["LlamaForCausalLM"], "vocab_size": 320, "hidden_size": 64, "intermediate_size": 160,
+                "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+                "max_position_embeddings": 512}
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda c: [c], "config.json is not a JSON object"),
+    (lambda c: {**c, "text_config": None}, None),  # null: no text config, read as absent
+    (lambda c: {**c, "hidden_size": "abc"}, "has the wrong type or range: invalid literal"),
+    (lambda c: {**c, "rope_scaling": "linear"}, "has the wrong type or range: 'str' object has no attribute"),
+    (lambda c: {**c, "num_attention_heads": 0, "num_key_value_heads": 0}, "has the wrong type or range"),
+    (lambda c: {**c, "num_attention_heads": 0, "head_dim": 16}, "gives num_heads 0: a size or count must be >= 1"),
+    (lambda c: {**c, "max_position_embeddings": -1}, "gives max_position_embeddings -1"),
+], ids=["list", "text-config-null", "str-size", "str-rope-scaling", "zero-heads", "zero-heads-head-dim", "neg-ctx"])
+def test_a_malformed_config_json_is_a_loader_error(tmp_path, change, message):
+    """A config.json of the wrong shape, or with a value of the wrong type or range, is a LoaderError in words
+    (`voltserve serve` reads it before the load: one line, exit 2), not an AttributeError / TypeError /
+    ValueError traceback, nor (a count of 0) a model that loads."""
+    from loaders.hf_config import config_from_hf
+
+    (tmp_path / "config.json").write_text(json.dumps(change(dict(_TINY_CONFIG))))
+    if message is None:
+        assert config_from_hf(tmp_path).hidden_size == 64
+        return
+    with pytest.raises(LoaderError, match=message):
+        config_from_hf(tmp_path)

@@ -73,6 +73,8 @@ def test_an_empty_truncated_or_corrupt_gguf_is_one_line_naming_it(caplog, tiny_g
     (["--kv-cache-memory-gb", "1e-6", "--max-model-len", "16"], "kv_cache_memory_gb 1e-06 GiB holds no KV block"),
     (["--kv-cache-memory-gb", "0"], "kv_cache_memory_gb must be > 0, not 0"),
     (["--kv-cache-memory-gb", "-1"], "kv_cache_memory_gb must be > 0, not -1"),
+    (["--kv-cache-memory-gb", "nan"], "kv_cache_memory_gb must be > 0, not nan"),  # was a ValueError traceback
+    (["--kv-cache-memory-gb", "inf"], "kv_cache_memory_gb must be > 0, not inf"),
     (["--num-threads", "-1"], "num_threads must be >= 0 (0 = auto), not -1"),
 ])
 def test_a_kv_pool_or_thread_count_that_cannot_work_is_one_line(caplog, tiny_gguf, flags, message):
@@ -98,6 +100,16 @@ def test_the_kv_pool_check_matches_the_engines_sizing(tiny_gguf, monkeypatch):
                                        max_model_len=129).validate())
 
 
+def test_kv_cache_memory_gb_zero_is_unused_beside_num_kv_blocks():
+    """--num-kv-blocks sizes the pool: --kv-cache-memory-gb is unused then, and 0 (accepted before the check that
+    refuses 0 GiB came) still starts; alone, 0 GiB holds no block."""
+    assert EngineConfig(num_kv_blocks=64, kv_cache_memory_gb=0).validate().num_kv_blocks == 64
+    with pytest.raises(ConfigError, match="kv_cache_memory_gb must be > 0, not 0"):
+        EngineConfig(kv_cache_memory_gb=0).validate()
+    with pytest.raises(ConfigError, match="kv_cache_memory_gb must be > 0, not -1"):
+        EngineConfig(num_kv_blocks=64, kv_cache_memory_gb=-1).validate()
+
+
 def test_num_threads_zero_is_auto_and_negative_an_error():
     assert EngineConfig(num_threads=0).validate().num_threads == 0
     with pytest.raises(ConfigError, match="num_threads must be >= 0"):
@@ -115,3 +127,37 @@ def test_model_and_dash_dash_model_must_agree(caplog, tiny_gguf, monkeypatch):
         monkeypatch.delenv("VOLTSERVE_MODEL", raising=False)
         cli._export_env(cli.build_parser().parse_args(["serve", str(tiny_gguf), "--model", same]))
         assert os.environ["VOLTSERVE_MODEL"] == str(tiny_gguf)
+
+
+def test_api_processes_that_waited_for_a_shared_start_report_a_bad_model_as_the_starter_does(tmp_path):
+    """`--api-processes N` / `hypercorn -w N` on a shared engine whose start fails on a bad model file (what only
+    the load tells, e.g. a missing tokenizer.json): the API processes that waited for it fail with the same error
+    type (so `voltserve serve` says one line and exits 2 in each), not an EngineDeadError with a traceback and
+    status 1 in all but the first; any other error stays an EngineDeadError."""
+    from actors import engine_socket
+    from actors.engine_process import _raise_if_failed_meanwhile
+    from voltserve.errors import EngineDeadError, LoaderError, UnsupportedModelError
+
+    path = str(tmp_path / "engine.sock")
+    for error in (LoaderError("/m has no tokenizer.json"), UnsupportedModelError("rope scaling"),
+                  ConfigError("the KV pool cannot hold one sequence")):
+        engine_socket.record_failure(path, error)
+        with pytest.raises(type(error)) as info:
+            _raise_if_failed_meanwhile(path, None)
+        assert str(info.value) == (f"the shared engine at {path} failed to start while this API process waited for "
+                                   f"it: {type(error).__name__}: {error}")
+    engine_socket.record_failure(path, RuntimeError("CUDA error: out of memory"))
+    with pytest.raises(EngineDeadError, match="waited for it: RuntimeError: CUDA error: out of memory"):
+        _raise_if_failed_meanwhile(path, None)
+
+
+def test_model_and_dash_dash_model_may_spell_one_alias_differently(monkeypatch):
+    """The loader reads an alias case-insensitively, spaces aside: MODEL SmolLM2-135M-Instruct with --model
+    smollm2-135m-instruct name one model (refused before as "different models"); an alias and a path do not."""
+    for model, flag in (("SmolLM2-135M-Instruct", "smollm2-135m-instruct"),
+                        (" smollm2-135m-instruct", "SMOLLM2-135M-INSTRUCT")):
+        monkeypatch.delenv("VOLTSERVE_MODEL", raising=False)
+        cli._export_env(cli.build_parser().parse_args(["serve", model, "--model", flag]))
+        assert os.environ["VOLTSERVE_MODEL"] == model
+    with pytest.raises(ConfigError, match="name different models"):
+        cli._export_env(cli.build_parser().parse_args(["serve", "smollm2-135m-instruct", "--model", "x.gguf"]))

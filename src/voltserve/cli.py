@@ -154,12 +154,15 @@ def serve(args: argparse.Namespace) -> int:
         prometheus_multiproc_dir()  # a set but missing folder
         if not config.engine_socket:  # else the engine resolves it (one may already run, started elsewhere)
             preflight.check_model(config)  # the draft model too, and the KV pool where its size is known
-        if not os.environ.get(LISTEN_FD_ENV):  # (one of several API processes serves its supervisor's socket)
-            preflight.check_address(config.host, config.port)
+        listener = None  # one of several API processes serves its supervisor's socket (LISTEN_FD_ENV)
+        if not os.environ.get(LISTEN_FD_ENV):
+            listener = preflight.listen(config.host, config.port)
     except INPUT_ERRORS as exc:
         logger.error("bad configuration: %s", exc)
         return 2
     if config.api_processes > 1:
+        if listener is not None:
+            listener.close()  # the supervisor opens its own, inherited by its API processes
         try:
             return run_api_processes(config, args.log_level)
         except ConfigError as exc:
@@ -170,6 +173,7 @@ def serve(args: argparse.Namespace) -> int:
             return 2
     listen_fd = os.environ.pop(LISTEN_FD_ENV, "")  # set when this is one of several API processes
     parent_fd = os.environ.pop(PARENT_FD_ENV, "")
+    port = listener.getsockname()[1] if listener is not None else config.port  # --port 0: the one the OS chose
     try:
         import api  # builds the app from the environment set above
     except ConfigError as exc:
@@ -177,8 +181,8 @@ def serve(args: argparse.Namespace) -> int:
         return 2
 
     hconfig = HypercornConfig()
-    address = preflight.address(config.host, config.port)
-    hconfig.bind = [f"fd://{listen_fd}" if listen_fd else address]
+    address = preflight.address(config.host, port)
+    hconfig.bind = [f"fd://{listen_fd or listener.fileno()}"]
     hconfig.accesslog = logging.getLogger("hypercorn.access")
     if listen_fd:  # one of several API processes: say which one served a request
         hconfig.access_log_format += " %(p)s"

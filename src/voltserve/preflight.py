@@ -28,21 +28,23 @@ def listen_error(host: str, port: int, exc: OSError) -> str:
     return f"cannot listen on {address(host, port)}: {exc.strerror or exc} (--host / --port)"
 
 
-def check_address(host: str, port: int) -> None:
-    """Bind a TCP socket to host:port as hypercorn will (SO_REUSEADDR; IPv6 when the host has a ':'), then close
-    it: a port in use, or a host that is no local address or does not resolve, fails here, before the model loads,
-    instead of in hypercorn once it has.
+def listen(host: str, port: int) -> socket.socket:
+    """The server's listening TCP socket on host:port (`api_processes.listen_socket`: as hypercorn binds), opened
+    before the model loads: a port in use, or a host that is no local address or does not resolve, fails here at
+    once instead of in hypercorn after the load, and no other process can take the port meanwhile (hypercorn then
+    serves this socket, `fd://`; connections made during the load wait in its backlog, as with vLLM's early bind).
 
     Raises:
         ConfigError: naming host:port and the OS's reason.
     """
-    bind_host = host.replace("[", "").replace("]", "")  # as hypercorn reads its bind
+    from voltserve.api_processes import listen_socket
+
     try:
-        with socket.socket(socket.AF_INET6 if ":" in bind_host else socket.AF_INET, socket.SOCK_STREAM) as sock:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.bind((bind_host, port))
+        sock = listen_socket(host.replace("[", "").replace("]", ""), port)  # "[::1]" as hypercorn reads its bind
     except OSError as exc:
         raise ConfigError(listen_error(host, port, exc)) from exc
+    sock.set_inheritable(False)  # this process's own: no child (the engine process) holds the port
+    return sock
 
 
 def check_model(config: EngineConfig) -> None:

@@ -45,6 +45,29 @@ def test_a_taken_port_is_one_line_before_the_model_loads(caplog, tiny_gguf, take
                                "(--host / --port)"]
 
 
+def test_the_port_is_held_from_before_the_load_and_served(monkeypatch, caplog, tiny_gguf):
+    """One API process listens before anything loads and hands that socket to hypercorn (`fd://`): no other
+    process can take the port during the load, and `--port 0` logs the port the OS chose."""
+    import hypercorn.asyncio
+
+    seen = {}
+
+    async def fake_serve(app, hconfig, shutdown_trigger=None):
+        (bind,) = hconfig.bind
+        with socket.socket(fileno=os.dup(int(bind.removeprefix("fd://")))) as served:
+            seen["port"] = served.getsockname()[1]
+            assert not served.get_inheritable()  # the engine process never holds the port
+        with socket.socket() as other, pytest.raises(OSError):  # taken while the model would load
+            other.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            other.bind(("127.0.0.1", seen["port"]))
+
+    monkeypatch.setattr(hypercorn.asyncio, "serve", fake_serve)
+    caplog.set_level(logging.INFO)
+    assert cli.main(["serve", str(tiny_gguf), "--device", "cpu", "--port", "0"]) == 0
+    assert seen["port"] > 0
+    assert any(f"on http://127.0.0.1:{seen['port']} (" in r.getMessage() for r in caplog.records)
+
+
 @pytest.mark.parametrize("host, port, message", [
     ("192.0.2.1", "0", "cannot listen on 192.0.2.1:0: "),  # TEST-NET-1: no address of this host
     ("no-such-host.invalid", "0", "cannot listen on no-such-host.invalid:0: "),

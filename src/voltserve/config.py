@@ -263,12 +263,10 @@ class EngineConfig:
             raise ConfigError(f"num_threads must be >= 0 (0 = auto), not {self.num_threads}")
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"port must be in 0..65535, not {self.port}")
-        if self.sse_keep_alive_interval < 0:
-            raise ConfigError("sse_keep_alive_interval must be >= 0")
-        if self.gpu_busy_log_interval < 0:
-            raise ConfigError("gpu_busy_log_interval must be >= 0")
-        if self.shutdown_timeout < 0:
-            raise ConfigError("shutdown_timeout must be >= 0")
+        for name in ("sse_keep_alive_interval", "gpu_busy_log_interval", "shutdown_timeout"):
+            seconds = getattr(self, name)  # NaN passes a "< 0" test, and inf never ends a wait
+            if not math.isfinite(seconds) or seconds < 0:
+                raise ConfigError(f"{name} must be a number of seconds >= 0, not {seconds:g}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ConfigError("gpu_memory_utilization must be in (0, 1]")
         check_event_loop(self.event_loop)

@@ -99,6 +99,9 @@ def test_an_empty_truncated_or_corrupt_gguf_is_one_line_naming_it(caplog, tiny_g
     (["--kv-cache-memory-gb", "nan"], "kv_cache_memory_gb must be > 0, not nan"),  # was a ValueError traceback
     (["--kv-cache-memory-gb", "inf"], "kv_cache_memory_gb must be > 0, not inf"),
     (["--num-threads", "-1"], "num_threads must be >= 0 (0 = auto), not -1"),
+    (["--shutdown-timeout", "nan"], "shutdown_timeout must be a number of seconds >= 0, not nan"),  # was accepted
+    (["--sse-keep-alive-interval", "inf"], "sse_keep_alive_interval must be a number of seconds >= 0, not inf"),
+    (["--gpu-busy-log-interval", "-2"], "gpu_busy_log_interval must be a number of seconds >= 0, not -2"),
 ])
 def test_a_kv_pool_or_thread_count_that_cannot_work_is_one_line(caplog, tiny_gguf, flags, message):
     assert cli.main(["serve", str(tiny_gguf), "--device", "cpu", "--port", "0", *flags]) == 2

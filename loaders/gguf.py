@@ -13,7 +13,7 @@ import time
 import numpy as np
 import torch
 
-from loaders.gguf_header import config_from_metadata, read_gguf_header
+from loaders.gguf_header import read_gguf_header
 from loaders.gguf_tokenizer import build_tokenizer
 from loaders.model import LoadedModel, QuantizedTensor
 from voltserve.config import ModelConfig
@@ -116,17 +116,13 @@ def load_gguf(path: str | pathlib.Path) -> LoadedModel:
     import gguf
 
     t0 = time.perf_counter()
-    read_gguf_header(path)  # an empty, truncated or corrupt file: a LoaderError that says so, naming the file
+    header = read_gguf_header(path)  # an empty, truncated or corrupt file: a LoaderError that says so, naming it
     try:
         reader = gguf.GGUFReader(str(path), "r")
     except (OSError, ValueError, IndexError) as exc:
         raise LoaderError(f"cannot read GGUF {path}: {exc}") from exc
     meta = read_metadata(reader)
-    by_name = {t.name: t for t in reader.tensors}
-    if "token_embd.weight" not in by_name:
-        raise LoaderError(f"{path} has no token_embd.weight")
-    vocab_size = int(by_name["token_embd.weight"].shape[-1])
-    config = config_from_metadata(meta, vocab_size, has_output="output.weight" in by_name)
+    config = header.model_config()  # as `voltserve serve` read it before the load
     tokenizer = build_tokenizer(meta)
 
     tensors: dict[str, torch.Tensor] = {}

@@ -178,6 +178,8 @@ def _parse(path: pathlib.Path, buf, size: int) -> GGUFHeader:
                           f"({size} bytes)") from None
     except _Corrupt as exc:
         raise LoaderError(f"{path} is corrupt: {exc}") from None
+    except RecursionError:  # arrays of arrays nested past Python's stack (`_Cursor.value`); GGUFReader's too
+        raise LoaderError(f"{path} is corrupt: its metadata nests arrays too deeply") from None
     alignment = metadata.get("general.alignment", DEFAULT_ALIGNMENT)
     if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
         raise LoaderError(f"{path} is corrupt: general.alignment {alignment!r} is no power of two")

@@ -35,6 +35,7 @@ import time
 
 from actors.engine_socket import ENGINE_LOCK_SUFFIX, try_flock
 from voltserve.config import PROMETHEUS_DIR_VARIABLES, EngineConfig
+from voltserve.preflight import address
 
 logger = logging.getLogger(__name__)
 
@@ -84,7 +85,8 @@ def run_api_processes(config: EngineConfig, log_level: str | None = None) -> int
         shutil.rmtree(private, ignore_errors=True)
         raise
     read_end, write_end = os.pipe()  # the children see EOF on read_end once this process is gone
-    env = {**os.environ, "VOLTSERVE_API_PROCESSES": "1", LISTEN_FD_ENV: str(sock.fileno()),
+    port = sock.getsockname()[1]  # --port 0: the one the OS chose, which the children log too
+    env = {**os.environ, "VOLTSERVE_API_PROCESSES": "1", "VOLTSERVE_PORT": str(port), LISTEN_FD_ENV: str(sock.fileno()),
            PARENT_FD_ENV: str(read_end), "VOLTSERVE_ENGINE_SOCKET": engine_socket}
     if not any(name in env for name in PROMETHEUS_DIR_VARIABLES):  # one /metrics over all API processes
         metrics_dir = env[PROMETHEUS_DIR_VARIABLES[0]] = os.path.join(private, "metrics")
@@ -116,8 +118,8 @@ def run_api_processes(config: EngineConfig, log_level: str | None = None) -> int
             pass_on()  # a signal that came while it started
         os.close(read_end)
         read_end = -1
-        logger.info("%d API processes (pids %s) on http://%s:%d, one engine at %s", len(children),
-                    " ".join(str(c.pid) for c in children), config.host, config.port, env["VOLTSERVE_ENGINE_SOCKET"])
+        logger.info("%d API processes (pids %s) on http://%s, one engine at %s", len(children),
+                    " ".join(str(c.pid) for c in children), address(config.host, port), env["VOLTSERVE_ENGINE_SOCKET"])
         status = _wait(children, lambda: signals["received"] > 0)
         if not config.engine_socket:  # its private engine: let it finish its own stop (a signal ends the wait)
             _wait_engine_exit(engine_socket + ENGINE_LOCK_SUFFIX, ENGINE_STOP_WAIT_S,

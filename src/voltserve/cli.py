@@ -182,7 +182,9 @@ def serve(args: argparse.Namespace) -> int:
 
     hconfig = HypercornConfig()
     address = preflight.address(config.host, port)
-    hconfig.bind = [f"fd://{listen_fd or listener.fileno()}"]
+    # hypercorn's socket owns the fd it serves (it closes it on shutdown): ours lets go of it, not to close it twice
+    served_fd = int(listen_fd) if listen_fd else listener.detach()
+    hconfig.bind = [f"fd://{served_fd}"]
     hconfig.accesslog = logging.getLogger("hypercorn.access")
     if listen_fd:  # one of several API processes: say which one served a request
         hconfig.access_log_format += " %(p)s"
@@ -204,6 +206,8 @@ def serve(args: argparse.Namespace) -> int:
     try:
         event_loop.run(run(), config.event_loop)
     except LifespanFailureError as exc:  # the app's startup failed (the app logged why)
+        if listener is not None:  # hypercorn takes the socket after the startup only: it never served it
+            os.close(served_fd)
         if state.start_error is not None:  # a bad setting or model file: the app logged it in one line
             return 2
         logger.error("exiting with status 1: the server did not start: %s", exc.args[0] if exc.args else exc)

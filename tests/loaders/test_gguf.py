@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import struct
+
 import numpy as np
 import pytest
 import torch
@@ -177,6 +179,42 @@ def test_a_corrupt_metadata_value_is_a_loader_error_that_names_it(tmp_path, monk
         read_gguf_header(path).model_config()
     with pytest.raises(LoaderError, match=message):
         load_gguf(path)
+
+
+def test_arrays_of_arrays_and_big_endian_files_read_as_the_gguf_reader_reads_them(tmp_path):
+    """Nested metadata arrays (of numbers and of strings) are stepped over, a big-endian file (GGUF v3) is read in
+    its byte order, and `general.alignment` moves the data's start: as GGUFReader reads them."""
+    import gguf
+
+    for endian, alignment in ((gguf.GGUFEndian.LITTLE, 64), (gguf.GGUFEndian.BIG, None)):
+        path = tmp_path / f"{endian.name}.gguf"
+        writer = GGUFWriter(str(path), "llama", endianess=endian)
+        if alignment:
+            writer.add_custom_alignment(alignment)
+        writer.add_array("test.nested", [[1, 2, 3], [4, 5]])
+        writer.add_array("test.nested_strings", [["x", "yy"], ["zzz"]])
+        writer.add_string("test.after", "héllo")
+        writer.add_tensor("token_embd.weight", np.ones((10, 8), np.float32))
+        writer.add_tensor("output_norm.weight", np.ones(8, np.float32))
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        header, reader = read_gguf_header(path), gguf.GGUFReader(str(path), "r")
+        assert header.metadata == {k: v for k, v in read_metadata(reader).items() if not isinstance(v, list)}
+        assert header.metadata["test.after"] == "héllo"
+        assert header.tensor_shapes == {t.name: tuple(int(d) for d in t.shape) for t in reader.tensors}
+        assert header.data_end == max(int(t.data_offset) + int(t.n_bytes) for t in reader.tensors)
+
+
+def test_arrays_nested_past_the_stack_are_a_loader_error(tmp_path):
+    """A corrupt file whose one metadata value is an array of an array of ... (5,000 deep, 60 kB) is refused in
+    words, not with a RecursionError traceback."""
+    path = tmp_path / "deep.gguf"
+    nested = struct.pack("<IQ", 9, 1) * 5000 + struct.pack("<IQ", 4, 0)  # ARRAY of 1 ARRAY ... of 0 UINT32
+    path.write_bytes(b"GGUF" + struct.pack("<IQQQ", 3, 0, 1, 1) + b"k" + struct.pack("<I", 9) + nested)
+    with pytest.raises(LoaderError, match=f"{path} is corrupt: its metadata nests arrays too deeply"):
+        read_gguf_header(path)
 
 
 def test_smollm2_header_matches_the_gguf_reader(smollm2, smollm2_gguf):

@@ -94,3 +94,23 @@ def test_children_stopped_by_sigterm_are_a_clean_stop(monkeypatch, code):
         return _Child(code_on_term=code)
 
     assert _run(monkeypatch, make)[0] == 0
+
+
+def test_port_0_is_the_port_the_os_chose_in_the_log_and_the_childrens_config(monkeypatch, caplog):
+    """`--api-processes N --port 0`: the supervisor's line and each child's config (its own "serving ... on" line)
+    name the port the OS chose, not 0 (README: `--port 0` logs the port the OS chose)."""
+    import logging
+
+    envs = []
+
+    def popen(*args, env, **kwargs):
+        envs.append(env)
+        return _Child(exits_with=0)
+
+    monkeypatch.setattr(api_processes.subprocess, "Popen", popen)
+    caplog.set_level(logging.INFO, logger=api_processes.logger.name)
+    api_processes.run_api_processes(EngineConfig(api_processes=2, port=0).validate())  # the children exit at once
+    ports = {env["VOLTSERVE_PORT"] for env in envs}
+    (port,) = ports
+    assert int(port) > 0
+    assert any(f"on http://127.0.0.1:{port}, one engine" in r.getMessage() for r in caplog.records)

@@ -54,18 +54,52 @@ def test_the_port_is_held_from_before_the_load_and_served(monkeypatch, caplog, t
 
     async def fake_serve(app, hconfig, shutdown_trigger=None):
         (bind,) = hconfig.bind
-        with socket.socket(fileno=os.dup(int(bind.removeprefix("fd://")))) as served:
+        with socket.socket(fileno=int(bind.removeprefix("fd://"))) as served:  # as hypercorn: it closes it
             seen["port"] = served.getsockname()[1]
             assert not served.get_inheritable()  # the engine process never holds the port
-        with socket.socket() as other, pytest.raises(OSError):  # taken while the model would load
-            other.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            other.bind(("127.0.0.1", seen["port"]))
+            with socket.socket() as other, pytest.raises(OSError):  # taken while the model would load
+                other.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                other.bind(("127.0.0.1", seen["port"]))
 
     monkeypatch.setattr(hypercorn.asyncio, "serve", fake_serve)
     caplog.set_level(logging.INFO)
     assert cli.main(["serve", str(tiny_gguf), "--device", "cpu", "--port", "0"]) == 0
     assert seen["port"] > 0
     assert any(f"on http://127.0.0.1:{seen['port']} (" in r.getMessage() for r in caplog.records)
+
+
+def test_the_served_socket_is_closed_once(monkeypatch, tiny_gguf):
+    """hypercorn owns the fd it serves (`fd://`: it wraps and closes it on shutdown), so `voltserve serve` must not
+    close it again: its socket object did once it was collected, closing whatever reused that fd number since;
+    and a startup that fails before hypercorn takes the socket closes it (the port is free again)."""
+    import gc
+
+    import hypercorn.asyncio
+    from hypercorn.utils import LifespanFailureError
+
+    seen = {}
+
+    async def fake_serve(app, hconfig, shutdown_trigger=None):  # as hypercorn: wrap the fd, serve, close it
+        (bind,) = hconfig.bind
+        socket.socket(fileno=int(bind.removeprefix("fd://"))).close()
+        seen["fds"] = os.pipe()  # takes the fd number just freed
+
+    monkeypatch.setattr(hypercorn.asyncio, "serve", fake_serve)
+    assert cli.main(["serve", str(tiny_gguf), "--device", "cpu", "--port", "0"]) == 0
+    gc.collect()
+    for fd in seen["fds"]:
+        os.fstat(fd)  # still open
+        os.close(fd)
+
+    async def failed_startup(app, hconfig, shutdown_trigger=None):
+        with socket.socket(fileno=os.dup(int(hconfig.bind[0].removeprefix("fd://")))) as served:
+            seen["port"] = served.getsockname()[1]
+        raise LifespanFailureError("startup", "no engine today")
+
+    monkeypatch.setattr(hypercorn.asyncio, "serve", failed_startup)
+    assert cli.main(["serve", str(tiny_gguf), "--device", "cpu", "--port", "0"]) == 1
+    with socket.socket() as again:  # the port is free: the socket was closed, not left open
+        again.bind(("127.0.0.1", seen["port"]))
 
 
 @pytest.mark.parametrize("host, port, message", [

@@ -63,14 +63,17 @@ class GGUFHeader:
         """The model's hyper-parameters (`config_from_metadata`), as `load_gguf` reads them.
 
         Raises:
-            UnsupportedModelError: an architecture other than llama.
-            LoaderError: a required key or the token embedding is missing.
+            UnsupportedModelError: an architecture other than llama (the message names the file).
+            LoaderError: a required key or the token embedding is missing, or a value is wrong (names the file).
         """
         embedding = self.tensor_shapes.get("token_embd.weight")
         if not embedding:
             raise LoaderError(f"{self.path} has no token_embd.weight")
         has_output = "output.weight" in self.tensor_shapes
-        return config_from_metadata(self.metadata, int(embedding[-1]), has_output=has_output)
+        try:
+            return config_from_metadata(self.metadata, int(embedding[-1]), has_output=has_output)
+        except LoaderError as exc:  # named: beside a draft model, which file is it?
+            raise type(exc)(f"{self.path}: {exc}") from None
 
 
 class _Cursor:

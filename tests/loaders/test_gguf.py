@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import struct
 
 import numpy as np
@@ -174,7 +175,7 @@ def test_a_corrupt_metadata_value_is_a_loader_error_that_names_it(tmp_path, monk
     monkeypatch.setattr(GGUFWriter, method, write)
     path = tmp_path / "bad.gguf"
     write_tiny_gguf(path)
-    message = f"GGUF metadata {key} is {value!r}, not an integer >= 1"
+    message = re.escape(f"{path}: GGUF metadata {key} is {value!r}, not an integer >= 1")  # names the file too
     with pytest.raises(LoaderError, match=message):
         read_gguf_header(path).model_config()
     with pytest.raises(LoaderError, match=message):

@@ -32,8 +32,8 @@ from actors.engine_core import ENTRY
 from actors.engine_ipc import (AbortMsg, AddMsg, AttachMsg, EngineDiedMsg, EngineStartMsg, ListenSocket, ReadyMsg,
                                StartFailedMsg, StatsMsg, StatsQueryMsg, StepOutputsMsg, StopMsg, watch_readable)
 from actors.stream import RequestStream, generate_outputs
-from voltserve.config import EngineConfig
 from voltserve import errors
+from voltserve.config import EngineConfig
 from voltserve.errors import INPUT_ERRORS, EngineDeadError
 from voltserve.request import RequestOutput, SamplingParams, check_request
 

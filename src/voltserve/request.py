@@ -178,7 +178,8 @@ def check_request(prompt_token_ids: list[int], params: SamplingParams, vocab_siz
     Returns:
         The output token budget: params.max_tokens, or the rest of the context when it is None.
     Raises:
-        InvalidRequestError: empty prompt, ids outside the vocabulary, bad parameters.
+        InvalidRequestError: empty prompt, ids outside the vocabulary, bad parameters, min_tokens above the
+            budget (without max_tokens, the rest of the context).
         ContextLengthError: the prompt (plus max_tokens) does not fit the context; the message names both lengths.
     """
     params.validate()
@@ -197,4 +198,11 @@ def check_request(prompt_token_ids: list[int], params: SamplingParams, vocab_siz
             f"This model's maximum context length is {max_model_len} tokens. However, you requested "
             f"{num_prompt + max_tokens} tokens ({num_prompt} in the prompt, {max_tokens} for the completion). "
             f"Reduce the prompt or max_tokens.", param="max_tokens")
+    if params.min_tokens > max_tokens:
+        # only without max_tokens (validate() compared the two): the context's rest is the budget, and a min_tokens
+        # past it would mask EOS until the window is full, then end "length" short of min_tokens anyway
+        raise InvalidRequestError(
+            f"min_tokens ({params.min_tokens}) must be <= max_tokens; without max_tokens that is the rest of the "
+            f"context window: {max_tokens} tokens ({max_model_len} less {num_prompt} in the prompt)",
+            param="min_tokens")
     return max_tokens

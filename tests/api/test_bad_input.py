@@ -145,6 +145,20 @@ async def test_context_error_names_both_lengths(serve):
     assert "256" in message and "300" in message
 
 
+async def test_min_tokens_above_the_rest_of_the_context(serve):
+    """Without max_tokens the budget is the context's rest (256 - 21 prompt tokens here): a min_tokens past it is a
+    400 (vLLM's answer), not a request that masks EOS until the window is full and then ends short of it."""
+    async with serve(ScriptedEngine(scripts=["ok"])) as (client, engine):
+        response = await client.post(CHAT, json=chat_body(min_tokens=1000))
+        assert (response.status_code, orjson.loads(await response.get_data())) == (400, {"error": {
+            "message": "min_tokens (1000) must be <= max_tokens; without max_tokens that is the rest of the context "
+                       "window: 235 tokens (256 less 21 in the prompt)",
+            "type": INVALID, "param": "min_tokens", "code": None}})
+        assert engine.requests == []
+        ok = await client.post(CHAT, json=chat_body(min_tokens=235))  # exactly the budget still runs
+        assert ok.status_code == 200
+
+
 async def test_unexpected_error_is_500_without_details(serve):
     engine = ScriptedEngine()
 

@@ -18,12 +18,13 @@ import itertools
 import logging
 import secrets
 import uuid
+import weakref
 from collections.abc import AsyncIterator, Callable
 
 import torch
 
 from actors.scheduler import AbortRequestMsg, AddRequestMsg, SchedulerActor
-from actors.stream import RequestStream, generate_outputs
+from actors.stream import RequestStream, duplicate_request_id, generate_outputs
 from actors.worker import WorkerActor
 from voltserve.config import EngineConfig
 from voltserve.errors import EngineDeadError, InvalidRequestError
@@ -56,6 +57,8 @@ class AsyncEngine:
         self._on_death = on_death
         self._seq_ids = itertools.count()
         self._compiling: dict[str, asyncio.Task] = {}  # request id -> its grammar's compile (off the loop)
+        # request id -> its stream, to refuse an id in flight (the scheduler keys streams and aborts by id)
+        self._streams: weakref.WeakValueDictionary[str, RequestStream] = weakref.WeakValueDictionary()
         self._scheduler_actor: SchedulerActor | None = None
         self._worker: WorkerActor | None = None
         self._tp_ranks = None  # actors.tp.TPRanks: the rank processes 1..N-1 with tensor_parallel_size N > 1
@@ -140,13 +143,19 @@ class AsyncEngine:
         Returns:
             A RequestStream of RequestOutput deltas.
         Raises:
-            InvalidRequestError: empty prompt, out-of-vocabulary ids or bad parameters.
+            InvalidRequestError: empty prompt, out-of-vocabulary ids, bad parameters, or a request_id of a request
+                still in flight.
             ContextLengthError: prompt plus max_tokens longer than max_model_len.
             EngineDeadError: the engine is not running.
         """
         self._check_running()
         max_tokens = check_request(prompt_token_ids, params, self.model_config.vocab_size, self.max_model_len)
-        stream = RequestStream(request_id or uuid.uuid4().hex, params.n, self.abort, self.config.stream_interval)
+        request_id = request_id or uuid.uuid4().hex
+        prior = self._streams.get(request_id)
+        if prior is not None and not prior.settled:  # its outputs and aborts would go to one or the other
+            raise duplicate_request_id(request_id)
+        stream = self._streams[request_id] = RequestStream(request_id, params.n, self.abort,
+                                                           self.config.stream_interval)
         self.submit(prompt_token_ids, params, max_tokens, stream)
         return stream
 

@@ -31,7 +31,7 @@ from actors import engine_socket
 from actors.engine_core import ENTRY
 from actors.engine_ipc import (AbortMsg, AddMsg, AttachMsg, EngineDiedMsg, EngineStartMsg, ListenSocket, ReadyMsg,
                                StartFailedMsg, StatsMsg, StatsQueryMsg, StepOutputsMsg, StopMsg, watch_readable)
-from actors.stream import RequestStream, generate_outputs
+from actors.stream import RequestStream, duplicate_request_id, generate_outputs
 from voltserve import errors
 from voltserve.config import EngineConfig
 from voltserve.errors import INPUT_ERRORS, EngineDeadError
@@ -390,6 +390,8 @@ class ProcessEngine:
             raise EngineDeadError(f"engine is not running{': ' + repr(self._dead) if self._dead else ''}")
         max_tokens = check_request(prompt_token_ids, params, self.model_config.vocab_size, self.max_model_len)
         request_id = request_id or uuid.uuid4().hex
+        if request_id in self._streams:  # until its last delta comes back: that delta would end a new stream
+            raise duplicate_request_id(request_id)
         stream = RequestStream(request_id, params.n, self.abort, self.config.stream_interval)
         self._streams[request_id] = stream
         # Not at the end of the loop turn as aborts are: under streaming load that callback waits behind a turn

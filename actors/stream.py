@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Callable
 
-from voltserve.errors import EngineDeadError, VoltError
+from voltserve.errors import EngineDeadError, InvalidRequestError, VoltError
 from voltserve.request import RequestOutput
 
 _INTERRUPTED = object()  # a waiter's result when `interrupt()` woke it
@@ -64,6 +64,11 @@ class RequestStream:
     def done(self) -> bool:
         """Nothing more will reach the consumer: every delta taken, the stream failed, or it was aborted."""
         return self._aborted or self._error is not None or self.finished
+
+    @property
+    def settled(self) -> bool:
+        """The engine is done with the request (every final delta put, failed, or aborted): its id may be reused."""
+        return self._aborted or self._error is not None or not self._unfinished
 
     @property
     def all_seqs_finished(self) -> bool:
@@ -176,6 +181,11 @@ class RequestStream:
                 waiter = self._waiter = asyncio.get_running_loop().create_future()
             if await waiter is _INTERRUPTED:
                 return self._take() if pending else None
+
+
+def duplicate_request_id(request_id: str) -> InvalidRequestError:
+    """The error of an `add_request` whose caller-chosen id belongs to a request still in flight."""
+    return InvalidRequestError(f"request id {request_id!r} is already in flight", param="request_id")
 
 
 async def generate_outputs(engine, prompt_token_ids: list[int], params, request_id: str | None = None

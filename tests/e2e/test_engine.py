@@ -116,6 +116,30 @@ async def test_abort_returns_blocks_within_a_step(smollm2):
         engine._scheduler_actor.scheduler.pool.check_invariants()
 
 
+async def _tokens(stream) -> list[int]:
+    return [t async for out in stream for t in out.token_ids]
+
+
+async def test_request_id_in_flight_is_refused(smollm2):
+    """A caller-chosen request id still in flight is refused in add_request: the scheduler keys streams and aborts
+    by id, so a second request under it took the first one's outputs and left the first stream waiting forever.
+    Once the first finished or was aborted, the id is free again."""
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    async with running_engine(smollm2) as engine:
+        prompt = chat_ids(engine, "Tell me a story.")
+        first = engine.add_request(prompt, params, request_id="dup")
+        with pytest.raises(InvalidRequestError, match="request id 'dup' is already in flight") as refused:
+            engine.add_request(prompt, params, request_id="dup")
+        assert refused.value.param == "request_id"
+        tokens = await asyncio.wait_for(_tokens(first), 60)
+        again = await asyncio.wait_for(_tokens(engine.add_request(prompt, params, request_id="dup")), 60)
+        engine.add_request(prompt, params, request_id="dup").abort()
+        after_abort = await asyncio.wait_for(_tokens(engine.add_request(prompt, params, request_id="dup")), 60)
+        stats = engine.kv_stats()
+    assert len(tokens) == 6 and again == after_abort == tokens
+    assert stats["num_free_blocks"] == stats["num_blocks"] and stats["num_running"] == 0
+
+
 async def test_stop_string_ends_sequence(smollm2):
     async with running_engine(smollm2) as engine:
         ids = chat_ids(engine, "What is the capital of France?")

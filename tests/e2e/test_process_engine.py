@@ -106,6 +106,20 @@ async def test_bad_requests_raise_in_add_request(served):
     assert engine.is_healthy
 
 
+async def test_request_id_in_flight_is_refused(served):
+    """A caller-chosen request id is refused while a request under it is in flight here (until its last delta came
+    back from the child: that delta would end a new stream of the same id); then it is free again."""
+    _, engine = served
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    prompt = chat_ids(engine, "Tell me a story.")
+    first = engine.add_request(prompt, params, request_id="dup")
+    with pytest.raises(InvalidRequestError, match="request id 'dup' is already in flight"):
+        engine.add_request(prompt, params, request_id="dup")
+    tokens = [t async for out in first for t in out.token_ids]
+    again = [t async for out in engine.add_request(prompt, params, request_id="dup") for t in out.token_ids]
+    assert len(tokens) == 4 and again == tokens and engine._streams == {}
+
+
 async def test_abort_returns_kv_blocks(served):
     _, engine = served
     stream = engine.add_request(chat_ids(engine, "Count to one thousand."),

@@ -8,6 +8,8 @@ Free blocks that still hold a registered prefix stay findable until they are evi
 
 from __future__ import annotations
 
+import hashlib
+import struct
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -58,8 +60,16 @@ def pool_max_model_len(max_model_len: int, model_len: int, num_blocks: int, bloc
 
 
 def hash_block(parent_hash: int | None, token_ids: Sequence[int]) -> int:
-    """Hash of one full block: its tokens chained with the hash of the block before it (None for the first)."""
-    return hash((parent_hash, tuple(token_ids)))
+    """Hash of one full block: its tokens chained with the hash of the block before it (None for the first).
+
+    SHA-256 (FIPS 180-4) of the parent's digest and the token ids as little-endian int64, as a 256-bit int. Not
+    Python's hash(): its tuple and int hashes are invertible and fold ints modulo 2**61 - 1, so a prompt could be
+    crafted to collide with another request's block and read or poison its cached K/V (vLLM's CVE-2025-25183).
+    Raises OverflowError for a parent_hash that is not such a digest (negative or over 256 bits).
+    """
+    head = b"\x00" if parent_hash is None else b"\x01" + parent_hash.to_bytes(32, "big")
+    data = head + struct.pack(f"<{len(token_ids)}q", *token_ids)
+    return int.from_bytes(hashlib.sha256(data).digest(), "big")
 
 
 class NoFreeBlocksError(RuntimeError):

@@ -1,3 +1,5 @@
+import hashlib
+
 import pytest
 
 from voltserve.errors import ConfigError
@@ -48,6 +50,15 @@ def test_lru_eviction_order_and_hash_dropped():
 
 def test_chained_hash_depends_on_parent():
     assert hash_block(hash_block(None, [1]), [2]) != hash_block(hash_block(None, [3]), [2])
+
+
+def test_block_hash_is_sha256_and_injective_where_pythons_hash_folds():
+    # Python's hash() folds ints modulo 2**61 - 1, so hash((p, t)) == hash((p + 2**61 - 1, t)): two chains whose
+    # parents differ by that much would share a cached block
+    assert hash_block(5, [1, 2]) != hash_block(5 + 2**61 - 1, [1, 2])
+    head, tokens = b"\x01" + (5).to_bytes(32, "big"), (1).to_bytes(8, "little") + (2).to_bytes(8, "little")
+    assert hash_block(5, [1, 2]) == int.from_bytes(hashlib.sha256(head + tokens).digest(), "big")
+    assert hash_block(None, [1, 2]) != hash_block(0, [1, 2])  # no parent is not a parent digest of 0
 
 
 def test_prefix_caching_off():

@@ -39,7 +39,23 @@ class BuiltEngine:
 
 
 def resolve_device(requested: str) -> str:
-    """"auto" -> "cuda" when a GPU and the CUDA backend are usable, else "cpu"."""
+    """"auto" -> "cuda" when a GPU and the CUDA backend are usable, else "cpu"; "cpu" and "cuda" as they are.
+
+    Raises:
+        ConfigError: "cuda" where torch sees no GPU or the CUDA backend cannot load (was an AttributeError or
+            ImportError traceback from the first CUDA call, after the model's load, and exit status 1).
+    """
+    if requested == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError(f"device cuda: torch {torch.__version__} sees no CUDA GPU (a CPU-only torch build, "
+                              "no NVIDIA driver, or CUDA_VISIBLE_DEVICES hides the GPUs); use device auto or cpu")
+        try:
+            import cuda.bindings.driver  # noqa: F401  (the `cuda` extra)
+            import voltserve.backends.cuda.backend  # noqa: F401
+        except ImportError as exc:
+            raise ConfigError(f"device cuda: the CUDA backend cannot load ({exc}; pip install "
+                              "'voltserve[cuda]')") from exc
+        return requested
     if requested != "auto":
         return requested
     if torch.cuda.is_available():

@@ -221,3 +221,30 @@ def test_model_and_dash_dash_model_may_spell_one_alias_differently(monkeypatch):
         assert os.environ["VOLTSERVE_MODEL"] == model
     with pytest.raises(ConfigError, match="name different models"):
         cli._export_env(cli.build_parser().parse_args(["serve", "smollm2-135m-instruct", "--model", "x.gguf"]))
+
+
+def test_device_cuda_without_a_gpu_is_one_line_before_the_load(caplog, tiny_gguf, monkeypatch):
+    """--device cuda on a host without an NVIDIA driver: one line and status 2 at once (was the model's load, then
+    an AttributeError traceback from torch's first CUDA call and status 1)."""
+    from voltserve import preflight
+
+    monkeypatch.setattr(preflight, "NVIDIA_SIGNS", ("/nonexistent/nvidia",))
+    monkeypatch.setattr(cli.event_loop, "run", lambda *a: pytest.fail("the server started: the load came first"))
+    assert cli.main(["serve", str(tiny_gguf), "--device", "cuda", "--port", "0"]) == 2
+    assert _errors(caplog) == ["bad configuration: device cuda: this host has no NVIDIA driver (none of "
+                               "/nonexistent/nvidia exists); use device auto or cpu"]
+
+
+def test_the_engine_refuses_device_cuda_where_torch_sees_no_gpu(monkeypatch):
+    """A driver but no GPU for torch (a CPU-only build, CUDA_VISIBLE_DEVICES=""): a ConfigError (one line, exit 2
+    from `voltserve serve`), not an AttributeError from torch's first CUDA call."""
+    import torch
+
+    from actors.build import resolve_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ConfigError, match=r"^device cuda: torch \S+ sees no CUDA GPU \(a CPU-only torch build, no "
+                                          r"NVIDIA driver, or CUDA_VISIBLE_DEVICES hides the GPUs\); use device "
+                                          r"auto or cpu$"):
+        resolve_device("cuda")
+    assert resolve_device("cpu") == resolve_device("auto") == "cpu"

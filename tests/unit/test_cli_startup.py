@@ -248,3 +248,20 @@ def test_the_engine_refuses_device_cuda_where_torch_sees_no_gpu(monkeypatch):
                                           r"auto or cpu$"):
         resolve_device("cuda")
     assert resolve_device("cpu") == resolve_device("auto") == "cpu"
+
+
+def test_ctrl_c_before_the_server_starts_is_one_line_and_status_130(tiny_gguf):
+    """SIGINT while `voltserve serve` imports and checks (before its own handlers) was a KeyboardInterrupt
+    traceback; now one warning line and exit status 130, as a SIGINT that cuts the shutdown short."""
+    import subprocess
+    import sys
+
+    script = ("import os, signal, sys\nfrom voltserve import cli, preflight\n"
+              "preflight.check_model = lambda config: os.kill(os.getpid(), signal.SIGINT)\n"
+              f"sys.exit(cli.main(['serve', {str(tiny_gguf)!r}, '--device', 'cpu', '--port', '0']))\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert done.returncode == 130, done.stderr
+    assert "Traceback" not in done.stderr
+    assert [line.split(" ", 2)[2] for line in done.stderr.splitlines()] == [
+        "WARNING voltserve.cli: interrupted before the server started: exiting with status 130"]

@@ -265,3 +265,32 @@ def test_ctrl_c_before_the_server_starts_is_one_line_and_status_130(tiny_gguf):
     assert "Traceback" not in done.stderr
     assert [line.split(" ", 2)[2] for line in done.stderr.splitlines()] == [
         "WARNING voltserve.cli: interrupted before the server started: exiting with status 130"]
+
+
+def test_a_kv_pool_the_host_cannot_allocate_is_a_config_error():
+    """torch's allocator refusing the pool (`--kv-cache-memory-gb 200` on a 23 GiB host) was a RuntimeError
+    traceback and exit status 1; now a ConfigError (one 'bad configuration' line, exit 2) giving the pool's size."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from actors.build import allocate_kv
+
+    def refuse(*shape):
+        raise RuntimeError("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate "
+                           "memory: you tried to allocate 214748282880 bytes. Error code 12 (Cannot allocate memory)")
+
+    cfg = SimpleNamespace(num_layers=30, head_dim=64)
+    model = SimpleNamespace(config=cfg, num_kv_heads=3,
+                            backend=SimpleNamespace(dtype=torch.float32, allocate_kv_cache=refuse))
+    with pytest.raises(ConfigError, match=r"^the KV pool \(291271 blocks of 16 tokens, 200\.0 GiB\) cannot be "
+                                          r"allocated: not enough memory; lower kv_cache_memory_gb or "
+                                          r"num_kv_blocks$"):
+        allocate_kv(model, 291271, 16)
+
+    def other(*shape):
+        raise RuntimeError("some other failure")
+
+    model.backend.allocate_kv_cache = other
+    with pytest.raises(RuntimeError, match="some other failure"):  # not every RuntimeError is the operator's
+        allocate_kv(model, 1, 16)

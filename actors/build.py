@@ -39,7 +39,23 @@ class BuiltEngine:
 
 
 def resolve_device(requested: str) -> str:
-    """"auto" -> "cuda" when a GPU and the CUDA backend are usable, else "cpu"."""
+    """"auto" -> "cuda" when a GPU and the CUDA backend are usable, else "cpu"; "cpu" and "cuda" as they are.
+
+    Raises:
+        ConfigError: "cuda" where torch sees no GPU or the CUDA backend cannot load (was an AttributeError or
+            ImportError traceback from the first CUDA call, after the model's load, and exit status 1).
+    """
+    if requested == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError(f"device cuda: torch {torch.__version__} sees no CUDA GPU (a CPU-only torch build, "
+                              "no NVIDIA driver, or CUDA_VISIBLE_DEVICES hides the GPUs); use device auto or cpu")
+        try:
+            import cuda.bindings.driver  # noqa: F401  (the `cuda` extra)
+            import voltserve.backends.cuda.backend  # noqa: F401
+        except ImportError as exc:
+            raise ConfigError(f"device cuda: the CUDA backend cannot load ({exc}; pip install "
+                              "'voltserve[cuda]')") from exc
+        return requested
     if requested != "auto":
         return requested
     if torch.cuda.is_available():
@@ -159,9 +175,23 @@ def rank_model(config: EngineConfig, loaded, backend, device: str, tp: TPGroup |
 
 
 def allocate_kv(model: LlamaModel, num_blocks: int, block_size: int) -> torch.Tensor:
-    """The rank's KV pool: [num_layers, 2, num_blocks, block_size, model.num_kv_heads (this rank's), head_dim]."""
+    """The rank's KV pool: [num_layers, 2, num_blocks, block_size, model.num_kv_heads (this rank's), head_dim].
+
+    Raises:
+        ConfigError: the memory for it cannot be had (e.g. a kv_cache_memory_gb above the host's memory: was
+            torch's allocator error and a traceback, exit status 1).
+    """
     cfg = model.config
-    return model.backend.allocate_kv_cache(cfg.num_layers, num_blocks, block_size, model.num_kv_heads, cfg.head_dim)
+    try:
+        return model.backend.allocate_kv_cache(cfg.num_layers, num_blocks, block_size, model.num_kv_heads,
+                                               cfg.head_dim)
+    except RuntimeError as exc:
+        if not isinstance(exc, torch.OutOfMemoryError) and "can't allocate memory" not in str(exc):
+            raise
+        size = cfg.num_layers * 2 * num_blocks * block_size * model.num_kv_heads * cfg.head_dim
+        gib = size * model.backend.dtype.itemsize / 2**30
+        raise ConfigError(f"the KV pool ({num_blocks} blocks of {block_size} tokens, {gib:.1f} GiB) cannot be "
+                          "allocated: not enough memory; lower kv_cache_memory_gb or num_kv_blocks") from None
 
 
 def build_runner(config: EngineConfig, loaded=None, spare_cores: int = 0) -> BuiltEngine:

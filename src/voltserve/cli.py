@@ -232,7 +232,11 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:  # a bad VOLTSERVE_LOG_LEVEL
         parser.error(str(exc))
     if args.command == "serve":
-        return serve(args)
+        try:
+            return serve(args)
+        except KeyboardInterrupt:  # Ctrl-C before SignalDrain's handlers (imports, the checks): no traceback
+            logger.warning("interrupted before the server started: exiting with status 130")
+            return 130
     parser.error(f"unknown command {args.command}")
     return 2
 

@@ -83,6 +83,20 @@ def _env(name: str, default, cast=str):
         raise ConfigError(f"VOLTSERVE_{name.upper()}={raw!r} is not a valid {cast.__name__}") from exc
 
 
+def _check_text_file(name: str, path: str) -> None:
+    """Raise ConfigError unless `path` is a file this user can read as UTF-8 (read at startup, before the load:
+    the engine's read of a binary or unreadable file was a traceback and exit status 1 after it)."""
+    if not os.path.isfile(path):
+        raise ConfigError(f"{name} {path!r} is not a file")
+    try:
+        with open(path, encoding="utf-8") as f:
+            f.read()
+    except OSError as exc:
+        raise ConfigError(f"{name} {path!r} cannot be read: {exc.strerror or exc}") from exc
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{name} {path!r} is not UTF-8 text (byte {exc.start}: {exc.reason})") from exc
+
+
 TOOL_CALL_PARSERS = ("auto", "hermes", "none")
 REASONING_PARSERS = ("auto", "qwen3", "deepseek_r1", "none")
 SPECULATIVE_METHODS = ("none", "ngram", "draft_model")
@@ -276,8 +290,8 @@ class EngineConfig:
         if self.reasoning_parser not in REASONING_PARSERS:
             raise ConfigError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}, "
                               f"not {self.reasoning_parser!r}")
-        if self.chat_template and not os.path.isfile(self.chat_template):
-            raise ConfigError(f"chat_template {self.chat_template!r} is not a file")
+        if self.chat_template:
+            _check_text_file("chat_template", self.chat_template)
         if self.speculative_method not in SPECULATIVE_METHODS:
             raise ConfigError(f"speculative_method must be one of {', '.join(SPECULATIVE_METHODS)}, "
                               f"not {self.speculative_method!r}")

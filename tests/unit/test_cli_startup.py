@@ -221,3 +221,76 @@ def test_model_and_dash_dash_model_may_spell_one_alias_differently(monkeypatch):
         assert os.environ["VOLTSERVE_MODEL"] == model
     with pytest.raises(ConfigError, match="name different models"):
         cli._export_env(cli.build_parser().parse_args(["serve", "smollm2-135m-instruct", "--model", "x.gguf"]))
+
+
+def test_device_cuda_without_a_gpu_is_one_line_before_the_load(caplog, tiny_gguf, monkeypatch):
+    """--device cuda on a host without an NVIDIA driver: one line and status 2 at once (was the model's load, then
+    an AttributeError traceback from torch's first CUDA call and status 1)."""
+    from voltserve import preflight
+
+    monkeypatch.setattr(preflight, "NVIDIA_SIGNS", ("/nonexistent/nvidia",))
+    monkeypatch.setattr(cli.event_loop, "run", lambda *a: pytest.fail("the server started: the load came first"))
+    assert cli.main(["serve", str(tiny_gguf), "--device", "cuda", "--port", "0"]) == 2
+    assert _errors(caplog) == ["bad configuration: device cuda: this host has no NVIDIA driver (none of "
+                               "/nonexistent/nvidia exists); use device auto or cpu"]
+
+
+def test_the_engine_refuses_device_cuda_where_torch_sees_no_gpu(monkeypatch):
+    """A driver but no GPU for torch (a CPU-only build, CUDA_VISIBLE_DEVICES=""): a ConfigError (one line, exit 2
+    from `voltserve serve`), not an AttributeError from torch's first CUDA call."""
+    import torch
+
+    from actors.build import resolve_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ConfigError, match=r"^device cuda: torch \S+ sees no CUDA GPU \(a CPU-only torch build, no "
+                                          r"NVIDIA driver, or CUDA_VISIBLE_DEVICES hides the GPUs\); use device "
+                                          r"auto or cpu$"):
+        resolve_device("cuda")
+    assert resolve_device("cpu") == resolve_device("auto") == "cpu"
+
+
+def test_ctrl_c_before_the_server_starts_is_one_line_and_status_130(tiny_gguf):
+    """SIGINT while `voltserve serve` imports and checks (before its own handlers) was a KeyboardInterrupt
+    traceback; now one warning line and exit status 130, as a SIGINT that cuts the shutdown short."""
+    import subprocess
+    import sys
+
+    script = ("import os, signal, sys\nfrom voltserve import cli, preflight\n"
+              "preflight.check_model = lambda config: os.kill(os.getpid(), signal.SIGINT)\n"
+              f"sys.exit(cli.main(['serve', {str(tiny_gguf)!r}, '--device', 'cpu', '--port', '0']))\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert done.returncode == 130, done.stderr
+    assert "Traceback" not in done.stderr
+    assert [line.split(" ", 2)[2] for line in done.stderr.splitlines()] == [
+        "WARNING voltserve.cli: interrupted before the server started: exiting with status 130"]
+
+
+def test_a_kv_pool_the_host_cannot_allocate_is_a_config_error():
+    """torch's allocator refusing the pool (`--kv-cache-memory-gb 200` on a 23 GiB host) was a RuntimeError
+    traceback and exit status 1; now a ConfigError (one 'bad configuration' line, exit 2) giving the pool's size."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from actors.build import allocate_kv
+
+    def refuse(*shape):
+        raise RuntimeError("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate "
+                           "memory: you tried to allocate 214748282880 bytes. Error code 12 (Cannot allocate memory)")
+
+    cfg = SimpleNamespace(num_layers=30, head_dim=64)
+    model = SimpleNamespace(config=cfg, num_kv_heads=3,
+                            backend=SimpleNamespace(dtype=torch.float32, allocate_kv_cache=refuse))
+    with pytest.raises(ConfigError, match=r"^the KV pool \(291271 blocks of 16 tokens, 200\.0 GiB\) cannot be "
+                                          r"allocated: not enough memory; lower kv_cache_memory_gb or "
+                                          r"num_kv_blocks$"):
+        allocate_kv(model, 291271, 16)
+
+    def other(*shape):
+        raise RuntimeError("some other failure")
+
+    model.backend.allocate_kv_cache = other
+    with pytest.raises(RuntimeError, match="some other failure"):  # not every RuntimeError is the operator's
+        allocate_kv(model, 1, 16)

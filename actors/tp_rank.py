@@ -7,12 +7,14 @@ The startup handshake over the pipe (each message a tuple, `("error", traceback)
     rank -> 0: ("ready",) once its pool is allocated
 Then 0 -> rank: pickled `StepInputs` per step, pickled None to stop (also accepted instead of the pool size). A
 closed pipe (rank 0's process died) also stops the rank. Exit code 0 after a stop, 1 after an error (logged to stderr).
+SIGINT is ignored (rank 0's process handles Ctrl-C and stops the ranks).
 """
 
 from __future__ import annotations
 
 import logging
 import pickle
+import signal
 import traceback
 
 import torch
@@ -27,6 +29,9 @@ def rank_main(rank: int, config: EngineConfig, device: str, init_method: str, sp
               log_level: int = logging.INFO) -> None:
     """Entry point of a spawned rank process (rank >= 1 of config.tensor_parallel_size); `log_level`: rank 0's
     root logger level, so the ranks log what the engine logs (to stderr, each line tagged with its rank)."""
+    # Ctrl-C reaches the whole foreground process group: rank 0's owner drains and stops us over the pipe, while a
+    # KeyboardInterrupt here would kill the rank (and so the engine) in the middle of that drain
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=log_level, format=f"%(asctime)s tp-rank{rank} %(levelname)s %(name)s: %(message)s")
     try:
         runner = _build(rank, config, device, init_method, spare_cores, conn)

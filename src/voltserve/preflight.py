@@ -56,7 +56,8 @@ def check_model(config: EngineConfig) -> None:
     Raises:
         LoaderError: the model (or draft model) cannot be found or read, or is not supported.
         ConfigError: the KV pool holds no block, or not one sequence of max_model_len; device cuda on a host
-            without an NVIDIA driver.
+            without an NVIDIA driver; the attention heads, KV heads or MLP inner features do not divide by
+            tensor_parallel_size (`voltserve.distributed.sharding`).
     """
     from loaders import peek_model_config
 
@@ -67,9 +68,14 @@ def check_model(config: EngineConfig) -> None:
     draft = peek_model_config(config.speculative_model) if config.speculative_model else None
     if model is None or (config.speculative_model and draft is None):  # an alias not fetched yet
         return
+    if config.tensor_parallel_size > 1:  # else N - 1 spawned ranks and rank 0 each load the model to find out
+        from voltserve.distributed.sharding import local_heads, split_range
+
+        local_heads(model, config.tensor_parallel_size)
+        split_range(model.intermediate_size, 0, config.tensor_parallel_size, "intermediate_size")
     if config.num_kv_blocks:
         num_blocks = config.num_kv_blocks
-    elif _runs_on_cpu(config.device) and model.num_kv_heads % config.tensor_parallel_size == 0:
+    elif _runs_on_cpu(config.device):
         dtype_bytes, kv_heads = CPU_DTYPE_BYTES[config.dtype], model.num_kv_heads // config.tensor_parallel_size
         one = pool_block_bytes(model, config.block_size, dtype_bytes, kv_heads)  # a TP rank's share
         if draft is not None:  # its blocks share the pool's memory (`actors.build.rank_model`)

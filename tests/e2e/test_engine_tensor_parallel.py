@@ -150,3 +150,24 @@ async def test_engine_process_runs_tp2_and_dies_with_its_rank(tiny_tp_dir):
     finally:
         await asyncio.wait_for(engine.stop(), 30)
     assert engine.process.poll() == 1
+
+
+async def test_sigint_to_a_rank_leaves_the_engine_serving(tiny_tp_dir):
+    """Ctrl-C signals the whole foreground process group, the spawned ranks too (an embedded AsyncEngine, or
+    `--no-engine-process`): the rank ignores it, so the engine keeps its open request and its owner's drain;
+    it used to die of KeyboardInterrupt (the stream ended in 'rank 1 exited with code 1')."""
+    engine = AsyncEngine(engine_config(tiny_tp_dir, 2))
+    await engine.start()
+    proc = engine._tp_ranks.procs[0]
+    try:
+        stream = engine.add_request(PROMPTS[2], SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))
+        tokens = list((await asyncio.wait_for(stream.__anext__(), 30)).token_ids)
+        os.kill(proc.pid, signal.SIGINT)
+        await asyncio.sleep(0.5)  # a rank that dies of it is seen by the watcher within moments
+        async for out in stream:
+            tokens += out.token_ids
+        assert tokens == TP1_TOKENS[2]
+        assert engine.is_healthy and proc.is_alive()
+    finally:
+        await asyncio.wait_for(engine.stop(), 30)
+    assert proc.exitcode == 0  # stopped over its pipe, not interrupted

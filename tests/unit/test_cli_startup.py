@@ -294,3 +294,41 @@ def test_a_kv_pool_the_host_cannot_allocate_is_a_config_error():
     model.backend.allocate_kv_cache = other
     with pytest.raises(RuntimeError, match="some other failure"):  # not every RuntimeError is the operator's
         allocate_kv(model, 1, 16)
+
+
+@pytest.mark.parametrize("tp, message", [
+    ("3", "num_attention_heads (4) must divide by tensor_parallel_size (3)"),
+    ("4", "num_key_value_heads (2) must divide by tensor_parallel_size (4)"),
+])
+def test_a_tp_size_that_does_not_divide_the_model_is_one_line_before_anything_starts(caplog, tiny_gguf, monkeypatch,
+                                                                                     tp, message):
+    """Read from the model's header: refused before the port, the engine and its rank processes (each of which
+    used to load the whole model first, to fail with the same line seconds or minutes later)."""
+    def started(*args):
+        raise AssertionError("the server started")
+
+    monkeypatch.setattr(cli.preflight, "listen", started)
+    assert cli.main(["serve", str(tiny_gguf), "--device", "cpu", "--tensor-parallel-size", tp]) == 2
+    assert _errors(caplog) == [f"bad configuration: tensor parallel: {message}"]
+
+
+def test_the_tp_check_covers_the_mlp_and_imports_no_torch(tmp_path):
+    """intermediate_size 258 over 4 ranks (heads 8 and KV heads 4 divide); the check reads config.json only and
+    leaves torch unimported, as the rest of the model check."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    (tmp_path / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 320, "hidden_size": 128,
+        "intermediate_size": 258, "num_hidden_layers": 2, "num_attention_heads": 8, "num_key_value_heads": 4,
+        "max_position_embeddings": 512, "rms_norm_eps": 1e-5}))
+    code = ("import sys\nfrom voltserve import preflight\nfrom voltserve.config import EngineConfig\n"
+            f"config = EngineConfig(model={str(tmp_path)!r}, device='cpu', tensor_parallel_size=4).validate()\n"
+            "try:\n    preflight.check_model(config)\nexcept Exception as exc:\n    print(exc)\n"
+            "print('torch' in sys.modules)\n")
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=60)
+    assert done.stdout.splitlines() == [
+        "tensor parallel: intermediate_size (258) must divide by tensor_parallel_size (4)", "False"]

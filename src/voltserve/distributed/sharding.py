@@ -14,13 +14,16 @@ and slicing input columns is exact when both ends fall on a block boundary (32 w
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from voltserve.config import ModelConfig
 from voltserve.errors import ConfigError
 from voltserve.quant import BLOCK_BYTES, BLOCK_SIZE, QuantizedTensor
+
+if TYPE_CHECKING:  # annotations only: `split_range` / `local_heads` serve the torch-free preflight too
+    import torch
 
 
 def split_range(size: int, rank: int, world_size: int, what: str) -> tuple[int, int]:

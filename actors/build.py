@@ -43,7 +43,8 @@ def resolve_device(requested: str) -> str:
 
     Raises:
         ConfigError: "cuda" where torch sees no GPU or the CUDA backend cannot load (was an AttributeError or
-            ImportError traceback from the first CUDA call, after the model's load, and exit status 1).
+            ImportError traceback from the first CUDA call, after the model's load, and exit status 1); cuda-python
+            missing (a ModuleNotFoundError of the `cuda` package; other import errors propagate).
     """
     if requested == "cuda":
         if not torch.cuda.is_available():
@@ -52,7 +53,9 @@ def resolve_device(requested: str) -> str:
         try:
             import cuda.bindings.driver  # noqa: F401  (the `cuda` extra)
             import voltserve.backends.cuda.backend  # noqa: F401
-        except ImportError as exc:
+        except ModuleNotFoundError as exc:
+            if not (exc.name or "").startswith("cuda"):  # a broken module of ours: not the operator's to fix
+                raise
             raise ConfigError(f"device cuda: the CUDA backend cannot load ({exc}; pip install "
                               "'voltserve[cuda]')") from exc
         return requested
@@ -191,7 +194,8 @@ def allocate_kv(model: LlamaModel, num_blocks: int, block_size: int) -> torch.Te
         size = cfg.num_layers * 2 * num_blocks * block_size * model.num_kv_heads * cfg.head_dim
         gib = size * model.backend.dtype.itemsize / 2**30
         raise ConfigError(f"the KV pool ({num_blocks} blocks of {block_size} tokens, {gib:.1f} GiB) cannot be "
-                          "allocated: not enough memory; lower kv_cache_memory_gb or num_kv_blocks") from None
+                          "allocated: not enough memory; lower kv_cache_memory_gb (GPU: gpu_memory_utilization) or "
+                          "num_kv_blocks") from None
 
 
 def build_runner(config: EngineConfig, loaded=None, spare_cores: int = 0) -> BuiltEngine:

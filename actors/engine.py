@@ -27,7 +27,7 @@ from actors.scheduler import AbortRequestMsg, AddRequestMsg, SchedulerActor
 from actors.stream import RequestStream, duplicate_request_id, generate_outputs
 from actors.worker import WorkerActor
 from voltserve.config import EngineConfig
-from voltserve.errors import EngineDeadError, InvalidRequestError
+from voltserve.errors import EngineDeadError, InvalidRequestError, RequestAbortedError
 from voltserve.grammar import GrammarState
 from voltserve.kv_cache import BlockPool
 from voltserve.request import RequestOutput, SamplingParams, check_request
@@ -185,12 +185,16 @@ class AsyncEngine:
             except InvalidRequestError as exc:  # the API checked it (`grammar.check`); an embedder's may fail
                 stream.fail(exc)
                 return
+            except asyncio.CancelledError:  # aborted before it was queued: end the stream, so that a forwarding
+                stream.fail(RequestAbortedError(f"request {request_id!r} aborted"))  # one frees its id there
+                raise
             finally:
-                self._compiling.pop(request_id, None)
+                if self._compiling.get(request_id) is task:  # not a later request's that reused the id
+                    del self._compiling[request_id]
             if self.is_healthy:
                 self._queue(prompt_token_ids, params, max_tokens, stream, states)
 
-        self._compiling[request_id] = asyncio.get_running_loop().create_task(compile_then_queue())
+        task = self._compiling[request_id] = asyncio.get_running_loop().create_task(compile_then_queue())
 
     def _queue(self, prompt_token_ids: list[int], params: SamplingParams, max_tokens: int, stream,
                grammars: list) -> None:

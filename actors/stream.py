@@ -67,7 +67,8 @@ class RequestStream:
 
     @property
     def settled(self) -> bool:
-        """The engine is done with the request (every final delta put, failed, or aborted): its id may be reused."""
+        """Every final delta put, failed, or aborted: its id may be reused (after an abort the scheduler still holds
+        the request until the abort message, which its mailbox takes before the new request's)."""
         return self._aborted or self._error is not None or not self._unfinished
 
     @property

@@ -7,7 +7,7 @@ The startup handshake over the pipe (each message a tuple, `("error", traceback)
     rank -> 0: ("ready",) once its pool is allocated
 Then 0 -> rank: pickled `StepInputs` per step, pickled None to stop (also accepted instead of the pool size). A
 closed pipe (rank 0's process died) also stops the rank. Exit code 0 after a stop, 1 after an error (logged to stderr).
-SIGINT is ignored (rank 0's process handles Ctrl-C and stops the ranks).
+SIGINT is ignored once `rank_main` runs (rank 0's process handles Ctrl-C and stops the ranks).
 """
 
 from __future__ import annotations

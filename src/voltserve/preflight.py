@@ -55,15 +55,13 @@ def check_model(config: EngineConfig) -> None:
 
     Raises:
         LoaderError: the model (or draft model) cannot be found or read, or is not supported.
-        ConfigError: the KV pool holds no block, or not one sequence of max_model_len; device cuda on a host
-            without an NVIDIA driver; the attention heads, KV heads or MLP inner features do not divide by
-            tensor_parallel_size (`voltserve.distributed.sharding`).
+        ConfigError: the KV pool holds no block, or not one sequence of max_model_len; the attention heads, KV
+            heads or MLP inner features do not divide by tensor_parallel_size (`voltserve.distributed.sharding`).
+            (`--device cuda` without a GPU is the engine's to refuse, `actors.build.resolve_device`, before the load:
+            the driver's files are no sure sign, e.g. Jetson's nvgpu has none of NVIDIA_SIGNS.)
     """
     from loaders import peek_model_config
 
-    if config.device == "cuda" and not _has_nvidia_driver():  # before the load, which may take minutes
-        raise ConfigError("device cuda: this host has no NVIDIA driver (none of " + ", ".join(NVIDIA_SIGNS)
-                          + " exists); use device auto or cpu")
     model = peek_model_config(config.model)
     draft = peek_model_config(config.speculative_model) if config.speculative_model else None
     if model is None or (config.speculative_model and draft is None):  # an alias not fetched yet

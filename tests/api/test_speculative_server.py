@@ -16,7 +16,7 @@ def _client(url) -> openai.OpenAI:
     return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
 
 
-def test_streamed_greedy_chat_equals_the_plain_server(server_url, spec_server_url):
+def test_D1_streamed_greedy_chat_equals_the_plain_server(server_url, spec_server_url):
     plain = _client(server_url).chat.completions.create(model=MODEL, messages=COUNT, temperature=0, max_tokens=90)
     chunks = list(_client(spec_server_url).chat.completions.create(
         model=MODEL, messages=COUNT, temperature=0, max_tokens=90, stream=True,

@@ -68,7 +68,7 @@ async def test_each_api_asks_for_the_grammar_its_fields_mean(serve):
         assert await _grammar_of(serve, url, payload) is None  # a free choice: no grammar
 
 
-async def test_forced_chat_calls_and_T13_a_call_cut_short(serve):
+async def test_T13_forced_chat_call_cut_short_and_forced_chat_calls(serve):
     whole, chunks = await chat_both(serve, CALL, tool_choice="required")
     message = whole["choices"][0]["message"]
     assert message["content"] is None and [c["function"]["name"] for c in message["tool_calls"]] == ["get_weather"]
@@ -79,7 +79,7 @@ async def test_forced_chat_calls_and_T13_a_call_cut_short(serve):
     assert whole["choices"][0]["finish_reason"] == "length" and _joined(chunks) == ("", [], ["length"])
 
 
-async def test_A1_forced_anthropic_call_stops_with_tool_use_and_A3_a_cut_call_is_left_out(serve):
+async def test_A1_A3_forced_anthropic_call_stops_with_tool_use_and_a_cut_call_is_left_out(serve):
     whole, events = await messages_both(serve, CALL, tool_choice={"type": "tool", "name": "get_weather"})
     assert [b["type"] for b in whole["content"]] == [b["type"] for b in _blocks(events)] == ["tool_use"]
     assert whole["stop_reason"] == _stop_reason(events) == "tool_use"

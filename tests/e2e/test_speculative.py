@@ -31,7 +31,7 @@ async def answers(engine, concurrent: bool, **params) -> list[list[int]]:
 
 
 @pytest.mark.parametrize("device", DEVICES)
-async def test_greedy_output_equals_plain_decoding(smollm2, device):
+async def test_D1_greedy_output_equals_plain_decoding(smollm2, device):
     params = {"temperature": 0, "max_tokens": 80}
     async with running_engine(smollm2, device=device) as engine:
         plain = await answers(engine, False, **params)

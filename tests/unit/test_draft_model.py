@@ -168,7 +168,7 @@ def test_the_target_as_its_own_draft_passes_every_draft():
 
 
 @pytest.mark.parametrize("seed", [2, 3])
-def test_another_model_drafts_losslessly(seed):
+def test_D1_another_model_drafts_losslessly(seed):
     drafter = model_drafter(seed, k=3)
     out, sched = generate(drafter)
     assert out == PLAIN and sched.num_verify_steps > 0

@@ -73,7 +73,7 @@ def test_ngram_follows_a_growing_sequence_and_bounds_the_search():
 
 # -- the ladder (case L1) -----------------------------------------------------------------------------------------
 
-def test_ladder_widths_by_running_sequences():
+def test_L1_ladder_widths_by_running_sequences():
     ladder = DraftLadder.parse('{"4": 3, "5": 4}', 7)
     assert [ladder.width(r) for r in range(1, 9)] == [7, 7, 7, 3, 4, 4, 4, 4]
     assert DraftLadder.parse("", 5).width(64) == 5
@@ -100,7 +100,7 @@ def test_verify_graphs_stop_where_the_ladder_stops_drafting():
     ('[4, 3]', "must be a JSON object"),
     ("{4: 3}", "is not JSON"),
 ])
-def test_bad_ladders_fail_at_startup(bad, message):
+def test_L1_bad_ladders_fail_at_startup(bad, message):
     with pytest.raises(ConfigError, match=message.replace(".", r"\.")):
         EngineConfig(speculative_method="ngram", num_speculative_tokens=7, concurrency_drafts=bad).validate()
 
@@ -368,7 +368,7 @@ def oracle(tokens):
     return out
 
 
-def test_verify_steps_give_the_greedy_output_and_free_every_block():
+def test_D1_verify_steps_give_the_greedy_output_and_free_every_block():
     prompts = [[3, 1, 4, 1, 5], [2, 7, 1, 8, 2, 8, 1, 8], [9]]
     base = make_scheduler()
     ref = [make_seq(p, max_tokens=13) for p in prompts]

@@ -261,7 +261,7 @@ class SchedulerActor(Actor):
         used = len(detok.token_ids) - num_before
         extra = len(tokens) - used
         if extra:
-            del seq.output_ids[-extra:]
+            seq.truncate_output(len(seq.output_ids) - extra, self.scheduler.block_size)
         return text, matched, tokens[:used]
 
     def _emit_deferred(self) -> None:

@@ -142,7 +142,8 @@ class RequestStream:
 
     def fail(self, exc: BaseException) -> None:
         """End the stream with an error: a VoltError is raised to the consumer as is, anything else as
-        EngineDeadError."""
+        EngineDeadError. The stream is settled then (the engine ended the request): a consumer that ends a request
+        itself calls `abort()` before this."""
         if self._error is None and self._unfinished:
             self._error = exc
             self._wake_now()

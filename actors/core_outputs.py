@@ -50,10 +50,8 @@ class ForwardingStream:
         self._forwarder.flush_soon()
 
     def fail(self, exc: BaseException) -> None:
-        forwarder = self._forwarder
-        forwarder.failures.append((self.request_id, portable_error(exc)))
-        forwarder.open_requests.pop(self.request_id, None)
-        forwarder.flush_soon()
+        self._forwarder.open_requests.pop(self.request_id, None)
+        self._forwarder.refuse(self.request_id, exc)
 
 
 class OutputForwarder:
@@ -84,10 +82,20 @@ class OutputForwarder:
         self._thread.start()
 
     def stream(self, request_id: str, num_seqs: int = 1) -> ForwardingStream:
-        """The producer side of a new request of `num_seqs` sequences (counted in `open_requests` until each
-        has put its final delta or the request failed)."""
-        self.open_requests[request_id] = num_seqs
+        """The producer side of a new request of `num_seqs` sequences, counted (`track`)."""
+        self.track(request_id, num_seqs)
         return ForwardingStream(request_id, self)
+
+    def track(self, request_id: str, num_seqs: int) -> None:
+        """Count the request in `open_requests` until each of its `num_seqs` sequences has put its final delta or
+        the request failed."""
+        self.open_requests[request_id] = num_seqs
+
+    def refuse(self, request_id: str, exc: BaseException) -> None:
+        """Send the API process `exc` as the failure of its request `request_id` (without touching
+        `open_requests`: a refused duplicate id leaves the request in flight under it counted)."""
+        self.failures.append((request_id, portable_error(exc)))
+        self.flush_soon()
 
     def sequence_finished(self, request_id: str) -> None:
         left = self.open_requests.get(request_id, 0) - 1

@@ -18,13 +18,13 @@ import itertools
 import logging
 import secrets
 import uuid
-import weakref
 from collections.abc import AsyncIterator, Callable
 
 import torch
 
 from actors.scheduler import AbortRequestMsg, AddRequestMsg, SchedulerActor
-from actors.stream import RequestStream, duplicate_request_id, generate_outputs
+from actors.request_ids import RequestIds
+from actors.stream import RequestStream, generate_outputs
 from actors.worker import WorkerActor
 from voltserve.config import EngineConfig
 from voltserve.errors import EngineDeadError, InvalidRequestError, RequestAbortedError
@@ -57,8 +57,8 @@ class AsyncEngine:
         self._on_death = on_death
         self._seq_ids = itertools.count()
         self._compiling: dict[str, asyncio.Task] = {}  # request id -> its grammar's compile (off the loop)
-        # request id -> its stream, to refuse an id in flight (the scheduler keys streams and aborts by id)
-        self._streams: weakref.WeakValueDictionary[str, RequestStream] = weakref.WeakValueDictionary()
+        # the ids in flight: one request per id (the scheduler actor keys streams and aborts by id)
+        self._request_ids = RequestIds()
         self._scheduler_actor: SchedulerActor | None = None
         self._worker: WorkerActor | None = None
         self._tp_ranks = None  # actors.tp.TPRanks: the rank processes 1..N-1 with tensor_parallel_size N > 1
@@ -91,7 +91,8 @@ class AsyncEngine:
                               admission_wait_steps=self.config.admission_wait_steps,
                               **speculation(self.config, built.drafter))
         self._worker = WorkerActor(built.runner, thread_init=built.thread_init, on_crash=self._on_crash)
-        self._scheduler_actor = SchedulerActor(scheduler, self._worker, self.tokenizer, on_crash=self._on_crash)
+        self._scheduler_actor = SchedulerActor(scheduler, self._worker, self.tokenizer, on_crash=self._on_crash,
+                                               request_ids=self._request_ids)
         self._worker.start()
         self._scheduler_actor.start()
         if self._tp_ranks is not None:  # case E1: a rank process that exits kills the engine, even between steps
@@ -150,17 +151,14 @@ class AsyncEngine:
         """
         self._check_running()
         max_tokens = check_request(prompt_token_ids, params, self.model_config.vocab_size, self.max_model_len)
-        request_id = request_id or uuid.uuid4().hex
-        prior = self._streams.get(request_id)
-        if prior is not None and not prior.settled:  # its outputs and aborts would go to one or the other
-            raise duplicate_request_id(request_id)
-        stream = self._streams[request_id] = RequestStream(request_id, params.n, self.abort,
-                                                           self.config.stream_interval)
+        stream = RequestStream(request_id or uuid.uuid4().hex, params.n, self.abort, self.config.stream_interval)
         self.submit(prompt_token_ids, params, max_tokens, stream)
         return stream
 
     def submit(self, prompt_token_ids: list[int], params: SamplingParams, max_tokens: int, stream) -> None:
-        """Queue a request that `check_request` has accepted; its outputs go to `stream`.
+        """Queue a request that `check_request` has accepted; its outputs go to `stream`. Every request enters the
+        engine here (add_request's, and an API process's in the engine process), so this is where an id still in
+        flight is refused (`actors.request_ids`): the scheduler actor keys requests by id.
 
         Args:
             prompt_token_ids: the prompt.
@@ -169,9 +167,12 @@ class AsyncEngine:
             stream: a RequestStream, or anything with its producer side (`request_id`, `put(out, wake)`,
                 `wake()`, `fail(exc)`), e.g. the engine process's forwarder to the API process.
         Raises:
+            InvalidRequestError: (param request_id) a request under `stream.request_id` is still in flight; nothing
+                was queued and `stream` gets nothing.
             EngineDeadError: the engine is not running.
         """
         self._check_running()
+        self._request_ids.claim(stream.request_id, stream)
         if params.grammar is None:
             self._queue(prompt_token_ids, params, max_tokens, stream, [None] * params.n)
             return
@@ -183,18 +184,25 @@ class AsyncEngine:
                 states = await asyncio.to_thread(GrammarState.for_sequences, self.tokenizer, params.grammar,
                                                  params.n)
             except InvalidRequestError as exc:  # the API checked it (`grammar.check`); an embedder's may fail
-                stream.fail(exc)
+                self._end_unqueued(stream, exc)
                 return
             except asyncio.CancelledError:  # aborted before it was queued: end the stream, so that a forwarding
-                stream.fail(RequestAbortedError(f"request {request_id!r} aborted"))  # one frees its id there
-                raise
+                self._end_unqueued(stream, RequestAbortedError(f"request {request_id!r} aborted"))  # one frees
+                raise  # its id there
             finally:
                 if self._compiling.get(request_id) is task:  # not a later request's that reused the id
                     del self._compiling[request_id]
             if self.is_healthy:
                 self._queue(prompt_token_ids, params, max_tokens, stream, states)
+            else:  # the engine died or stopped meanwhile: nobody else ends this stream
+                self._end_unqueued(stream, EngineDeadError("engine is not running"))
 
         task = self._compiling[request_id] = asyncio.get_running_loop().create_task(compile_then_queue())
+
+    def _end_unqueued(self, stream, error: BaseException) -> None:
+        """End a request that never reached the scheduler actor: free its id, fail its stream."""
+        self._request_ids.release(stream.request_id, stream)
+        stream.fail(error)
 
     def _queue(self, prompt_token_ids: list[int], params: SamplingParams, max_tokens: int, stream,
                grammars: list) -> None:
@@ -223,7 +231,9 @@ class AsyncEngine:
         return generate_outputs(self, prompt_token_ids, params, request_id)
 
     def abort(self, request_id: str) -> None:
-        """Abort a request; its KV blocks return to the pool within one step. Unknown ids are ignored."""
+        """Abort a request; its KV blocks return to the pool within one step. Unknown ids are ignored. The id is
+        free again at once (the abort reaches the scheduler actor before any later request's add)."""
+        self._request_ids.drop(request_id)
         compiling = self._compiling.pop(request_id, None)
         if compiling is not None:  # not queued yet: it never will be
             compiling.cancel()

@@ -31,13 +31,13 @@ from multiprocessing.connection import Connection
 from multiprocessing.reduction import ForkingPickler
 
 from actors import engine_socket
-from actors.core_outputs import OutputForwarder, api_gone
+from actors.core_outputs import ForwardingStream, OutputForwarder, api_gone
 from actors.engine_ipc import (AbortMsg, AddMsg, AttachMsg, EngineDiedMsg, EngineStartMsg, ListenSocket,
                                ReadyMsg, StartFailedMsg, StatsMsg, StatsQueryMsg, StopMsg, portable_error,
                                watch_readable)
 from voltserve import event_loop
 from voltserve.config import EngineConfig
-from voltserve.errors import INPUT_ERRORS, ConfigError, EngineDeadError
+from voltserve.errors import INPUT_ERRORS, ConfigError, EngineDeadError, InvalidRequestError
 
 logger = logging.getLogger(__name__)
 
@@ -269,19 +269,32 @@ class EngineCore:
         if not client.attached:
             self._attach(client, cmd)
         elif isinstance(cmd, AddMsg):
-            stream = client.forwarder.stream(cmd.request_id, cmd.params.n)
-            try:
-                self.engine.submit(cmd.prompt_token_ids, cmd.params, cmd.max_tokens, stream)
-            except EngineDeadError as exc:
-                stream.fail(exc)
+            self._add(client, cmd)
         elif isinstance(cmd, AbortMsg):
-            self.engine.abort(cmd.request_id)
+            # only a request of this API process's that it has not aborted yet: once an abort (or its end) freed
+            # the id, another API process's request may hold it (`actors.request_ids`)
+            if client.forwarder.open_requests.pop(cmd.request_id, None) is not None:
+                self.engine.abort(cmd.request_id)
         elif isinstance(cmd, StatsQueryMsg):  # read on this loop, which a running step (a thread's) leaves free
             client.forwarder.send(StatsMsg(self.engine.kv_stats()))
         elif isinstance(cmd, StopMsg):
             self._finish(0)
         else:
             raise TypeError(f"engine process: unknown command {cmd!r}")
+
+    def _add(self, client: ApiClient, cmd: AddMsg) -> None:
+        """Submit an API process's request; the engine refuses an id in flight (this API process's or another's
+        of a shared engine) or a dead engine's request: that process's stream of it fails, nothing else changes."""
+        forwarder = client.forwarder
+        stream = ForwardingStream(cmd.request_id, forwarder)
+        try:
+            self.engine.submit(cmd.prompt_token_ids, cmd.params, cmd.max_tokens, stream)
+        except (InvalidRequestError, EngineDeadError) as exc:
+            forwarder.refuse(cmd.request_id, exc)
+            return
+        # counted once accepted (its outputs come on a later loop turn): a refused duplicate must not touch the
+        # entry of the request in flight under its id
+        forwarder.track(cmd.request_id, cmd.params.n)
 
     def _attach(self, client: ApiClient, cmd) -> None:
         """The first command of an attaching API process: its config must ask for this engine.

@@ -31,7 +31,8 @@ from actors import engine_socket
 from actors.engine_core import ENTRY
 from actors.engine_ipc import (AbortMsg, AddMsg, AttachMsg, EngineDiedMsg, EngineStartMsg, ListenSocket, ReadyMsg,
                                StartFailedMsg, StatsMsg, StatsQueryMsg, StepOutputsMsg, StopMsg, watch_readable)
-from actors.stream import RequestStream, duplicate_request_id, generate_outputs
+from actors.request_ids import duplicate_request_id
+from actors.stream import RequestStream, generate_outputs
 from voltserve import errors
 from voltserve.config import EngineConfig
 from voltserve.errors import INPUT_ERRORS, EngineDeadError

@@ -22,6 +22,7 @@ import logging
 from dataclasses import dataclass
 
 from actors.base import Actor, _Stop
+from actors.request_ids import RequestIds
 from actors.stream import RequestStream
 from actors.worker import DraftMsg, StepMsg, WorkerActor
 from voltserve.detok import IncrementalDetokenizer
@@ -49,13 +50,17 @@ class AbortRequestMsg:
 
 
 class SchedulerActor(Actor):
-    """Args: scheduler: the pure policy; worker: the rank-0 worker; tokenizer: for detokenization."""
+    """Args: scheduler: the pure policy; worker: the rank-0 worker; tokenizer: for detokenization; request_ids: the
+    engine's ids in flight (`AsyncEngine.submit` claims an id, so no two requests here share one: requests are keyed
+    by id), each freed here once its request is gone."""
 
-    def __init__(self, scheduler: Scheduler, worker: WorkerActor, tokenizer, on_crash=None):
+    def __init__(self, scheduler: Scheduler, worker: WorkerActor, tokenizer, on_crash=None,
+                 request_ids: RequestIds | None = None):
         super().__init__("scheduler", on_crash)
         self.scheduler = scheduler
         self.worker = worker
         self.tokenizer = tokenizer
+        self.request_ids = RequestIds() if request_ids is None else request_ids
         self.streams: dict[str, RequestStream] = {}
         self.seqs: dict[str, list[Sequence]] = {}
         self.detoks: dict[int, IncrementalDetokenizer] = {}
@@ -256,7 +261,7 @@ class SchedulerActor(Actor):
         used = len(detok.token_ids) - num_before
         extra = len(tokens) - used
         if extra:
-            del seq.output_ids[-extra:]
+            seq.truncate_output(len(seq.output_ids) - extra, self.scheduler.block_size)
         return text, matched, tokens[:used]
 
     def _emit_deferred(self) -> None:
@@ -277,7 +282,7 @@ class SchedulerActor(Actor):
         rid = seq.request_id
         if not any(s.seq_id in self.detoks for s in self.seqs.get(rid, [])):
             self.seqs.pop(rid, None)
-            self.streams.pop(rid, None)
+            self.request_ids.release(rid, self.streams.pop(rid, None))
 
     def _fail_step(self, plan, exc: Exception) -> None:
         """A step raised: end its requests with StepFailedError and free their blocks. Several failures in a row
@@ -285,7 +290,9 @@ class SchedulerActor(Actor):
         self.num_failed_steps_in_row += 1
         if self.num_failed_steps_in_row >= MAX_FAILED_STEPS_IN_ROW:
             raise exc
-        request_ids = {e.seq.request_id for e in plan.entries}
+        # the requests of the plan's sequences still here: an entry's request may have been aborted while the step
+        # ran (a step planned ahead), and a later request may hold its id by now
+        request_ids = {e.seq.request_id for e in plan.entries if e.seq in self.seqs.get(e.seq.request_id, ())}
         logger.error("step failed (%r); failing its %d requests", exc, len(request_ids), exc_info=exc)
         error = StepFailedError(f"internal error while running the request: {type(exc).__name__}")
         for rid in request_ids:
@@ -306,6 +313,7 @@ class SchedulerActor(Actor):
         """End every sequence of request `rid` (freeing their KV blocks) and fail its stream with `error`; the
         deltas already put still reach the consumer first."""
         stream = self.streams.pop(rid, None)
+        self.request_ids.release(rid, stream)
         for seq in self.seqs.pop(rid, []):
             self.scheduler.finish(seq, FinishReason.ABORT)
             self.detoks.pop(seq.seq_id, None)
@@ -322,6 +330,7 @@ class SchedulerActor(Actor):
         for stream in self.streams.values():
             stream.fail(exc)
         self.streams.clear()
+        self.request_ids.clear()
 
 
 def _power_of_ten(n: int) -> bool:

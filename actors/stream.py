@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Callable
 
-from voltserve.errors import EngineDeadError, InvalidRequestError, VoltError
+from voltserve.errors import EngineDeadError, VoltError
 from voltserve.request import RequestOutput
 
 _INTERRUPTED = object()  # a waiter's result when `interrupt()` woke it
@@ -142,14 +142,19 @@ class RequestStream:
 
     def fail(self, exc: BaseException) -> None:
         """End the stream with an error: a VoltError is raised to the consumer as is, anything else as
-        EngineDeadError."""
+        EngineDeadError. The stream is settled then (the engine ended the request): a consumer that ends a request
+        itself calls `abort()` before this."""
         if self._error is None and self._unfinished:
             self._error = exc
             self._wake_now()
 
     def abort(self) -> None:
+        """Stop the request: the engine aborts it unless it has settled already (then the engine is done with it,
+        and its id may belong to a later request, which an abort by id would end)."""
+        settled = self.settled
         self._aborted = True
-        self._abort(self.request_id)
+        if not settled:
+            self._abort(self.request_id)
 
     def pop_ready(self) -> RequestOutput | None:
         """The next delta if one is already here, else None, without waiting (errors and the end of the stream
@@ -182,11 +187,6 @@ class RequestStream:
                 waiter = self._waiter = asyncio.get_running_loop().create_future()
             if await waiter is _INTERRUPTED:
                 return self._take() if pending else None
-
-
-def duplicate_request_id(request_id: str) -> InvalidRequestError:
-    """The error of an `add_request` whose caller-chosen id belongs to a request still in flight."""
-    return InvalidRequestError(f"request id {request_id!r} is already in flight", param="request_id")
 
 
 async def generate_outputs(engine, prompt_token_ids: list[int], params, request_id: str | None = None

@@ -113,8 +113,8 @@ class ServerState:
             await asyncio.sleep(min(DRAIN_POLL_S, max(0.0, deadline - loop.time())))
             open_ = self.open_streams()
         for stream in open_:
+            stream.abort()  # first: a failed stream is settled, and its abort() would not reach the engine
             stream.fail(ServerShuttingDownError("the server is shutting down"))
-            stream.abort()
         if open_:
             logger.warning("shutting down: ended %d request(s) still running after %.1f s", len(open_),
                            loop.time() - start)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from voltserve.errors import ConfigError
@@ -70,6 +70,24 @@ def hash_block(parent_hash: int | None, token_ids: Sequence[int]) -> int:
     head = b"\x00" if parent_hash is None else b"\x01" + parent_hash.to_bytes(32, "big")
     data = head + struct.pack(f"<{len(token_ids)}q", *token_ids)
     return int.from_bytes(hashlib.sha256(data).digest(), "big")
+
+
+def chain_hashes(hashes: list[int], tokens_in: Callable[[int, int], Sequence[int]], num_blocks: int,
+                 block_size: int) -> list[int]:
+    """Extend `hashes`, the hash chain (`hash_block`) of a token sequence's leading full blocks, to `num_blocks`
+    blocks and return it. The list is the sequence's cache: each block is hashed once, however often its hash is
+    asked for (admission, re-admission after a preemption, registration once its K/V is computed); whoever
+    changes tokens of a hashed block must cut the list there (`Sequence.truncate_output`).
+
+    Args:
+        hashes: the chain so far (extended in place).
+        tokens_in: (start, end) -> the sequence's token ids at positions [start, end), all known.
+        num_blocks / block_size: full blocks wanted / tokens per block.
+    """
+    while len(hashes) < num_blocks:
+        start = len(hashes) * block_size
+        hashes.append(hash_block(hashes[-1] if hashes else None, tokens_in(start, start + block_size)))
+    return hashes
 
 
 class NoFreeBlocksError(RuntimeError):
@@ -139,33 +157,40 @@ class BlockPool:
         self._cached[block_hash] = block
         self._block_hash[block] = block_hash
 
-    def match_prefix(self, token_ids: Sequence[int]) -> tuple[list[int], list[int]]:
-        """Take a reference on each cached block holding the leading full blocks of `token_ids` (the hash chain
-        of `hash_block`), up to the first miss, leaving at least one token out (its row must be computed).
-        Returns (block ids, their hashes)."""
+    def match_prefix(self, hashes: list[int], tokens_in: Callable[[int, int], Sequence[int]],
+                     num_tokens: int) -> list[int]:
+        """Take a reference on each cached block holding the leading full blocks of a sequence of `num_tokens`
+        tokens, up to the first miss, leaving at least one token out (its row must be computed). Hashes nothing
+        with prefix caching off.
+
+        Args:
+            hashes: the sequence's block hash chain so far, extended here as far as the lookups go
+                (`chain_hashes`).
+            tokens_in: (start, end) -> its token ids at positions [start, end).
+            num_tokens: its length.
+        Returns:
+            The ids of the blocks found, in order.
+        """
         blocks: list[int] = []
-        hashes: list[int] = []
-        parent, bs = None, self.block_size
-        for b in range((len(token_ids) - 1) // bs):
-            h = hash_block(parent, token_ids[b * bs:(b + 1) * bs])
-            block = self.lookup(h)
+        if not self.enable_prefix_caching:
+            return blocks
+        for b in range((num_tokens - 1) // self.block_size):
+            block = self.lookup(chain_hashes(hashes, tokens_in, b + 1, self.block_size)[b])
             if block is None:
                 break
             blocks.append(block)
-            hashes.append(h)
-            parent = h
-        return blocks, hashes
+        return blocks
 
-    def publish(self, block_ids: list[int], block_hashes: list[int], token_at, num_full: int) -> None:
-        """Register blocks `len(block_hashes)..num_full - 1` of a sequence (its `block_ids`; `token_at(position)`
-        its tokens, whose K/V those blocks hold) under the hash chain, appending their hashes to `block_hashes`."""
-        bs = self.block_size
-        while len(block_hashes) < num_full:
-            b = len(block_hashes)
-            parent = block_hashes[-1] if block_hashes else None
-            h = hash_block(parent, [token_at(p) for p in range(b * bs, (b + 1) * bs)])
-            self.register(block_ids[b], h)
-            block_hashes.append(h)
+    def publish(self, block_ids: list[int], hashes: list[int], tokens_in: Callable[[int, int], Sequence[int]],
+                first: int, end: int) -> None:
+        """Register blocks `first..end - 1` of a sequence (its `block_ids`, whose K/V hold its tokens there) under
+        its hash chain `hashes` (extended as needed, `chain_hashes`; `tokens_in` as there). A no-op with prefix
+        caching off."""
+        if not self.enable_prefix_caching or first >= end:
+            return
+        chain_hashes(hashes, tokens_in, end, self.block_size)
+        for b in range(first, end):
+            self.register(block_ids[b], hashes[b])
 
     def free(self, blocks: Sequence[int]) -> None:
         """Drop one reference on each block; blocks reaching zero join the free list's most recent end.

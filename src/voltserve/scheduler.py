@@ -379,9 +379,10 @@ class Scheduler:
                 self._apply_verified(seq, entry, sampled[seq.seq_id])
                 touched.append(seq)
                 continue
+            before = seq.num_computed_tokens
             seq.num_computed_tokens += entry.num_new
-            if seq.num_computed_tokens // block_size > len(seq.block_hashes):  # a block filled up
-                self._register_full_blocks(seq)
+            if seq.num_computed_tokens // block_size > before // block_size:  # a block filled up
+                self._register_full_blocks(seq, before)
             if not entry.sample:
                 continue
             token = sampled[seq.seq_id]
@@ -436,9 +437,10 @@ class Scheduler:
             reason, stop_reason = self._check_stop(seq, token)
             if reason is not None:
                 break
+        before = seq.num_computed_tokens
         seq.num_computed_tokens += kept
-        if seq.num_computed_tokens // self.block_size > len(seq.block_hashes):
-            self._register_full_blocks(seq)
+        if seq.num_computed_tokens // self.block_size > before // self.block_size:
+            self._register_full_blocks(seq, before)
         record_verify(seq, len(tokens) - 1, self.draft_max_pause)
         if reason is not None:
             self.finish(seq, reason, stop_reason)
@@ -479,21 +481,25 @@ class Scheduler:
         return True
 
     def _match_prefix(self, seq: Sequence) -> None:
-        """Take cached blocks for seq's leading full blocks; at least one token is left to compute."""
-        seq.block_ids, seq.block_hashes = self.pool.match_prefix(seq.token_ids())
+        """Take cached blocks for seq's leading full blocks; at least one token is left to compute. Its block hashes
+        are computed once (`Sequence.block_hashes`): an admission the pool defers, or one after a preemption,
+        looks the same hashes up again."""
+        seq.block_ids = self.pool.match_prefix(seq.block_hashes, seq.tokens_in, seq.num_tokens)
         seq.num_computed_tokens = len(seq.block_ids) * self.block_size
         if not seq.output_ids:  # usage counts cached prompt tokens of the first admission
             seq.num_cached_tokens = seq.num_computed_tokens
 
-    def _register_full_blocks(self, seq: Sequence) -> None:
-        self.pool.publish(seq.block_ids, seq.block_hashes, seq.token_at, seq.num_computed_tokens // self.block_size)
+    def _register_full_blocks(self, seq: Sequence, computed_before: int) -> None:
+        """Publish the blocks a step filled: those full now but not at `computed_before` computed tokens (the ones
+        before were registered when they filled, or came from the prefix cache)."""
+        self.pool.publish(seq.block_ids, seq.block_hashes, seq.tokens_in, computed_before // self.block_size,
+                          seq.num_computed_tokens // self.block_size)
 
     def _release(self, seq: Sequence) -> None:
         if self._forget_drafts is not None:  # a draft model's K/V of it goes too
             self._forget_drafts(seq)
         self.pool.free(seq.block_ids)
-        seq.block_ids = []
-        seq.block_hashes = []
+        seq.block_ids = []  # its block hashes stay: its tokens do
         seq.num_computed_tokens = 0
 
     def _preempt(self, seq: Sequence) -> None:

@@ -33,7 +33,9 @@ class Sequence:
             sampled token (ModelRunner.execute) and by k + 1 per verify of k drafts (its rows' counters), so a
             seeded request (never drafted) samples the same tokens run to run.
         block_ids: KV blocks holding this sequence's tokens, in order.
-        block_hashes: prefix-cache hashes of the sequence's full blocks computed so far.
+        block_hashes: the prefix-cache hash chain of the sequence's leading full blocks, as far as it was asked
+            for (`voltserve.kv_cache.chain_hashes`): each block hashed once; kept when its blocks are freed (a
+            preemption: its tokens stay), cut where its tokens change (`truncate_output`).
         num_computed_tokens: tokens whose K/V are in the cache.
         num_cached_tokens: prompt tokens that came from the prefix cache at the admission that computed its
             first token; an admission after a preemption keeps it (every delta reports one figure).
@@ -72,6 +74,21 @@ class Sequence:
 
     def token_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
+
+    def tokens_in(self, start: int, end: int) -> list[int]:
+        """Token ids at positions [start, end) of prompt + output (a copy)."""
+        n = len(self.prompt_ids)
+        if end <= n:
+            return self.prompt_ids[start:end]
+        if start >= n:
+            return self.output_ids[start - n:end - n]
+        return self.prompt_ids[start:] + self.output_ids[:end - n]
+
+    def truncate_output(self, num_output: int, block_size: int) -> None:
+        """Keep the first `num_output` output tokens (a stop string cut a verify's tokens), and the block hashes
+        of the full blocks left: no cached hash may outlive a change of its block's tokens."""
+        del self.output_ids[num_output:]
+        del self.block_hashes[self.num_tokens // block_size:]
 
     def token_at(self, position: int) -> int:
         n = len(self.prompt_ids)

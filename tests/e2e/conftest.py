@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
+
 import pytest
 
 from tools.make_synthetic_checkpoint import save_hf_dir, synthetic_model
@@ -14,3 +18,11 @@ def tiny_dir(tmp_path_factory):
     out = tmp_path_factory.mktemp("tiny")
     save_hf_dir(synthetic_model("tiny", seed=3), out)
     return out
+
+
+@pytest.fixture
+def sock_path():
+    """A short socket path (a Unix socket's path has at most ~100 bytes; pytest's tmp_path can be longer)."""
+    folder = tempfile.mkdtemp(prefix="vs-")
+    yield os.path.join(folder, "engine.sock")
+    shutil.rmtree(folder, ignore_errors=True)

@@ -8,14 +8,12 @@ import asyncio
 import functools
 import os
 import re
-import shutil
 import signal
 import socket
 import stat
 import struct
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -36,14 +34,6 @@ from voltserve.request import FinishReason, SamplingParams
 
 ROOT = Path(__file__).resolve().parents[2]
 LONG = dict(ignore_eos=True, max_tokens=None)  # runs until aborted (the context is long)
-
-
-@pytest.fixture
-def sock_path():
-    """A short socket path (a Unix socket's path has at most ~100 bytes; pytest's tmp_path can be longer)."""
-    folder = tempfile.mkdtemp(prefix="vs-")
-    yield os.path.join(folder, "engine.sock")
-    shutil.rmtree(folder, ignore_errors=True)
 
 
 def _config(tiny_dir, sock_path, **overrides) -> EngineConfig:

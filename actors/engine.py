@@ -73,10 +73,12 @@ class AsyncEngine:
     # -- lifecycle ----------------------------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Load the model (in a thread), build the runner and start the actors."""
-        from actors.build import build_runner, speculation  # composition: loaders + backends
+        """Load the model (in a thread), build the runner and start the actors. Cancelled during the load, it
+        returns at once and the load's thread is let go of (`actors.build_thread`)."""
+        from actors.build import speculation  # composition: loaders + backends
+        from actors.build_thread import build_off_loop
 
-        built = await asyncio.to_thread(build_runner, self.config, self._loaded, self._spare_cores)
+        built = await build_off_loop(self.config, self._loaded, self._spare_cores)
         self._tp_ranks = built.tp_ranks
         self._loaded = None  # the runner holds what it needs; free the fp32 copies
         self.model_config = built.model_config

@@ -3,7 +3,8 @@
 `main` is what `actors.engine_process.ProcessEngine` runs in a new interpreter (`ENTRY`). It loads the model,
 answers `ReadyMsg` (or `StartFailedMsg`), then serves `AddMsg` / `AbortMsg` / `StatsQueryMsg` from its socket and
 streams every step's outputs back through `core_outputs.OutputForwarder`. It exits when told to stop
-(`StopMsg`, exit code 0), when the API process goes away (EOF on the socket, 0), when the engine dies
+(`StopMsg` or SIGTERM, exit code 0; a SIGTERM during the start exits at once, `EngineCore._on_sigterm`), when the
+API process goes away (EOF on the socket, 0), when the engine dies
 (`EngineDiedMsg`, then exit code 1) or when writing outputs to the API process fails for another reason (1:
 the API process sees the exit and fails its streams instead of waiting for outputs that never come).
 Detokenization and stop strings run here, in the scheduler actor.
@@ -21,6 +22,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+import multiprocessing
 import os
 import signal
 import socket
@@ -35,7 +37,7 @@ from actors.core_outputs import ForwardingStream, OutputForwarder, api_gone
 from actors.engine_ipc import (AbortMsg, AddMsg, AttachMsg, EngineDiedMsg, EngineStartMsg, ListenSocket,
                                ReadyMsg, StartFailedMsg, StatsMsg, StatsQueryMsg, StopMsg, portable_error,
                                watch_readable)
-from voltserve import event_loop
+from voltserve import event_loop, owned_dirs
 from voltserve.config import EngineConfig
 from voltserve.errors import INPUT_ERRORS, ConfigError, EngineDeadError, InvalidRequestError
 
@@ -68,7 +70,7 @@ def main() -> None:
     """Entry point of the engine process; argv[1] is the file descriptor of its socket to the API process.
 
     Reads the API process's sys.path and an `EngineStartMsg`, then serves until stopped; the exit code says how
-    it ended (0: stopped or the API process is gone; 1: start failed or the engine died).
+    it ended (0: stopped, by StopMsg or SIGTERM, or the API process is gone; 1: start failed or the engine died).
     """
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the API process's to handle; it stops us
     conn = Connection(int(sys.argv[1]))
@@ -129,11 +131,13 @@ class EngineCore:
         self._listener = socket.socket(fileno=listen.fd) if listen.fd >= 0 else None
         self._listen_inode = listen.inode
         self._done: asyncio.Future | None = None
+        self._serving = False  # the engine has started
 
     async def run(self) -> int:
         """Start the engine, serve commands until done. Returns the process exit code."""
         loop = asyncio.get_running_loop()
         self._done = loop.create_future()
+        loop.add_signal_handler(signal.SIGTERM, self._on_sigterm)
         try:
             await self.engine.start()
         except Exception as exc:
@@ -151,6 +155,7 @@ class EngineCore:
             self._close_listener()
             await self.engine.stop()
             return 1
+        self._serving = True
         if self.listen_path:
             engine_socket.clear_failure(self.listen_path)
         if self._listener is not None:
@@ -173,6 +178,26 @@ class EngineCore:
                 client.forwarder.close()
                 client.conn.close()
             self._close_listener()  # last (the engine lock goes with the process's exit)
+
+    def _on_sigterm(self) -> None:
+        """SIGTERM: once the engine serves, a clean stop (as StopMsg). While it starts (the model loads on a thread,
+        which nothing interrupts: ProcessEngine terminates a start it gave up on, e.g. `voltserve serve` stopped
+        during the load), exit at once: its tensor-parallel rank processes (`actors.tp`, still loading) are killed
+        and its temporary folders removed first, so that nothing of it stays behind."""
+        if self._serving:
+            logger.info("SIGTERM: stopping the engine")
+            self._finish(0)
+            return
+        logger.warning("SIGTERM while the engine starts: exiting without finishing the start")
+        ranks = multiprocessing.active_children()
+        for rank in ranks:
+            rank.kill()
+        for rank in ranks:
+            rank.join(1.0)
+        owned_dirs.remove_mine()
+        self._close_listener()
+        logging.shutdown()  # os._exit flushes nothing
+        os._exit(0)
 
     def _close_listener(self) -> None:
         """Remove the socket file (if it is still the one bound for us), then close the listener."""

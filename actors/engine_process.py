@@ -196,8 +196,10 @@ class ProcessEngine:
         try:
             await self._wait_ready()
         except BaseException as exc:
-            # a child that reported its error exits at once; a cancelled start does not wait for the load
-            await self._reap(0.0 if isinstance(exc, asyncio.CancelledError) else 5.0)
+            if isinstance(exc, asyncio.CancelledError):  # e.g. the server stopped during the load: not waited for
+                logger.info("stopping engine process %d before its start finished", self.process.pid)
+                self.process.terminate()  # it exits at once, its rank processes too (`EngineCore._on_sigterm`)
+            await self._reap(5.0)  # a child that reported its error exits at once
             raise
         logger.info("engine process %d ready: max_model_len %d, KV pool %d blocks", self.process.pid,
                     self.max_model_len, self._kv_stats["num_blocks"])

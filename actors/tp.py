@@ -15,14 +15,13 @@ import logging
 import multiprocessing as mp
 import multiprocessing.connection as mpc
 import pickle
-import shutil
-import tempfile
 import threading
 import time
 from collections.abc import Callable
 
 import torch.distributed as dist
 
+from voltserve import owned_dirs
 from voltserve.config import EngineConfig
 from voltserve.distributed import init_tp_group
 from voltserve.errors import EngineDeadError
@@ -33,6 +32,7 @@ logger = logging.getLogger(__name__)
 # how long a rank may take to start (import torch, join the group, load its shard) and to stop
 START_TIMEOUT_S = 600.0
 STOP_TIMEOUT_S = 10.0
+FOLDER_PREFIX = "voltserve-tp-"  # the rendezvous folders, in the temporary folder
 # how long a failed step waits for a rank process to be seen gone, so the error names its exit code
 _EXIT_GRACE_S = 2.0
 
@@ -57,15 +57,16 @@ class TPRanks:
     @classmethod
     def start(cls, config: EngineConfig, device: str, spare_cores: int = 0) -> "TPRanks":
         """Spawn ranks 1..N-1 (N = config.tensor_parallel_size) and join their group as rank 0 (rendezvous through
-        a file in a fresh temporary folder, so no port can clash). Returns once the group exists; the ranks then
-        load their shards while rank 0 loads its own.
+        a file in a fresh temporary folder, so no port can clash; `voltserve.owned_dirs`: the folders of engines
+        that were killed are removed here). Returns once the group exists; the ranks then load their shards while
+        rank 0 loads its own.
 
         Raises:
             RuntimeError: a rank died or reported an error before joining the group (its traceback included).
         """
         from actors.tp_rank import rank_main  # the spawned process imports it by name
 
-        ranks = cls(tempfile.mkdtemp(prefix="voltserve-tp-"))
+        ranks = cls(owned_dirs.make(FOLDER_PREFIX))
         init_method = f"file://{ranks.folder}/store"
         ctx = mp.get_context("spawn")  # fork would copy this process's threads and CUDA state
         try:
@@ -192,7 +193,7 @@ class TPRanks:
         self.tp = None
         if self._watcher is not None:
             self._watcher.join()
-        shutil.rmtree(self.folder, ignore_errors=True)
+        owned_dirs.remove(self.folder)
 
 
 class TPModelRunner(ModelRunner):

@@ -7,14 +7,19 @@ The startup handshake over the pipe (each message a tuple, `("error", traceback)
     rank -> 0: ("ready",) once its pool is allocated
 Then 0 -> rank: pickled `StepInputs` per step, pickled None to stop (also accepted instead of the pool size). A
 closed pipe (rank 0's process died) also stops the rank. Exit code 0 after a stop, 1 after an error (logged to stderr).
-SIGINT is ignored once `rank_main` runs (rank 0's process handles Ctrl-C and stops the ranks).
+SIGINT is ignored once `rank_main` runs (rank 0's process handles Ctrl-C and stops the ranks). A rank whose rank-0
+process is gone exits at once (`_exit_with_parent`), also while it loads its shard (no pipe is read then).
 """
 
 from __future__ import annotations
 
 import logging
+import multiprocessing
+import multiprocessing.connection as mpc
+import os
 import pickle
 import signal
+import threading
 import traceback
 
 import torch
@@ -32,6 +37,7 @@ def rank_main(rank: int, config: EngineConfig, device: str, init_method: str, sp
     # Ctrl-C reaches the whole foreground process group: rank 0's owner drains and stops us over the pipe, while a
     # KeyboardInterrupt here would kill the rank (and so the engine) in the middle of that drain
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _exit_with_parent(rank)
     logging.basicConfig(level=log_level, format=f"%(asctime)s tp-rank{rank} %(levelname)s %(name)s: %(message)s")
     try:
         runner = _build(rank, config, device, init_method, spare_cores, conn)
@@ -47,6 +53,21 @@ def rank_main(rank: int, config: EngineConfig, device: str, init_method: str, sp
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _exit_with_parent(rank: int) -> None:
+    """Exit this process (status 1) as soon as rank 0's process has exited, whatever this one is doing: its load
+    would otherwise run to the end, and its rendezvous wait for minutes, for nobody."""
+    parent = multiprocessing.parent_process()  # spawned: its sentinel is ready once the parent is gone
+    if parent is None:
+        return
+
+    def wait() -> None:
+        mpc.wait([parent.sentinel])
+        os.write(2, f"tensor-parallel rank {rank}: rank 0's process is gone; exiting\n".encode())
+        os._exit(1)
+
+    threading.Thread(target=wait, name="tp-rank-parent-watch", daemon=True).start()
 
 
 def _build(rank: int, config: EngineConfig, device: str, init_method: str, spare_cores: int, conn):

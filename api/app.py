@@ -71,14 +71,38 @@ def make_engine(config: EngineConfig) -> Any:
     return AsyncEngine(config, spare_cores=1)  # on the CPU, a core left to the HTTP server
 
 
+def hypercorn_shutdown_event() -> Any:
+    """The event hypercorn's main process sets on SIGINT / SIGTERM (its workers' shutdown trigger) when this
+    process is one of its workers (`hypercorn api:app`, `-w 1` and up: hypercorn passes it to the worker function
+    as `shutdown_event`); None otherwise (`voltserve serve`, `hypercorn -w 0`, an embedding host)."""
+    import multiprocessing
+
+    kwargs = getattr(multiprocessing.current_process(), "_kwargs", None)  # the worker's Process arguments
+    event = kwargs.get("shutdown_event") if isinstance(kwargs, dict) else None
+    return event if callable(getattr(event, "is_set", None)) else None
+
+
+async def watch_hypercorn_shutdown(state: ServerState, interval_s: float = 0.1) -> None:
+    """Cancel the engine's start (`ServerState.cancel_start`) once hypercorn's main process asks its workers to
+    shut down: hypercorn looks at its shutdown trigger only once the app has started, after the model's load.
+    Returns at once outside a hypercorn worker."""
+    event = hypercorn_shutdown_event()
+    if event is None:
+        return
+    while not event.is_set():
+        await asyncio.sleep(interval_s)
+    state.cancel_start("hypercorn's shutdown (SIGINT / SIGTERM)")
+
+
 class SignalDrain:
     """The signal handling of `voltserve serve`: `trigger` is hypercorn's shutdown trigger. It waits for one of
     `signals`, then drains the requests in flight (`ServerState.drain`: up to `timeout_s` s; a second signal ends
     them at once) before hypercorn closes the connections, so open streams end with an error event (and `[DONE]`
     on OpenAI's chunk streams) instead of a cut connection. The handlers are installed at construction, before
-    hypercorn starts the app (a signal while the model loads then shuts down once it is up, as hypercorn's own
-    handlers would, instead of killing the process), and removed after the drain (a further signal gets the
-    default action, e.g. to end an engine stop that hangs). Call it on the running loop."""
+    hypercorn starts the app: a signal while the model loads cancels the engine's start (`ServerState.cancel_start`:
+    the engine process and its rank processes end at once) and the server then shuts down without serving, exit
+    status 0 as after a drain. They are removed after the drain (a further signal gets the default action, e.g. to
+    end an engine stop that hangs). Call it on the running loop."""
 
     def __init__(self, state: ServerState, timeout_s: float,
                  signals: tuple[int, ...] = (signal.SIGINT, signal.SIGTERM)):
@@ -86,10 +110,14 @@ class SignalDrain:
         self._loop = asyncio.get_running_loop()
         self.stop, self.hurry = asyncio.Event(), asyncio.Event()
         for sig in signals:
-            self._loop.add_signal_handler(sig, self._on_signal)
+            self._loop.add_signal_handler(sig, self._on_signal, sig)
 
-    def _on_signal(self) -> None:
-        (self.hurry if self.stop.is_set() else self.stop).set()
+    def _on_signal(self, sig: int) -> None:
+        if self.stop.is_set():
+            self.hurry.set()
+            return
+        self.stop.set()
+        self._state.cancel_start(signal.Signals(sig).name)
 
     async def trigger(self) -> None:
         await self.stop.wait()
@@ -155,11 +183,15 @@ def create_app(engine: Any = None, config: EngineConfig | None = None, *,
         if state.engine is None:
             state.engine = make_engine(config)
         logger.info("starting engine: %s", config)
+        watcher = asyncio.ensure_future(watch_hypercorn_shutdown(state))
         try:
-            await state.engine.start()
+            if not await state.start_engine():  # stopped while it started: the server's shutdown follows
+                return
         except INPUT_ERRORS as exc:
             state.start_error = exc  # voltserve serve exits 2 on it (ServerApp.log_exception logs its line)
             raise
+        finally:
+            watcher.cancel()
         logger.info("serving %r (max_model_len=%d)", config.served_model_name, state.engine.max_model_len)
         if config.exit_on_engine_death:
             app.add_background_task(watch_engine, state.engine, _terminate_self, stop=app.shutdown_event)

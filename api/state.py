@@ -46,6 +46,8 @@ class ServerState:
         streams: the engine streams of the requests in flight (`track`), weakly held.
         start_error: the bad setting or model file (`voltserve.errors.INPUT_ERRORS`) the engine's start failed on,
             if it did (`voltserve serve` exits 2 on it).
+        start_cancelled: a stop (SIGINT / SIGTERM) came before or while the engine started, and cancelled its start
+            (`cancel_start`): the server shuts down without serving.
     """
 
     engine: Any
@@ -57,6 +59,41 @@ class ServerState:
     draining: bool = False
     streams: weakref.WeakSet = field(default_factory=weakref.WeakSet)
     start_error: BaseException | None = None
+    start_cancelled: bool = False
+    _starting: asyncio.Task | None = field(default=None, init=False, repr=False)
+    _stop_asked: str = field(default="", init=False, repr=False)  # why `cancel_start` was called, if it was
+
+    async def start_engine(self) -> bool:
+        """`engine.start()`, which `cancel_start` may cut short (a model's load takes minutes; a stop should not
+        wait for it), or skip (called before). Returns whether the engine started: False when cancelled so.
+
+        Raises:
+            what the engine's start raises; CancelledError when the caller is cancelled.
+        """
+        if self._stop_asked:  # e.g. a signal while the engine's modules were imported
+            self.start_cancelled = True
+            logger.warning("%s before the engine started: the server exits without serving", self._stop_asked)
+            return False
+        self._starting = asyncio.ensure_future(self.engine.start())
+        try:
+            await self._starting
+        except asyncio.CancelledError:
+            if not self.start_cancelled:
+                raise
+            return False
+        finally:
+            self._starting = None
+        return True
+
+    def cancel_start(self, why: str) -> None:
+        """Cancel the engine's start if it is under way (`start_engine`; or keep it from beginning): the engine
+        stops what it started (the engine process and its tensor-parallel ranks) and the server shuts down without
+        serving. `why` names the cause in the log line. No effect on an engine that has started."""
+        self._stop_asked = self._stop_asked or why
+        if self._starting is not None and not self._starting.done():
+            self.start_cancelled = True
+            logger.warning("%s while the engine starts: stopping its start; the server exits without serving", why)
+            self._starting.cancel()
 
     def ready_engine(self) -> Any:
         """The engine, when it can take requests.

@@ -71,4 +71,39 @@ def peek_model_config(spec: str) -> ModelConfig | None:
         return None
 
 
-__all__ = ["load_model", "peek_model_config", "resolve_model"]
+def peek_packed_weights(spec: str) -> dict[str, tuple[str, int]]:
+    """The weights the model `spec` names that the loader keeps block-quantized (`loaders.gguf_names.PACKED_TYPES`:
+    their blocks run along the input features), read from a GGUF file's header without loading it.
+
+    Returns:
+        HF name -> (GGML type name, in_features) of every such 2-D weight; {} for a Hugging Face directory (its
+        weights load as floats) and for a built-in alias not fetched yet.
+
+    Raises:
+        LoaderError: as `peek_model_config`.
+    """
+    from loaders.gguf_header import read_gguf_header
+    from loaders.gguf_names import PACKED_TYPES, hf_name
+
+    path = check_model_spec(spec)
+    if path is not None and path.is_dir():
+        return {}
+    if path is not None:
+        header = read_gguf_header(path)
+    else:  # an alias: its cached file, if it is there and whole (else the loader fetches it again)
+        cached = cached_alias_file(ALIASES[spec.strip().lower()], default_cache_dir())
+        try:
+            header = read_gguf_header(cached) if cached is not None else None
+        except LoaderError:
+            header = None
+        if header is None:
+            return {}
+    packed = {}
+    for name, qtype in header.tensor_types.items():
+        dims = header.tensor_shapes[name]  # innermost first: (in_features, out_features)
+        if qtype in PACKED_TYPES and len(dims) == 2 and hf_name(name) is not None:
+            packed[hf_name(name)] = (qtype, int(dims[0]))
+    return packed
+
+
+__all__ = ["load_model", "peek_model_config", "peek_packed_weights", "resolve_model"]

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from loaders.gguf_header import read_gguf_header
+from loaders.gguf_names import LAYER_NAMES, PACKED_TYPES, hf_name
 from loaders.gguf_tokenizer import build_tokenizer
 from loaders.model import LoadedModel, QuantizedTensor
 from voltserve.config import ModelConfig
@@ -21,40 +22,11 @@ from voltserve.errors import LoaderError, UnsupportedModelError
 
 logger = logging.getLogger(__name__)
 
-# Types we can turn into fp32 (gguf.quants.dequantize); the first three also stay packed for the backends.
-PACKED_TYPES = ("Q4_0", "Q4_1", "Q8_0")
+__all__ = ["DEQUANT_TYPES", "PACKED_TYPES", "hf_name", "load_gguf", "read_metadata", "unpermute_rows"]
+
+# Types we can turn into fp32 (gguf.quants.dequantize); PACKED_TYPES also stay packed for the backends.
 FLOAT_TYPES = ("F32", "F16", "BF16")
 DEQUANT_TYPES = (*PACKED_TYPES, *FLOAT_TYPES, "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
-
-_GLOBAL_NAMES = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-_LAYER_NAMES = {
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-}
-
-
-def hf_name(gguf_name: str) -> str | None:
-    """GGUF tensor name -> HF name (`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`).
-
-    Returns None for tensors the engine does not use (e.g. `rope_freqs.weight`).
-    """
-    if gguf_name in _GLOBAL_NAMES:
-        return _GLOBAL_NAMES[gguf_name]
-    parts = gguf_name.split(".")
-    if len(parts) == 4 and parts[0] == "blk" and parts[2] in _LAYER_NAMES:
-        return f"model.layers.{int(parts[1])}.{_LAYER_NAMES[parts[2]]}.{parts[3]}"
-    return None
 
 
 def unpermute_rows(num_rows: int, num_heads: int) -> np.ndarray:
@@ -166,7 +138,7 @@ def _check_complete(tensors: dict[str, torch.Tensor], config: ModelConfig, path)
     if not config.tie_word_embeddings:
         needed.append("lm_head.weight")
     for i in range(config.num_layers):
-        needed += [f"model.layers.{i}.{v}.weight" for v in _LAYER_NAMES.values()]
+        needed += [f"model.layers.{i}.{v}.weight" for v in LAYER_NAMES.values()]
     missing = [n for n in needed if n not in tensors]
     if missing:
         raise LoaderError(f"{path} lacks tensors: {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")

@@ -49,6 +49,7 @@ class GGUFHeader:
         metadata: key -> value of every scalar and string key/value pair (arrays, such as the vocabulary, are
             left out).
         tensor_shapes: tensor name -> dims as GGUF lists them (innermost first).
+        tensor_types: tensor name -> its GGML type's name ("F32", "Q8_0", "Q4_K", ...).
         data_end: bytes the file needs to hold every tensor's data (the end of the tensor that ends last).
         file_bytes: the file's size.
     """
@@ -56,6 +57,7 @@ class GGUFHeader:
     path: pathlib.Path
     metadata: dict[str, object]
     tensor_shapes: dict[str, tuple[int, ...]]
+    tensor_types: dict[str, str]
     data_end: int
     file_bytes: int
 
@@ -188,14 +190,15 @@ def _parse(path: pathlib.Path, buf, size: int) -> GGUFHeader:
         raise LoaderError(f"{path} is corrupt: general.alignment {alignment!r} is no power of two")
     data_start = -(-cursor.pos // alignment) * alignment
     data_end = data_start
-    shapes = {}
+    shapes, types = {}, {}
     for name, dims, kind, offset in infos:
         data_end = max(data_end, data_start + offset + _tensor_bytes(path, name, dims, kind))
         shapes[name] = dims
+        types[name] = GGMLQuantizationType(kind).name  # a known type: `_tensor_bytes` checked it
     if data_end > size:
         raise LoaderError(f"{path} is truncated or corrupt: its tensors need {data_end} bytes, the file has {size} "
                           f"({100 * size // data_end}%)")
-    return GGUFHeader(path, metadata, shapes, data_end, size)
+    return GGUFHeader(path, metadata, shapes, types, data_end, size)
 
 
 def _tensor_bytes(path: pathlib.Path, name: str, dims: tuple[int, ...], kind: int) -> int:

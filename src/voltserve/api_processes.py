@@ -25,15 +25,14 @@ import contextlib
 import dataclasses
 import logging
 import os
-import shutil
 import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 
 from actors.engine_socket import ENGINE_LOCK_SUFFIX, try_flock
+from voltserve import owned_dirs
 from voltserve.config import PROMETHEUS_DIR_VARIABLES, EngineConfig
 from voltserve.preflight import address
 
@@ -43,6 +42,7 @@ LISTEN_FD_ENV = "VOLTSERVE_LISTEN_FD"  # a child's inherited listening socket (s
 PARENT_FD_ENV = "VOLTSERVE_PARENT_FD"  # a child's read end of a pipe: EOF = the supervisor is gone
 POLL_S = 0.1
 ENGINE_STOP_WAIT_S = 40.0  # the engine's stop after its last API process (a step in hand, then the actors)
+FOLDER_PREFIX = "voltserve-api-"  # the supervisor's private folder, in the temporary folder
 CHILD = "from voltserve.cli import main; import sys; sys.exit(main(['serve']))"
 
 
@@ -76,13 +76,14 @@ def run_api_processes(config: EngineConfig, log_level: str | None = None) -> int
         OSError: the listening address is not available.
         ConfigError: the private engine socket's path is too long (a long TMPDIR).
     """
-    private = tempfile.mkdtemp(prefix="voltserve-")  # the engine socket unless one is given; the metrics' files
+    # the engine socket unless one is given; the metrics' files (`owned_dirs`: those of a killed supervisor go here)
+    private = owned_dirs.make(FOLDER_PREFIX)
     try:
         engine_socket = config.engine_socket or os.path.join(private, "engine.sock")
         dataclasses.replace(config, engine_socket=engine_socket).validate()
         sock = listen_socket(config.host, config.port)
     except BaseException:
-        shutil.rmtree(private, ignore_errors=True)
+        owned_dirs.remove(private)
         raise
     read_end, write_end = os.pipe()  # the children see EOF on read_end once this process is gone
     port = sock.getsockname()[1]  # --port 0: the one the OS chose, which the children log too
@@ -135,7 +136,7 @@ def run_api_processes(config: EngineConfig, log_level: str | None = None) -> int
         if read_end >= 0:
             os.close(read_end)
         sock.close()
-        shutil.rmtree(private, ignore_errors=True)
+        owned_dirs.remove(private)
     return status
 
 

@@ -56,7 +56,8 @@ def check_model(config: EngineConfig) -> None:
     Raises:
         LoaderError: the model (or draft model) cannot be found or read, or is not supported.
         ConfigError: the KV pool holds no block, or not one sequence of max_model_len; the attention heads, KV
-            heads or MLP inner features do not divide by tensor_parallel_size (`voltserve.distributed.sharding`).
+            heads or MLP inner features do not divide by tensor_parallel_size, or a rank's input slice of a
+            row-parallel Q4_0 / Q4_1 / Q8_0 weight would split its blocks (`voltserve.distributed.sharding`).
             (`--device cuda` without a GPU is the engine's to refuse, `actors.build.resolve_device`, before the load:
             the driver's files are no sure sign, e.g. Jetson's nvgpu has none of NVIDIA_SIGNS.)
     """
@@ -67,10 +68,7 @@ def check_model(config: EngineConfig) -> None:
     if model is None or (config.speculative_model and draft is None):  # an alias not fetched yet
         return
     if config.tensor_parallel_size > 1:  # else N - 1 spawned ranks and rank 0 each load the model to find out
-        from voltserve.distributed.sharding import local_heads, split_range
-
-        local_heads(model, config.tensor_parallel_size)
-        split_range(model.intermediate_size, 0, config.tensor_parallel_size, "intermediate_size")
+        _check_tp_split(config, model)
     if config.num_kv_blocks:
         num_blocks = config.num_kv_blocks
     elif _runs_on_cpu(config.device):
@@ -82,6 +80,24 @@ def check_model(config: EngineConfig) -> None:
     else:  # sized from the GPU's free memory once the weights are on it: the engine checks it
         return
     pool_max_model_len(config.max_model_len, model.max_position_embeddings, num_blocks, config.block_size)
+
+
+def _check_tp_split(config: EngineConfig, model) -> None:
+    """The model's slices for `config.tensor_parallel_size` ranks, from its header: whole attention and KV heads,
+    MLP inner features that divide, and row-parallel block-quantized weights split on block boundaries (Q4_0 /
+    Q4_1 / Q8_0, kept packed; other types load as floats and split anywhere).
+
+    Raises:
+        ConfigError: the first split that does not work (`voltserve.distributed.sharding`).
+    """
+    from loaders import peek_packed_weights
+    from voltserve.distributed.sharding import ROW_PARALLEL, check_block_split, local_heads, split_range
+
+    local_heads(model, config.tensor_parallel_size)
+    split_range(model.intermediate_size, 0, config.tensor_parallel_size, "intermediate_size")
+    for name, (qtype, in_features) in peek_packed_weights(config.model).items():
+        if name.removesuffix(".weight").endswith(ROW_PARALLEL):
+            check_block_split(name, qtype, in_features, config.tensor_parallel_size)
 
 
 def _runs_on_cpu(device: str) -> bool:

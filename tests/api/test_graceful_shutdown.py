@@ -136,3 +136,41 @@ async def test_failed_stream_takes_no_final_delta():
     with pytest.raises(ServerShuttingDownError):
         await stream.__anext__()
     assert stream.done and not stream.finished
+
+
+class _LoadingEngine:
+    """An engine whose start (the model's load) never ends unless cancelled."""
+
+    def __init__(self):
+        self.starts, self.cancelled = 0, False
+
+    async def start(self) -> None:
+        self.starts += 1
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            self.cancelled = True
+            raise
+
+
+async def test_a_signal_during_the_start_cancels_it_and_one_before_skips_it():
+    """SignalDrain's first signal cancels an engine start under way (`ServerState.cancel_start`): the start returns
+    False at once, and the server then shuts down without serving; a signal before the start keeps it from
+    beginning. Once the engine serves, a signal only drains (no start to cancel)."""
+    from api.state import ServerState
+    from voltserve.config import EngineConfig
+
+    engine = _LoadingEngine()
+    state = ServerState(engine=engine, config=EngineConfig())
+    drain = SignalDrain(state, 1.0, signals=(signal.SIGUSR1,))
+    starting = asyncio.create_task(state.start_engine())
+    await _wait_for(lambda: engine.starts == 1)
+    os.kill(os.getpid(), signal.SIGUSR1)
+    assert await asyncio.wait_for(starting, 2.0) is False
+    assert engine.cancelled and state.start_cancelled and drain.stop.is_set()
+    await drain.trigger()  # the shutdown that follows: nothing in flight
+
+    later = ServerState(engine=_LoadingEngine(), config=EngineConfig())
+    later.cancel_start("SIGTERM")  # before the start: nothing to cancel yet
+    assert await later.start_engine() is False
+    assert later.engine.starts == 0 and later.start_cancelled

@@ -28,15 +28,17 @@ def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_tiny_gguf(path, arch="llama", weights=None, types=None, tokenizer_model="gpt2"):
-    """A 2-layer llama GGUF. `weights`: HF name -> [out, in] fp32 (HF layout); `types`: HF name -> qtype."""
+def write_tiny_gguf(path, arch="llama", weights=None, types=None, tokenizer_model="gpt2", hidden=HIDDEN, ffn=FFN):
+    """A 2-layer llama GGUF. `weights`: HF name -> [out, in] fp32 (HF layout); `types`: HF name -> qtype;
+    `hidden`, `ffn`: other sizes than HIDDEN and FFN (4 heads, 2 KV heads of hidden / 4 each)."""
     rng = np.random.default_rng(0)
     w = weights if weights is not None else {}
+    head_dim = hidden // HEADS
     writer = GGUFWriter(str(path), arch)
     writer.add_block_count(LAYERS)
     writer.add_context_length(256)
-    writer.add_embedding_length(HIDDEN)
-    writer.add_feed_forward_length(FFN)
+    writer.add_embedding_length(hidden)
+    writer.add_feed_forward_length(ffn)
     writer.add_head_count(HEADS)
     writer.add_head_count_kv(KV_HEADS)
     writer.add_layer_norm_rms_eps(1e-6)
@@ -49,11 +51,11 @@ def write_tiny_gguf(path, arch="llama", weights=None, types=None, tokenizer_mode
     writer.add_bos_token_id(0)
     writer.add_eos_token_id(1)
     writer.add_eot_token_id(2)
-    shapes = {"token_embd.weight": (len(TOKENS), HIDDEN), "output_norm.weight": (HIDDEN,)}
-    per_layer = {"attn_q": (HEADS * HEAD_DIM, HIDDEN), "attn_k": (KV_HEADS * HEAD_DIM, HIDDEN),
-                 "attn_v": (KV_HEADS * HEAD_DIM, HIDDEN), "attn_output": (HIDDEN, HEADS * HEAD_DIM),
-                 "ffn_gate": (FFN, HIDDEN), "ffn_up": (FFN, HIDDEN), "ffn_down": (HIDDEN, FFN),
-                 "attn_norm": (HIDDEN,), "ffn_norm": (HIDDEN,)}
+    shapes = {"token_embd.weight": (len(TOKENS), hidden), "output_norm.weight": (hidden,)}
+    per_layer = {"attn_q": (HEADS * head_dim, hidden), "attn_k": (KV_HEADS * head_dim, hidden),
+                 "attn_v": (KV_HEADS * head_dim, hidden), "attn_output": (hidden, HEADS * head_dim),
+                 "ffn_gate": (ffn, hidden), "ffn_up": (ffn, hidden), "ffn_down": (hidden, ffn),
+                 "attn_norm": (hidden,), "ffn_norm": (hidden,)}
     for i in range(LAYERS):
         shapes.update({f"blk.{i}.{k}.weight": v for k, v in per_layer.items()})
     for gname, shape in shapes.items():

@@ -50,6 +50,30 @@ def local_heads(config: ModelConfig, world_size: int) -> tuple[int, int]:
     return heads, kv_heads
 
 
+# the linears whose input features (GGUF blocks' direction) are split over the ranks: row-parallel (the model's cuts)
+ROW_PARALLEL = ("self_attn.o_proj", "mlp.down_proj")
+
+
+def check_block_split(name: str, qtype: str, in_features: int, world_size: int) -> None:
+    """Check before the load that a row-parallel GGUF block-quantized weight splits into whole blocks: each rank
+    takes in_features / world_size input features, which `row_shard` can cut only on block boundaries.
+
+    Args:
+        name: the weight's name, for the error.
+        qtype: its GGUF type (a packed one: "Q4_0", "Q4_1", "Q8_0", blocks of BLOCK_SIZE weights).
+        in_features: its input features (GGUF blocks run along them).
+        world_size: tensor_parallel_size.
+    Raises:
+        ConfigError: in_features does not divide by world_size, or a rank's share is not a whole number of blocks.
+    """
+    start, stop = split_range(in_features, 0, world_size, f"{name}'s input features")
+    if (stop - start) % BLOCK_SIZE:
+        raise ConfigError(f"tensor parallel: {name} is {qtype} with blocks of {BLOCK_SIZE} input features; its "
+                          f"{in_features} input features over tensor_parallel_size {world_size} give each rank "
+                          f"{stop - start}, not whole blocks (the input size / tensor_parallel_size must be a "
+                          f"multiple of {BLOCK_SIZE})")
+
+
 def column_shard(weight: torch.Tensor, quant: QuantizedTensor | None, start: int,
                  stop: int, name: str = "weight") -> tuple[torch.Tensor, QuantizedTensor | None]:
     """Output rows start:stop of a linear (column-parallel); any rows: GGUF blocks never span two rows.

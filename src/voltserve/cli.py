@@ -174,11 +174,7 @@ def serve(args: argparse.Namespace) -> int:
     listen_fd = os.environ.pop(LISTEN_FD_ENV, "")  # set when this is one of several API processes
     parent_fd = os.environ.pop(PARENT_FD_ENV, "")
     port = listener.getsockname()[1] if listener is not None else config.port  # --port 0: the one the OS chose
-    try:
-        import api  # builds the app from the environment set above
-    except ConfigError as exc:
-        logger.error("bad configuration: %s", exc)
-        return 2
+    import api  # builds the app from the environment set above (checked: a bad variable returned 2 already)
 
     hconfig = HypercornConfig()
     address = preflight.address(config.host, port)
@@ -192,10 +188,11 @@ def serve(args: argparse.Namespace) -> int:
     hconfig.startup_timeout = STARTUP_TIMEOUT_S  # hypercorn's 60 s would cancel a large model's load
     logger.info("voltserve %s (pid %d): serving %s on http://%s (%s event loop)", __version__, os.getpid(),
                 config.model, address, loop_name)
-    from api.app import SignalDrain
+    from api.app import EXIT_ON_START_FAILURE, SignalDrain
     from api.state import EXTENSION_KEY
 
     state = api.app.extensions[EXTENSION_KEY]
+    api.app.config[EXIT_ON_START_FAILURE] = False  # a failed start is hypercorn's LifespanFailureError here
 
     async def run() -> None:
         drain = SignalDrain(state, config.shutdown_timeout)  # before the app (and the model) starts

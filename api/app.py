@@ -24,6 +24,7 @@ from api.state import EXTENSION_KEY, ServerState, random_id, unix_time_s
 from voltserve.config import EngineConfig
 from voltserve.errors import INPUT_ERRORS, VoltError
 from voltserve.log_setup import configure_logging
+from voltserve.start_report import claim_start_report, start_reported_elsewhere
 
 logger = logging.getLogger(__name__)
 MAX_BODY_BYTES = 32 * 1024 * 1024
@@ -109,6 +110,8 @@ class ServerApp(App):
         """Quart's hook for an exception no handler took: one error line for an `INPUT_ERRORS` one outside a
         request (the startup's), else Quart's message and traceback."""
         exc = exception_info[1]
+        if not has_request_context() and start_reported_elsewhere():  # another API process logged the cause
+            return
         if isinstance(exc, INPUT_ERRORS) and not has_request_context():
             logger.error("bad configuration: %s", exc)
             return
@@ -189,6 +192,7 @@ def create_app(engine: Any = None, config: EngineConfig | None = None, *,
         except Exception as exc:
             if isinstance(exc, INPUT_ERRORS):
                 state.start_error = exc  # voltserve serve exits 2 on it (ServerApp.log_exception logs its line)
+            claim_start_report()  # of several API processes failing on one engine's start, one logs the cause
             if app.config[EXIT_ON_START_FAILURE]:  # else hypercorn logs its LifespanFailureError's traceback
                 exit_after_failed_start(exc)
             raise

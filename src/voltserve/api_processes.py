@@ -36,6 +36,7 @@ import time
 from actors.engine_socket import ENGINE_LOCK_SUFFIX, try_flock
 from voltserve.config import PROMETHEUS_DIR_VARIABLES, EngineConfig
 from voltserve.preflight import address
+from voltserve.start_report import START_REPORT_ENV
 
 logger = logging.getLogger(__name__)
 
@@ -87,7 +88,8 @@ def run_api_processes(config: EngineConfig, log_level: str | None = None) -> int
     read_end, write_end = os.pipe()  # the children see EOF on read_end once this process is gone
     port = sock.getsockname()[1]  # --port 0: the one the OS chose, which the children log too
     env = {**os.environ, "VOLTSERVE_API_PROCESSES": "1", "VOLTSERVE_PORT": str(port), LISTEN_FD_ENV: str(sock.fileno()),
-           PARENT_FD_ENV: str(read_end), "VOLTSERVE_ENGINE_SOCKET": engine_socket}
+           PARENT_FD_ENV: str(read_end), "VOLTSERVE_ENGINE_SOCKET": engine_socket,
+           START_REPORT_ENV: os.path.join(private, "start-failure-reported")}
     if not any(name in env for name in PROMETHEUS_DIR_VARIABLES):  # one /metrics over all API processes
         metrics_dir = env[PROMETHEUS_DIR_VARIABLES[0]] = os.path.join(private, "metrics")
         os.mkdir(metrics_dir)
@@ -158,8 +160,9 @@ def _wait(children: list[subprocess.Popen], asked_to_stop) -> int:
         gone = [c for c in children if c.returncode is not None]
         if gone and status == 0 and not asked_to_stop():  # (all of them may have gone since the last look)
             status = gone[0].returncode if gone[0].returncode > 0 else 1  # killed (< 0) or quit unasked (0)
-            logger.error("API process %d exited with status %d; stopping the others", gone[0].pid,
-                         gone[0].returncode)
+            # status 2: a bad setting or model file, which one API process has logged (`voltserve.start_report`)
+            (logger.info if status == 2 else logger.error)(
+                "API process %d exited with status %d; stopping the others", gone[0].pid, gone[0].returncode)
             for child in alive:
                 with contextlib.suppress(ProcessLookupError):
                     child.send_signal(signal.SIGTERM)

@@ -20,6 +20,7 @@ from voltserve.api_processes import LISTEN_FD_ENV, PARENT_FD_ENV, run_api_proces
 from voltserve.config import EngineConfig, prometheus_multiproc_dir
 from voltserve.errors import INPUT_ERRORS, ConfigError
 from voltserve.log_setup import configure_logging
+from voltserve.start_report import start_reported_elsewhere
 
 logger = logging.getLogger("voltserve.cli")
 STARTUP_TIMEOUT_S = 3600.0  # the app's startup: the model's load (and, on a GPU, its CUDA graphs' capture)
@@ -207,7 +208,8 @@ def serve(args: argparse.Namespace) -> int:
             os.close(served_fd)
         if state.start_error is not None:  # a bad setting or model file: the app logged it in one line
             return 2
-        logger.error("exiting with status 1: the server did not start: %s", exc.args[0] if exc.args else exc)
+        if not start_reported_elsewhere():  # (one of several API processes: the first to fail said why)
+            logger.error("exiting with status 1: the server did not start: %s", exc.args[0] if exc.args else exc)
         return 1
     except KeyboardInterrupt:  # a SIGINT after the drain (SignalDrain leaves it the default action) cut the stop
         logger.warning("interrupted while shutting down: exiting with status 130 (the engine process ends on its "

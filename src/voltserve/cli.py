@@ -14,9 +14,9 @@ import os
 import signal
 import sys
 
+from actors.engine_socket import remove_if_same
 from loaders.sources import ALIASES
 from voltserve import __version__, event_loop, preflight
-from actors.engine_socket import remove_if_same
 from voltserve.api_processes import LISTEN_FD_ENV, PARENT_FD_ENV, endpoint, run_api_processes, watch_parent
 from voltserve.config import EngineConfig, prometheus_multiproc_dir
 from voltserve.errors import INPUT_ERRORS, ConfigError
@@ -179,7 +179,9 @@ def serve(args: argparse.Namespace) -> int:
             return 2
     listen_fd = os.environ.pop(LISTEN_FD_ENV, "")  # set when this is one of several API processes
     parent_fd = os.environ.pop(PARENT_FD_ENV, "")
-    port = listener.getsockname()[1] if listener is not None and not config.uds else config.port  # --port 0: the OS's
+    port = config.port
+    if listener is not None and not config.uds:
+        port = listener.getsockname()[1]  # --port 0: the one the OS chose
     import api  # builds the app from the environment set above (checked: a bad variable returned 2 already)
 
     hconfig = HypercornConfig()

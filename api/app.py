@@ -11,7 +11,7 @@ import logging
 import os
 import signal
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
 from quart import Quart, has_request_context, request
 from werkzeug.exceptions import HTTPException
@@ -24,6 +24,7 @@ from api.state import EXTENSION_KEY, ServerState, random_id, unix_time_s
 from voltserve.config import EngineConfig
 from voltserve.errors import INPUT_ERRORS, VoltError
 from voltserve.log_setup import configure_logging
+from voltserve.start_report import claim_start_report, start_reported_elsewhere
 
 logger = logging.getLogger(__name__)
 MAX_BODY_BYTES = 32 * 1024 * 1024
@@ -137,10 +138,37 @@ class ServerApp(App):
         """Quart's hook for an exception no handler took: one error line for an `INPUT_ERRORS` one outside a
         request (the startup's), else Quart's message and traceback."""
         exc = exception_info[1]
+        if not has_request_context() and start_reported_elsewhere():  # another API process logged the cause
+            return
         if isinstance(exc, INPUT_ERRORS) and not has_request_context():
             logger.error("bad configuration: %s", exc)
             return
         super().log_exception(exception_info)
+
+
+EXIT_ON_START_FAILURE = "VOLTSERVE_EXIT_ON_START_FAILURE"  # app.config key: see create_app's exit_on_start_failure
+
+
+def exit_after_failed_start(exc: BaseException) -> NoReturn:
+    """End the process of a bare `hypercorn api:app` whose app could not start, as `voltserve serve` does: one
+    `bad configuration: ...` line and status 2 for a bad setting or model file (`INPUT_ERRORS`), else the error
+    with its traceback and status 1. A SystemExit, not the lifespan failure hypercorn would turn into its own
+    traceback: it unwinds hypercorn's worker (its `finally` blocks, atexit) and becomes the process's status.
+
+    Raises:
+        SystemExit: always, with code 2 or 1.
+    """
+    try:
+        task = asyncio.current_task()
+    except RuntimeError:  # no running loop: at import
+        task = None
+    if task is not None:  # the SystemExit stops the loop: mark it read, or asyncio logs it once the task is freed
+        task.add_done_callback(asyncio.Task.exception)
+    if isinstance(exc, INPUT_ERRORS):
+        logger.error("bad configuration: %s", exc)
+        raise SystemExit(2) from None
+    logger.error("exiting with status 1: the server did not start: %s", exc, exc_info=exc)
+    raise SystemExit(1) from None
 
 
 def _terminate_self() -> None:
@@ -150,7 +178,7 @@ def _terminate_self() -> None:
 
 def create_app(engine: Any = None, config: EngineConfig | None = None, *,
                new_id: Callable[[str], str] = random_id, clock: Callable[[], int] = unix_time_s,
-               configure_logs: bool = False) -> Quart:
+               configure_logs: bool = False, exit_on_start_failure: bool = False) -> Quart:
     """Build the app.
 
     Args:
@@ -161,6 +189,9 @@ def create_app(engine: Any = None, config: EngineConfig | None = None, *,
         clock: -> unix seconds for `created`.
         configure_logs: when serving starts, first set up logging (`voltserve.log_setup.configure_logging`:
             VOLTSERVE_LOG_LEVEL, unless the host configured it); `hypercorn api:app` does, an embedding host not.
+        exit_on_start_failure: when the engine's start fails, end the process (`exit_after_failed_start`: one
+            line, status 2 or 1) instead of failing the ASGI lifespan startup; `hypercorn api:app` does
+            (`app.config[EXIT_ON_START_FAILURE]`; `voltserve serve` turns it off and reports the failure itself).
 
     Raises:
         ConfigError: an environment variable does not parse.
@@ -170,6 +201,7 @@ def create_app(engine: Any = None, config: EngineConfig | None = None, *,
     app = ServerApp("voltserve")  # a path with repeated slashes is routed as its single-slash form
     app.config["MAX_CONTENT_LENGTH"] = MAX_BODY_BYTES
     app.config["RESPONSE_TIMEOUT"] = None  # streams may outlive Quart's 60 s default
+    app.config[EXIT_ON_START_FAILURE] = exit_on_start_failure
     state = ServerState(engine=engine, config=config, new_id=new_id, clock=clock)
     state.metrics = ServerMetrics(config.served_model_name, lambda: engine_stats(state.engine))
     app.extensions[EXTENSION_KEY] = state
@@ -187,8 +219,12 @@ def create_app(engine: Any = None, config: EngineConfig | None = None, *,
         try:
             if not await state.start_engine():  # stopped while it started: the server's shutdown follows
                 return
-        except INPUT_ERRORS as exc:
-            state.start_error = exc  # voltserve serve exits 2 on it (ServerApp.log_exception logs its line)
+        except Exception as exc:
+            if isinstance(exc, INPUT_ERRORS):
+                state.start_error = exc  # voltserve serve exits 2 on it (ServerApp.log_exception logs its line)
+            claim_start_report()  # of several API processes failing on one engine's start, one logs the cause
+            if app.config[EXIT_ON_START_FAILURE]:  # else hypercorn logs its LifespanFailureError's traceback
+                exit_after_failed_start(exc)
             raise
         finally:
             watcher.cancel()

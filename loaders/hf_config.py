@@ -19,6 +19,9 @@ ARCHITECTURES = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
 }
+# the config.json keys without which no ModelConfig can be built (the others have defaults)
+REQUIRED_KEYS = ("architectures", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                 "num_attention_heads")
 
 
 def read_json(path: pathlib.Path) -> dict:
@@ -65,15 +68,16 @@ def config_from_hf(model_dir: pathlib.Path) -> ModelConfig:
             range (a traceback-free message: `voltserve serve` checks it before the load).
     """
     path = model_dir / "config.json"
+    if not path.is_file():
+        raise LoaderError(f"{model_dir} has no config.json")
     cfg = read_json(path)
-    if not cfg:
-        raise LoaderError(f"{model_dir} has no readable config.json")
     if not isinstance(cfg, dict):
         raise LoaderError(f"{path} is not a JSON object")
     try:
+        missing = missing_keys(cfg)
+        if missing:  # all of them at once: a `{}` (a failed download, say) was "no readable config.json" before
+            raise LoaderError(f"{path} lacks required key(s): {', '.join(repr(k) for k in missing)}")
         config = _model_config(model_dir, cfg)
-    except KeyError as exc:
-        raise LoaderError(f"{path} lacks {exc.args[0]!r}") from exc
     except (TypeError, ValueError, AttributeError, ZeroDivisionError) as exc:  # e.g. a string where a count goes
         raise LoaderError(f"{model_dir}: a value in config.json or generation_config.json has the wrong type or "
                           f"range: {exc}") from exc
@@ -84,9 +88,24 @@ def config_from_hf(model_dir: pathlib.Path) -> ModelConfig:
     return config
 
 
+def _merged(cfg: dict) -> dict:
+    """config.json's keys over those of its `text_config` (a multimodal checkpoint's decoder).
+
+    Raises:
+        TypeError: `text_config` is neither an object nor null.
+    """
+    return {**(cfg.get("text_config") or {}), **cfg}
+
+
+def missing_keys(cfg: dict) -> list[str]:
+    """The `REQUIRED_KEYS` that the parsed config.json `cfg` (or its `text_config`) lacks or sets to null, [] or ""."""
+    merged = _merged(cfg)
+    return [key for key in REQUIRED_KEYS if merged.get(key) in (None, [], "")]
+
+
 def _model_config(model_dir: pathlib.Path, cfg: dict) -> ModelConfig:
-    """`config_from_hf` on the parsed config.json (`cfg`); a missing field is a KeyError."""
-    cfg = {**(cfg.get("text_config") or {}), **cfg}
+    """`config_from_hf` on the parsed config.json (`cfg`), which holds every one of `REQUIRED_KEYS`."""
+    cfg = _merged(cfg)
     archs = cfg.get("architectures") or []
     arch = next((ARCHITECTURES[a] for a in archs if a in ARCHITECTURES), None)
     if arch is None:

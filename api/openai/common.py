@@ -20,7 +20,8 @@ from api.errors import ErrorKind, describe, kind_of, openai_payload
 from api.metrics import NO_STATS
 from api.openai.protocol import ChatTokenLogprob, PromptTokensDetails, SamplingFields, TopLogprob, Usage
 from voltserve.errors import ContextLengthError, InvalidRequestError, VoltError
-from voltserve.request import MAX_LOGPROBS, RequestOutput, SamplingParams, TokenLogprob, prompt_fills_context
+from voltserve.request import (MAX_LOGPROBS, RequestOutput, SamplingParams, TokenLogprob, check_output_budget,
+                               prompt_fills_context)
 
 
 # OpenAI's temperature range is [0, 2] (the engine takes up to `voltserve.request.MAX_TEMPERATURE`)
@@ -71,7 +72,7 @@ def sampling_params(req: SamplingFields, *, max_tokens: int | None, max_tokens_p
         **values, seed=req.seed, max_tokens=max_tokens, min_tokens=req.min_tokens, stop=stop,
         stop_token_ids=list(req.stop_token_ids or []), ignore_eos=req.ignore_eos, logprobs=logprobs,
         include_stop_str_in_output=req.include_stop_str_in_output,
-    ).validate()
+    ).validate(max_tokens_name=max_tokens_param)
 
 
 def check_prompt_chars(engine, num_chars: int, param: str, num_tokens: int = 0) -> None:
@@ -100,19 +101,27 @@ def check_token_ids(tokenizer, ids: list[int], param: str) -> None:
 
 def add_request(engine, prompt_ids: list[int], params: SamplingParams, *, prompt_param: str,
                 max_tokens_param: str):
-    """`engine.add_request`, with a context-length error blamed on the request field at fault.
+    """`engine.add_request`, with a context-length or output-budget error in the request's own field names.
 
     Returns:
         The engine's RequestStream.
 
     Raises:
-        ContextLengthError: param = `prompt_param` when the prompt alone fills the window, else `max_tokens_param`.
-        InvalidRequestError, EngineDeadError: from the engine.
+        ContextLengthError: param = `prompt_param` when the prompt alone fills the window, else `max_tokens_param`
+            (named in the message too).
+        InvalidRequestError: min_tokens above the rest of the window (its message names `max_tokens_param`); any
+            other from the engine.
+        EngineDeadError: from the engine.
     """
     try:
         return engine.add_request(prompt_ids, params)
-    except ContextLengthError as exc:
-        exc.param = prompt_param if len(prompt_ids) >= engine.max_model_len else max_tokens_param
+    except InvalidRequestError as exc:
+        if isinstance(exc, ContextLengthError):
+            exc.param = prompt_param if len(prompt_ids) >= engine.max_model_len else max_tokens_param
+        if exc.param in (max_tokens_param, "min_tokens") and max_tokens_param != "max_tokens":
+            # the engine's message speaks of SamplingParams' max_tokens: the same check again raises it in the
+            # request's words (Responses' max_output_tokens); on the error path only, so no cost to a request
+            check_output_budget(len(prompt_ids), params, engine.max_model_len, max_tokens_param)
         raise
 
 

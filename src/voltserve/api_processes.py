@@ -27,14 +27,16 @@ import logging
 import os
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import time
 
-from actors.engine_socket import ENGINE_LOCK_SUFFIX, try_flock
+from actors.engine_socket import ENGINE_LOCK_SUFFIX, remove_if_same, try_flock
 from voltserve import owned_dirs
 from voltserve.config import PROMETHEUS_DIR_VARIABLES, EngineConfig
 from voltserve.preflight import address
+from voltserve.start_report import START_REPORT_ENV
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +70,62 @@ def listen_socket(host: str, port: int, backlog: int = 1024) -> socket.socket:
     return sock
 
 
+def listen_unix(path: str, backlog: int = 1024) -> tuple[socket.socket, int]:
+    """A Unix stream socket listening at `path` (`EngineConfig.uds`), inheritable by children, its file made with
+    this process's umask (a proxy such as nginx needs write access to connect: e.g. systemd's UMask=0007 and its
+    user in the group). A socket file that nothing accepts on any more (a server that was killed) is replaced.
+
+    Returns:
+        the socket and its file's inode (`actors.engine_socket.remove_if_same` removes it at exit, if still ours).
+
+    Raises:
+        ConfigError: something other than a socket is at `path` (never removed), or a server accepts there.
+        OSError: the socket cannot be made there (e.g. no write access to the folder).
+    """
+    from voltserve.errors import ConfigError
+
+    with contextlib.suppress(FileNotFoundError):
+        if not stat.S_ISSOCK(os.stat(path).st_mode):
+            raise ConfigError(f"uds {path!r} exists and is not a socket (not removed)")
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+            probe.settimeout(1.0)  # a live server with a full backlog does not answer at once
+            try:
+                probe.connect(path)
+            except ConnectionRefusedError:  # stale: its server is gone
+                os.unlink(path)
+            except TimeoutError:
+                raise ConfigError(f"uds {path!r}: a server listens there already") from None
+            else:
+                raise ConfigError(f"uds {path!r}: a server listens there already")
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.bind(path)
+        inode = os.stat(path).st_ino
+        sock.listen(backlog)
+    except BaseException:
+        sock.close()
+        raise
+    sock.set_inheritable(True)
+    return sock, inode
+
+
+def open_listener(config: EngineConfig) -> tuple[socket.socket, int]:
+    """The server's listening socket, inheritable: on `config.uds` (`listen_unix`), else on host:port
+    (`listen_socket`). Returns it and, for a Unix socket, its file's inode (else 0).
+
+    Raises:
+        ConfigError, OSError: as `listen_unix` and `listen_socket` do.
+    """
+    if config.uds:
+        return listen_unix(config.uds)
+    return listen_socket(config.host.replace("[", "").replace("]", ""), config.port), 0  # "[::1]" as hypercorn
+
+
+def endpoint(config: EngineConfig, port: int) -> str:
+    """Where the server listens, for log lines (as hypercorn writes it): `unix:PATH` or `host:port`."""
+    return f"unix:{config.uds}" if config.uds else address(config.host, port)
+
+
 def run_api_processes(config: EngineConfig, log_level: str | None = None) -> int:
     """Run `config.api_processes` API processes until SIGINT / SIGTERM; returns the exit status: that of the
     first child that exited on its own (1 when the engine died), else 1 if a child failed while stopping, else 0.
@@ -81,14 +139,18 @@ def run_api_processes(config: EngineConfig, log_level: str | None = None) -> int
     try:
         engine_socket = config.engine_socket or os.path.join(private, "engine.sock")
         dataclasses.replace(config, engine_socket=engine_socket).validate()
-        sock = listen_socket(config.host, config.port)
+        sock, uds_inode = open_listener(config)
     except BaseException:
         owned_dirs.remove(private)
         raise
     read_end, write_end = os.pipe()  # the children see EOF on read_end once this process is gone
-    port = sock.getsockname()[1]  # --port 0: the one the OS chose, which the children log too
-    env = {**os.environ, "VOLTSERVE_API_PROCESSES": "1", "VOLTSERVE_PORT": str(port), LISTEN_FD_ENV: str(sock.fileno()),
-           PARENT_FD_ENV: str(read_end), "VOLTSERVE_ENGINE_SOCKET": engine_socket}
+    env = {**os.environ, "VOLTSERVE_API_PROCESSES": "1", LISTEN_FD_ENV: str(sock.fileno()),
+           PARENT_FD_ENV: str(read_end), "VOLTSERVE_ENGINE_SOCKET": engine_socket,
+           START_REPORT_ENV: os.path.join(private, "start-failure-reported")}
+    port = 0
+    if not config.uds:
+        port = sock.getsockname()[1]  # --port 0: the one the OS chose, which the children log too
+        env["VOLTSERVE_PORT"] = str(port)
     if not any(name in env for name in PROMETHEUS_DIR_VARIABLES):  # one /metrics over all API processes
         metrics_dir = env[PROMETHEUS_DIR_VARIABLES[0]] = os.path.join(private, "metrics")
         os.mkdir(metrics_dir)
@@ -120,7 +182,7 @@ def run_api_processes(config: EngineConfig, log_level: str | None = None) -> int
         os.close(read_end)
         read_end = -1
         logger.info("%d API processes (pids %s) on http://%s, one engine at %s", len(children),
-                    " ".join(str(c.pid) for c in children), address(config.host, port), env["VOLTSERVE_ENGINE_SOCKET"])
+                    " ".join(str(c.pid) for c in children), endpoint(config, port), env["VOLTSERVE_ENGINE_SOCKET"])
         status = _wait(children, lambda: signals["received"] > 0)
         if not config.engine_socket:  # its private engine: let it finish its own stop (a signal ends the wait)
             _wait_engine_exit(engine_socket + ENGINE_LOCK_SUFFIX, ENGINE_STOP_WAIT_S,
@@ -136,6 +198,8 @@ def run_api_processes(config: EngineConfig, log_level: str | None = None) -> int
         if read_end >= 0:
             os.close(read_end)
         sock.close()
+        if uds_inode:
+            remove_if_same(config.uds, uds_inode)
         owned_dirs.remove(private)
     return status
 
@@ -159,8 +223,9 @@ def _wait(children: list[subprocess.Popen], asked_to_stop) -> int:
         gone = [c for c in children if c.returncode is not None]
         if gone and status == 0 and not asked_to_stop():  # (all of them may have gone since the last look)
             status = gone[0].returncode if gone[0].returncode > 0 else 1  # killed (< 0) or quit unasked (0)
-            logger.error("API process %d exited with status %d; stopping the others", gone[0].pid,
-                         gone[0].returncode)
+            # status 2: a bad setting or model file, which one API process has logged (`voltserve.start_report`)
+            (logger.info if status == 2 else logger.error)(
+                "API process %d exited with status %d; stopping the others", gone[0].pid, gone[0].returncode)
             for child in alive:
                 with contextlib.suppress(ProcessLookupError):
                     child.send_signal(signal.SIGTERM)

@@ -14,12 +14,14 @@ import os
 import signal
 import sys
 
+from actors.engine_socket import remove_if_same
 from loaders.sources import ALIASES
 from voltserve import __version__, event_loop, preflight
-from voltserve.api_processes import LISTEN_FD_ENV, PARENT_FD_ENV, run_api_processes, watch_parent
+from voltserve.api_processes import LISTEN_FD_ENV, PARENT_FD_ENV, endpoint, run_api_processes, watch_parent
 from voltserve.config import EngineConfig, prometheus_multiproc_dir
 from voltserve.errors import INPUT_ERRORS, ConfigError
 from voltserve.log_setup import configure_logging
+from voltserve.start_report import start_reported_elsewhere
 
 logger = logging.getLogger("voltserve.cli")
 STARTUP_TIMEOUT_S = 3600.0  # the app's startup: the model's load (and, on a GPU, its CUDA graphs' capture)
@@ -47,6 +49,8 @@ HELP = {
     "stream_interval": "tokens a stream gathers before each SSE chunk is written; 1 = every token",
     "host": "address to listen on (checked before the model loads)",
     "port": "TCP port to listen on, 0-65535 (checked before the model loads)",
+    "uds": "Unix socket path to listen on instead of --host / --port (e.g. behind nginx on this host); a socket "
+           "file left by a server that is gone is replaced, the socket is removed at exit",
     "num_threads": "torch intra-op threads on the CPU (>= 0); 0 = one per core less one for the HTTP server (at "
                    "least 1)",
     "weight_format": "CPU: auto (int4 kernels for Q4 weights, bf16 for other quantized ones, where available) "
@@ -154,34 +158,34 @@ def serve(args: argparse.Namespace) -> int:
         prometheus_multiproc_dir()  # a set but missing folder
         if not config.engine_socket:  # else the engine resolves it (one may already run, started elsewhere)
             preflight.check_model(config)  # the draft model too, and the KV pool where its size is known
-        listener = None  # one of several API processes serves its supervisor's socket (LISTEN_FD_ENV)
+        listener, uds_inode = None, 0  # one of several API processes serves its supervisor's socket (LISTEN_FD_ENV)
         if not os.environ.get(LISTEN_FD_ENV):
-            listener = preflight.listen(config.host, config.port)
+            listener, uds_inode = preflight.listen(config)
     except INPUT_ERRORS as exc:
         logger.error("bad configuration: %s", exc)
         return 2
     if config.api_processes > 1:
         if listener is not None:
             listener.close()  # the supervisor opens its own, inherited by its API processes
+            if uds_inode:
+                remove_if_same(config.uds, uds_inode)
         try:
             return run_api_processes(config, args.log_level)
         except ConfigError as exc:
             logger.error("bad configuration: %s", exc)
             return 2
         except OSError as exc:  # taken since the check above
-            logger.error("bad configuration: %s", preflight.listen_error(config.host, config.port, exc))
+            logger.error("bad configuration: %s", preflight.listen_error(config, exc))
             return 2
     listen_fd = os.environ.pop(LISTEN_FD_ENV, "")  # set when this is one of several API processes
     parent_fd = os.environ.pop(PARENT_FD_ENV, "")
-    port = listener.getsockname()[1] if listener is not None else config.port  # --port 0: the one the OS chose
-    try:
-        import api  # builds the app from the environment set above
-    except ConfigError as exc:
-        logger.error("bad configuration: %s", exc)
-        return 2
+    port = config.port
+    if listener is not None and not config.uds:
+        port = listener.getsockname()[1]  # --port 0: the one the OS chose
+    import api  # builds the app from the environment set above (checked: a bad variable returned 2 already)
 
     hconfig = HypercornConfig()
-    address = preflight.address(config.host, port)
+    address = endpoint(config, port)
     # hypercorn's socket owns the fd it serves (it closes it on shutdown): ours lets go of it, not to close it twice
     served_fd = int(listen_fd) if listen_fd else listener.detach()
     hconfig.bind = [f"fd://{served_fd}"]
@@ -192,10 +196,11 @@ def serve(args: argparse.Namespace) -> int:
     hconfig.startup_timeout = STARTUP_TIMEOUT_S  # hypercorn's 60 s would cancel a large model's load
     logger.info("voltserve %s (pid %d): serving %s on http://%s (%s event loop)", __version__, os.getpid(),
                 config.model, address, loop_name)
-    from api.app import SignalDrain
+    from api.app import EXIT_ON_START_FAILURE, SignalDrain
     from api.state import EXTENSION_KEY
 
     state = api.app.extensions[EXTENSION_KEY]
+    api.app.config[EXIT_ON_START_FAILURE] = False  # a failed start is hypercorn's LifespanFailureError here
 
     async def run() -> None:
         drain = SignalDrain(state, config.shutdown_timeout)  # before the app (and the model) starts
@@ -210,12 +215,16 @@ def serve(args: argparse.Namespace) -> int:
             os.close(served_fd)
         if state.start_error is not None:  # a bad setting or model file: the app logged it in one line
             return 2
-        logger.error("exiting with status 1: the server did not start: %s", exc.args[0] if exc.args else exc)
+        if not start_reported_elsewhere():  # (one of several API processes: the first to fail said why)
+            logger.error("exiting with status 1: the server did not start: %s", exc.args[0] if exc.args else exc)
         return 1
     except KeyboardInterrupt:  # a SIGINT after the drain (SignalDrain leaves it the default action) cut the stop
         logger.warning("interrupted while shutting down: exiting with status 130 (the engine process ends on its "
                        "own once this process is gone)")
         return 130
+    finally:
+        if uds_inode:  # our socket file goes with the server (a proxy then gets "no such file", not a refusal)
+            remove_if_same(config.uds, uds_inode)
     engine = state.engine
     if engine is not None and getattr(engine, "_dead", None) is not None:
         logger.error("exiting with status 1: the engine died (%r)", engine._dead)

@@ -97,13 +97,23 @@ def _check_text_file(name: str, path: str) -> None:
         raise ConfigError(f"{name} {path!r} is not UTF-8 text (byte {exc.start}: {exc.reason})") from exc
 
 
+def _check_socket_path(name: str, path: str, folder_rights: str) -> None:
+    """Raise ConfigError unless `path` ("" = unset) fits a Unix socket's address and its folder exists."""
+    if len(os.fsencode(path)) > MAX_SOCKET_PATH_BYTES:
+        raise ConfigError(f"{name} must be a path of at most {MAX_SOCKET_PATH_BYTES} bytes (a Unix socket's limit)")
+    folder = os.path.dirname(os.path.abspath(path)) if path else ""
+    if folder and not os.path.isdir(folder):
+        raise ConfigError(f"{name} {path!r}: the folder {folder!r} does not exist (create it, {folder_rights}, "
+                          "e.g. systemd's RuntimeDirectory=)")
+
+
 TOOL_CALL_PARSERS = ("auto", "hermes", "none")
 REASONING_PARSERS = ("auto", "qwen3", "deepseek_r1", "none")
 SPECULATIVE_METHODS = ("none", "ngram", "draft_model")
 MAX_SOCKET_PATH_BYTES = 100  # sun_path holds 108 bytes on Linux (104 on macOS), with its terminating NUL
 # EngineConfig fields that only the API process reads; API processes sharing one engine may differ in them
 API_ONLY_FIELDS = frozenset({"served_model_name", "api_key", "sse_keep_alive_interval", "stream_interval", "host",
-                             "port", "exit_on_engine_death", "engine_process", "engine_socket", "api_processes",
+                             "port", "uds", "exit_on_engine_death", "engine_process", "engine_socket", "api_processes",
                              "shutdown_timeout", "tool_call_parser", "reasoning_parser",
                              "trust_request_mm_kwargs"})
 
@@ -136,6 +146,9 @@ class EngineConfig:
             --stream-interval). Applied where the request's `actors.stream.RequestStream` lives: the API process
             with the engine in its own process, else AsyncEngine's loop.
         host / port: where `voltserve serve` listens.
+        uds: a Unix socket path `voltserve serve` listens on instead of host / port (e.g. behind nginx on the same
+            host); "" = host / port. A socket file a server that is gone left there is replaced; the socket is
+            removed at exit.
         num_threads: torch intra-op threads on the CPU backend; 0 = auto: where an engine serves HTTP (the
             engine process, an in-process server) torch's default (one per core) less one for the API process,
             at least 1 (`actors.build.cpu_threads`); elsewhere (offline tools, an `AsyncEngine` embedded in
@@ -227,6 +240,7 @@ class EngineConfig:
     stream_interval: int = 1
     host: str = "127.0.0.1"
     port: int = 8000
+    uds: str = ""
     num_threads: int = 0
     weight_format: str = "auto"
     tensor_parallel_size: int = 1
@@ -313,13 +327,11 @@ class EngineConfig:
         if (self.engine_socket or self.api_processes > 1) and not self.engine_process:
             raise ConfigError("engine_socket and api_processes > 1 need engine_process (the shared engine is a "
                               "process of its own)")
-        if len(os.fsencode(self.engine_socket)) > MAX_SOCKET_PATH_BYTES:
-            raise ConfigError(f"engine_socket must be a path of at most {MAX_SOCKET_PATH_BYTES} bytes "
-                              "(a Unix socket's limit)")
-        folder = os.path.dirname(os.path.abspath(self.engine_socket)) if self.engine_socket else ""
-        if folder and not os.path.isdir(folder):
-            raise ConfigError(f"engine_socket {self.engine_socket!r}: the folder {folder!r} does not exist (create "
-                              "it, writable by the serving user only, e.g. systemd's RuntimeDirectory=)")
+        _check_socket_path("engine_socket", self.engine_socket, "writable by the serving user only")
+        _check_socket_path("uds", self.uds, "writable by the serving user")
+        if self.uds and (self.host, self.port) != (EngineConfig.host, EngineConfig.port):
+            raise ConfigError(f"uds {self.uds!r} and host / port {self.host}:{self.port} both say where to listen: "
+                              "give one of them")
         if not self.served_model_name:
             self.served_model_name = self.model
         return self

@@ -23,28 +23,35 @@ def address(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
-def listen_error(host: str, port: int, exc: OSError) -> str:
-    """The one-line message for an address that cannot be listened on: host:port and the OS's reason."""
-    return f"cannot listen on {address(host, port)}: {exc.strerror or exc} (--host / --port)"
+def listen_error(config: EngineConfig, exc: OSError) -> str:
+    """The one-line message for an address that cannot be listened on: `config.uds`, or host:port, and the OS's
+    reason."""
+    if config.uds:
+        return f"cannot listen on unix:{config.uds}: {exc.strerror or exc} (--uds)"
+    return f"cannot listen on {address(config.host, config.port)}: {exc.strerror or exc} (--host / --port)"
 
 
-def listen(host: str, port: int) -> socket.socket:
-    """The server's listening TCP socket on host:port (`api_processes.listen_socket`: as hypercorn binds), opened
-    before the model loads: a port in use, or a host that is no local address or does not resolve, fails here at
-    once instead of in hypercorn after the load, and no other process can take the port meanwhile (hypercorn then
-    serves this socket, `fd://`; connections made during the load wait in its backlog, as with vLLM's early bind).
+def listen(config: EngineConfig) -> tuple[socket.socket, int]:
+    """The server's listening socket (`api_processes.open_listener`: on `config.uds`, else on host:port as
+    hypercorn binds), opened before the model loads: a port in use, a host that is no local address or does not
+    resolve, a socket path taken by a live server or by another file fails here at once instead of in hypercorn
+    after the load, and no other process can take the address meanwhile (hypercorn then serves this socket,
+    `fd://`; connections made during the load wait in its backlog, as with vLLM's early bind).
+
+    Returns:
+        the socket and, for `config.uds`, its file's inode (0 for TCP): the caller removes the file at exit.
 
     Raises:
-        ConfigError: naming host:port and the OS's reason.
+        ConfigError: naming the address and the OS's reason.
     """
-    from voltserve.api_processes import listen_socket
+    from voltserve.api_processes import open_listener
 
     try:
-        sock = listen_socket(host.replace("[", "").replace("]", ""), port)  # "[::1]" as hypercorn reads its bind
+        sock, inode = open_listener(config)
     except OSError as exc:
-        raise ConfigError(listen_error(host, port, exc)) from exc
+        raise ConfigError(listen_error(config, exc)) from exc
     sock.set_inheritable(False)  # this process's own: no child (the engine process) holds the port
-    return sock
+    return sock, inode
 
 
 def check_model(config: EngineConfig) -> None:

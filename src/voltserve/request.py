@@ -74,8 +74,13 @@ class SamplingParams:
     def has_penalties(self) -> bool:
         return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
-    def validate(self) -> "SamplingParams":
-        """Range checks. Raises InvalidRequestError with `param` set to the field name. Returns self."""
+    def validate(self, max_tokens_name: str = "max_tokens") -> "SamplingParams":
+        """Range checks. Raises InvalidRequestError with `param` set to the field name. Returns self.
+
+        Args:
+            max_tokens_name: the request's name for `max_tokens` (e.g. Responses' `max_output_tokens`), used in
+                the messages and `param` of the errors about it.
+        """
         numbers = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
         for name in numbers:
             if not math.isfinite(getattr(self, name)):
@@ -87,7 +92,7 @@ class SamplingParams:
             (self.top_k >= -1, "top_k", "top_k must be -1, 0 or positive"),
             (self.top_k <= MAX_TOP_K, "top_k", f"top_k must be <= {MAX_TOP_K}"),
             (0 <= self.min_p <= 1, "min_p", "min_p must be in [0, 1]"),
-            (self.max_tokens is None or self.max_tokens >= 1, "max_tokens", "max_tokens must be >= 1"),
+            (self.max_tokens is None or self.max_tokens >= 1, max_tokens_name, f"{max_tokens_name} must be >= 1"),
             (self.min_tokens >= 0, "min_tokens", "min_tokens must be >= 0"),
             (self.n >= 1, "n", "n must be >= 1"),
             (self.n <= 128, "n", "n must be <= 128"),
@@ -106,7 +111,7 @@ class SamplingParams:
             if not ok:
                 raise InvalidRequestError(message, param=param)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise InvalidRequestError("min_tokens must be <= max_tokens", param="min_tokens")
+            raise InvalidRequestError(f"min_tokens must be <= {max_tokens_name}", param="min_tokens")
         return self
 
 
@@ -192,17 +197,36 @@ def check_request(prompt_token_ids: list[int], params: SamplingParams, vocab_siz
         raise InvalidRequestError(f"stop_token_ids must be in [0, {vocab_size})", param="stop_token_ids")
     if num_prompt >= max_model_len:
         raise prompt_fills_context(max_model_len, str(num_prompt))
+    return check_output_budget(num_prompt, params, max_model_len)
+
+
+def check_output_budget(num_prompt: int, params: SamplingParams, max_model_len: int,
+                        max_tokens_name: str = "max_tokens") -> int:
+    """The part of `check_request` that is about the output budget, for a prompt that leaves room for output.
+
+    Args:
+        num_prompt: the prompt's length in tokens (< max_model_len).
+        params: the request's (validated) sampling parameters.
+        max_model_len: context window in tokens (prompt + output).
+        max_tokens_name: the request's name for `max_tokens` (Responses: `max_output_tokens`; Chat Completions:
+            `max_completion_tokens` where given), used in the messages and `param` of the errors.
+    Returns:
+        The output token budget: params.max_tokens, or the rest of the context when it is None.
+    Raises:
+        ContextLengthError: the prompt plus max_tokens does not fit the context (param `max_tokens_name`).
+        InvalidRequestError: min_tokens above the rest of the context, without max_tokens (param "min_tokens").
+    """
     max_tokens = params.max_tokens if params.max_tokens is not None else max_model_len - num_prompt
     if num_prompt + max_tokens > max_model_len:
         raise ContextLengthError(
             f"This model's maximum context length is {max_model_len} tokens. However, you requested "
             f"{num_prompt + max_tokens} tokens ({num_prompt} in the prompt, {max_tokens} for the completion). "
-            f"Reduce the prompt or max_tokens.", param="max_tokens")
+            f"Reduce the prompt or {max_tokens_name}.", param=max_tokens_name)
     if params.min_tokens > max_tokens:
         # only without max_tokens (validate() compared the two): the context's rest is the budget, and a min_tokens
         # past it would mask EOS until the window is full, then end "length" short of min_tokens anyway
         raise InvalidRequestError(
-            f"min_tokens ({params.min_tokens}) must be <= max_tokens; without max_tokens that is the rest of the "
-            f"context window: {max_tokens} tokens ({max_model_len} less {num_prompt} in the prompt)",
+            f"min_tokens ({params.min_tokens}) must be <= {max_tokens_name}; without {max_tokens_name} that is the "
+            f"rest of the context window: {max_tokens} tokens ({max_model_len} less {num_prompt} in the prompt)",
             param="min_tokens")
     return max_tokens

@@ -93,11 +93,13 @@ def test_cli_signal_during_the_stop_exits_130_with_one_line(monkeypatch, caplog)
 
 def test_cli_unreadable_model_dir_exits_2_before_loading(caplog, tmp_path):
     """A Hugging Face directory whose config.json says nothing: read as the loader reads it, before the engine
-    starts; one line, status 2 (it used to fail the app's startup, status 1)."""
+    starts; one line naming the file and the keys it lacks, status 2 (it used to fail the app's startup, status 1;
+    then it said "no readable config.json")."""
     (tmp_path / "config.json").write_text("{}")
     assert cli.main(["serve", str(tmp_path), "--device", "cpu", "--port", "0"]) == 2
     assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == [
-        f"bad configuration: {tmp_path} has no readable config.json"]
+        f"bad configuration: {tmp_path / 'config.json'} lacks required key(s): 'architectures', 'vocab_size', "
+        "'hidden_size', 'intermediate_size', 'num_hidden_layers', 'num_attention_heads'"]
 
 
 def _serve_subprocess(argv: list[str], setup: str = "") -> subprocess.CompletedProcess:

@@ -121,6 +121,25 @@ def test_api_processes_stop_when_the_supervisor_is_killed(tiny_dir, tmp_path):
             _wait_until(lambda pid=pid: _gone(pid), 60, f"process {pid} outlived the supervisor", server.log)
 
 
+def test_a_failed_engine_start_is_logged_once_with_status_2(tmp_path):
+    """A model that passes the checks before the load and fails in it (no tokenizer.json): every API process
+    fails on the shared engine's start, but one of them logs it (`voltserve.start_report`), in one line; the
+    supervisor exits 2. It was one line per API process."""
+    import json
+
+    (tmp_path / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "hidden_size": 64, "num_attention_heads": 4, "intermediate_size": 96,
+        "num_hidden_layers": 2, "vocab_size": 320}))
+    env = {**os.environ, "VOLTSERVE_API_KEY": "", "VOLTSERVE_ENGINE_SOCKET": ""}
+    done = subprocess.run([sys.executable, "-m", "voltserve.cli", "serve", str(tmp_path), "--device", "cpu",
+                           "--port", "18140", "--api-processes", "3"], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert [line.partition(" ERROR ")[2] for line in done.stderr.splitlines() if " ERROR " in line] == [
+        f"api.app: bad configuration: {tmp_path} has no tokenizer.json"], done.stderr[-3000:]
+    assert "Traceback" not in done.stderr
+
+
 def test_a_signal_while_the_api_processes_start_reaches_them_all(tiny_dir, tmp_path):
     """SIGTERM right after the children started, while they import and load (e.g. systemctl stop at once):
     every child gets it, and all exit; status 0."""

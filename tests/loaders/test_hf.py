@@ -102,3 +102,22 @@ def test_a_malformed_config_json_is_a_loader_error(tmp_path, change, message):
         return
     with pytest.raises(LoaderError, match=message):
         config_from_hf(tmp_path)
+
+
+@pytest.mark.parametrize("config, missing", [
+    ({}, "'architectures', 'vocab_size', 'hidden_size', 'intermediate_size', 'num_hidden_layers', "
+         "'num_attention_heads'"),
+    ({**_TINY_CONFIG, "hidden_size": None, "vocab_size": None}, "'vocab_size', 'hidden_size'"),
+    ({**_TINY_CONFIG, "architectures": []}, "'architectures'"),
+    ({"architectures": ["LlamaForCausalLM"], "text_config": {"hidden_size": 64, "vocab_size": 320}},
+     "'intermediate_size', 'num_hidden_layers', 'num_attention_heads'"),
+], ids=["empty", "null-sizes", "no-architectures", "text-config"])
+def test_a_config_json_without_required_keys_names_them_all(tmp_path, config, missing):
+    """An empty or partial config.json (a failed download, a hand-written one) names the file and every required
+    key it lacks in one message, not "no readable config.json" or only the first key."""
+    from loaders.hf_config import config_from_hf
+
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(LoaderError) as info:
+        config_from_hf(tmp_path)
+    assert str(info.value) == f"{tmp_path / 'config.json'} lacks required key(s): {missing}"

@@ -62,3 +62,19 @@ def test_a_chat_template_file_that_is_not_utf8_or_unreadable_is_one_line(tmp_pat
     monkeypatch.setattr(builtins, "open", no_permission)  # root reads any file: as another user
     with pytest.raises(ConfigError, match=r"^chat_template '.*t.jinja' cannot be read: Permission denied$"):
         EngineConfig(chat_template=str(binary)).validate()
+
+
+def test_uds_is_checked_like_the_engine_socket_and_excludes_host_port(monkeypatch):
+    """`--uds` / VOLTSERVE_UDS: a Unix socket's address (<= 100 bytes) in an existing folder, API-only (API
+    processes on one engine may differ), and not together with a host / port other than the defaults."""
+    with pytest.raises(ConfigError, match="^uds must be a path of at most 100 bytes"):
+        EngineConfig(uds="/tmp/" + "x" * 100).validate()
+    with pytest.raises(ConfigError) as info:
+        EngineConfig(uds="/no/such/dir/api.sock").validate()
+    assert str(info.value) == ("uds '/no/such/dir/api.sock': the folder '/no/such/dir' does not exist (create it, "
+                               "writable by the serving user, e.g. systemd's RuntimeDirectory=)")
+    with pytest.raises(ConfigError, match=r"^uds '/tmp/a.sock' and host / port 0.0.0.0:8000 both say where"):
+        EngineConfig(uds="/tmp/a.sock", host="0.0.0.0").validate()
+    monkeypatch.setenv("VOLTSERVE_UDS", "/tmp/a.sock")
+    config = EngineConfig.from_env()
+    assert config.uds == "/tmp/a.sock" and config.engine_settings() == EngineConfig().validate().engine_settings()

@@ -332,6 +332,10 @@ class EngineConfig:
         if self.uds and (self.host, self.port) != (EngineConfig.host, EngineConfig.port):
             raise ConfigError(f"uds {self.uds!r} and host / port {self.host}:{self.port} both say where to listen: "
                               "give one of them")
+        if self.uds and self.engine_socket and os.path.realpath(self.uds) == os.path.realpath(self.engine_socket):
+            # else the API process would attach to its own HTTP socket, bound before the load, and wait for an hour
+            raise ConfigError(f"uds and engine_socket are both {self.uds!r}: the HTTP server's socket and the "
+                              "engine's need two paths")
         if not self.served_model_name:
             self.served_model_name = self.model
         return self

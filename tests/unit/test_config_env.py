@@ -78,3 +78,18 @@ def test_uds_is_checked_like_the_engine_socket_and_excludes_host_port(monkeypatc
     monkeypatch.setenv("VOLTSERVE_UDS", "/tmp/a.sock")
     config = EngineConfig.from_env()
     assert config.uds == "/tmp/a.sock" and config.engine_settings() == EngineConfig().validate().engine_settings()
+
+
+def test_uds_and_engine_socket_on_one_path_is_one_line(tmp_path):
+    """`--uds P --engine-socket P` (or the same file through a symlinked folder): the API process attached to its own
+    HTTP socket, bound before the load, and waited ATTACH_TIMEOUT_S (an hour) for an engine; now a ConfigError."""
+    (tmp_path / "run").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "run")
+    sock = str(tmp_path / "run" / "s.sock")
+    for engine_socket in (sock, str(tmp_path / "link" / "s.sock")):
+        with pytest.raises(ConfigError) as info:
+            EngineConfig(uds=sock, engine_socket=engine_socket).validate()
+        assert str(info.value) == (f"uds and engine_socket are both {sock!r}: the HTTP server's socket and the "
+                                   "engine's need two paths")
+    config = EngineConfig(uds=sock, engine_socket=str(tmp_path / "run" / "engine.sock")).validate()
+    assert config.uds == sock

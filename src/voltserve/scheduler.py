@@ -370,7 +370,6 @@ class Scheduler:
             1..len(drafts) + 1 for entries with drafts.
         """
         touched = []
-        block_size = self.block_size
         for entry in plan.entries:  # per sequence per step: kept lean
             seq = entry.seq
             if seq.status is SequenceStatus.FINISHED:  # aborted while the step ran
@@ -379,10 +378,7 @@ class Scheduler:
                 self._apply_verified(seq, entry, sampled[seq.seq_id])
                 touched.append(seq)
                 continue
-            before = seq.num_computed_tokens
-            seq.num_computed_tokens += entry.num_new
-            if seq.num_computed_tokens // block_size > before // block_size:  # a block filled up
-                self._register_full_blocks(seq, before)
+            self._add_computed(seq, entry.num_new)
             if not entry.sample:
                 continue
             token = sampled[seq.seq_id]
@@ -437,10 +433,7 @@ class Scheduler:
             reason, stop_reason = self._check_stop(seq, token)
             if reason is not None:
                 break
-        before = seq.num_computed_tokens
-        seq.num_computed_tokens += kept
-        if seq.num_computed_tokens // self.block_size > before // self.block_size:
-            self._register_full_blocks(seq, before)
+        self._add_computed(seq, kept)
         record_verify(seq, len(tokens) - 1, self.draft_max_pause)
         if reason is not None:
             self.finish(seq, reason, stop_reason)
@@ -489,11 +482,15 @@ class Scheduler:
         if not seq.output_ids:  # usage counts cached prompt tokens of the first admission
             seq.num_cached_tokens = seq.num_computed_tokens
 
-    def _register_full_blocks(self, seq: Sequence, computed_before: int) -> None:
-        """Publish the blocks a step filled: those full now but not at `computed_before` computed tokens (the ones
-        before were registered when they filled, or came from the prefix cache)."""
-        self.pool.publish(seq.block_ids, seq.block_hashes, seq.tokens_in, computed_before // self.block_size,
-                          seq.num_computed_tokens // self.block_size)
+    def _add_computed(self, seq: Sequence, num_tokens: int) -> None:
+        """Count `num_tokens` more of seq's tokens as computed and publish the blocks they filled (the ones before
+        were published when they filled, or came from the prefix cache). Per sequence per step: no call unless a
+        block filled."""
+        first = seq.num_computed_tokens // self.block_size
+        seq.num_computed_tokens += num_tokens
+        end = seq.num_computed_tokens // self.block_size
+        if end > first:
+            self.pool.publish(seq.block_ids, seq.block_hashes, seq.tokens_in, first, end)
 
     def _release(self, seq: Sequence) -> None:
         if self._forget_drafts is not None:  # a draft model's K/V of it goes too

@@ -13,6 +13,7 @@ from loaders.sources import ALIASES, cached_alias_file, check_model_spec, defaul
 from voltserve.errors import LoaderError
 
 if TYPE_CHECKING:
+    from loaders.gguf_header import GGUFHeader
     from loaders.model import LoadedModel
     from voltserve.config import ModelConfig
 
@@ -62,11 +63,20 @@ def peek_model_config(spec: str) -> ModelConfig | None:
     path = check_model_spec(spec)
     if path is not None:
         return config_from_hf(path) if path.is_dir() else read_gguf_header(path).model_config()
+    header = _cached_alias_header(spec)
+    return header.model_config() if header is not None else None
+
+
+def _cached_alias_header(spec: str) -> GGUFHeader | None:
+    """The GGUF header of built-in alias `spec`'s cached file; None when it
+    is not fetched yet or its copy is damaged (the loader then fetches it again)."""
+    from loaders.gguf_header import read_gguf_header
+
     cached = cached_alias_file(ALIASES[spec.strip().lower()], default_cache_dir())
     if cached is None:
         return None
     try:
-        return read_gguf_header(cached).model_config()
+        return read_gguf_header(cached)
     except LoaderError:
         return None
 
@@ -88,21 +98,14 @@ def peek_packed_weights(spec: str) -> dict[str, tuple[str, int]]:
     path = check_model_spec(spec)
     if path is not None and path.is_dir():
         return {}
-    if path is not None:
-        header = read_gguf_header(path)
-    else:  # an alias: its cached file, if it is there and whole (else the loader fetches it again)
-        cached = cached_alias_file(ALIASES[spec.strip().lower()], default_cache_dir())
-        try:
-            header = read_gguf_header(cached) if cached is not None else None
-        except LoaderError:
-            header = None
-        if header is None:
-            return {}
+    header = read_gguf_header(path) if path is not None else _cached_alias_header(spec)
+    if header is None:
+        return {}
     packed = {}
     for name, qtype in header.tensor_types.items():
         dims = header.tensor_shapes[name]  # innermost first: (in_features, out_features)
-        if qtype in PACKED_TYPES and len(dims) == 2 and hf_name(name) is not None:
-            packed[hf_name(name)] = (qtype, int(dims[0]))
+        if qtype in PACKED_TYPES and len(dims) == 2 and (hf := hf_name(name)) is not None:
+            packed[hf] = (qtype, int(dims[0]))
     return packed
 
 

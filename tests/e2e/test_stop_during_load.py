@@ -9,9 +9,11 @@ from __future__ import annotations
 import asyncio
 import functools
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -27,6 +29,15 @@ HOOK = Path(__file__).resolve().parent / "slow_load_hook"
 LOAD_DELAY_S = 300.0  # far past the bound below: a server that waits for the load fails, it does not pass late
 EXIT_BOUND_S = 10.0  # the exit takes ~1-2 s on a 2-core machine; the rest is a margin for a busy one
 SERVE = [sys.executable, "-m", "voltserve.cli", "serve"]
+
+
+@pytest.fixture
+def short_tmpdir():
+    """A fresh, short TMPDIR for the server: --api-processes puts its engine socket in a folder there, and a
+    pytest tmp_path (/tmp/pytest-of-USER/pytest-NNN/test_...) can push that path past a Unix socket's 100 bytes."""
+    path = Path(tempfile.mkdtemp(prefix="vs-sdl-"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
 
 
 def _children() -> dict[int, list[int]]:
@@ -79,11 +90,10 @@ def _wait_for_loads(log: Path, count: int, proc: subprocess.Popen) -> None:
     (["--tensor-parallel-size", "2", "--no-engine-process"], 2, signal.SIGTERM),  # rank 0 loads in the API process
     ("hypercorn", 1, signal.SIGTERM),  # a bare `hypercorn api:app`: its worker process, the engine process
 ], ids=["tp2-sigterm", "tp2-sigint", "api-processes", "no-engine-process", "hypercorn"])
-def test_a_signal_during_the_load_stops_the_server_at_once(tmp_path, command, loads, sig):
+def test_a_signal_during_the_load_stops_the_server_at_once(tmp_path, short_tmpdir, command, loads, sig):
     model = tmp_path / "tiny.gguf"
     write_tiny_gguf(model)  # heads 4, KV heads 2: TP 2 splits them
-    tmp = tmp_path / "tmp"  # the server's TMPDIR: its temporary folders must all be gone afterwards
-    tmp.mkdir()
+    tmp = short_tmpdir  # the server's TMPDIR: its temporary folders must all be gone afterwards
     log = tmp_path / "loads.log"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HOOK), *sys.path]), "TMPDIR": str(tmp),
            "VOLTSERVE_TEST_LOAD_DELAY_S": str(LOAD_DELAY_S), "VOLTSERVE_TEST_LOAD_LOG": str(log),

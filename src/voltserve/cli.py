@@ -100,6 +100,19 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
+def _nonempty(value: str) -> str:
+    """argparse type of the string flags (and MODEL): an empty value is a usage error. The app reads an empty
+    `VOLTSERVE_*` variable as unset, so `--uds ''` (an unset shell variable) silently served on TCP, `--api-key ''`
+    without a key, `--model ''` the default model.
+
+    Raises:
+        argparse.ArgumentTypeError: `value` is empty.
+    """
+    if not value:
+        raise argparse.ArgumentTypeError("must not be empty (leave it out for the default)")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The `voltserve` argument parser; `serve` gets one flag per EngineConfig field (default None = unset)."""
     parser = argparse.ArgumentParser(prog="voltserve", description="LLM inference server (OpenAI-compatible API)")
@@ -107,9 +120,9 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     serve = commands.add_parser("serve", help="serve a model over HTTP",
                                 description="Serve a model over HTTP (hypercorn on api:app).")
-    serve.add_argument("model_positional", nargs="?", metavar="MODEL", help=HELP["model"])
+    serve.add_argument("model_positional", nargs="?", metavar="MODEL", type=_nonempty, help=HELP["model"])
     for f in dataclasses.fields(EngineConfig):
-        kind = type(f.default)
+        kind = _nonempty if type(f.default) is str else type(f.default)
         extra = {"action": argparse.BooleanOptionalAction} if kind is bool else {"type": kind, "metavar": f.name.upper()}
         serve.add_argument(_flag(f.name), dest=f.name, default=None, help=HELP.get(f.name, f.name), **extra)
     serve.add_argument("--log-level", default=None, choices=["debug", "info", "warning", "error"],

@@ -17,7 +17,9 @@ import sys
 from actors.engine_socket import remove_if_same
 from loaders.sources import ALIASES
 from voltserve import __version__, event_loop, preflight
-from voltserve.api_processes import LISTEN_FD_ENV, PARENT_FD_ENV, endpoint, run_api_processes, watch_parent
+from voltserve.api_processes import (
+    LISTEN_FD_ENV, PARENT_FD_ENV, endpoint, release_uds, run_api_processes, unlock_uds, watch_parent,
+)
 from voltserve.config import EngineConfig, prometheus_multiproc_dir
 from voltserve.errors import INPUT_ERRORS, ConfigError
 from voltserve.log_setup import configure_logging
@@ -50,7 +52,7 @@ HELP = {
     "host": "address to listen on (checked before the model loads)",
     "port": "TCP port to listen on, 0-65535 (checked before the model loads)",
     "uds": "Unix socket path to listen on instead of --host / --port (e.g. behind nginx on this host); a socket "
-           "file left by a server that is gone is replaced, the socket is removed at exit",
+           "file left by a server that is gone is replaced (under the lock PATH.lock), the socket is removed at exit",
     "num_threads": "torch intra-op threads on the CPU (>= 0); 0 = one per core less one for the HTTP server (at "
                    "least 1)",
     "weight_format": "CPU: auto (int4 kernels for Q4 weights, bf16 for other quantized ones, where available) "
@@ -180,7 +182,7 @@ def serve(args: argparse.Namespace) -> int:
     if config.api_processes > 1:
         if listener is not None:
             listener.close()  # the supervisor opens its own, inherited by its API processes
-            if uds_inode:
+            if uds_inode:  # (its lock stays held: the supervisor's socket takes the path under it)
                 remove_if_same(config.uds, uds_inode)
         try:
             return run_api_processes(config, args.log_level)
@@ -190,6 +192,8 @@ def serve(args: argparse.Namespace) -> int:
         except OSError as exc:  # taken since the check above
             logger.error("bad configuration: %s", preflight.listen_error(config, exc))
             return 2
+        finally:
+            unlock_uds(config.uds)
     listen_fd = os.environ.pop(LISTEN_FD_ENV, "")  # set when this is one of several API processes
     parent_fd = os.environ.pop(PARENT_FD_ENV, "")
     port = config.port
@@ -237,7 +241,7 @@ def serve(args: argparse.Namespace) -> int:
         return 130
     finally:
         if uds_inode:  # our socket file goes with the server (a proxy then gets "no such file", not a refusal)
-            remove_if_same(config.uds, uds_inode)
+            release_uds(config.uds, uds_inode)
     engine = state.engine
     if engine is not None and getattr(engine, "_dead", None) is not None:
         logger.error("exiting with status 1: the engine died (%r)", engine._dead)

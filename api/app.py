@@ -28,6 +28,14 @@ from voltserve.start_report import claim_start_report, start_reported_elsewhere
 
 logger = logging.getLogger(__name__)
 MAX_BODY_BYTES = 32 * 1024 * 1024
+HYPERCORN_LOG = "hypercorn.error"  # hypercorn's own log, under `voltserve serve` and a bare hypercorn alike
+
+
+def _hide_running_on(record: logging.LogRecord) -> bool:
+    """A filter on HYPERCORN_LOG that drops hypercorn's "Running on ..." line. After a start that a stop cancelled
+    (`ServerState.start_engine` returned False) hypercorn still opens its listeners, logs that line and only then
+    looks at its shutdown trigger: the line, logged after the stop, told operators the server served."""
+    return not record.getMessage().startswith("Running on ")
 
 
 def _blueprints():
@@ -218,6 +226,7 @@ def create_app(engine: Any = None, config: EngineConfig | None = None, *,
         watcher = asyncio.ensure_future(watch_hypercorn_shutdown(state))
         try:
             if not await state.start_engine():  # stopped while it started: the server's shutdown follows
+                logging.getLogger(HYPERCORN_LOG).addFilter(_hide_running_on)  # removed after serving
                 return
         except Exception as exc:
             if isinstance(exc, INPUT_ERRORS):
@@ -234,6 +243,7 @@ def create_app(engine: Any = None, config: EngineConfig | None = None, *,
 
     @app.after_serving
     async def stop_engine() -> None:
+        logging.getLogger(HYPERCORN_LOG).removeFilter(_hide_running_on)
         if state.engine is not None:
             await state.engine.stop()
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import fcntl
 import logging
 import os
 import signal
@@ -45,6 +46,8 @@ PARENT_FD_ENV = "VOLTSERVE_PARENT_FD"  # a child's read end of a pipe: EOF = the
 POLL_S = 0.1
 ENGINE_STOP_WAIT_S = 40.0  # the engine's stop after its last API process (a step in hand, then the actors)
 FOLDER_PREFIX = "voltserve-api-"  # the supervisor's private folder, in the temporary folder
+UDS_LOCK_SUFFIX = ".lock"  # `lock_uds`: PATH.lock beside the --uds socket PATH
+_uds_locks: dict[str, int] = {}  # --uds path -> the fd of its lock file this process holds (`lock_uds`)
 CHILD = "from voltserve.cli import main; import sys; sys.exit(main(['serve']))"
 
 
@@ -73,40 +76,104 @@ def listen_socket(host: str, port: int, backlog: int = 1024) -> socket.socket:
 def listen_unix(path: str, backlog: int = 1024) -> tuple[socket.socket, int]:
     """A Unix stream socket listening at `path` (`EngineConfig.uds`), inheritable by children, its file made with
     this process's umask (a proxy such as nginx needs write access to connect: e.g. systemd's UMask=0007 and its
-    user in the group). A socket file that nothing accepts on any more (a server that was killed) is replaced.
+    user in the group). A socket file that nothing accepts on any more (a server that was killed) is replaced,
+    under the lock `lock_uds` takes first: of two servers that start at once on it, one replaces it and serves.
 
     Returns:
-        the socket and its file's inode (`actors.engine_socket.remove_if_same` removes it at exit, if still ours).
+        the socket and its file's inode (`release_uds` removes it at exit, if still ours, and frees the lock).
 
     Raises:
-        ConfigError: something other than a socket is at `path` (never removed), or a server accepts there.
-        OSError: the socket cannot be made there (e.g. no write access to the folder).
+        ConfigError: another voltserve holds `path`'s lock, something other than a socket is at `path` (never
+            removed), or a server accepts there.
+        OSError: the socket or its lock file cannot be made there (e.g. no write access to the folder).
     """
-    from voltserve.errors import ConfigError
-
-    with contextlib.suppress(FileNotFoundError):
-        if not stat.S_ISSOCK(os.stat(path).st_mode):
-            raise ConfigError(f"uds {path!r} exists and is not a socket (not removed)")
-        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
-            probe.settimeout(1.0)  # a live server with a full backlog does not answer at once
-            try:
-                probe.connect(path)
-            except ConnectionRefusedError:  # stale: its server is gone
-                os.unlink(path)
-            except TimeoutError:
-                raise ConfigError(f"uds {path!r}: a server listens there already") from None
-            else:
-                raise ConfigError(f"uds {path!r}: a server listens there already")
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    took_lock, sock = lock_uds(path), None
     try:
+        if _stale_socket(path):
+            os.unlink(path)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.bind(path)
         inode = os.stat(path).st_ino
         sock.listen(backlog)
     except BaseException:
-        sock.close()
+        if sock is not None:
+            sock.close()
+        if took_lock:
+            unlock_uds(path)
         raise
     sock.set_inheritable(True)
     return sock, inode
+
+
+def _stale_socket(path: str) -> bool:
+    """Whether a socket file that nothing accepts on is at `path` (False: no file there).
+
+    Raises:
+        ConfigError: something other than a socket is there, or a server accepts (or has a full backlog) there.
+    """
+    from voltserve.errors import ConfigError
+
+    try:
+        if not stat.S_ISSOCK(os.stat(path).st_mode):
+            raise ConfigError(f"uds {path!r} exists and is not a socket (not removed)")
+    except FileNotFoundError:
+        return False
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        probe.settimeout(1.0)  # a live server with a full backlog does not answer at once
+        try:
+            probe.connect(path)
+        except ConnectionRefusedError:  # stale: its server is gone
+            return True
+        except FileNotFoundError:  # removed meanwhile
+            return False
+        except TimeoutError:
+            pass
+    raise ConfigError(f"uds {path!r}: a server listens there already")
+
+
+def lock_uds(path: str) -> bool:
+    """Take the exclusive flock on `PATH.lock` (made with this process's umask if missing, and left in place, as
+    the engine socket's lock) that says this process serves on the Unix socket `path`: held until `unlock_uds` or
+    this process's exit (kill -9 included). Without it two servers starting at once on a stale socket file both
+    found it stale, and the second one's unlink took the path from the first, whose clients then reached the other
+    or nobody. Returns whether it took the lock now (False: this process holds it already, e.g. the supervisor of
+    `--api-processes`, which opens the socket again).
+
+    Raises:
+        ConfigError: another process holds it: another voltserve serves on `path`, or is starting to.
+        OSError: the lock file cannot be opened.
+    """
+    from voltserve.errors import ConfigError
+
+    if path in _uds_locks:
+        return False
+    lock_path = path + UDS_LOCK_SUFFIX
+    fd = os.open(lock_path, os.O_RDONLY | os.O_CREAT | os.O_CLOEXEC, 0o666)  # flock needs no write access
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise ConfigError(f"uds {path!r}: another voltserve serves there or is starting to "
+                          f"(it holds {lock_path!r})") from None
+    except BaseException:
+        os.close(fd)
+        raise
+    _uds_locks[path] = fd
+    return True
+
+
+def unlock_uds(path: str) -> None:
+    """Free the lock `lock_uds` took on `path` (a no-op when this process does not hold it)."""
+    fd = _uds_locks.pop(path, None)
+    if fd is not None:
+        os.close(fd)
+
+
+def release_uds(path: str, inode: int) -> None:
+    """At the server's exit: remove its socket file at `path` if it is still the one of `inode`, then free the
+    lock (in that order: a server that starts next on `path` finds no file of ours there)."""
+    remove_if_same(path, inode)
+    unlock_uds(path)
 
 
 def open_listener(config: EngineConfig) -> tuple[socket.socket, int]:
@@ -199,7 +266,7 @@ def run_api_processes(config: EngineConfig, log_level: str | None = None) -> int
             os.close(read_end)
         sock.close()
         if uds_inode:
-            remove_if_same(config.uds, uds_inode)
+            release_uds(config.uds, uds_inode)
         owned_dirs.remove(private)
     return status
 

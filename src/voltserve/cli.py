@@ -17,7 +17,9 @@ import sys
 from actors.engine_socket import remove_if_same
 from loaders.sources import ALIASES
 from voltserve import __version__, event_loop, preflight
-from voltserve.api_processes import LISTEN_FD_ENV, PARENT_FD_ENV, endpoint, run_api_processes, watch_parent
+from voltserve.api_processes import (
+    LISTEN_FD_ENV, PARENT_FD_ENV, endpoint, release_uds, run_api_processes, unlock_uds, watch_parent,
+)
 from voltserve.config import EngineConfig, prometheus_multiproc_dir
 from voltserve.errors import INPUT_ERRORS, ConfigError
 from voltserve.log_setup import configure_logging
@@ -50,7 +52,7 @@ HELP = {
     "host": "address to listen on (checked before the model loads)",
     "port": "TCP port to listen on, 0-65535 (checked before the model loads)",
     "uds": "Unix socket path to listen on instead of --host / --port (e.g. behind nginx on this host); a socket "
-           "file left by a server that is gone is replaced, the socket is removed at exit",
+           "file left by a server that is gone is replaced (under the lock PATH.lock), the socket is removed at exit",
     "num_threads": "torch intra-op threads on the CPU (>= 0); 0 = one per core less one for the HTTP server (at "
                    "least 1)",
     "weight_format": "CPU: auto (int4 kernels for Q4 weights, bf16 for other quantized ones, where available) "
@@ -100,6 +102,19 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
+def _nonempty(value: str) -> str:
+    """argparse type of the string flags (and MODEL): an empty value is a usage error. The app reads an empty
+    `VOLTSERVE_*` variable as unset, so `--uds ''` (an unset shell variable) silently served on TCP, `--api-key ''`
+    without a key, `--model ''` the default model.
+
+    Raises:
+        argparse.ArgumentTypeError: `value` is empty.
+    """
+    if not value:
+        raise argparse.ArgumentTypeError("must not be empty (leave it out for the default)")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The `voltserve` argument parser; `serve` gets one flag per EngineConfig field (default None = unset)."""
     parser = argparse.ArgumentParser(prog="voltserve", description="LLM inference server (OpenAI-compatible API)")
@@ -107,9 +122,9 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     serve = commands.add_parser("serve", help="serve a model over HTTP",
                                 description="Serve a model over HTTP (hypercorn on api:app).")
-    serve.add_argument("model_positional", nargs="?", metavar="MODEL", help=HELP["model"])
+    serve.add_argument("model_positional", nargs="?", metavar="MODEL", type=_nonempty, help=HELP["model"])
     for f in dataclasses.fields(EngineConfig):
-        kind = type(f.default)
+        kind = _nonempty if type(f.default) is str else type(f.default)
         extra = {"action": argparse.BooleanOptionalAction} if kind is bool else {"type": kind, "metavar": f.name.upper()}
         serve.add_argument(_flag(f.name), dest=f.name, default=None, help=HELP.get(f.name, f.name), **extra)
     serve.add_argument("--log-level", default=None, choices=["debug", "info", "warning", "error"],
@@ -167,7 +182,7 @@ def serve(args: argparse.Namespace) -> int:
     if config.api_processes > 1:
         if listener is not None:
             listener.close()  # the supervisor opens its own, inherited by its API processes
-            if uds_inode:
+            if uds_inode:  # (its lock stays held: the supervisor's socket takes the path under it)
                 remove_if_same(config.uds, uds_inode)
         try:
             return run_api_processes(config, args.log_level)
@@ -177,6 +192,8 @@ def serve(args: argparse.Namespace) -> int:
         except OSError as exc:  # taken since the check above
             logger.error("bad configuration: %s", preflight.listen_error(config, exc))
             return 2
+        finally:
+            unlock_uds(config.uds)
     listen_fd = os.environ.pop(LISTEN_FD_ENV, "")  # set when this is one of several API processes
     parent_fd = os.environ.pop(PARENT_FD_ENV, "")
     port = config.port
@@ -224,7 +241,7 @@ def serve(args: argparse.Namespace) -> int:
         return 130
     finally:
         if uds_inode:  # our socket file goes with the server (a proxy then gets "no such file", not a refusal)
-            remove_if_same(config.uds, uds_inode)
+            release_uds(config.uds, uds_inode)
     engine = state.engine
     if engine is not None and getattr(engine, "_dead", None) is not None:
         logger.error("exiting with status 1: the engine died (%r)", engine._dead)

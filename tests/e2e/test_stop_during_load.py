@@ -84,12 +84,13 @@ def _wait_for_loads(log: Path, count: int, proc: subprocess.Popen) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("command, loads, sig", [
+    ([], 1, signal.SIGTERM),  # the default: one API process, the engine process loads
     (["--tensor-parallel-size", "2"], 2, signal.SIGTERM),  # the engine process and rank 1 load
     (["--tensor-parallel-size", "2"], 2, signal.SIGINT),  # Ctrl-C: the same
     (["--api-processes", "2"], 1, signal.SIGTERM),  # a supervisor, 2 API processes, one engine process
     (["--tensor-parallel-size", "2", "--no-engine-process"], 2, signal.SIGTERM),  # rank 0 loads in the API process
     ("hypercorn", 1, signal.SIGTERM),  # a bare `hypercorn api:app`: its worker process, the engine process
-], ids=["tp2-sigterm", "tp2-sigint", "api-processes", "no-engine-process", "hypercorn"])
+], ids=["engine-process", "tp2-sigterm", "tp2-sigint", "api-processes", "no-engine-process", "hypercorn"])
 def test_a_signal_during_the_load_stops_the_server_at_once(tmp_path, short_tmpdir, command, loads, sig):
     model = tmp_path / "tiny.gguf"
     write_tiny_gguf(model)  # heads 4, KV heads 2: TP 2 splits them
@@ -129,6 +130,8 @@ def test_a_signal_during_the_load_stops_the_server_at_once(tmp_path, short_tmpdi
     assert sorted(os.listdir(tmp)) == []  # no rendezvous folder of the ranks, no private folder of the supervisor
     assert "while the engine starts: stopping its start" in output, output[-3000:]
     assert "Traceback" not in output, output[-3000:]
+    # hypercorn opens its listeners after the cancelled start and logged "Running on ..." after the stop
+    assert "Running on" not in output, output[-3000:]
 
 
 @pytest.mark.slow

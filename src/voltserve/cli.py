@@ -249,6 +249,15 @@ def serve(args: argparse.Namespace) -> int:
     return 0
 
 
+class _TerminatedEarly(BaseException):
+    """SIGTERM before the server's own handlers (SignalDrain, the API-process supervisor's) replace
+    `_terminate_early`: a BaseException, so that no `except Exception` on the way swallows it."""
+
+
+def _terminate_early(signum: int, frame: object) -> None:
+    raise _TerminatedEarly
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `voltserve` console script."""
     parser = build_parser()
@@ -258,11 +267,20 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:  # a bad VOLTSERVE_LOG_LEVEL
         parser.error(str(exc))
     if args.command == "serve":
+        # a `systemctl stop` in the first seconds (imports, the checks) is a clean stop, as one during the load:
+        # without this, SIGTERM's default action killed the process (status 143, no log line)
+        previous = signal.signal(signal.SIGTERM, _terminate_early)
         try:
             return serve(args)
         except KeyboardInterrupt:  # Ctrl-C before SignalDrain's handlers (imports, the checks): no traceback
             logger.warning("interrupted before the server started: exiting with status 130")
             return 130
+        except _TerminatedEarly:
+            logger.warning("SIGTERM before the server started: exiting with status 0")
+            return 0
+        finally:
+            if signal.getsignal(signal.SIGTERM) is _terminate_early:
+                signal.signal(signal.SIGTERM, previous)
     parser.error(f"unknown command {args.command}")
     return 2
 

@@ -89,6 +89,19 @@ async def test_A1_A3_forced_anthropic_call_stops_with_tool_use_and_a_cut_call_is
     assert [e["type"] for e in events] == ["message_start", "ping", "message_delta", "message_stop"]
 
 
+@pytest.mark.parametrize("max_tokens", [30, 60])
+async def test_A3_named_call_cut_short_by_max_tokens_is_left_out(serve, max_tokens):
+    """Case A3 as stated: a named tool (not only `any`) whose call `max_tokens` cuts inside the name (30) or the
+    arguments (60): no block, stop_reason max_tokens, streamed the same, no 500. (A cut after the arguments'
+    closing brace keeps the call, with stop_reason max_tokens, as Chat and Responses do.)"""
+    named = {"type": "tool", "name": "get_weather"}
+    whole, events = await messages_both(serve, CALL, tool_choice=named, max_tokens=max_tokens)
+    assert whole["content"] == _blocks(events) == []
+    assert whole["stop_reason"] == _stop_reason(events) == "max_tokens"
+    assert whole["usage"]["output_tokens"] == max_tokens
+    assert [e["type"] for e in events] == ["message_start", "ping", "message_delta", "message_stop"]
+
+
 async def test_forced_responses_call_is_a_function_call_item(serve):
     whole, _, final = await responses_both(serve, CALL, tool_choice="required")
     assert [item["type"] for item in whole["output"]] == ["function_call"]

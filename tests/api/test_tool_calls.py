@@ -177,3 +177,15 @@ async def test_parallel_tool_calls_false_keeps_the_first_call(serve):
         assert [tc["function"]["name"] for tc in _joined(chunks)[1]] == ["get_weather"]
 
 
+
+
+@pytest.mark.parametrize("extra", [{"parallel_tool_calls": None}, {}, {"parallel_tool_calls": True}])
+async def test_T3_null_parallel_tool_calls_keeps_every_call(serve, extra):
+    """Case T3 on Chat Completions: `parallel_tool_calls: null` is the default (parallel allowed): both calls stay,
+    whole and streamed, as when the field is left out."""
+    script = PARIS + call("now", "{}")
+    for engine_cls in (ScriptedEngine, ChunkedEngine):
+        whole, chunks = await _both(serve, script, engine_cls=engine_cls, **extra)
+        names = [tc["function"]["name"] for tc in whole["choices"][0]["message"]["tool_calls"]]
+        assert names == [tc["function"]["name"] for tc in _joined(chunks)[1]] == ["get_weather", "now"]
+        assert whole["choices"][0]["finish_reason"] == _joined(chunks)[2][0] == "tool_calls"

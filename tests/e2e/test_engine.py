@@ -45,6 +45,27 @@ async def test_K1_prefix_cache_reports_cached_tokens(smollm2):
     assert tokens_b == again == uncached and last_c.num_cached_tokens >= last_b.num_cached_tokens
 
 
+async def _steps_to_first_token(engine, prompt_ids) -> tuple[int, int]:
+    """(engine steps until the first output, its cached tokens) of one greedy request, run to the end."""
+    start, first = engine._scheduler_actor.num_steps, None
+    async for out in engine.generate(prompt_ids, SamplingParams(temperature=0, max_tokens=2)):
+        if first is None:
+            first = (engine._scheduler_actor.num_steps - start, out.num_cached_tokens)
+    return first
+
+
+async def test_K1_cached_prefix_cuts_time_to_first_token(smollm2):
+    """Case K1's second half: the request that finds its long prefix cached reaches its first token much sooner.
+    Counted in steps of at most 16 prompt tokens (wall time is noise on a shared CPU): the cold prefill runs
+    ~9 chunks, the cached one only its uncached tail."""
+    prefix = "You are a helpful assistant who answers in one word. " * 12  # ~130 tokens
+    async with running_engine(smollm2, max_num_batched_tokens=16) as engine:
+        cold = await _steps_to_first_token(engine, chat_ids(engine, prefix + "Name a color."))
+        warm = await _steps_to_first_token(engine, chat_ids(engine, prefix + "Name a fruit."))
+    assert cold[1] < 32 and warm[1] >= 112, (cold, warm)  # cold: the template's system prompt, one block
+    assert cold[0] >= 9 and warm[0] <= 2, (cold, warm)
+
+
 async def test_K2_small_pool_preempts_and_matches(smollm2):
     """Case K2: requests that do not fit the KV pool at once finish through preemption, same greedy text."""
     async with running_engine(smollm2, enable_prefix_caching=False) as engine:

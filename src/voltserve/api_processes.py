@@ -140,15 +140,22 @@ def lock_uds(path: str) -> bool:
     `--api-processes`, which opens the socket again).
 
     Raises:
-        ConfigError: another process holds it: another voltserve serves on `path`, or is starting to.
-        OSError: the lock file cannot be opened.
+        ConfigError: another process holds it: another voltserve serves on `path`, or is starting to; or the
+            lock file is there and cannot be opened (another user's, mode 0600).
+        OSError: the lock file cannot be made (e.g. no write access to the folder).
     """
     from voltserve.errors import ConfigError
 
     if path in _uds_locks:
         return False
     lock_path = path + UDS_LOCK_SUFFIX
-    fd = os.open(lock_path, os.O_RDONLY | os.O_CREAT | os.O_CLOEXEC, 0o666)  # flock needs no write access
+    try:
+        fd = os.open(lock_path, os.O_RDONLY | os.O_CREAT | os.O_CLOEXEC, 0o666)  # flock needs no write access
+    except OSError as exc:  # named: PATH itself may be free to bind (e.g. a 0600 lock file left by root)
+        if not os.path.lexists(lock_path):  # no write access to the folder: PATH's own error
+            raise
+        raise ConfigError(f"uds {path!r}: cannot open its lock file {lock_path!r}: {exc.strerror or exc} "
+                          "(remove it if no voltserve serves there)") from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -255,8 +262,6 @@ def run_api_processes(config: EngineConfig, log_level: str | None = None) -> int
             _wait_engine_exit(engine_socket + ENGINE_LOCK_SUFFIX, ENGINE_STOP_WAIT_S,
                               lambda: signals["received"] > 1)
     finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
         for child in children:  # only after an error of our own: the children have exited otherwise
             if child.poll() is None:
                 child.kill()
@@ -268,6 +273,9 @@ def run_api_processes(config: EngineConfig, log_level: str | None = None) -> int
         if uds_inode:
             release_uds(config.uds, uds_inode)
         owned_dirs.remove(private)
+        # last: a signal during the cleanup is ours to count, not `voltserve serve`'s early one, which raises
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     return status
 
 

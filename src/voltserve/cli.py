@@ -161,10 +161,6 @@ def _export_env(args: argparse.Namespace) -> None:
 def serve(args: argparse.Namespace) -> int:
     """Run hypercorn on `api:app` until SIGINT/SIGTERM, then drain the requests in flight for up to
     `--shutdown-timeout` s (`api.app.SignalDrain`). Returns the exit status."""
-    from hypercorn.asyncio import serve as hypercorn_serve
-    from hypercorn.config import Config as HypercornConfig
-    from hypercorn.utils import LifespanFailureError
-
     os.environ.setdefault("VOLTSERVE_EXIT_ON_ENGINE_DEATH", "1")  # a dead engine ends the process (exit 1)
     try:  # fail fast, before the model loads: one line and status 2
         _export_env(args)
@@ -194,6 +190,20 @@ def serve(args: argparse.Namespace) -> int:
             return 2
         finally:
             unlock_uds(config.uds)
+    try:
+        return _serve_here(config, listener, loop_name)
+    finally:  # whatever ended it, a signal before SignalDrain's handlers too (`import api` takes a second or so)
+        if uds_inode:  # our socket file goes with the server (a proxy then gets "no such file", not a refusal)
+            release_uds(config.uds, uds_inode)
+
+
+def _serve_here(config: EngineConfig, listener, loop_name: str) -> int:
+    """`serve` in this process after the checks: hypercorn on `api:app`, on `listener` (None: one of several API
+    processes, on its supervisor's socket, `LISTEN_FD_ENV`). Returns the exit status."""
+    from hypercorn.asyncio import serve as hypercorn_serve
+    from hypercorn.config import Config as HypercornConfig
+    from hypercorn.utils import LifespanFailureError
+
     listen_fd = os.environ.pop(LISTEN_FD_ENV, "")  # set when this is one of several API processes
     parent_fd = os.environ.pop(PARENT_FD_ENV, "")
     port = config.port
@@ -239,9 +249,6 @@ def serve(args: argparse.Namespace) -> int:
         logger.warning("interrupted while shutting down: exiting with status 130 (the engine process ends on its "
                        "own once this process is gone)")
         return 130
-    finally:
-        if uds_inode:  # our socket file goes with the server (a proxy then gets "no such file", not a refusal)
-            release_uds(config.uds, uds_inode)
     engine = state.engine
     if engine is not None and getattr(engine, "_dead", None) is not None:
         logger.error("exiting with status 1: the engine died (%r)", engine._dead)

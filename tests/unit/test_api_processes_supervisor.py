@@ -114,3 +114,28 @@ def test_port_0_is_the_port_the_os_chose_in_the_log_and_the_childrens_config(mon
     (port,) = ports
     assert int(port) > 0
     assert any(f"on http://127.0.0.1:{port}, one engine" in r.getMessage() for r in caplog.records)
+
+
+def test_a_sigterm_during_the_supervisors_cleanup_does_not_cut_it(monkeypatch):
+    """`voltserve serve` (cli.main) sets SIGTERM to raise until the server's handlers replace it; the supervisor put
+    that one back before its cleanup, so a SIGTERM there (systemctl stop as a child fails) skipped the removal of
+    its socket file and private folder, and main turned the child's status 1 into 0 ("before the server
+    started"). The supervisor's own handler stays until the cleanup is done."""
+    from voltserve import cli
+
+    dirs = api_processes.owned_dirs
+    made, real_make, real_remove = [], dirs.make, dirs.remove
+    monkeypatch.setattr(dirs, "make", lambda prefix: made.append(real_make(prefix)) or made[-1])
+
+    def remove(folder):
+        os.kill(os.getpid(), signal.SIGTERM)
+        real_remove(folder)
+
+    monkeypatch.setattr(dirs, "remove", remove)
+    previous = signal.signal(signal.SIGTERM, cli._terminate_early)
+    try:
+        status, _ = _run(monkeypatch, lambda i: _Child(exits_with=1 if i == 1 else None))
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert status == 1 and not os.path.exists(made[0])
+

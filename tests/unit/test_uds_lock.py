@@ -160,3 +160,38 @@ def test_a_failed_listen_frees_the_lock(sock_path):
         with pytest.raises(ConfigError, match="a server listens there already"):
             api_processes.listen_unix(sock_path)
         assert os.path.exists(sock_path) and _lock_is_free(sock_path)
+
+
+@pytest.mark.parametrize("sig, status", [("SIGTERM", 0), ("SIGINT", 130)])
+def test_a_signal_after_the_listen_and_before_the_servers_handlers_removes_the_socket(sock_path, tmp_path, sig,
+                                                                                       status):
+    """The socket is bound before the model loads, and `import api` (torch: about a second) comes before the
+    server's own handlers: a `systemctl stop` (or Ctrl-C) there ended with status 0 (130) but left the socket file,
+    which a proxy then found refusing connections. Here the signal comes where `voltserve serve` logs its
+    endpoint, after `import api`."""
+    model = tmp_path / "tiny.gguf"
+    write_tiny_gguf(model)
+    script = ("import os, signal, sys\nfrom voltserve import cli\n"
+              f"cli.endpoint = lambda *args: os.kill(os.getpid(), signal.{sig})\n"
+              f"sys.exit(cli.main(['serve', {str(model)!r}, '--device', 'cpu', '--uds', {sock_path!r}]))\n")
+    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=_env(), capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == status, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr
+    assert not os.path.exists(sock_path) and _lock_is_free(sock_path)
+
+
+def test_a_lock_file_that_cannot_be_opened_is_named_in_the_error(sock_path, tmp_path):
+    """A PATH.lock this user cannot open (e.g. left with mode 0600 by a server that ran as root or under
+    UMask=0077; here a folder, which root cannot open either) was reported as "cannot listen on unix:PATH:
+    Permission denied", though PATH itself was free to bind: the operator looked at the wrong file."""
+    model = tmp_path / "tiny.gguf"
+    write_tiny_gguf(model)
+    os.mkdir(sock_path + ".lock")
+    done = subprocess.run([sys.executable, "-m", "voltserve.cli", "serve", str(model), "--uds", sock_path,
+                           "--device", "cpu"], cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert [line.split(" ", 2)[2] for line in done.stderr.splitlines()] == [
+        f"ERROR voltserve.cli: bad configuration: uds {sock_path!r}: cannot open its lock file "
+        f"{sock_path + '.lock'!r}: Is a directory (remove it if no voltserve serves there)"]
+    assert not os.path.exists(sock_path)

@@ -10,6 +10,7 @@ from typing import Any, Callable
 import torch
 
 from voltserve.config import EngineConfig, ModelConfig
+from voltserve import host_memory
 from voltserve.distributed import check_tp_devices
 from voltserve.distributed.group import TPGroup
 from voltserve.distributed.sharding import local_heads
@@ -186,20 +187,28 @@ def allocate_kv(model: LlamaModel, num_blocks: int, block_size: int) -> torch.Te
 
     Raises:
         ConfigError: the memory for it cannot be had (e.g. a kv_cache_memory_gb above the host's memory: was
-            torch's allocator error and a traceback, exit status 1).
+            torch's allocator error and a traceback, exit status 1); on the CPU, a pool larger than the memory the
+            host has available (`host_memory.available_bytes`): Linux's overcommit granted it and the OOM killer
+            ended the process while it was zeroed.
     """
     cfg = model.config
+    elements = cfg.num_layers * 2 * num_blocks * block_size * model.num_kv_heads * cfg.head_dim
+    size = elements * model.backend.dtype.itemsize
+    pool = f"the KV pool ({num_blocks} blocks of {block_size} tokens, {size / 2**30:.1f} GiB)"
+    if getattr(model.backend, "device", None) == torch.device("cpu"):
+        available = host_memory.available_bytes()  # else granted by overcommit, then OOM-killed while zeroed
+        if available is not None and size > available:
+            raise ConfigError(f"{pool} does not fit the {available / 2**30:.1f} GiB of memory this host has "
+                              "available (MemAvailable, or its memory cgroup's room); lower kv_cache_memory_gb or "
+                              "num_kv_blocks")
     try:
         return model.backend.allocate_kv_cache(cfg.num_layers, num_blocks, block_size, model.num_kv_heads,
                                                cfg.head_dim)
     except RuntimeError as exc:
         if not isinstance(exc, torch.OutOfMemoryError) and "can't allocate memory" not in str(exc):
             raise
-        size = cfg.num_layers * 2 * num_blocks * block_size * model.num_kv_heads * cfg.head_dim
-        gib = size * model.backend.dtype.itemsize / 2**30
-        raise ConfigError(f"the KV pool ({num_blocks} blocks of {block_size} tokens, {gib:.1f} GiB) cannot be "
-                          "allocated: not enough memory; lower kv_cache_memory_gb (GPU: gpu_memory_utilization) or "
-                          "num_kv_blocks") from None
+        raise ConfigError(f"{pool} cannot be allocated: not enough memory; lower kv_cache_memory_gb (GPU: "
+                          "gpu_memory_utilization) or num_kv_blocks") from None
 
 
 def build_runner(config: EngineConfig, loaded=None, spare_cores: int = 0) -> BuiltEngine:

@@ -9,8 +9,8 @@ from typing import Any, Callable
 
 import torch
 
-from voltserve.config import EngineConfig, ModelConfig
 from voltserve import host_memory
+from voltserve.config import EngineConfig, ModelConfig
 from voltserve.distributed import check_tp_devices
 from voltserve.distributed.group import TPGroup
 from voltserve.distributed.sharding import local_heads
@@ -192,8 +192,7 @@ def allocate_kv(model: LlamaModel, num_blocks: int, block_size: int) -> torch.Te
             ended the process while it was zeroed.
     """
     cfg = model.config
-    elements = cfg.num_layers * 2 * num_blocks * block_size * model.num_kv_heads * cfg.head_dim
-    size = elements * model.backend.dtype.itemsize
+    size = num_blocks * pool_block_bytes(cfg, block_size, model.backend.dtype.itemsize, model.num_kv_heads)
     pool = f"the KV pool ({num_blocks} blocks of {block_size} tokens, {size / 2**30:.1f} GiB)"
     if getattr(model.backend, "device", None) == torch.device("cpu"):
         available = host_memory.available_bytes()  # else granted by overcommit, then OOM-killed while zeroed

@@ -21,10 +21,10 @@ def available_bytes(meminfo: Path = MEMINFO, cgroup_v2: Path = CGROUP_V2, cgroup
 
     An estimate (MemAvailable counts reclaimable caches), right for refusing a pool that cannot fit, not for sizing
     one to the last page."""
-    known = [_meminfo_available(meminfo)]
-    known.append(_cgroup_room(cgroup_v2 / "memory.max", cgroup_v2 / "memory.current"))
-    known.append(_cgroup_room(cgroup_v1 / "memory.limit_in_bytes", cgroup_v1 / "memory.usage_in_bytes"))
-    known = [k for k in known if k is not None]
+    known = [k for k in (_meminfo_available(meminfo),
+                         _cgroup_room(cgroup_v2 / "memory.max", cgroup_v2 / "memory.current"),
+                         _cgroup_room(cgroup_v1 / "memory.limit_in_bytes", cgroup_v1 / "memory.usage_in_bytes"))
+             if k is not None]
     return min(known) if known else None
 
 

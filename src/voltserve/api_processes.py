@@ -52,7 +52,8 @@ ENGINE_SOCKET_NAME = "engine.sock"  # the private engine socket, in that folder
 FALLBACK_PARENT = "/tmp"
 UDS_LOCK_SUFFIX = ".lock"  # `lock_uds`: PATH.lock beside the --uds socket PATH
 _uds_locks: dict[str, int] = {}  # --uds path -> the fd of its lock file this process holds (`lock_uds`)
-CHILD = "from voltserve.cli import main; import sys; sys.exit(main(['serve']))"
+# as the console script: a SIGTERM passed on while a child imports is a clean stop with its line (`voltserve.console`)
+CHILD = "from voltserve.console import main; import sys; sys.exit(main(['serve']))"
 
 
 def listen_socket(host: str, port: int, backlog: int = 1024) -> socket.socket:

@@ -17,7 +17,7 @@ import sys
 
 from actors.engine_socket import remove_if_same
 from loaders.sources import ALIASES
-from voltserve import __version__, event_loop, preflight
+from voltserve import __version__, console, event_loop, preflight
 from voltserve.api_processes import (
     LISTEN_FD_ENV, PARENT_FD_ENV, endpoint, release_uds, run_api_processes, unlock_uds, watch_parent,
 )
@@ -284,8 +284,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "serve":
         # a `systemctl stop` in the first seconds (imports, the checks) is a clean stop, as one during the load:
         # without this, SIGTERM's default action killed the process (status 143, no log line)
-        previous = signal.signal(signal.SIGTERM, _terminate_early)
-        try:
+        previous = signal.getsignal(signal.SIGTERM)
+        try:  # (set inside: a SIGTERM that comes as it is set raises here, not before the `try`)
+            signal.signal(signal.SIGTERM, _terminate_early)
+            if console.sigterm_received():  # while the console script imported this module
+                raise _TerminatedEarly
             return serve(args)
         except KeyboardInterrupt:  # Ctrl-C before SignalDrain's handlers (imports, the checks): no traceback
             logger.warning("interrupted before the server started: exiting with status 130")

@@ -35,7 +35,7 @@ import time
 
 from actors.engine_socket import ENGINE_LOCK_SUFFIX, remove_if_same, try_flock
 from voltserve import owned_dirs
-from voltserve.config import PROMETHEUS_DIR_VARIABLES, EngineConfig
+from voltserve.config import PROMETHEUS_DIR_VARIABLES, EngineConfig, socket_path_fits
 from voltserve.preflight import address
 from voltserve.start_report import START_REPORT_ENV
 
@@ -46,9 +46,14 @@ PARENT_FD_ENV = "VOLTSERVE_PARENT_FD"  # a child's read end of a pipe: EOF = the
 POLL_S = 0.1
 ENGINE_STOP_WAIT_S = 40.0  # the engine's stop after its last API process (a step in hand, then the actors)
 FOLDER_PREFIX = "voltserve-api-"  # the supervisor's private folder, in the temporary folder
+ENGINE_SOCKET_NAME = "engine.sock"  # the private engine socket, in that folder
+# where that folder goes when TMPDIR is too long for the engine socket's path (its 107 bytes): short and, as the
+# default TMPDIR, writable by every user (mkdtemp's folder there is the user's alone)
+FALLBACK_PARENT = "/tmp"
 UDS_LOCK_SUFFIX = ".lock"  # `lock_uds`: PATH.lock beside the --uds socket PATH
 _uds_locks: dict[str, int] = {}  # --uds path -> the fd of its lock file this process holds (`lock_uds`)
-CHILD = "from voltserve.cli import main; import sys; sys.exit(main(['serve']))"
+# as the console script: a SIGTERM passed on while a child imports is a clean stop with its line (`voltserve.console`)
+CHILD = "from voltserve.console import main; import sys; sys.exit(main(['serve']))"
 
 
 def listen_socket(host: str, port: int, backlog: int = 1024) -> socket.socket:
@@ -200,18 +205,36 @@ def endpoint(config: EngineConfig, port: int) -> str:
     return f"unix:{config.uds}" if config.uds else address(config.host, port)
 
 
+def private_folder(for_engine_socket: bool) -> str:
+    """The supervisor's private folder (`owned_dirs.make`, mode 0700, removed at exit): in the temporary folder,
+    unless it is to hold the private engine socket and TMPDIR is too long for that socket's path (systemd's
+    per-service or per-user folders can be): then in FALLBACK_PARENT.
+
+    Raises:
+        OSError: the folder cannot be created or written.
+    """
+    folder = owned_dirs.make(FOLDER_PREFIX)
+    if not for_engine_socket or socket_path_fits(os.path.join(folder, ENGINE_SOCKET_NAME)):
+        return folder
+    owned_dirs.remove(folder)
+    short = owned_dirs.make(FOLDER_PREFIX, FALLBACK_PARENT)
+    logger.info("the temporary folder %s is too long for a Unix socket's path: the engine socket goes in %s",
+                os.path.dirname(folder), short)
+    return short
+
+
 def run_api_processes(config: EngineConfig, log_level: str | None = None) -> int:
     """Run `config.api_processes` API processes until SIGINT / SIGTERM; returns the exit status: that of the
     first child that exited on its own (1 when the engine died), else 1 if a child failed while stopping, else 0.
 
     Raises:
         OSError: the listening address is not available.
-        ConfigError: the private engine socket's path is too long (a long TMPDIR).
+        ConfigError: as `EngineConfig.validate` (e.g. a `--uds` path too long for a Unix socket).
     """
     # the engine socket unless one is given; the metrics' files (`owned_dirs`: those of a killed supervisor go here)
-    private = owned_dirs.make(FOLDER_PREFIX)
+    private = private_folder(for_engine_socket=not config.engine_socket)
     try:
-        engine_socket = config.engine_socket or os.path.join(private, "engine.sock")
+        engine_socket = config.engine_socket or os.path.join(private, ENGINE_SOCKET_NAME)
         dataclasses.replace(config, engine_socket=engine_socket).validate()
         sock, uds_inode = open_listener(config)
     except BaseException:

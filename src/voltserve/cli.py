@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import logging
 import os
 import signal
@@ -16,7 +17,7 @@ import sys
 
 from actors.engine_socket import remove_if_same
 from loaders.sources import ALIASES
-from voltserve import __version__, event_loop, preflight
+from voltserve import __version__, console, event_loop, preflight
 from voltserve.api_processes import (
     LISTEN_FD_ENV, PARENT_FD_ENV, endpoint, release_uds, run_api_processes, unlock_uds, watch_parent,
 )
@@ -102,16 +103,18 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def _nonempty(value: str) -> str:
+def _nonempty(value: str, unset_flag: str = "") -> str:
     """argparse type of the string flags (and MODEL): an empty value is a usage error. The app reads an empty
     `VOLTSERVE_*` variable as unset, so `--uds ''` (an unset shell variable) silently served on TCP, `--api-key ''`
-    without a key, `--model ''` the default model.
+    without a key, `--model ''` the default model. A flag unset by default is unset on purpose with its `--no-`
+    form (`unset_flag`, named in the error), which overrides its variable.
 
     Raises:
         argparse.ArgumentTypeError: `value` is empty.
     """
     if not value:
-        raise argparse.ArgumentTypeError("must not be empty (leave it out for the default)")
+        hint = f"; {unset_flag} unsets it" if unset_flag else ""
+        raise argparse.ArgumentTypeError(f"must not be empty (leave it out for the default{hint})")
     return value
 
 
@@ -124,9 +127,14 @@ def build_parser() -> argparse.ArgumentParser:
                                 description="Serve a model over HTTP (hypercorn on api:app).")
     serve.add_argument("model_positional", nargs="?", metavar="MODEL", type=_nonempty, help=HELP["model"])
     for f in dataclasses.fields(EngineConfig):
-        kind = _nonempty if type(f.default) is str else type(f.default)
+        flag, variable = _flag(f.name), f"VOLTSERVE_{f.name.upper()}"
+        unset_flag = "--no-" + flag.removeprefix("--") if f.default == "" else ""
+        kind = functools.partial(_nonempty, unset_flag=unset_flag) if type(f.default) is str else type(f.default)
         extra = {"action": argparse.BooleanOptionalAction} if kind is bool else {"type": kind, "metavar": f.name.upper()}
-        serve.add_argument(_flag(f.name), dest=f.name, default=None, help=HELP.get(f.name, f.name), **extra)
+        serve.add_argument(flag, dest=f.name, default=None, help=HELP.get(f.name, f.name), **extra)
+        if unset_flag:  # flag > environment: the way to turn off a setting its variable makes (`--no-uds`: TCP)
+            serve.add_argument(unset_flag, dest=f.name, action="store_const", const="",
+                               help=f"unset {flag}, whatever {variable} says")
     serve.add_argument("--log-level", default=None, choices=["debug", "info", "warning", "error"],
                        help="log level of both processes (default: VOLTSERVE_LOG_LEVEL, else info)")
     return parser
@@ -276,8 +284,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "serve":
         # a `systemctl stop` in the first seconds (imports, the checks) is a clean stop, as one during the load:
         # without this, SIGTERM's default action killed the process (status 143, no log line)
-        previous = signal.signal(signal.SIGTERM, _terminate_early)
-        try:
+        previous = signal.getsignal(signal.SIGTERM)
+        try:  # (set inside: a SIGTERM that comes as it is set raises here, not before the `try`)
+            signal.signal(signal.SIGTERM, _terminate_early)
+            if console.sigterm_received():  # while the console script imported this module
+                raise _TerminatedEarly
             return serve(args)
         except KeyboardInterrupt:  # Ctrl-C before SignalDrain's handlers (imports, the checks): no traceback
             logger.warning("interrupted before the server started: exiting with status 130")

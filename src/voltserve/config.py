@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import sys
 from dataclasses import dataclass, field
 
 from voltserve.errors import ConfigError
@@ -97,10 +98,22 @@ def _check_text_file(name: str, path: str) -> None:
         raise ConfigError(f"{name} {path!r} is not UTF-8 text (byte {exc.start}: {exc.reason})") from exc
 
 
+# sun_path holds 108 bytes on Linux (104 on macOS and the BSDs), its terminating NUL included; a path is bound
+# as given, relative or not
+MAX_SOCKET_PATH_BYTES = 107 if sys.platform.startswith("linux") else 103
+
+
+def socket_path_fits(path: str) -> bool:
+    """Whether `path` (as given: relative paths are bound relative to the working directory) fits a Unix socket's
+    address, MAX_SOCKET_PATH_BYTES bytes."""
+    return len(os.fsencode(path)) <= MAX_SOCKET_PATH_BYTES
+
+
 def _check_socket_path(name: str, path: str, folder_rights: str) -> None:
     """Raise ConfigError unless `path` ("" = unset) fits a Unix socket's address and its folder exists."""
-    if len(os.fsencode(path)) > MAX_SOCKET_PATH_BYTES:
-        raise ConfigError(f"{name} must be a path of at most {MAX_SOCKET_PATH_BYTES} bytes (a Unix socket's limit)")
+    if not socket_path_fits(path):
+        raise ConfigError(f"{name} {path!r} is {len(os.fsencode(path))} bytes long: a Unix socket's path holds at "
+                          f"most {MAX_SOCKET_PATH_BYTES} bytes (choose a shorter one)")
     folder = os.path.dirname(os.path.abspath(path)) if path else ""
     if folder and not os.path.isdir(folder):
         raise ConfigError(f"{name} {path!r}: the folder {folder!r} does not exist (create it, {folder_rights}, "
@@ -110,7 +123,6 @@ def _check_socket_path(name: str, path: str, folder_rights: str) -> None:
 TOOL_CALL_PARSERS = ("auto", "hermes", "none")
 REASONING_PARSERS = ("auto", "qwen3", "deepseek_r1", "none")
 SPECULATIVE_METHODS = ("none", "ngram", "draft_model")
-MAX_SOCKET_PATH_BYTES = 100  # sun_path holds 108 bytes on Linux (104 on macOS), with its terminating NUL
 # EngineConfig fields that only the API process reads; API processes sharing one engine may differ in them
 API_ONLY_FIELDS = frozenset({"served_model_name", "api_key", "sse_keep_alive_interval", "stream_interval", "host",
                              "port", "uds", "exit_on_engine_death", "engine_process", "engine_socket", "api_processes",

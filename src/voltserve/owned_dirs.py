@@ -104,15 +104,18 @@ def remove_stale(prefix: str, parent: str | None = None) -> list[str]:
     return removed
 
 
-def make(prefix: str) -> str:
-    """A new private folder `TMPDIR/prefix*` (mode 0700) that names this process as its owner, after removing the
-    stale ones of the same prefix (`remove_stale`). Remove it with `remove`.
+def make(prefix: str, parent: str | None = None) -> str:
+    """A new private folder `parent/prefix*` (mode 0700) that names this process as its owner, after removing the
+    stale ones of the same prefix there (`remove_stale`). Remove it with `remove`.
 
+    Args:
+        prefix: the folder's name prefix (a random 8-character suffix follows, `tempfile.mkdtemp`).
+        parent: where to make it; None = `tempfile.gettempdir()` (TMPDIR).
     Raises:
         OSError: the folder cannot be created or written.
     """
-    remove_stale(prefix)
-    folder = tempfile.mkdtemp(prefix=prefix)
+    remove_stale(prefix, parent)
+    folder = tempfile.mkdtemp(prefix=prefix, dir=parent)
     try:
         with open(os.path.join(folder, OWNER_FILE), "w") as f:
             f.write(_owner_line(os.getpid()) + "\n")

@@ -46,11 +46,11 @@ def _served(server) -> list[int]:
 class Server:
     """`voltserve serve MODEL --api-processes 2` as a subprocess, its log and the pids it logged."""
 
-    def __init__(self, tiny_dir: Path, log: Path):
+    def __init__(self, tiny_dir: Path, log: Path, **env_vars: str):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
-        env = {**os.environ, "VOLTSERVE_API_KEY": "", "VOLTSERVE_ENGINE_SOCKET": ""}
+        env = {**os.environ, "VOLTSERVE_API_KEY": "", "VOLTSERVE_ENGINE_SOCKET": "", **env_vars}
         self.log = log
         with open(log, "wb") as out:
             self.proc = subprocess.Popen(
@@ -103,6 +103,27 @@ def test_two_api_processes_share_one_engine_and_stop_on_sigterm(tiny_dir, tmp_pa
         assert _gone(server.engine_pid)  # the supervisor waited for the engine's own stop (its engine lock)
         for pid in server.api_pids:
             _wait_until(lambda pid=pid: _gone(pid), 30, f"process {pid} still runs", server.log)
+
+
+def test_a_long_tmpdir_serves_with_the_engine_socket_in_tmp(tiny_dir, tmp_path):
+    """TMPDIR of 80+ bytes (systemd's per-service or per-user folders): the private engine socket's path there
+    passed a Unix socket's 107 bytes and the server exited with status 2; its private folder now goes in /tmp and
+    is removed at the exit."""
+    long_tmp = tmp_path / ("t" * max(1, 81 - len(str(tmp_path))))
+    long_tmp.mkdir()
+    with Server(tiny_dir, tmp_path / "serve.log", TMPDIR=str(long_tmp)) as server:
+        folder = os.path.dirname(server.engine_socket)
+        assert os.path.dirname(folder) == "/tmp" and len(os.fsencode(server.engine_socket)) <= 107
+        assert f"the temporary folder {long_tmp} is too long for a Unix socket's path" in server.text()
+        body = {"model": str(tiny_dir), "prompt": "hello", "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+        for _ in range(2):
+            with httpx.Client(timeout=30) as client:
+                response = client.post(server.url + "/v1/completions", json=body)
+                assert response.status_code == 200, response.text
+        server.proc.send_signal(signal.SIGTERM)
+        assert server.proc.wait(timeout=60) == 0
+        assert not os.path.exists(folder)
+    assert os.listdir(long_tmp) == []
 
 
 def test_a_dead_engine_ends_every_api_process_with_status_1(tiny_dir, tmp_path):

@@ -45,6 +45,18 @@ def test_a_taken_port_is_one_line_before_the_model_loads(caplog, tiny_gguf, take
                                "(--host / --port)"]
 
 
+@pytest.mark.parametrize("processes", ["1", "2"])
+def test_a_uds_path_too_long_for_a_unix_socket_is_one_line_naming_it(caplog, tiny_gguf, processes):
+    """Linux binds a Unix socket path of up to 107 bytes; one longer is refused before anything starts, in a line
+    that names the path, its length and the limit (it said "uds must be a path of at most 100 bytes", and refused
+    paths of 101-107 bytes that Linux binds)."""
+    path = "/tmp/" + "u" * 103
+    args = ["serve", str(tiny_gguf), "--device", "cpu", "--uds", path, "--api-processes", processes]
+    assert cli.main(args) == 2
+    assert _errors(caplog) == [f"bad configuration: uds {path!r} is 108 bytes long: a Unix socket's path holds at "
+                               "most 107 bytes (choose a shorter one)"]
+
+
 def test_the_port_is_held_from_before_the_load_and_served(monkeypatch, caplog, tiny_gguf):
     """One API process listens before anything loads and hands that socket to hypercorn (`fd://`): no other
     process can take the port during the load, and `--port 0` logs the port the OS chose."""

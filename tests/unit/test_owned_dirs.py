@@ -129,3 +129,50 @@ def test_the_api_processes_private_folder_is_owned_and_removes_stale_ones(tmp, d
     assert os.path.basename(seen["folder"]).startswith("voltserve-api-")
     assert sorted(seen["owner"]) == ["metrics", owned_dirs.OWNER_FILE]
     assert os.listdir(tmp) == [alive]  # its own folder removed at its exit
+
+
+def test_a_tmpdir_too_long_for_the_engine_socket_moves_the_private_folder_to_tmp(tmp_path, monkeypatch):
+    """TMPDIR of 80+ bytes (systemd's per-service or per-user folders): TMPDIR/voltserve-api-XXXXXXXX/engine.sock
+    passed a Unix socket's 107 bytes and `voltserve serve --api-processes 2` exited with status 2 ("engine_socket
+    must be a path of at most 100 bytes"); now the private folder goes in /tmp (mode 0700, removed at exit)."""
+    from voltserve.config import MAX_SOCKET_PATH_BYTES
+
+    long_tmp = tmp_path / ("t" * max(1, 81 - len(str(tmp_path))))
+    long_tmp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(long_tmp))
+    seen = {}
+
+    class Child:  # exits at once, as asked: the supervisor's folder exists meanwhile
+        pid, returncode = 10**7, 0
+
+        def __init__(self, *args, env, **kwargs):
+            folder = os.path.dirname(env["VOLTSERVE_ENGINE_SOCKET"])
+            seen.update(socket=env["VOLTSERVE_ENGINE_SOCKET"], mode=os.stat(folder).st_mode & 0o777,
+                        owner=sorted(os.listdir(folder)), long_tmp=os.listdir(long_tmp))
+
+        def poll(self):
+            return 0
+
+    monkeypatch.setattr(api_processes.subprocess, "Popen", Child)
+    monkeypatch.setattr(api_processes, "ENGINE_STOP_WAIT_S", 0.0)
+    api_processes.run_api_processes(EngineConfig(api_processes=1, port=0).validate())  # the child "quits": 1
+    folder, name = os.path.split(seen["socket"])
+    assert os.path.dirname(folder) == "/tmp" and os.path.basename(folder).startswith("voltserve-api-")
+    assert name == "engine.sock" and len(os.fsencode(seen["socket"])) <= MAX_SOCKET_PATH_BYTES
+    assert seen["mode"] == 0o700 and seen["owner"] == ["metrics", owned_dirs.OWNER_FILE]
+    assert seen["long_tmp"] == []  # nothing of it left in TMPDIR
+    assert not os.path.exists(folder) and os.listdir(long_tmp) == []  # removed at the supervisor's exit
+
+
+def test_the_private_folder_stays_in_tmpdir_where_the_socket_fits_or_one_is_given(tmp, monkeypatch):
+    """The fallback is for the private engine socket's path only: a TMPDIR that fits it, or a given
+    `--engine-socket` (the folder then holds the metrics' files only), keeps the folder in TMPDIR."""
+    folder = api_processes.private_folder(for_engine_socket=True)
+    assert os.path.dirname(folder) == str(tmp)
+    owned_dirs.remove(folder)
+    long_tmp = tmp / ("t" * 100)
+    long_tmp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(long_tmp))
+    folder = api_processes.private_folder(for_engine_socket=False)
+    assert os.path.dirname(folder) == str(long_tmp)
+    owned_dirs.remove(folder)

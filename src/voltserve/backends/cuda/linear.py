@@ -437,7 +437,7 @@ def swiglu_xq_target(backend: Any, then: Any, n_out: int) -> CudaLinear | None:
     GEMV_S8W_BLOCK_MAX_X) and n_out is whole 32-output chunks; else None. None under VOLTSERVE_MLP_XQ=off
     (`backend.mlp_xq`). Llama-3-8B Q4 at batch 1: one quantize_s8 launch fewer a layer."""
     if (getattr(backend, "mlp_xq", "auto") == "off" or not isinstance(then, CudaLinear) or then.in_features != n_out
-            or n_out % kernels.GEMV_S8W_OUT_CHUNK):
+            or n_out % 32):
         return None
     if gemv_kernel_name(backend, then, 1) != "gemv_s8w" or not x_per_launch_of(backend, "gemv_s8w", 1, n_out):
         return None

@@ -30,7 +30,6 @@ struct GemvParams {
     int part_out;          // gemv_s8 S8_KSPLIT: 1 = store the sums to part instead of y (no epilogue fusions)
     u8* xq_out;            // gemv_s8w SILU: y also quantized for the one-row gemv_s8w launch on the next weight
                            // (quantize_s8's bytes, s8_xq.cuh), or nullptr
-    int* xq_counters;      // with xq_out: [n_out / 32] parts of each 32-output group in so far (zero between launches)
     int xq_out_fmt;        // that weight's format (WTYPE_Q4_0 / Q4_1 / Q8_0)
 };
 VOLT_CHECK_PARAMS(GemvParams, VOLT_GEMV_PARAMS_BYTES);

@@ -298,16 +298,14 @@ extern "C" __global__ void __launch_bounds__(32 * GM_WARPS, GM_MIN_BLOCKS) gemv_
 // dp4a is SM61+, so the x-per-block body also compiles for compute_70 (the launcher takes it on SM80+ only, as
 // gemv_s8; the S8_XG build needs cp.async and traps below SM80).
 // Quantized output (SILU, p.xq_out != nullptr: gate_up before a one-row gemv_s8w launch on down that would
-// quantize x per launch, gemv_int8.swiglu_xq): y is also written quantized per 32 outputs in the layout of that
-// launch (s8_xq.cuh, the down weight's format p.xq_out_fmt), so down skips its quantize_s8 launch. A block's
-// S8W_WARPS outputs of one round (a "part" of a 32-output block of down's x: 2 parts for Q4's 16 warps, 4 for
-// Q8_0's 8) meet in the block's smem slot of that round, counted in by each warp; the warp that completes the part
-// stores it to y, and after a fence counts it in the group's global counter (p.xq_counters, zero between
-// launches); the warp that completes the group reads the other parts back from y (L2) and quantizes the 32 values
-// (xq_store_block), then zeroes the counter. So each part costs one fence and one global atomic of one warp, and
-// the grid's work split stays the plain launch's (32-output chunks per block measured 2 us slower on the 8B
-// gate_up: 4 chunks on some SMs where 16-output rounds give at most 7 halves). The values quantized are the fp16
-// outputs, so the bytes equal quantize_s8's on y. A block has S8W_OUT_SLOTS rounds at most (the launcher checks).
+// quantize x per launch, linear.swiglu_xq_target): y is also written quantized per 32 outputs in the layout of that
+// launch (s8_xq.cuh, the down weight's format p.xq_out_fmt), so down skips its quantize_s8 launch. A block then
+// takes 32 consecutive outputs at a time (a "chunk": its warps 2 (Q4) or 4 (Q8_0) outputs each) instead of
+// S8W_WARPS, keeps the fp16 outputs of each of its chunks in smem, and after its last output (one barrier)
+// quantizes its chunks, a warp each (xq_store_block). No fence or atomic on the way: an exchange per output (smem
+// counts with a block fence, or across blocks through global counters) measured 2-6 us slower on the 8B gate_up
+// (H100, session 44). The values quantized are the fp16 outputs, so the bytes equal quantize_s8's on y. A block
+// owns S8W_OUT_SLOTS chunks at most (the launcher checks).
 #ifndef S8W_OUT_SLOTS
 #define S8W_OUT_SLOTS 8   // kernels.GEMV_S8W_OUT_SLOTS (SILU builds; the launcher passes it)
 #endif
@@ -424,29 +422,6 @@ VOLT_DEVICE float s8w_piece_quad(float acc, const uint4& q, u32 scw, const u8* x
 }
 #endif
 
-#if SILU
-// xq_out: this warp completed its block's part of S8W_WARPS outputs holding output `done` (their fp16 values in
-// vals): store them to y, count the part in its 32-output group, and if it is the group's last, quantize the group
-// (block `group` of down's nb) for down: the other parts read back from y, written by other blocks before their
-// counts. Warp-uniform.
-VOLT_DEVICE void s8w_part_out(const GemvParams& p, const float* vals, int nb, int done, int lane) {
-    constexpr int PARTS = 32 / S8W_WARPS;
-    __threadfence_block();  // the other warps' values, counted in before ours
-    const int base = done & ~(S8W_WARPS - 1), group = done >> 5;
-    if (lane < S8W_WARPS) p.y[base + lane] = f2h(reinterpret_cast<const volatile float*>(vals)[lane]);
-    __threadfence();  // y before the count another block acts on
-    int arrived = 0;
-    if (lane == 0) arrived = atomicAdd(p.xq_counters + group, 1);
-    if (__shfl_sync(0xffffffffu, arrived, 0) != PARTS - 1) return;
-    __threadfence();  // the other parts' y after their counts
-    const bool mine = (lane & ~(S8W_WARPS - 1)) == (base & 31);  // lane's output is in this part
-    float v[1] = {mine ? reinterpret_cast<const volatile float*>(vals)[lane & (S8W_WARPS - 1)]
-                       : h2f(__ldcg(p.y + (group << 5) + lane))};
-    xq_store_block<1>(p.xq_out, p.xq_out_fmt, 1, nb, 0, group, v);
-    if (lane == 0) p.xq_counters[group] = 0;  // ready for the next launch
-}
-#endif
-
 // S8_XG copies x with cp.async (SM80+): below SM80 that build is a trapping stub, as gemv_s8 is there.
 #if WREPACK && WTYPE != WTYPE_F16 && S8_M1 && (!S8_XG || GM_M16N8K16)
 #define S8W_BUILT 1
@@ -463,20 +438,23 @@ extern "C" __global__ void __launch_bounds__(32 * S8W_WARPS, S8W_MIN_BLOCKS) gem
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int nb = p.k / 32, pieces = nb * RP_PIECE / 4, steps = (pieces + 31) >> 5;
     const int n_out = SILU ? p.n / 2 : p.n;
-    // work items: per output S8W_ROWS rows x ceil(steps / S8W_UNROLL); this warp's outputs are first, first +
-    // stride, ... (round 0, 1, ... of its block)
-    const int stride = gridDim.x * S8W_WARPS, first = blockIdx.x * S8W_WARPS + warp;  // blockDim = 32 * S8W_WARPS
+    // work items: per output S8W_ROWS rows x ceil(steps / S8W_UNROLL). A block takes `chunk` consecutive outputs
+    // at a time (S8W_WARPS, or 32 with xq_out), its chunks blockIdx.x, + gridDim.x, ...; warp w takes outputs w,
+    // w + S8W_WARPS, ... of each.
 #if SILU
-    __shared__ float part_vals[S8W_OUT_SLOTS][S8W_WARPS];  // xq_out: a lap's fp16 outputs (slot: the lap)
-    __shared__ int part_count[S8W_OUT_SLOTS];              // ... and how many of them are in
-    if (threadIdx.x < S8W_OUT_SLOTS) part_count[threadIdx.x] = 0;  // before the __syncthreads below
+    const int chunk = p.xq_out != nullptr ? 32 : S8W_WARPS;
+    __shared__ float chunk_vals[S8W_OUT_SLOTS][32];  // xq_out: the fp16 outputs of the block's chunks, in order
+#else
+    const int chunk = S8W_WARPS;
 #endif
+    const int first = blockIdx.x * chunk + warp;  // blockDim = 32 * S8W_WARPS
+    const int chunk_next = gridDim.x * chunk - (chunk - S8W_WARPS);  // from this warp's last output of a chunk
     u8* xq = reinterpret_cast<u8*>(s8_smem);
     const float2* xs = reinterpret_cast<const float2*>(xq + s8_pitch(nb));
     S8wItem it = {};  // zeroed: a lane past its row keeps these registers (s8w_load), never uninitialised ones
     // The current item: output `out`, its row r (SILU: 0 the gate row, 1 the up row) and first step s0, advanced
     // in place (index divisions per item cost ~60 instructions).
-    int out = first, r = 0, s0 = 0, lap = 0;  // lap: the block's round this output belongs to
+    int out = first, r = 0, s0 = 0, sub = 0, slot = 0;  // sub: this warp's output # in the chunk; slot: chunk #
     auto load = [&]() {
         const int row = SILU ? out + r * n_out : out;
         s8w_load(it, p.w + (i64)row * p.w_row_bytes, nb, pieces, s0, lane);
@@ -521,14 +499,19 @@ extern "C" __global__ void __launch_bounds__(32 * S8W_WARPS, S8W_MIN_BLOCKS) gem
 #pragma unroll
         for (int rr = 0; rr < S8W_ROWS; ++rr)
             if (rr == r) acc[rr] += part;
-        const int done = out, done_lap = lap;  // this item's output: complete if the item was its last
+        const int done = out, done_slot = slot;  // this item's output: complete if the item was its last
         bool complete = false;
         if ((s0 += S8W_UNROLL) >= steps) {
             s0 = 0;
             if (++r == S8W_ROWS) {
                 r = 0;
-                out += stride;
-                ++lap;
+                if (++sub * S8W_WARPS < chunk) {
+                    out += S8W_WARPS;
+                } else {
+                    sub = 0;
+                    ++slot;
+                    out += chunk_next;
+                }
                 complete = true;
             }
         }
@@ -536,28 +519,31 @@ extern "C" __global__ void __launch_bounds__(32 * S8W_WARPS, S8W_MIN_BLOCKS) gem
         if (complete) {
 #pragma unroll
             for (int rr = 0; rr < S8W_ROWS; ++rr) acc[rr] = warp_sum(acc[rr]);
-#if SILU
-            int arrived = -1;
             if (lane == 0) {
+#if SILU
                 const float g = round_h(acc[0]), u = round_h(acc[1]);
                 const half_t h = f2h(gemv_out(p, 0, done, g / (1.f + __expf(-g)) * u));
-                if (p.xq_out == nullptr) {
-                    p.y[done] = h;
-                } else {
-                    part_vals[done_lap][warp] = h2f(h);
-                    __threadfence_block();  // the value before the count that hands it on
-                    arrived = atomicAdd(&part_count[done_lap], 1);
-                }
-            }
-            if (__shfl_sync(0xffffffffu, arrived, 0) == S8W_WARPS - 1)  // warp-uniform: the part's last output
-                s8w_part_out(p, part_vals[done_lap], n_out / 32, done, lane);
+                p.y[done] = h;
+                if (p.xq_out != nullptr) chunk_vals[done_slot][done & 31] = h2f(h);
 #else
-            if (lane == 0) p.y[done] = f2h(gemv_out(p, 0, done, acc[0]));
+                p.y[done] = f2h(gemv_out(p, 0, done, acc[0]));
 #endif
+            }
 #pragma unroll
             for (int rr = 0; rr < S8W_ROWS; ++rr) acc[rr] = 0.f;
         }
     }
+#if SILU
+    if (p.xq_out != nullptr) {  // block-uniform: every chunk of the block is in smem after the barrier
+        __syncthreads();
+        for (int c = warp; c < S8W_OUT_SLOTS; c += S8W_WARPS) {
+            const int group = blockIdx.x + c * gridDim.x;  // the block's chunk c: block `group` of down's x
+            if (group * 32 >= n_out) break;
+            float v[1] = {chunk_vals[c][lane]};
+            xq_store_block<1>(p.xq_out, p.xq_out_fmt, 1, n_out / 32, 0, group, v);
+        }
+    }
+#endif
 #else
     pdl_enter();  // fp16, GGUF rows, more than one x row or S8_XG below SM80: never launched (gemv_int8.gemv_s8w_ok)
     __trap();

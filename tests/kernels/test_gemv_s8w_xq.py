@@ -64,7 +64,7 @@ def _split(xq, n):
 def test_gate_up_hands_down_quantized_x(cuda_backend, gate_fmt, down_fmt, grid):
     """Every gate_up / down format pair (Q8_0's x layout differs from Q4's, Q4_0 stores -8 s): the SwiGLU output
     and down's output equal the off run's bit for bit, one quantize_s8 launch fewer, and the handed bytes equal a
-    quantize_s8 launch's on the output. 4,608 outputs: 144 groups of 32 made by 2 or 4 blocks each."""
+    quantize_s8 launch's on the output. 4,608 outputs: 144 chunks of 32, several a block in the persistent grid."""
     with _settings(cuda_backend, gemv_s8_x="launch", gemv_s8_grid=grid):
         case = _mlp(cuda_backend, gate_fmt, down_fmt, 1024, 4608, 5)
         act_off, out_off, names_off, pending_off = _run(cuda_backend, "off", *case)
@@ -79,17 +79,17 @@ def test_gate_up_hands_down_quantized_x(cuda_backend, gate_fmt, down_fmt, grid):
 
 
 @pytest.mark.parametrize("gate_fmt", ["Q4_1", "Q8_0"])
-def test_rounds_past_the_slots_fall_back(cuda_backend, gate_fmt):
-    """A persistent grid whose blocks would take more rounds of S8W_WARPS outputs than their smem slots
+def test_chunks_past_the_slots_fall_back(cuda_backend, gate_fmt):
+    """A persistent grid whose blocks would take more 32-output chunks than their smem slots
     (kernels.GEMV_S8W_OUT_SLOTS; one SM's worth of blocks here) does not hand x on: down runs its own quantize_s8.
     At exactly the slots a block, it does. Both equal the off run bit for bit."""
     from voltserve.backends.cuda import kernels
 
     with _settings(cuda_backend, gemv_s8_x="launch", gemv_s8_grid="persistent", num_sms=1):
         spec = kernels.gemv_s8_spec(gate_fmt, True, 1, False, True)
-        warps = spec["S8W_WARPS"]
-        blocks = cuda_backend._occupancy("gemv_s8", "gemv_s8w", spec, kernels.gemv_s8w_smem_bytes(1024), 32 * warps)
-        full = kernels.GEMV_S8W_OUT_SLOTS * warps * blocks  # outputs at exactly the slots
+        threads = 32 * spec["S8W_WARPS"]
+        blocks = cuda_backend._occupancy("gemv_s8", "gemv_s8w", spec, kernels.gemv_s8w_smem_bytes(1024), threads)
+        full = kernels.GEMV_S8W_OUT_SLOTS * 32 * blocks  # outputs at exactly the slots
         for inner, handed in ((full, True), (2 * full, False)):
             case = _mlp(cuda_backend, gate_fmt, "Q4_1", 1024, inner, 9)
             act_off, out_off, _, _ = _run(cuda_backend, "off", *case)

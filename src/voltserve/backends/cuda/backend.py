@@ -157,7 +157,6 @@ class CudaBackend(DeviceSampling):
         # then skips quantize_s8 ("auto", linear.swiglu_xq_target) or not ("off"); VOLTSERVE_MLP_XQ for A/B runs
         self.mlp_xq = _env_choice("VOLTSERVE_MLP_XQ", ("auto", "off"))
         self.xq_pending = None  # attention_xq's and swiglu_xq_target's handoff to the next launch_linear
-        self._xq_counters, self._xq_counters_old = torch.zeros(0, dtype=torch.int32, device=self.device), []
         # attn_decode's fewest keys per split (kernels.decode_plan's min_part); VOLTSERVE_ATTN_MIN_PART for A/B runs
         self.attn_min_part = int(_env_choice("VOLTSERVE_ATTN_MIN_PART", (str(kernels.DECODE_MIN_PART), "32", "128",
                                                                          "256", "512", "1024")))
@@ -246,22 +245,7 @@ class CudaBackend(DeviceSampling):
             self.quant_repack, self.loader.compile_arch, quant.qtype, weight.shape[1], int(quant.data.nbytes),
             swiglu, superblocks=gemv_mma_sb_fits(self, quant.qtype),
             s8=gemv_s8_enabled(self) and gemv_s8_fits(self, kernels.GEMV_MAX_ROWS, weight.shape[1]))
-        if swiglu:  # before any CUDA graph capture (xq_counters)
-            self.xq_counters(weight.shape[0] // 2 // 32)
         return CudaLinear.upload(weight, quant, self.device, repack=repack, norm=norm)
-
-    def xq_counters(self, n: int) -> torch.Tensor | None:
-        """int32 [>= n] zeros on the device: a SwiGLU gemv_s8w launch's counts of each 32-output group of its
-        output that it has written (gemv_int8.launch_gemv_s8w's `xq_for`; the kernel zeroes them again). Grown
-        on demand, the smaller buffers kept (captured CUDA graphs hold their addresses); None while a graph is
-        captured and it is smaller (the zeros would not be written before the replay; prepare_linear reserves
-        it for SwiGLU weights)."""
-        if self._xq_counters.numel() < n:
-            if torch.cuda.is_current_stream_capturing():
-                return None
-            self._xq_counters_old.append(self._xq_counters)
-            self._xq_counters = torch.zeros(n, dtype=torch.int32, device=self.device)
-        return self._xq_counters
 
     def prepare_embedding(self, weight: torch.Tensor, quant: Any | None = None) -> CudaEmbedding:
         return CudaEmbedding.upload(weight, quant, self.device)

@@ -312,8 +312,8 @@ GEMV_S8W_WARPS = {"Q4_0": 16, "Q4_1": 16, "Q8_0": 8}
 # gemv_s8w's shared memory past x's int8 copy: a lane past its row's last piece (k / 32 not a multiple of 32 for
 # Q4, of 16 for Q8_0) reads x at its piece's constant offset there and drops the product (<= 1,000 bytes past)
 GEMV_S8W_SMEM_PAD = 1024
-# gemv_s8w SILU builds writing down's quantized x (linear.swiglu_xq_target): the most rounds of S8W_WARPS outputs a
-# block may take (its smem slots, S8W_OUT_SLOTS)
+# gemv_s8w SILU builds writing down's quantized x (linear.swiglu_xq_target): the most 32-output chunks a block may
+# take (its smem slots, S8W_OUT_SLOTS)
 GEMV_S8W_OUT_SLOTS = 8
 
 

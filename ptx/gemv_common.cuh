@@ -28,6 +28,9 @@ struct GemvParams {
     int kb_end;
     int part_in;           // gemv_s8 S8_KSPLIT: 1 = add part to the launch's sums (fixed order: part + own)
     int part_out;          // gemv_s8 S8_KSPLIT: 1 = store the sums to part instead of y (no epilogue fusions)
+    u8* xq_out;            // gemv_s8w SILU: y also quantized for the one-row gemv_s8w launch on the next weight
+                           // (quantize_s8's bytes, s8_xq.cuh), or nullptr
+    int xq_out_fmt;        // that weight's format (WTYPE_Q4_0 / Q4_1 / Q8_0)
 };
 VOLT_CHECK_PARAMS(GemvParams, VOLT_GEMV_PARAMS_BYTES);
 

@@ -297,6 +297,18 @@ extern "C" __global__ void __launch_bounds__(32 * GM_WARPS, GM_MIN_BLOCKS) gemv_
 // quantize_s8's (256 threads) where the block is larger.
 // dp4a is SM61+, so the x-per-block body also compiles for compute_70 (the launcher takes it on SM80+ only, as
 // gemv_s8; the S8_XG build needs cp.async and traps below SM80).
+// Quantized output (SILU, p.xq_out != nullptr: gate_up before a one-row gemv_s8w launch on down that would
+// quantize x per launch, linear.swiglu_xq_target): y is also written quantized per 32 outputs in the layout of that
+// launch (s8_xq.cuh, the down weight's format p.xq_out_fmt), so down skips its quantize_s8 launch. A block then
+// takes 32 consecutive outputs at a time (a "chunk": its warps 2 (Q4) or 4 (Q8_0) outputs each) instead of
+// S8W_WARPS, keeps the fp16 outputs of each of its chunks in smem, and after its last output (one barrier)
+// quantizes its chunks, a warp each (xq_store_block). No fence or atomic on the way: an exchange per output (smem
+// counts with a block fence, or across blocks through global counters) measured 2-6 us slower on the 8B gate_up
+// (H100, session 44). The values quantized are the fp16 outputs, so the bytes equal quantize_s8's on y. A block
+// owns S8W_OUT_SLOTS chunks at most (the launcher checks).
+#ifndef S8W_OUT_SLOTS
+#define S8W_OUT_SLOTS 8   // kernels.GEMV_S8W_OUT_SLOTS (SILU builds; the launcher passes it)
+#endif
 #ifndef S8W_WARPS
 #define S8W_WARPS 8       // kernels.GEMV_S8W_WARPS (per format; the launcher passes it)
 #endif
@@ -426,15 +438,23 @@ extern "C" __global__ void __launch_bounds__(32 * S8W_WARPS, S8W_MIN_BLOCKS) gem
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int nb = p.k / 32, pieces = nb * RP_PIECE / 4, steps = (pieces + 31) >> 5;
     const int n_out = SILU ? p.n / 2 : p.n;
-    // work items: per output S8W_ROWS rows x ceil(steps / S8W_UNROLL); this warp's outputs are first, first +
-    // stride, ...
-    const int stride = gridDim.x * S8W_WARPS, first = blockIdx.x * S8W_WARPS + warp;  // blockDim = 32 * S8W_WARPS
+    // work items: per output S8W_ROWS rows x ceil(steps / S8W_UNROLL). A block takes `chunk` consecutive outputs
+    // at a time (S8W_WARPS, or 32 with xq_out), its chunks blockIdx.x, + gridDim.x, ...; warp w takes outputs w,
+    // w + S8W_WARPS, ... of each.
+#if SILU
+    const int chunk = p.xq_out != nullptr ? 32 : S8W_WARPS;
+    __shared__ float chunk_vals[S8W_OUT_SLOTS][32];  // xq_out: the fp16 outputs of the block's chunks, in order
+#else
+    const int chunk = S8W_WARPS;
+#endif
+    const int first = blockIdx.x * chunk + warp;  // blockDim = 32 * S8W_WARPS
+    const int chunk_next = gridDim.x * chunk - (chunk - S8W_WARPS);  // from this warp's last output of a chunk
     u8* xq = reinterpret_cast<u8*>(s8_smem);
     const float2* xs = reinterpret_cast<const float2*>(xq + s8_pitch(nb));
     S8wItem it = {};  // zeroed: a lane past its row keeps these registers (s8w_load), never uninitialised ones
-    // The current item: output `out` (first + a multiple of stride), its row r (SILU: 0 the gate row, 1 the up
-    // row) and first step s0, advanced in place (index divisions per item cost ~60 instructions).
-    int out = first, r = 0, s0 = 0;
+    // The current item: output `out`, its row r (SILU: 0 the gate row, 1 the up row) and first step s0, advanced
+    // in place (index divisions per item cost ~60 instructions).
+    int out = first, r = 0, s0 = 0, sub = 0, slot = 0;  // sub: this warp's output # in the chunk; slot: chunk #
     auto load = [&]() {
         const int row = SILU ? out + r * n_out : out;
         s8w_load(it, p.w + (i64)row * p.w_row_bytes, nb, pieces, s0, lane);
@@ -479,13 +499,19 @@ extern "C" __global__ void __launch_bounds__(32 * S8W_WARPS, S8W_MIN_BLOCKS) gem
 #pragma unroll
         for (int rr = 0; rr < S8W_ROWS; ++rr)
             if (rr == r) acc[rr] += part;
-        const int done = out;  // this item's output: complete if the item was its last
+        const int done = out, done_slot = slot;  // this item's output: complete if the item was its last
         bool complete = false;
         if ((s0 += S8W_UNROLL) >= steps) {
             s0 = 0;
             if (++r == S8W_ROWS) {
                 r = 0;
-                out += stride;
+                if (++sub * S8W_WARPS < chunk) {
+                    out += S8W_WARPS;
+                } else {
+                    sub = 0;
+                    ++slot;
+                    out += chunk_next;
+                }
                 complete = true;
             }
         }
@@ -496,7 +522,9 @@ extern "C" __global__ void __launch_bounds__(32 * S8W_WARPS, S8W_MIN_BLOCKS) gem
             if (lane == 0) {
 #if SILU
                 const float g = round_h(acc[0]), u = round_h(acc[1]);
-                p.y[done] = f2h(gemv_out(p, 0, done, g / (1.f + __expf(-g)) * u));
+                const half_t h = f2h(gemv_out(p, 0, done, g / (1.f + __expf(-g)) * u));
+                p.y[done] = h;
+                if (p.xq_out != nullptr) chunk_vals[done_slot][done & 31] = h2f(h);
 #else
                 p.y[done] = f2h(gemv_out(p, 0, done, acc[0]));
 #endif
@@ -505,6 +533,17 @@ extern "C" __global__ void __launch_bounds__(32 * S8W_WARPS, S8W_MIN_BLOCKS) gem
             for (int rr = 0; rr < S8W_ROWS; ++rr) acc[rr] = 0.f;
         }
     }
+#if SILU
+    if (p.xq_out != nullptr) {  // block-uniform: every chunk of the block is in smem after the barrier
+        __syncthreads();
+        for (int c = warp; c < S8W_OUT_SLOTS; c += S8W_WARPS) {
+            const int group = blockIdx.x + c * gridDim.x;  // the block's chunk c: block `group` of down's x
+            if (group * 32 >= n_out) break;
+            float v[1] = {chunk_vals[c][lane]};
+            xq_store_block<1>(p.xq_out, p.xq_out_fmt, 1, n_out / 32, 0, group, v);
+        }
+    }
+#endif
 #else
     pdl_enter();  // fp16, GGUF rows, more than one x row or S8_XG below SM80: never launched (gemv_int8.gemv_s8w_ok)
     __trap();

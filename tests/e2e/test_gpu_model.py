@@ -321,6 +321,31 @@ def test_attention_xq_serves_like_quantize_launches():
     assert 0 < quantize_launches["auto"] < quantize_launches["off"]
 
 
+def test_swiglu_xq_serves_like_quantize_launches():
+    """A Q4_1 model on repacked rows whose one-row decode steps run down on the int8 x the gate_up gemv_s8w wrote
+    (VOLTSERVE_MLP_XQ auto, linear.swiglu_xq_target; x quantized per launch, as Llama-3-8B's k = 14,336 down is)
+    against quantize_s8 launches (off): the same greedy tokens and logprobs bit for bit, eager and through CUDA
+    graphs, with fewer quantize_s8 launches."""
+    from tools.make_synthetic_checkpoint import synthetic_model
+    from voltserve.backends.cuda.backend import CudaBackend
+
+    loaded = synthetic_model("small1024", device="cuda", dtype=torch.float16, qtype="Q4_1", seed=12)
+    prompts = [list(range(3, 40)), list(range(50, 53)), list(range(7, 100))]
+    results, quantize_launches = {}, {}
+    for xq in ("auto", "off"):
+        backend = CudaBackend(0)
+        if backend.loader.arch < 80:
+            pytest.skip("gemv_s8w is SM80+")
+        backend.quant_repack, backend.gemv_s8_x, backend.mlp_xq = "on", "launch", xq
+        model = LlamaModel(loaded.config, loaded.tensors, backend, loaded.quantized, max_positions=512)
+        assert all(layer.down.layout == "repacked" for layer in model.layers)
+        eager, graphs, names = _eager_and_graphs(model, backend, prompts)
+        quantize_launches[xq] = names.count("quantize_s8")
+        results[xq] = (eager, graphs)
+    assert results["auto"] == results["off"]
+    assert 0 < quantize_launches["auto"] < quantize_launches["off"]
+
+
 def test_gemv_chain_serves_like_separate_launches():
     """An fp16 model whose one-row decode steps run each layer's tail as one gemv_chain launch (VOLTSERVE_GEMV_CHAIN
     on; the last layer's with the lm_head) against the same GEMVs launched one by one (gemv_tma on every weight,

@@ -132,7 +132,7 @@ class Backend(Protocol):
         out_features], a new tensor. The product is rounded to the activation dtype before the residual add."""
 
     def norm_linear(self, x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: Any,
-                    silu: bool = False) -> torch.Tensor:
+                    silu: bool = False, then: Any = None) -> torch.Tensor:
         """linear(rms_norm(x, norm_weight, eps)[0], weight), and with `silu` then silu_and_mul: one fused op on
         backends that can (the decode GEMV normalizes x in its prologue).
 
@@ -141,6 +141,8 @@ class Backend(Protocol):
                 folded this norm into `weight` (its `norm`), the backend does not read it again (pass the same
                 norm), and `linear` on such a weight raises ValueError.
             weight: a linear; with `silu` the fused [gate; up] weight.
+            then: the linear the caller applies next to the output, or None: a hint a backend may use to hand
+                that next op its input in the form it reads (the CUDA backend's quantized x); ignored elsewhere.
         Returns:
             [num_tokens, out_features], or [num_tokens, out_features / 2] with `silu`.
         """
@@ -234,5 +236,5 @@ def decoder_tail(backend: Backend, o: torch.Tensor, h: torch.Tensor, o_proj: Any
     if out is not None:
         return out
     h = backend.linear(o, o_proj, residual=h)
-    h = backend.linear(backend.norm_linear(h, post_norm, eps, gate_up, silu=True), down, residual=h)
+    h = backend.linear(backend.norm_linear(h, post_norm, eps, gate_up, silu=True, then=down), down, residual=h)
     return h, None if then is None else backend.norm_linear(h, then[0], eps, then[1])

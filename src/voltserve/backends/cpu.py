@@ -91,7 +91,7 @@ class CpuBackend:
             y = fixed_shape_linear(x, weight)
         return y if residual is None else y + residual
 
-    def norm_linear(self, x, norm_weight, eps, weight, silu=False):
+    def norm_linear(self, x, norm_weight, eps, weight, silu=False, then=None):
         y = self.linear(self.rms_norm(x, norm_weight, eps)[0], weight)
         return self.silu_and_mul(y) if silu else y
 

@@ -153,7 +153,10 @@ class CudaBackend(DeviceSampling):
         # attn_decode writing its output also quantized for the o_proj gemv_s8 / gemv_s8w launch after it, which
         # then skips quantize_s8 ("auto", linear.attention_xq) or not ("off"); VOLTSERVE_ATTN_XQ for A/B runs
         self.attn_xq = _env_choice("VOLTSERVE_ATTN_XQ", ("auto", "off"))
-        self.xq_pending = None  # linear.attention_xq's handoff to the next launch_linear
+        # a one-row gate_up gemv_s8w writing its output also quantized for the down gemv_s8w launch after it, which
+        # then skips quantize_s8 ("auto", linear.swiglu_xq_target) or not ("off"); VOLTSERVE_MLP_XQ for A/B runs
+        self.mlp_xq = _env_choice("VOLTSERVE_MLP_XQ", ("auto", "off"))
+        self.xq_pending = None  # attention_xq's and swiglu_xq_target's handoff to the next launch_linear
         # attn_decode's fewest keys per split (kernels.decode_plan's min_part); VOLTSERVE_ATTN_MIN_PART for A/B runs
         self.attn_min_part = int(_env_choice("VOLTSERVE_ATTN_MIN_PART", (str(kernels.DECODE_MIN_PART), "32", "128",
                                                                          "256", "512", "1024")))
@@ -299,14 +302,14 @@ class CudaBackend(DeviceSampling):
             _check_rows(residual, "residual")
         return launch_linear(self, x, weight, residual=residual)
 
-    def norm_linear(self, x, norm_weight, eps, weight: CudaLinear, silu=False):
+    def norm_linear(self, x, norm_weight, eps, weight: CudaLinear, silu=False, then=None):
         _check_rows(x, "x")
         if x.shape[1] != weight.in_features:
             raise ValueError(f"x {tuple(x.shape)} does not match weight in_features {weight.in_features}")
         if weight.norm_folded:  # norm_weight's g is in the weight already (prepare_linear's `norm`)
-            return launch_linear(self, x, weight, eps=eps, silu=silu, norm_post=True)
+            return launch_linear(self, x, weight, eps=eps, silu=silu, norm_post=True, then=then)
         return launch_linear(self, x, weight, norm_weight=self._on_device(norm_weight, torch.float32), eps=eps,
-                             silu=silu)
+                             silu=silu, then=then)
 
     def fused_decoder_tail(self, o, h, o_proj, post_norm, gate_up, down, eps, then=None):
         """`base.decoder_tail` as one gemv_chain launch (one row, gate_up and `then`'s linear with their norms

@@ -216,11 +216,14 @@ def s8_quantized_x(backend: Any, xr: torch.Tensor, spec: dict[str, int], smem: i
 
 def launch_gemv_s8w(backend: Any, x: torch.Tensor, w: CudaLinear, y: torch.Tensor,
                     norm_weight: torch.Tensor | None, eps: float, residual: torch.Tensor | None, silu: bool,
-                    vec_ok: int, ready: torch.Tensor | None = None) -> None:
+                    vec_ok: int, ready: torch.Tensor | None = None, xq_for: CudaLinear | None = None) -> None:
     """The gemv_s8w launch of one x row (fusions as gemv_s8; x quantized as gemv_s8_x_per_launch picks, or
     `ready` as s8_quantized_x takes it): a grid of one output feature per warp, under `backend.gemv_s8_grid`
     "persistent" capped at the blocks the GPU holds at once (its warps then loop over the rest; x quantized once
-    per block, not per 16 outputs), "full" uncapped (the hardware hands out the blocks as earlier ones finish)."""
+    per block, not per 16 outputs), "full" uncapped (the hardware hands out the blocks as earlier ones finish).
+    `xq_for` (SwiGLU only; `linear.swiglu_xq_target` picked it): the weight of the one-row gemv_s8w launch that
+    reads y next, for which the launch also writes y quantized (`backend.xq_pending`, which that launch takes
+    instead of its quantize_s8); its blocks then take 32 outputs at a time, at most GEMV_S8W_OUT_SLOTS times."""
     k = x.shape[1]
     n_out = y.shape[1]
     per_launch = x_per_launch_of(backend, "gemv_s8w", 1, k)
@@ -231,12 +234,21 @@ def launch_gemv_s8w(backend: Any, x: torch.Tensor, w: CudaLinear, y: torch.Tenso
     smem = kernels.gemv_s8w_smem_bytes(k)
     warps = spec["S8W_WARPS"]
     threads = 32 * warps
-    grid = -(-n_out // warps)
-    if getattr(backend, "gemv_s8_grid", "persistent") == "persistent":
-        grid = min(grid, backend.num_sms * backend._occupancy("gemv_s8", "gemv_s8w", spec, smem, threads))
+    cap = backend.num_sms * backend._occupancy("gemv_s8", "gemv_s8w", spec, smem, threads) \
+        if getattr(backend, "gemv_s8_grid", "persistent") == "persistent" else None
+    if xq_for is not None and (not silu or n_out % 32 or cap is not None and
+                               -(-n_out // (32 * cap)) > kernels.GEMV_S8W_OUT_SLOTS):
+        xq_for = None  # more 32-output chunks a block than its smem slots: down quantizes x itself
+    chunk = warps if xq_for is None else 32  # outputs a block takes at a time
+    grid = -(-n_out // chunk) if cap is None else min(-(-n_out // chunk), cap)
     p = gemv_params(x, 0, w, y, residual, norm, eps, vec_ok, xq=xq)
+    if xq_for is not None:
+        xq_out = torch.empty(kernels.gemv_s8_smem_bytes(1, n_out), dtype=torch.uint8, device=y.device)
+        p.xq_out, p.xq_out_fmt = xq_out.data_ptr(), kernels.WTYPES[xq_for.fmt]
     backend._launch("gemv_s8", "gemv_s8w", spec, (grid, 1, 1), (threads, 1, 1), smem, p, pdl)
     launched_gemv(backend, w)
+    if xq_for is not None:
+        backend.xq_pending = PendingXq(y, (1, n_out), xq_for, xq_out)
 
 
 def launch_gemv_s8(backend: Any, x: torch.Tensor, w: CudaLinear, y: torch.Tensor,

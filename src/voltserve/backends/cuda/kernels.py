@@ -312,6 +312,9 @@ GEMV_S8W_WARPS = {"Q4_0": 16, "Q4_1": 16, "Q8_0": 8}
 # gemv_s8w's shared memory past x's int8 copy: a lane past its row's last piece (k / 32 not a multiple of 32 for
 # Q4, of 16 for Q8_0) reads x at its piece's constant offset there and drops the product (<= 1,000 bytes past)
 GEMV_S8W_SMEM_PAD = 1024
+# gemv_s8w SILU builds writing down's quantized x (linear.swiglu_xq_target): the most 32-output chunks a block may
+# take (its smem slots, S8W_OUT_SLOTS)
+GEMV_S8W_OUT_SLOTS = 8
 
 
 def gemv_s8_spec(fmt: str, silu: bool, rows: int, norm_one_pass: bool = False,
@@ -359,6 +362,8 @@ def gemv_s8_spec(fmt: str, silu: bool, rows: int, norm_one_pass: bool = False,
     if rows == 1:
         spec["S8_M1"] = 1
         spec["S8W_WARPS"] = GEMV_S8W_WARPS[fmt]  # gemv_s8w's block (the S8_M1 build of gemv_s8 ignores it)
+        if silu:
+            spec["S8W_OUT_SLOTS"] = GEMV_S8W_OUT_SLOTS
     if x_per_launch:
         spec["S8_XG"] = 1
     elif norm_one_pass and rows > 1:

@@ -206,7 +206,7 @@ def _launch_gemm_tc(backend: Any, x: torch.Tensor, w: CudaLinear, y: torch.Tenso
 
 def launch_linear(backend: Any, x: torch.Tensor, w: CudaLinear, *, norm_weight: torch.Tensor | None = None,
                   eps: float = 0.0, residual: torch.Tensor | None = None, silu: bool = False,
-                  f16_gemm: str = "cublas", norm_post: bool = False) -> torch.Tensor:
+                  f16_gemm: str = "cublas", norm_post: bool = False, then: Any = None) -> torch.Tensor:
     """y = x @ W^T with our kernels, optionally fused with its neighbours in the decoder block.
 
     GEMV for up to `gemv_max_rows` rows (16; repacked quant rows on SM90+ 32-64, in gemv_s8 launches of 8, 16 or
@@ -227,6 +227,8 @@ def launch_linear(backend: Any, x: torch.Tensor, w: CudaLinear, *, norm_weight: 
         residual: [m, out_features] fp16 added to the product (the output is a new tensor).
         silu: return silu(gate) * up, [m, out_features / 2].
         f16_gemm: fp16 weights at m >= GEMM_MIN_ROWS: "cublas" (torch) or "tiled" (ptx/gemm_tiled.cu).
+        then: the linear the caller applies next to the output (with `silu`: down), which a one-row gemv_s8w
+            launch may hand it quantized (`swiglu_xq_target`); a hint only.
     Returns:
         [m, out_features] fp16 (silu: [m, out_features / 2]).
     """
@@ -280,7 +282,8 @@ def launch_linear(backend: Any, x: torch.Tensor, w: CudaLinear, *, norm_weight: 
     if residual is not None and residual.stride(0) != n_out:
         residual = residual.contiguous()  # the kernels read it with y's row stride
     if use_mma:
-        _launch_gemv_mma(backend, x, w, y, norm_weight, eps, residual, silu, vec_ok, ready)
+        _launch_gemv_mma(backend, x, w, y, norm_weight, eps, residual, silu, vec_ok, ready,
+                         swiglu_xq_target(backend, then, n_out) if silu and m == 1 else None)
         return y
     if m == 1 and norm_weight is None and gemv_tma_ok(backend, w, vec_ok, silu):
         launch_gemv_tma(backend, x, w, y, residual, silu, norm_post, eps)
@@ -427,6 +430,20 @@ def attention_xq(backend: Any, w: Any, out: torch.Tensor, group: int) -> tuple[i
     return xq.data_ptr(), kernels.WTYPES[w.fmt], rows
 
 
+def swiglu_xq_target(backend: Any, then: Any, n_out: int) -> CudaLinear | None:
+    """The weight for which a one-row SwiGLU gemv_s8w launch (gate_up) also writes its output, n_out wide,
+    quantized (gemv_int8.launch_gemv_s8w's `xq_for`): `then`, the linear applied next to that output (down), where
+    its one-row launch runs gemv_s8w on x quantized once per launch (else a quantize_s8 launch: n_out >
+    GEMV_S8W_BLOCK_MAX_X) and n_out is whole 32-output chunks; else None. None under VOLTSERVE_MLP_XQ=off
+    (`backend.mlp_xq`). Llama-3-8B Q4 at batch 1: one quantize_s8 launch fewer a layer."""
+    if (getattr(backend, "mlp_xq", "auto") == "off" or not isinstance(then, CudaLinear) or then.in_features != n_out
+            or n_out % 32):
+        return None
+    if gemv_kernel_name(backend, then, 1) != "gemv_s8w" or not x_per_launch_of(backend, "gemv_s8w", 1, n_out):
+        return None
+    return then
+
+
 def _whole_superblocks(w: CudaLinear) -> bool:
     """Quant rows of whole, 16-byte-aligned 256-weight superblocks (8 GGUF blocks): what gemv_q and gemv_mma_sb
     stream with 16-byte loads."""
@@ -466,9 +483,10 @@ def gemv_mma_tile(backend: Any, w: CudaLinear, silu: bool, one_pass: bool) -> in
 
 def _launch_gemv_mma(backend: Any, x: torch.Tensor, w: CudaLinear, y: torch.Tensor,
                      norm_weight: torch.Tensor | None, eps: float, residual: torch.Tensor | None, silu: bool,
-                     vec_ok: int, ready: torch.Tensor | None = None) -> None:
+                     vec_ok: int, ready: torch.Tensor | None = None, xq_for: CudaLinear | None = None) -> None:
     """gemv_mma / gemv_mma_sb launches of <= 8 x rows each (fused norm, residual and SwiGLU all in the kernel);
-    `residual` has y's row stride; `ready`: x already quantized for gemv_s8 / gemv_s8w (PendingXq)."""
+    `residual` has y's row stride; `ready`: x already quantized for gemv_s8 / gemv_s8w (PendingXq); `xq_for`:
+    gemv_s8w's (the weight after a SwiGLU launch that takes y quantized)."""
     m = x.shape[0]
     n_out = y.shape[1]
     one_pass = norm_weight is not None and m >= 2
@@ -476,7 +494,7 @@ def _launch_gemv_mma(backend: Any, x: torch.Tensor, w: CudaLinear, y: torch.Tens
         launch_gemv_tma_s8(backend, x, w, y, residual)
         return
     if gemv_s8w_ok(backend, w, m):
-        launch_gemv_s8w(backend, x, w, y, norm_weight, eps, residual, silu, vec_ok, ready)
+        launch_gemv_s8w(backend, x, w, y, norm_weight, eps, residual, silu, vec_ok, ready, xq_for)
         return
     if gemv_s8_ok(backend, w, min(m, kernels.GEMV_MAX_ROWS)):
         launch_gemv_s8(backend, x, w, y, norm_weight, eps, residual, silu, vec_ok, one_pass, ready)

@@ -56,7 +56,7 @@ GemvParams = _struct("GemvParams", [
     ("x", P), ("w", P), ("y", P), ("res", P), ("norm_w", P), ("x_stride", I64), ("y_stride", I64),
     ("w_row_bytes", I64), ("m", I32), ("n", I32), ("k", I32), ("vec_ok", I32), ("eps", F32), ("prefetch_bytes", I32),
     ("xq", P), ("stages", I32), ("stage_spans", I32), ("part", P), ("kb_begin", I32), ("kb_end", I32),
-    ("part_in", I32), ("part_out", I32)])
+    ("part_in", I32), ("part_out", I32), ("xq_out", P), ("xq_out_fmt", I32)])
 
 # gemv_chain.cu: ChainParams holds CHAIN_MAX_PHASES ChainPhase by value
 ChainPhase = _struct("ChainPhase", [

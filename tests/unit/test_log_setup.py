@@ -96,3 +96,19 @@ async def test_app_configures_logging_when_serving_starts(bare_root, monkeypatch
     root = bare_root()
     async with app.test_app():
         assert root.level == logging.DEBUG and len(root.handlers) == 1
+
+
+def test_a_record_a_logger_writes_to_stderr_itself_is_not_written_again():
+    """hypercorn's `hypercorn.error` has a stderr handler of its own and propagates: the root handler skips its
+    records (they came out twice under a bare `hypercorn api:app`); a file handler there does not hide them."""
+    code = ("import logging, sys; from voltserve.log_setup import configure_logging; configure_logging('info'); "
+            "own = logging.getLogger('hypercorn.error'); h = logging.StreamHandler(sys.stderr); "
+            "h.setFormatter(logging.Formatter('[own] %(message)s')); own.addHandler(h); own.info('Running on x'); "
+            "logging.getLogger('api.app').info('serving'); own.removeHandler(h); "
+            "own.addHandler(logging.FileHandler(sys.argv[1])); own.warning('to the file and stderr')")
+    out = subprocess.run([sys.executable, "-c", code, os.devnull], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    own_line, *root_lines = out.stderr.splitlines()
+    assert own_line == "[own] Running on x"
+    assert [line.split(" ", 2)[2] for line in root_lines] == [  # less the root format's date and time
+        "INFO api.app: serving", "WARNING hypercorn.error: to the file and stderr"]

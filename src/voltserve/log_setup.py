@@ -41,6 +41,22 @@ class _NotWrittenBelow(logging.Filter):
         return True
 
 
+def level_to_set(level: str | None = None) -> str | None:
+    """The level `configure_logging(level)` sets: None where the root logger already has a handler (then neither
+    `level` nor VOLTSERVE_LOG_LEVEL is read: `voltserve serve --log-level` wins over the variable), else `level`,
+    else VOLTSERVE_LOG_LEVEL, else "info", lower-cased.
+
+    Raises:
+        ValueError: an unknown level name.
+    """
+    if logging.getLogger().handlers:
+        return None
+    name = (level if level is not None else os.environ.get("VOLTSERVE_LOG_LEVEL", "info")).strip().lower()
+    if name not in LEVELS:
+        raise ValueError(f"log level {name!r}: expected one of {', '.join(LEVELS)} (VOLTSERVE_LOG_LEVEL)")
+    return name
+
+
 def configure_logging(level: str | None = None) -> None:
     """Send log records of `level` and above to stderr, once each (not those a logger's own handler writes
     there), unless the root logger already has a handler (a host application or a logging config owns it then;
@@ -49,12 +65,10 @@ def configure_logging(level: str | None = None) -> None:
     Args:
         level: one of LEVELS, case-insensitive; None reads VOLTSERVE_LOG_LEVEL (default "info").
     Raises:
-        ValueError: an unknown level name.
+        ValueError: an unknown level name (`level_to_set`).
     """
-    name = (level if level is not None else os.environ.get("VOLTSERVE_LOG_LEVEL", "info")).strip().lower()
-    if name not in LEVELS:
-        raise ValueError(f"log level {name!r}: expected one of {', '.join(LEVELS)} (VOLTSERVE_LOG_LEVEL)")
-    if logging.getLogger().handlers:
+    name = level_to_set(level)
+    if name is None:
         return
     logging.basicConfig(level=name.upper(), format=FORMAT)
     handler = logging.getLogger().handlers[0]

@@ -112,3 +112,28 @@ def test_a_record_a_logger_writes_to_stderr_itself_is_not_written_again():
     assert own_line == "[own] Running on x"
     assert [line.split(" ", 2)[2] for line in root_lines] == [  # less the root format's date and time
         "INFO api.app: serving", "WARNING hypercorn.error: to the file and stderr"]
+
+
+def test_a_bad_environment_level_is_not_read_where_logging_is_configured(bare_root, monkeypatch):
+    """`VOLTSERVE_LOG_LEVEL=bogus voltserve serve --log-level info`: the flag wins (the CLI set up logging before
+    the app's start read the variable, which failed the start with a traceback and status 1)."""
+    monkeypatch.setenv("VOLTSERVE_LOG_LEVEL", "bogus")
+    root = bare_root()
+    root.handlers.append(logging.NullHandler())
+    configure_logging()
+    assert len(root.handlers) == 1 and root.level == logging.WARNING
+
+
+def test_a_bad_environment_level_fails_building_the_bare_hypercorn_app(bare_root, monkeypatch):
+    """`hypercorn api:app` (create_app(configure_logs=True)) refuses a bad VOLTSERVE_LOG_LEVEL when built, as any bad
+    VOLTSERVE_ variable (api/__init__.py then logs one line and exits 2), not when serving starts."""
+    from api.app import create_app
+    from voltserve.config import EngineConfig
+    from voltserve.errors import ConfigError
+
+    monkeypatch.setenv("VOLTSERVE_LOG_LEVEL", "verbose")
+    bare_root()
+    with pytest.raises(ConfigError) as refused:
+        create_app(config=EngineConfig(model="test-model").validate(), configure_logs=True)
+    assert str(refused.value) == ("log level 'verbose': expected one of debug, info, warning, error "
+                                  "(VOLTSERVE_LOG_LEVEL)")

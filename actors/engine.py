@@ -210,6 +210,7 @@ class AsyncEngine:
                grammars: list) -> None:
         request_id = stream.request_id
         seqs = []
+        prompt_hashes = [] if params.n > 1 else None  # the n choices hash their prompt's blocks once
         for i in range(params.n):
             gen = None
             if params.seed is not None:
@@ -219,7 +220,7 @@ class AsyncEngine:
                 philox_seed = secrets.randbits(64)  # the device sampler's key for an unseeded request
             seqs.append(Sequence(seq_id=next(self._seq_ids), request_id=request_id, index=i,
                                  prompt_ids=list(prompt_token_ids), params=params, max_tokens=max_tokens,
-                                 generator=gen, philox_seed=philox_seed,
+                                 generator=gen, philox_seed=philox_seed, prompt_hashes=prompt_hashes,
                                  grammar=grammars[i]))
         self._scheduler_actor.tell(AddRequestMsg(tuple(seqs), stream))
 

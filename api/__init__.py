@@ -14,8 +14,8 @@ try:  # logging (VOLTSERVE_LOG_LEVEL) is set up when serving starts; a failed st
 except ConfigError as exc:  # a bad VOLTSERVE_ variable: one line and status 2, not hypercorn's traceback
     try:
         configure_logging()
-    except ValueError:  # a bad VOLTSERVE_LOG_LEVEL: Python's last-resort handler writes the line
-        pass
+    except ValueError:  # a bad VOLTSERVE_LOG_LEVEL, the error itself: its line in the usual format all the same
+        configure_logging("info")
     exit_after_failed_start(exc)
 
 __all__ = ["app", "create_app"]

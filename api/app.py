@@ -22,8 +22,8 @@ from api.metrics import ServerMetrics, engine_stats
 from api.routing import App
 from api.state import EXTENSION_KEY, ServerState, random_id, unix_time_s
 from voltserve.config import EngineConfig
-from voltserve.errors import INPUT_ERRORS, VoltError
-from voltserve.log_setup import configure_logging
+from voltserve.errors import INPUT_ERRORS, ConfigError, VoltError
+from voltserve.log_setup import configure_logging, level_to_set
 from voltserve.start_report import claim_start_report, start_reported_elsewhere
 
 logger = logging.getLogger(__name__)
@@ -202,10 +202,15 @@ def create_app(engine: Any = None, config: EngineConfig | None = None, *,
             (`app.config[EXIT_ON_START_FAILURE]`; `voltserve serve` turns it off and reports the failure itself).
 
     Raises:
-        ConfigError: an environment variable does not parse.
+        ConfigError: an environment variable does not parse (with configure_logs, VOLTSERVE_LOG_LEVEL too).
     """
     if config is None:
         config = engine.config if engine is not None else EngineConfig.from_env()
+    if configure_logs:  # checked now, as every VOLTSERVE_ variable: at serving's start it failed with a traceback
+        try:
+            level_to_set()
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
     app = ServerApp("voltserve")  # a path with repeated slashes is routed as its single-slash form
     app.config["MAX_CONTENT_LENGTH"] = MAX_BODY_BYTES
     app.config["RESPONSE_TIMEOUT"] = None  # streams may outlive Quart's 60 s default

@@ -76,8 +76,9 @@ def chain_hashes(hashes: list[int], tokens_in: Callable[[int, int], Sequence[int
                  block_size: int) -> list[int]:
     """Extend `hashes`, the hash chain (`hash_block`) of a token sequence's leading full blocks, to `num_blocks`
     blocks and return it. The list is the sequence's cache: each block is hashed once, however often its hash is
-    asked for (admission, re-admission after a preemption, registration once its K/V is computed); whoever
-    changes tokens of a hashed block must cut the list there (`Sequence.truncate_output`).
+    asked for (admission, re-admission after a preemption, registration once its K/V is computed), and the n
+    choices of a request share their prompt's (`Sequence.block_hash_chain`); whoever changes tokens of a hashed
+    block must cut the list there (`Sequence.truncate_output`).
 
     Args:
         hashes: the chain so far (extended in place).
@@ -88,6 +89,11 @@ def chain_hashes(hashes: list[int], tokens_in: Callable[[int, int], Sequence[int
         start = len(hashes) * block_size
         hashes.append(hash_block(hashes[-1] if hashes else None, tokens_in(start, start + block_size)))
     return hashes
+
+
+# (num_blocks, block_size) -> a sequence's hash chain (`chain_hashes`) of at least its num_blocks leading full
+# blocks: `voltserve.sequence.Sequence.block_hash_chain`
+HashChain = Callable[[int, int], list[int]]
 
 
 class NoFreeBlocksError(RuntimeError):
@@ -157,16 +163,13 @@ class BlockPool:
         self._cached[block_hash] = block
         self._block_hash[block] = block_hash
 
-    def match_prefix(self, hashes: list[int], tokens_in: Callable[[int, int], Sequence[int]],
-                     num_tokens: int) -> list[int]:
+    def match_prefix(self, chain: HashChain, num_tokens: int) -> list[int]:
         """Take a reference on each cached block holding the leading full blocks of a sequence of `num_tokens`
         tokens, up to the first miss, leaving at least one token out (its row must be computed). Hashes nothing
         with prefix caching off.
 
         Args:
-            hashes: the sequence's block hash chain so far, extended here as far as the lookups go
-                (`chain_hashes`).
-            tokens_in: (start, end) -> its token ids at positions [start, end).
+            chain: the sequence's block hash chain (`HashChain`), asked for only as far as the lookups go.
             num_tokens: its length.
         Returns:
             The ids of the blocks found, in order.
@@ -175,20 +178,18 @@ class BlockPool:
         if not self.enable_prefix_caching:
             return blocks
         for b in range((num_tokens - 1) // self.block_size):
-            block = self.lookup(chain_hashes(hashes, tokens_in, b + 1, self.block_size)[b])
+            block = self.lookup(chain(b + 1, self.block_size)[b])
             if block is None:
                 break
             blocks.append(block)
         return blocks
 
-    def publish(self, block_ids: list[int], hashes: list[int], tokens_in: Callable[[int, int], Sequence[int]],
-                first: int, end: int) -> None:
+    def publish(self, block_ids: list[int], chain: HashChain, first: int, end: int) -> None:
         """Register blocks `first..end - 1` of a sequence (its `block_ids`, whose K/V hold its tokens there) under
-        its hash chain `hashes` (extended as needed, `chain_hashes`; `tokens_in` as there). A no-op with prefix
-        caching off."""
+        its block hash chain (`HashChain`). A no-op with prefix caching off."""
         if not self.enable_prefix_caching or first >= end:
             return
-        chain_hashes(hashes, tokens_in, end, self.block_size)
+        hashes = chain(end, self.block_size)
         for b in range(first, end):
             self.register(block_ids[b], hashes[b])
 

@@ -475,9 +475,9 @@ class Scheduler:
 
     def _match_prefix(self, seq: Sequence) -> None:
         """Take cached blocks for seq's leading full blocks; at least one token is left to compute. Its block hashes
-        are computed once (`Sequence.block_hashes`): an admission the pool defers, or one after a preemption,
-        looks the same hashes up again."""
-        seq.block_ids = self.pool.match_prefix(seq.block_hashes, seq.tokens_in, seq.num_tokens)
+        are computed once (`Sequence.block_hash_chain`; its prompt's once for all of a request's choices): an admission
+        the pool defers, or one after a preemption, looks the same hashes up again."""
+        seq.block_ids = self.pool.match_prefix(seq.block_hash_chain, seq.num_tokens)
         seq.num_computed_tokens = len(seq.block_ids) * self.block_size
         if not seq.output_ids:  # usage counts cached prompt tokens of the first admission
             seq.num_cached_tokens = seq.num_computed_tokens
@@ -490,7 +490,7 @@ class Scheduler:
         seq.num_computed_tokens += num_tokens
         end = seq.num_computed_tokens // self.block_size
         if end > first:
-            self.pool.publish(seq.block_ids, seq.block_hashes, seq.tokens_in, first, end)
+            self.pool.publish(seq.block_ids, seq.block_hash_chain, first, end)
 
     def _release(self, seq: Sequence) -> None:
         if self._forget_drafts is not None:  # a draft model's K/V of it goes too

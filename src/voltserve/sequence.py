@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from voltserve.kv_cache import chain_hashes
 from voltserve.request import FinishReason, SamplingParams
 
 
@@ -36,6 +37,9 @@ class Sequence:
         block_hashes: the prefix-cache hash chain of the sequence's leading full blocks, as far as it was asked
             for (`voltserve.kv_cache.chain_hashes`): each block hashed once; kept when its blocks are freed (a
             preemption: its tokens stay), cut where its tokens change (`truncate_output`).
+        prompt_hashes: the hash chain of the prompt's leading full blocks, one list shared by the sequences of a
+            request with n > 1 (`block_hash_chain` copies from it), so that each prompt block is hashed once for
+            all n; None: not shared (n = 1, a draft model's shadow).
         num_computed_tokens: tokens whose K/V are in the cache.
         num_cached_tokens: prompt tokens that came from the prefix cache at the admission that computed its
             first token; an admission after a preemption keeps it (every delta reports one figure).
@@ -58,6 +62,7 @@ class Sequence:
     output_ids: list[int] = field(default_factory=list)
     block_ids: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)
+    prompt_hashes: list[int] | None = None
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0
     status: SequenceStatus = SequenceStatus.WAITING
@@ -83,6 +88,18 @@ class Sequence:
         if start >= n:
             return self.output_ids[start - n:end - n]
         return self.prompt_ids[start:] + self.output_ids[:end - n]
+
+    def block_hash_chain(self, num_blocks: int, block_size: int) -> list[int]:
+        """`block_hashes` extended to at least `num_blocks` full blocks of `block_size` tokens and returned
+        (`voltserve.kv_cache.chain_hashes`): those of prompt blocks taken from `prompt_hashes` when it is shared
+        (hashed there by whichever sibling asks first), the rest hashed from this sequence's tokens."""
+        hashes = self.block_hashes
+        if self.prompt_hashes is not None:
+            prompt_blocks = min(num_blocks, len(self.prompt_ids) // block_size)
+            if len(hashes) < prompt_blocks:
+                hashes += chain_hashes(self.prompt_hashes, self.tokens_in, prompt_blocks, block_size)[
+                    len(hashes):prompt_blocks]
+        return chain_hashes(hashes, self.tokens_in, num_blocks, block_size)
 
     def truncate_output(self, num_output: int, block_size: int) -> None:
         """Keep the first `num_output` output tokens (a stop string cut a verify's tokens), and the block hashes

@@ -39,7 +39,10 @@ def _error_lines(stderr: str) -> list[str]:
     ({"VOLTSERVE_MODEL": "/no/such/model"}, UNKNOWN),
     ({"VOLTSERVE_MAX_MODEL_LEN": "abc"},
      "api.app: bad configuration: VOLTSERVE_MAX_MODEL_LEN='abc' is not a valid int"),
-], ids=["unknown-model", "bad-variable"])
+    ({"VOLTSERVE_LOG_LEVEL": "Verbose"},  # was the lifespan's ValueError traceback (twice) and status 1
+     "api.app: bad configuration: log level 'verbose': expected one of debug, info, warning, error "
+     "(VOLTSERVE_LOG_LEVEL)"),
+], ids=["unknown-model", "bad-variable", "bad-log-level"])
 @pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
 def test_a_failed_start_is_one_line_and_status_2(env, message, loop):
     """`hypercorn -w 0 api:app`: status 2, the one line, no traceback (neither hypercorn's nor asyncio's "Task

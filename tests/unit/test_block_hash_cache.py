@@ -1,11 +1,14 @@
 """Prefix-cache block hashes are computed once per sequence (`Sequence.block_hashes`, `kv_cache.chain_hashes`):
-through admission, decode, a preemption and the admissions the pool defers afterwards; and they always describe
-the sequence's tokens, through a verify that rejected drafts across a block boundary and a stop string's cut, so
-a cached block is only shared where its tokens match."""
+through admission, decode, a preemption and the admissions the pool defers afterwards; a prompt's blocks once for
+all the choices of a request with n > 1 (`Sequence.prompt_hashes`); and they always describe the sequence's
+tokens, through a verify that rejected drafts across a block boundary and a stop string's cut, so a cached block
+is only shared where its tokens match."""
 
 from __future__ import annotations
 
 from collections import Counter
+
+import pytest
 
 from tests.helpers import make_scheduler, make_seq, next_token, run_step
 from voltserve import kv_cache
@@ -146,3 +149,47 @@ def test_a_cut_output_drops_the_hashes_of_its_changed_blocks():
     seq.output_ids += [40, 41, 42]
     kv_cache.chain_hashes(seq.block_hashes, seq.tokens_in, 3, BS)
     assert seq.block_hashes == _hashes(seq.token_ids(), 3) and seq.tokens_in(6, 12) == [7, 8, 9, 40, 41, 42]
+
+
+
+def _run_choices(prompt: list[int], n: int, shared: bool, budget: int) -> tuple[list, list, dict]:
+    """A request's n choices (tokens an index apart, crossing block boundaries) run to the end on a fresh
+    scheduler with a token budget of `budget` a step; the choices share their prompt's hash chain, as
+    `actors.engine` makes them, when `shared`. Returns (the choices, each plan's (index, start, num_new, block
+    ids) entries, the pool's hash -> block index)."""
+    s = make_scheduler(num_blocks=40, block_size=BS, max_num_batched_tokens=budget)
+    prompt_hashes = [] if shared else None
+    seqs = [make_seq(prompt, max_tokens=8, request_id="r") for _ in range(n)]
+    for i, seq in enumerate(seqs):
+        seq.index, seq.prompt_hashes = i, prompt_hashes
+        s.add(seq)
+    plans = []
+    while s.has_work():
+        plan, _ = run_step(s, lambda seq: 40 + 10 * seq.index + len(seq.output_ids))
+        plans.append([(e.seq.index, e.start, e.num_new, tuple(e.seq.block_ids)) for e in plan.entries])
+    s.pool.check_invariants()
+    return seqs, plans, dict(s.pool._cached)
+
+
+@pytest.mark.parametrize("budget", [64, 16], ids=["admitted-together", "admitted-apart"])
+def test_the_choices_of_one_request_hash_their_prompt_once(monkeypatch, budget):
+    """n = 4: each full prompt block is hashed once for the four choices (it was once per choice), each choice's
+    own blocks (output tokens) once; the steps, the cache hits (choices admitted apart find the first one's
+    prompt blocks) and what is cached are those of unshared chains."""
+    prompt = list(range(1, 15))  # 3 full blocks of 4 and 2 tokens; 8 outputs fill blocks 3 and 4 of each choice
+    calls = _count_hashes(monkeypatch)
+    seqs, plans, cached = _run_choices(prompt, 4, True, budget)
+    assert Counter(calls) == Counter(_chain(prompt, 3) + [c for seq in seqs for c in _chain(seq.token_ids(), 5)[3:]])
+    assert len(calls) == 3 + 4 * 2
+    calls.clear()
+    alone, alone_plans, alone_cached = _run_choices(prompt, 4, False, budget)
+    assert len(calls) == 4 * 5
+    assert plans == alone_plans and cached == alone_cached
+    assert [s.block_hashes for s in seqs] == [s.block_hashes for s in alone] == [
+        _hashes(s.token_ids(), 5) for s in seqs]
+    assert [s.output_ids for s in seqs] == [s.output_ids for s in alone]
+    assert [s.num_cached_tokens for s in seqs] == [s.num_cached_tokens for s in alone] == (
+        [0, 0, 0, 0] if budget == 64 else [0, 0, 12, 12])  # apart: choice 1 starts in step 1 too
+    calls.clear()
+    _run_choices(prompt, 1, True, budget)
+    assert len(calls) == 3 + 2  # n = 1: the same prompt blocks, one choice's own

@@ -96,3 +96,44 @@ async def test_app_configures_logging_when_serving_starts(bare_root, monkeypatch
     root = bare_root()
     async with app.test_app():
         assert root.level == logging.DEBUG and len(root.handlers) == 1
+
+
+def test_a_record_a_logger_writes_to_stderr_itself_is_not_written_again():
+    """hypercorn's `hypercorn.error` has a stderr handler of its own and propagates: the root handler skips its
+    records (they came out twice under a bare `hypercorn api:app`); a file handler there does not hide them."""
+    code = ("import logging, sys; from voltserve.log_setup import configure_logging; configure_logging('info'); "
+            "own = logging.getLogger('hypercorn.error'); h = logging.StreamHandler(sys.stderr); "
+            "h.setFormatter(logging.Formatter('[own] %(message)s')); own.addHandler(h); own.info('Running on x'); "
+            "logging.getLogger('api.app').info('serving'); own.removeHandler(h); "
+            "own.addHandler(logging.FileHandler(sys.argv[1])); own.warning('to the file and stderr')")
+    out = subprocess.run([sys.executable, "-c", code, os.devnull], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    own_line, *root_lines = out.stderr.splitlines()
+    assert own_line == "[own] Running on x"
+    assert [line.split(" ", 2)[2] for line in root_lines] == [  # less the root format's date and time
+        "INFO api.app: serving", "WARNING hypercorn.error: to the file and stderr"]
+
+
+def test_a_bad_environment_level_is_not_read_where_logging_is_configured(bare_root, monkeypatch):
+    """`VOLTSERVE_LOG_LEVEL=bogus voltserve serve --log-level info`: the flag wins (the CLI set up logging before
+    the app's start read the variable, which failed the start with a traceback and status 1)."""
+    monkeypatch.setenv("VOLTSERVE_LOG_LEVEL", "bogus")
+    root = bare_root()
+    root.handlers.append(logging.NullHandler())
+    configure_logging()
+    assert len(root.handlers) == 1 and root.level == logging.WARNING
+
+
+def test_a_bad_environment_level_fails_building_the_bare_hypercorn_app(bare_root, monkeypatch):
+    """`hypercorn api:app` (create_app(configure_logs=True)) refuses a bad VOLTSERVE_LOG_LEVEL when built, as any bad
+    VOLTSERVE_ variable (api/__init__.py then logs one line and exits 2), not when serving starts."""
+    from api.app import create_app
+    from voltserve.config import EngineConfig
+    from voltserve.errors import ConfigError
+
+    monkeypatch.setenv("VOLTSERVE_LOG_LEVEL", "verbose")
+    bare_root()
+    with pytest.raises(ConfigError) as refused:
+        create_app(config=EngineConfig(model="test-model").validate(), configure_logs=True)
+    assert str(refused.value) == ("log level 'verbose': expected one of debug, info, warning, error "
+                                  "(VOLTSERVE_LOG_LEVEL)")

@@ -281,7 +281,7 @@ class DraftModelDrafter:
                 self._free(seq.seq_id)
             shadow = Sequence(seq.seq_id, seq.request_id, seq.index, tokens, _GREEDY, max_tokens=1)
             shadow.status = SequenceStatus.RUNNING
-            shadow.block_ids = self.pool.match_prefix(shadow.block_hashes, shadow.tokens_in, len(tokens))
+            shadow.block_ids = self.pool.match_prefix(shadow.block_hash_chain, len(tokens))
             del shadow.block_hashes[len(shadow.block_ids):]  # those of its registered blocks: `_publish` goes on
             matched = len(shadow.block_ids) * self.block_size
             shadow.prompt_ids, shadow.num_computed_tokens = tokens[:matched], matched
@@ -295,7 +295,7 @@ class DraftModelDrafter:
         blocks are never written again: `_sync` keeps at least the target's previous length less one token."""
         # not the block of the last target token: a prepare before the target grows computes that token again
         full = min(certain - 1, shadow.num_computed_tokens) // self.block_size
-        self.pool.publish(shadow.block_ids, shadow.block_hashes, shadow.tokens_in, len(shadow.block_hashes), full)
+        self.pool.publish(shadow.block_ids, shadow.block_hash_chain, len(shadow.block_hashes), full)
 
     def _grow(self, shadow: Sequence, num_tokens: int, keep: set[int]) -> bool:
         """Blocks for num_tokens positions; frees shadows not in `keep` (least recently made first) when short."""

@@ -34,7 +34,7 @@ import sys
 import time
 
 from actors.engine_socket import ENGINE_LOCK_SUFFIX, remove_if_same, try_flock
-from voltserve import owned_dirs
+from voltserve import console, owned_dirs
 from voltserve.config import PROMETHEUS_DIR_VARIABLES, EngineConfig, socket_path_fits
 from voltserve.preflight import address
 from voltserve.start_report import START_REPORT_ENV
@@ -270,6 +270,8 @@ def run_api_processes(config: EngineConfig, log_level: str | None = None) -> int
         pass_on()
 
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    if console.take_sigterm():  # noted by `voltserve serve`'s handler since its last check: passed on too
+        signals["received"] += 1
     try:
         for _ in range(config.api_processes):
             # a session of its own: a terminal's Ctrl-C reaches the supervisor only, which passes it on once
@@ -296,7 +298,7 @@ def run_api_processes(config: EngineConfig, log_level: str | None = None) -> int
         if uds_inode:
             release_uds(config.uds, uds_inode)
         owned_dirs.remove(private)
-        # last: a signal during the cleanup is ours to count, not `voltserve serve`'s early one, which raises
+        # last: a signal during the cleanup is ours to count, not `voltserve serve`'s early handler's to note
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     return status

@@ -219,6 +219,8 @@ def _serve_here(config: EngineConfig, listener, loop_name: str) -> int:
         port = listener.getsockname()[1]  # --port 0: the one the OS chose
     import api  # builds the app from the environment set above (checked: a bad variable returned 2 already)
 
+    _check_terminated()  # during the checks and imports (inside the `finally` that removes a --uds socket)
+
     hconfig = HypercornConfig()
     address = endpoint(config, port)
     # hypercorn's socket owns the fd it serves (it closes it on shutdown): ours lets go of it, not to close it twice
@@ -239,6 +241,7 @@ def _serve_here(config: EngineConfig, listener, loop_name: str) -> int:
 
     async def run() -> None:
         drain = SignalDrain(state, config.shutdown_timeout)  # before the app (and the model) starts
+        _check_terminated()  # until SignalDrain's handlers took over
         if parent_fd:  # the supervisor is gone (EOF): shut down as on SIGTERM
             watch_parent(int(parent_fd), lambda: os.kill(os.getpid(), signal.SIGTERM))
         await hypercorn_serve(api.app, hconfig, shutdown_trigger=drain.trigger)
@@ -266,11 +269,15 @@ def _serve_here(config: EngineConfig, listener, loop_name: str) -> int:
 
 class _TerminatedEarly(BaseException):
     """SIGTERM before the server's own handlers (SignalDrain, the API-process supervisor's) replace
-    `_terminate_early`: a BaseException, so that no `except Exception` on the way swallows it."""
+    `console.note_sigterm`, raised where the start checks for one (`_check_terminated`): a BaseException, so that
+    no `except Exception` on the way swallows it."""
 
 
-def _terminate_early(signum: int, frame: object) -> None:
-    raise _TerminatedEarly
+def _check_terminated() -> None:
+    """Raise _TerminatedEarly if a SIGTERM was noted (`console.note_sigterm`): the start's checks between its
+    steps (the imports and checks before the server's handlers take a second or two, no step much longer)."""
+    if console.take_sigterm():
+        raise _TerminatedEarly
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -284,11 +291,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "serve":
         # a `systemctl stop` in the first seconds (imports, the checks) is a clean stop, as one during the load:
         # without this, SIGTERM's default action killed the process (status 143, no log line)
-        previous = signal.getsignal(signal.SIGTERM)
-        try:  # (set inside: a SIGTERM that comes as it is set raises here, not before the `try`)
-            signal.signal(signal.SIGTERM, _terminate_early)
-            if console.sigterm_received():  # while the console script imported this module
-                raise _TerminatedEarly
+        previous = signal.signal(signal.SIGTERM, console.note_sigterm)  # (already set by the console script)
+        try:
+            _check_terminated()  # while the console script imported this module
             return serve(args)
         except KeyboardInterrupt:  # Ctrl-C before SignalDrain's handlers (imports, the checks): no traceback
             logger.warning("interrupted before the server started: exiting with status 130")
@@ -297,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
             logger.warning("SIGTERM before the server started: exiting with status 0")
             return 0
         finally:
-            if signal.getsignal(signal.SIGTERM) is _terminate_early:
+            if signal.getsignal(signal.SIGTERM) is console.note_sigterm:
                 signal.signal(signal.SIGTERM, previous)
     parser.error(f"unknown command {args.command}")
     return 2

@@ -106,7 +106,7 @@ def test_gemv_s8_specs_are_built():
     # one row: gemv_s8w's block per format (kernels.GEMV_S8W_WARPS), 32 warps an SM
     assert kernels.gemv_s8_spec("Q4_1", False, 1, True) == {"WTYPE": 2, "SILU": 0, "S8_M1": 1, "S8W_WARPS": 16}
     assert kernels.gemv_s8_spec("Q8_0", True, 1) == {"WTYPE": kernels.WTYPES["Q8_0"], "SILU": 1, "S8_M1": 1,
-                                                     "S8W_WARPS": 8}
+                                                     "S8W_WARPS": 8, "S8W_OUT_SLOTS": kernels.GEMV_S8W_OUT_SLOTS}
     for rows in (1, 8):  # x quantized per launch: the norm is quantize_s8's, no one-pass build
         for silu in (False, True):
             assert kernels.gemv_s8_spec("Q4_0", silu, rows, True, True) in built

@@ -303,20 +303,7 @@ def test_attention_xq_serves_like_quantize_launches():
     int8 x attn_decode wrote (VOLTSERVE_ATTN_XQ auto, linear.attention_xq) against quantize_s8 launches (off):
     the same greedy tokens and logprobs bit for bit, eager and through CUDA graphs, with fewer quantize_s8
     launches."""
-    from tools.make_synthetic_checkpoint import synthetic_model
-    from voltserve.backends.cuda.backend import CudaBackend
-
-    loaded = synthetic_model("small1024", device="cuda", dtype=torch.float16, qtype="Q4_1", seed=11)
-    prompts = [list(range(3, 40)), list(range(50, 53)), list(range(7, 100))]
-    results, quantize_launches = {}, {}
-    for xq in ("auto", "off"):
-        backend = CudaBackend(0)
-        backend.quant_repack, backend.attn_xq = "on", xq
-        model = LlamaModel(loaded.config, loaded.tensors, backend, loaded.quantized, max_positions=512)
-        assert all(layer.o_proj.layout == "repacked" for layer in model.layers)
-        eager, graphs, names = _eager_and_graphs(model, backend, prompts)
-        quantize_launches[xq] = names.count("quantize_s8")
-        results[xq] = (eager, graphs)
+    results, quantize_launches = _xq_runs(11, "attn_xq", "o_proj")
     assert results["auto"] == results["off"]
     assert 0 < quantize_launches["auto"] < quantize_launches["off"]
 
@@ -326,24 +313,34 @@ def test_swiglu_xq_serves_like_quantize_launches():
     (VOLTSERVE_MLP_XQ auto, linear.swiglu_xq_target; x quantized per launch, as Llama-3-8B's k = 14,336 down is)
     against quantize_s8 launches (off): the same greedy tokens and logprobs bit for bit, eager and through CUDA
     graphs, with fewer quantize_s8 launches."""
+    results, quantize_launches = _xq_runs(12, "mlp_xq", "down", gemv_s8_x="launch")
+    assert results["auto"] == results["off"]
+    assert 0 < quantize_launches["auto"] < quantize_launches["off"]
+
+
+def _xq_runs(seed, knob, linear, **settings):
+    """`_eager_and_graphs` of a small random Q4_1 model on repacked rows (`seed`), once with the backend's `knob`
+    (an x-handoff switch) "auto" and once "off", `settings` set on the backend too, asserting each layer's
+    `linear` stored repacked: ({value: (eager, graphs)}, {value: quantize_s8 launches of the eager run})."""
     from tools.make_synthetic_checkpoint import synthetic_model
     from voltserve.backends.cuda.backend import CudaBackend
 
-    loaded = synthetic_model("small1024", device="cuda", dtype=torch.float16, qtype="Q4_1", seed=12)
+    loaded = synthetic_model("small1024", device="cuda", dtype=torch.float16, qtype="Q4_1", seed=seed)
     prompts = [list(range(3, 40)), list(range(50, 53)), list(range(7, 100))]
     results, quantize_launches = {}, {}
-    for xq in ("auto", "off"):
+    for value in ("auto", "off"):
         backend = CudaBackend(0)
         if backend.loader.arch < 80:
-            pytest.skip("gemv_s8w is SM80+")
-        backend.quant_repack, backend.gemv_s8_x, backend.mlp_xq = "on", "launch", xq
+            pytest.skip("repacked rows and the int8 decode kernels are SM80+")
+        backend.quant_repack = "on"
+        for name, setting in {**settings, knob: value}.items():
+            setattr(backend, name, setting)
         model = LlamaModel(loaded.config, loaded.tensors, backend, loaded.quantized, max_positions=512)
-        assert all(layer.down.layout == "repacked" for layer in model.layers)
+        assert all(getattr(layer, linear).layout == "repacked" for layer in model.layers)
         eager, graphs, names = _eager_and_graphs(model, backend, prompts)
-        quantize_launches[xq] = names.count("quantize_s8")
-        results[xq] = (eager, graphs)
-    assert results["auto"] == results["off"]
-    assert 0 < quantize_launches["auto"] < quantize_launches["off"]
+        quantize_launches[value] = names.count("quantize_s8")
+        results[value] = (eager, graphs)
+    return results, quantize_launches
 
 
 def test_gemv_chain_serves_like_separate_launches():

@@ -17,7 +17,7 @@ _LAZY = {"FinishReason": "voltserve.request", "RequestOutput": "voltserve.reques
 
 def __getattr__(name: str):
     """The public classes, imported on first use (PEP 562): `import voltserve` itself imports nothing, so that the
-    console script (`voltserve.console`) takes SIGTERM over before any module of weight loads."""
+    console script (`voltserve.console`) takes SIGINT and SIGTERM over before any module of weight loads."""
     if name in _LAZY:
         return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'voltserve' has no attribute {name!r}")

@@ -270,7 +270,8 @@ def run_api_processes(config: EngineConfig, log_level: str | None = None) -> int
         pass_on()
 
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
-    if console.take_sigterm():  # noted by `voltserve serve`'s handler since its last check: passed on too
+    # a SIGINT or SIGTERM noted by `voltserve serve`'s early handler since its last check: passed on as on_signal does
+    if console.take_signal():  # (several noted count as one)
         signals["received"] += 1
     try:
         for _ in range(config.api_processes):

@@ -7,13 +7,19 @@ same settings whether it is started here or by `hypercorn api:app`: flag > envir
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # `python -m voltserve.cli` is `python -m voltserve`: the early signal handlers before
+    import sys  # the imports below (`voltserve.console.main`, which imports this module anew and runs it)
+
+    from voltserve.console import main as _entry
+
+    sys.exit(_entry())
+
 import argparse
 import dataclasses
 import functools
 import logging
 import os
 import signal
-import sys
 
 from actors.engine_socket import remove_if_same
 from loaders.sources import ALIASES
@@ -219,7 +225,7 @@ def _serve_here(config: EngineConfig, listener, loop_name: str) -> int:
         port = listener.getsockname()[1]  # --port 0: the one the OS chose
     import api  # builds the app from the environment set above (checked: a bad variable returned 2 already)
 
-    _check_terminated()  # during the checks and imports (inside the `finally` that removes a --uds socket)
+    _check_signals()  # during the checks and imports (inside the `finally` that removes a --uds socket)
 
     hconfig = HypercornConfig()
     address = endpoint(config, port)
@@ -241,7 +247,7 @@ def _serve_here(config: EngineConfig, listener, loop_name: str) -> int:
 
     async def run() -> None:
         drain = SignalDrain(state, config.shutdown_timeout)  # before the app (and the model) starts
-        _check_terminated()  # until SignalDrain's handlers took over
+        _check_signals()  # until SignalDrain's handlers took over
         if parent_fd:  # the supervisor is gone (EOF): shut down as on SIGTERM
             watch_parent(int(parent_fd), lambda: os.kill(os.getpid(), signal.SIGTERM))
         await hypercorn_serve(api.app, hconfig, shutdown_trigger=drain.trigger)
@@ -267,17 +273,23 @@ def _serve_here(config: EngineConfig, listener, loop_name: str) -> int:
     return 0
 
 
-class _TerminatedEarly(BaseException):
-    """SIGTERM before the server's own handlers (SignalDrain, the API-process supervisor's) replace
-    `console.note_sigterm`, raised where the start checks for one (`_check_terminated`): a BaseException, so that
-    no `except Exception` on the way swallows it."""
+class _SignalBeforeStart(BaseException):
+    """SIGINT or SIGTERM (`signum`) before the server's own handlers (SignalDrain, the API-process supervisor's)
+    replace `console.note_signal`, raised where the start checks for one (`_check_signals`): a BaseException, so
+    that no `except Exception` on the way swallows it."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
 
 
-def _check_terminated() -> None:
-    """Raise _TerminatedEarly if a SIGTERM was noted (`console.note_sigterm`): the start's checks between its
-    steps (the imports and checks before the server's handlers take a second or two, no step much longer)."""
-    if console.take_sigterm():
-        raise _TerminatedEarly
+def _check_signals() -> None:
+    """Raise _SignalBeforeStart if a SIGINT or SIGTERM was noted (`console.note_signal`): the start's checks
+    between its steps (the imports and checks before the server's handlers take a second or two, no step much
+    longer)."""
+    signum = console.take_signal()
+    if signum:
+        raise _SignalBeforeStart(signum)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -289,24 +301,23 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:  # a bad VOLTSERVE_LOG_LEVEL
         parser.error(str(exc))
     if args.command == "serve":
-        # a `systemctl stop` in the first seconds (imports, the checks) is a clean stop, as one during the load:
-        # without this, SIGTERM's default action killed the process (status 143, no log line)
-        previous = signal.signal(signal.SIGTERM, console.note_sigterm)  # (already set by the console script)
+        # a `systemctl stop` or Ctrl-C in the first seconds (imports, the checks) is a clean stop, as one during the
+        # load: without this, SIGTERM's default action killed the process (status 143, no log line), and SIGINT's
+        # KeyboardInterrupt could be lost in a weakref callback (the start then served)
+        previous = console.note_early_signals()  # (already set by the console entry)
         try:
-            _check_terminated()  # while the console script imported this module
+            _check_signals()  # while the console entry imported this module
             return serve(args)
-        except KeyboardInterrupt:  # Ctrl-C before SignalDrain's handlers (imports, the checks): no traceback
+        except (KeyboardInterrupt, _SignalBeforeStart) as exc:  # before SignalDrain's handlers: no traceback
+            if isinstance(exc, _SignalBeforeStart) and exc.signum == signal.SIGTERM:
+                logger.warning("SIGTERM before the server started: exiting with status 0")
+                return 0
             logger.warning("interrupted before the server started: exiting with status 130")
             return 130
-        except _TerminatedEarly:
-            logger.warning("SIGTERM before the server started: exiting with status 0")
-            return 0
         finally:
-            if signal.getsignal(signal.SIGTERM) is console.note_sigterm:
-                signal.signal(signal.SIGTERM, previous)
+            for sig, handler in previous.items():
+                if signal.getsignal(sig) is console.note_signal:  # (the server's loop leaves SIGINT its default)
+                    signal.signal(sig, handler)
     parser.error(f"unknown command {args.command}")
     return 2
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -132,11 +132,11 @@ def test_a_sigterm_during_the_supervisors_cleanup_does_not_cut_it(monkeypatch):
         real_remove(folder)
 
     monkeypatch.setattr(dirs, "remove", remove)
-    previous = signal.signal(signal.SIGTERM, console.note_sigterm)
+    previous = signal.signal(signal.SIGTERM, console.note_signal)
     try:
         status, _ = _run(monkeypatch, lambda i: _Child(exits_with=1 if i == 1 else None))
     finally:
         signal.signal(signal.SIGTERM, previous)
     assert status == 1 and not os.path.exists(made[0])
-    console.take_sigterm()  # (noted after the supervisor's handler went: nobody's to act on)
+    console.take_signal()  # (noted after the supervisor's handler went: nobody's to act on)
 

@@ -195,6 +195,7 @@ def serve(args: argparse.Namespace) -> int:
             if uds_inode:  # (its lock stays held: the supervisor's socket takes the path under it)
                 remove_if_same(config.uds, uds_inode)
         try:
+            _check_signals()  # during the checks: stop here (SIGINT 130), not start API processes to stop them
             return run_api_processes(config, args.log_level)
         except ConfigError as exc:
             logger.error("bad configuration: %s", exc)

@@ -205,11 +205,23 @@ def test_a_signal_during_the_checks_stops_the_start_even_where_python_drops_exce
 
 
 @pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
-@pytest.mark.parametrize("where", ["preflight.check_model", "api_processes.private_folder"])
-def test_the_api_process_supervisor_passes_on_a_signal_noted_before_its_handlers(where, sig):
-    """`--api-processes 2`: a SIGTERM or SIGINT before the supervisor's handlers (during the checks, or as it makes
+def test_a_signal_during_the_checks_starts_no_api_processes(sig):
+    """`--api-processes 2`: a SIGTERM or SIGINT during the checks stops the start before the supervisor runs, as
+    with one process (status 0 / 130, one line): no API process is started only to be stopped (before: both were,
+    then SIGTERMed, status 0 for a Ctrl-C too)."""
+    done = _run(SCRIPT_SIGNAL_IN_A_CALLBACK.format(where="preflight.check_model", sig=sig), "--api-processes", "2")
+    status, line = STOPPED[sig]
+    assert done.returncode == status, (done.returncode, done.stderr[-3000:])
+    assert done.stdout == ""  # no API process
+    assert _lines(done.stderr) == [line]
+
+
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
+def test_the_api_process_supervisor_passes_on_a_signal_noted_before_its_handlers(sig):
+    """`--api-processes 2`: a SIGTERM or SIGINT after the checks but before the supervisor's handlers (as it makes
     its private folder) is passed on to every API process as a SIGTERM, as one a moment later is; status 0."""
-    done = _run(SCRIPT_SIGNAL_IN_A_CALLBACK.format(where=where, sig=sig), "--api-processes", "2")
+    done = _run(SCRIPT_SIGNAL_IN_A_CALLBACK.format(where="api_processes.private_folder", sig=sig),
+                "--api-processes", "2")
     assert done.returncode == 0, (done.returncode, done.stderr[-3000:])
     assert done.stdout.splitlines() == ["API process 0: SIGTERM", "API process 1: SIGTERM"]
     assert done.stderr == ""

@@ -194,26 +194,18 @@ sys.exit(cli.main(["serve", "--device", "cpu", "--port", "0", "--log-level", "wa
 """
 
 
+@pytest.mark.parametrize("processes", ["1", "2"])
 @pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
-def test_a_signal_during_the_checks_stops_the_start_even_where_python_drops_exceptions(sig):
-    """SIGINT's KeyboardInterrupt there was dropped ("Exception ignored in"), and the server started."""
-    done = _run(SCRIPT_SIGNAL_IN_A_CALLBACK.format(where="preflight.check_model", sig=sig), "--api-processes", "1")
+def test_a_signal_during_the_checks_stops_the_start_even_where_python_drops_exceptions(sig, processes):
+    """SIGINT's KeyboardInterrupt there was dropped ("Exception ignored in"), and the server started. With
+    `--api-processes 2` the start stops before the supervisor runs, as with one process: no API process is started
+    only to be stopped (before: both were, then SIGTERMed, status 0 for a Ctrl-C too)."""
+    done = _run(SCRIPT_SIGNAL_IN_A_CALLBACK.format(where="preflight.check_model", sig=sig), "--api-processes",
+                processes)
     status, line = STOPPED[sig]
     assert done.returncode == status, (done.returncode, done.stderr[-3000:])
-    assert done.stdout == ""  # not served
+    assert done.stdout == ""  # not served, no API process
     assert _lines(done.stderr) == [line]  # no traceback
-
-
-@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
-def test_a_signal_during_the_checks_starts_no_api_processes(sig):
-    """`--api-processes 2`: a SIGTERM or SIGINT during the checks stops the start before the supervisor runs, as
-    with one process (status 0 / 130, one line): no API process is started only to be stopped (before: both were,
-    then SIGTERMed, status 0 for a Ctrl-C too)."""
-    done = _run(SCRIPT_SIGNAL_IN_A_CALLBACK.format(where="preflight.check_model", sig=sig), "--api-processes", "2")
-    status, line = STOPPED[sig]
-    assert done.returncode == status, (done.returncode, done.stderr[-3000:])
-    assert done.stdout == ""  # no API process
-    assert _lines(done.stderr) == [line]
 
 
 @pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])

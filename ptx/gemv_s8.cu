@@ -52,6 +52,21 @@
 #if S8_NCOL != 1 && ((S8_NCOL != 2 && S8_NCOL != 4) || !S8_XG || S8_M1)
 #error "S8_NCOL = 2 or 4 (9-16, 17-32 x rows) needs S8_XG (x quantized per launch) and is not an S8_M1 build"
 #endif
+// Load groups a warp issues early from its two register buffers: S8_NEXT_GROUPS of a persistent block's next tile
+// during a tile's epilogue and, where a block has several tiles (gridDim.x < tiles) or S8_WAIT_GROUPS is 2, that
+// many of its first tile before the PDL wait (else one). Both, on the launches with several tiles a block, made them
+// 1-3% faster on an H100 (session 45: Q4_1 / Q8_0 14336x4096 at 2 / 8 rows); both before the wait on the launches
+// of one tile a block made those up to 9% slower (Q8_0 4096x14336, Q4_1 4096x4096 at 2 rows). The builds quantizing
+// x in every block keep one (both buffers live across the quantization spill 36-68 bytes).
+#ifndef S8_NEXT_GROUPS
+#define S8_NEXT_GROUPS (S8_XG ? 2 : 1)
+#endif
+#ifndef S8_WAIT_GROUPS
+#define S8_WAIT_GROUPS 1  // 2: both before the wait whatever the grid (A/B runs)
+#endif
+#if S8_WAIT_GROUPS < 1 || S8_WAIT_GROUPS > S8_NEXT_GROUPS || S8_NEXT_GROUPS > 2
+#error "1 <= S8_WAIT_GROUPS <= S8_NEXT_GROUPS <= 2"
+#endif
 #ifndef S8_KSPLIT
 #define S8_KSPLIT 0  // 1: the launch covers blocks [p.kb_begin, p.kb_end) of each row, partial sums through p.part
 #endif
@@ -232,6 +247,8 @@ extern "C" __global__ void __launch_bounds__(32 * GM_WARPS, GM_MIN_BLOCKS) gemv_
     float2* xs = reinterpret_cast<float2*>(xq + p.m * s8_pitch(nbl));
     GmRaw raw0, raw1;
     load_rows_group(raw0, rows, nb, c_begin, c_end, t);  // in flight across the PDL wait and x's quantization / copy
+    const bool wait2 = S8_NEXT_GROUPS == 2 && (S8_WAIT_GROUPS == 2 || (int)gridDim.x < tiles);  // block-uniform
+    if (wait2) load_rows_group(raw1, rows, nb, c_begin + RP_GROUP, c_end, t);
     pdl_enter();
 #if S8_XG
     s8_copy_x(p, xq, kb0, nbl);
@@ -244,18 +261,29 @@ extern "C" __global__ void __launch_bounds__(32 * GM_WARPS, GM_MIN_BLOCKS) gemv_
 #pragma unroll
     for (int j = 0; j < S8_NCOL; ++j) x_rows |= (xr + 8 * j < p.m) << j;
     const u8* xrow = xq + (xr < p.m ? xr : 0) * s8_pitch(nbl);
+    if (S8_NEXT_GROUPS == 2 && !wait2)
+        load_rows_group(raw1, rows, nb, c_begin + RP_GROUP, c_end, t);  // where the first tile's loop would issue it
     for (; tile < tiles; tile += gridDim.x) {  // a grid short of the tiles: x is in smem once per block
         GmAcc acc[S8_NCOL] = {};
-        for (int c = c_begin; c < c_end; c += 2 * RP_GROUP) {  // two register buffers, as gemv_mma
+        // two register buffers, as gemv_mma: group g + 2 is issued once group g's buffer is read
+        for (int c = c_begin; c < c_end; c += 2 * RP_GROUP) {
+#if S8_NEXT_GROUPS == 1
             load_rows_group(raw1, rows, nb, c + RP_GROUP, c_end, t);
+#endif
             s8_group(acc, raw0, xrow, s8_pitch(nbl), xs, x_rows, c - kb0, t);
             if (c + RP_GROUP >= c_end) break;
             load_rows_group(raw0, rows, nb, c + 2 * RP_GROUP, c_end, t);
             s8_group(acc, raw1, xrow, s8_pitch(nbl), xs, x_rows, c + RP_GROUP - kb0, t);
+#if S8_NEXT_GROUPS == 2
+            load_rows_group(raw1, rows, nb, c + 3 * RP_GROUP, c_end, t);
+#endif
         }
-        if (tile + gridDim.x < tiles) {  // the next tile's first group in flight during this one's epilogue
+        if (tile + gridDim.x < tiles) {  // the next tile's first groups in flight during this one's epilogue
             s8_tile_rows(rows, p, (tile + gridDim.x) * GM_OUT_ROWS, lane);
             load_rows_group(raw0, rows, nb, c_begin, c_end, t);
+#if S8_NEXT_GROUPS == 2
+            load_rows_group(raw1, rows, nb, c_begin + RP_GROUP, c_end, t);
+#endif
         }
 #pragma unroll
         for (int j = 0; j < S8_NCOL; ++j) {  // column group j: x rows 8 j.. are the rows 0.. of a shifted y

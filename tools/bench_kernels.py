@@ -501,6 +501,12 @@ def main() -> int:
     ap.add_argument("--gemv-s8-tiles", default=None,
                     help="gemv_s8's weight rows per block (VOLTSERVE_GEMV_S8_TILES) for the decode_* rows: auto, 32, "
                     "16, or a list (rows get @tiles=choice)")
+    ap.add_argument("--gemv-s8-preload", default=None,
+                    help="gemv_s8's load groups issued before the PDL wait (VOLTSERVE_GEMV_S8_PRELOAD) for the "
+                    "decode_* rows: auto, 1, 2, or a list (rows get @preload=choice)")
+    ap.add_argument("--gemv-s8-warps", default=None,
+                    help="gemv_s8's warps a block where one 8-warp block fits an SM (VOLTSERVE_GEMV_S8_WARPS) for "
+                    "the decode_* rows: auto, 8, or a list (rows get @warps=choice)")
     args = ap.parse_args()
     from voltserve.backends.cuda.backend import CudaBackend
 
@@ -533,7 +539,9 @@ def main() -> int:
              ("gemv_tma_ring", "@ring=", args.gemv_tma_ring, ring),
              ("gemv_tma_blocks", "@blocks=", args.gemv_tma_blocks, int),
              ("gemv_s8", "@s8=", args.gemv_s8, str),
-             ("gemv_s8_tiles", "@tiles=", args.gemv_s8_tiles, str)]
+             ("gemv_s8_tiles", "@tiles=", args.gemv_s8_tiles, str),
+             ("gemv_s8_preload", "@preload=", args.gemv_s8_preload, str),
+             ("gemv_s8_warps", "@warps=", args.gemv_s8_warps, str)]
     knobs = [(attr, prefix, values.split(",") if values else [getattr(be, attr)], conv)
              for attr, prefix, values, conv in knobs]
     defaults = {attr: getattr(be, attr) for attr, _, _, _ in knobs}

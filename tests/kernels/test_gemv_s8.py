@@ -181,6 +181,67 @@ def test_16_row_tiles_equal_32(s8_backend, fmt):
         assert rel_err(got["16"][2].double().cpu() - res.double().cpu(), s8_reference(x, quant)) <= EMU_TOL
 
 
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_early_load_groups_do_not_change_y(s8_backend, fmt):
+    """gemv_s8's early loads (gemv_int8.gemv_s8_launch_spec; VOLTSERVE_GEMV_S8_PRELOAD auto / 1 / 2: one or both
+    register buffers issued before the PDL wait and for a persistent block's next tile) give the same y bit for
+    bit: one tile a block (1,024 rows), several (20,000 rows over the held blocks), 16 rows a launch (S8_NCOL =
+    2), with the fused RMSNorm, SwiGLU and residual; the knob picked the build."""
+    from voltserve.backends.cuda.linear import launch_linear
+
+    for n, k in ((20000, 512), (1024, 4096)):
+        quant, _, lin = repacked_weight(s8_backend, fmt, n, k, n + 61)
+        gen = torch.Generator().manual_seed(n + 62)
+        x = torch.randn(16, k, generator=gen).half()
+        res = torch.randn(16, n, generator=gen).half().cuda()
+        nd = s8_backend.prepare_norm(torch.rand(k, generator=gen) + 0.5)
+        got = {}
+        for choice in ("auto", "1", "2"):
+            s8_backend.gemv_s8_preload = choice
+            with launched_builds(s8_backend) as builds:
+                got[choice] = [s8_backend.linear(x[:m].cuda(), lin, residual=res[:m]) for m in (2, 8, 16)]
+                got[choice].append(launch_linear(s8_backend, x[:3].cuda(), lin, norm_weight=nd, eps=1e-5, silu=True))
+            specs = [spec for kernel, spec in builds if kernel == "gemv_s8"]
+            assert len(specs) >= 4  # 16 rows with x quantized in every block: two 8-row launches
+            for spec in specs:
+                want = {"auto": {}, "1": {"S8_NEXT_GROUPS": 1},
+                        "2": {"S8_WAIT_GROUPS": 2} if spec.get("S8_XG") else {}}[choice]
+                assert {key: spec[key] for key in ("S8_NEXT_GROUPS", "S8_WAIT_GROUPS") if key in spec} == want
+        s8_backend.gemv_s8_preload = "auto"
+        for choice in ("1", "2"):
+            for a, b in zip(got["auto"], got[choice]):
+                assert torch.equal(a, b), (n, k, choice)
+        assert rel_err(got["auto"][1].double().cpu() - res[:8].double().cpu(), s8_reference(x[:8], quant)) <= EMU_TOL
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_wide_block_where_one_block_fits(s8_backend, fmt):
+    """2-8 rows whose x copy leaves room for one 8-warp block an SM (k = 14,336 at 8 rows: 143 KB) run 16 warps a
+    block (gemv_int8.gemv_s8_wide_block, VOLTSERVE_GEMV_S8_WARPS=auto): within EMU_TOL of the emulation, with the
+    residual and SwiGLU; "8" keeps the 8-warp build, whose y differs only in the fp32 order of the warps' sums."""
+    from voltserve.backends.cuda.linear import launch_linear
+
+    if s8_backend.gemv_s8_x == "block":
+        pytest.skip("the 16-warp block takes x quantized per launch")
+    k = 14336
+    quant, _, lin = repacked_weight(s8_backend, fmt, 512, k, 71)
+    gen = torch.Generator().manual_seed(72)
+    x = torch.randn(8, k, generator=gen).half()
+    res = torch.randn(8, 512, generator=gen).half().cuda()
+    got = {}
+    for warps in ("auto", "8"):
+        s8_backend.gemv_s8_warps = warps
+        with launched_builds(s8_backend) as builds:
+            got[warps] = (s8_backend.linear(x.cuda(), lin, residual=res),
+                          launch_linear(s8_backend, x[:7].cuda(), lin, silu=True))
+        ran = [spec.get("GM_WARPS", 8) for kernel, spec in builds if kernel == "gemv_s8"]
+        assert ran == [16 if warps == "auto" else 8] * 2, (warps, ran)
+    s8_backend.gemv_s8_warps = "auto"
+    y = got["auto"][0].double().cpu() - res.double().cpu()
+    assert rel_err(y, s8_reference(x, quant)) <= EMU_TOL
+    assert rel_err(got["auto"][1].double().cpu(), got["8"][1].double().cpu()) <= 1e-3
+
+
 def _eight_row_slices(m: int) -> list[tuple[int, int]]:
     """[begin, end) row slices of m rows as launch_gemv_s8 chunks 8-row launches: 8 rows each, a 1-row remainder
     with the slice before it (that call then runs its own 8 + 1 chunks)."""

@@ -441,3 +441,46 @@ def test_attention_xq_rule_and_handoff():
     assert attention_xq(be, w, out, 4) == none  # every block quantizes x itself
     be.gemv_s8_x, be.attn_xq = "auto", "off"
     assert attention_xq(be, w, out, 4) == none and be.xq_pending is None
+
+
+def test_gemv_s8_wide_block_rule():
+    """gemv_int8.gemv_s8_wide_block: a gemv_s8 launch of 2-8 x rows quantized per launch in 32-row tiles whose
+    8-warp block fits an SM once (Llama-3-8B's down at 8 rows: 143 KB of x) runs the 16-warp build (512 threads);
+    not where two blocks fit, at 9-16 rows, under VOLTSERVE_GEMV_S8_WARPS=8, or where x is quantized per block."""
+    from voltserve.backends.cuda import kernels
+    from voltserve.backends.cuda.linear import launch_linear
+
+    def repacked(fmt, n, k):
+        w = fake_linear(fmt, n, k)
+        w.layout = "repacked"
+        return w
+
+    down = repacked("Q4_1", 4096, 14336)
+    limit = 227 * 1024
+    # the blocks an SM: as the driver's occupancy would give from the x copy (no register limit for 8 warps)
+    be, launches = recording_backend(_occupancy=lambda op, kernel, spec, smem, threads: max(1, limit // (smem + 8192)))
+
+    def launched(rows, **knobs):
+        for name, value in knobs.items():
+            setattr(be, name, value)
+        launches.clear()
+        launch_linear(be, torch.zeros(rows, 14336, dtype=torch.float16), down)
+        be.gemv_s8_warps, be.gemv_s8_x = "auto", "auto"
+        return [(launch.kernel, launch.spec.get("GM_WARPS", 8), launch.block[0]) if launch.kernel == "gemv_s8"
+                else launch.kernel for launch in launches]
+
+    assert launched(8) == ["quantize_s8", ("gemv_s8", 16, 512)]
+    assert launches[1].spec == kernels.gemv_s8_spec("Q4_1", False, 8, False, True, 32, wide_block=True)
+    assert launches[1].grid == (128, 1, 1)  # 128 tiles, one block an SM
+    assert launched(8, gemv_s8_warps="8") == ["quantize_s8", ("gemv_s8", 8, 256)]
+    assert launched(3) == ["quantize_s8", ("gemv_s8", 8, 256)]  # x 72 KB: 2-3 blocks fit
+    assert all(launch[1] == 8 for launch in launched(12) if launch != "quantize_s8")  # 16-row launches (S8_NCOL = 2): not this build
+    assert launched(8, gemv_s8_x="block") == [("gemv_s8", 8, 256)]
+    with pytest.raises(ValueError, match="16-warp"):
+        kernels.gemv_s8_spec("Q4_1", False, 8, x_per_launch=True, tile_rows=16, wide_block=True)
+    with pytest.raises(ValueError, match="16-warp"):
+        kernels.gemv_s8_spec("Q4_1", False, 12, x_per_launch=True, tile_rows=16, wide_block=True)
+    built = [spec for op, spec in kernels.engine_specializations() if op == "gemv_s8"]
+    for fmt in ("Q4_0", "Q4_1", "Q8_0"):
+        for silu in (False, True):
+            assert kernels.gemv_s8_spec(fmt, silu, 5, False, True, wide_block=True) in built

@@ -157,6 +157,13 @@ class CudaBackend(DeviceSampling):
         # then skips quantize_s8 ("auto", linear.swiglu_xq_target) or not ("off"); VOLTSERVE_MLP_XQ for A/B runs
         self.mlp_xq = _env_choice("VOLTSERVE_MLP_XQ", ("auto", "off"))
         self.xq_pending = None  # attention_xq's and swiglu_xq_target's handoff to the next launch_linear
+        # gemv_s8's load groups a warp issues early (gemv_int8.gemv_s8_launch_spec): "auto" both register buffers'
+        # where a block has several tiles, "1" one (before session 45), "2" both on every grid;
+        # VOLTSERVE_GEMV_S8_PRELOAD for A/B runs
+        self.gemv_s8_preload = _env_choice("VOLTSERVE_GEMV_S8_PRELOAD", ("auto", "1", "2"))
+        # gemv_s8 at 2-8 rows with one 8-warp block an SM: 16 warps a block ("auto", gemv_int8.gemv_s8_wide_block)
+        # or 8 ("8"); VOLTSERVE_GEMV_S8_WARPS for A/B runs
+        self.gemv_s8_warps = _env_choice("VOLTSERVE_GEMV_S8_WARPS", ("auto", "8"))
         # attn_decode's fewest keys per split (kernels.decode_plan's min_part); VOLTSERVE_ATTN_MIN_PART for A/B runs
         self.attn_min_part = int(_env_choice("VOLTSERVE_ATTN_MIN_PART", (str(kernels.DECODE_MIN_PART), "32", "128",
                                                                          "256", "512", "1024")))

@@ -312,6 +312,9 @@ GEMV_S8W_WARPS = {"Q4_0": 16, "Q4_1": 16, "Q8_0": 8}
 # gemv_s8w's shared memory past x's int8 copy: a lane past its row's last piece (k / 32 not a multiple of 32 for
 # Q4, of 16 for Q8_0) reads x at its piece's constant offset there and drops the product (<= 1,000 bytes past)
 GEMV_S8W_SMEM_PAD = 1024
+# gemv_s8 at 2-8 rows where one 8-warp block fits an SM (x's copy is large: Llama-3-8B's down at 6-8 rows): 16
+# warps split k instead, one block an SM (126-127 registers, no spills), twice the loads in flight
+GEMV_S8_WIDE_BLOCK = {"GM_WARPS": 16, "GM_MIN_BLOCKS": 1}
 # gemv_s8w SILU builds writing down's quantized x (linear.swiglu_xq_target): the most 32-output chunks a block may
 # take (its smem slots, S8W_OUT_SLOTS)
 GEMV_S8W_OUT_SLOTS = 8
@@ -319,7 +322,7 @@ GEMV_S8W_OUT_SLOTS = 8
 
 def gemv_s8_spec(fmt: str, silu: bool, rows: int, norm_one_pass: bool = False,
                  x_per_launch: bool = False, tile_rows: int = GEMV_MMA_TILES[0],
-                 k_split: bool = False) -> dict[str, int]:
+                 k_split: bool = False, wide_block: bool = False) -> dict[str, int]:
     """The -D set of gemv_s8.cu (repacked quant rows, int8 MMAs) for a launch of `rows` x rows: S8_M1 for one
     row (with gemv_s8w's block, S8W_WARPS, from GEMV_S8W_WARPS), else GM_NORM_ONE_PASS with
     `norm_one_pass` (as gemv_mma_spec); `x_per_launch`: S8_XG, x quantized once by quantize_s8 (which then applies
@@ -328,12 +331,15 @@ def gemv_s8_spec(fmt: str, silu: bool, rows: int, norm_one_pass: bool = False,
     9..GEMV_S8_WIDE_ROWS rows: GEMV_S8_WIDE_TILE (two 8-row groups of x per weight fragment, 16-row tiles);
     up to GEMV_S8_MAX_ROWS: GEMV_S8_WIDE4_TILE (four groups, `tile_rows` either); with `k_split`
     GEMV_S8_KSPLIT_TILE / GEMV_S8_KSPLIT4_TILE (a k range per launch, no SwiGLU; `tile_rows` 16 keeps its one
-    block an SM with 16-row tiles); above 8 rows x is quantized per launch only.
+    block an SM with 16-row tiles); above 8 rows x is quantized per launch only. `wide_block` (2-8 rows, x per
+    launch, 32-row tiles): GEMV_S8_WIDE_BLOCK, 16 warps splitting k in one block an SM, for launches whose x
+    copy leaves room for one 8-warp block an SM only (gemv_int8.gemv_s8_wide_block).
 
     Raises:
         ValueError: fp16 weights (no int8 path), `rows` outside 1..GEMV_S8_MAX_ROWS, `tile_rows` not in
             GEMV_MMA_TILES, > 8 rows without `x_per_launch`, 9-16 rows (no k split) with 32-row tiles, or a
-            k split of <= 8 rows or with SwiGLU.
+            k split of <= 8 rows or with SwiGLU, or `wide_block` outside 2-8 rows, without x per launch or
+            with 16-row tiles.
     """
     if fmt not in QUANT_BLOCK_BYTES:
         raise ValueError(f"gemv_s8 takes quant weights, got {fmt}")
@@ -364,6 +370,12 @@ def gemv_s8_spec(fmt: str, silu: bool, rows: int, norm_one_pass: bool = False,
         spec["S8W_WARPS"] = GEMV_S8W_WARPS[fmt]  # gemv_s8w's block (the S8_M1 build of gemv_s8 ignores it)
         if silu:
             spec["S8W_OUT_SLOTS"] = GEMV_S8W_OUT_SLOTS
+    if wide_block:
+        if not 2 <= rows <= GEMV_MAX_ROWS or not x_per_launch or tile_rows != GEMV_MMA_TILES[0] or k_split:
+            raise ValueError(f"gemv_s8's 16-warp block takes 2..{GEMV_MAX_ROWS} x rows quantized per launch in "
+                             f"{GEMV_MMA_TILES[0]}-row tiles, got {rows} rows, x_per_launch={x_per_launch}, "
+                             f"tile_rows={tile_rows}, k_split={k_split}")
+        spec.update(GEMV_S8_WIDE_BLOCK)
     if x_per_launch:
         spec["S8_XG"] = 1
     elif norm_one_pass and rows > 1:
@@ -680,6 +692,8 @@ def engine_specializations() -> list[tuple[str, dict[str, int]]]:
                                  (GEMV_S8_MAX_ROWS, False, True, 16))]
     specs += [("gemv_s8", gemv_s8_spec(f, False, r, False, True, t, True))
               for f in QUANT_BLOCK_BYTES for t in GEMV_MMA_TILES for r in (GEMV_S8_WIDE_ROWS, GEMV_S8_MAX_ROWS)]
+    specs += [("gemv_s8", gemv_s8_spec(f, bool(s), GEMV_MAX_ROWS, False, True, wide_block=True))
+              for f in QUANT_BLOCK_BYTES for s in (0, 1)]
     specs += [("gemm_tiled", {"WTYPE": w}) for w in WTYPES.values()]
     specs += [("gemm_tc", gemm_tc_spec(w, bn, r)) for w in (1, 2, 3) for bn in GEMM_TC_BNS for r in (False, True)]
     specs += [("sampling", {"LOGITS_F16": f}) for f in (0, 1)]

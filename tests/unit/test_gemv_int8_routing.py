@@ -474,7 +474,8 @@ def test_gemv_s8_wide_block_rule():
     assert launches[1].grid == (128, 1, 1)  # 128 tiles, one block an SM
     assert launched(8, gemv_s8_warps="8") == ["quantize_s8", ("gemv_s8", 8, 256)]
     assert launched(3) == ["quantize_s8", ("gemv_s8", 8, 256)]  # x 72 KB: 2-3 blocks fit
-    assert all(launch[1] == 8 for launch in launched(12) if launch != "quantize_s8")  # 16-row launches (S8_NCOL = 2): not this build
+    # 16-row launches (S8_NCOL = 2): not this build
+    assert all(launch[1] == 8 for launch in launched(12) if launch != "quantize_s8")
     assert launched(8, gemv_s8_x="block") == [("gemv_s8", 8, 256)]
     with pytest.raises(ValueError, match="16-warp"):
         kernels.gemv_s8_spec("Q4_1", False, 8, x_per_launch=True, tile_rows=16, wide_block=True)

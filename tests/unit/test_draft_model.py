@@ -272,8 +272,9 @@ def test_sampled_drafts_from_the_targets_own_distribution_all_pass():
 
 def test_sampled_drafts_of_a_wider_draft_vocabulary_keep_the_targets_distribution():
     """A draft model with padded ids the target lacks (here 2 of 6, with 42% of q): q is taken over the target's
-    ids, so a sampled draft is never cut and the first token still follows p (20,000 trials)."""
-    from voltserve.spec.verify import accept_sampled
+    ids, so a sampled draft is never cut and the first token still follows p (20,000 trials: each drafted by its
+    own sequence, then all verified at once as spans of one `verify_sampled_many` call, independent draws)."""
+    from voltserve.spec.verify import verify_sampled_many
 
     class WideRunner:
         def logits(self, plan):
@@ -283,16 +284,17 @@ def test_sampled_drafts_of_a_wider_draft_vocabulary_keep_the_targets_distributio
     drafter = DraftModelDrafter(WideRunner(), BlockPool(4, BS, False), 1, vocab_size=4, draft_vocab_size=6)
     drafter.generator.manual_seed(0)
     target = torch.tensor([[2.0, 0.0, 0.0, 0.0]] * 2)
-    gen, counts, n = torch.Generator().manual_seed(1), torch.zeros(4), 20000
+    gen, n, drafts, probs = torch.Generator().manual_seed(1), 20000, [], []
     for i in range(n):
         seq = Sequence(i, "r", 0, [1, 2, 3], params, 10)
         seq.status = SequenceStatus.RUNNING
         drafter.prepare([(seq, 1)])
-        drafts = drafter.propose(seq, 1)
-        assert len(drafts) == 1
-        out = accept_sampled(target[:len(drafts) + 1], drafts, params, gen, drafter.proposal_probs(seq, 1))
-        counts[out[0]] += 1
+        drafts += drafter.propose(seq, 1)
+        assert len(drafts) == i + 1
+        probs.append(drafter.proposal_probs(seq, 1))
         drafter.forget(seq)
+    tokens, _ = verify_sampled_many(target.repeat(n, 1), torch.tensor(drafts), [1] * n, [params] * n, gen, probs)
+    counts = torch.bincount(tokens[:, 0], minlength=4).float()
     assert (counts / n - torch.softmax(target[0], -1)).abs().max() < 0.012, counts / n
 
 

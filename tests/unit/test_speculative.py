@@ -14,7 +14,7 @@ from voltserve.errors import ConfigError
 from voltserve.request import FinishReason, SamplingParams
 from voltserve.spec.ladder import DraftLadder
 from voltserve.spec.ngram import NgramDrafter, lookup
-from voltserve.spec.verify import accept_greedy, accept_sampled
+from voltserve.spec.verify import accept_greedy, accept_sampled, verify_sampled_many
 
 
 # -- n-gram drafter ---------------------------------------------------------------------------------------------
@@ -136,6 +136,19 @@ def test_accept_greedy():
     assert accept_greedy([4, 6, 7, 8], [5, 6, 7]) == [4]
 
 
+def sampled_verifies(logits, drafts, params, gen, q=None):
+    """len(drafts) independent sampled verifies of one sequence's rows logits [2, vocab], the i-th with the one
+    draft drafts[i] (drawn from q, or proposed for certain when q is None): one `verify_sampled_many` call of
+    len(drafts) identical spans, the batched form of as many `accept_sampled` calls (each span draws its own
+    uniform and its own sample). Returns (the first emitted token [n], whether the draft passed [n] bool)."""
+    n = len(drafts)
+    tokens, accepted = verify_sampled_many(logits.repeat(n, 1), drafts, [1] * n, [params] * n, gen,
+                                           [None if q is None else [q]] * n)
+    passed = accepted == 1
+    assert torch.equal(tokens[passed, 0], drafts[passed])  # a draft that passes is the first token
+    return tokens[:, 0], passed
+
+
 def test_rejection_sampling_keeps_the_target_distribution():
     """Each emitted position follows the target's p whatever the (point-mass) draft: the first token over many
     trials for a draft the target likes, one it dislikes and one it bans (top_k)."""
@@ -147,14 +160,10 @@ def test_rejection_sampling_keeps_the_target_distribution():
     gen = torch.Generator().manual_seed(1234)
     n = 20000
     for draft in (0, 2, 3):
-        counts = torch.zeros(5)
-        accepted = 0
-        for _ in range(n):
-            out = accept_sampled(logits, [draft], params, gen)
-            counts[out[0]] += 1
-            accepted += len(out) == 2
+        first, passed = sampled_verifies(logits, torch.full((n,), draft), params, gen)
+        counts = torch.bincount(first, minlength=5).float()
         assert (counts / n - p).abs().max() < 0.012, (draft, counts / n, p)
-        assert abs(accepted / n - float(p[draft])) < 0.012  # a draft passes with probability p(draft)
+        assert abs(int(passed.sum()) / n - float(p[draft])) < 0.012  # a draft passes with probability p(draft)
         assert counts[3] == 0
 
 
@@ -170,17 +179,32 @@ def test_rejection_sampling_with_draft_distributions():
     gen = torch.Generator().manual_seed(99)
     n = 20000
     for q in (torch.tensor([0.05, 0.1, 0.6, 0.2, 0.05]), q_narrow, p.clone()):
-        counts, accepted = torch.zeros(5), 0
-        for _ in range(n):
-            draft = int(torch.multinomial(q, 1, generator=gen))
-            out = accept_sampled(logits, [draft], params, gen, [q])
-            counts[out[0]] += 1
-            accepted += len(out) == 2
+        drafts = torch.multinomial(q, n, replacement=True, generator=gen)
+        first, passed = sampled_verifies(logits, drafts, params, gen, q)
+        counts, accepted = torch.bincount(first, minlength=5).float(), int(passed.sum())
         qq = torch.cat([q, q.new_zeros(5 - len(q))])
         assert (counts / n - p).abs().max() < 0.012, (q, counts / n, p)
         assert abs(accepted / n - float(torch.minimum(p, qq).sum())) < 0.012
         assert counts[3] == 0
     assert accepted == n  # q = p
+
+
+def test_accept_sampled_is_one_span_of_verify_sampled_many():
+    """`accept_sampled` (the host form of a sampled verify; the rejection sampling tests above draw their trials
+    as spans of one `verify_sampled_many` call) emits exactly the tokens of a one-span `verify_sampled_many` from
+    the same generator state, for point-mass drafts and drafts with a q, passing or not."""
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0, 0.5], [0.0, 0.0, 3.0, 0.0, 0.0], [1.0, 0.0, 0.5, 2.0, 0.0]])
+    params = SamplingParams(temperature=0.8, top_k=4)
+    q = [torch.tensor([0.05, 0.1, 0.6, 0.2, 0.05]), torch.tensor([0.1, 0.3, 0.3, 0.3])]
+    outs = set()
+    for seed in range(100):
+        for drafts, probs in (([0], None), ([2, 2], None), ([2], q[:1]), ([2, 1], q)):
+            got = accept_sampled(logits[:len(drafts) + 1], drafts, params, torch.Generator().manual_seed(seed), probs)
+            tokens, accepted = verify_sampled_many(logits[:len(drafts) + 1], torch.tensor(drafts), [len(drafts)],
+                                                   [params], torch.Generator().manual_seed(seed), [probs])
+            assert got == tokens[0, :int(accepted[0]) + 1].tolist(), (seed, drafts)
+            outs.add(len(got))
+    assert outs == {1, 2, 3}  # drafts rejected at once, after one pass and all passing
 
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]

@@ -4,57 +4,72 @@ NVRTC (CUDA 13 dropped Volta).
 
 Usage (no arguments):
     PYTHONPATH=src:. python tools/build_ptx.py
-Prints one line per (source, specialisation, arch); exits 1 on any failure. Uses a throw-away cache directory,
-so every kernel really compiles.
+Prints one line per (source, specialisation, arch), in order; exits 1 on any failure. Uses a throw-away cache
+directory, so every kernel really compiles. An NVRTC compile runs on one thread: the builds run one per CPU core
+(worker processes; ~470 builds took ~225 s one at a time on a 2-core CI machine).
 """
 
 from __future__ import annotations
 
+import contextlib
+import multiprocessing
 import os
 import sys
 import tempfile
 import time
+from concurrent.futures import ProcessPoolExecutor
 
 ARCHS = (70, 90)
 
 
 def main() -> int:
     with tempfile.TemporaryDirectory(prefix="voltserve-build-ptx-") as cache:  # removed at exit
-        os.environ["VOLTSERVE_CACHE_DIR"] = cache
+        os.environ["VOLTSERVE_CACHE_DIR"] = cache  # the workers inherit it
         return build_all()
 
 
-def build_all() -> int:
-    """Compile every specialisation for each of ARCHS; returns the process's exit status."""
+def build_all(workers: int | None = None) -> int:
+    """Compile every specialisation for each of ARCHS, `workers` builds at a time (default: one per CPU core;
+    1: in this process); returns the process's exit status."""
     from voltserve.backends.cuda import kernels, nvrtc
-    from voltserve.errors import VoltError
 
     major, minor = nvrtc.nvrtc_version()
     includes = nvrtc.include_dirs()
-    print(f"NVRTC {major}.{minor}; CUDA include dirs: {', '.join(includes) or '(none)'}")
+    print(f"NVRTC {major}.{minor}; CUDA include dirs: {', '.join(includes) or '(none)'}", flush=True)
     failures = 0
     if major != 12:
         print(f"FAIL: compute_70 needs CUDA 12.x NVRTC, found {major}.{minor}")
         failures += 1
-    specs = kernels.engine_specializations()
-    for arch in ARCHS:
-        for op, spec in specs:
-            src = kernels.SOURCES[op]
-            label = f"{src.file} {' '.join(f'{k}={v}' for k, v in spec.items()) or '-'} compute_{arch}/sm_{arch}"
-            start = time.perf_counter()
-            try:
-                out = nvrtc.compile_source(src.file, arch, kernels.defines(op, **spec), use_cache=False)
-                missing = [k for k in src.kernels if f".entry {k}(".encode() not in out.ptx]
-                if out.cubin is None or missing:
-                    raise RuntimeError(f"no cubin or missing entries {missing}")
-            except (VoltError, RuntimeError) as exc:
-                failures += 1
-                print(f"FAIL {label}: {exc}")
-                continue
-            ms = (time.perf_counter() - start) * 1e3
-            print(f"ok   {label}  ptx {len(out.ptx)} B  cubin {len(out.cubin)} B  {ms:.0f} ms")
-    print(f"{len(specs) * len(ARCHS)} builds, {failures} failed")
+    builds = [(arch, op, spec) for arch in ARCHS for op, spec in kernels.engine_specializations()]
+    workers = workers or os.cpu_count() or 1
+    # spawned, not forked: no NVRTC state of this process is carried into a worker
+    spawned = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) if workers > 1 else None
+    with spawned or contextlib.nullcontext():
+        for ok, line in (spawned.map if spawned else map)(build_one, builds):  # in the order of `builds`
+            failures += not ok
+            print(line, flush=True)
+    print(f"{len(builds)} builds, {failures} failed")
     return 1 if failures else 0
+
+
+def build_one(build: tuple[int, str, dict]) -> tuple[bool, str]:
+    """Compile one (arch, op, specialisation): (passed, the line to print)."""
+    from voltserve.backends.cuda import kernels, nvrtc
+    from voltserve.errors import VoltError
+
+    arch, op, spec = build
+    src = kernels.SOURCES[op]
+    label = f"{src.file} {' '.join(f'{k}={v}' for k, v in spec.items()) or '-'} compute_{arch}/sm_{arch}"
+    start = time.perf_counter()
+    try:
+        out = nvrtc.compile_source(src.file, arch, kernels.defines(op, **spec), use_cache=False)
+        missing = [k for k in src.kernels if f".entry {k}(".encode() not in out.ptx]
+        if out.cubin is None or missing:
+            raise RuntimeError(f"no cubin or missing entries {missing}")
+    except (VoltError, RuntimeError) as exc:
+        return False, f"FAIL {label}: {exc}"
+    ms = (time.perf_counter() - start) * 1e3
+    return True, f"ok   {label}  ptx {len(out.ptx)} B  cubin {len(out.cubin)} B  {ms:.0f} ms"
 
 
 if __name__ == "__main__":

@@ -93,3 +93,21 @@ def test_nvrtc_outputs_never_write_into_shared_bytes():
     assert log == "" and b".visible .entry nothing" in ptx
     space = bytes([32])  # not the literal: a corrupted constant would compare equal to itself
     assert b" " == space and b" ".decode() == " " and b" " * 1 is b" "
+
+
+def test_build_ptx_workers_print_what_one_process_prints(monkeypatch, capsys):
+    """tools/build_ptx.py (CI's build check) spreads its builds over worker processes: the same lines in the same
+    order as one process prints them, and the same exit status."""
+    import re
+
+    from tools import build_ptx
+    from voltserve.backends.cuda import kernels
+
+    specs = [("rmsnorm", {}), ("silu_mul", {}), ("embedding", {})]
+    monkeypatch.setattr(kernels, "engine_specializations", lambda: specs)  # the list is made in this process
+    printed = []
+    for workers in (1, 2):
+        assert build_ptx.build_all(workers) == 0
+        printed.append([re.sub(r"  \d+ ms$", "", line) for line in capsys.readouterr().out.splitlines()])
+    assert printed[0] == printed[1] and printed[1][-1] == "6 builds, 0 failed"
+    assert [line.split()[1] for line in printed[1][1:-1]] == ["rmsnorm.cu", "silu_mul.cu", "embedding.cu"] * 2

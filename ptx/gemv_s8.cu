@@ -56,10 +56,12 @@
 // during a tile's epilogue and, where a block has several tiles (gridDim.x < tiles) or S8_WAIT_GROUPS is 2, that
 // many of its first tile before the PDL wait (else one). Both, on the launches with several tiles a block, made them
 // 1-3% faster on an H100 (session 45: Q4_1 / Q8_0 14336x4096 at 2 / 8 rows); both before the wait on the launches
-// of one tile a block made those up to 9% slower (Q8_0 4096x14336, Q4_1 4096x4096 at 2 rows). The builds quantizing
-// x in every block keep one (both buffers live across the quantization spill 36-68 bytes).
+// of one tile a block made those up to 9% slower (Q8_0 4096x14336, Q4_1 4096x4096 at 2 rows), and so did the
+// two-group loop order alone (session 46: 34.4 against 32.0 us), so the launcher passes 1 on those grids
+// (gemv_int8.gemv_s8_launch_spec). The builds quantizing x in every block keep one (both buffers live across the
+// quantization spill 36-68 bytes).
 #ifndef S8_NEXT_GROUPS
-#define S8_NEXT_GROUPS (S8_XG ? 2 : 1)
+#define S8_NEXT_GROUPS (S8_XG && !S8_M1 ? 2 : 1)  // the one-row build spills 28-48 bytes with 2
 #endif
 #ifndef S8_WAIT_GROUPS
 #define S8_WAIT_GROUPS 1  // 2: both before the wait whatever the grid (A/B runs)

@@ -266,7 +266,8 @@ def test_gemv_s8_launch_rows_and_gemv_max_rows():
 
     launches, names = kernels_of(24, 4096)
     assert names == [("quantize_s8", None), ("gemv_s8", 24)]
-    assert launches[1].spec == kernels.gemv_s8_spec("Q4_1", False, 24, False, True, 32)
+    # one tile a block: the one-group build (gemv_int8.gemv_s8_launch_spec)
+    assert launches[1].spec == {**kernels.gemv_s8_spec("Q4_1", False, 24, False, True, 32), "S8_NEXT_GROUPS": 1}
     assert launches[1].spec["S8_NCOL"] == 4 and launches[1].smem == kernels.gemv_s8_smem_bytes(24, 4096)
     assert kernels_of(32, 4096)[1] == [("quantize_s8", None), ("gemv_s8", 32)]
     def split_of(launch):
@@ -275,7 +276,9 @@ def test_gemv_s8_launch_rows_and_gemv_max_rows():
     launches, names = kernels_of(20, 14336)  # 20 rows (S8_NCOL = 4) in two k ranges (S8_KSPLIT)
     assert names == [("quantize_s8", None), ("gemv_s8", 20), ("gemv_s8", 20)]
     first, second = launches[1], launches[2]
-    assert first.spec == second.spec == kernels.gemv_s8_spec("Q4_1", False, 20, False, True, 32, True)
+    # one tile a block: the one-group build (gemv_int8.gemv_s8_launch_spec)
+    assert first.spec == second.spec == {**kernels.gemv_s8_spec("Q4_1", False, 20, False, True, 32, True),
+                                         "S8_NEXT_GROUPS": 1}
     assert first.spec["S8_KSPLIT"] == 1 and first.spec["S8_NCOL"] == 4
     assert split_of(first) == (0, 224, 0, 1) and split_of(second) == (224, 448, 1, 0)
     assert first.params.part == second.params.part != 0 and first.params.xq == second.params.xq != 0
@@ -283,7 +286,7 @@ def test_gemv_s8_launch_rows_and_gemv_max_rows():
     launches, names = kernels_of(36, 14336)  # 32 rows in three k ranges, then 4 rows whole
     assert names == [("quantize_s8", None)] + [("gemv_s8", 32)] * 3 + [("quantize_s8", None), ("gemv_s8", 4)]
     assert [split_of(launch) for launch in launches[1:4]] == [(0, 152, 0, 1), (152, 304, 1, 1), (304, 448, 1, 0)]
-    assert launches[1].spec == kernels.gemv_s8_spec("Q4_1", False, 32, False, True, 32, True)
+    assert launches[1].spec == {**kernels.gemv_s8_spec("Q4_1", False, 32, False, True, 32, True), "S8_NEXT_GROUPS": 1}
     assert launches[1].smem == kernels.gemv_s8_smem_bytes(32, 152 * 32)
     assert len({launch.params.part for launch in launches[1:4]}) == 1 and "S8_KSPLIT" not in launches[5].spec
     assert launches[5].smem == kernels.gemv_s8_smem_bytes(4, 14336)
@@ -470,13 +473,20 @@ def test_gemv_s8_wide_block_rule():
                 else launch.kernel for launch in launches]
 
     assert launched(8) == ["quantize_s8", ("gemv_s8", 16, 512)]
-    assert launches[1].spec == kernels.gemv_s8_spec("Q4_1", False, 8, False, True, 32, wide_block=True)
+    assert launches[1].spec == {**kernels.gemv_s8_spec("Q4_1", False, 8, False, True, 32, wide_block=True),
+                                "S8_NEXT_GROUPS": 1}  # one tile a block
     assert launches[1].grid == (128, 1, 1)  # 128 tiles, one block an SM
     assert launched(8, gemv_s8_warps="8") == ["quantize_s8", ("gemv_s8", 8, 256)]
     assert launched(3) == ["quantize_s8", ("gemv_s8", 8, 256)]  # x 72 KB: 2-3 blocks fit
     # 16-row launches (S8_NCOL = 2): not this build
     assert all(launch[1] == 8 for launch in launched(12) if launch != "quantize_s8")
     assert launched(8, gemv_s8_x="block") == [("gemv_s8", 8, 256)]
+    # x's copy fits beside the 8-warp block's static smem but not the 16-warp block's: 8 warps (99 KB: SM86/89)
+    be.loader.max_smem_optin = 99 * 1024
+    assert kernels.gemv_s8_smem_bytes(4, 14336) + kernels.GEMV_MMA_STATIC_SMEM <= be.loader.max_smem_optin
+    assert kernels.gemv_s8_smem_bytes(4, 14336) + kernels.GEMV_S8_WIDE_STATIC_SMEM > be.loader.max_smem_optin
+    assert launched(4) == ["quantize_s8", ("gemv_s8", 8, 256)]
+    be.loader.max_smem_optin = 227 * 1024
     with pytest.raises(ValueError, match="16-warp"):
         kernels.gemv_s8_spec("Q4_1", False, 8, x_per_launch=True, tile_rows=16, wide_block=True)
     with pytest.raises(ValueError, match="16-warp"):
@@ -485,3 +495,32 @@ def test_gemv_s8_wide_block_rule():
     for fmt in ("Q4_0", "Q4_1", "Q8_0"):
         for silu in (False, True):
             assert kernels.gemv_s8_spec(fmt, silu, 5, False, True, wide_block=True) in built
+
+
+def test_gemv_s8_early_loads_by_grid():
+    """gemv_int8.gemv_s8_launch_spec: under "auto" a gemv_s8 launch with x quantized per launch takes the two-group
+    build (gemv_s8.cu's default) where a block loops over several tiles and the one-group build (S8_NEXT_GROUPS 1,
+    as before session 46) on a grid of one tile a block; "1" one group everywhere, "2" both before the PDL wait on
+    every grid; builds quantizing x in every block are left as they are."""
+    from voltserve.backends.cuda import kernels
+    from voltserve.backends.cuda.gemv_int8 import gemv_s8_launch_spec
+    from voltserve.backends.cuda.linear import launch_linear
+
+    xg, block = kernels.gemv_s8_spec("Q4_1", False, 8, False, True), kernels.gemv_s8_spec("Q4_1", False, 8)
+    be = SimpleNamespace(gemv_s8_preload="auto")
+    assert gemv_s8_launch_spec(be, xg, one_tile=False) == xg
+    assert gemv_s8_launch_spec(be, xg, one_tile=True) == {**xg, "S8_NEXT_GROUPS": 1}
+    assert gemv_s8_launch_spec(be, block, one_tile=True) == block
+    be.gemv_s8_preload = "1"
+    assert gemv_s8_launch_spec(be, xg) == {**xg, "S8_NEXT_GROUPS": 1}
+    be.gemv_s8_preload = "2"
+    assert gemv_s8_launch_spec(be, xg, one_tile=True) == {**xg, "S8_WAIT_GROUPS": 2}
+    assert gemv_s8_launch_spec(be, block) == block
+    rec, launches = recording_backend(gemv_s8_preload="auto")
+    for n, want in ((1024, {"S8_NEXT_GROUPS": 1}), (20000, {})):  # 16-row tiles: 64 / 1,250 tiles, 396 blocks
+        w = fake_linear("Q4_1", n, 4096)
+        w.layout = "repacked"
+        launches.clear()
+        launch_linear(rec, torch.zeros(4, 4096, dtype=torch.float16), w)
+        spec = launches[1].spec
+        assert {key: spec[key] for key in ("S8_NEXT_GROUPS",) if key in spec} == want, n

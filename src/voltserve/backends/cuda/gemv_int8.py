@@ -217,24 +217,29 @@ def s8_quantized_x(backend: Any, xr: torch.Tensor, spec: dict[str, int], smem: i
 def gemv_s8_wide_block(backend: Any, spec: dict[str, int], smem: int, rows: int, per_launch: bool,
                        split: bool) -> bool:
     """Whether a gemv_s8 launch of `rows` x rows (build `spec`, `smem` bytes of x) runs 16 warps a block
-    (kernels.GEMV_S8_WIDE_BLOCK) instead of 8: 2-8 rows quantized per launch in 32-row tiles, no k split, and only
-    one 8-warp block fits an SM (x's copy: Llama-3-8B's down at 6-8 rows), under `backend.gemv_s8_warps` "auto"
-    (VOLTSERVE_GEMV_S8_WARPS; "8" never)."""
+    (kernels.GEMV_S8_WIDE_BLOCK) instead of 8: 2-8 rows quantized per launch in 32-row tiles, no k split, only
+    one 8-warp block fits an SM (x's copy: Llama-3-8B's down at 6-8 rows), and x's copy fits beside the 16-warp
+    block's larger static smem (kernels.GEMV_S8_WIDE_STATIC_SMEM: not Llama-3-8B's down at 4 rows on an SM86/89
+    GPU's 99 KB), under `backend.gemv_s8_warps` "auto" (VOLTSERVE_GEMV_S8_WARPS; "8" never)."""
     if getattr(backend, "gemv_s8_warps", "auto") != "auto" or not 2 <= rows <= kernels.GEMV_MAX_ROWS:
         return False
     if not per_launch or split or spec.get("GM_TILE_ROWS", kernels.GEMV_MMA_TILES[0]) != kernels.GEMV_MMA_TILES[0]:
         return False
+    if smem + kernels.GEMV_S8_WIDE_STATIC_SMEM > backend.loader.max_smem_optin:
+        return False
     return backend._occupancy("gemv_s8", "gemv_s8", spec, smem, 32 * kernels.GEMV_MMA_WARPS) == 1
 
 
-def gemv_s8_launch_spec(backend: Any, spec: dict[str, int]) -> dict[str, int]:
+def gemv_s8_launch_spec(backend: Any, spec: dict[str, int], one_tile: bool = False) -> dict[str, int]:
     """The gemv_s8 launch's build: `spec`, whose load groups issued early are gemv_s8.cu's defaults (where x is
-    copied in: both register buffers' of the next tile during a persistent block's epilogue, and of the first tile
-    before the PDL wait where a block has several tiles; else one), or under VOLTSERVE_GEMV_S8_PRELOAD
-    (`backend.gemv_s8_preload`, A/B runs) "1" one everywhere (before session 45), "2" both before the wait on
-    every grid."""
+    copied in, 2-8 rows: both register buffers' of the next tile during a persistent block's epilogue, and of the
+    first tile before the PDL wait where a block has several tiles) except on a grid of one tile a block
+    (`one_tile`), which takes the build of one group (S8_NEXT_GROUPS 1: before session 46, whose loop order the
+    two-group build changes: Q8_0 4096x14336 at 2 rows 34.4 against 32.0 us, H100); or under
+    VOLTSERVE_GEMV_S8_PRELOAD (`backend.gemv_s8_preload`, A/B runs) "1" one everywhere, "2" both before the wait
+    on every grid."""
     choice = getattr(backend, "gemv_s8_preload", "auto")
-    if choice == "1":
+    if choice == "1" or (choice == "auto" and one_tile and spec.get("S8_XG")):
         return {**spec, "S8_NEXT_GROUPS": 1}
     if choice == "2" and spec.get("S8_XG"):
         return {**spec, "S8_WAIT_GROUPS": 2}
@@ -318,6 +323,6 @@ def launch_gemv_s8(backend: Any, x: torch.Tensor, w: CudaLinear, y: torch.Tensor
                 p.part, p.kb_begin, p.kb_end = part.data_ptr(), kb0, kb1
                 p.part_in, p.part_out = int(i > 0), int(i < len(ranges) - 1)
                 pdl = gemv_pdl(backend, w, rows) if i else pdl
-            backend._launch("gemv_s8", "gemv_s8", gemv_s8_launch_spec(backend, spec), (grid, 1, 1), (threads, 1, 1),
-                            smem, p, pdl)
+            backend._launch("gemv_s8", "gemv_s8", gemv_s8_launch_spec(backend, spec, grid >= tiles), (grid, 1, 1),
+                            (threads, 1, 1), smem, p, pdl)
             launched_gemv(backend, w)

@@ -315,6 +315,8 @@ GEMV_S8W_SMEM_PAD = 1024
 # gemv_s8 at 2-8 rows where one 8-warp block fits an SM (x's copy is large: Llama-3-8B's down at 6-8 rows): 16
 # warps split k instead, one block an SM (126-127 registers, no spills), twice the loads in flight
 GEMV_S8_WIDE_BLOCK = {"GM_WARPS": 16, "GM_MIN_BLOCKS": 1}
+# its static smem: gemv_mma's with red[] for 16 warps (8 KB more)
+GEMV_S8_WIDE_STATIC_SMEM = GEMV_MMA_STATIC_SMEM + 4 * (GEMV_S8_WIDE_BLOCK["GM_WARPS"] - GEMV_MMA_WARPS) * 32 * 8
 # gemv_s8w SILU builds writing down's quantized x (linear.swiglu_xq_target): the most 32-output chunks a block may
 # take (its smem slots, S8W_OUT_SLOTS)
 GEMV_S8W_OUT_SLOTS = 8

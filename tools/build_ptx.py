@@ -29,8 +29,8 @@ def main() -> int:
 
 
 def build_all(workers: int | None = None) -> int:
-    """Compile every specialisation for each of ARCHS, `workers` builds at a time (default: one per CPU core;
-    1: in this process); returns the process's exit status."""
+    """Compile every specialisation for each of ARCHS, `workers` builds at a time (default: one per CPU core this
+    process may run on; 1: in this process); returns the process's exit status."""
     from voltserve.backends.cuda import kernels, nvrtc
 
     major, minor = nvrtc.nvrtc_version()

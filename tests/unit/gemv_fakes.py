@@ -24,6 +24,13 @@ def fake_linear(fmt, n, k):
     return CudaLinear(fmt, torch.zeros(n, k // 32 * block, dtype=torch.uint8), n, k, k // 32 * block)
 
 
+def repacked_linear(fmt, n, k):
+    """`fake_linear` stored as repacked rows (gemv_s8 / gemv_s8w's layout)."""
+    w = fake_linear(fmt, n, k)
+    w.layout = "repacked"
+    return w
+
+
 def recording_backend(**knobs):
     """A CPU stand-in for CudaBackend whose `_launch` records (kernel, grid, block, smem, params, pdl) instead of
     launching: launch_linear's Python side (routing, grids, params) runs for real."""

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tests.unit.gemv_fakes import fake_backend, fake_linear, recording_backend
+from tests.unit.gemv_fakes import fake_backend, fake_linear, recording_backend, repacked_linear
 from voltserve.backends.cuda.linear import gemv_kernel_name
 
 
@@ -401,13 +401,8 @@ def test_attention_xq_rule_and_handoff():
     from voltserve.backends.cuda import kernels
     from voltserve.backends.cuda.linear import attention_xq, launch_linear
 
-    def repacked(fmt, n, k):
-        w = fake_linear(fmt, n, k)
-        w.layout = "repacked"
-        return w
-
     be, launches = recording_backend()
-    w = repacked("Q4_1", 4096, 4096)
+    w = repacked_linear("Q4_1", 4096, 4096)
     out = torch.zeros(8, 32, 128, dtype=torch.float16)
     ptr, fmt, rows = attention_xq(be, w, out, 4)
     pending = be.xq_pending
@@ -419,7 +414,7 @@ def test_attention_xq_rule_and_handoff():
     launches.clear()
     launch_linear(be, out.view(8, 4096), w)  # nothing pending: quantize_s8 again
     assert [launch.kernel for launch in launches] == ["quantize_s8", "gemv_s8"]
-    for x, weight in ((out.view(8, 4096).clone(), w), (out.view(8, 4096), repacked("Q4_1", 4096, 4096))):
+    for x, weight in ((out.view(8, 4096).clone(), w), (out.view(8, 4096), repacked_linear("Q4_1", 4096, 4096))):
         launches.clear()
         attention_xq(be, w, out, 4)
         launch_linear(be, x, weight)  # another x, or another weight: dropped
@@ -427,7 +422,7 @@ def test_attention_xq_rule_and_handoff():
         assert launches[0].params.xq == launches[1].params.xq  # gemv_s8 reads quantize_s8's bytes
     # one row: gemv_s8w quantizes x per block at k = 4,096 (no handoff), per launch above it (handoff)
     assert attention_xq(be, w, torch.zeros(1, 32, 128, dtype=torch.float16), 4) == (None, 0, 0)
-    wide = repacked("Q8_0", 64, 14336)
+    wide = repacked_linear("Q8_0", 64, 14336)
     ptr, fmt, rows = attention_xq(be, wide, torch.zeros(1, 112, 128, dtype=torch.float16), 14)
     assert (fmt, rows) == (3, 1) and be.xq_pending.xq.numel() == kernels.gemv_s8_smem_bytes(1, 14336)
     launches.clear()
@@ -453,12 +448,7 @@ def test_gemv_s8_wide_block_rule():
     from voltserve.backends.cuda import kernels
     from voltserve.backends.cuda.linear import launch_linear
 
-    def repacked(fmt, n, k):
-        w = fake_linear(fmt, n, k)
-        w.layout = "repacked"
-        return w
-
-    down = repacked("Q4_1", 4096, 14336)
+    down = repacked_linear("Q4_1", 4096, 14336)
     limit = 227 * 1024
     # the blocks an SM: as the driver's occupancy would give from the x copy (no register limit for 8 warps)
     be, launches = recording_backend(_occupancy=lambda op, kernel, spec, smem, threads: max(1, limit // (smem + 8192)))
@@ -518,9 +508,7 @@ def test_gemv_s8_early_loads_by_grid():
     assert gemv_s8_launch_spec(be, block) == block
     rec, launches = recording_backend(gemv_s8_preload="auto")
     for n, want in ((1024, {"S8_NEXT_GROUPS": 1}), (20000, {})):  # 16-row tiles: 64 / 1,250 tiles, 396 blocks
-        w = fake_linear("Q4_1", n, 4096)
-        w.layout = "repacked"
         launches.clear()
-        launch_linear(rec, torch.zeros(4, 4096, dtype=torch.float16), w)
+        launch_linear(rec, torch.zeros(4, 4096, dtype=torch.float16), repacked_linear("Q4_1", n, 4096))
         spec = launches[1].spec
         assert {key: spec[key] for key in ("S8_NEXT_GROUPS",) if key in spec} == want, n

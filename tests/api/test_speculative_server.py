@@ -49,7 +49,8 @@ def test_metrics_count_drafts(spec_server_url):
     """/metrics carries the engine's speculative decoding counters (vLLM's names)."""
     import httpx
 
-    _client(spec_server_url).chat.completions.create(model=MODEL, messages=COUNT, temperature=0, max_tokens=40)
+    # 90 tokens, not 40: alone on a fresh server, 40 tokens had no n-gram draft token accepted
+    _client(spec_server_url).chat.completions.create(model=MODEL, messages=COUNT, temperature=0, max_tokens=90)
     text = httpx.get(spec_server_url + "/metrics", timeout=10).text
     values = {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
               if line.startswith("voltserve:spec_decode_")}

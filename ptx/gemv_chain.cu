@@ -145,7 +145,7 @@ extern "C" __global__ void __launch_bounds__(TMA_THREADS, 1) gemv_chain(const Ch
     if (ring <= 0 || ring % TMA_CONSUMERS || ring > TMA_MAX_STAGES || p.stage_spans <= 0 ||
         p.stage_spans > TMA_STAGE_SPANS || p.num_phases <= 0 || p.num_phases > CHAIN_MAX_PHASES ||
         gridDim.x > CHAIN_MAX_GRID)
-        __trap();  // the launcher's contract (kernels.gemv_chain_plan)
+        __trap();  // the launcher's contract (kernels_tma.gemv_chain_plan)
     ring_init(full, empty, ring, 1);
     __syncthreads();
     if (warp == TMA_CONSUMERS) {

@@ -23,7 +23,7 @@
 // 1 / rms(x), x^2 summed once per block), SILU (silu(gate) * up of a [gate; up] weight), `res` (residual).
 // Compile-time: SILU, NORM_POST; one x row (p.m == 1). Runtime: p.stages (ring depth, a multiple of 8, <=
 // TMA_MAX_STAGES) and p.stage_spans (<= TMA_STAGE_SPANS); the launcher sizes the dynamic smem as the ring, x and
-// the partials (kernels.gemv_tma_plan).
+// the partials (kernels_tma.gemv_tma_plan).
 // Below SM90 the kernel is a trapping stub (no bulk copies there); the launcher routes SM90+ only.
 // Reference: voltserve.backends.cpu.CpuBackend.linear.
 #include "gemv_common.cuh"
@@ -91,7 +91,7 @@ extern "C" __global__ void __launch_bounds__(TMA_THREADS, TMA_MIN_BLOCKS) gemv_t
 
     if (ring <= 0 || ring % TMA_CONSUMERS || ring > TMA_MAX_STAGES || p.stage_spans <= 0 ||
         p.stage_spans > TMA_STAGE_SPANS || p.m != 1)
-        __trap();  // the launcher's contract (kernels.gemv_tma_plan; the parity waits below rely on it)
+        __trap();  // the launcher's contract (kernels_tma.gemv_tma_plan; the parity waits below rely on it)
     ring_init(full, empty, ring, 1);  // empty: the consuming warp's arrival
     __syncthreads();
     if (warp == TMA_CONSUMERS) {

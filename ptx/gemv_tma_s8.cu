@@ -34,7 +34,7 @@
 // (which set the parts) but not on the ring's depth or the grid.
 // Compile-time: WTYPE (a quant format; WREPACK = 1). Runtime: p.stages (1..TS8_MAX_STAGES), p.stage_spans (rows
 // per stage, even), p.m == 1, no fused norm (the launcher routes those elsewhere); the dynamic smem is the ring, x
-// and the partials (kernels.gemv_tma_s8_plan).
+// and the partials (kernels_tma.gemv_tma_s8_plan).
 // Below SM90 the kernel is a trapping stub; the launcher routes SM90+ only.
 // Reference: voltserve.backends.cpu.CpuBackend.linear (fp32, unquantized x); tests/kernels/kutils.s8_reference.
 #ifndef WREPACK
@@ -49,7 +49,7 @@
 #define TS8_CONSUMERS 16                 // warps that read the stages; one more warp issues the copies
 #endif
 #define TS8_ROWS 2                       // weight rows per MMA and work item: A rows g and g + 8
-#define TS8_THREADS ((TS8_CONSUMERS + 1) * 32)  // the launcher: 32 (kernels.gemv_tma_s8_spec consumers + 1)
+#define TS8_THREADS ((TS8_CONSUMERS + 1) * 32)  // the launcher: 32 (kernels_tma.gemv_tma_s8_spec consumers + 1)
 #define TS8_MAX_STAGES 8
 #define TS8_CHUNK_GROUPS 8               // load groups per chunk: one 16-byte slot piece per lane
 #define TS8_GROUP_SCALE_BYTES (RP_GROUP * RP_SCALE_BYTES)
@@ -145,7 +145,7 @@ extern "C" __global__ void __launch_bounds__(TS8_THREADS, 1) gemv_tma_s8(const G
 
     if (ring <= 0 || ring > TS8_MAX_STAGES || stage_rows < TS8_ROWS || stage_rows % TS8_ROWS || chunks == 0 ||
         (nb / RP_GROUP) % TS8_CHUNK_GROUPS || p.w_row_bytes % 16 || p.m != 1 || p.norm_w != nullptr)
-        __trap();  // the launcher's contract (kernels.gemv_tma_s8_plan)
+        __trap();  // the launcher's contract (kernels_tma.gemv_tma_s8_plan)
     ring_init(full, empty, ring, TS8_CONSUMERS);  // empty: every consumer warp's arrival
     __syncthreads();
     if (warp == TS8_CONSUMERS) {

@@ -13,7 +13,7 @@ import functools
 import orjson
 import pytest
 
-from api.openai.responses import PendingLogprobs
+from api.openai.response_events import PendingLogprobs
 from tests.api.fake_engine import MarkerTokenizer, ScriptedEngine, StreamedEngine, ThinkingTemplate
 from tests.api.test_responses import (
     INVALID, URL, body, event, events_of, opening_events, post, response_object, sdk_checked, usage,

@@ -17,7 +17,7 @@ import torch
 from tests.kernels.kutils import assert_replay_equals_eager, backend_settings, launched_kernels, rel_err
 
 from voltserve.backends.base import decoder_tail
-from voltserve.backends.cuda import kernels
+from voltserve.backends.cuda import kernels_tma
 
 pytestmark = pytest.mark.gpu
 CHAIN_TOL = 8e-3
@@ -34,8 +34,8 @@ def chain_backend(cuda_backend):
 
 
 def _assert_barrier_settled(backend):
-    """Every launch, whatever its grid (a test shrinks it), adds kernels.GEMV_CHAIN_BARRIER_QUANTUM arrivals."""
-    assert int(backend.chain_barrier[0]) % kernels.GEMV_CHAIN_BARRIER_QUANTUM == 0
+    """Every launch, whatever its grid (a test shrinks it), adds kernels_tma.GEMV_CHAIN_BARRIER_QUANTUM arrivals."""
+    assert int(backend.chain_barrier[0]) % kernels_tma.GEMV_CHAIN_BARRIER_QUANTUM == 0
 
 
 def _layer(hidden, inter, then_out, seed):
@@ -131,4 +131,4 @@ def test_graph_replay_equals_eager(chain_backend):
     before = int(chain_backend.chain_barrier[0])
     assert_replay_equals_eager(chain_backend, step, change)
     # warm-up, eager and replay launches (capturing launches nothing)
-    assert int(chain_backend.chain_barrier[0]) - before == 3 * kernels.GEMV_CHAIN_BARRIER_QUANTUM
+    assert int(chain_backend.chain_barrier[0]) - before == 3 * kernels_tma.GEMV_CHAIN_BARRIER_QUANTUM

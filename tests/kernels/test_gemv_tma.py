@@ -15,7 +15,7 @@ import pytest
 import torch
 from tests.kernels.kutils import assert_replay_equals_eager, backend_settings, launched_kernels, rel_err
 
-from voltserve.backends.cuda import kernels
+from voltserve.backends.cuda import kernels_tma
 from voltserve.backends.cuda.gemv_tma import ring_block_smem
 
 pytestmark = pytest.mark.gpu
@@ -133,10 +133,10 @@ def test_two_blocks_per_sm_build_is_bit_identical(tma_backend, silu):
     assert names == res_names == ["gemv_tma"] and torch.equal(got, base) and torch.equal(got_res, base_res)
     # two blocks of this build and smem are resident on an SM at once
     n_out = 3072 if silu else 6144
-    _, smem = kernels.gemv_tma_plan(n_out, 4096, silu, tma_backend.num_sms, (8, 4))
+    _, smem = kernels_tma.gemv_tma_plan(n_out, 4096, silu, tma_backend.num_sms, (8, 4))
     smem = ring_block_smem(tma_backend, smem, 2)  # what the launcher asks for
-    spec = kernels.gemv_tma_spec(silu, True, 2)
-    assert tma_backend._occupancy("gemv_tma", "gemv_tma", spec, smem, kernels.GEMV_TMA_THREADS) == 2
+    spec = kernels_tma.gemv_tma_spec(silu, True, 2)
+    assert tma_backend._occupancy("gemv_tma", "gemv_tma", spec, smem, kernels_tma.GEMV_TMA_THREADS) == 2
 
 
 def test_nan_row_stays_in_its_output(tma_backend):

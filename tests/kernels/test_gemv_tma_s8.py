@@ -78,15 +78,15 @@ def test_residual_and_agrees_with_gemv_s8w(tma_s8_backend, fmt):
 def test_ring_depth_does_not_change_outputs(tma_s8_backend, monkeypatch):
     """Other ring depths give the same outputs bit for bit (Q4_1 k = 14,336: stages of one row pair); other rows
     per stage change how a row's chunks are grouped into warp sums (the fp32 order), not the products."""
-    from voltserve.backends.cuda import kernels
+    from voltserve.backends.cuda import kernels_tma
 
     quant, _, lin = repacked_weight(tma_s8_backend, "Q4_1", 700, 14336, 9)
     x = _x(14336, 10).cuda()
-    assert kernels.gemv_tma_s8_ring("Q4_1", 14336)[1] == 2
+    assert kernels_tma.gemv_tma_s8_ring("Q4_1", 14336)[1] == 2
     want = tma_s8_backend.linear(x, lin)
     assert rel_err(want, s8_reference(x.cpu(), quant)) <= EMU_TOL
     for ring in ((1, 2), (2, 2), (5, 2), (2, 4), (3, 6)):
-        monkeypatch.setattr(kernels, "gemv_tma_s8_ring", lambda fmt, k, ring=ring: ring)
+        monkeypatch.setattr(kernels_tma, "gemv_tma_s8_ring", lambda fmt, k, ring=ring: ring)
         got = tma_s8_backend.linear(x, lin)
         assert torch.equal(got, want) if ring[1] == 2 else rel_err(got, want) <= 2 * EMU_TOL, ring
 

@@ -358,7 +358,7 @@ def test_gemv_tma_s8_routing_and_plan():
     """gemv_tma_s8 runs only under VOLTSERVE_GEMV_TMA_S8=on (the default "off": it measured slower), on one-row
     calls without a fused norm or SwiGLU, on repacked rows of whole chunks, SM90+, where its ring fits; its ring
     holds whole row pairs in one bulk copy per stage, and the plan sizes the smem as ring + x + partials."""
-    from voltserve.backends.cuda import kernels
+    from voltserve.backends.cuda import kernels, kernels_tma
     from voltserve.backends.cuda.gemv_tma import gemv_tma_s8_ok
 
     w = fake_linear("Q4_1", 4096, 4096)
@@ -380,17 +380,18 @@ def test_gemv_tma_s8_routing_and_plan():
     tight.gemv_tma_s8 = "on"
     assert not gemv_tma_s8_ok(tight, w, 1)  # a 160 KB ring does not fit
     # Q4_1 k = 4096: 2,560-byte rows, 12 a stage (30 KB), 5 stages; k = 14336: one row pair (17.5 KB), 8 stages
-    assert kernels.gemv_tma_s8_ring("Q4_1", 4096) == (5, 12) and kernels.gemv_tma_s8_ring("Q4_1", 14336) == (8, 2)
-    assert kernels.gemv_tma_s8_ring("Q8_0", 14336) == (5, 2) and kernels.gemv_tma_s8_chunk("Q8_0") == 512
+    assert kernels_tma.gemv_tma_s8_ring("Q4_1", 4096) == (5, 12)
+    assert kernels_tma.gemv_tma_s8_ring("Q4_1", 14336) == (8, 2)
+    assert kernels_tma.gemv_tma_s8_ring("Q8_0", 14336) == (5, 2) and kernels_tma.gemv_tma_s8_chunk("Q8_0") == 512
     x_bytes = kernels.gemv_s8_smem_bytes(1, 4096)
-    assert kernels.gemv_tma_s8_plan("Q4_1", 4096, 4096, 132, (5, 12)) == (132, 5 * 12 * 2560 + x_bytes + 32 * 4 * 4)
-    assert kernels.gemv_tma_s8_plan("Q8_0", 5, 1024, 132, (2, 2)) == (5, 2 * 2 * 1088 + kernels.gemv_s8_smem_bytes(
+    assert kernels_tma.gemv_tma_s8_plan("Q4_1", 4096, 4096, 132, (5, 12)) == (132, 5 * 12 * 2560 + x_bytes + 32 * 4 * 4)
+    assert kernels_tma.gemv_tma_s8_plan("Q8_0", 5, 1024, 132, (2, 2)) == (5, 2 * 2 * 1088 + kernels.gemv_s8_smem_bytes(
         1, 1024) + 1 * 2 * 4)
     for ring in ((0, 2), (9, 2), (2, 3), (2, 0)):
         with pytest.raises(ValueError, match="ring"):
-            kernels.gemv_tma_s8_plan("Q4_1", 4096, 4096, 132, ring)
+            kernels_tma.gemv_tma_s8_plan("Q4_1", 4096, 4096, 132, ring)
     with pytest.raises(ValueError, match="whole chunks"):
-        kernels.gemv_tma_s8_ring("Q4_1", 512)
+        kernels_tma.gemv_tma_s8_ring("Q4_1", 512)
 
 
 def test_attention_xq_rule_and_handoff():

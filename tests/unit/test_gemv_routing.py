@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tests.unit.gemv_fakes import fake_backend, fake_linear, recording_backend
-from voltserve.backends.cuda import kernels
+from voltserve.backends.cuda import kernels, kernels_tma
 from voltserve.backends.cuda.linear import (GEMV_MMA_MIN_ROWS, GEMV_MMA_SM70_MIN_ROWS, CudaLinear, gemv_kernel_name,
                                            launch_linear)
 
@@ -343,7 +343,7 @@ def test_every_gemv_launcher_runs_on_arecording_backend(case):
     if want == "gemv_tma":
         blocks = knobs.get("gemv_tma_blocks", 1)
         assert last.spec == ({"TMA_MIN_BLOCKS": 2} if blocks == 2 else {})
-        assert (p.stages, p.stage_spans) == knobs.get("gemv_tma_ring", kernels.GEMV_TMA_RING)
+        assert (p.stages, p.stage_spans) == knobs.get("gemv_tma_ring", kernels_tma.GEMV_TMA_RING)
         assert 227 * 1024 // (blocks + 1) < last.smem <= 227 * 1024 // blocks  # at most `blocks` an SM
 
 
@@ -401,7 +401,6 @@ def test_gemv_tma_routing():
     ("folded", the default: folded-norm weights of >= GEMV_TMA_MIN_BYTES without SwiGLU; "off"; "on": all), without
     a fused norm weight, where its ring fits the opt-in shared memory; a forced gemv_kernel, 2+ rows, unaligned x
     or weights, other row strides or older GPUs keep the kernels before."""
-    from voltserve.backends.cuda import kernels
     from voltserve.backends.cuda.gemv_tma import GEMV_TMA_MIN_BYTES, gemv_tma_ok
 
     big, small = fake_linear("F16", 4096, 4096), fake_linear("F16", 64, 4096)
@@ -439,15 +438,15 @@ def test_gemv_tma_routing():
     # lm_head-sized weights: the partials of ~1,000 rows per block still fit beside the ring
     lm_head = CudaLinear("F16", torch.zeros(8, dtype=torch.float16), 128256, 4096, 8192)  # only the shape counts
     assert gemv_tma_ok(be, lm_head, 1)
-    ring_bytes = kernels.GEMV_TMA_RING[0] * kernels.GEMV_TMA_RING[1] * 2048
-    assert kernels.gemv_tma_plan(128256, 4096, False, 132) == (132, ring_bytes + 4096 * 2 + 972 * 4 * 4)
-    assert kernels.gemv_tma_plan(3, 1024, True, 132) == (3, ring_bytes + 1024 * 2 + 2 * 4)
-    assert kernels.gemv_tma_plan(4096, 4096, False, 132, (24, 2)) == (132, 24 * 2 * 2048 + 4096 * 2 + 32 * 4 * 4)
+    ring_bytes = kernels_tma.GEMV_TMA_RING[0] * kernels_tma.GEMV_TMA_RING[1] * 2048
+    assert kernels_tma.gemv_tma_plan(128256, 4096, False, 132) == (132, ring_bytes + 4096 * 2 + 972 * 4 * 4)
+    assert kernels_tma.gemv_tma_plan(3, 1024, True, 132) == (3, ring_bytes + 1024 * 2 + 2 * 4)
+    assert kernels_tma.gemv_tma_plan(4096, 4096, False, 132, (24, 2)) == (132, 24 * 2 * 2048 + 4096 * 2 + 32 * 4 * 4)
     for ring in ((12, 4), (40, 1), (8, 0), (8, 5)):  # depth a multiple of the 8 consumer warps, <= 32; spans >= 1
         with pytest.raises(ValueError, match="ring"):
-            kernels.gemv_tma_plan(4096, 4096, False, 132, ring)
+            kernels_tma.gemv_tma_plan(4096, 4096, False, 132, ring)
     with pytest.raises(ValueError, match="k % 1024"):
-        kernels.gemv_tma_plan(4096, 4000, False, 132)
+        kernels_tma.gemv_tma_plan(4096, 4000, False, 132)
     # two blocks an SM (VOLTSERVE_GEMV_TMA_BLOCKS=2): the ring must fit half the opt-in smem, the build caps registers
     pair = fake_backend(90)
     pair.gemv_tma, pair.gemv_tma_blocks = "on", 2
@@ -461,8 +460,8 @@ def test_gemv_tma_routing():
     assert gemv_tma_fits(pair, edge // 2 - 2048) and not gemv_tma_fits(pair, edge // 2 - 2048 + 1)
     assert not gemv_tma_fits(pair, 115200) and gemv_tma_fits(fake_backend(90), 115200)
     assert gemv_tma_fits(fake_backend(90), 227 * 1024 - 1024) and not gemv_tma_fits(fake_backend(90), 227 * 1024 - 1023)
-    assert kernels.gemv_tma_spec(False, True, 2) == {"NORM_POST": 1, "TMA_MIN_BLOCKS": 2}
-    assert kernels.gemv_tma_spec(True, False) == {"SILU": 1}
+    assert kernels_tma.gemv_tma_spec(False, True, 2) == {"NORM_POST": 1, "TMA_MIN_BLOCKS": 2}
+    assert kernels_tma.gemv_tma_spec(True, False) == {"SILU": 1}
 
 
 @pytest.mark.parametrize("grid_knob", ["persistent", "full"])

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from voltserve.backends.base import AttentionMetadata, rope_then_attention
-from voltserve.backends.cuda import driver, kernels
+from voltserve.backends.cuda import driver, kernels, kernels_tma
 from voltserve.backends.cuda import params as P
 from voltserve.backends.cuda.gemv_chain import ChainLink, gemv_chain_ok, launch_gemv_chain
 from voltserve.backends.cuda.gemv_int8 import gemv_s8_enabled, gemv_s8_fits
@@ -95,7 +95,7 @@ class CudaBackend(DeviceSampling):
         # VOLTSERVE_GEMV_TMA_RING
         self.gemv_tma = _env_choice("VOLTSERVE_GEMV_TMA", ("folded", "off", "on"))
         ring = _env_choice("VOLTSERVE_GEMV_TMA_RING",
-                           ("x".join(map(str, kernels.GEMV_TMA_RING)), "8x4", "16x2", "24x4", "32x2"))
+                           ("x".join(map(str, kernels_tma.GEMV_TMA_RING)), "8x4", "16x2", "24x4", "32x2"))
         self.gemv_tma_ring = tuple(int(v) for v in ring.split("x"))
         # gemv_tma blocks an SM may hold: 1 (the default: smem sized so that one fits) or 2 (registers capped and smem
         # sized so that the next launch's block fits beside the running one and fills its ring meanwhile; needs a
@@ -108,7 +108,7 @@ class CudaBackend(DeviceSampling):
         self.gemv_tma_s8 = _env_choice("VOLTSERVE_GEMV_TMA_S8", ("off", "on"))
         # its consumer warps per block (VOLTSERVE_GEMV_TMA_S8_WARPS, A/B runs)
         self.gemv_tma_s8_warps = int(_env_choice("VOLTSERVE_GEMV_TMA_S8_WARPS",
-                                                 (str(kernels.GEMV_TMA_S8_CONSUMERS), "8", "24")))
+                                                 (str(kernels_tma.GEMV_TMA_S8_CONSUMERS), "8", "24")))
         # gemv_s8's and gemv_s8w's grid: "persistent" (the blocks the GPU holds at once, looping over the tiles /
         # outputs) or "full" (one block per tile / per S8W_WARPS outputs); VOLTSERVE_GEMV_S8_GRID for A/B runs
         self.gemv_s8_grid = _env_choice("VOLTSERVE_GEMV_S8_GRID", ("persistent", "full"))
@@ -204,7 +204,7 @@ class CudaBackend(DeviceSampling):
         self.sample_chunks = _env_choice("VOLTSERVE_SAMPLE_CHUNKS", ("auto", "plain", "off"))
         # attn_decode's split count per longest context, per (graph capacity, sequences): graph_decode_splits
         self._graph_plans: dict[tuple[int, int], tuple[tuple[int, ...], int]] = {}
-        # gemv_chain's grid barrier: an arrival counter that only grows, by kernels.GEMV_CHAIN_BARRIER_QUANTUM a
+        # gemv_chain's grid barrier: an arrival counter that only grows, by kernels_tma.GEMV_CHAIN_BARRIER_QUANTUM a
         # launch
         self.chain_barrier = torch.zeros(1, dtype=torch.int64, device=self.device)
         self.refresh_stream()

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from voltserve.backends.cuda import kernels
+from voltserve.backends.cuda import kernels_tma
 from voltserve.backends.cuda import params as P
 from voltserve.backends.cuda.gemv_launch import launched_gemv
 from voltserve.backends.cuda.gemv_tma import ring_block_smem, ring_blocks_fit, tma_ring
@@ -43,13 +43,13 @@ def gemv_chain_ok(backend: Any, weights: list[CudaLinear]) -> bool:
     ring, x and partials within one block's shared memory."""
     if getattr(backend, "gemv_chain", "off") != "on" or getattr(backend, "gemv_kernel", "auto") != "auto":
         return False
-    if backend.loader.compile_arch < kernels.GEMV_TMA_MIN_ARCH or not 0 < len(weights) <= P.CHAIN_MAX_PHASES:
+    if backend.loader.compile_arch < kernels_tma.GEMV_TMA_MIN_ARCH or not 0 < len(weights) <= P.CHAIN_MAX_PHASES:
         return False
     for w in weights:
         k = w.in_features
-        if w.fmt != "F16" or w.row_bytes != 2 * k or k % kernels.GEMV_TMA_SPAN or w.data.data_ptr() % 16:
+        if w.fmt != "F16" or w.row_bytes != 2 * k or k % kernels_tma.GEMV_TMA_SPAN or w.data.data_ptr() % 16:
             return False
-    _, smem = kernels.gemv_chain_plan([(w.out_features, w.in_features) for w in weights], backend.num_sms,
+    _, smem = kernels_tma.gemv_chain_plan([(w.out_features, w.in_features) for w in weights], backend.num_sms,
                                       tma_ring(backend))
     return ring_blocks_fit(backend, smem, 1)
 
@@ -62,7 +62,7 @@ def launch_gemv_chain(backend: Any, links: list[ChainLink], eps: float) -> None:
         ValueError: a link whose x / y / residual does not match its weight (one row, 16-byte aligned x).
     """
     ring = tma_ring(backend)
-    grid, smem = kernels.gemv_chain_plan([(li.w.out_features, li.w.in_features) for li in links], backend.num_sms,
+    grid, smem = kernels_tma.gemv_chain_plan([(li.w.out_features, li.w.in_features) for li in links], backend.num_sms,
                                          ring)
     p = P.ChainParams()
     for i, li in enumerate(links):
@@ -82,6 +82,6 @@ def launch_gemv_chain(backend: Any, links: list[ChainLink], eps: float) -> None:
     p.stages, p.stage_spans = ring
     p.max_k = max(li.w.in_features for li in links)
     p.eps = eps
-    backend._launch("gemv_chain", "gemv_chain", {}, (grid, 1, 1), (kernels.GEMV_TMA_THREADS, 1, 1),
+    backend._launch("gemv_chain", "gemv_chain", {}, (grid, 1, 1), (kernels_tma.GEMV_TMA_THREADS, 1, 1),
                     ring_block_smem(backend, smem, 1), p)
     launched_gemv(backend, links[-1].w)

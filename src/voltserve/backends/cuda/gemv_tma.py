@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from voltserve.backends.cuda import kernels
+from voltserve.backends.cuda import kernels, kernels_tma
 from voltserve.backends.cuda.gemv_launch import gemv_params, launched_gemv
 
 if TYPE_CHECKING:
@@ -31,15 +31,15 @@ def gemv_tma_ok(backend: Any, w: CudaLinear, vec_ok: int, silu: bool = False) ->
     choice = getattr(backend, "gemv_tma", "folded")
     if choice == "off" or getattr(backend, "gemv_kernel", "auto") != "auto" or w.fmt != "F16":
         return False
-    if backend.loader.compile_arch < kernels.GEMV_TMA_MIN_ARCH or not vec_ok or w.data.data_ptr() % 16:
+    if backend.loader.compile_arch < kernels_tma.GEMV_TMA_MIN_ARCH or not vec_ok or w.data.data_ptr() % 16:
         return False
     k = w.in_features
-    if k % kernels.GEMV_TMA_SPAN or w.row_bytes != 2 * k:
+    if k % kernels_tma.GEMV_TMA_SPAN or w.row_bytes != 2 * k:
         return False
     if choice == "folded" and (silu or not w.norm_folded or w.out_features * w.row_bytes < GEMV_TMA_MIN_BYTES):
         return False
     n_out = w.out_features // 2 if silu else w.out_features
-    _, smem = kernels.gemv_tma_plan(n_out, k, silu, backend.num_sms, tma_ring(backend))
+    _, smem = kernels_tma.gemv_tma_plan(n_out, k, silu, backend.num_sms, tma_ring(backend))
     return gemv_tma_fits(backend, smem)
 
 
@@ -63,8 +63,8 @@ def ring_block_smem(backend: Any, smem: int, blocks: int) -> int:
 
 def tma_ring(backend: Any) -> tuple[int, int]:
     """The ring of gemv_tma and gemv_chain, (stages, 2 KB spans per stage): `backend.gemv_tma_ring`
-    (VOLTSERVE_GEMV_TMA_RING) or kernels.GEMV_TMA_RING."""
-    return getattr(backend, "gemv_tma_ring", kernels.GEMV_TMA_RING)
+    (VOLTSERVE_GEMV_TMA_RING) or kernels_tma.GEMV_TMA_RING."""
+    return getattr(backend, "gemv_tma_ring", kernels_tma.GEMV_TMA_RING)
 
 
 def _tma_blocks(backend: Any) -> int:
@@ -77,15 +77,15 @@ def launch_gemv_tma(backend: Any, x: torch.Tensor, w: CudaLinear, y: torch.Tenso
     before pdl_enter, so it gains most right after another GEMV."""
     n_out = y.shape[1]
     ring = tma_ring(backend)
-    grid, smem = kernels.gemv_tma_plan(n_out, w.in_features, silu, backend.num_sms, ring)
+    grid, smem = kernels_tma.gemv_tma_plan(n_out, w.in_features, silu, backend.num_sms, ring)
     blocks = _tma_blocks(backend)
     # with 2 blocks an SM the second place is meant for the next launch's block, but nothing keeps it for that:
     # where SMs free up unevenly, two blocks of one launch may share an SM
     smem = ring_block_smem(backend, smem, blocks)
     p = gemv_params(x, 0, w, y, residual, None, eps, 1)
     p.stages, p.stage_spans = ring
-    backend._launch("gemv_tma", "gemv_tma", kernels.gemv_tma_spec(silu, norm_post, blocks), (grid, 1, 1),
-                    (kernels.GEMV_TMA_THREADS, 1, 1), smem, p)
+    backend._launch("gemv_tma", "gemv_tma", kernels_tma.gemv_tma_spec(silu, norm_post, blocks), (grid, 1, 1),
+                    (kernels_tma.GEMV_TMA_THREADS, 1, 1), smem, p)
     launched_gemv(backend, w)
 
 
@@ -93,15 +93,15 @@ def gemv_tma_s8_ok(backend: Any, w: CudaLinear, rows: int, norm: bool = False, s
     """Whether a GEMV call of `rows` x rows on repacked rows `w` runs gemv_tma_s8 (ptx/gemv_tma_s8.cu):
     `backend.gemv_tma_s8` (VOLTSERVE_GEMV_TMA_S8) "on" (the default "off": it measured slower than gemv_s8 /
     gemv_s8w, docs/performance.md session 11), one row, no fused norm and no SwiGLU (builds it lacks), SM90+, rows
-    of whole chunks (`kernels.gemv_tma_s8_chunk`), the ring, x and the partials within the opt-in shared memory.
+    of whole chunks (`kernels_tma.gemv_tma_s8_chunk`), the ring, x and the partials within the opt-in shared memory.
     "on" takes precedence over gemv_s8 / gemv_kernel choices (an A/B knob for this kernel alone)."""
     if getattr(backend, "gemv_tma_s8", "off") != "on" or rows != 1 or norm or silu or w.layout != "repacked":
         return False
     k = w.in_features
-    if backend.loader.compile_arch < kernels.GEMV_TMA_MIN_ARCH or k % kernels.gemv_tma_s8_chunk(w.fmt):
+    if backend.loader.compile_arch < kernels_tma.GEMV_TMA_MIN_ARCH or k % kernels_tma.gemv_tma_s8_chunk(w.fmt):
         return False
-    _, smem = kernels.gemv_tma_s8_plan(w.fmt, w.out_features, k, backend.num_sms,
-                                       kernels.gemv_tma_s8_ring(w.fmt, k))
+    _, smem = kernels_tma.gemv_tma_s8_plan(w.fmt, w.out_features, k, backend.num_sms,
+                                       kernels_tma.gemv_tma_s8_ring(w.fmt, k))
     return ring_blocks_fit(backend, smem, 1)
 
 
@@ -109,12 +109,12 @@ def launch_gemv_tma_s8(backend: Any, x: torch.Tensor, w: CudaLinear, y: torch.Te
                        residual: torch.Tensor | None) -> None:
     """One gemv_tma_s8 launch for one x row (`gemv_tma_s8_ok`), under PDL where the backend has it (its ring
     fills before pdl_enter), one block per SM whatever its shared memory (as gemv_tma)."""
-    ring = kernels.gemv_tma_s8_ring(w.fmt, w.in_features)
-    grid, smem = kernels.gemv_tma_s8_plan(w.fmt, w.out_features, w.in_features, backend.num_sms, ring)
+    ring = kernels_tma.gemv_tma_s8_ring(w.fmt, w.in_features)
+    grid, smem = kernels_tma.gemv_tma_s8_plan(w.fmt, w.out_features, w.in_features, backend.num_sms, ring)
     smem = ring_block_smem(backend, smem, 1)
     p = gemv_params(x, 0, w, y, residual, None, 0.0, 1)
     p.stages, p.stage_spans = ring
-    warps = getattr(backend, "gemv_tma_s8_warps", kernels.GEMV_TMA_S8_CONSUMERS)
-    backend._launch("gemv_tma_s8", "gemv_tma_s8", kernels.gemv_tma_s8_spec(w.fmt, warps), (grid, 1, 1),
+    warps = getattr(backend, "gemv_tma_s8_warps", kernels_tma.GEMV_TMA_S8_CONSUMERS)
+    backend._launch("gemv_tma_s8", "gemv_tma_s8", kernels_tma.gemv_tma_s8_spec(w.fmt, warps), (grid, 1, 1),
                     (32 * (warps + 1), 1, 1), smem, p)
     launched_gemv(backend, w)

@@ -50,7 +50,7 @@ def gemv_chain_ok(backend: Any, weights: list[CudaLinear]) -> bool:
         if w.fmt != "F16" or w.row_bytes != 2 * k or k % kernels_tma.GEMV_TMA_SPAN or w.data.data_ptr() % 16:
             return False
     _, smem = kernels_tma.gemv_chain_plan([(w.out_features, w.in_features) for w in weights], backend.num_sms,
-                                      tma_ring(backend))
+                                          tma_ring(backend))
     return ring_blocks_fit(backend, smem, 1)
 
 
@@ -63,7 +63,7 @@ def launch_gemv_chain(backend: Any, links: list[ChainLink], eps: float) -> None:
     """
     ring = tma_ring(backend)
     grid, smem = kernels_tma.gemv_chain_plan([(li.w.out_features, li.w.in_features) for li in links], backend.num_sms,
-                                         ring)
+                                             ring)
     p = P.ChainParams()
     for i, li in enumerate(links):
         n, k = li.w.out_features, li.w.in_features

@@ -101,7 +101,7 @@ def gemv_tma_s8_ok(backend: Any, w: CudaLinear, rows: int, norm: bool = False, s
     if backend.loader.compile_arch < kernels_tma.GEMV_TMA_MIN_ARCH or k % kernels_tma.gemv_tma_s8_chunk(w.fmt):
         return False
     _, smem = kernels_tma.gemv_tma_s8_plan(w.fmt, w.out_features, k, backend.num_sms,
-                                       kernels_tma.gemv_tma_s8_ring(w.fmt, k))
+                                           kernels_tma.gemv_tma_s8_ring(w.fmt, k))
     return ring_blocks_fit(backend, smem, 1)
 
 

@@ -1,7 +1,8 @@
 """Kernel registry: which source, params mirror and `-D` specialisations each op compiles with.
 
-One place decides the defines, so the launchers (ops.py) and the AOT check (tools/build_ptx.py) compile exactly
-the same modules. No cuda-python or torch import here.
+One place decides the defines (with kernels_tma.py, the SM90 TMA-ring GEMVs' part, which `engine_specializations`
+imports), so the launchers (ops.py) and the AOT check (tools/build_ptx.py) compile exactly the same modules. No
+cuda-python or torch import here.
 """
 
 from __future__ import annotations

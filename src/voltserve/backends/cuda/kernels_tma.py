@@ -87,6 +87,8 @@ GEMV_TMA_S8_MAX_STAGES = 8  # TS8_MAX_STAGES
 GEMV_TMA_S8_CHUNK_GROUPS = 8  # TS8_CHUNK_GROUPS: rows are whole chunks of 8 load groups (64 quant bytes each)
 GEMV_TMA_S8_SLOT_BYTES = 32 << 10  # a ring stage's most bytes (one bulk copy): fewer, larger copies stream faster
 GEMV_TMA_S8_RING_BYTES = 160 << 10  # the ring's most bytes
+
+
 def gemv_tma_s8_spec(fmt: str, consumers: int = GEMV_TMA_S8_CONSUMERS) -> dict[str, int]:
     """The -D set of gemv_tma_s8.cu: the quant format and its consumer warps (the block has 32 (consumers + 1)
     threads)."""

@@ -11,6 +11,7 @@ directory, so every kernel really compiles. An NVRTC compile runs on one thread:
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import multiprocessing
 import os
@@ -22,7 +23,9 @@ from concurrent.futures import ProcessPoolExecutor
 ARCHS = (70, 90)
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    # no options: a parser only so that --help prints the usage instead of starting ~470 compiles
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="voltserve-build-ptx-") as cache:  # removed at exit
         os.environ["VOLTSERVE_CACHE_DIR"] = cache  # the workers inherit it
         return build_all()

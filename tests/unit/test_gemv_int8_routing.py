@@ -41,8 +41,7 @@ def test_repack_policy_and_routing():
     assert not repack_wanted("auto", 90, "Q4_1", 4096, small, s8=True)
     assert repack_wanted("auto", 90, "Q4_1", 16640, big, swiglu=True, s8=True)
     for fmt in ("Q4_0", "Q4_1", "Q8_0"):
-        w = fake_linear(fmt, 4096, 4096)
-        w.layout = "repacked"
+        w = repacked_linear(fmt, 4096, 4096)
         for arch in (80, 90):
             for choice in ("auto", "scalar", "mma"):
                 for rows in (1, 3, 8):
@@ -70,15 +69,13 @@ def test_gemv_s8_fits(arch, smem_kb, rows, k, takes):
     the device's opt-in limit run gemv_mma; "on" forces it under any gemv_kernel but never past the limit."""
     from voltserve.backends.cuda import kernels
 
-    w = fake_linear("Q4_1", 4096, k)
-    w.layout = "repacked"
+    w = repacked_linear("Q4_1", 4096, k)
     be = fake_backend(arch, smem_kb=smem_kb)
     be.gemv_s8 = "on"
     assert (gemv_kernel_name(be, w, rows) == "gemv_s8") == takes
     be.gemv_s8 = "auto"  # Q4: every row count whose x fits
     assert (gemv_kernel_name(be, w, rows) == "gemv_s8") == takes
-    q8 = fake_linear("Q8_0", 4096, k)
-    q8.layout = "repacked"
+    q8 = repacked_linear("Q8_0", 4096, k)
     assert (gemv_kernel_name(be, q8, rows) == "gemv_s8") == takes  # Q8_0 as Q4 from 2 rows, gemv_s8w at 1
     assert gemv_kernel_name(be, q8, 1) == ("gemv_s8w" if arch >= 80 else "gemv_mma")
     forced = fake_backend(arch, "mma", smem_kb=smem_kb)
@@ -178,8 +175,7 @@ def test_gemv_s8_tile_rows_rule_and_launch():
     for n, tiles, silu, want_tile, want_grid in ((4096, "auto", False, 16, 256), (4096, "auto", True, 16, 256),
                                                  (4096, "32", False, 32, 128), (4096, "32", True, 32, 128),
                                                  (16384, "auto", False, 16, 264), (16384, "32", True, 32, 264)):
-        w = fake_linear("Q4_1", n, 4096)
-        w.layout = "repacked"
+        w = repacked_linear("Q4_1", n, 4096)
         backend, launches = recording_backend(gemv_s8_tiles=tiles)  # _occupancy: 2 blocks an SM, 132 SMs
         y = launch_linear(backend, x[:8], w, silu=silu)
         assert [launch.kernel for launch in launches] == ["quantize_s8", "gemv_s8"] and y.shape == (8, n >> silu)
@@ -234,11 +230,9 @@ def test_gemv_s8_launch_rows_and_gemv_max_rows():
     assert gemv_s8_k_ranges(sm86, "Q4_1", 8, 14336) is None  # <= 8 rows never split: gemv_mma
     assert gemv_s8_k_ranges(sm86, "Q4_1", 16, 28672) is None and gemv_s8_k_ranges(sm86, "Q4_1", 16, 8192) == [
         (0, 128), (128, 256)]
-    q4 = fake_linear("Q4_1", 4096, 4096)
-    q4.layout = "repacked"
+    q4 = repacked_linear("Q4_1", 4096, 4096)
     assert gemv_max_rows(h200, q4) == kernels.QUANT_GEMV_MAX_ROWS_SM90["Q4_1"] == 64
-    q8 = fake_linear("Q8_0", 4096, 4096)
-    q8.layout = "repacked"
+    q8 = repacked_linear("Q8_0", 4096, 4096)
     assert gemv_max_rows(h200, q8) == 32  # Q8_0 measured slower at 64 rows
     assert gemv_max_rows(fake_backend(80, smem_kb=163), q4) == 16
     assert gemv_max_rows(SimpleNamespace(**vars(h200), quant_gemv_rows="48"), q4) == 48
@@ -248,16 +242,14 @@ def test_gemv_s8_launch_rows_and_gemv_max_rows():
     assert gemv_max_rows(h200, fake_linear("Q4_1", 4096, 4096)) == 16  # GGUF rows
     # 8-row launches (each reading the whole weight) never serve more than 16 rows: SwiGLU rows whose 16 rows of
     # x fit only in k ranges, x quantized by every block, or VOLTSERVE_GEMV_S8_ROWS=8
-    wide_k = fake_linear("Q4_1", 4096, 14336)
-    wide_k.layout = "repacked"
+    wide_k = repacked_linear("Q4_1", 4096, 14336)
     assert gemv_max_rows(h200, wide_k) == 64 and gemv_max_rows(h200, wide_k, silu=True) == 16
     for knob in ({"gemv_s8_x": "block"}, {"gemv_s8_rows": "8"}):
         assert gemv_max_rows(SimpleNamespace(**vars(h200), **knob), q4) == 16, knob
     assert gemv_max_rows(h200, fake_linear("F16", 4096, 4096)) == 16
 
     def kernels_of(m, k, n=4096, silu=False):
-        w = fake_linear("Q4_1", n, k)
-        w.layout = "repacked"
+        w = repacked_linear("Q4_1", n, k)
         backend, launches = recording_backend()
         y = launch_linear(backend, torch.zeros(m, k, dtype=torch.float16), w, silu=silu)
         assert y.shape == (m, n >> silu)
@@ -324,13 +316,11 @@ def test_gemv_s8w_takes_one_row_calls_only():
     from voltserve.backends.cuda.gemv_int8 import gemv_s8w_ok
 
     for fmt in ("Q4_0", "Q4_1", "Q8_0"):
-        w = fake_linear(fmt, 4096, 14336)
-        w.layout = "repacked"
+        w = repacked_linear(fmt, 4096, 14336)
         be = fake_backend(90)
         assert gemv_kernel_name(be, w, 1) == "gemv_s8w" and gemv_s8w_ok(be, w, 1)
         assert not gemv_s8w_ok(be, w, 2) and not gemv_s8w_ok(be, w, 9)
-        narrow = fake_linear(fmt, 4096, 4096)
-        narrow.layout = "repacked"
+        narrow = repacked_linear(fmt, 4096, 4096)
         assert gemv_kernel_name(be, narrow, 1) == "gemv_s8w"
         be.gemv_s8 = "on"
         assert gemv_kernel_name(be, narrow, 1) == "gemv_s8w"
@@ -361,8 +351,7 @@ def test_gemv_tma_s8_routing_and_plan():
     from voltserve.backends.cuda import kernels, kernels_tma
     from voltserve.backends.cuda.gemv_tma import gemv_tma_s8_ok
 
-    w = fake_linear("Q4_1", 4096, 4096)
-    w.layout = "repacked"
+    w = repacked_linear("Q4_1", 4096, 4096)
     be = fake_backend(90)
     assert not gemv_tma_s8_ok(be, w, 1) and gemv_kernel_name(be, w, 1) == "gemv_s8w"
     be.gemv_tma_s8 = "on"
@@ -370,8 +359,7 @@ def test_gemv_tma_s8_routing_and_plan():
     assert gemv_kernel_name(be, w, 2) == "gemv_s8"
     assert not gemv_tma_s8_ok(be, w, 1, norm=True) and not gemv_tma_s8_ok(be, w, 1, silu=True)
     assert not gemv_tma_s8_ok(be, fake_linear("Q4_1", 4096, 4096), 1)  # GGUF rows
-    narrow = fake_linear("Q4_1", 64, 512)  # Q4 rows need whole 1,024-weight chunks
-    narrow.layout = "repacked"
+    narrow = repacked_linear("Q4_1", 64, 512)  # Q4 rows need whole 1,024-weight chunks
     assert not gemv_tma_s8_ok(be, narrow, 1)
     old_gpu = fake_backend(80)
     old_gpu.gemv_tma_s8 = "on"

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tests.unit.gemv_fakes import fake_backend, fake_linear, recording_backend
+from tests.unit.gemv_fakes import fake_backend, fake_linear, recording_backend, repacked_linear
 from voltserve.backends.cuda import kernels, kernels_tma
 from voltserve.backends.cuda.linear import (GEMV_MMA_MIN_ROWS, GEMV_MMA_SM70_MIN_ROWS, CudaLinear, gemv_kernel_name,
                                            launch_linear)
@@ -310,8 +310,7 @@ def test_every_gemv_launcher_runs_on_arecording_backend(case):
             knobs["gemv_tma_blocks"], knobs["gemv_tma_ring"] = 2, (8, 4)
     else:
         fmt = {"s8w": "Q8_0", "s8_m1": "Q4_0"}.get(case, "Q4_1")
-        w = fake_linear(fmt, 4096, 14336 if case == "s8_m1_launch" else k)
-        w.layout = "repacked"
+        w = repacked_linear(fmt, 4096, 14336 if case == "s8_m1_launch" else k)
         rows = 8 if case == "s8" else 1
         if case == "s8_m1":  # gemv_s8's one-row build (S8_M1) under VOLTSERVE_GEMV_S8_M1=mma
             knobs = {"gemv_s8_m1": "mma"}
@@ -470,8 +469,7 @@ def test_gemv_s8w_grid(grid_knob, fmt):
     """gemv_s8w's grid (VOLTSERVE_GEMV_S8_GRID): a block per S8W_WARPS outputs, capped under "persistent" at the
     blocks the GPU holds at once (132 SMs x the fake's 2 blocks an SM)."""
     backend, launches = recording_backend(gemv_s8_grid=grid_knob)
-    w = fake_linear(fmt, 14336, 4096)
-    w.layout = "repacked"
+    w = repacked_linear(fmt, 14336, 4096)
     launch_linear(backend, torch.zeros(1, 4096, dtype=torch.float16), w)
     warps = kernels.GEMV_S8W_WARPS[fmt]
     assert [launch.kernel for launch in launches] == ["gemv_s8w"]

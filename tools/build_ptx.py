@@ -44,7 +44,8 @@ def build_all(workers: int | None = None) -> int:
         print(f"FAIL: compute_70 needs CUDA 12.x NVRTC, found {major}.{minor}")
         failures += 1
     builds = [(arch, op, spec) for arch in ARCHS for op, spec in kernels.engine_specializations()]
-    workers = workers or len(os.sched_getaffinity(0)) or 1  # the cores this process may run on (cpusets)
+    # the cores this process may run on (cpusets); os.cpu_count() where the OS has no affinity call (macOS, Windows)
+    workers = workers or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()) or 1
     # spawned, not forked: no NVRTC state of this process is carried into a worker
     spawned = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) if workers > 1 else None
     with spawned or contextlib.nullcontext():

@@ -269,6 +269,13 @@ VOLT_DEVICE void cp_async_commit() {
     asm volatile("cp.async.commit_group;" ::: "memory");
 #endif
 }
+// Wait until at most N of this thread's committed cp.async groups are still in flight.
+template <int N>
+VOLT_DEVICE void cp_async_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+#endif
+}
 
 typedef u32 GmRaw[GM_UNROLL][GM_ROWS][GM_RAW];
 typedef u32 GmX[GM_UNROLL][4];

@@ -69,6 +69,12 @@
 #if S8_WAIT_GROUPS < 1 || S8_WAIT_GROUPS > S8_NEXT_GROUPS || S8_NEXT_GROUPS > 2
 #error "1 <= S8_WAIT_GROUPS <= S8_NEXT_GROUPS <= 2"
 #endif
+#ifndef S8_XWARP
+#define S8_XWARP 0  // 1 (S8_XG): each warp copies only its own k range of x, in two parts (s8_copy_x_warp)
+#endif
+#if S8_XWARP && !S8_XG
+#error "S8_XWARP copies x quantized per launch: it needs S8_XG"
+#endif
 #ifndef S8_KSPLIT
 #define S8_KSPLIT 0  // 1: the launch covers blocks [p.kb_begin, p.kb_end) of each row, partial sums through p.part
 #endif
@@ -174,6 +180,22 @@ VOLT_DEVICE void s8_copy_x(const GemvParams& p, u8* xq, int kb0, int nbl) {
 #endif
 }
 
+// S8_XWARP: one warp's copy of x's blocks [c_lo, c_hi) (its k range, or part of it) of every row and their scales,
+// as one cp.async group. A warp reads x only in its own k range, so the copy needs no block barrier: with the
+// range in two groups the warp starts on its first half while the second is in flight (s8_copy_x copies the
+// whole x, 143 KB at Llama-3-8B's down and 8 rows, before any warp may read it).
+VOLT_DEVICE void s8_copy_x_warp(const GemvParams& p, u8* xq, int kb0, int nbl, int c_lo, int c_hi, int lane) {
+    const int nb = p.k / 32, chunks = (c_hi - c_lo) * 2;  // 16-byte chunks of a row's part
+    for (int i = lane; i < p.m * chunks; i += 32) {
+        const int r = i / chunks, c = i - r * chunks;
+        cp_async16(xq + r * s8_pitch(nbl) + (c_lo - kb0) * 32 + c * 16, p.xq + r * s8_pitch(nb) + c_lo * 32 + c * 16);
+    }
+    const u8* xs_src = p.xq + p.m * s8_pitch(nb) + c_lo * 8 * S8_COLS;  // blocks of RP_GROUP: 16-byte multiples
+    u8* xs_dst = xq + p.m * s8_pitch(nbl) + (c_lo - kb0) * 8 * S8_COLS;
+    for (int off = lane * 16; off < (c_hi - c_lo) * 8 * S8_COLS; off += 32 * 16) cp_async16(xs_dst + off, xs_src + off);
+    cp_async_commit();
+}
+
 // quantize_s8 (S8_XG builds): x quantized once per launch into p.xq in gemv_s8's smem layout (xq rows, then xs),
 // instead of by every gemv_s8 block. Grid (ceil(nb * 4 / 256), m): each block takes 256 quarters (8 elements) of
 // x row blockIdx.y, normalized first with the row's 1 / rms (a block pass over the row) when norm_w is set.
@@ -252,13 +274,21 @@ extern "C" __global__ void __launch_bounds__(32 * GM_WARPS, GM_MIN_BLOCKS) gemv_
     const bool wait2 = S8_NEXT_GROUPS == 2 && (S8_WAIT_GROUPS == 2 || (int)gridDim.x < tiles);  // block-uniform
     if (wait2) load_rows_group(raw1, rows, nb, c_begin + RP_GROUP, c_end, t);
     pdl_enter();
-#if S8_XG
+#if S8_XWARP
+    // the first half of the warp's 2-group iterations, then the rest: c reaches c_mid exactly in the loop below
+    const int c_mid = min(c_end, c_begin + (c_end - c_begin + 4 * RP_GROUP - 1) / (4 * RP_GROUP) * (2 * RP_GROUP));
+    s8_copy_x_warp(p, xq, kb0, nbl, c_begin, c_mid, lane);
+    s8_copy_x_warp(p, xq, kb0, nbl, c_mid, c_end, lane);
+    cp_async_wait<1>();
+    __syncwarp();  // the lanes' copies of the first half, seen by the whole warp
+#elif S8_XG
     s8_copy_x(p, xq, kb0, nbl);
+    __syncthreads();
 #else
     gm_inv_rms(p, scratch, inv_rms, xr);
     s8_quantize_x(p, inv_rms, xq, xs);
-#endif
     __syncthreads();
+#endif
     int x_rows = 0;  // bit j: x row xr + 8 j exists
 #pragma unroll
     for (int j = 0; j < S8_NCOL; ++j) x_rows |= (xr + 8 * j < p.m) << j;
@@ -269,6 +299,12 @@ extern "C" __global__ void __launch_bounds__(32 * GM_WARPS, GM_MIN_BLOCKS) gemv_
         GmAcc acc[S8_NCOL] = {};
         // two register buffers, as gemv_mma: group g + 2 is issued once group g's buffer is read
         for (int c = c_begin; c < c_end; c += 2 * RP_GROUP) {
+#if S8_XWARP
+            if (c == c_mid) {  // the second half of x (already in smem after the first tile: returns at once)
+                cp_async_wait<0>();
+                __syncwarp();
+            }
+#endif
 #if S8_NEXT_GROUPS == 1
             load_rows_group(raw1, rows, nb, c + RP_GROUP, c_end, t);
 #endif

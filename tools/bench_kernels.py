@@ -504,6 +504,9 @@ def main() -> int:
     ap.add_argument("--gemv-s8-preload", default=None,
                     help="gemv_s8's load groups issued before the PDL wait (VOLTSERVE_GEMV_S8_PRELOAD) for the "
                     "decode_* rows: auto, 1, 2, or a list (rows get @preload=choice)")
+    ap.add_argument("--gemv-s8-xcopy", default=None,
+                    help="gemv_s8's copy of x quantized per launch (VOLTSERVE_GEMV_S8_XCOPY) for the decode_* rows: "
+                    "block, warp, or a list (rows get @xcopy=choice)")
     ap.add_argument("--gemv-s8-warps", default=None,
                     help="gemv_s8's warps a block where one 8-warp block fits an SM (VOLTSERVE_GEMV_S8_WARPS) for "
                     "the decode_* rows: auto, 8, or a list (rows get @warps=choice)")
@@ -541,6 +544,7 @@ def main() -> int:
              ("gemv_s8", "@s8=", args.gemv_s8, str),
              ("gemv_s8_tiles", "@tiles=", args.gemv_s8_tiles, str),
              ("gemv_s8_preload", "@preload=", args.gemv_s8_preload, str),
+             ("gemv_s8_xcopy", "@xcopy=", args.gemv_s8_xcopy, str),
              ("gemv_s8_warps", "@warps=", args.gemv_s8_warps, str)]
     knobs = [(attr, prefix, values.split(",") if values else [getattr(be, attr)], conv)
              for attr, prefix, values, conv in knobs]

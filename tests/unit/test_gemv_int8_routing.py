@@ -495,6 +495,12 @@ def test_gemv_s8_early_loads_by_grid():
     be.gemv_s8_preload = "2"
     assert gemv_s8_launch_spec(be, xg, one_tile=True) == {**xg, "S8_WAIT_GROUPS": 2}
     assert gemv_s8_launch_spec(be, block) == block
+    be.gemv_s8_xcopy = "warp"  # VOLTSERVE_GEMV_S8_XCOPY: x copied in per warp, with either preload choice
+    assert gemv_s8_launch_spec(be, xg, one_tile=True) == {**xg, "S8_XWARP": 1, "S8_WAIT_GROUPS": 2}
+    assert gemv_s8_launch_spec(be, block) == block
+    be.gemv_s8_preload = "auto"
+    assert gemv_s8_launch_spec(be, xg, one_tile=True) == {**xg, "S8_XWARP": 1, "S8_NEXT_GROUPS": 1}
+    assert gemv_s8_launch_spec(be, xg) == {**xg, "S8_XWARP": 1}
     rec, launches = recording_backend(gemv_s8_preload="auto")
     for n, want in ((1024, {"S8_NEXT_GROUPS": 1}), (20000, {})):  # 16-row tiles: 64 / 1,250 tiles, 396 blocks
         launches.clear()

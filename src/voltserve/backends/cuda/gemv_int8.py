@@ -237,11 +237,15 @@ def gemv_s8_launch_spec(backend: Any, spec: dict[str, int], one_tile: bool = Fal
     (`one_tile`), which takes the build of one group (S8_NEXT_GROUPS 1: before session 46, whose loop order the
     two-group build changes: Q8_0 4096x14336 at 2 rows 34.4 against 32.0 us, H100); or under
     VOLTSERVE_GEMV_S8_PRELOAD (`backend.gemv_s8_preload`, A/B runs) "1" one everywhere, "2" both before the wait
-    on every grid."""
+    on every grid. Under VOLTSERVE_GEMV_S8_XCOPY "warp" (`backend.gemv_s8_xcopy`, A/B runs) a launch copying x
+    in takes S8_XWARP (each warp copies its own k range of x, no block barrier before the weight loop)."""
+    xg = bool(spec.get("S8_XG"))
+    if getattr(backend, "gemv_s8_xcopy", "block") == "warp" and xg:
+        spec = {**spec, "S8_XWARP": 1}
     choice = getattr(backend, "gemv_s8_preload", "auto")
-    if choice == "1" or (choice == "auto" and one_tile and spec.get("S8_XG")):
+    if choice == "1" or (choice == "auto" and one_tile and xg):
         return {**spec, "S8_NEXT_GROUPS": 1}
-    if choice == "2" and spec.get("S8_XG"):
+    if choice == "2" and xg:
         return {**spec, "S8_WAIT_GROUPS": 2}
     return spec
 

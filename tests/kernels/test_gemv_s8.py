@@ -221,33 +221,43 @@ def test_early_load_groups_do_not_change_y(s8_backend, fmt):
 def test_x_copied_per_warp_gives_the_same_y(s8_backend, fmt):
     """VOLTSERVE_GEMV_S8_XCOPY=warp (S8_XWARP: each warp copies its own k range of x, in two cp.async groups, no
     block barrier) gives the block copy's y bit for bit: one tile a block (1,024 x 4,096), a persistent block
-    looping over tiles (20,000 x 512: x copied once, the second half's wait then a no-op), k ranges of one load
-    group a warp (45 x 256), 2 / 8 / 16 / 32 rows (S8_NCOL 1 / 2 / 4), the fused RMSNorm, SwiGLU and residual;
-    at k = 14,336 the 16-warp block (8 rows) and the S8_KSPLIT launches (24 rows, where the GPU splits them).
-    The knob picked the build: every gemv_s8 launch with x copied in has S8_XWARP, no other has."""
+    looping over tiles with several load groups a warp (20,000 x 4,096: the second half's wait on the first tile,
+    a no-op after), one load group a warp (20,000 x 512, 45 x 256: the second group empty), 1 (S8_M1 where x is
+    quantized per launch) / 2 / 8 / 16 / 32 rows (S8_NCOL 1 / 2 / 4), the fused RMSNorm, SwiGLU and residual; at
+    k = 14,336 the 16-warp block (8 rows) and the S8_KSPLIT launches (24 rows, where the GPU splits them).
+    "split" (S8_XWARP on S8_KSPLIT launches only) too. The knob picked the build: every gemv_s8 launch with x
+    copied in has S8_XWARP under "warp" (under "split" those with S8_KSPLIT), no other has."""
     from voltserve.backends.cuda.linear import launch_linear
 
     if s8_backend.gemv_s8_x == "block":
         pytest.skip("S8_XWARP copies x quantized per launch")
-    cases = [(1024, 4096, (2, 8, 16, 32)), (20000, 512, (2, 16)), (45, 256, (3, 32)), (256, 14336, (8, 24))]
+    cases = [(1024, 4096, (1, 2, 8, 16, 32)), (20000, 4096, (2, 16)), (20000, 512, (2, 16)), (45, 256, (3, 32)),
+             (256, 14336, (8, 24))]
     for n, k, row_counts in cases:
         quant, _, lin = repacked_weight(s8_backend, fmt, n, k, n + 91)
-        gen = torch.Generator().manual_seed(n + 92)
-        x = (torch.randn(32, k, generator=gen) * 0.05).half().cuda()  # SwiGLU products stay inside fp16
+        gen = torch.Generator().manual_seed(n + k + 92)
+        x = torch.randn(32, k, generator=gen).half().cuda()
         res = torch.randn(32, n, generator=gen).half().cuda()
-        nd = s8_backend.prepare_norm(torch.rand(k, generator=gen) + 0.5)
+        nd = s8_backend.prepare_norm((torch.rand(k, generator=gen) + 0.5) * 0.05)  # silu(gate) * up inside fp16
         got = {}
-        for xcopy in ("block", "warp"):
+        for xcopy in ("block", "warp", "split"):
             with backend_settings(s8_backend, gemv_s8_xcopy=xcopy, gemv_s8_warps="auto" if k == 14336 else "8"):
                 with launched_builds(s8_backend) as builds:
                     got[xcopy] = [s8_backend.linear(x[:m], lin, residual=res[:m]) for m in row_counts]
                     got[xcopy].append(launch_linear(s8_backend, x[:3], lin, norm_weight=nd, eps=1e-5, silu=True))
             specs = [spec for kernel, spec in builds if kernel == "gemv_s8"]
-            assert specs and all(spec.get("S8_XWARP") == (1 if xcopy == "warp" and spec.get("S8_XG") else None)
-                                 for spec in specs), (xcopy, specs)
-        for m, a, b in zip(row_counts + (3,), got["block"], got["warp"]):
-            assert torch.equal(a, b), (n, k, m)
-        assert rel_err(got["warp"][0] - res[:row_counts[0]], s8_reference(x[:row_counts[0]].cpu(), quant)) <= EMU_TOL
+            picked = {"block": False, "warp": True, "split": None}[xcopy]
+            assert specs and all(
+                spec.get("S8_XWARP") == (1 if spec.get("S8_XG") and (picked or (picked is None and
+                                                                                  spec.get("S8_KSPLIT"))) else None)
+                for spec in specs), (xcopy, specs)
+        for xcopy in ("warp", "split"):
+            for m, a, b in zip(row_counts + (3,), got["block"], got[xcopy]):
+                assert torch.equal(a, b), (n, k, m, xcopy)
+        m = row_counts[1]
+        want = s8_reference(x[:m].cpu(), quant) + res[:m].double().cpu()
+        assert rel_err(got["warp"][1], want) <= EMU_TOL, (n, k)
+        assert torch.isfinite(got["warp"][-1].float()).all()
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

@@ -501,6 +501,10 @@ def test_gemv_s8_early_loads_by_grid():
     be.gemv_s8_preload = "auto"
     assert gemv_s8_launch_spec(be, xg, one_tile=True) == {**xg, "S8_XWARP": 1, "S8_NEXT_GROUPS": 1}
     assert gemv_s8_launch_spec(be, xg) == {**xg, "S8_XWARP": 1}
+    be.gemv_s8_xcopy = "split"  # only the k-split launches
+    assert gemv_s8_launch_spec(be, xg) == xg
+    split = kernels.gemv_s8_spec("Q4_1", False, 32, False, True, 32, True)
+    assert split["S8_KSPLIT"] == 1 and gemv_s8_launch_spec(be, split) == {**split, "S8_XWARP": 1}
     rec, launches = recording_backend(gemv_s8_preload="auto")
     for n, want in ((1024, {"S8_NEXT_GROUPS": 1}), (20000, {})):  # 16-row tiles: 64 / 1,250 tiles, 396 blocks
         launches.clear()

@@ -162,8 +162,9 @@ class CudaBackend(DeviceSampling):
         # VOLTSERVE_GEMV_S8_PRELOAD for A/B runs
         self.gemv_s8_preload = _env_choice("VOLTSERVE_GEMV_S8_PRELOAD", ("auto", "1", "2"))
         # gemv_s8's copy of x quantized per launch (gemv_int8.gemv_s8_launch_spec): the whole x by the block, then a
-        # barrier ("block"), or each warp its own k range in two parts ("warp", S8_XWARP); VOLTSERVE_GEMV_S8_XCOPY
-        self.gemv_s8_xcopy = _env_choice("VOLTSERVE_GEMV_S8_XCOPY", ("block", "warp"))
+        # barrier ("block"), or each warp its own k range in two parts ("warp", S8_XWARP; "split": on S8_KSPLIT
+        # launches only); VOLTSERVE_GEMV_S8_XCOPY
+        self.gemv_s8_xcopy = _env_choice("VOLTSERVE_GEMV_S8_XCOPY", ("block", "warp", "split"))
         # gemv_s8 at 2-8 rows with one 8-warp block an SM: 16 warps a block ("auto", gemv_int8.gemv_s8_wide_block)
         # or 8 ("8"); VOLTSERVE_GEMV_S8_WARPS for A/B runs
         self.gemv_s8_warps = _env_choice("VOLTSERVE_GEMV_S8_WARPS", ("auto", "8"))

@@ -238,9 +238,11 @@ def gemv_s8_launch_spec(backend: Any, spec: dict[str, int], one_tile: bool = Fal
     two-group build changes: Q8_0 4096x14336 at 2 rows 34.4 against 32.0 us, H100); or under
     VOLTSERVE_GEMV_S8_PRELOAD (`backend.gemv_s8_preload`, A/B runs) "1" one everywhere, "2" both before the wait
     on every grid. Under VOLTSERVE_GEMV_S8_XCOPY "warp" (`backend.gemv_s8_xcopy`, A/B runs) a launch copying x
-    in takes S8_XWARP (each warp copies its own k range of x, no block barrier before the weight loop)."""
+    in takes S8_XWARP (each warp copies its own k range of x, no block barrier before the weight loop), under
+    "split" only the S8_KSPLIT launches (17-32 rows whose x does not fit whole)."""
     xg = bool(spec.get("S8_XG"))
-    if getattr(backend, "gemv_s8_xcopy", "block") == "warp" and xg:
+    xcopy = getattr(backend, "gemv_s8_xcopy", "block")
+    if xg and (xcopy == "warp" or (xcopy == "split" and spec.get("S8_KSPLIT"))):
         spec = {**spec, "S8_XWARP": 1}
     choice = getattr(backend, "gemv_s8_preload", "auto")
     if choice == "1" or (choice == "auto" and one_tile and xg):

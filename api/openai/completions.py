@@ -2,11 +2,14 @@
 
 `logprobs` rule: an integer k in 0..20 (OpenAI allows 5; vLLM-style servers allow more). Each output position
 then lists the sampled token's logprob and, in `top_logprobs`, the k most likely tokens plus the sampled one
-(k + 1 entries when the sampled token is not among the top k). `text_offset` is the character offset of each
-token in the choice's text, counting token texts as the logprobs show them.
+(k + 1 entries when the sampled token is not among the top k). `text_offset` is where each token starts in the
+choice's `text`, in characters (OpenAI's meaning): a token adds what it adds to the text, so a special token the
+text leaves out (`<|im_start|>`) adds nothing, and a character split over byte tokens counts once it is whole.
 """
 
 from __future__ import annotations
+
+import codecs
 
 import orjson
 from quart import Blueprint
@@ -71,15 +74,25 @@ def _prompt_ids(tokenizer, prompt) -> list[int]:
 
 
 class _LogprobsBuilder:
-    """Builds CompletionLogprobs incrementally, keeping `text_offset` running across stream chunks."""
+    """Builds CompletionLogprobs incrementally, keeping `text_offset` running across stream chunks: per choice, the
+    characters of the text so far, decoded from the bytes each token adds to it (the tokenizer's `byte_table` for
+    the text, special tokens b""; without one, the token's own bytes, b"" for special ids)."""
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
-        self.offset: dict[int, int] = {}
+        table = getattr(tokenizer, "byte_table", None)
+        self.table = table(skip_special_tokens=True) if table is not None else None
+        self.special = getattr(tokenizer, "special_ids", frozenset())
+        self.offset: dict[int, tuple[int, codecs.IncrementalDecoder]] = {}
+
+    def _text_bytes(self, token_id: int) -> bytes:
+        if self.table is not None:
+            return self.table[token_id] if 0 <= token_id < len(self.table) else b""
+        return b"" if token_id in self.special else self.tokenizer.token_bytes(token_id)
 
     def build(self, index: int, logprobs: list[TokenLogprob]) -> CompletionLogprobs:
         out = CompletionLogprobs()
-        offset = self.offset.get(index, 0)
+        offset, utf8 = self.offset.get(index) or (0, codecs.getincrementaldecoder("utf-8")("replace"))
         for lp in logprobs:
             text = token_text(self.tokenizer, lp.token_id)
             top = {token_text(self.tokenizer, t): v for t, v in lp.top}
@@ -88,8 +101,8 @@ class _LogprobsBuilder:
             out.token_logprobs.append(lp.logprob)
             out.top_logprobs.append(top)
             out.text_offset.append(offset)
-            offset += len(text)
-        self.offset[index] = offset
+            offset += len(utf8.decode(self._text_bytes(lp.token_id)))
+        self.offset[index] = (offset, utf8)
         return out
 
 

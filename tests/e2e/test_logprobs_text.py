@@ -110,6 +110,22 @@ async def test_completion_logprobs_per_choice_cover_the_text(smollm2, prompt, ma
         assert joined["token_logprobs"] == pytest.approx(logprobs["token_logprobs"], abs=1e-4)
 
 
+async def test_completion_text_offset_indexes_the_returned_text(smollm2):
+    """`text_offset` is where each token starts in `text` (OpenAI's meaning): the special token <|im_start|>,
+    which the text leaves out, adds nothing, so text[offset:] starts with each shown token's text; streamed
+    chunks carry the same offsets."""
+    body = {"prompt": "<|im_start|>user\nhi<|im_end|>\n", "max_tokens": 4, "logprobs": 0}
+    async with _client(smollm2) as client:
+        whole, chunks = await _both(client, "/v1/completions", body)
+    (choice,) = whole["choices"]
+    logprobs = choice["logprobs"]
+    assert choice["text"] == "assistant\n"
+    assert logprobs["tokens"] == ["<|im_start|>", "ass", "istant", "\n"]
+    assert logprobs["text_offset"] == [0, 0, 3, 9]
+    assert [o for c in chunks if c["choices"] and c["choices"][0]["logprobs"]
+            for o in c["choices"][0]["logprobs"]["text_offset"]] == [0, 0, 3, 9]
+
+
 @pytest.mark.parametrize("min_tokens, content, finish_reason", [
     (0, "The", "stop"),  # " capital" stops at once
     (2, "The capital of France", "stop"),  # " capital" ends in token 2's text: ignored; " is" stops

@@ -42,7 +42,8 @@ def recording_backend(**knobs):
         backend.last_launch_weight_bytes = 0
 
     backend = SimpleNamespace(pdl=True, gemv_pdl="auto", gemv_kernel="auto", gemv_mma_tile=0, gemv_s8="auto",
-                              gemv_s8_m1="warp", gemv_s8_x="auto", gemv_s8_grid="persistent", gemv_s8_tiles="auto",
+                              gemv_s8_m1="warp", gemv_s8_x="auto", gemv_s8_xcopy="split", gemv_s8_grid="persistent",
+                              gemv_s8_tiles="auto",
                               gemv_s8_rows="auto", quant_gemv_rows="auto", quant_gemm="auto",
                               gemv_tma="folded", gemv_tma_s8="off", fuse_norm="auto", num_sms=132,
                               last_launch_weight_bytes=0, _launch=record, _occupancy=lambda *a, **k: 2,

@@ -128,8 +128,8 @@ def test_gemv_s8_specs_are_built():
 
     for f in ("Q4_0", "Q4_1", "Q8_0"):  # k split (gemv_int8.gemv_s8_k_ranges): 16 / 32 rows, no SwiGLU, 32 or 16 tiles
         for tile in (32, 16):
-            for rows in (16, 32):
-                assert kernels.gemv_s8_spec(f, False, rows, False, True, tile, True) in built
+            for rows in (16, 32):  # as gemv_int8.gemv_s8_launch_spec launches them: x copied per warp
+                assert {**kernels.gemv_s8_spec(f, False, rows, False, True, tile, True), "S8_XWARP": 1} in built
     assert kernels.gemv_s8_spec("Q4_1", False, 12, False, True, 32, True) == {
         "WTYPE": 2, "SILU": 0, "GM_TILE_ROWS": 32, "GM_MIN_BLOCKS": 1, "S8_NCOL": 2, "S8_KSPLIT": 1, "S8_XG": 1}
     assert kernels.gemv_s8_spec("Q8_0", False, 17, False, True, 32, True) == {
@@ -268,9 +268,9 @@ def test_gemv_s8_launch_rows_and_gemv_max_rows():
     launches, names = kernels_of(20, 14336)  # 20 rows (S8_NCOL = 4) in two k ranges (S8_KSPLIT)
     assert names == [("quantize_s8", None), ("gemv_s8", 20), ("gemv_s8", 20)]
     first, second = launches[1], launches[2]
-    # one tile a block: the one-group build (gemv_int8.gemv_s8_launch_spec)
+    # one tile a block: the one-group build; a k split: x copied per warp (gemv_int8.gemv_s8_launch_spec)
     assert first.spec == second.spec == {**kernels.gemv_s8_spec("Q4_1", False, 20, False, True, 32, True),
-                                         "S8_NEXT_GROUPS": 1}
+                                         "S8_NEXT_GROUPS": 1, "S8_XWARP": 1}
     assert first.spec["S8_KSPLIT"] == 1 and first.spec["S8_NCOL"] == 4
     assert split_of(first) == (0, 224, 0, 1) and split_of(second) == (224, 448, 1, 0)
     assert first.params.part == second.params.part != 0 and first.params.xq == second.params.xq != 0
@@ -278,7 +278,9 @@ def test_gemv_s8_launch_rows_and_gemv_max_rows():
     launches, names = kernels_of(36, 14336)  # 32 rows in three k ranges, then 4 rows whole
     assert names == [("quantize_s8", None)] + [("gemv_s8", 32)] * 3 + [("quantize_s8", None), ("gemv_s8", 4)]
     assert [split_of(launch) for launch in launches[1:4]] == [(0, 152, 0, 1), (152, 304, 1, 1), (304, 448, 1, 0)]
-    assert launches[1].spec == {**kernels.gemv_s8_spec("Q4_1", False, 32, False, True, 32, True), "S8_NEXT_GROUPS": 1}
+    assert launches[1].spec == {**kernels.gemv_s8_spec("Q4_1", False, 32, False, True, 32, True), "S8_NEXT_GROUPS": 1,
+                                "S8_XWARP": 1}
+    assert "S8_XWARP" not in launches[5].spec  # x whole: the block's copy
     assert launches[1].smem == kernels.gemv_s8_smem_bytes(32, 152 * 32)
     assert len({launch.params.part for launch in launches[1:4]}) == 1 and "S8_KSPLIT" not in launches[5].spec
     assert launches[5].smem == kernels.gemv_s8_smem_bytes(4, 14336)
@@ -496,6 +498,7 @@ def test_gemv_s8_early_loads_by_grid():
     assert gemv_s8_launch_spec(be, xg, one_tile=True) == {**xg, "S8_WAIT_GROUPS": 2}
     assert gemv_s8_launch_spec(be, block) == block
     be.gemv_s8_xcopy = "warp"  # VOLTSERVE_GEMV_S8_XCOPY: x copied in per warp, with either preload choice
+    # (the namespace had no gemv_s8_xcopy above: the default "split" leaves launches without a k split alone)
     assert gemv_s8_launch_spec(be, xg, one_tile=True) == {**xg, "S8_XWARP": 1, "S8_WAIT_GROUPS": 2}
     assert gemv_s8_launch_spec(be, block) == block
     be.gemv_s8_preload = "auto"

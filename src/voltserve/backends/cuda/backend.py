@@ -161,10 +161,10 @@ class CudaBackend(DeviceSampling):
         # where a block has several tiles, "1" one (before session 45), "2" both on every grid;
         # VOLTSERVE_GEMV_S8_PRELOAD for A/B runs
         self.gemv_s8_preload = _env_choice("VOLTSERVE_GEMV_S8_PRELOAD", ("auto", "1", "2"))
-        # gemv_s8's copy of x quantized per launch (gemv_int8.gemv_s8_launch_spec): the whole x by the block, then a
-        # barrier ("block"), or each warp its own k range in two parts ("warp", S8_XWARP; "split": on S8_KSPLIT
-        # launches only); VOLTSERVE_GEMV_S8_XCOPY
-        self.gemv_s8_xcopy = _env_choice("VOLTSERVE_GEMV_S8_XCOPY", ("block", "warp", "split"))
+        # gemv_s8's copy of x quantized per launch (gemv_int8.gemv_s8_launch_spec): each warp its own k range in
+        # two parts (S8_XWARP) on the S8_KSPLIT launches ("split"), on every launch ("warp"), or on none (the whole
+        # x by the block, then a barrier: "block"); VOLTSERVE_GEMV_S8_XCOPY for A/B runs
+        self.gemv_s8_xcopy = _env_choice("VOLTSERVE_GEMV_S8_XCOPY", ("split", "block", "warp"))
         # gemv_s8 at 2-8 rows with one 8-warp block an SM: 16 warps a block ("auto", gemv_int8.gemv_s8_wide_block)
         # or 8 ("8"); VOLTSERVE_GEMV_S8_WARPS for A/B runs
         self.gemv_s8_warps = _env_choice("VOLTSERVE_GEMV_S8_WARPS", ("auto", "8"))

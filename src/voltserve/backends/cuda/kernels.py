@@ -564,7 +564,8 @@ def engine_specializations() -> list[tuple[str, dict[str, int]]]:
                                  (8, True, False, 32), (8, False, True, 32), (8, False, True, 16),
                                  (GEMV_S8_WIDE_ROWS, False, True, 16), (GEMV_S8_MAX_ROWS, False, True, 32),
                                  (GEMV_S8_MAX_ROWS, False, True, 16))]
-    specs += [("gemv_s8", gemv_s8_spec(f, False, r, False, True, t, True))
+    # the k-split launches as they run: x copied per warp (gemv_int8.gemv_s8_launch_spec)
+    specs += [("gemv_s8", {**gemv_s8_spec(f, False, r, False, True, t, True), "S8_XWARP": 1})
               for f in QUANT_BLOCK_BYTES for t in GEMV_MMA_TILES for r in (GEMV_S8_WIDE_ROWS, GEMV_S8_MAX_ROWS)]
     specs += [("gemv_s8", gemv_s8_spec(f, bool(s), GEMV_MAX_ROWS, False, True, wide_block=True))
               for f in QUANT_BLOCK_BYTES for s in (0, 1)]

@@ -155,10 +155,14 @@ def thinking_kwargs(config, engine, req: CountTokensRequest) -> dict:
     enforced.
 
     Raises:
-        InvalidRequestError: thinking enabled on a server that reads no reasoning (`api.reasoning.parser_name`).
+        InvalidRequestError: a `type` other than "enabled", "adaptive" (taken as enabled) or "disabled"; thinking
+            enabled on a server that reads no reasoning (`api.reasoning.parser_name`).
     """
     if req.thinking is None:
         return {}
+    if req.thinking.type not in ("enabled", "adaptive", "disabled"):
+        raise InvalidRequestError(f"thinking.type must be 'enabled', 'adaptive' or 'disabled', not "
+                                  f"{req.thinking.type!r}", param="thinking.type")
     if req.thinking.type == "disabled":
         return {"enable_thinking": False}
     if reasoning_parser_name(config, engine) == "none":

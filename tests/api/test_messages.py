@@ -302,6 +302,8 @@ BAD_INPUTS = [
      "invalid value for 'tool_choice.type': Input should be 'auto', 'any', 'tool' or 'none'"),
     (body(thinking={"type": "enabled", "budget_tokens": 1024}), 400, BAD,
      "extended thinking is not supported by the served model"),
+    (body(thinking={"type": "bogus"}), 400, BAD,
+     "thinking.type must be 'enabled', 'adaptive' or 'disabled', not 'bogus'"),
     (body(output_config={"format": {"type": "yaml"}}), 400, BAD,
      "an output format must be {'type': 'json_schema', 'schema': {...}}"),
     (body(output_format={"type": "json_schema", "schema": {"$ref": "#/$defs/Missing"}}), 400, BAD, None),

@@ -50,6 +50,7 @@ from api.openai.responses_protocol import (
     LOGPROBS_INCLUDE, OutputMessage, OutputText, ResponsesRequest, ResponsesResponse, ResponseUsage,
 )
 from api.openai.response_events import ResponseEvents, response_outcome
+from api.openai.responses_truncation import truncated_prompt_ids
 from api.state import get_state
 from api.reasoning import reasoning_mode
 from api.structured import Constraint, request_grammar, sequence_parser
@@ -222,7 +223,7 @@ def _started(req: ResponsesRequest, params: SamplingParams, response_id: str, cr
         parallel_tool_calls=req.parallel_tool_calls is not False,  # null = the default, true (case T3)
         temperature=params.temperature, text=_text_echo(req), tool_choice=req.tool_choice or "auto",
         tools=list(req.tools or ()), top_logprobs=req.top_logprobs or 0, top_p=params.top_p, user=req.user,
-        metadata=req.metadata or {})
+        metadata=req.metadata or {}, truncation=req.truncation or "disabled")
 
 
 @bp.post("/v1/responses")
@@ -239,7 +240,10 @@ async def create_response():
     engine = state.ready_engine()
     free_parser = parser_factory(state.config, engine, tools, req.tool_choice)
     c = constraint(req, tools, free_parser is not None)
-    prompt_ids = await messages_prompt_ids(engine, messages, tools=tools or None, param="input")
+    if req.truncation == "auto":
+        prompt_ids = await truncated_prompt_ids(engine, messages, tools or None, req.max_output_tokens)
+    else:
+        prompt_ids = await messages_prompt_ids(engine, messages, tools=tools or None, param="input")
     c = replace(c, reasoning=reasoning_mode(state.config, engine, prompt_ids))
     params.grammar = await request_grammar(engine.tokenizer, c)
     new_parser = sequence_parser(c, free_parser, engine.tokenizer)

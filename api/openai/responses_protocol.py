@@ -107,6 +107,8 @@ class ResponsesRequest(SamplingFields):
         parallel_tool_calls: false keeps only the model's first call; null means the default, true (case T3).
         previous_response_id, conversation, prompt, background: refused (400): this server stores no responses,
             conversations or prompts, and answers in the foreground.
+        truncation: "auto" drops input items from the start of the conversation until the prompt fits the
+            context window (`api.openai.responses_truncation`); "disabled" / null: such a request is a 400.
         store, metadata: accepted; nothing is stored, metadata is echoed.
         include: extra output data, each one of OpenAI's values (`Includable`; any other is a 400 naming its
             element, `include.<i>`); "message.output_text.logprobs" (`LOGPROBS_INCLUDE`) returns each output text's
@@ -132,6 +134,7 @@ class ResponsesRequest(SamplingFields):
     conversation: str | dict[str, Any] | None = None
     prompt: dict[str, Any] | None = None
     background: bool | None = None
+    truncation: Literal["auto", "disabled"] | None = None
     store: bool | None = None
     metadata: dict[str, str] | None = None
     include: list[Includable] | None = None
@@ -299,7 +302,7 @@ class ResponsesResponse(BaseModel):
     tools: list[FunctionTool]
     top_logprobs: int
     top_p: float
-    truncation: Literal["disabled"] = "disabled"
+    truncation: Literal["auto", "disabled"] = "disabled"
     usage: ResponseUsage | None = None
     user: str | None = None
     metadata: dict[str, str]

@@ -170,6 +170,41 @@ async def test_input_forms_give_the_chat_prompt(serve):
         "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>system\nNo emoji.<|im_end|>\n" + turns)
 
 
+async def test_truncation_auto_drops_leading_items_until_the_input_fits(serve):
+    """truncation "auto" (OpenAI's: items dropped from the start of the conversation): the system message stays,
+    the conversation restarts at the earliest user message whose tail fits with max_output_tokens (ByteTokenizer:
+    a token a byte, 256 in the window), the response echoes "auto"; "disabled" (and null) refuse the same input;
+    an input that fits is sent whole."""
+    old = [{"role": "user", "content": "a" * 80}, {"role": "assistant", "content": "b" * 80}]
+    recent = [{"role": "user", "content": "c" * 40}, {"role": "assistant", "content": "d" * 10},
+              {"role": "user", "content": "Hi"}]
+    json = body(instructions="Be brief.", input=old + recent, max_output_tokens=20)
+    async with serve(ScriptedEngine(scripts=["ok"])) as (client, engine):
+        refused = await client.post(URL, json={**json, "truncation": "disabled"})
+        response = await client.post(URL, json={**json, "truncation": "auto"})
+        whole = await client.post(URL, json={**body(input=recent), "truncation": "auto"})
+    assert refused.status_code == 400
+    assert orjson.loads(await refused.get_data())["error"]["code"] == "context_length_exceeded"
+    assert response.status_code == 200 and whole.status_code == 200
+    data = orjson.loads(await response.get_data())
+    assert data["truncation"] == "auto" and data["output"][0]["content"][0]["text"] == "ok"
+    kept = ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n" + "c" * 40 +
+            "<|im_end|>\n<|im_start|>assistant\n" + "d" * 10 + "<|im_end|>\n" + PROMPT_HI)
+    assert engine.requests[0][0] == engine.tokenizer.encode(kept)
+    assert data["usage"]["input_tokens"] == len(engine.tokenizer.encode(kept)) <= 256 - 20
+    assert engine.requests[1][0] == engine.tokenizer.encode(
+        "<|im_start|>user\n" + "c" * 40 + "<|im_end|>\n<|im_start|>assistant\n" + "d" * 10 + "<|im_end|>\n" +
+        PROMPT_HI)
+
+
+async def test_truncation_auto_still_refuses_a_last_message_that_cannot_fit(serve):
+    """With nothing left to drop (the last user message alone is too long), "auto" answers the same 400 as
+    "disabled"."""
+    json = body(input=[{"role": "user", "content": "a"}, {"role": "user", "content": "x" * 300}], truncation="auto")
+    status, data, _ = await post(serve, ScriptedEngine(scripts=["ok"]), json)
+    assert status == 400 and orjson.loads(data)["error"]["code"] == "context_length_exceeded"
+
+
 async def test_S2_instructions_are_the_first_system_message_without_billing_header(serve):
     billing = "x-anthropic-billing-header: cc=123\n"
     json = body(instructions=billing + "Be brief.", input=[{"role": "system", "content": billing + "Rule two."},
@@ -327,6 +362,8 @@ CASES = [
     ("max_output_tokens_above_context", body(max_output_tokens=1000), 400, "max_output_tokens",
      "context_length_exceeded", None),
     ("input_above_context", body(input="x" * 300), 400, "input", "context_length_exceeded", None),
+    ("truncation_other", body(truncation="middle"), 400, "truncation", None,
+     "invalid value for 'truncation': Input should be 'auto' or 'disabled'"),
     ("temperature_negative", body(temperature=-1), 400, "temperature", None, None),
     ("web_search_tool", body(tools=[{"type": "function", "name": "f"}, {"type": "web_search"}]), 400,
      "tools.1.type", None, "tools of type 'web_search' are not supported yet: this server serves function tools only"),

@@ -303,10 +303,16 @@ class ResponseEvents:
         return data
 
     def error(self, kind: ErrorKind, message: str, param: str | None) -> bytes:
-        """The in-band `error` event for an error after the stream began, then `response.failed` (status
-        "failed", the error as a "server_error"), the lifecycle event that ends the stream."""
-        failed = self._started.model_copy(update={"status": "failed", "error": ResponseError(message=message)})
-        return self._event(ErrorEvent, code=kind.reason, message=message, param=param) + \
+        """The events of an error after the stream began: the items still open end "incomplete" (their done
+        events, with the text sent so far), then the in-band `error` event, then `response.failed` (status
+        "failed", the error as a "server_error", every item the stream added in `output`), the lifecycle event
+        that ends the stream. Text the output parser still holds back is not sent."""
+        frames = self._close_reasoning("incomplete")
+        if self._open is not None:
+            frames += self._close_message("incomplete")
+        failed = self._started.model_copy(update={"status": "failed", "error": ResponseError(message=message),
+                                                  "output": self._items})
+        return b"".join(frames) + self._event(ErrorEvent, code=kind.reason, message=message, param=param) + \
             self._event(ResponseEvent, type="response.failed", response=failed)
 
 

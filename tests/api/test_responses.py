@@ -490,16 +490,24 @@ async def test_engine_error_mid_stream_is_an_error_then_a_failed_response(serve)
     names = [name for name, _ in events]
     assert names[:4] == ["response.created", "response.in_progress", "response.output_item.added",
                          "response.content_part.added"]
-    assert set(names[4:-2]) == {"response.output_text.delta"} and len(names) > 6
+    # the message item the stream opened ends "incomplete" with the text sent, before the error
+    assert set(names[4:-5]) == {"response.output_text.delta"} and len(names) > 9
+    assert names[-5:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
+                          "error", "response.failed"]
+    sent = "".join(payload["delta"] for name, payload in events if name == "response.output_text.delta")
+    assert sent and "abcdef".startswith(sent)
+    item = message(sent, "incomplete")
+    assert events[-3][1]["item"] == item and events[-5][1]["text"] == sent
     n = len(events) - 2
     error, failed = events[-2][1], events[-1][1]
-    assert names[-2:] == ["error", "response.failed"]
     assert error == {"type": "error", "sequence_number": n, "code": "engine_dead", "message": "scripted engine died",
                      "param": None}
     assert failed["sequence_number"] == n + 1
+    # response.failed's output holds every item the stream added, as the events left them
     assert (failed["response"]["status"], failed["response"]["error"], failed["response"]["output"]) == \
-        ("failed", {"code": "server_error", "message": "scripted engine died"}, [])
-    TypeAdapter(ResponseStreamEvent).validate_python(failed)  # the SDK reads it as ResponseFailedEvent
+        ("failed", {"code": "server_error", "message": "scripted engine died"}, [item])
+    for _, payload in events[-5:]:
+        TypeAdapter(ResponseStreamEvent).validate_python(payload)  # the SDK reads them (ResponseFailedEvent ...)
 
 
 TRICKY = 'a"b\\c\n\t\x01é€😀</script>\u2028'  # quotes, escapes, control bytes, 2-4 byte UTF-8, U+2028

@@ -149,22 +149,28 @@ def _chat_turns(msg: InputMessage, i: int) -> list[dict]:
     return [*results, turn]
 
 
+# thinking.type values the model's own default serves: "adaptive" (the model decides whether to think; the only
+# mode of newer Claude models, so their clients send it) and the SDKs' "between_tools"
+_MODEL_DEFAULT_THINKING = ("adaptive", "between_tools")
+
+
 def thinking_kwargs(config, engine, req: CountTokensRequest) -> dict:
     """The chat template variables `thinking` asks for: `enable_thinking` false when disabled (Qwen3's switch;
-    no reasoning is read then), none when enabled or absent (the model's default). `budget_tokens` is not
-    enforced.
+    no reasoning is read then), none when enabled, absent or one of `_MODEL_DEFAULT_THINKING` (the model's
+    default). `budget_tokens` is not enforced.
 
     Raises:
-        InvalidRequestError: a `type` other than "enabled", "adaptive" (taken as enabled) or "disabled"; thinking
-            enabled on a server that reads no reasoning (`api.reasoning.parser_name`).
+        InvalidRequestError: a `type` that is none of those (param `thinking.type`); thinking "enabled" on a server
+            that reads no reasoning (`api.reasoning.parser_name`).
     """
-    if req.thinking is None:
+    if req.thinking is None or req.thinking.type in _MODEL_DEFAULT_THINKING:
         return {}
-    if req.thinking.type not in ("enabled", "adaptive", "disabled"):
-        raise InvalidRequestError(f"thinking.type must be 'enabled', 'adaptive' or 'disabled', not "
-                                  f"{req.thinking.type!r}", param="thinking.type")
     if req.thinking.type == "disabled":
         return {"enable_thinking": False}
+    if req.thinking.type != "enabled":
+        kinds = ", ".join(repr(k) for k in ("enabled", "disabled") + _MODEL_DEFAULT_THINKING)
+        raise InvalidRequestError(f"thinking.type must be one of {kinds}, not {req.thinking.type!r}",
+                                  param="thinking.type")
     if reasoning_parser_name(config, engine) == "none":
         raise InvalidRequestError("extended thinking is not supported by the served model", param="thinking")
     return {}

@@ -75,20 +75,24 @@ def _prompt_ids(tokenizer, prompt) -> list[int]:
 
 class _LogprobsBuilder:
     """Builds CompletionLogprobs incrementally, keeping `text_offset` running across stream chunks: per choice, the
-    characters of the text so far, decoded from the bytes each token adds to it (the tokenizer's `byte_table` for
-    the text, special tokens b""; without one, the token's own bytes, b"" for special ids)."""
+    characters of the text so far, decoded from the bytes each token adds to it (the tokenizer's `byte_table`, as
+    the text is decoded: exact for byte-level BPE; without one, the token's own bytes, none for the ids the text
+    skips, which misses a SentencePiece decoder's dropped leading space and its one U+FFFD per invalid byte
+    token). The U+FFFD of an invalid byte sequence, which the decoder writes when the next token's bytes arrive,
+    counts before that next token. Built only for requests asking for logprobs (the table is built on first use).
+    """
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
         table = getattr(tokenizer, "byte_table", None)
         self.table = table(skip_special_tokens=True) if table is not None else None
-        self.special = getattr(tokenizer, "special_ids", frozenset())
+        self.skipped = getattr(tokenizer, "skipped_ids", frozenset())
         self.offset: dict[int, tuple[int, codecs.IncrementalDecoder]] = {}
 
     def _text_bytes(self, token_id: int) -> bytes:
         if self.table is not None:
             return self.table[token_id] if 0 <= token_id < len(self.table) else b""
-        return b"" if token_id in self.special else self.tokenizer.token_bytes(token_id)
+        return b"" if token_id in self.skipped else self.tokenizer.token_bytes(token_id)
 
     def build(self, index: int, logprobs: list[TokenLogprob]) -> CompletionLogprobs:
         out = CompletionLogprobs()
@@ -100,8 +104,10 @@ class _LogprobsBuilder:
             out.tokens.append(text)
             out.token_logprobs.append(lp.logprob)
             out.top_logprobs.append(top)
-            out.text_offset.append(offset)
-            offset += len(utf8.decode(self._text_bytes(lp.token_id)))
+            held = bool(utf8.getstate()[0])  # bytes of an earlier token not decoded yet
+            piece = utf8.decode(self._text_bytes(lp.token_id))
+            out.text_offset.append(offset + (held and piece.startswith("\ufffd")))  # that token's U+FFFD first
+            offset += len(piece)
         self.offset[index] = (offset, utf8)
         return out
 
@@ -122,7 +128,7 @@ async def completions():
     prompt_ids = await prompt_work(len(prompt), _prompt_ids, engine.tokenizer, prompt)
     stream = state.track(add_request(engine, prompt_ids, params, prompt_param="prompt", max_tokens_param="max_tokens"))
     response_id, created = state.new_id("cmpl-"), state.clock()
-    builder = _LogprobsBuilder(engine.tokenizer)
+    builder = _LogprobsBuilder(engine.tokenizer) if params.logprobs is not None else None
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         events = _stream_events(stream, req, params, builder, response_id, created, include_usage,

@@ -241,7 +241,8 @@ async def create_response():
     free_parser = parser_factory(state.config, engine, tools, req.tool_choice)
     c = constraint(req, tools, free_parser is not None)
     if req.truncation == "auto":
-        prompt_ids = await truncated_prompt_ids(engine, messages, tools or None, req.max_output_tokens)
+        prompt_ids = await truncated_prompt_ids(engine, messages, tools or None, req.max_output_tokens,
+                                                params.min_tokens)
     else:
         prompt_ids = await messages_prompt_ids(engine, messages, tools=tools or None, param="input")
     c = replace(c, reasoning=reasoning_mode(state.config, engine, prompt_ids))

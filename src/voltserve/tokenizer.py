@@ -84,6 +84,8 @@ class Tokenizer:
         self._added_ids = frozenset(added)
         self.special_ids: frozenset[int] = frozenset(i for i, t in added.items() if t.special)
         self._kept_markers = {i: t.content for i, t in added.items() if t.special and t.content in KEPT_MARKERS}
+        # the ids `decode(..., skip_special_tokens=True)` leaves out of the text
+        self.skipped_ids: frozenset[int] = self.special_ids - frozenset(self._kept_markers)
         specials = [t for t in added.values() if t.special and t.content]
         # special tokens match raw text unless `normalized` (then after the normalizer): a substring test of
         # their contents is a sound first check only in the first case

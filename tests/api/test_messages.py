@@ -75,6 +75,20 @@ async def test_system_string_and_blocks_and_billing_header(serve):
         assert _prompt(engine) == "<|im_start|>system\nBe brief.<|im_end|>\n" + USER_HI
 
 
+@pytest.mark.parametrize("kind", ["adaptive", "between_tools"])
+async def test_model_default_thinking_types_are_served_without_a_reasoning_parser(serve, kind):
+    """thinking "adaptive" (the model decides; newer Claude clients send it) and "between_tools" take the model's
+    default: served, and counted by count_tokens, on a server that reads no reasoning, with the prompt a request
+    without `thinking` gets ("enabled" is refused there, BAD_INPUTS)."""
+    async with serve() as (client, engine):
+        plain = await client.post(URL, json=body())
+        answered = await client.post(URL, json=body(thinking={"type": kind}))
+        counted = await client.post(URL + "/count_tokens", json=body(thinking={"type": kind}))
+    assert (plain.status_code, answered.status_code, counted.status_code) == (200, 200, 200)
+    assert engine.requests[0][0] == engine.requests[1][0]
+    assert orjson.loads(await counted.get_data()) == {"input_tokens": len(engine.requests[1][0])}
+
+
 async def test_content_blocks_and_earlier_thinking(serve):
     messages = [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
                 {"role": "assistant", "content": [{"type": "thinking", "thinking": "hm", "signature": "s"},
@@ -303,7 +317,7 @@ BAD_INPUTS = [
     (body(thinking={"type": "enabled", "budget_tokens": 1024}), 400, BAD,
      "extended thinking is not supported by the served model"),
     (body(thinking={"type": "bogus"}), 400, BAD,
-     "thinking.type must be 'enabled', 'adaptive' or 'disabled', not 'bogus'"),
+     "thinking.type must be one of 'enabled', 'disabled', 'adaptive', 'between_tools', not 'bogus'"),
     (body(output_config={"format": {"type": "yaml"}}), 400, BAD,
      "an output format must be {'type': 'json_schema', 'schema': {...}}"),
     (body(output_format={"type": "json_schema", "schema": {"$ref": "#/$defs/Missing"}}), 400, BAD, None),

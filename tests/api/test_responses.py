@@ -11,7 +11,7 @@ from openai.types.responses import Response as SdkResponse
 from openai.types.responses import ResponseStreamEvent
 from pydantic import TypeAdapter
 from tests.api.conftest import MODEL, chat_body, leave_mid_stream, stream_until_engine_dies, wait_for_abort
-from tests.api.fake_engine import ScriptedEngine, StreamedEngine
+from tests.api.fake_engine import ByteTokenizer, ScriptedEngine, StreamedEngine
 from tests.api.test_metrics import _m, _scrape
 from tests.api.fake_engine import hermes_call as call
 
@@ -198,11 +198,46 @@ async def test_truncation_auto_drops_leading_items_until_the_input_fits(serve):
 
 
 async def test_truncation_auto_still_refuses_a_last_message_that_cannot_fit(serve):
-    """With nothing left to drop (the last user message alone is too long), "auto" answers the same 400 as
-    "disabled"."""
-    json = body(input=[{"role": "user", "content": "a"}, {"role": "user", "content": "x" * 300}], truncation="auto")
-    status, data, _ = await post(serve, ScriptedEngine(scripts=["ok"]), json)
-    assert status == 400 and orjson.loads(data)["error"]["code"] == "context_length_exceeded"
+    """With nothing left to drop (the last user message alone is too long), "auto" answers the 400 "disabled"
+    answers, the whole input's; a huge last message is refused by the character bound without being tokenized,
+    by any probe (a tokenizer whose bound is a token a character: ByteTokenizer's own on ASCII)."""
+
+    class Bounded(ByteTokenizer):
+        longest = 0
+
+        def min_num_tokens(self, num_chars: int) -> int:
+            return num_chars
+
+        def may_spell_special(self, text: str) -> bool:  # Tokenizer's substring test: no special token's text here
+            return False
+
+        def encode(self, text: str, *args, **kwargs) -> list[int]:
+            Bounded.longest = max(Bounded.longest, len(text))
+            return super().encode(text, *args, **kwargs)
+
+    errors = {}
+    for last in ("x" * 300, "y" * 100_000):
+        json = body(input=[{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
+                           {"role": "user", "content": last}])
+        for truncation in ("auto", "disabled"):
+            status, data, _ = await post(serve, ScriptedEngine(scripts=["ok"], tokenizer=Bounded()),
+                                         {**json, "truncation": truncation})
+            assert status == 400, (len(last), truncation)
+            errors[len(last), truncation] = orjson.loads(data)["error"]
+    for n in (300, 100_000):
+        assert errors[n, "auto"] == errors[n, "disabled"] and errors[n, "auto"]["param"] == "input"
+        assert errors[n, "auto"]["code"] == "context_length_exceeded"
+    assert Bounded.longest < 1000  # the 300-character input was tokenized, the 100,000-character one never
+
+
+async def test_truncation_auto_leaves_room_for_min_tokens(serve):
+    """The tail kept leaves min_tokens (vLLM's field) in the window, not only one token: the 60-token tail would
+    leave 196 < 200, so only the last message stays."""
+    json = body(input=[{"role": "user", "content": "a" * 30}, {"role": "assistant", "content": "b"},
+                       {"role": "user", "content": "Hi"}], truncation="auto", min_tokens=200)
+    status, _, engine = await post(serve, ScriptedEngine(scripts=["ok"]), json)
+    assert status == 200
+    assert engine.requests[0][0] == engine.tokenizer.encode(PROMPT_HI)
 
 
 async def test_S2_instructions_are_the_first_system_message_without_billing_header(serve):

@@ -156,6 +156,8 @@ def test_tool_call_markers_stay_in_the_text_when_special():
     assert tok.decode(ids) == "<tool_call>{}</tool_call>ok"
     assert b"".join(tok.byte_table(True)[i] for i in ids) == b"<tool_call>{}</tool_call>ok"
     assert tok.decode(ids, skip_special_tokens=False) == "<tool_call>{}</tool_call><x y><|eos|>ok"
+    assert {opened, closed, 257, 258} & tok.special_ids == {opened, closed, 257, 258}
+    assert {opened, closed, 257, 258} & tok.skipped_ids == {257, 258}  # what decode leaves out of the text
 
 
 def test_other_decoders_have_no_table():

@@ -149,8 +149,8 @@ def _chat_turns(msg: InputMessage, i: int) -> list[dict]:
     return [*results, turn]
 
 
-# thinking.type values the model's own default serves: "adaptive" (the model decides whether to think; the only
-# mode of newer Claude models, so their clients send it) and the SDKs' "between_tools"
+# thinking.type values the model's own default serves: "adaptive" (the model decides whether to think; clients
+# of newer Claude models send it) and "between_tools" (in the `anthropic` SDK's types)
 _MODEL_DEFAULT_THINKING = ("adaptive", "between_tools")
 
 

@@ -506,7 +506,7 @@ def main() -> int:
                     "decode_* rows: auto, 1, 2, or a list (rows get @preload=choice)")
     ap.add_argument("--gemv-s8-xcopy", default=None,
                     help="gemv_s8's copy of x quantized per launch (VOLTSERVE_GEMV_S8_XCOPY) for the decode_* rows: "
-                    "block, warp, or a list (rows get @xcopy=choice)")
+                    "split, block, warp, or a list (rows get @xcopy=choice)")
     ap.add_argument("--gemv-s8-warps", default=None,
                     help="gemv_s8's warps a block where one 8-warp block fits an SM (VOLTSERVE_GEMV_S8_WARPS) for "
                     "the decode_* rows: auto, 8, or a list (rows get @warps=choice)")

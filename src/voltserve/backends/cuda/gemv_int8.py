@@ -237,7 +237,7 @@ def gemv_s8_launch_spec(backend: Any, spec: dict[str, int], one_tile: bool = Fal
     (`one_tile`), which takes the build of one group (S8_NEXT_GROUPS 1: before session 46, whose loop order the
     two-group build changes: Q8_0 4096x14336 at 2 rows 34.4 against 32.0 us, H100); or under
     VOLTSERVE_GEMV_S8_PRELOAD (`backend.gemv_s8_preload`, A/B runs) "1" one everywhere, "2" both before the wait
-    on every grid. The S8_KSPLIT launches (16-32 rows whose x does not fit whole) take S8_XWARP (each warp copies
+    on every grid. The S8_KSPLIT launches (9-32 rows whose x does not fit whole) take S8_XWARP (each warp copies
     its own k range of x, no block barrier before the weight loop): `backend.gemv_s8_xcopy` "split"
     (VOLTSERVE_GEMV_S8_XCOPY; H100, session 48: 8B Q4_1 at batch 16 / 32 -1.4%, the k-split rows 3-7% faster),
     "warp" every launch copying x in (2-8 rows: the 8B step 1.9-3.7% slower), "block" none."""

@@ -243,7 +243,7 @@ def _build(config: EngineConfig, loaded, spare_cores: int, device: str, ranks) -
     from voltserve.chat_template import ChatTemplate
 
     if loaded is None:
-        loaded = load_model(config.model)
+        loaded = load_model(config.model, gguf_convert=config.gguf_convert == "auto")
     cfg = loaded.config
     warn_past_model_len(config.max_model_len, cfg.max_position_embeddings)
     backend = make_backend(config, device, spare_cores)

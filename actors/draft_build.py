@@ -39,7 +39,7 @@ def load_draft_model(config: EngineConfig, target_tokenizer, backend, max_model_
     """
     from loaders import load_model
 
-    loaded = load_model(config.speculative_model)
+    loaded = load_model(config.speculative_model, gguf_convert=config.gguf_convert == "auto")
     check_same_tokenizer(target_tokenizer, loaded.tokenizer, config.speculative_model)
     cfg = loaded.config
     logger.info("draft model %s: %d layers, hidden %d, vocab %d", config.speculative_model, cfg.num_layers,

@@ -78,7 +78,7 @@ def _build(rank: int, config: EngineConfig, device: str, init_method: str, spare
 
     conn.send(("hello",))
     tp = init_tp_group(rank, config.tensor_parallel_size, init_method, device)
-    loaded = load_model(config.model)
+    loaded = load_model(config.model, gguf_convert=config.gguf_convert == "auto")
     backend = make_backend(config, device, spare_cores, rank)
     model, _, capacity = rank_model(config, loaded, backend, device, tp)
     del loaded  # the model holds its shard; the whole checkpoint's tensors go

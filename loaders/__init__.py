@@ -18,7 +18,8 @@ if TYPE_CHECKING:
     from voltserve.config import ModelConfig
 
 
-def load_model(spec: str, cache_dir: str | os.PathLike | None = None, progress: bool = True) -> LoadedModel:
+def load_model(spec: str, cache_dir: str | os.PathLike | None = None, progress: bool = True,
+               gguf_convert: bool = True) -> LoadedModel:
     """Resolve `spec` and load it.
 
     Args:
@@ -26,6 +27,8 @@ def load_model(spec: str, cache_dir: str | os.PathLike | None = None, progress: 
             built-in alias such as `smollm2-135m-instruct`.
         cache_dir: alias cache directory; None = `$VOLTSERVE_CACHE_DIR` or `~/.cache/voltserve`.
         progress: show a progress bar while fetching an alias.
+        gguf_convert: a GGUF's K-quant and Q5 weights load as packed Q4_1 / Q8_0 blocks (`loaders.gguf_convert`;
+            EngineConfig.gguf_convert "auto"); False: as their exact values in floats.
 
     Returns:
         The LoadedModel (fp32 CPU weights, tokenizer, chat template).
@@ -41,7 +44,7 @@ def load_model(spec: str, cache_dir: str | os.PathLike | None = None, progress: 
         return load_hf_dir(path)
     from loaders.gguf import load_gguf
 
-    return load_gguf(pathlib.Path(path))
+    return load_gguf(pathlib.Path(path), convert=gguf_convert)
 
 
 def peek_model_config(spec: str) -> ModelConfig | None:
@@ -81,17 +84,19 @@ def _cached_alias_header(spec: str) -> GGUFHeader | None:
         return None
 
 
-def peek_packed_weights(spec: str) -> dict[str, tuple[str, int]]:
-    """The weights the model `spec` names that the loader keeps block-quantized (`loaders.gguf_names.PACKED_TYPES`:
-    their blocks run along the input features), read from a GGUF file's header without loading it.
+def peek_packed_weights(spec: str, gguf_convert: bool = True) -> dict[str, tuple[str, int]]:
+    """The weights the model `spec` names that the loader keeps block-quantized (`loaders.gguf_names.PACKED_TYPES`,
+    and with `gguf_convert` the types `loaders.gguf_convert` converts into them: their blocks run along the input
+    features), read from a GGUF file's header without loading it.
 
     Returns:
-        HF name -> (GGML type name, in_features) of every such 2-D weight; {} for a Hugging Face directory (its
-        weights load as floats) and for a built-in alias not fetched yet.
+        HF name -> (the packed type it loads as, in_features) of every such 2-D weight; {} for a Hugging Face
+        directory (its weights load as floats) and for a built-in alias not fetched yet.
 
     Raises:
         LoaderError: as `peek_model_config`.
     """
+    from loaders.gguf_convert import packed_type
     from loaders.gguf_header import read_gguf_header
     from loaders.gguf_names import PACKED_TYPES, hf_name
 
@@ -104,8 +109,9 @@ def peek_packed_weights(spec: str) -> dict[str, tuple[str, int]]:
     packed = {}
     for name, qtype in header.tensor_types.items():
         dims = header.tensor_shapes[name]  # innermost first: (in_features, out_features)
-        if qtype in PACKED_TYPES and len(dims) == 2 and (hf := hf_name(name)) is not None:
-            packed[hf] = (qtype, int(dims[0]))
+        kept = packed_type(qtype, PACKED_TYPES, gguf_convert)
+        if kept is not None and len(dims) == 2 and int(dims[0]) % 32 == 0 and (hf := hf_name(name)) is not None:
+            packed[hf] = (kept, int(dims[0]))
     return packed
 
 

@@ -1,11 +1,15 @@
 """Single-file GGUF -> `LoadedModel` (config from metadata, fp32 weights, packed Q4/Q8 blocks, tokenizer).
 
+K-quant and Q5 weights are converted to packed Q4_1 / Q8_0 blocks on the way (`loaders.gguf_convert`) unless the
+caller asks for the file's exact values as floats.
+
 Source: GGUF spec (ggml docs/gguf.md); tensor names from llama.cpp's convert_hf_to_gguf.py. Parsing and the
 reference dequantization come from the `gguf` package (vectorised numpy).
 """
 
 from __future__ import annotations
 
+import collections
 import logging
 import pathlib
 import time
@@ -13,6 +17,7 @@ import time
 import numpy as np
 import torch
 
+from loaders.gguf_convert import convert_blocks, packed_type
 from loaders.gguf_header import read_gguf_header
 from loaders.gguf_names import LAYER_NAMES, PACKED_TYPES, hf_name
 from loaders.gguf_tokenizer import build_tokenizer
@@ -70,15 +75,19 @@ def _dequantize(tensor, qtype: str) -> np.ndarray:
     return arr.reshape(shape)
 
 
-def load_gguf(path: str | pathlib.Path) -> LoadedModel:
+def load_gguf(path: str | pathlib.Path, convert: bool = True) -> LoadedModel:
     """Read a GGUF file into a LoadedModel.
 
     Args:
         path: the .gguf file.
+        convert: 2-D tensors of a `gguf_convert.CONVERTED_TYPES` type (Q4_K, Q6_K, ...) become packed Q4_1 /
+            Q8_0 blocks, their fp32 tensors those blocks' values; False: they load as their exact fp32 values
+            only (no packed blocks).
 
     Returns:
         LoadedModel with fp32 [out, in] tensors under HF names, Q/K rows in HF (neox) order, `quantized`
-        holding the raw blocks of every Q4_0/Q4_1/Q8_0 2-D tensor, the GGUF tokenizer and chat template.
+        holding the raw blocks of every Q4_0/Q4_1/Q8_0 2-D tensor (and the converted ones), the GGUF tokenizer
+        and chat template.
 
     Raises:
         LoaderError: the file cannot be read, is empty, truncated or corrupt (`read_gguf_header`), or lacks
@@ -103,6 +112,7 @@ def load_gguf(path: str | pathlib.Path) -> LoadedModel:
         "self_attn.q_proj": unpermute_rows(config.num_heads * config.head_dim, config.num_heads),
         "self_attn.k_proj": unpermute_rows(config.num_kv_heads * config.head_dim, config.num_kv_heads),
     }
+    converted: collections.Counter[str] = collections.Counter()  # "Q6_K -> Q8_0" -> tensors
     for t in reader.tensors:
         name = hf_name(t.name)
         if name is None:
@@ -113,15 +123,30 @@ def load_gguf(path: str | pathlib.Path) -> LoadedModel:
                 f"tensor {t.name} has unsupported type {qtype} (supported: {', '.join(DEQUANT_TYPES)})"
             )
         arr = _dequantize(t, qtype)
+        packed = packed_type(qtype, PACKED_TYPES, convert) if arr.ndim == 2 and arr.shape[1] % 32 == 0 else None
+        quant = None
+        if packed is not None:
+            raw = np.asarray(t.data, dtype=np.uint8).reshape(arr.shape[0], -1)
+            if packed == qtype:
+                quant = QuantizedTensor(qtype=qtype, shape=tuple(arr.shape), data=raw)
+            else:  # rows convert independently: before the Q / K row permutation
+                quant, arr = convert_blocks(qtype, raw, arr)
+                converted[f"{qtype} -> {quant.qtype}"] += 1
         perm = next((p for key, p in perms.items() if key in name), None)
         if perm is not None:
             arr = arr[perm]
         tensors[name] = torch.from_numpy(np.ascontiguousarray(arr))
-        if qtype in PACKED_TYPES and arr.ndim == 2:
-            raw = np.asarray(t.data, dtype=np.uint8).reshape(arr.shape[0], -1)
-            raw = raw[perm] if perm is not None else np.array(raw, copy=True)
-            quantized[name] = QuantizedTensor(qtype=qtype, shape=tuple(arr.shape), data=raw)
+        if quant is not None:
+            data = quant.data
+            if perm is not None:
+                data = data[perm]
+            elif quant.qtype == qtype:  # a view of the file's memory map
+                data = np.array(data, copy=True)
+            quantized[name] = QuantizedTensor(qtype=quant.qtype, shape=tuple(arr.shape), data=data)
     _check_complete(tensors, config, path)
+    if converted:
+        logger.info("converted for the quantized kernels: %s (--gguf-convert off keeps the exact values as floats)",
+                    ", ".join(f"{n} tensors {k}" for k, n in sorted(converted.items())))
     logger.info("loaded %s in %.1f s: %s", path, time.perf_counter() - t0, config)
     return LoadedModel(
         config=config,

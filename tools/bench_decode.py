@@ -152,8 +152,9 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--synthetic", choices=["llama3-8b", "smollm2-135m", "tiny"],
                         help="random weights made on the device")
-    parser.add_argument("--synthetic-qtype", choices=["Q4_0", "Q4_1", "Q8_0"],
-                        help="the synthetic model's decoder linears as random GGUF blocks of this type")
+    parser.add_argument("--synthetic-qtype", choices=["Q4_0", "Q4_1", "Q8_0", "Q4_K_M"],
+                        help="the synthetic model's decoder linears as random GGUF blocks of this type (Q4_K_M: "
+                             "the mix such a file runs as once converted, lm_head included)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--batch", default="1,8,32,64")
     parser.add_argument("--graphs", default="on,off")

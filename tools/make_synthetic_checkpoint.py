@@ -69,7 +69,9 @@ def synthetic_model(shape: str = "tiny", device: str = "cpu", dtype: torch.dtype
         qtype: "Q4_0", "Q4_1" or "Q8_0": the decoder's linears come as random GGUF blocks (`quant_blocks`) in
             `quantized`, for GPU benchmarks and tests of quantized models; their `tensors` entries are then
             zero-stride placeholders of the right shape (no dequantized values: the CPU backend would run the
-            model with all-zero linears). Embedding and lm_head stay dense.
+            model with all-zero linears). Embedding and lm_head stay dense. "Q4_K_M": the blocks a llama.cpp
+            Q4_K_M file runs as once `loaders.gguf_convert` converted it (`q4_k_m_type`): Q4_1, Q8_0 for some
+            v_proj / down_proj and for the lm_head.
     Raises:
         ValueError: an unknown qtype.
     """
@@ -84,36 +86,69 @@ def synthetic_model(shape: str = "tiny", device: str = "cpu", dtype: torch.dtype
     h, i, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
     t = {"model.embed_tokens.weight": rand(cfg.vocab_size, h), "lm_head.weight": rand(cfg.vocab_size, h),
          "model.norm.weight": torch.ones(h, device=device, dtype=dtype)}
-    if qtype is not None and qtype not in BLOCK_BYTES:
-        raise ValueError(f"qtype must be one of {sorted(BLOCK_BYTES)}, got {qtype!r}")
+    if qtype is not None and qtype not in (*BLOCK_BYTES, "Q4_K_M"):
+        raise ValueError(f"qtype must be one of {sorted(BLOCK_BYTES)} or Q4_K_M, got {qtype!r}")
     rng = np.random.default_rng(seed)
     quantized: dict[str, QuantizedTensor] = {}
 
-    def linear(name, rows, cols):
-        if qtype is None:
+    def linear(name, rows, cols, layer=-1):
+        kind = q4_k_m_type(name, layer, cfg.num_layers) if qtype == "Q4_K_M" else qtype
+        if kind is None:
             t[name] = rand(rows, cols)
             return
         t[name] = torch.zeros(1, 1, device=device, dtype=dtype).expand(rows, cols)
-        quantized[name] = QuantizedTensor(qtype, (rows, cols), quant_blocks(qtype, rows, cols, rng))
+        quantized[name] = QuantizedTensor(kind, (rows, cols), quant_blocks(kind, rows, cols, rng))
 
+    if qtype == "Q4_K_M":
+        linear("lm_head.weight", cfg.vocab_size, h)
     for n in range(cfg.num_layers):
         p = f"model.layers.{n}."
-        linear(p + "self_attn.q_proj.weight", cfg.num_heads * d, h)
-        linear(p + "self_attn.k_proj.weight", cfg.num_kv_heads * d, h)
-        linear(p + "self_attn.v_proj.weight", cfg.num_kv_heads * d, h)
-        linear(p + "self_attn.o_proj.weight", h, cfg.num_heads * d)
-        linear(p + "mlp.gate_proj.weight", i, h)
-        linear(p + "mlp.up_proj.weight", i, h)
-        linear(p + "mlp.down_proj.weight", h, i)
+        linear(p + "self_attn.q_proj.weight", cfg.num_heads * d, h, n)
+        linear(p + "self_attn.k_proj.weight", cfg.num_kv_heads * d, h, n)
+        linear(p + "self_attn.v_proj.weight", cfg.num_kv_heads * d, h, n)
+        linear(p + "self_attn.o_proj.weight", h, cfg.num_heads * d, n)
+        linear(p + "mlp.gate_proj.weight", i, h, n)
+        linear(p + "mlp.up_proj.weight", i, h, n)
+        linear(p + "mlp.down_proj.weight", h, i, n)
         t[p + "input_layernorm.weight"] = torch.ones(h, device=device, dtype=dtype)
         t[p + "post_attention_layernorm.weight"] = torch.ones(h, device=device, dtype=dtype)
     return LoadedModel(config=cfg, tensors=t, tokenizer=byte_tokenizer(cfg.vocab_size), chat_template=None,
                        source=f"synthetic:{shape}" + (f"-{qtype}" if qtype else ""), quantized=quantized)
 
 
+def q4_k_m_type(name: str, layer: int, num_layers: int) -> str:
+    """The packed type weight `name` (of decoder layer `layer`; -1: the lm_head) runs as in a llama.cpp Q4_K_M
+    file after `loaders.gguf_convert`: its Q6_K tensors (the output weight; attn_v and ffn_down in the layers
+    llama.cpp's `use_more_bits` picks: the first and last eighth, and every third between) as Q8_0, its Q4_K
+    ones as Q4_1."""
+    if layer < 0:
+        return "Q8_0"
+    eighth = num_layers // 8
+    more_bits = layer < eighth or layer >= 7 * num_layers // 8 or (layer - eighth) % 3 == 2
+    return "Q8_0" if more_bits and name.endswith(("v_proj.weight", "down_proj.weight")) else "Q4_1"
+
+
+# byte offsets of the fp16 scale (then min) in each block of the types without kernels (ggml-common.h)
+FILE_TYPE_SCALES = {"Q5_0": (0,), "Q5_1": (0, 2), "Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2),
+                    "Q5_K": (0, 2), "Q6_K": (208,)}
+
+
 def quant_blocks(qtype: str, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
     """[rows, cols / 32 * block_bytes] uint8 GGUF blocks (voltserve.quant): random quants, and scales that keep
-    a product with a unit-RMS x near unit RMS (Q4_1's m centres the nibbles on zero)."""
+    a product with a unit-RMS x near unit RMS (Q4_1's m centres the nibbles on zero). A FILE_TYPE_SCALES type
+    (K-quants, Q5: what `loaders.gguf_convert` converts) gives [rows, cols / block * type_size] random bytes with
+    the fp16 fields at 0.5-1.5 / (32 sqrt(cols)) (6-bit sub-block scales times ~32), every other field random."""
+    if qtype in FILE_TYPE_SCALES:
+        from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+        block, size = GGML_QUANT_SIZES[GGMLQuantizationType[qtype]]
+        if cols % block:
+            raise ValueError(f"{qtype} rows are whole blocks of {block}, got {cols} columns")
+        blocks = rng.integers(0, 256, size=(rows, cols // block, size), dtype=np.uint8)
+        for off in FILE_TYPE_SCALES[qtype]:
+            field = rng.uniform(0.5, 1.5, (rows, cols // block)) / (32 * np.sqrt(cols))
+            blocks[:, :, off:off + 2] = field.astype(np.float16)[..., None].view(np.uint8)
+        return blocks.reshape(rows, cols // block * size)
     bb = BLOCK_BYTES[qtype]
     blocks = rng.integers(0, 256, size=(rows, cols // 32, bb), dtype=np.uint8)
     step = 1.0 / (np.sqrt(cols) * (4.6 if qtype != "Q8_0" else 74.0))  # q's std: 4.6 (nibbles), 74 (int8)

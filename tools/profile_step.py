@@ -136,7 +136,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description="kernel timeline of graph-replayed decode steps")
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--synthetic", choices=["llama3-8b", "smollm2-135m", "tiny"])
-    parser.add_argument("--synthetic-qtype", choices=["Q4_0", "Q4_1", "Q8_0"])
+    parser.add_argument("--synthetic-qtype", choices=["Q4_0", "Q4_1", "Q8_0", "Q4_K_M"])
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--prompt-len", type=int, default=512)
     parser.add_argument("--steps", type=int, default=12, help="decode steps profiled (after as many warm-up)")

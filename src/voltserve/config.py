@@ -167,6 +167,10 @@ class EngineConfig:
             Python) torch's setting as it is.
         weight_format: "auto" (CPU: int4 kernels for Q4 GGUF weights, bf16 on oneDNN for the other quantized
             types, `voltserve.backends.cpu_bf16`, where available), "float" (the fp32 reference).
+        gguf_convert: "auto": GGUF weights of types without kernels of their own (Q4_K -> Q4_1 near-lossless;
+            Q5_0, Q5_1, Q2_K, Q3_K, Q5_K, Q6_K -> Q8_0 requantized) load as packed blocks of the type named, so
+            they run on the quantized kernels (`loaders.gguf_convert`); "off": they load as their exact values
+            in floats (fp16 on a GPU: 2-3x the bytes a decode step reads).
         tensor_parallel_size: ranks (GPUs on CUDA) one model is split over, Megatron-style
             (`voltserve.distributed`, `actors.tp`); 1 = no tensor parallelism. N > 1: ranks 1..N-1 run in
             spawned processes (rank r on GPU r), every step eagerly (no CUDA graphs, no asynchronous scheduling);
@@ -255,6 +259,7 @@ class EngineConfig:
     uds: str = ""
     num_threads: int = 0
     weight_format: str = "auto"
+    gguf_convert: str = "auto"
     tensor_parallel_size: int = 1
     gpu_memory_utilization: float = 0.9
     enforce_eager: bool = False
@@ -336,6 +341,8 @@ class EngineConfig:
         self.draft_gate()  # raises on an unknown speculative_gate
         if self.weight_format not in ("auto", "float"):
             raise ConfigError(f"weight_format must be auto or float, not {self.weight_format!r}")
+        if self.gguf_convert not in ("auto", "off"):
+            raise ConfigError(f"gguf_convert must be auto or off, not {self.gguf_convert!r}")
         if (self.engine_socket or self.api_processes > 1) and not self.engine_process:
             raise ConfigError("engine_socket and api_processes > 1 need engine_process (the shared engine is a "
                               "process of its own)")

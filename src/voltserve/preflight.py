@@ -92,7 +92,8 @@ def check_model(config: EngineConfig) -> None:
 def _check_tp_split(config: EngineConfig, model) -> None:
     """The model's slices for `config.tensor_parallel_size` ranks, from its header: whole attention and KV heads,
     MLP inner features that divide, and row-parallel block-quantized weights split on block boundaries (Q4_0 /
-    Q4_1 / Q8_0, kept packed; other types load as floats and split anywhere).
+    Q4_1 / Q8_0, kept packed, and with `gguf_convert` the K-quant and Q5 types converted into them; other types
+    load as floats and split anywhere).
 
     Raises:
         ConfigError: the first split that does not work (`voltserve.distributed.sharding`).
@@ -102,7 +103,7 @@ def _check_tp_split(config: EngineConfig, model) -> None:
 
     local_heads(model, config.tensor_parallel_size)
     split_range(model.intermediate_size, 0, config.tensor_parallel_size, "intermediate_size")
-    for name, (qtype, in_features) in peek_packed_weights(config.model).items():
+    for name, (qtype, in_features) in peek_packed_weights(config.model, config.gguf_convert == "auto").items():
         if name.removesuffix(".weight").endswith(ROW_PARALLEL):
             check_block_split(name, qtype, in_features, config.tensor_parallel_size)
 

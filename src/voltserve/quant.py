@@ -32,10 +32,37 @@ class QuantizedTensor:
 
 
 def concat_rows(parts: list[QuantizedTensor]) -> QuantizedTensor | None:
-    """Stack weights of one type along rows (fused QKV, gate/up); None when the types differ."""
-    qtypes = {p.qtype for p in parts}
+    """Stack weights along rows (fused QKV, gate/up): of one type as they are; of several (a Q4_K_M file's Q8_0
+    v_proj beside Q4_1 q / k_proj, `loaders.gguf_convert`) as Q8_0, its Q8_0 parts as they are and the others
+    requantized (`requantize_q8_0`), so the fused weight stays packed rather than falling back to fp16.
+    None when the in_features differ."""
     cols = {p.shape[1] for p in parts}
-    if len(qtypes) != 1 or len(cols) != 1:
+    if len(cols) != 1:
         return None
+    if len({p.qtype for p in parts}) != 1:
+        parts = [p if p.qtype == "Q8_0" else requantize_q8_0(p) for p in parts]
     rows = sum(p.shape[0] for p in parts)
     return QuantizedTensor(parts[0].qtype, (rows, cols.pop()), np.concatenate([p.data for p in parts], axis=0))
+
+
+def requantize_q8_0(quant: QuantizedTensor) -> QuantizedTensor:
+    """`quant`'s values as Q8_0 blocks: each 32-block's dequantized values with a new fp16 scale amax / 127 and
+    int8 quants (gguf-py's Q8_0, bit-exact with ggml's reference); a weight moves by at most ~0.57 of that step
+    (for a Q4 block about 1/17 of its own step). Raises ValueError for a type gguf-py cannot read."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize, quantize
+
+    if quant.qtype not in BLOCK_BYTES:
+        raise ValueError(f"cannot requantize {quant.qtype} (packed types: {', '.join(BLOCK_BYTES)})")
+    values = dequantize(np.ascontiguousarray(quant.data), GGMLQuantizationType[quant.qtype]).reshape(quant.shape)
+    data = quantize(values.astype(np.float32, copy=False), GGMLQuantizationType.Q8_0)
+    return QuantizedTensor("Q8_0", quant.shape, data.reshape(quant.shape[0], -1))
+
+
+def dequantize_rows(quant: QuantizedTensor) -> np.ndarray:
+    """[rows, cols] fp32 values of `quant`'s blocks (gguf-py's dequantization)."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    values = dequantize(np.ascontiguousarray(quant.data), GGMLQuantizationType[quant.qtype])
+    return values.reshape(quant.shape).astype(np.float32, copy=False)

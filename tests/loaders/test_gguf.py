@@ -28,9 +28,12 @@ def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_tiny_gguf(path, arch="llama", weights=None, types=None, tokenizer_model="gpt2", hidden=HIDDEN, ffn=FFN):
+def write_tiny_gguf(path, arch="llama", weights=None, types=None, tokenizer_model="gpt2", hidden=HIDDEN, ffn=FFN,
+                    raw=None):
     """A 2-layer llama GGUF. `weights`: HF name -> [out, in] fp32 (HF layout); `types`: HF name -> qtype;
-    `hidden`, `ffn`: other sizes than HIDDEN and FFN (4 heads, 2 KV heads of hidden / 4 each)."""
+    `hidden`, `ffn`: other sizes than HIDDEN and FFN (4 heads, 2 KV heads of hidden / 4 each); `raw`: HF name ->
+    (qtype, [out, row bytes] uint8 blocks) written as they are (rows in the file's order: Q / K permuted), for
+    types gguf-py cannot quantize (K-quants); their `weights` entries are not used."""
     rng = np.random.default_rng(0)
     w = weights if weights is not None else {}
     head_dim = hidden // HEADS
@@ -60,6 +63,10 @@ def write_tiny_gguf(path, arch="llama", weights=None, types=None, tokenizer_mode
         shapes.update({f"blk.{i}.{k}.weight": v for k, v in per_layer.items()})
     for gname, shape in shapes.items():
         name = hf_name(gname)
+        if name in (raw or {}):
+            qtype, blocks = raw[name]
+            writer.add_tensor(gname, blocks, raw_dtype=qtype)
+            continue
         arr = w.setdefault(name, rng.standard_normal(shape).astype(np.float32))
         if "attn_q" in gname or "attn_k" in gname:
             arr = llama_cpp_permute(arr, HEADS if "attn_q" in gname else KV_HEADS)

@@ -55,16 +55,29 @@ def test_a_split_through_quant_blocks_is_one_line_before_anything_starts(tmp_pat
         "not whole blocks (the input size / tensor_parallel_size must be a multiple of 32)"]
 
 
-@pytest.mark.parametrize("qtype", [QT.Q5_0, QT.F16, QT.F32])
-def test_types_that_load_as_floats_split_anywhere(tmp_path, qtype):
-    """Only Q4_0 / Q4_1 / Q8_0 stay packed; other types (Q5_0, K-quants, floats) are dequantized at the load and
-    their slices need no block boundary (a Q5_0 model of these shapes serves at TP 2): nothing to refuse."""
+@pytest.mark.parametrize("qtype,convert", [(QT.Q5_0, "off"), (QT.F16, "auto"), (QT.F32, "auto")])
+def test_types_that_load_as_floats_split_anywhere(tmp_path, qtype, convert):
+    """Only Q4_0 / Q4_1 / Q8_0 stay packed, and the types `--gguf-convert auto` converts into them; the others
+    (floats; Q5_0, K-quants with the conversion off) are dequantized at the load and their slices need no block
+    boundary (a Q5_0 model of these shapes serves at TP 2 with --gguf-convert off): nothing to refuse."""
     from voltserve import preflight
     from voltserve.config import EngineConfig
 
     model = _gguf(tmp_path / "m.gguf", qtype, 64, 96)
-    assert peek_packed_weights(str(model)) == {}
-    preflight.check_model(EngineConfig(model=str(model), device="cpu", tensor_parallel_size=2).validate())
+    assert peek_packed_weights(str(model), gguf_convert=convert == "auto") == {}
+    preflight.check_model(EngineConfig(model=str(model), device="cpu", tensor_parallel_size=2,
+                                       gguf_convert=convert).validate())
+
+
+def test_a_converted_type_splits_on_its_packed_blocks(tmp_path):
+    """Q5_0 loads as Q8_0 by default (loaders.gguf_convert): down_proj's 96 inputs / 2 = 48 are no whole block."""
+    from voltserve import preflight
+    from voltserve.config import ConfigError, EngineConfig
+
+    model = _gguf(tmp_path / "m.gguf", QT.Q5_0, 64, 96)
+    assert peek_packed_weights(str(model))["model.layers.0.mlp.down_proj.weight"] == ("Q8_0", 96)
+    with pytest.raises(ConfigError, match="down_proj.weight is Q8_0 with blocks of 32 input features"):
+        preflight.check_model(EngineConfig(model=str(model), device="cpu", tensor_parallel_size=2).validate())
 
 
 def test_whole_blocks_pass_and_the_header_gives_each_packed_weight(tmp_path):

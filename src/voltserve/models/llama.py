@@ -25,7 +25,7 @@ from voltserve.config import ModelConfig
 from voltserve.distributed.group import SingleRank, TPGroup
 from voltserve.distributed.sharding import column_shard, local_heads, row_shard, split_range
 from voltserve.errors import UnsupportedModelError
-from voltserve.quant import QuantizedTensor, concat_rows
+from voltserve.quant import QuantizedTensor, concat_rows, dequantize_rows
 
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral")
@@ -46,12 +46,16 @@ Part = tuple[torch.Tensor, QuantizedTensor | None]  # a linear's (fp32 weight, G
 
 
 def _fuse(parts: list[Part], backend: Backend, swiglu: bool = False, norm: torch.Tensor | None = None):
-    """Concatenate linears along out_features and hand them to the backend (quantized blocks too, if all are);
-    `swiglu`: the pair is [gate; up]; `norm`: the RMSNorm weight every norm_linear on it applies first
-    (Backend.prepare_linear)."""
-    weight = torch.cat([w for w, _ in parts], dim=0)
+    """Concatenate linears along out_features and hand them to the backend (quantized blocks too, if all are;
+    parts of several packed types as Q8_0, `concat_rows`, the fp32 weight then those blocks' values so every
+    backend computes with the same weights); `swiglu`: the pair is [gate; up]; `norm`: the RMSNorm weight every
+    norm_linear on it applies first (Backend.prepare_linear)."""
     quants = [q for _, q in parts]
     quant = concat_rows(quants) if all(q is not None for q in quants) else None
+    if quant is not None and any(q.qtype != quant.qtype for q in quants):
+        weight = torch.from_numpy(dequantize_rows(quant))
+    else:
+        weight = torch.cat([w for w, _ in parts], dim=0)
     return backend.prepare_linear(weight, quant, swiglu=swiglu, norm=norm)
 
 

@@ -17,7 +17,7 @@ import time
 import numpy as np
 import torch
 
-from loaders.gguf_convert import convert_blocks, packed_type
+from loaders.gguf_convert import CONVERTED_TYPES, convert_blocks, packed_type
 from loaders.gguf_header import read_gguf_header
 from loaders.gguf_names import LAYER_NAMES, PACKED_TYPES, hf_name
 from loaders.gguf_tokenizer import build_tokenizer
@@ -31,7 +31,7 @@ __all__ = ["DEQUANT_TYPES", "PACKED_TYPES", "hf_name", "load_gguf", "read_metada
 
 # Types we can turn into fp32 (gguf.quants.dequantize); PACKED_TYPES also stay packed for the backends.
 FLOAT_TYPES = ("F32", "F16", "BF16")
-DEQUANT_TYPES = (*PACKED_TYPES, *FLOAT_TYPES, "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+DEQUANT_TYPES = (*PACKED_TYPES, *FLOAT_TYPES, *CONVERTED_TYPES)
 
 
 def unpermute_rows(num_rows: int, num_heads: int) -> np.ndarray:

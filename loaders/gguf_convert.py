@@ -7,10 +7,12 @@
   same nibbles, d' = fp16(d * sc_i) and m' = fp16(-dmin * m_i). The only change is those two roundings to fp16:
   an element moves by at most 2^-11 * (15 |d sc_i| + |dmin m_i|) (half an fp16 ulp of each term). Q4_1 is 5 bits
   a weight against Q4_K's 4.5.
-- Q5_0, Q5_1, Q2_K, Q3_K, Q5_K, Q6_K -> Q8_0, requantized: the dequantized values of each 32-block take a new
-  fp16 scale amax / 127 and int8 quants (gguf-py's Q8_0, bit-exact with ggml's reference). An element moves by at
-  most ~0.57 of the new step (half a step, plus the scale's fp16 rounding over 127 steps): for Q6_K about 1/8 of
-  its own step, so the added noise is ~1.6% of the variance it already has. Q8_0 is 8.5 bits a weight.
+- Q5_0, Q5_1, Q2_K, Q3_K, Q5_K, Q6_K and the i-quants (IQ4_NL, IQ4_XS, IQ3_*, IQ2_*, IQ1_*) -> Q8_0,
+  requantized: the dequantized values of each 32-block take a new fp16 scale amax / 127 and int8 quants (gguf-py's
+  Q8_0, bit-exact with ggml's reference). An element moves by at most ~0.57 of the new step (half a step, plus the
+  scale's fp16 rounding over 127 steps): for Q6_K about 1/8 of its own step, so the added noise is ~1.6% of the
+  variance it already has. Q8_0 is 8.5 bits a weight: more than the 2-6.6 of these types (an IQ2 file takes ~4x
+  its size in memory), less than fp16's 16.
 
 The loader then keeps, as each tensor's fp32 reference, the converted blocks dequantized: every backend (the CPU
 reference and the GPU kernels) computes with the same weights. `--gguf-convert off` keeps the file's exact values
@@ -30,7 +32,8 @@ __all__ = ["CONVERTED_TYPES", "convert_blocks", "packed_type", "q4_k_to_q4_1"]
 
 # file type -> the packed type it runs as
 CONVERTED_TYPES = {"Q4_K": "Q4_1", "Q5_0": "Q8_0", "Q5_1": "Q8_0", "Q2_K": "Q8_0", "Q3_K": "Q8_0", "Q5_K": "Q8_0",
-                   "Q6_K": "Q8_0"}
+                   "Q6_K": "Q8_0", "IQ4_NL": "Q8_0", "IQ4_XS": "Q8_0", "IQ3_XXS": "Q8_0", "IQ3_S": "Q8_0",
+                   "IQ2_XXS": "Q8_0", "IQ2_XS": "Q8_0", "IQ2_S": "Q8_0", "IQ1_S": "Q8_0", "IQ1_M": "Q8_0"}
 Q4_K_BYTES = 144  # fp16 d, fp16 dmin, 12 bytes of 6-bit scales and mins, 128 bytes of nibbles: 256 weights
 
 

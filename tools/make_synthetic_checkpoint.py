@@ -130,7 +130,9 @@ def q4_k_m_type(name: str, layer: int, num_layers: int) -> str:
 
 # byte offsets of the fp16 scale (then min) in each block of the types without kernels (ggml-common.h)
 FILE_TYPE_SCALES = {"Q5_0": (0,), "Q5_1": (0, 2), "Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2),
-                    "Q5_K": (0, 2), "Q6_K": (208,)}
+                    "Q5_K": (0, 2), "Q6_K": (208,), "IQ4_NL": (0,), "IQ4_XS": (0,), "IQ3_XXS": (0,), "IQ3_S": (0,),
+                    "IQ2_XXS": (0,), "IQ2_XS": (0,), "IQ2_S": (0,), "IQ1_S": (0,),
+                    "IQ1_M": ()}  # IQ1_M's scale lies in the top bits of its sub-block scales: random
 
 
 def quant_blocks(qtype: str, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:

@@ -64,8 +64,9 @@ HELP = {
                    "least 1)",
     "weight_format": "CPU: auto (int4 kernels for Q4 weights, bf16 for other quantized ones, where available) "
                      "or float (the fp32 reference)",
-    "gguf_convert": "auto: GGUF Q4_K weights load as Q4_1 (near-lossless), Q5_0/Q5_1/Q2_K/Q3_K/Q5_K/Q6_K as Q8_0 "
-                    "(requantized), so they run on the quantized kernels; off: as their exact values in floats",
+    "gguf_convert": "auto: GGUF Q4_K weights load as Q4_1 (near-lossless), Q5_0/Q5_1/Q2_K/Q3_K/Q5_K/Q6_K and "
+                    "the i-quants (IQ4_XS, ...) as Q8_0 (requantized), so they run on the quantized kernels; off: "
+                    "as their exact values in floats",
     "tensor_parallel_size": "ranks (GPUs) one model is split over; > 1 runs each rank in its own process, steps eagerly",
     "gpu_memory_utilization": "fraction of GPU memory for weights, activations and the KV pool",
     "enforce_eager": "run every step eagerly instead of replaying CUDA graphs",

@@ -176,7 +176,8 @@ def rank_model(config: EngineConfig, loaded, backend, device: str, tp: TPGroup |
     """
     cfg = loaded.config
     max_positions = config.max_model_len or cfg.max_position_embeddings
-    model = LlamaModel(cfg, loaded.tensors, backend, loaded.quantized, max_positions=max_positions, tp=tp)
+    model = LlamaModel(cfg, loaded.tensors, backend, loaded.quantized, max_positions=max_positions, tp=tp,
+                       fuse_mixed=config.gguf_convert == "auto")
     block_bytes = kv_block_bytes(cfg, config.block_size, backend.dtype, model.tp.world_size)
     return model, block_bytes, config.num_kv_blocks or _default_num_blocks(config, device,
                                                                              block_bytes + extra_block_bytes)

@@ -48,7 +48,8 @@ def load_draft_model(config: EngineConfig, target_tokenizer, backend, max_model_
         logger.warning("draft model %s was trained for %d positions, the model's context is %d: its drafts past "
                        "that may pass less often", config.speculative_model, cfg.max_position_embeddings,
                        max_model_len)
-    return LlamaModel(cfg, loaded.tensors, backend, loaded.quantized, max_positions=max_model_len)
+    return LlamaModel(cfg, loaded.tensors, backend, loaded.quantized, max_positions=max_model_len,
+                      fuse_mixed=config.gguf_convert == "auto")
 
 
 def make_drafter(config: EngineConfig, model: LlamaModel, num_blocks: int, max_model_len: int,

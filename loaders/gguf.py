@@ -129,9 +129,11 @@ def load_gguf(path: str | pathlib.Path, convert: bool = True) -> LoadedModel:
             raw = np.asarray(t.data, dtype=np.uint8).reshape(arr.shape[0], -1)
             if packed == qtype:
                 quant = QuantizedTensor(qtype=qtype, shape=tuple(arr.shape), data=raw)
-            else:  # rows convert independently: before the Q / K row permutation
-                quant, arr = convert_blocks(qtype, raw, arr)
+            elif (done := convert_blocks(qtype, raw, arr)) is not None:  # rows convert independently: before
+                quant, arr = done                                          # the Q / K row permutation
                 converted[f"{qtype} -> {quant.qtype}"] += 1
+            else:
+                converted[f"{qtype} -> floats (out of fp16 range)"] += 1
         perm = next((p for key, p in perms.items() if key in name), None)
         if perm is not None:
             arr = arr[perm]

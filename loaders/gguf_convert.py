@@ -11,7 +11,9 @@
   requantized: the dequantized values of each 32-block take a new fp16 scale amax / 127 and int8 quants (gguf-py's
   Q8_0, bit-exact with ggml's reference). An element moves by at most ~0.57 of the new step (half a step, plus the
   scale's fp16 rounding over 127 steps): for Q6_K about 1/8 of its own step, so the added noise is ~1.6% of the
-  variance it already has. Q8_0 is 8.5 bits a weight: more than the 2-6.6 of these types (an IQ2 file takes ~4x
+  variance it already has. That bound needs a normal fp16 scale (amax >= 127 * 2^-14, ~7.8e-3): a block of
+  smaller weights has an fp16-subnormal scale that rounds by up to 2^-25, up to ~1 step at amax 1e-3 (gguf-py's
+  and ggml's Q8_0 alike). Q8_0 is 8.5 bits a weight: more than the 2-6.6 of these types (an IQ2 file takes ~4x
   its size in memory), less than fp16's 16.
 
 The loader then keeps, as each tensor's fp32 reference, the converted blocks dequantized: every backend (the CPU
@@ -83,7 +85,7 @@ def q4_k_to_q4_1(raw: np.ndarray) -> np.ndarray | None:
     return out.reshape(rows, n * 8 * BLOCK_BYTES["Q4_1"])
 
 
-def convert_blocks(qtype: str, raw: np.ndarray, values: np.ndarray) -> tuple[QuantizedTensor, np.ndarray]:
+def convert_blocks(qtype: str, raw: np.ndarray, values: np.ndarray) -> tuple[QuantizedTensor, np.ndarray] | None:
     """One 2-D tensor of a CONVERTED_TYPES type as packed blocks, and their dequantized values.
 
     Args:
@@ -93,7 +95,8 @@ def convert_blocks(qtype: str, raw: np.ndarray, values: np.ndarray) -> tuple[Qua
 
     Returns:
         (QuantizedTensor of CONVERTED_TYPES[qtype], or Q8_0 where a Q4_K scale overflows fp16; [rows, cols]
-        fp32 values of those blocks, the reference the backends then compute with).
+        fp32 values of those blocks, the reference the backends then compute with); None when the values are not
+        finite or a 32-block's amax / 127 does not fit fp16 either (keep the exact values as floats).
 
     Raises:
         ValueError: an unknown qtype, or cols not a multiple of 32.
@@ -110,7 +113,10 @@ def convert_blocks(qtype: str, raw: np.ndarray, values: np.ndarray) -> tuple[Qua
     data = q4_k_to_q4_1(raw) if target == "Q4_1" else None
     if data is None:
         target = "Q8_0"
-        data = quantize(np.ascontiguousarray(values, dtype=np.float32), GGMLQuantizationType.Q8_0)
+        values = np.ascontiguousarray(values, dtype=np.float32)
+        if not np.isfinite(values).all() or np.abs(values).max(initial=0.0) / 127 > np.finfo(np.float16).max:
+            return None
+        data = quantize(values, GGMLQuantizationType.Q8_0)
     data = np.ascontiguousarray(data, dtype=np.uint8).reshape(rows, cols // 32 * BLOCK_BYTES[target])
     ref = dequantize(data, GGMLQuantizationType[target]).astype(np.float32, copy=False).reshape(rows, cols)
     return QuantizedTensor(qtype=target, shape=(rows, cols), data=data), ref

@@ -92,7 +92,7 @@ def synthetic_model(shape: str = "tiny", device: str = "cpu", dtype: torch.dtype
     quantized: dict[str, QuantizedTensor] = {}
 
     def linear(name, rows, cols, layer=-1):
-        kind = q4_k_m_type(name, layer, cfg.num_layers) if qtype == "Q4_K_M" else qtype
+        kind = q4_k_m_type(name, layer, cfg.num_layers, cols) if qtype == "Q4_K_M" else qtype
         if kind is None:
             t[name] = rand(rows, cols)
             return
@@ -116,12 +116,13 @@ def synthetic_model(shape: str = "tiny", device: str = "cpu", dtype: torch.dtype
                        source=f"synthetic:{shape}" + (f"-{qtype}" if qtype else ""), quantized=quantized)
 
 
-def q4_k_m_type(name: str, layer: int, num_layers: int) -> str:
-    """The packed type weight `name` (of decoder layer `layer`; -1: the lm_head) runs as in a llama.cpp Q4_K_M
-    file after `loaders.gguf_convert`: its Q6_K tensors (the output weight; attn_v and ffn_down in the layers
-    llama.cpp's `use_more_bits` picks: the first and last eighth, and every third between) as Q8_0, its Q4_K
-    ones as Q4_1."""
-    if layer < 0:
+def q4_k_m_type(name: str, layer: int, num_layers: int, cols: int) -> str:
+    """The packed type weight `name` (of decoder layer `layer`; -1: the lm_head; `cols` input features) runs as in
+    a llama.cpp Q4_K_M file after `loaders.gguf_convert`: its Q6_K tensors (the output weight; attn_v and ffn_down
+    in the layers llama.cpp's `use_more_bits` picks: the first and last eighth, and every third between) as Q8_0,
+    its Q4_K ones as Q4_1; rows that are no whole 256-weight super-blocks llama.cpp stores as Q5_0 / Q8_0, so
+    those run as Q8_0."""
+    if layer < 0 or cols % 256:
         return "Q8_0"
     eighth = num_layers // 8
     more_bits = layer < eighth or layer >= 7 * num_layers // 8 or (layer - eighth) % 3 == 2

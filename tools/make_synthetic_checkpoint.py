@@ -139,8 +139,9 @@ FILE_TYPE_SCALES = {"Q5_0": (0,), "Q5_1": (0, 2), "Q2_K": (80, 82), "Q3_K": (108
 def quant_blocks(qtype: str, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
     """[rows, cols / 32 * block_bytes] uint8 GGUF blocks (voltserve.quant): random quants, and scales that keep
     a product with a unit-RMS x near unit RMS (Q4_1's m centres the nibbles on zero). A FILE_TYPE_SCALES type
-    (K-quants, Q5: what `loaders.gguf_convert` converts) gives [rows, cols / block * type_size] random bytes with
-    the fp16 fields at 0.5-1.5 / (32 sqrt(cols)) (6-bit sub-block scales times ~32), every other field random."""
+    (K-quants, Q5, i-quants: what `loaders.gguf_convert` converts) gives [rows, cols / block * type_size] random
+    bytes with the fp16 fields at 0.5-1.5 / (32 sqrt(cols)) (6-bit sub-block scales times ~32), every other field
+    random."""
     if qtype in FILE_TYPE_SCALES:
         from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 

@@ -168,9 +168,9 @@ class EngineConfig:
         weight_format: "auto" (CPU: int4 kernels for Q4 GGUF weights, bf16 on oneDNN for the other quantized
             types, `voltserve.backends.cpu_bf16`, where available), "float" (the fp32 reference).
         gguf_convert: "auto": GGUF weights of types without kernels of their own (Q4_K -> Q4_1 near-lossless;
-            Q5_0, Q5_1, Q2_K, Q3_K, Q5_K, Q6_K and the i-quants -> Q8_0 requantized) load as packed blocks of the type named, so
-            they run on the quantized kernels (`loaders.gguf_convert`); "off": they load as their exact values
-            in floats (fp16 on a GPU: 2-3x the bytes a decode step reads).
+            Q5_0, Q5_1, Q2_K, Q3_K, Q5_K, Q6_K and the i-quants -> Q8_0 requantized) load as packed blocks of the
+            type named, so they run on the quantized kernels (`loaders.gguf_convert`); "off": they load as their
+            exact values in floats (fp16 on a GPU: 2-3x the bytes a decode step reads).
         tensor_parallel_size: ranks (GPUs on CUDA) one model is split over, Megatron-style
             (`voltserve.distributed`, `actors.tp`); 1 = no tensor parallelism. N > 1: ranks 1..N-1 run in
             spawned processes (rank r on GPU r), every step eagerly (no CUDA graphs, no asynchronous scheduling);

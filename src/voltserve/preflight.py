@@ -92,7 +92,7 @@ def check_model(config: EngineConfig) -> None:
 def _check_tp_split(config: EngineConfig, model) -> None:
     """The model's slices for `config.tensor_parallel_size` ranks, from its header: whole attention and KV heads,
     MLP inner features that divide, and row-parallel block-quantized weights split on block boundaries (Q4_0 /
-    Q4_1 / Q8_0, kept packed, and with `gguf_convert` the K-quant and Q5 types converted into them; other types
+    Q4_1 / Q8_0, kept packed, and with `gguf_convert` the K-quant, Q5 and i-quant types converted into them; other types
     load as floats and split anywhere).
 
     Raises:

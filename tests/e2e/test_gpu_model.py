@@ -321,7 +321,7 @@ def test_swiglu_xq_serves_like_quantize_launches():
 @pytest.mark.parametrize("repack", ["on", "off"])
 def test_a_k_quant_gguf_serves_like_the_cpu_reference(tmp_path, repack):
     """A GGUF of Q4_K / Q5_K / Q6_K weights loads converted (loaders.gguf_convert: Q4_1 and Q8_0 blocks) and runs
-    on the GPU's quant kernels with fp16 x (repacked rows: gemv_mma and gemm_tc on them; GGUF rows: gemv_mma), its
+    on the GPU's quant kernels with fp16 x (repacked rows or GGUF rows: gemv_mma, and gemm_tc for the prefill), its
     logits of 1- and 8-token steps and a 40-token prefill within 3e-2 of max |logit| of the fp32 CPU reference on
     the same converted weights (H100, session 49: 0.0010-0.0154). gemv_s8 / gemv_s8w (x rounded to int8 per 32)
     are left out: on this random model (N(0, 1) norm weights, Q6_K sub-block scales over the whole int8 range)

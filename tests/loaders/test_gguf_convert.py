@@ -107,7 +107,8 @@ def test_off_fuses_natively_mixed_parts_as_their_exact_values(tmp_path):
     for mixed in (True, False):
         backend = CpuBackend(torch.float32, use_int4=False)
         model = LlamaModel(m.config, m.tensors, backend, m.quantized, max_positions=32, fuse_mixed=mixed)
-        assert torch.equal(model.layers[0].qkv, want) is not mixed
+        fused = concat_rows([m.quantized[p + f"{n}_proj.weight"] for n in "qkv"])  # Q8_0 of the mixed parts
+        assert torch.equal(model.layers[0].qkv, torch.from_numpy(dequantize_rows(fused)) if mixed else want)
 
 
 def test_convert_blocks_refuses_what_it_cannot_convert():
@@ -172,7 +173,7 @@ def test_the_header_names_the_types_the_loader_converts_to(tmp_path):
 def test_a_converted_model_answers_like_the_exact_file(tmp_path):
     """The fp32 reference backend on both loads. Q4_K -> Q4_1 is near-lossless; the Q8_0 requantization moves
     these random weights by ~0.45% RMS (random sub-block scales: a real file's move less), and the logits by
-    ~2% of their range over the layers (a wrong nibble or scale order moves them by their whole range)."""
+    ~1% of their range over the layers (bound 3%) (a wrong nibble or scale order moves them by their whole range)."""
     from tests.e2e.model_helpers import all_logits
     from voltserve.backends.cpu import CpuBackend
     from voltserve.models.llama import LlamaModel

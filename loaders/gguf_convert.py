@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from voltserve.quant import BLOCK_BYTES, QuantizedTensor
+from voltserve.quant import BLOCK_BYTES, QuantizedTensor, dequantize_rows, quantize_q8_0
 
 __all__ = ["CONVERTED_TYPES", "convert_blocks", "packed_type", "q4_k_to_q4_1"]
 
@@ -102,22 +102,16 @@ def convert_blocks(qtype: str, raw: np.ndarray, values: np.ndarray) -> tuple[Qua
     Raises:
         ValueError: an unknown qtype, or cols not a multiple of 32.
     """
-    from gguf import GGMLQuantizationType
-    from gguf.quants import dequantize, quantize
-
     if qtype not in CONVERTED_TYPES:
         raise ValueError(f"{qtype} has no conversion (convertible: {', '.join(CONVERTED_TYPES)})")
     rows, cols = values.shape
     if cols % 32:
         raise ValueError(f"a converted tensor needs whole 32-wide blocks, got {cols} columns")
-    target = CONVERTED_TYPES[qtype]
-    data = q4_k_to_q4_1(raw) if target == "Q4_1" else None
-    if data is None:
-        target = "Q8_0"
-        values = np.ascontiguousarray(values, dtype=np.float32)
-        if not np.isfinite(values).all() or np.abs(values).max(initial=0.0) / 127 > np.finfo(np.float16).max:
-            return None
-        data = quantize(values, GGMLQuantizationType.Q8_0)
-    data = np.ascontiguousarray(data, dtype=np.uint8).reshape(rows, cols // 32 * BLOCK_BYTES[target])
-    ref = dequantize(data, GGMLQuantizationType[target]).astype(np.float32, copy=False).reshape(rows, cols)
-    return QuantizedTensor(qtype=target, shape=(rows, cols), data=data), ref
+    data = q4_k_to_q4_1(raw) if CONVERTED_TYPES[qtype] == "Q4_1" else None
+    if data is not None:
+        quant = QuantizedTensor("Q4_1", (rows, cols), data)
+    elif not np.isfinite(values).all() or np.abs(values).max(initial=0.0) / 127 > np.finfo(np.float16).max:
+        return None
+    else:
+        quant = quantize_q8_0(values)
+    return quant, dequantize_rows(quant)

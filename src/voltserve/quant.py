@@ -46,17 +46,22 @@ def concat_rows(parts: list[QuantizedTensor]) -> QuantizedTensor | None:
 
 
 def requantize_q8_0(quant: QuantizedTensor) -> QuantizedTensor:
-    """`quant`'s values as Q8_0 blocks: each 32-block's dequantized values with a new fp16 scale amax / 127 and
-    int8 quants (gguf-py's Q8_0, bit-exact with ggml's reference); a weight moves by at most ~0.57 of that step
-    (for a Q4 block about 1/17 of its own step). Raises ValueError for a type gguf-py cannot read."""
-    from gguf import GGMLQuantizationType
-    from gguf.quants import dequantize, quantize
-
+    """`quant`'s values as Q8_0 blocks (`quantize_q8_0`; for a Q4 block a weight moves by at most about 1/17 of
+    its own step). Raises ValueError for a type other than BLOCK_BYTES'."""
     if quant.qtype not in BLOCK_BYTES:
         raise ValueError(f"cannot requantize {quant.qtype} (packed types: {', '.join(BLOCK_BYTES)})")
-    values = dequantize(np.ascontiguousarray(quant.data), GGMLQuantizationType[quant.qtype]).reshape(quant.shape)
-    data = quantize(values.astype(np.float32, copy=False), GGMLQuantizationType.Q8_0)
-    return QuantizedTensor("Q8_0", quant.shape, data.reshape(quant.shape[0], -1))
+    return quantize_q8_0(dequantize_rows(quant))
+
+
+def quantize_q8_0(values: np.ndarray) -> QuantizedTensor:
+    """[rows, cols] values (cols % 32 == 0) as Q8_0 blocks: each 32-block's values with a new fp16 scale amax / 127
+    and int8 quants (gguf-py's Q8_0, bit-exact with ggml's reference); a weight moves by at most ~0.57 of that
+    step where the block's amax >= 127 * 2^-14 (a normal fp16 scale)."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    data = quantize(np.ascontiguousarray(values, dtype=np.float32), GGMLQuantizationType.Q8_0)
+    return QuantizedTensor("Q8_0", tuple(values.shape), data.reshape(values.shape[0], -1))
 
 
 def dequantize_rows(quant: QuantizedTensor) -> np.ndarray:

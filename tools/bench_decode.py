@@ -152,9 +152,9 @@ FUSED_GROUPS = (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("
 
 def step_weight_bytes(loaded) -> int:
     """Bytes of the weights one decode step reads, the embedding left out: fp16 weights at 2 bytes a weight,
-    packed ones at their blocks' size, and those of a fused group (QKV, gate_up) whose packed types differ at
-    Q8_0's, the type the group runs as (`voltserve.quant.concat_rows`)."""
-    from voltserve.quant import BLOCK_BYTES
+    packed ones at the type their fused group (QKV, gate_up; else the weight alone) runs as
+    (`voltserve.quant.fused_qtype`: Q8_0 where the group's packed types differ)."""
+    from voltserve.quant import BLOCK_BYTES, fused_qtype
 
     quant = loaded.quantized
     total = 0
@@ -166,10 +166,9 @@ def step_weight_bytes(loaded) -> int:
             continue
         group = next(((g, part) for g in FUSED_GROUPS for part in g if f".{part}." in name), None)
         siblings = [name.replace(group[1], other) for other in group[0]] if group else [name]
-        types = {quant[n].qtype for n in siblings if n in quant}
         rows, cols = quant[name].shape
-        mixed = len(types) > 1 and all(n in quant for n in siblings)
-        total += rows * cols // 32 * BLOCK_BYTES["Q8_0"] if mixed else quant[name].data.nbytes
+        runs_as = fused_qtype({quant[n].qtype for n in siblings}) if all(n in quant for n in siblings) else None
+        total += rows * cols // 32 * BLOCK_BYTES[runs_as] if runs_as else quant[name].data.nbytes
     return total
 
 

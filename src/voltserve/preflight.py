@@ -104,13 +104,12 @@ def _check_tp_split(config: EngineConfig, model) -> None:
     local_heads(model, config.tensor_parallel_size)
     split_range(model.intermediate_size, 0, config.tensor_parallel_size, "intermediate_size")
     convert = config.gguf_convert == "auto"
-    native = peek_packed_weights(config.model, gguf_convert=False) if convert else None
     for name, (qtype, in_features) in peek_packed_weights(config.model, convert).items():
         if name.removesuffix(".weight").endswith(ROW_PARALLEL):
             try:
                 check_block_split(name, qtype, in_features, config.tensor_parallel_size)
-            except ConfigError as e:
-                if native is None or name in native:
+            except ConfigError as e:  # the header read again only here, to tell a converted tensor
+                if not convert or name in peek_packed_weights(config.model, gguf_convert=False):
                     raise
                 # a type `loaders.gguf_convert` converts: without the conversion it loads as floats, any split
                 raise ConfigError(f"{e} ({name} is converted to {qtype} at the load; --gguf-convert off loads it "

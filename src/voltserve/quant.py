@@ -39,10 +39,15 @@ def concat_rows(parts: list[QuantizedTensor]) -> QuantizedTensor | None:
     cols = {p.shape[1] for p in parts}
     if len(cols) != 1:
         return None
-    if len({p.qtype for p in parts}) != 1:
-        parts = [p if p.qtype == "Q8_0" else requantize_q8_0(p) for p in parts]
+    target = fused_qtype({p.qtype for p in parts})
+    parts = [p if p.qtype == target else requantize_q8_0(p) for p in parts]
     rows = sum(p.shape[0] for p in parts)
-    return QuantizedTensor(parts[0].qtype, (rows, cols.pop()), np.concatenate([p.data for p in parts], axis=0))
+    return QuantizedTensor(target, (rows, cols.pop()), np.concatenate([p.data for p in parts], axis=0))
+
+
+def fused_qtype(qtypes: set[str]) -> str:
+    """The packed type a fused weight of parts of these types runs as (`concat_rows`): their one type, else Q8_0."""
+    return next(iter(qtypes)) if len(qtypes) == 1 else "Q8_0"
 
 
 def requantize_q8_0(quant: QuantizedTensor) -> QuantizedTensor:
